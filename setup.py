@@ -1,0 +1,30 @@
+"""spmd_rlhf: PyTorch-native RLHF in the HybridFlow design, launched with plain torchrun."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="spmd_rlhf",
+    version="0.1.0",
+    description="PyTorch-native RLHF / RL fine-tuning of LLMs in the HybridFlow design (torchrun, no Ray)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages("src") + ["spmd_rlhf.recipes", "spmd_rlhf.kernels"],
+    package_dir={"": "src", "spmd_rlhf.recipes": "recipes", "spmd_rlhf.kernels": "kernels"},
+    package_data={"spmd_rlhf.recipes": ["configs/*.yaml"]},
+    install_requires=[
+        "torch>=2.11,<2.14",
+        "transformers>=4.51",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "numpy>=1.26",
+        "omegaconf>=2.3",
+        "pyarrow>=15",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "gpu": ["flash-attn>=2.6"],
+        "logging": ["tensorboard>=2.16", "wandb>=0.17"],
+    },
+    entry_points={"console_scripts": ["spmd-rlhf=spmd_rlhf.cli:main"]},
+)

@@ -1,0 +1,107 @@
+"""The ``spmd-rlhf`` command line.
+
+    spmd-rlhf make-tiny --family qwen2 --out tiny/model
+    spmd-rlhf make-task --task arithmetic --out tiny/task
+    spmd-rlhf config --show recipes/configs/ppo.yaml actor.lr=1e-6
+    spmd-rlhf forward --model tiny/model --prompt "2+3="
+
+Each subcommand imports its module only when chosen, so ``spmd-rlhf --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_make_tiny(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "make-tiny", help="write a random-init model in Hugging Face format plus a locally trained tokenizer"
+    )
+    parser.add_argument("--family", required=True, choices=["llama", "qwen2", "qwen3", "mistral"])
+    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size")
+    parser.add_argument("--layers", type=int, default=2, help="number of decoder layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 4 x hidden)")
+    parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary to train")
+    parser.add_argument("--head", default="lm", choices=["lm", "score"], help="lm: *ForCausalLM; score: *ForSequenceClassification")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_make_task(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("make-task", help="write a synthetic prompt dataset in verl's row schema")
+    parser.add_argument("--task", required=True, choices=["arithmetic"])
+    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("--train-size", type=int, default=2048)
+    parser.add_argument("--val-size", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_config(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("config", help="validate a config file and print the resolved config")
+    parser.add_argument("--show", required=True, metavar="FILE", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _add_forward(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("forward", help="load a model and tokenizer, run one forward pass, print greedy next tokens")
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--prompt", default="1+2=", help="prompt text")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spmd-rlhf", description=__doc__.split("\n")[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_make_tiny, _add_make_task, _add_config, _add_forward):
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "make-tiny":
+        from spmd_rlhf.models.tiny import make_tiny
+
+        make_tiny(
+            family=args.family,
+            out_dir=args.out,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate,
+            vocab_size=args.vocab_size,
+            head=args.head,
+            seed=args.seed,
+        )
+        print(f"wrote {args.family} model and tokenizer to {args.out}")
+        return 0
+    if args.command == "make-task":
+        from spmd_rlhf.data.tasks import make_task
+
+        paths = make_task(task=args.task, out_dir=args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed)
+        print("\n".join(f"wrote {path}" for path in paths))
+        return 0
+    if args.command == "config":
+        from spmd_rlhf.config import ConfigError, load_config, to_yaml
+
+        try:
+            config = load_config(args.show, args.overrides)
+        except ConfigError as error:
+            print(f"config error: {error}", file=sys.stderr)
+            return 2
+        print(to_yaml(config), end="")
+        return 0
+    if args.command == "forward":
+        from spmd_rlhf.models.demo import run_forward
+
+        run_forward(args.model, prompt=args.prompt, dtype=args.dtype)
+        return 0
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
