@@ -1,0 +1,210 @@
+"""The decoder-only transformer shared by every role and by the generation engine.
+
+Plain ``nn.Module``s with Hugging Face parameter names (``model.layers.3.self_attn.q_proj.weight``), so safetensors
+checkpoints load without renaming. No parallelism or rank logic here: tensor / pipeline / data parallelism are applied
+from outside by plans in ``parallelize.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmd_rlhf.models.args import DecoderArgs
+from spmd_rlhf.models.attention import AttentionBatch, attend
+from spmd_rlhf.models.rope import RotaryEmbedding, apply_rotary
+
+HEADS = ("lm", "value", "score")
+
+
+class RMSNorm(nn.Module):
+    """``y = weight * x / sqrt(mean(x^2) + eps)``, normalised in float32, scaled in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
+        batch_size, seq_len = x.shape[:2]
+        # -1 instead of the configured head counts so a tensor-parallel shard (fewer local heads) runs unchanged.
+        q = self.q_proj(x).view(batch_size, seq_len, -1, self.head_dim)
+        k = self.k_proj(x).view(batch_size, seq_len, -1, self.head_dim)
+        v = self.v_proj(x).view(batch_size, seq_len, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(q, k, v, batch, scale=self.scale)
+        return self.o_proj(out.reshape(batch_size, seq_len, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm: token ids to final hidden states."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # A ModuleDict keyed by layer index keeps HF names and lets pipeline stages drop layers without renumbering.
+        self.layers = nn.ModuleDict({str(index): DecoderLayer(args) for index in range(args.num_layers)})
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(head_dim=args.head_dim, theta=args.rope_theta, scaling=args.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(position_ids, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, rope, batch)
+        return self.norm(x)
+
+
+def default_position_ids(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> torch.Tensor:
+    """Positions counting real tokens only: 0.. per row, restarting per packed sequence, skipping left padding."""
+    batch_size, seq_len = input_ids.shape
+    if cu_seqlens is not None:
+        positions = torch.arange(seq_len, device=input_ids.device)
+        starts = cu_seqlens.to(input_ids.device)[torch.bucketize(positions, cu_seqlens[1:].to(input_ids.device), right=True)]
+        return (positions - starts)[None]
+    if attention_mask is not None:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
+
+
+class DecoderLM(nn.Module):
+    """Decoder with one head.
+
+    ``head="lm"``: logits ``[batch, seq, vocab]`` (``lm_head``, optionally tied to the embedding);
+    ``head="value"``: one value per token ``[batch, seq]`` (``score``: Linear(hidden, 1) with bias, the
+    ``*ForTokenClassification`` layout critics use);
+    ``head="score"``: one score per sequence ``[batch]`` (or ``[num_seqs]`` when packed) read at its last real token
+    (``score``: Linear(hidden, 1) without bias, the ``*ForSequenceClassification`` layout reward models use).
+    """
+
+    def __init__(self, args: DecoderArgs, *, head: str = "lm", attention_backend: str = "auto") -> None:
+        super().__init__()
+        if head not in HEADS:
+            raise ValueError(f"head={head!r} is unknown; choose one of {', '.join(HEADS)}")
+        self.args, self.head, self.attention_backend = args, head, attention_backend
+        self.model = Backbone(args)
+        if head == "lm":
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.tie_weights()
+        else:
+            self.score = nn.Linear(args.hidden_size, 1, bias=head == "value")
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config says so (call again after re-materialising)."""
+        if self.head == "lm" and self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (rotary frequencies) after building on the meta device."""
+        self.model.rotary.reset_parameters()
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states ``[batch, seq, hidden]``, before any head."""
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
+        batch = AttentionBatch.build(
+            batch_size=input_ids.shape[0],
+            seq_len=input_ids.shape[1],
+            attention_mask=attention_mask,
+            cu_seqlens=cu_seqlens,
+            backend=self.attention_backend,
+            device=input_ids.device,
+            dtype=self.model.embed_tokens.weight.dtype,
+        )
+        return self.model(input_ids, position_ids, batch)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits, values or scores for ``input_ids`` ``[batch, seq]`` (see the class docstring).
+
+        Padded rows: ``attention_mask`` ``[batch, seq]`` (1 = real token), left or right padding; position ids
+        default to counting real tokens. Packed: ``input_ids`` ``[1, total]`` with ``cu_seqlens`` ``[n + 1]``;
+        outputs equal the separate forwards of the n sequences.
+        """
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens)
+        if self.head == "lm":
+            return self.lm_head(hidden)
+        values = self.score(hidden).squeeze(-1)
+        if self.head == "value":
+            return values
+        return values.flatten()[last_token_index(input_ids, attention_mask, cu_seqlens)]
+
+
+def last_token_index(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> torch.Tensor:
+    """Flat index of each sequence's last real token (rightmost mask position, so left and right padding both work)."""
+    batch_size, seq_len = input_ids.shape
+    if cu_seqlens is not None:
+        return cu_seqlens[1:].to(input_ids.device).long() - 1
+    if attention_mask is None:
+        last = torch.full((batch_size,), seq_len - 1, device=input_ids.device)
+    else:
+        positions = torch.arange(seq_len, device=input_ids.device)
+        last = (positions * attention_mask.to(positions.dtype)).argmax(-1)
+    return torch.arange(batch_size, device=input_ids.device) * seq_len + last

@@ -1,0 +1,190 @@
+"""Hugging Face safetensors I/O: build on the meta device, materialise tensor by tensor; write HF directories.
+
+    model = load_model("tiny/model", head="lm", dtype=torch.bfloat16, device="cuda")
+    save_pretrained(model, "out/hf", tokenizer=tokenizer)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from spmd_rlhf.models.args import read_decoder_args
+from spmd_rlhf.models.decoder import DecoderLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_ARCHITECTURE_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+_ARCHITECTURE_SUFFIX = {"lm": "ForCausalLM", "value": "ForTokenClassification", "score": "ForSequenceClassification"}
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model built from its config (missing, unexpected, wrong shape)."""
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """Map each tensor name in a HF directory (single file or sharded with an index) to the file holding it."""
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as handle:
+            return {name: single for name in handle.keys()}
+    found = sorted(name for name in os.listdir(path) if name.endswith((".bin", ".pt", ".pth")))
+    hint = f" (found {', '.join(found)}: only safetensors are loaded; convert with transformers' save_pretrained)" if found else ""
+    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def _tensor_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, file in files.items():
+        by_file[file].append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as handle:
+            for name in names:
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def _plan_load(model: DecoderLM, shapes: dict[str, tuple[int, ...]]) -> tuple[list[str], list[str]]:
+    """Decide which parameters come from the checkpoint; raise one error listing every mismatch.
+
+    Returns ``(parameters loaded from the checkpoint, parameters left to initialise)``. Rules
+    beyond exact name matches: a tied LM head ignores a stored ``lm_head.weight`` copy; a value head (critic) built
+    from a causal-LM checkpoint ignores ``lm_head.weight`` and starts with a zero ``score`` layer, and built from a
+    reward model takes its ``score.weight`` and starts with a zero bias.
+    """
+    expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    ignorable = set()
+    to_initialise = []
+    if model.head == "lm" and model.args.tie_word_embeddings:
+        ignorable.add("lm_head.weight")
+    if model.head == "value":
+        ignorable.add("lm_head.weight")
+        to_initialise = [name for name in ("score.weight", "score.bias") if name not in shapes]
+    missing = sorted(set(expected) - set(shapes) - set(to_initialise))
+    unexpected = sorted(set(shapes) - set(expected) - ignorable)
+    wrong_shape = [
+        f"{name} (checkpoint {list(shapes[name])}, model {list(shape)})"
+        for name, shape in expected.items()
+        if name in shapes and shapes[name] != shape
+    ]
+    problems = [
+        f"{label}: {', '.join(items)}"
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape))
+        if items
+    ]
+    if problems:
+        raise CheckpointMismatchError(f"checkpoint does not match a {model.args.family} model with head={model.head!r}: " + "; ".join(problems))
+    return [name for name in expected if name in shapes], to_initialise
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor, *, parameter: bool) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if parameter:
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
+    else:
+        module._buffers[leaf] = tensor
+
+
+def load_model(
+    path: str,
+    *,
+    head: str = "lm",
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    attention_backend: str = "auto",
+) -> DecoderLM:
+    """Load a Hugging Face directory as a ``DecoderLM`` with the given head.
+
+    The model is built on the meta device and each tensor is read from safetensors, cast and placed on ``device`` one
+    at a time, so the weights are never held twice. Any mismatch between checkpoint and config is one error.
+    """
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    device = torch.device(device)
+    args = read_decoder_args(path)
+    with torch.device("meta"):
+        model = DecoderLM(args, head=head, attention_backend=attention_backend)
+    files = checkpoint_files(path)
+    to_load, to_initialise = _plan_load(model, _tensor_shapes(files))
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in to_load:
+        by_file[files[name]].append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in names:
+                _set_tensor(model, name, handle.get_tensor(name).to(device=device, dtype=dtype), parameter=True)
+    for name in to_initialise:
+        shape = model.get_parameter(name).shape
+        _set_tensor(model, name, torch.zeros(shape, device=device, dtype=dtype), parameter=True)
+    for name, buffer in model.named_buffers():
+        _set_tensor(model, name, torch.empty_like(buffer, device=device), parameter=False)
+    model.tie_weights()
+    model.reset_buffers()
+    return model
+
+
+def _hf_config_for(model: DecoderLM, dtype: torch.dtype):
+    config = copy.deepcopy(model.args.hf_config)
+    config.architectures = [_ARCHITECTURE_PREFIX[model.args.family] + _ARCHITECTURE_SUFFIX[model.head]]
+    if model.head != "lm":
+        config.num_labels = 1
+    config.dtype = dtype
+    return config
+
+
+def save_pretrained(
+    model: DecoderLM,
+    out_dir: str,
+    *,
+    tokenizer=None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> list[str]:
+    """Write ``model`` as a Hugging Face directory that ``transformers`` ``from_pretrained`` loads.
+
+    Tensors go into ``model.safetensors``, or into ``model-0000i-of-0000n.safetensors`` shards of at most
+    ``max_shard_bytes`` (a single larger tensor gets its own shard) with an index. Returns the files written.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    # named_parameters drops the tied lm_head alias, exactly as Hugging Face stores tied checkpoints.
+    tensors = {name: param.detach().to("cpu").contiguous() for name, param in model.named_parameters()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    written = []
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors" for index in range(len(shards))]
+        weight_map = {tensor_name: file for file, shard in zip(names, shards) for tensor_name in shard}
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
+        with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as handle:
+            json.dump(index, handle, indent=2, sort_keys=True)
+        written.append(os.path.join(out_dir, INDEX_FILE))
+    for file, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+        written.append(os.path.join(out_dir, file))
+    dtype = next(iter(tensors.values())).dtype
+    _hf_config_for(model, dtype).save_pretrained(out_dir)
+    written.append(os.path.join(out_dir, "config.json"))
+    if tokenizer is not None:
+        written.extend(tokenizer.save_pretrained(out_dir))
+    return written
