@@ -175,4 +175,8 @@ def read_decoder_args(path: str) -> DecoderArgs:
     from transformers import AutoConfig
 
     raw = _raw_config_dict(path)
-    return args_from_hf_config(AutoConfig.from_pretrained(path), raw)
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (KeyError, ValueError) as error:
+        raise ModelConfigError(f"{path}/config.json is not a valid Hugging Face config: {error}") from error
+    return args_from_hf_config(hf_config, raw)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_BYTES = 64 * 1024**2
+"""Float32 bytes of one chunk of logits; rows per chunk = this / (vocab * 4), so big vocabularies get short chunks."""
 
 
 class _ChunkedLogProb(torch.autograd.Function):
@@ -34,11 +35,10 @@ class _ChunkedLogProb(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk):
             end = start + ctx.chunk
-            probs = torch.exp(logits[start:end].float() - lse[start:end, None])
             g = grad_out[start:end, None].float()
-            chunk_grad = -probs * g
+            chunk_grad = (logits[start:end].float() - lse[start:end, None]).exp_().mul_(-g)
             chunk_grad.scatter_add_(-1, labels[start:end, None], g)
-            grad[start:end] = chunk_grad.to(grad.dtype)
+            grad[start:end] = chunk_grad
         return grad, None, None
 
 
@@ -52,8 +52,8 @@ class _ChunkedEntropy(torch.autograd.Function):
         for start in range(0, logits.shape[0], chunk):
             rows = logits[start : start + chunk].float()
             lse[start : start + chunk] = torch.logsumexp(rows, dim=-1)
-            probs = torch.exp(rows - lse[start : start + chunk, None])
-            out[start : start + chunk] = lse[start : start + chunk] - (probs * rows).sum(-1)
+            probs = (rows - lse[start : start + chunk, None]).exp_()
+            out[start : start + chunk] = lse[start : start + chunk] - torch.linalg.vecdot(probs, rows)
         ctx.save_for_backward(logits, lse)
         ctx.chunk = chunk
         return out
@@ -65,9 +65,10 @@ class _ChunkedEntropy(torch.autograd.Function):
         for start in range(0, logits.shape[0], ctx.chunk):
             end = start + ctx.chunk
             rows = logits[start:end].float()
-            probs = torch.exp(rows - lse[start:end, None])
-            mean_logit = (probs * rows).sum(-1, keepdim=True)
-            grad[start:end] = (grad_out[start:end, None].float() * probs * (mean_logit - rows)).to(grad.dtype)
+            probs = (rows - lse[start:end, None]).exp_()
+            mean_logit = torch.linalg.vecdot(probs, rows)[:, None]
+            # rows may alias the saved logits (float32 input), so it is never modified in place.
+            grad[start:end] = (mean_logit - rows).mul_(probs).mul_(grad_out[start:end, None].float())
         return grad, None
 
 
@@ -75,14 +76,18 @@ def _flatten(logits: torch.Tensor) -> torch.Tensor:
     return logits.reshape(-1, logits.shape[-1])
 
 
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+def _rows_per_chunk(logits: torch.Tensor, chunk_tokens: int | None) -> int:
+    return chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * logits.shape[-1]))
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
     """``log softmax(logits)[..., labels]`` in float32, shape ``labels.shape``; differentiable w.r.t. ``logits``."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {list(logits.shape)} and labels {list(labels.shape)} disagree on the leading dims")
-    out = _ChunkedLogProb.apply(_flatten(logits), labels.reshape(-1).long(), chunk_tokens)
+    out = _ChunkedLogProb.apply(_flatten(logits), labels.reshape(-1).long(), _rows_per_chunk(logits, chunk_tokens))
     return out.view(labels.shape)
 
 
-def entropy_from_logits(logits: torch.Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
     """Entropy ``-sum p log p`` of ``softmax(logits)`` in float32, shape ``logits.shape[:-1]``; differentiable."""
-    return _ChunkedEntropy.apply(_flatten(logits), chunk_tokens).view(logits.shape[:-1])
+    return _ChunkedEntropy.apply(_flatten(logits), _rows_per_chunk(logits, chunk_tokens)).view(logits.shape[:-1])

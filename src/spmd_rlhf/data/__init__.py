@@ -1,0 +1,1 @@
+"""Prompt data: synthetic tasks, tokenizers and chat templates, batches and datasets."""

@@ -1,0 +1,118 @@
+"""Synthetic prompt datasets in verl's row schema, small enough for a tiny random-init model to learn with RL on CPU.
+
+    spmd-rlhf make-task --task arithmetic --out tiny/task
+
+Each row is what verl's RL datasets hold, so the same loader serves these files and users' own:
+
+    {"data_source": "synthetic/arithmetic",
+     "prompt": [{"role": "user", "content": "3+4="}],
+     "ability": "arithmetic",
+     "reward_model": {"style": "rule", "ground_truth": "7"},
+     "extra_info": {"split": "train", "index": 0, "a": 3, "b": 4}}
+
+Task "arithmetic" is single-digit addition: 100 distinct prompts of four tokens each, answers 0-18 of one or two digit
+tokens followed by eos. A policy only has to map (a, b) to at most two tokens, and `score_arithmetic` gives partial
+credit for any integer, so even a random-init model sees non-zero rewards from the first step and reward rises quickly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TASKS = ("arithmetic",)
+
+CORRECT_REWARD = 1.0
+WRONG_INTEGER_REWARD = 0.1
+NO_INTEGER_REWARD = 0.0
+
+_INTEGER = re.compile(r"-?\d+")
+_ARITHMETIC_PAIRS = [(a, b) for a in range(10) for b in range(10)]
+
+
+def _check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; allowed tasks: {', '.join(TASKS)}")
+
+
+def _arithmetic_row(a: int, b: int, *, split: str, index: int) -> dict:
+    return {
+        "data_source": "synthetic/arithmetic",
+        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+    }
+
+
+def make_rows(*, task: str, train_size: int, val_size: int, seed: int) -> dict[str, list[dict]]:
+    """Rows of the train and val splits, drawn with a generator seeded by `seed` alone.
+
+    The arithmetic task has only 100 distinct prompts, fewer than a useful train split, so both splits are drawn
+    uniformly with replacement from all of them and val is not disjoint from train: it measures how well the policy
+    learned the task, not generalisation to unseen sums.
+    """
+    _check_task(task)
+    for name, size in (("train_size", train_size), ("val_size", val_size)):
+        if size < 1:
+            raise ValueError(f"{name}={size}: each split needs at least one row")
+    rng = random.Random(seed)
+    rows: dict[str, list[dict]] = {}
+    for split, size in (("train", train_size), ("val", val_size)):
+        pairs = [rng.choice(_ARITHMETIC_PAIRS) for _ in range(size)]
+        rows[split] = [_arithmetic_row(a, b, split=split, index=index) for index, (a, b) in enumerate(pairs)]
+    return rows
+
+
+def make_task(*, task: str, out_dir: str, train_size: int = 2048, val_size: int = 256, seed: int = 0) -> list[str]:
+    """Write `train.parquet`, `val.parquet`, `train.jsonl` and `val.jsonl` under `out_dir`; return their paths.
+
+    Parquet keeps the nested columns as Arrow lists and structs, so `prompt` reads back as a list of message dicts
+    (pyarrow `to_pylist`) exactly as verl's loader expects; the JSONL files hold the same rows for reading by eye.
+    """
+    rows = make_rows(task=task, train_size=train_size, val_size=val_size, seed=seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, split_rows in rows.items():
+        parquet_path = out / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(split_rows), parquet_path)
+        jsonl_path = out / f"{split}.jsonl"
+        jsonl_path.write_text("".join(json.dumps(row) + "\n" for row in split_rows))
+        paths += [str(parquet_path), str(jsonl_path)]
+    return paths
+
+
+def task_corpus(task: str) -> list[str]:
+    """Text for training a tokenizer that covers `task`: every prompt and answer as a chat turn.
+
+    Each turn is the text the ChatML template puts between `<|im_start|>` and `<|im_end|>` ("user\\n3+4=",
+    "assistant\\n7"), plus the newline the template puts between turns.
+    """
+    _check_task(task)
+    corpus = ["\n"]
+    for a, b in _ARITHMETIC_PAIRS:
+        corpus += [f"user\n{a}+{b}=", f"assistant\n{a + b}"]
+    return corpus
+
+
+def score_arithmetic(solution_str: str, ground_truth: str) -> float:
+    """Rule reward for the arithmetic task; `solution_str` is the decoded response, `ground_truth` the sum as text.
+
+    The answer is the first integer in the response (an optional minus sign and digits; text and whitespace around it
+    are ignored):
+
+    - 1.0 when that integer equals the ground truth ("7", " 7\\n", "7 is the answer" for "7");
+    - 0.1 when the response holds an integer but the first one is wrong ("8", "-7", "8 or 7"): shaping that rewards
+      answering with a number, so a random-init policy gets a signal long before it first hits the right sum;
+    - 0.0 when the response holds no integer at all.
+    """
+    match = _INTEGER.search(solution_str)
+    if match is None:
+        return NO_INTEGER_REWARD
+    return CORRECT_REWARD if int(match.group()) == int(ground_truth) else WRONG_INTEGER_REWARD

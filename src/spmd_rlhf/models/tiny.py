@@ -1,0 +1,118 @@
+"""Write a tiny random-init model and its tokenizer in Hugging Face format, for tests and CPU demos without a model hub.
+
+    spmd-rlhf make-tiny --family qwen2 --out tiny/model
+    spmd-rlhf make-tiny --family llama --head score --out tiny/reward
+
+The directory holds what a real checkpoint does (config.json, model.safetensors, tokenizer files, chat template and,
+for LM heads, generation_config.json), so every loader in the package can be tested against it and against
+`transformers` itself. The tokenizer is trained on the arithmetic task's text, so the model can learn that task with RL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from spmd_rlhf.data.tasks import task_corpus
+from spmd_rlhf.data.tokenizer import train_tokenizer
+
+HEADS = ("lm", "score")
+
+# Per family: the config class and what differs from the shared fields. Qwen2 ties embeddings like Qwen2.5-0.5B and
+# takes no head_dim (it always uses hidden / heads); its q/k/v biases are built in. Sliding windows are off everywhere
+# so attention is plain causal at every length.
+_FAMILIES: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "llama": (LlamaConfig, {"tie_word_embeddings": False}),
+    "qwen2": (Qwen2Config, {"tie_word_embeddings": True, "use_sliding_window": False}),
+    "qwen3": (Qwen3Config, {"tie_word_embeddings": False, "use_sliding_window": False}),
+    "mistral": (MistralConfig, {"tie_word_embeddings": False, "sliding_window": None}),
+}
+_FAMILIES_WITH_HEAD_DIM = ("llama", "qwen3", "mistral")
+
+# A little ordinary prose so the tokenizer learns some letter merges and is not arithmetic-only.
+_GENERIC_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A small model learns to add two numbers: the answer is their sum.",
+    "Please answer with a single number and nothing else.",
+    "Reinforcement learning improves the policy from the rewards of its own samples.",
+]
+
+MAX_POSITION_EMBEDDINGS = 512
+
+
+def make_tiny(
+    *,
+    family: str,
+    out_dir: str,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int = 512,
+    head: str = "lm",
+    seed: int = 0,
+) -> str:
+    """Train a tokenizer, build a random-init `family` model seeded by `seed`, save both to `out_dir`; return it.
+
+    `vocab_size` bounds the tokenizer's vocabulary; the model's is `len(tokenizer)`. `head="lm"` gives a
+    `*ForCausalLM`, `head="score"` a `*ForSequenceClassification` with one output (reward or value model).
+    `intermediate_size` defaults to 4 x `hidden_size`.
+    """
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}; allowed families: {', '.join(_FAMILIES)}")
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; allowed heads: {', '.join(HEADS)}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(
+            f"hidden_size={hidden_size}, num_heads={num_heads}, num_kv_heads={num_kv_heads}: "
+            "num_heads must divide hidden_size and num_kv_heads must divide num_heads"
+        )
+    tokenizer = train_tokenizer(task_corpus("arithmetic") + _GENERIC_TEXT, vocab_size=vocab_size)
+    config_class, family_fields = _FAMILIES[family]
+    fields = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size if intermediate_size is None else intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **family_fields,
+    )
+    if family in _FAMILIES_WITH_HEAD_DIM:
+        fields["head_dim"] = hidden_size // num_heads
+    config = config_class(**fields)
+
+    torch.manual_seed(seed)
+    if head == "lm":
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if head == "lm":
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ).save_pretrained(out)
+    return out_dir

@@ -1,0 +1,131 @@
+"""Tests for the tiny random-init model writer and its `spmd-rlhf make-tiny` / `make-task` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from spmd_rlhf.models.tiny import make_tiny
+
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "src"
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+TEXT = "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n7<|im_end|>\n and 1234 more  text\n"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_make_tiny_writes_a_loadable_causal_lm(family, tmp_path):
+    out_dir = str(tmp_path / family)
+    assert make_tiny(family=family, out_dir=out_dir, hidden_size=32, num_heads=4, num_kv_heads=2) == out_dir
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    config = model.config
+    assert type(model).__name__ == FAMILIES[family]
+    assert (Path(out_dir) / "model.safetensors").is_file()
+    assert config.vocab_size == len(tokenizer)
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    )
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert config.tie_word_embeddings == (family == "qwen2")
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (32, 4, 2)
+    assert config.intermediate_size == 128
+    assert getattr(config, "sliding_window", None) is None
+    generation = json.loads((Path(out_dir) / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["pad_token_id"]) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+    # Whichever tokenizer class AutoTokenizer picks for the family (Qwen2Tokenizer for qwen2), ids match tokenizer.json.
+    assert tokenizer.encode(TEXT) == Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json")).encode(TEXT).ids
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "3+4="}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    logits = model(**prompt).logits
+    assert logits.shape == (1, prompt["input_ids"].shape[1], len(tokenizer))
+    assert torch.isfinite(logits).all()
+
+
+def test_score_head_loads_as_sequence_classifier(tmp_path):
+    make_tiny(family="qwen3", out_dir=str(tmp_path), head="score")
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(model).__name__ == "Qwen3ForSequenceClassification"
+    assert model.config.num_labels == 1
+    batch = tokenizer(["3+4=7", "1+1=3 and more"], padding=True, return_tensors="pt")
+    assert model(**batch).logits.shape == (2, 1)
+
+
+def test_weights_are_seeded(tmp_path):
+    def weights(name: str, seed: int) -> dict[str, torch.Tensor]:
+        make_tiny(family="llama", out_dir=str(tmp_path / name), seed=seed)
+        return load_file(tmp_path / name / "model.safetensors")
+
+    first, again, other = weights("first", 0), weights("again", 0), weights("other", 1)
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not all(torch.equal(first[key], other[key]) for key in first)
+    assert (tmp_path / "first" / "tokenizer.json").read_text() == (tmp_path / "other" / "tokenizer.json").read_text()
+
+
+def test_bad_arguments_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="allowed families: llama, qwen2, qwen3, mistral"):
+        make_tiny(family="gpt2", out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="allowed heads: lm, score"):
+        make_tiny(family="llama", out_dir=str(tmp_path), head="value")
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        make_tiny(family="llama", out_dir=str(tmp_path), num_kv_heads=3)
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(SOURCE_DIR)}
+    return subprocess.run(
+        [sys.executable, "-m", "spmd_rlhf.cli", *args], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+
+
+def test_cli_make_tiny_and_make_task(tmp_path):
+    model_dir = tmp_path / "model"
+    _run_cli("make-tiny", "--family", "mistral", "--out", str(model_dir), "--hidden", "32", "--layers", "1")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert type(model).__name__ == "MistralForCausalLM"
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 1)
+
+    task_dir = tmp_path / "task"
+    sizes = ["--train-size", "10", "--val-size", "5"]
+    result = _run_cli("make-task", "--task", "arithmetic", "--out", str(task_dir), *sizes)
+    assert result.stdout.count("wrote ") == 4
+    assert len((task_dir / "val.jsonl").read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_make_tiny_loads_identically_in_transformers_and_spmd_rlhf(tmp_path, family):
+    from spmd_rlhf.models import load_model
+
+    make_tiny(family=family, out_dir=str(tmp_path), seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    ours = load_model(str(tmp_path))
+    prompts = [[{"role": "user", "content": "3+4="}], [{"role": "user", "content": "12+9="}]]
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = reference(**batch, position_ids=position_ids).logits
+        logits = ours(batch["input_ids"], attention_mask=batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    assert (logits[real] - expected[real]).abs().max() <= 1e-5
