@@ -119,13 +119,11 @@ def load_model(
         model = DecoderLM(args, head=head, attention_backend=attention_backend)
     files = checkpoint_files(path)
     to_load, to_initialise = _plan_load(model, _tensor_shapes(files))
-    by_file: dict[str, list[str]] = defaultdict(list)
     for name in to_load:
-        by_file[files[name]].append(name)
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in names:
-                _set_tensor(model, name, handle.get_tensor(name).to(device=device, dtype=dtype), parameter=True)
+        # One open per tensor: the file's pages touched through the memory map are released with it, so host memory
+        # holds the materialised model plus at most one tensor in flight, never a second copy of the checkpoint.
+        with safe_open(files[name], framework="pt", device="cpu") as handle:
+            _set_tensor(model, name, handle.get_tensor(name).to(device=device, dtype=dtype), parameter=True)
     for name in to_initialise:
         shape = model.get_parameter(name).shape
         _set_tensor(model, name, torch.zeros(shape, device=device, dtype=dtype), parameter=True)
