@@ -9,6 +9,7 @@ import textwrap
 _SCRIPT = textwrap.dedent(
     """
     import sys, torch
+    import transformers.models.auto.configuration_auto  # imported up front so import memory is not counted as loading
     from spmd_rlhf.models import load_model
 
     def peak_bytes():

@@ -106,3 +106,13 @@ def test_loaded_model_has_no_meta_tensors_and_requested_dtype(tmp_path):
     assert not any(t.is_meta for t in tensors)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.model.rotary.inv_freq.dtype == torch.float32
+
+
+def test_model_survives_overwriting_its_own_checkpoint(tmp_path):
+    write_hf_model("qwen3", str(tmp_path))
+    model = load_model(str(tmp_path))
+    batch = padded_batch(batch=2, seq=6, side="right")
+    before = _logits(model, *batch)
+    save_pretrained(model, str(tmp_path), max_shard_bytes=10**9)
+    torch.testing.assert_close(_logits(model, *batch), before, atol=0, rtol=0)
+    torch.testing.assert_close(_logits(load_model(str(tmp_path)), *batch), before, atol=0, rtol=0)

@@ -122,8 +122,12 @@ def load_model(
     for name in to_load:
         # One open per tensor: the file's pages touched through the memory map are released with it, so host memory
         # holds the materialised model plus at most one tensor in flight, never a second copy of the checkpoint.
+        # Copying into fresh memory (rather than keeping safetensors' file-backed view) lets the model outlive and
+        # even overwrite its checkpoint files.
         with safe_open(files[name], framework="pt", device="cpu") as handle:
-            _set_tensor(model, name, handle.get_tensor(name).to(device=device, dtype=dtype), parameter=True)
+            stored = handle.get_tensor(name)
+            _set_tensor(model, name, torch.empty(stored.shape, dtype=dtype, device=device).copy_(stored), parameter=True)
+            del stored
     for name in to_initialise:
         shape = model.get_parameter(name).shape
         _set_tensor(model, name, torch.zeros(shape, device=device, dtype=dtype), parameter=True)
