@@ -1,0 +1,424 @@
+"""The configuration schema: nested dataclasses, one docstring per field, validated in ``__post_init__``.
+
+Each section checks its own fields and names keys relative to itself (``tp=0: must be >= 1``); ``FrameworkConfig``
+checks combinations across sections with full dotted keys. ``spmd_rlhf.config`` fills these from YAML and overrides
+and adds the section prefix to a section's errors.
+"""
+
+import functools
+from dataclasses import dataclass, field
+
+ALGORITHMS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp", "safe_rlhf")
+ROLES = ("actor", "critic", "reference", "reward", "cost")
+# The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
+ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
+PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
+# The other algorithms take their baseline from rollouts (group mean, greedy response, batch mean).
+_CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")
+# Baselines from the other responses to the same prompt: a group of one has none.
+_GROUP_ALGORITHMS = ("grpo", "rloo")
+# Under placement=split, these roles share one pool and the rest share the other.
+_POLICY_POOL_ROLES = ("actor", "reference")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run, as one line: the dotted key, its value and what is allowed.
+
+    A section's own ``__post_init__`` names keys relative to the section (``tp=0: ...``); ``load_config`` adds the
+    section's prefix (``actor.tp=0: ...``).
+    """
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny/model"
+    """Policy model directory in Hugging Face format; the actor and reference load it, the critic starts from it."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; null: model.path."""
+    dtype: str = "float32"
+    """Dtype of forward passes in training and generation: float32, bfloat16 or float16."""
+    attention: str = "auto"
+    """Attention backend: auto (flash when installed, else sdpa), flash, sdpa or torch (plain matmul, runs anywhere)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass: less memory for more compute."""
+    compile: bool = False
+    """torch.compile each decoder block (GPU only; ignored on CPU)."""
+
+    def __post_init__(self) -> None:
+        _one_of(self, "dtype", ("float32", "bfloat16", "float16"))
+        _one_of(self, "attention", ATTENTION_BACKENDS)
+
+
+@dataclass
+class RoleConfig:
+    enabled: bool = True
+    """Run this role; must match the algorithm (GRPO has no critic, only safe_rlhf has a cost model)."""
+    model_path: str | None = None
+    """Model directory in Hugging Face format; null: model.path (a critic then starts with a fresh value head)."""
+    pool: str | None = None
+    """Resource pool name, with placement=manual only: roles naming the same pool are colocated on its ranks."""
+    n_ranks: int = 0
+    """Ranks (devices) the role spans; 0: all ranks of its pool, known at start from the world size."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    dp: int = 0
+    """Data-parallel (FSDP) degree; 0: derived as n_ranks / (pp * tp)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    micro_batch_size: int = 4
+    """Rows (responses) per forward or backward pass on each data-parallel rank."""
+    offload: bool = False
+    """Keep parameters and optimizer state in host memory while the role is idle, so colocated roles take turns."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "n_ranks", "dp")
+        _at_least(self, 1, "pp", "tp", "micro_batch_size")
+        _require(self, "pool", self.pool != "", "must be a name or null")
+
+    def dp_size(self) -> int | None:
+        """The data-parallel degree: ``dp``, else derived from ``n_ranks``; None while the pool size is unknown."""
+        if self.dp:
+            return self.dp
+        return self.n_ranks // (self.pp * self.tp) if self.n_ranks else None
+
+
+@dataclass
+class TrainableRoleConfig(RoleConfig):
+    lr: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW [beta1, beta2]."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Training steps of linear warm-up from 0 to lr."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant, or cosine decay to min_lr_ratio * lr at trainer.total_steps."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine schedule, as a fraction of lr."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this before each optimizer step; null: no clipping."""
+    mini_batch_size: int = 8
+    """Rows (responses) per optimizer step over all data-parallel ranks; must divide data.batch_size * rollout.n."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollout batch, each taking one optimizer step per mini-batch."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "lr", self.lr > 0, "must be > 0")
+        two_betas = len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas)
+        _require(self, "betas", two_betas, "must be two numbers in [0, 1)")
+        _at_least(self, 0, "weight_decay", "warmup_steps")
+        _one_of(self, "lr_schedule", ("constant", "cosine"))
+        _require(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        _require(self, "grad_clip", self.grad_clip is None or self.grad_clip > 0, "must be > 0 or null")
+        _at_least(self, 1, "mini_batch_size", "ppo_epochs")
+
+
+@dataclass
+class ScoringRoleConfig(RoleConfig):
+    kind: str = "rule"
+    """rule: a Python function scores each response; model: the scoring model at model_path does."""
+    rule: str = "auto"
+    """With kind=rule, the function's name in the spmd_rlhf.rewards registry; auto: chosen by each row's data_source."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _one_of(self, "kind", ("rule", "model"))
+        _require(self, "rule", self.rule != "", "must name a registered function or be auto")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 1
+    """Responses sampled per prompt; grpo and rloo need at least 2 for their group baselines."""
+    temperature: float = 1.0
+    """Sampling temperature; 0: greedy."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0: all tokens."""
+    top_p: float = 1.0
+    """Sample among the most likely tokens whose probabilities sum to top_p; 1.0: all tokens."""
+    max_new_tokens: int = 32
+    """Most tokens generated per response; generation also stops at EOS."""
+    tp: int = 1
+    """Tensor-parallel degree while generating (tp_g); must divide actor.tp: the other actor.tp / tp become replicas."""
+    kv_block_size: int = 16
+    """Tokens per paged KV-cache block."""
+    memory_fraction: float = 0.5
+    """Fraction of device memory generation may fill, resident weights included; the KV cache gets what is left."""
+    max_num_seqs: int = 256
+    """Most sequences decoded together by continuous batching."""
+    cuda_graphs: bool = True
+    """Capture decode steps in CUDA graphs (GPU only; ignored on CPU)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "n", "max_new_tokens", "tp", "kv_block_size", "max_num_seqs")
+        _at_least(self, 0, "temperature", "top_k")
+        _require(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        _require(self, "memory_fraction", 0 < self.memory_fraction <= 1, "must be in (0, 1]")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "ppo"
+    """ppo, grpo, remax, rloo, reinforce_pp (REINFORCE++) or safe_rlhf (PPO-Lagrangian with a cost model)."""
+    gamma: float = 1.0
+    """Discount factor of returns and GAE."""
+    lam: float = 0.95
+    """GAE lambda: 0 gives one-step TD advantages, 1 gives Monte Carlo returns minus values."""
+    kl_coef: float = 0.01
+    """Weight of the KL(actor || reference) term."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimate from r = pi_ref / pi (Schulman): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+    kl_penalty: str = "reward"
+    """Where the KL term goes: reward (subtracted from per-token rewards), loss (added to the policy loss) or none."""
+    clip_ratio_low: float = 0.2
+    """The policy ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]."""
+    clip_ratio_high: float = 0.2
+    """Upper side of the ratio clip; raise it (e.g. 0.28) for DAPO's clip-higher."""
+    value_clip: float | None = 0.2
+    """Critic loss: clip new values to old values +/- this; null: no clipping."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the policy loss."""
+    normalize_advantages: bool = True
+    """Whiten advantages over the batch; for grpo, divide each group by its std (false gives Dr. GRPO)."""
+    loss_aggregation: str = "token_mean"
+    """Per-token losses to one number: token_mean, seq_mean_token_mean or seq_mean_token_sum (per response first)."""
+    cost_limit: float = 0.0
+    """safe_rlhf: the expected cost the policy must stay under (threshold d of the Lagrangian)."""
+    lambda_init: float = 1.0
+    """safe_rlhf: initial Lagrange multiplier of the cost constraint."""
+    lambda_lr: float = 0.1
+    """safe_rlhf: learning rate of the Lagrange multiplier."""
+
+    def __post_init__(self) -> None:
+        _one_of(self, "name", ALGORITHMS)
+        for name in ("gamma", "lam"):
+            _require(self, name, 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
+        _at_least(self, 0, "kl_coef", "entropy_coef", "lambda_init")
+        _one_of(self, "kl_estimator", ("k1", "k2", "k3"))
+        _one_of(self, "kl_penalty", ("reward", "loss", "none"))
+        _require(self, "clip_ratio_low", 0 < self.clip_ratio_low < 1, "must be in (0, 1)")
+        _require(self, "clip_ratio_high", self.clip_ratio_high > 0, "must be > 0")
+        _require(self, "value_clip", self.value_clip is None or self.value_clip > 0, "must be > 0 or null")
+        _one_of(self, "loss_aggregation", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"))
+        _require(self, "lambda_lr", self.lambda_lr > 0, "must be > 0")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["tiny/task/train.parquet"])
+    """Training prompt files, parquet or JSONL, in verl's row schema."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation prompt files; empty: no validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: chat messages (a list of {role, content}) or plain text."""
+    max_prompt_length: int = 64
+    """Most prompt tokens, chat template included; longer prompts are handled as overlong_prompts says."""
+    overlong_prompts: str = "error"
+    """A prompt over max_prompt_length: error (stop, naming the row) or skip (drop it and count it in the metrics)."""
+    batch_size: int = 8
+    """Prompts per training step over all ranks; the step trains on batch_size * rollout.n responses."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch."""
+    seed: int = 0
+    """Seed of the shuffling order."""
+
+    def __post_init__(self) -> None:
+        _require(self, "train_files", bool(self.train_files), "must list at least one file")
+        _require(self, "prompt_key", self.prompt_key != "", "must name a column")
+        _at_least(self, 1, "max_prompt_length", "batch_size")
+        _one_of(self, "overlong_prompts", ("error", "skip"))
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    """Training steps to run, each one rollout batch and its updates."""
+    output_dir: str = "outputs/run"
+    """Directory for checkpoints, metrics and the resolved config."""
+    seed: int = 0
+    """Seed of initialization and sampling."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps; 0: only after the last step."""
+    log_every: int = 1
+    """Log metrics every this many steps."""
+    val_every: int = 0
+    """Validate every this many steps (needs data.val_files); 0: never."""
+    resume: str | None = "auto"
+    """auto: continue from output_dir's latest checkpoint if there is one; null: start fresh; else a checkpoint dir."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks, any of: console, jsonl, tensorboard, wandb."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cuda (NCCL) or cpu (gloo)."""
+    timeout_s: float = 600.0
+    """Seconds a collective or remote call may wait before the job fails, naming the rank it waited for."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "total_steps", "log_every")
+        _at_least(self, 0, "save_every", "val_every")
+        _require(self, "output_dir", self.output_dir != "", "must name a directory")
+        _require(self, "resume", self.resume != "", "must be auto, null or a checkpoint directory")
+        loggers = ("console", "jsonl", "tensorboard", "wandb")
+        _require(self, "loggers", set(self.loggers) <= set(loggers), "allowed: " + ", ".join(loggers))
+        _one_of(self, "device", ("auto", "cuda", "cpu"))
+        _require(self, "timeout_s", self.timeout_s > 0, "must be > 0")
+
+
+@dataclass
+class FrameworkConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model and how every model runs."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt datasets and batching."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL algorithm and its loss and advantage settings."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Response generation by the actor."""
+    placement: str = "colocate"
+    """Roles on devices: colocate (one pool), split (actor+reference | rest), standalone, manual (by pool), auto."""
+    actor: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)
+    """The policy being trained; it also generates the rollouts."""
+    critic: TrainableRoleConfig = field(default_factory=lambda: TrainableRoleConfig(lr=1e-4))
+    """Value model trained alongside the actor (ppo, safe_rlhf)."""
+    reference: RoleConfig = field(default_factory=RoleConfig)
+    """Frozen copy of the initial policy for the KL term."""
+    reward: ScoringRoleConfig = field(default_factory=ScoringRoleConfig)
+    """Scores each response: a rule function or a reward model."""
+    cost: ScoringRoleConfig = field(default_factory=lambda: ScoringRoleConfig(enabled=False, kind="model"))
+    """Safe-RLHF cost model: scores how harmful each response is (safe_rlhf only)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Step count, checkpoints, logging and the run's directory."""
+
+    def __post_init__(self) -> None:
+        _one_of(self, "placement", PLACEMENTS)
+        self._check_roles_match_algorithm()
+        for name, role in self.enabled_roles().items():
+            _check_layout(self, name, role)
+        self._check_pools()
+        _require(self, "rollout.tp", self.actor.tp % self.rollout.tp == 0, f"must divide actor.tp={self.actor.tp}")
+        if self.algorithm.name in _GROUP_ALGORITHMS:
+            rule = f"algorithm.name={self.algorithm.name} needs >= 2 responses per prompt for its group baseline"
+            _require(self, "rollout.n", self.rollout.n >= 2, rule)
+        self._check_training_batches()
+        for name in ("reward", "cost"):
+            role = getattr(self, name)
+            if role.enabled and role.kind == "model":
+                rule = f"{name}.kind=model needs the directory of a trained {name} model"
+                _require(self, f"{name}.model_path", role.model_path is not None, rule)
+        rule = "needs data.val_files; list validation files or set trainer.val_every=0"
+        _require(self, "trainer.val_every", self.trainer.val_every == 0 or bool(self.data.val_files), rule)
+
+    def enabled_roles(self) -> dict[str, RoleConfig]:
+        """The roles this run creates, by name, in ``ROLES`` order."""
+        return {name: getattr(self, name) for name in ROLES if getattr(self, name).enabled}
+
+    def resource_pools(self) -> dict[str, list[str]]:
+        """Pool name -> the enabled roles placed on it; empty for placement=auto, where the device mapper decides."""
+        roles = list(self.enabled_roles())
+        match self.placement:
+            case "colocate":
+                return {"all": roles}
+            case "split":
+                policy = [name for name in roles if name in _POLICY_POOL_ROLES]
+                return {"policy": policy, "scoring": [name for name in roles if name not in policy]}
+            case "standalone":
+                return {name: [name] for name in roles}
+            case "manual":
+                pools: dict[str, list[str]] = {}
+                for name in roles:
+                    pools.setdefault(getattr(self, name).pool, []).append(name)
+                return pools
+        return {}
+
+    def _check_roles_match_algorithm(self) -> None:
+        # An enabled role the algorithm never calls would hold devices for nothing; say so rather than idle.
+        name, kl_penalty = self.algorithm.name, self.algorithm.kl_penalty
+        needs = {
+            "actor": (True, "every algorithm"),
+            "critic": (name in _CRITIC_ALGORITHMS, f"algorithm.name={name}"),
+            "reference": (kl_penalty != "none", f"algorithm.kl_penalty={kl_penalty}"),
+            "reward": (True, "every algorithm"),
+            "cost": (name == "safe_rlhf", f"algorithm.name={name}"),
+        }
+        for role, (used, by) in needs.items():
+            verb = "needs" if used else "never calls"
+            rule = f"{by} {verb} the {role}; set {role}.enabled={format_value(used)}"
+            _require(self, f"{role}.enabled", getattr(self, role).enabled == used, rule)
+
+    def _check_pools(self) -> None:
+        for name, role in self.enabled_roles().items():
+            if self.placement == "manual":
+                _require(self, f"{name}.pool", role.pool is not None, "placement=manual needs a pool for every role")
+            else:
+                rule = f"only used with placement=manual (placement={self.placement}); set {name}.pool=null"
+                _require(self, f"{name}.pool", role.pool is None, rule)
+        for pool, members in self.resource_pools().items():
+            sized = [name for name in members if getattr(self, name).n_ranks]
+            for name in sized[1:]:
+                first_n_ranks = getattr(self, sized[0]).n_ranks
+                rule = (
+                    f"must equal {sized[0]}.n_ranks={first_n_ranks}; "
+                    f"roles sharing a pool (here {pool}, placement={self.placement}) span all of its ranks"
+                )
+                _require(self, f"{name}.n_ranks", getattr(self, name).n_ranks == first_n_ranks, rule)
+
+    def _check_training_batches(self) -> None:
+        rows = self.data.batch_size * self.rollout.n
+        for name in ("actor", "critic"):
+            role = getattr(self, name)
+            if not role.enabled:
+                continue
+            key = f"{name}.mini_batch_size"
+            _require(self, key, rows % role.mini_batch_size == 0, f"must divide data.batch_size*rollout.n={rows}")
+            # Every data-parallel rank runs whole micro-batches of each mini-batch.
+            dp = role.dp_size()
+            per_pass = role.micro_batch_size * (dp or 1)
+            unit = f"{name}.micro_batch_size*dp={per_pass}" if dp else f"{name}.micro_batch_size={per_pass}"
+            _require(self, key, role.mini_batch_size % per_pass == 0, f"must be a multiple of {unit}")
+            rule = f"must be <= trainer.total_steps={self.trainer.total_steps}"
+            _require(self, f"{name}.warmup_steps", role.warmup_steps <= self.trainer.total_steps, rule)
+
+
+def _check_layout(config: FrameworkConfig, name: str, role: RoleConfig) -> None:
+    n_ranks = role.n_ranks
+    if not n_ranks:
+        return  # the pool's size is only known at start
+    _require(config, f"{name}.tp", n_ranks % role.tp == 0, f"must divide {name}.n_ranks={n_ranks}")
+    model_parallel = role.pp * role.tp
+    rule = f"{name}.pp*{name}.tp={model_parallel} must divide {name}.n_ranks={n_ranks}"
+    _require(config, f"{name}.pp", n_ranks % model_parallel == 0, rule)
+    rule = (
+        f"{name}.pp*{name}.dp*{name}.tp must equal {name}.n_ranks={n_ranks}; "
+        f"set {name}.dp={n_ranks // model_parallel} or 0 to derive it"
+    )
+    _require(config, f"{name}.dp", role.dp in (0, n_ranks // model_parallel), rule)
+
+
+def _require(section: object, key: str, ok: bool, rule: str) -> None:
+    """Raise ``key=<its value in section>: rule`` unless ``ok``; ``key`` is dotted relative to ``section``."""
+    if not ok:
+        value = functools.reduce(getattr, key.split("."), section)
+        raise ConfigError(f"{key}={format_value(value)}: {rule}")
+
+
+def _at_least(section: object, minimum: int, *names: str) -> None:
+    for name in names:
+        _require(section, name, getattr(section, name) >= minimum, f"must be >= {minimum}")
+
+
+def _one_of(section: object, name: str, choices: tuple[str, ...]) -> None:
+    _require(section, name, getattr(section, name) in choices, "must be one of " + ", ".join(choices))
+
+
+def format_value(value: object) -> str:
+    """A value as it is written in YAML or an override (null, true, [0.9, 0.999]), so messages can be copied back."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(format_value(item) for item in value) + "]"
+    if value == "":
+        return '""'
+    return str(value)

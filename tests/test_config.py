@@ -1,0 +1,302 @@
+"""Config schema, loading, error messages and the ``spmd-rlhf config --show`` command."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import get_type_hints
+
+import pytest
+from omegaconf import OmegaConf
+
+from spmd_rlhf.config import (
+    ConfigError,
+    FrameworkConfig,
+    RolloutConfig,
+    _attribute_docs,
+    field_docs,
+    load_config,
+    to_yaml,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE_CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+GRPO = ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=4", "algorithm.kl_penalty=loss"]
+
+
+def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            keys += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(prefix + key)
+    return keys
+
+
+def _schema_classes(schema: type) -> set[type]:
+    classes = {schema}
+    for declared in get_type_hints(schema).values():
+        if dataclasses.is_dataclass(declared):
+            classes |= _schema_classes(declared)
+    return classes
+
+
+def test_defaults_construct_and_validate() -> None:
+    config = FrameworkConfig()
+    assert load_config(None) == config
+    assert config.model.path == "tiny/model"
+    assert config.data.train_files == ["tiny/task/train.parquet"]
+    assert config.cost.enabled is False
+    assert list(config.enabled_roles()) == ["actor", "critic", "reference", "reward"]
+    assert config.resource_pools() == {"all": ["actor", "critic", "reference", "reward"]}
+
+
+def test_yaml_then_overrides_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "actor:\n  lr: 1e-6\n  tp: 2\n"
+        "critic:\n  lr: ${actor.lr}\n"
+        "rollout:\n  n: 2\n  tp: 2\n"
+        "trainer:\n  total_steps: 7\n"
+    )
+    config = load_config(path, ["trainer.total_steps=9", "rollout.temperature=0.7", "trainer.total_steps=11"])
+    assert config.actor.lr == 1e-6  # PyYAML reads "1e-6" as a string; the float field converts it
+    assert isinstance(config.actor.lr, float)
+    assert config.critic.lr == 1e-6  # interpolation resolved
+    assert (config.actor.tp, config.rollout.tp, config.rollout.n) == (2, 2, 2)
+    assert config.trainer.total_steps == 11  # later overrides win
+    assert config.rollout.temperature == 0.7
+    assert config.critic.tp == 1  # untouched keys keep their defaults
+
+
+def test_to_yaml_round_trips(tmp_path: Path) -> None:
+    config = load_config(None, [*GRPO, "actor.betas=[0.8,0.95]", "trainer.resume=null", "placement=split"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(config))
+    assert load_config(path) == config
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda path: path.name)
+def test_example_configs_load(path: Path) -> None:
+    config = load_config(path)
+    assert config.algorithm.name == path.stem
+
+
+def test_example_configs_exist() -> None:
+    assert {path.stem for path in EXAMPLE_CONFIGS} >= {"ppo", "grpo"}
+
+
+def test_resource_pools_follow_placement() -> None:
+    split = load_config(None, ["placement=split"])
+    assert split.resource_pools() == {"policy": ["actor", "reference"], "scoring": ["critic", "reward"]}
+    manual = load_config(
+        None,
+        [
+            "placement=manual",
+            *(f"{role}.pool=gpu0" for role in ("actor", "reference")),
+            *(f"{role}.pool=gpu1" for role in ("critic", "reward")),
+        ],
+    )
+    assert manual.resource_pools() == {"gpu0": ["actor", "reference"], "gpu1": ["critic", "reward"]}
+    assert load_config(None, ["placement=auto"]).resource_pools() == {}
+
+
+def test_data_parallel_size_is_derived() -> None:
+    config = load_config(
+        None, ["actor.n_ranks=8", "actor.tp=2", "actor.pp=2", "critic.n_ranks=8", "critic.micro_batch_size=1"]
+    )
+    assert config.actor.dp_size() == 2
+    assert config.critic.dp_size() == 8
+    assert config.reference.dp_size() is None  # pool size known only at start
+
+
+# (overrides, the dotted key the message must start with, a fragment saying what is allowed)
+BAD_OVERRIDES = [
+    (["bogus=1"], "bogus", "unknown key; the top level allows: model, data"),
+    (["actor.tpp=2"], "actor.tpp", "did you mean actor.tp?"),
+    (["rollout.zzz=1"], "rollout.zzz", "rollout allows: n, temperature"),
+    (["trainer.total_steps=abc"], "trainer.total_steps", "=abc: expected an integer"),
+    (["trainer.total_steps=1.5"], "trainer.total_steps", "expected an integer"),
+    (["rollout.temperature=hot"], "rollout.temperature", "expected a number"),
+    (["critic.enabled=maybe"], "critic.enabled", "expected true or false"),
+    (["actor.betas=[0.9,abc]"], "actor.betas[1]", "expected a number"),
+    (["data.train_files=x.parquet"], "data.train_files", "expected a list of strings"),
+    (["trainer.resume=[a]"], "trainer.resume", "expected a string or null"),
+    (["actor=3"], "actor", "expected a section with keys enabled, model_path"),
+    (["actor.tp=${nope}"], "actor.tp", "nope"),
+    (["rollout.temperature=-1.0"], "rollout.temperature=-1.0", "must be >= 0"),
+    (["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1]"),
+    (["algorithm.name=dpo"], "algorithm.name=dpo", "must be one of ppo, grpo, remax, rloo, reinforce_pp, safe_rlhf"),
+    (["algorithm.clip_ratio_low=0"], "algorithm.clip_ratio_low", "must be in (0, 1)"),
+    (["actor.lr_schedule=linear"], "actor.lr_schedule", "must be one of constant, cosine"),
+    (["critic.lr=0"], "critic.lr", "must be > 0"),
+    (["actor.betas=[0.9]"], "actor.betas", "must be two numbers"),
+    (["reference.tp=0"], "reference.tp=0", "must be >= 1"),
+    (["trainer.loggers=[console,slack]"], "trainer.loggers", "allowed: console, jsonl, tensorboard, wandb"),
+    (["placement=everywhere"], "placement", "must be one of colocate, split"),
+]
+
+BAD_COMBINATIONS = [
+    (["actor.n_ranks=8", "actor.tp=3"], "actor.tp=3", "must divide actor.n_ranks=8"),
+    (["actor.n_ranks=8", "actor.tp=2", "actor.pp=3"], "actor.pp=3", "must divide actor.n_ranks=8"),
+    (["actor.n_ranks=8", "actor.dp=3"], "actor.dp=3", "set actor.dp=8 or 0"),
+    (["actor.n_ranks=8", "critic.n_ranks=4"], "critic.n_ranks=4", "must equal actor.n_ranks=8"),
+    (["placement=manual"], "actor.pool=null", "placement=manual needs a pool"),
+    (["actor.pool=gpu0"], "actor.pool=gpu0", "only used with placement=manual"),
+    (["rollout.tp=2"], "rollout.tp=2", "must divide actor.tp=1"),
+    (["algorithm.name=grpo"], "critic.enabled=true", "never calls the critic; set critic.enabled=false"),
+    (["algorithm.name=grpo", "critic.enabled=false"], "rollout.n=1", "needs >= 2 responses per prompt"),
+    (["algorithm.name=safe_rlhf"], "cost.enabled=false", "needs the cost; set cost.enabled=true"),
+    (["algorithm.name=safe_rlhf", "cost.enabled=true"], "cost.model_path=null", "cost.kind=model needs"),
+    (["reference.enabled=false"], "reference.enabled=false", "algorithm.kl_penalty=reward needs the reference"),
+    (["actor.enabled=false"], "actor.enabled=false", "every algorithm needs the actor"),
+    (["actor.mini_batch_size=3"], "actor.mini_batch_size=3", "must divide data.batch_size*rollout.n=8"),
+    (["critic.micro_batch_size=3"], "critic.mini_batch_size=8", "must be a multiple of critic.micro_batch_size=3"),
+    (["actor.n_ranks=4", "critic.n_ranks=4"], "actor.mini_batch_size=8", "multiple of actor.micro_batch_size*dp=16"),
+    (["actor.warmup_steps=100"], "actor.warmup_steps=100", "must be <= trainer.total_steps=20"),
+    (["trainer.val_every=5"], "trainer.val_every=5", "needs data.val_files"),
+    (["reward.kind=model"], "reward.model_path=null", "reward.kind=model needs"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "allowed"), BAD_OVERRIDES + BAD_COMBINATIONS)
+def test_bad_values_name_the_key(overrides: list[str], key: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides)
+    message = str(caught.value)
+    assert message.startswith(key), message
+    assert allowed in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("actor.lr", "expected key=value"),
+        ("=3", "expected key=value"),
+        ("actor..lr=1", "expected key=value"),
+        ("actor.betas=[0.9,", "value is not valid YAML"),
+    ],
+)
+def test_malformed_override(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment) as caught:
+        load_config(None, [override])
+    assert repr(override) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("actor:\n  tpp: 2\n", "actor.tpp: unknown key; did you mean actor.tp?"),
+        ("trainer:\n  total_steps: abc\n", "trainer.total_steps=abc: expected an integer"),
+        ("algorithm:\n  name: grpo\ncritic:\n  enabled: false\n", "rollout.n=1: algorithm.name=grpo needs"),
+        ("actor: {tp: [1,\n", "not valid YAML: "),
+        ("a: 1\na: 2\n", "not valid YAML: found duplicate key a (line 2, column 1)"),
+        ("- actor\n", "expected a mapping of config sections"),
+        ("actor:\n", "actor=null: expected a section"),
+    ],
+)
+def test_bad_files(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError, match="config file not found") as caught:
+        load_config(path)
+    assert str(path) in str(caught.value)
+    assert isinstance(caught.value, ValueError)  # callers outside the CLI may catch ValueError
+
+
+def test_sections_validate_on_their_own_with_relative_keys() -> None:
+    # Built directly, a section does not know its place in the tree; load_config adds the prefix.
+    with pytest.raises(ConfigError, match=r"^temperature=-1: must be >= 0$"):
+        RolloutConfig(temperature=-1)
+
+
+def test_field_docs_cover_every_leaf_with_docstring_and_default() -> None:
+    docs = field_docs()
+    leaves = _leaf_keys(OmegaConf.to_container(OmegaConf.structured(FrameworkConfig)))
+    assert list(docs) == leaves
+    assert all(docstring for _, docstring in docs.values()), [key for key, (_, doc) in docs.items() if not doc]
+    assert docs["trainer.total_steps"] == ("20", "Training steps to run, each one rollout batch and its updates.")
+    assert docs["critic.lr"][0] == "0.0001"  # per-role default from the section's factory
+    assert docs["cost.enabled"][0] == "false"
+    assert docs["model.tokenizer_path"][0] == "null"
+    assert docs["actor.tp"][1] == "Tensor-parallel degree."  # inherited fields find their base class's docstring
+
+
+def test_every_field_has_a_docstring() -> None:
+    # Sections too, not only leaves: a field added without a docstring fails here.
+    missing = [
+        f"{cls.__name__}.{item.name}"
+        for cls in _schema_classes(FrameworkConfig)
+        for item in dataclasses.fields(cls)
+        if not _attribute_docs(cls).get(item.name)
+    ]
+    assert not missing
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "spmd_rlhf.cli", "config", "--show", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda path: path.name)
+def test_cli_shows_example_configs(path: Path, tmp_path: Path) -> None:
+    result = _run_cli(str(path), "actor.lr=1e-6")
+    assert result.returncode == 0, result.stderr
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(result.stdout)
+    assert load_config(shown) == load_config(path, ["actor.lr=1e-6"])
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["recipes/configs/ppo.yaml", "actor.tpp=2"], "actor.tpp: unknown key"),
+        (["recipes/configs/ppo.yaml", "trainer.total_steps=abc"], "trainer.total_steps=abc: expected an integer"),
+        (["recipes/configs/ppo.yaml", "actor.n_ranks=8", "actor.tp=3"], "actor.tp=3: must divide actor.n_ranks=8"),
+        (["recipes/configs/ppo.yaml", "actor.lr"], "expected key=value"),
+        (["recipes/configs/absent.yaml"], "config file not found"),
+        (["recipes"], "cannot load"),
+    ],
+)
+def test_cli_reports_config_errors_in_one_line(args: list[str], fragment: str) -> None:
+    result = _run_cli(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("config error: ")
+    assert fragment in lines[0]
+    assert result.stdout == ""
+
+
+def test_cli_reports_malformed_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("actor:\n  tp: 1\n lr: 2\n")
+    result = _run_cli(str(path))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "not valid YAML" in result.stderr
+
+
+def test_attention_choices_are_the_model_backends():
+    from spmd_rlhf.config_schema import ATTENTION_BACKENDS
+    from spmd_rlhf.models.attention import BACKENDS
+
+    assert ATTENTION_BACKENDS == BACKENDS
