@@ -48,10 +48,13 @@ def test_packed_equals_separate_forwards(family_checkpoint):
     generator = torch.Generator().manual_seed(1)
     sequences = [torch.randint(3, 101, (length,), generator=generator) for length in (5, 9, 3)]
     cu_seqlens = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    restarting_positions = torch.cat([torch.arange(len(seq)) for seq in sequences])[None]
     with torch.no_grad():
         packed = model(torch.cat(sequences)[None], cu_seqlens=cu_seqlens)[0]
+        packed_by_positions = model(torch.cat(sequences)[None], position_ids=restarting_positions)[0]
         separate = torch.cat([model(seq[None])[0] for seq in sequences])
     torch.testing.assert_close(packed, separate, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_by_positions, packed, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -71,8 +74,10 @@ def test_score_head_packed_reads_each_sequence_last_token(tmp_path):
     first, second = torch.arange(3, 10), torch.arange(20, 24)
     with torch.no_grad():
         packed = model(torch.cat([first, second])[None], cu_seqlens=torch.tensor([0, 7, 11]))
+        by_positions = model(torch.cat([first, second])[None], position_ids=torch.cat([torch.arange(7), torch.arange(4)])[None])
         separate = torch.cat([model(first[None]), model(second[None])])
     torch.testing.assert_close(packed, separate, atol=1e-5, rtol=0)
+    torch.testing.assert_close(by_positions, packed, atol=0, rtol=0)
 
 
 def test_value_head_matches_token_classification(tmp_path):

@@ -107,6 +107,26 @@ class Backbone(nn.Module):
         return self.norm(x)
 
 
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Sequence offsets of a packed row ``[1, total]`` whose position ids restart at 0; None if there is one sequence."""
+    if position_ids.shape[0] != 1:
+        return None
+    starts = (position_ids[0] == 0).nonzero().squeeze(1)
+    if starts.numel() <= 1 or int(starts[0]) != 0:
+        return None
+    total = torch.tensor([position_ids.shape[1]], device=position_ids.device)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
+def _packed_offsets(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The given ``cu_seqlens``, else the offsets implied by restarting position ids of an unmasked row."""
+    if cu_seqlens is None and attention_mask is None and position_ids is not None:
+        return cu_seqlens_from_position_ids(position_ids)
+    return cu_seqlens
+
+
 def default_position_ids(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
@@ -160,6 +180,7 @@ class DecoderLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states ``[batch, seq, hidden]``, before any head."""
+        cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
         batch = AttentionBatch.build(
@@ -183,9 +204,11 @@ class DecoderLM(nn.Module):
         """Logits, values or scores for ``input_ids`` ``[batch, seq]`` (see the class docstring).
 
         Padded rows: ``attention_mask`` ``[batch, seq]`` (1 = real token), left or right padding; position ids
-        default to counting real tokens. Packed: ``input_ids`` ``[1, total]`` with ``cu_seqlens`` ``[n + 1]``;
-        outputs equal the separate forwards of the n sequences.
+        default to counting real tokens. Packed: ``input_ids`` ``[1, total]`` with ``cu_seqlens`` ``[n + 1]``, or
+        with ``position_ids`` that restart at 0 for each sequence; outputs equal the separate forwards of the n
+        sequences.
         """
+        cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens)
         if self.head == "lm":
             return self.lm_head(hidden)
