@@ -244,9 +244,9 @@ def test_every_field_has_a_docstring() -> None:
     assert not missing
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _run_cli(*args: str, action: str = "--show") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "spmd_rlhf.cli", "config", "--show", *args],
+        [sys.executable, "-m", "spmd_rlhf.cli", "config", action, *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -300,3 +300,12 @@ def test_attention_choices_are_the_model_backends():
     from spmd_rlhf.models.attention import BACKENDS
 
     assert ATTENTION_BACKENDS == BACKENDS
+
+
+def test_cli_lists_every_key_with_default_and_doc() -> None:
+    from spmd_rlhf.config import field_docs
+
+    result = _run_cli(action="--keys")
+    assert result.returncode == 0
+    for key, (default, doc) in field_docs().items():
+        assert f"{key} = {default}\n    {doc}" in result.stdout

@@ -3,6 +3,7 @@
     spmd-rlhf make-tiny --family qwen2 --out tiny/model
     spmd-rlhf make-task --task arithmetic --out tiny/task
     spmd-rlhf config --show recipes/configs/ppo.yaml actor.lr=1e-6
+    spmd-rlhf config --keys
     spmd-rlhf forward --model tiny/model --prompt "2+3="
 
 Each subcommand imports its module only when chosen, so ``spmd-rlhf --help`` stays fast.
@@ -40,8 +41,10 @@ def _add_make_task(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_config(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("config", help="validate a config file and print the resolved config")
-    parser.add_argument("--show", required=True, metavar="FILE", help="YAML config file")
+    parser = subparsers.add_parser("config", help="validate a config file and print the resolved config, or list every key")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--show", metavar="FILE", help="YAML config file to resolve (with key=value overrides) and print")
+    action.add_argument("--keys", action="store_true", help="list every config key with its default and docstring")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
 
 
@@ -86,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {path}" for path in paths))
         return 0
     if args.command == "config":
-        from spmd_rlhf.config import ConfigError, load_config, to_yaml
+        from spmd_rlhf.config import ConfigError, field_docs, load_config, to_yaml
 
+        if args.keys:
+            for key, (default, doc) in field_docs().items():
+                print(f"{key} = {default}\n    {doc}")
+            return 0
         try:
             config = load_config(args.show, args.overrides)
         except ConfigError as error:
