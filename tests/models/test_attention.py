@@ -1,0 +1,49 @@
+"""Attention backends agree with each other on every mask layout; unusable choices fail with the fix named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd_rlhf.models.attention import AttentionBatch, attend, resolve_backend
+
+
+def _batch(backend: str, *, batch_size: int, seq_len: int, attention_mask=None, cu_seqlens=None) -> AttentionBatch:
+    return AttentionBatch.build(batch_size=batch_size, seq_len=seq_len, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+                                backend=backend, device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["causal", "padded", "packed"])
+def test_torch_and_sdpa_backends_agree_with_gqa(layout):
+    generator = torch.Generator().manual_seed(0)
+    batch_size = 1 if layout == "packed" else 3
+    q = torch.randn(batch_size, 10, 6, 8, generator=generator)
+    k, v = (torch.randn(batch_size, 10, 2, 8, generator=generator) for _ in range(2))
+    masks = {"causal": {}, "padded": {"attention_mask": torch.tensor([[1] * 10, [0] * 4 + [1] * 6, [1] * 7 + [0] * 3])},
+             "packed": {"cu_seqlens": torch.tensor([0, 3, 10])}}
+    outputs = {
+        backend: attend(q, k, v, _batch(backend, batch_size=batch_size, seq_len=10, **masks[layout]), scale=8**-0.5)
+        for backend in ("torch", "sdpa")
+    }
+    assert torch.isfinite(outputs["torch"]).all()
+    torch.testing.assert_close(outputs["torch"], outputs["sdpa"], atol=1e-5, rtol=1e-5)
+    if layout == "packed":
+        # The second sequence must not see the first: recompute it alone.
+        alone = attend(q[:, 3:], k[:, 3:], v[:, 3:], _batch("torch", batch_size=1, seq_len=7), scale=8**-0.5)
+        torch.testing.assert_close(outputs["torch"][:, 3:], alone, atol=1e-6, rtol=0)
+
+
+def test_flash_without_cuda_or_package_names_the_fix():
+    with pytest.raises(ValueError, match="pip install 'spmd_rlhf\\[gpu\\]'"):
+        resolve_backend("flash", device=torch.device("cpu"), dtype=torch.bfloat16)
+
+
+def test_auto_falls_back_to_sdpa_on_cpu_and_unknown_backend_is_rejected():
+    assert resolve_backend("auto", device=torch.device("cpu"), dtype=torch.float32) == "sdpa"
+    with pytest.raises(ValueError, match="choose one of auto, torch, sdpa, flash"):
+        resolve_backend("xformers", device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_packed_offsets_must_cover_the_row():
+    with pytest.raises(ValueError, match="cu_seqlens ends at 8"):
+        _batch("sdpa", batch_size=1, seq_len=10, cu_seqlens=torch.tensor([0, 8]))
