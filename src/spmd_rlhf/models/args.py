@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 
 class ModelConfigError(ValueError):
@@ -57,8 +56,6 @@ class DecoderArgs:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    pad_token_id: int | None
-    dtype: torch.dtype | None
     hf_config: Any = field(default=None, compare=False, repr=False)
     """The ``transformers`` config object this was read from; written back unchanged by ``save_pretrained``."""
 
@@ -143,9 +140,6 @@ def args_from_hf_config(hf_config: Any, raw: dict[str, Any] | None = None) -> De
     # Transformers reads these two flags only for some families; read them exactly where it does.
     attention_bias = family in ("llama", "qwen3") and bool(getattr(hf_config, "attention_bias", False))
     mlp_bias = family == "llama" and bool(getattr(hf_config, "mlp_bias", False))
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     return DecoderArgs(
         family=family,
         vocab_size=hf_config.vocab_size,
@@ -164,8 +158,6 @@ def args_from_hf_config(hf_config: Any, raw: dict[str, Any] | None = None) -> De
         o_bias=False if family == "qwen2" else attention_bias,
         mlp_bias=mlp_bias,
         qk_norm=family == "qwen3",
-        pad_token_id=getattr(hf_config, "pad_token_id", None),
-        dtype=dtype,
         hf_config=hf_config,
     )
 
