@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-
 class ModelConfigError(ValueError):
     """A Hugging Face config asks for something the spmd_rlhf decoder cannot honour."""
 
