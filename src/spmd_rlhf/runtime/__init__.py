@@ -1,0 +1,33 @@
+"""Control and data planes: launch under torchrun, ordered executors, roles on DeviceMesh pools, dispatch, transfers."""
+
+from .coordinator import BatchRef, CallFuture, Coordinator, RoleHandle
+from .dispatch import Dispatch, all_to_all, data_parallel, dispatch_mode, one_to_all, rank_zero
+from .errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
+from .launch import RuntimeOptions, launch
+from .layout import ParallelDims, ResourcePool
+from .payload import PayloadError
+from .worker import RoleContext, Worker
+
+__all__ = [
+    "BatchRef",
+    "CallFuture",
+    "CallTimeout",
+    "Coordinator",
+    "Dispatch",
+    "ParallelDims",
+    "PayloadError",
+    "RankLostError",
+    "ResourcePool",
+    "RoleContext",
+    "RoleHandle",
+    "RuntimeFailure",
+    "RuntimeOptions",
+    "Worker",
+    "WorkerError",
+    "all_to_all",
+    "data_parallel",
+    "dispatch_mode",
+    "launch",
+    "one_to_all",
+    "rank_zero",
+]

@@ -1,0 +1,29 @@
+"""Errors the coordinator raises; each names what failed and where, so a user never has to guess which rank hung."""
+
+from __future__ import annotations
+
+
+class RuntimeFailure(RuntimeError):
+    """Base of every failure that ends the job."""
+
+
+class WorkerError(RuntimeFailure):
+    """A role method (or runtime command) raised on a worker rank; carries the remote traceback."""
+
+    def __init__(self, *, role: str, method: str, rank: int, error: str, traceback: str) -> None:
+        self.role, self.method, self.rank, self.error, self.remote_traceback = role, method, rank, error, traceback
+        super().__init__(
+            f"{role}.{method} failed on rank {rank}: {error}\n--- traceback on rank {rank} ---\n{traceback.rstrip()}"
+        )
+
+
+class RankLostError(RuntimeFailure):
+    """A rank stopped answering (process died, node lost, network cut)."""
+
+    def __init__(self, rank: int, where: str, reason: str) -> None:
+        self.rank = rank
+        super().__init__(f"rank {rank} ({where}) was lost: {reason}")
+
+
+class CallTimeout(RuntimeFailure, TimeoutError):
+    """A wait on the coordinator ran past its timeout."""

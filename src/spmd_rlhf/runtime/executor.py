@@ -1,0 +1,199 @@
+"""The per-rank executor: commands run one at a time, strictly in the order the coordinator issued them.
+
+RPC handler threads only ``submit``; they run concurrently and deliver out of order, so every command carries a
+per-rank sequence number and the single executor thread runs number ``n`` only after ``n - 1``. Without this two
+collectives could start in different orders on two ranks and deadlock.
+
+The executor also holds this rank's role instances (colocated roles share the process) and its batch store (the DP
+shards of results that stay where they were computed, keyed by batch id).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..data.batch import Batch
+from .layout import ParallelDims
+from .payload import dumps
+from .transfer import Exchange, Schema, run_exchanges
+from .worker import RoleContext
+
+
+@dataclass
+class Spawn:
+    """Build the role's mesh (every rank takes part) and, on the role's ranks, its instance."""
+
+    role: str
+    role_class: type
+    dims: ParallelDims
+    ranks: tuple[int, ...]
+    arguments: bytes
+    """Pickled ``(args, kwargs)`` for the constructor."""
+
+
+@dataclass(frozen=True)
+class InputSlot:
+    """Stands in a call's arguments for the batch assembled by ``Call.inputs[index]``."""
+
+    index: int
+
+
+@dataclass
+class Call:
+    role: str
+    method: str
+    arguments: bytes
+    """Pickled ``(args, kwargs)``, with ``InputSlot`` where a batch goes; shared by every rank of the call."""
+    inputs: list[Exchange] = field(default_factory=list)
+    output_id: int | None = None
+    """Data-parallel calls: the id a ``Batch`` result is stored under."""
+    keeps_output: bool = False
+    """Whether this rank keeps the result (TP rank 0 of the last PP stage of its replica)."""
+    per_rank_index: int | None = None
+    """All-to-all calls: which entry of each argument list is this rank's."""
+
+
+@dataclass
+class Exchanges:
+    """This rank's part of transfers it takes part in without calling a method (senders, and the fetching rank)."""
+
+    exchanges: list[Exchange]
+
+
+@dataclass
+class Put:
+    """Store a coordinator-made batch on rank 0 (local only: never crosses RPC)."""
+
+    batch_id: int
+    batch: Batch
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class Envelope:
+    seq: int
+    command: Spawn | Call | Exchanges | Put | Stop
+    free: list[int] = field(default_factory=list)
+    """Stored batches no longer referenced by the coordinator; dropped before the command runs."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Report of a data-parallel ``Batch`` result kept on its owner."""
+
+    rows: int
+    schema: Schema
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    role: str
+    method: str
+    rank: int
+    error: str
+    traceback: str
+
+
+class Executor:
+    def __init__(self, rank: int, device: torch.device, *, poll_seconds: float = 0.5) -> None:
+        self.rank = rank
+        self.device = device
+        self.roles: dict[str, Any] = {}
+        self.store: dict[int, Batch] = {}
+        self.stopped = threading.Event()
+        self._poll_seconds = poll_seconds
+        self._condition = threading.Condition()
+        self._queue: dict[int, tuple[Envelope | bytes, torch.futures.Future, bool]] = {}
+        self._next_seq = 0
+        self._thread = threading.Thread(target=self._loop, name=f"spmd-executor-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: int, envelope: Envelope | bytes, *, local: bool) -> torch.futures.Future:
+        """Queue command ``seq``; the future completes with its result (raw when ``local``, else pickled bytes)."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self._condition:
+            if seq < self._next_seq or seq in self._queue:
+                raise RuntimeError(f"rank {self.rank}: command number {seq} was delivered twice")
+            self._queue[seq] = (envelope, future, local)
+            self._condition.notify()
+        return future
+
+    def _loop(self) -> None:
+        while not self.stopped.is_set():
+            with self._condition:
+                if not self._condition.wait_for(lambda: self._next_seq in self._queue, timeout=self._poll_seconds):
+                    continue
+                envelope, future, local = self._queue.pop(self._next_seq)
+                self._next_seq += 1
+            if isinstance(envelope, bytes):
+                envelope = pickle.loads(envelope)
+            outcome = self._run(envelope)
+            if not local:
+                try:
+                    outcome = dumps(outcome, what="the result")
+                except Exception as error:
+                    outcome = dumps(_failure(envelope.command, self.rank, error), what="a failure report")
+            future.set_result(outcome)
+            if isinstance(envelope.command, Stop):
+                self.stopped.set()
+
+    def _run(self, envelope: Envelope) -> Any:
+        for batch_id in envelope.free:
+            self.store.pop(batch_id, None)
+        command = envelope.command
+        try:
+            if isinstance(command, Call):
+                return self._call(command)
+            if isinstance(command, Spawn):
+                return self._spawn(command)
+            if isinstance(command, Exchanges):
+                return run_exchanges(command.exchanges, rank=self.rank, store=self.store, device=self.device)
+            if isinstance(command, Put):
+                self.store[command.batch_id] = command.batch
+            return None
+        except BaseException as error:
+            return _failure(command, self.rank, error)
+
+    def _spawn(self, command: Spawn) -> None:
+        mesh = command.dims.build_mesh(command.ranks, self.device.type)
+        if self.rank not in command.ranks:
+            return None
+        args, kwargs = pickle.loads(command.arguments)
+        context = RoleContext(command.role, command.dims, command.ranks, self.rank, mesh, self.device)
+        self.roles[command.role] = command.role_class(context, *args, **kwargs)
+        return None
+
+    def _call(self, command: Call) -> Any:
+        args, kwargs = pickle.loads(command.arguments)
+        if command.inputs:
+            batches = run_exchanges(command.inputs, rank=self.rank, store=self.store, device=self.device)
+            args = [batches[a.index] if isinstance(a, InputSlot) else a for a in args]
+            kwargs = {k: batches[v.index] if isinstance(v, InputSlot) else v for k, v in kwargs.items()}
+        if command.per_rank_index is not None:
+            args = [value[command.per_rank_index] for value in args]
+            kwargs = {name: value[command.per_rank_index] for name, value in kwargs.items()}
+        result = getattr(self.roles[command.role], command.method)(*args, **kwargs)
+        if command.output_id is None:
+            return result
+        if not command.keeps_output:
+            return None
+        if isinstance(result, Batch):
+            self.store[command.output_id] = result
+            return Stored(len(result), Schema.of(result))
+        return result
+
+
+def _failure(command: Any, rank: int, error: BaseException) -> RemoteFailure:
+    role = getattr(command, "role", "runtime")
+    method = getattr(command, "method", type(command).__name__.lower())
+    return RemoteFailure(role, method, rank, f"{type(error).__name__}: {error}", traceback.format_exc())

@@ -1,0 +1,234 @@
+"""The one entry point every rank calls: ``launch(main)``.
+
+    torchrun --nproc-per-node 4 my_loop.py
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 my_loop.py
+
+Every rank joins the global process group (NCCL with CUDA, gloo otherwise) and RPC (TensorPipe, ``env://``: a
+``tcp://`` init hangs under torchrun's agent store) and starts its executor. Rank 0 runs ``main(coordinator)`` on its
+main thread while its executor serves as a worker; the other ranks serve until the coordinator stops them. Run
+without torchrun, it is a one-rank job.
+
+Failure handling: the coordinator pings every rank; a worker exception, a lost rank, or an exception in ``main``
+prints one error naming the rank, then every reachable rank exits with code 1 (``os._exit``: a rank stuck in a
+collective cannot be unwound politely). A worker that hears nothing from the coordinator for
+``failure_timeout_s`` exits on its own, so no process outlives the job.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from .coordinator import Coordinator
+from .errors import RankLostError, RuntimeFailure
+from .executor import Executor
+
+Result = TypeVar("Result")
+
+
+@dataclass
+class RuntimeOptions:
+    failure_timeout_s: float = 60.0
+    """A rank that leaves the coordinator's heartbeat unanswered this long (or a worker that hears nothing from the
+    coordinator this long) ends the job with code 1."""
+    call_timeout_s: float = 3600.0
+    """Default limit of any wait on the coordinator (``CallFuture.result()`` without a timeout)."""
+    collective_timeout_s: float = 1800.0
+    """Process-group timeout: a collective stuck this long raises on the ranks in it."""
+    shutdown_timeout_s: float = 60.0
+    """Limit for draining the executors and shutting RPC down at the end."""
+    rpc_threads: int = 16
+
+
+_state: dict[str, object] = {"executor": None, "last_heard": time.monotonic(), "rank": 0}
+
+
+@rpc.functions.async_execution
+def _rpc_submit(seq: int, payload: bytes) -> torch.futures.Future:
+    _state["last_heard"] = time.monotonic()
+    return _state["executor"].submit(seq, payload, local=False)
+
+
+def _rpc_ping() -> None:
+    _state["last_heard"] = time.monotonic()
+
+
+def _rpc_describe() -> str:
+    return f"{socket.gethostname()}, pid {os.getpid()}"
+
+
+def _rpc_abort(code: int, reason: str) -> None:
+    _say(f"stopping (exit code {code}): {reason}")
+    threading.Timer(0.2, _exit, args=(code,)).start()
+
+
+def _say(message: str) -> None:
+    print(f"[spmd_rlhf rank {_state['rank']}] {message}", file=sys.stderr, flush=True)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _environment() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's variables, or a one-rank job when they are absent."""
+    if "RANK" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    except (KeyError, ValueError) as error:
+        raise RuntimeError(f"RANK / WORLD_SIZE / LOCAL_RANK are not usable ({error}); start the job with torchrun") from error
+
+
+def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | None = None) -> Result | None:
+    """Run ``main`` as the coordinator on rank 0 and serve as a worker everywhere; returns ``main``'s value on rank 0
+    and ``None`` elsewhere after a clean shutdown. Any failure ends every process with exit code 1."""
+    options = options or RuntimeOptions()
+    rank, world_size, local_rank = _environment()
+    _state["rank"] = rank
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    executor = Executor(rank, device)
+    _state["executor"] = executor
+    _state["last_heard"] = time.monotonic()
+    dist.init_process_group(backend, timeout=timedelta(seconds=options.collective_timeout_s))
+    with warnings.catch_warnings():
+        # TensorPipe's own device-map exchange uses a deprecated c10d path; nothing for users to act on.
+        warnings.filterwarnings("ignore", message="You are using a Backend")
+        rpc.init_rpc(
+            f"rank{rank}",
+            rank=rank,
+            world_size=world_size,
+            rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                init_method="env://",
+                rpc_timeout=options.failure_timeout_s,
+                num_worker_threads=options.rpc_threads,
+                # TensorPipe's shared-memory transport busy-polls a core per process; control messages are small.
+                _transports=["uv"],
+            ),
+        )
+    if rank == 0:
+        return _run_coordinator(main, executor, world_size, options)
+    _serve(executor, options)
+    return None
+
+
+def _run_coordinator(
+    main: Callable[[Coordinator], Result], executor: Executor, world_size: int, options: RuntimeOptions
+) -> Result:
+    hosts = {0: _rpc_describe()}
+    for rank in range(1, world_size):
+        hosts[rank] = rpc.rpc_sync(f"rank{rank}", _rpc_describe, timeout=options.failure_timeout_s)
+    coordinator = Coordinator(
+        world_size=world_size,
+        executor=executor,
+        transport=lambda rank, seq, payload: rpc.rpc_async(f"rank{rank}", _rpc_submit, args=(seq, payload), timeout=0),
+        call_timeout_s=options.call_timeout_s,
+        hosts=hosts,
+    )
+    coordinator.on_failure = lambda failure: threading.Timer(
+        min(10.0, options.failure_timeout_s), _abort_job, args=(world_size, failure)
+    ).start()
+    stop_heartbeat = threading.Event()
+    threading.Thread(
+        target=_heartbeat, args=(coordinator, world_size, options, stop_heartbeat), name="spmd-heartbeat", daemon=True
+    ).start()
+    try:
+        result = main(coordinator)
+        coordinator.stop_workers(options.shutdown_timeout_s)
+    except SystemExit as exit_request:
+        if exit_request.code in (0, None):
+            coordinator.stop_workers(options.shutdown_timeout_s)
+            result = None
+        else:
+            _abort_job(world_size, RuntimeFailure(f"the coordinator exited with code {exit_request.code}"), code=1)
+    except BaseException as error:
+        if not isinstance(error, RuntimeFailure):
+            _say("the coordinator failed:\n" + traceback.format_exc().rstrip())
+        _abort_job(world_size, error)
+    stop_heartbeat.set()
+    _shutdown(options)
+    return result
+
+
+def _heartbeat(coordinator: Coordinator, world_size: int, options: RuntimeOptions, stop: threading.Event) -> None:
+    interval = options.failure_timeout_s / 6
+
+    def check(rank: int, future: torch.futures.Future) -> None:
+        try:
+            future.value()
+        except Exception as error:
+            if not stop.is_set():
+                reason = f"no heartbeat answer within {options.failure_timeout_s:g} s ({error})"
+                coordinator._fail(RankLostError(rank, coordinator.hosts.get(rank, "unknown host"), reason))
+
+    while not stop.wait(interval):
+        for rank in range(1, world_size):
+            try:
+                future = rpc.rpc_async(f"rank{rank}", _rpc_ping, timeout=options.failure_timeout_s)
+            except Exception as error:
+                future = torch.futures.Future()
+                future.set_exception(error)
+            future.add_done_callback(lambda done, rank=rank: check(rank, done))
+
+
+_abort_lock = threading.Lock()
+
+
+def _abort_job(world_size: int, failure: BaseException, code: int = 1) -> None:
+    """Print the failure once, tell every reachable rank to exit with ``code``, then exit."""
+    if not _abort_lock.acquire(blocking=False):
+        return
+    _say(f"job failed: {failure}")
+    reason = str(failure).splitlines()[0]
+    notices = []
+    for rank in range(1, world_size):
+        try:
+            notices.append(rpc.rpc_async(f"rank{rank}", _rpc_abort, args=(code, reason), timeout=5))
+        except Exception:
+            pass
+    deadline = time.monotonic() + 5
+    for notice in notices:
+        while not notice.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    _exit(code)
+
+
+def _serve(executor: Executor, options: RuntimeOptions) -> None:
+    while not executor.stopped.wait(1.0):
+        silent = time.monotonic() - _state["last_heard"]
+        if silent > options.failure_timeout_s:
+            _say(f"no word from the coordinator (rank 0) for {silent:.0f} s; it has probably died. Exiting")
+            _exit(1)
+    _shutdown(options)
+
+
+def _shutdown(options: RuntimeOptions) -> None:
+    try:
+        rpc.shutdown(graceful=True, timeout=options.shutdown_timeout_s)
+        dist.destroy_process_group()
+    except Exception as error:
+        _say(f"clean shutdown failed: {error}")
+        _exit(1)

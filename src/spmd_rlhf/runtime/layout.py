@@ -1,0 +1,106 @@
+"""Where roles run: ``ResourcePool`` (an ordered list of global ranks) and ``ParallelDims`` (pp x dp x tp on it).
+
+A role's ranks are laid out as a ``(pp, dp, tp)`` grid in pool order, tp fastest, so tensor-parallel peers are
+neighbouring ranks (the same node). Everything here is plain Python so the coordinator can reason about a role's
+layout without building its ``DeviceMesh``; only the role's own ranks build the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+MESH_DIM_NAMES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ResourcePool:
+    """An ordered set of global ranks. Roles spawned on the same pool share its processes (colocation)."""
+
+    ranks: tuple[int, ...]
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        ranks = tuple(int(rank) for rank in ranks)
+        if not ranks:
+            raise ValueError("a ResourcePool needs at least one rank")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ResourcePool ranks {list(ranks)} repeat a rank")
+        if min(ranks) < 0:
+            raise ValueError(f"ResourcePool ranks {list(ranks)} include a negative rank")
+        object.__setattr__(self, "ranks", ranks)
+
+    @classmethod
+    def range(cls, start: int, stop: int) -> ResourcePool:
+        return cls(range(start, stop))
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def overlaps(self, other: ResourcePool) -> bool:
+        return bool(set(self.ranks) & set(other.ranks))
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Parallel sizes of one role: pipeline stages x data-parallel replicas x tensor-parallel shards."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in MESH_DIM_NAMES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelDims.{name}={value!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def check_fits(self, pool: ResourcePool, *, role: str) -> None:
+        """Raise a ``ValueError`` naming the role and the fix when the sizes do not cover the pool exactly."""
+        if self.world_size != len(pool):
+            raise ValueError(
+                f"role {role!r}: pp={self.pp} x dp={self.dp} x tp={self.tp} = {self.world_size} ranks, but its pool "
+                f"has {len(pool)} ranks {list(pool.ranks)}; choose sizes whose product is {len(pool)}"
+            )
+
+    def coordinates(self, role_rank: int) -> Coordinates:
+        """(pp, dp, tp) position of the role's ``role_rank``-th rank (pool order, tp fastest)."""
+        return Coordinates(
+            pp=role_rank // (self.dp * self.tp), dp=(role_rank // self.tp) % self.dp, tp=role_rank % self.tp
+        )
+
+    def dp_groups(self, ranks: tuple[int, ...]) -> list[list[int]]:
+        """Global ranks of each DP replica (all its pp and tp ranks), indexed by DP rank; they all see the same rows."""
+        groups: list[list[int]] = [[] for _ in range(self.dp)]
+        for role_rank, rank in enumerate(ranks):
+            groups[self.coordinates(role_rank).dp].append(rank)
+        return groups
+
+    def result_owners(self, ranks: tuple[int, ...]) -> list[int]:
+        """Global rank that keeps each DP replica's result: tp rank 0 of the last pipeline stage."""
+        owners = [-1] * self.dp
+        for role_rank, rank in enumerate(ranks):
+            where = self.coordinates(role_rank)
+            if where.tp == 0 and where.pp == self.pp - 1:
+                owners[where.dp] = rank
+        return owners
+
+    def build_mesh(self, ranks: tuple[int, ...], device_type: str) -> torch.distributed.device_mesh.DeviceMesh:
+        """The role's named ``("pp", "dp", "tp")`` mesh. Every global rank must call this in the same order:
+        sub-group creation is collective over the world group."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        grid = torch.tensor(ranks, dtype=torch.int).reshape(self.pp, self.dp, self.tp)
+        return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIM_NAMES)

@@ -1,0 +1,63 @@
+"""What a role's code sees of the runtime: its ``RoleContext`` (mesh, coordinates, device) and the ``Worker`` base.
+
+A role class is constructed on each of its ranks as ``RoleClass(context, *args, **kwargs)``; subclassing ``Worker``
+is a convenience, not a requirement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from .layout import Coordinates, ParallelDims
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    name: str
+    """The role's name, e.g. ``"actor"``."""
+    dims: ParallelDims
+    ranks: tuple[int, ...]
+    """Global ranks of the role, in pool order."""
+    rank: int
+    """This process's global rank."""
+    mesh: DeviceMesh
+    """The role's ``("pp", "dp", "tp")`` mesh; sub-meshes by name, e.g. ``mesh["tp"]``."""
+    device: torch.device
+
+    @property
+    def role_rank(self) -> int:
+        return self.ranks.index(self.rank)
+
+    @property
+    def coordinates(self) -> Coordinates:
+        return self.dims.coordinates(self.role_rank)
+
+
+class Worker:
+    """Base class for role workers: keeps the context and names its parts."""
+
+    def __init__(self, context: RoleContext) -> None:
+        self.context = context
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.context.mesh
+
+    @property
+    def device(self) -> torch.device:
+        return self.context.device
+
+    @property
+    def dp_rank(self) -> int:
+        return self.context.coordinates.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.context.coordinates.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.context.coordinates.pp

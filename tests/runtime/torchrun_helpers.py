@@ -1,0 +1,38 @@
+"""Start test programs under real torchrun agents (one or several "nodes" on this machine) and collect their output."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun_command(program: str, *args: str, nproc: int, nnodes: int = 1, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
+        str(PROGRAMS / program), *args,
+    ]
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(program: str, *args: str, nproc: int = 4, timeout: float = 180) -> subprocess.CompletedProcess:
+    """One torchrun agent with ``nproc`` ranks; stdout and stderr together in ``.stdout``."""
+    command = torchrun_command(program, *args, nproc=nproc, port=free_port())
+    return subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=environment()
+    )
