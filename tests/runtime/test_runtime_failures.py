@@ -1,0 +1,72 @@
+"""Failures end the whole job with a clear message: a worker exception, a SIGKILLed rank; and a two-agent job works."""
+
+import json
+import os
+import re
+import subprocess
+import time
+
+from torchrun_helpers import environment, free_port, torchrun, torchrun_command
+
+
+def test_worker_exception_reaches_the_coordinator_with_its_traceback():
+    start = time.monotonic()
+    finished = torchrun("worker_raises.py", nproc=4, timeout=120)
+    output = finished.stdout
+    assert finished.returncode != 0, output[-4000:]
+    assert "NOT REACHED" not in output
+    assert "fragile.reduce_rows failed on rank 2: ValueError: bad row 17" in output
+    assert "--- traceback on rank 2 ---" in output
+    assert 'raise ValueError("bad row 17")' in output
+    # Ranks 0, 1 and 3 were stuck in an all-reduce waiting for rank 2; they were told to stop, not left to time out.
+    assert time.monotonic() - start < 60
+
+
+def _two_agents(program: str, *args: str, timeout: float) -> list[subprocess.CompletedProcess]:
+    port = free_port()
+    command = torchrun_command(program, *args, nproc=2, nnodes=2, port=port)
+    agents = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment())
+        for _ in range(2)
+    ]
+    results = []
+    for agent in agents:
+        output, _ = agent.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(command, agent.returncode, output))
+    return results
+
+
+def test_two_torchrun_agents_form_one_job(tmp_path):
+    out = tmp_path / "two_nodes.json"
+    agents = _two_agents("two_nodes.py", str(out), timeout=180)
+    for agent in agents:
+        assert agent.returncode == 0, agent.stdout[-4000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 4
+    # Consumer pool [1, 2, 3, 0]: each rank's group (agent) and local rank as torchrun assigned them.
+    assert sorted({entry["group_rank"] for entry in result["where"]}) == [0, 1]
+    checks = result["check"]
+    assert [entry["ids"] for entry in checks] == [[0, 1, 2], [3, 4, 5]]
+    # The TP all-reduce doubles the sum of squares of the replica's rows, proving both TP ranks saw the same rows.
+    assert [entry["tp_sum"] for entry in checks] == [2 * (0 + 1 + 4), 2 * (9 + 16 + 25)]
+    assert [entry["notes"] for entry in checks] == [["from 0"], ["from 1"]]
+
+
+def test_killed_rank_ends_the_job_and_leaves_no_process(tmp_path):
+    start = time.monotonic()
+    agents = _two_agents("rank_killed.py", str(tmp_path), timeout=120)
+    elapsed = time.monotonic() - start
+    output = "\n".join(agent.stdout for agent in agents)
+    assert all(agent.returncode != 0 for agent in agents), output[-4000:]
+    assert "NOT REACHED" not in output
+    assert re.search(r"rank [23] \(.*\) was lost", output), output[-4000:]
+    assert elapsed < 60  # failure_timeout_s=10 in the program; the call itself would sleep 120 s
+    pids = [int(path.read_text()) for path in tmp_path.glob("pid.*")]
+    assert len(pids) == 4
+    time.sleep(1.0)
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"process {pid} outlived the job")
