@@ -74,3 +74,10 @@ def test_chunk_rows_and_select():
     assert picked["answer"] == ["a5", "a0"] and picked["reward"].tolist() == [5.0, 0.0]
     with pytest.raises(ValueError, match="fields"):
         Batch.concat([batch, Batch({"other": torch.zeros(2)})])
+
+
+def test_slice_is_a_view_of_contiguous_rows():
+    batch = _batch(rows=6)
+    part = batch.slice(2, 5)
+    assert part["answer"] == ["a2", "a3", "a4"] and part["reward"].tolist() == [2.0, 3.0, 4.0]
+    assert part["reward"].data_ptr() == batch["reward"][2:].data_ptr()

@@ -77,11 +77,20 @@ class Batch:
             start += count
         return shards
 
+    def slice(self, start: int, stop: int, *, group_size: int = 1) -> Batch:
+        """Rows ``[start, stop)`` as views of this batch's tensors (no copy)."""
+        return Batch(
+            {name: value[start:stop] for name, value in self.tensors.items()},
+            {name: value[start:stop] for name, value in self.non_tensors.items()},
+            dict(self.meta),
+            group_size,
+        )
+
     def chunk_rows(self, rows_per_chunk: int) -> list[Batch]:
-        """Consecutive chunks of ``rows_per_chunk`` rows (mini- and micro-batches); the last may be shorter."""
+        """Consecutive chunks of ``rows_per_chunk`` rows (mini- and micro-batches, views); the last may be shorter."""
         if rows_per_chunk < 1:
             raise ValueError(f"rows_per_chunk={rows_per_chunk} must be >= 1")
-        return [self.select(range(start, min(start + rows_per_chunk, len(self)))) for start in range(0, len(self), rows_per_chunk)]
+        return [self.slice(start, min(start + rows_per_chunk, len(self))) for start in range(0, len(self), rows_per_chunk)]
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:

@@ -208,7 +208,7 @@ def run_exchanges(
         parts = []
         for piece in exchange.pieces:
             if piece.source == rank:
-                parts.append(source.select(range(piece.start, piece.stop)).to(device))
+                parts.append(source.slice(piece.start, piece.stop).to(device))
             else:
                 data, tensors = buffers[piece]
                 non_tensors = pickle.loads(data.cpu().numpy().tobytes()) if data is not None else {}
@@ -229,14 +229,18 @@ def _assemble(parts: list[Batch], schema: Schema, device: torch.device) -> Batch
     if not parts:
         tensors = {name: torch.empty((0, *shape), dtype=_dtype(dtype), device=device) for name, (dtype, shape) in schema.tensor_specs.items()}
         return Batch(tensors, {name: [] for name in schema.non_tensor_keys}, dict(schema.meta), schema.group_size)
-    joined = Batch.concat([Batch(part.tensors, part.non_tensors) for part in parts])
+    joined = parts[0] if len(parts) == 1 else Batch.concat([Batch(part.tensors, part.non_tensors) for part in parts])
     return Batch(joined.tensors, joined.non_tensors, dict(schema.meta), schema.group_size)
 
 
 def _wait_all(ops: list[dist.P2POp]) -> None:
     if not ops:
         return
-    for work in dist.batch_isend_irecv(ops):
+    if dist.get_backend() == "nccl":
+        works = dist.batch_isend_irecv(ops)  # NCCL needs them grouped; gloo's are independent and cheaper one by one
+    else:
+        works = [op.op(op.tensor, op.peer, tag=op.tag) for op in ops]
+    for work in works:
         work.wait()
     for op in ops:
         _traffic["sent" if op.op is dist.isend else "received"] += op.tensor.numel() * op.tensor.element_size()
