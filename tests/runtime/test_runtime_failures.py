@@ -3,9 +3,11 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 
+import pytest
 from torchrun_helpers import environment, free_port, torchrun, torchrun_command
 
 
@@ -52,21 +54,53 @@ def test_two_torchrun_agents_form_one_job(tmp_path):
     assert [entry["notes"] for entry in checks] == [["from 0"], ["from 1"]]
 
 
-def test_killed_rank_ends_the_job_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("victim", [3, 0])
+def test_killed_rank_ends_the_job_and_leaves_no_process(tmp_path, victim):
     start = time.monotonic()
-    agents = _two_agents("rank_killed.py", str(tmp_path), timeout=120)
+    agents = _two_agents("rank_killed.py", str(tmp_path), str(victim), timeout=120)
     elapsed = time.monotonic() - start
     output = "\n".join(agent.stdout for agent in agents)
     assert all(agent.returncode != 0 for agent in agents), output[-4000:]
     assert "NOT REACHED" not in output
-    assert re.search(r"rank [23] \(.*\) was lost", output), output[-4000:]
+    if victim != 0:  # a dead rank 0 takes its agent (and the rendezvous store) down, and the other agent with it
+        assert re.search(r"rank [23] \(.*\) was lost", output), output[-4000:]
     assert elapsed < 60  # failure_timeout_s=10 in the program; the call itself would sleep 120 s
     pids = [int(path.read_text()) for path in tmp_path.glob("pid.*")]
     assert len(pids) == 4
     time.sleep(1.0)
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        raise AssertionError(f"process {pid} outlived the job")
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+def test_workers_exit_on_their_own_when_the_coordinator_goes_silent(tmp_path):
+    # Rank 0 freezes itself (SIGSTOP): torchrun sees a live process, so only our watchdog can end ranks 1-3.
+    command = torchrun_command("rank_killed.py", str(tmp_path), "0", "SIGSTOP", nproc=4, port=free_port())
+    agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment())
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("pid.*"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = {int(path.name.split(".")[1]): int(path.read_text()) for path in tmp_path.glob("pid.*")}
+        assert len(pids) == 4
+        workers_alive = lambda: [rank for rank in (1, 2, 3) if _alive(pids[rank])]
+        while workers_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not workers_alive()
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        output, _ = agent.communicate(timeout=60)
+    assert agent.returncode != 0
+    assert output.count("no word from the coordinator (rank 0)") == 3, output[-4000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -113,3 +113,11 @@ def test_control_plane_guards(job):
     assert "has no method 'not_a_method'" in job["method_error"]
     assert "choose sizes whose product is 4" in job["spawn_errors"]["too_many"]
     assert "go beyond the 4 ranks" in job["spawn_errors"]["beyond_world"]
+
+
+def test_released_results_leave_the_workers(job):
+    released = job["released"]
+    # 10 rounds each stored a 4-shard result on flat2 and a 2-shard one on grid2 (ranks 0 and 2).
+    expected = [released["before"][rank] + 10 * (1 + (rank in (0, 2))) for rank in range(4)]
+    assert released["during"] == expected
+    assert released["after"] == released["before"]

@@ -75,6 +75,12 @@ def _rpc_abort(code: int, reason: str) -> None:
     threading.Timer(0.2, _exit, args=(code,)).start()
 
 
+def stored_batch_count() -> int:
+    """How many batches this rank's store holds (diagnostics: results not yet released by the coordinator)."""
+    executor = _state["executor"]
+    return len(executor.store) if executor is not None else 0
+
+
 def _say(message: str) -> None:
     print(f"[spmd_rlhf rank {_state['rank']}] {message}", file=sys.stderr, flush=True)
 

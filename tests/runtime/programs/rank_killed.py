@@ -1,6 +1,9 @@
-"""Rank 3 is SIGKILLed in the middle of a call; the job must end non-zero within the failure timeout, naming it.
+"""A rank is SIGKILLed in the middle of a call; the job must end non-zero within the failure timeout, naming it.
 
-    torchrun --nnodes 2 --nproc-per-node 2 ... tests/runtime/programs/rank_killed.py PID_DIR
+    torchrun --nnodes 2 --nproc-per-node 2 ... tests/runtime/programs/rank_killed.py PID_DIR VICTIM_RANK [SIGNAL]
+
+With the victim a worker, the coordinator names it and stops the rest. With the victim rank 0 (the coordinator)
+stopped by SIGSTOP (alive to torchrun, silent to everyone), the workers notice the silence and exit on their own.
 """
 
 import os
@@ -15,9 +18,9 @@ from spmd_rlhf.runtime import Coordinator, ResourcePool, RuntimeOptions, Worker,
 class Sleeper(Worker):
     @one_to_all
     def sleep(self, seconds: float) -> None:
-        if self.context.rank == 3:
+        if self.context.rank == int(sys.argv[2]):
             time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, sys.argv[3] if len(sys.argv) > 3 else "SIGKILL"))
         time.sleep(seconds)
 
 

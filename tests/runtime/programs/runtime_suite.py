@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 tests/runtime/programs/runtime_suite.py OUT.json
 """
 
+import gc
 import json
 import sys
 import threading
@@ -25,6 +26,7 @@ from spmd_rlhf.runtime import (
     one_to_all,
     rank_zero,
 )
+from spmd_rlhf.runtime.launch import stored_batch_count
 from spmd_rlhf.runtime.transfer import traffic
 
 _log: list[tuple[str, int]] = []
@@ -69,6 +71,10 @@ class Recorder(Worker):
     @all_to_all
     def last_seen(self) -> list:
         return self.last_ids
+
+    @all_to_all
+    def stored(self) -> int:
+        return stored_batch_count()
 
     @rank_zero
     def whoami(self) -> int:
@@ -247,8 +253,27 @@ def observe(coordinator: Coordinator) -> dict:
     return results
 
 
+def released(coordinator: Coordinator) -> dict:
+    """Results nobody references any more are dropped from the workers' stores."""
+    flat = coordinator.spawn(Recorder, name="flat2", pool=ResourcePool.range(0, 4))
+    grid = coordinator.spawn(Recorder, name="grid2", pool=ResourcePool.range(0, 4), dims=ParallelDims(dp=2, tp=2))
+    gc.collect()
+    coordinator.wait_all(timeout=60)
+    before = flat.stored().result(timeout=60)
+    kept = []
+    for _ in range(10):
+        made = flat.make([2, 2, 2, 2], 4)
+        kept += [made, grid.inspect(made).result(timeout=60)]
+    during = flat.stored().result(timeout=60)
+    del kept, made
+    gc.collect()
+    coordinator.wait_all(timeout=60)
+    return {"before": before, "during": during, "after": flat.stored().result(timeout=60)}
+
+
 def main(coordinator: Coordinator) -> None:
     results = observe(coordinator)
+    results["released"] = released(coordinator)
     results["bytes_sent"] = coordinator.bytes_sent
     with open(sys.argv[1], "w") as out:
         json.dump(results, out)
