@@ -1,8 +1,9 @@
 """Control and data planes: launch under torchrun, ordered executors, roles on DeviceMesh pools, dispatch, transfers."""
 
-from .coordinator import BatchRef, CallFuture, Coordinator, RoleHandle
+from .coordinator import Coordinator
 from .dispatch import Dispatch, all_to_all, data_parallel, dispatch_mode, one_to_all, rank_zero
 from .errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
+from .handles import BatchRef, CallFuture, RoleHandle
 from .launch import RuntimeOptions, launch
 from .layout import ParallelDims, ResourcePool
 from .payload import PayloadError

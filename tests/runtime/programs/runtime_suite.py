@@ -6,7 +6,6 @@
 import gc
 import json
 import sys
-import threading
 import time
 
 import torch
