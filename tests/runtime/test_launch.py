@@ -1,4 +1,5 @@
-"""Failures end the whole job with a clear message: a worker exception, a SIGKILLed rank; and a two-agent job works."""
+"""Whole jobs under torchrun: failures end the job with a clear message (worker exception, killed or frozen rank), a
+two-agent job works, and the README loop runs."""
 
 import json
 import os
@@ -104,3 +105,10 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_readme_loop_runs():
+    finished = torchrun("readme_loop.py", nproc=4)
+    assert finished.returncode == 0, finished.stdout[-4000:]
+    assert "[12.0, 44.0]" in finished.stdout
+    assert "tensor([ 0.,  2.,  4.,  6.,  8., 10., 12., 14.])" in finished.stdout
