@@ -113,6 +113,7 @@ def test_control_plane_guards(job):
     assert "has no method 'not_a_method'" in job["method_error"]
     assert "choose sizes whose product is 4" in job["spawn_errors"]["too_many"]
     assert "go beyond the 4 ranks" in job["spawn_errors"]["beyond_world"]
+    assert "define role classes at module level" in job["spawn_errors"]["local_class"]
 
 
 def test_released_results_leave_the_workers(job):

@@ -75,6 +75,13 @@ class Coordinator:
                 f"launch more processes or use ranks below {self.world_size}"
             )
         dims.check_fits(pool, role=name)
+        try:
+            pickle.dumps(role_class)
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise TypeError(
+                f"role {name!r}: {role_class.__qualname__} cannot be sent to the workers ({error}); define role "
+                f"classes at module level of the script or an importable module"
+            ) from error
         record = RoleRecord(name, role_class, dims, pool.ranks)
         self._roles[name] = record
         command = Spawn(name, role_class, dims, pool.ranks, dumps((args, kwargs), what=f"spawn of role {name!r}"))
@@ -249,10 +256,13 @@ class Coordinator:
         def done(future: torch.futures.Future) -> None:
             try:
                 value = future.value()
-                value = decode(value) if decode else value
             except Exception as error:
-                where = self.hosts.get(rank, "unknown host")
-                value = RankLostError(rank, where, f"no answer to {what}: {error}")
+                value = RankLostError(rank, self.hosts.get(rank, "unknown host"), f"no answer to {what}: {error}")
+            else:
+                try:
+                    value = decode(value) if decode else value
+                except Exception as error:
+                    value = RuntimeFailure(f"could not read the result of {what} from rank {rank}: {error}")
             if isinstance(value, RemoteFailure):
                 value = WorkerError(role=value.role, method=value.method, rank=value.rank, error=value.error,
                                     traceback=value.traceback)

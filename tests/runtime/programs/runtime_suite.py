@@ -138,10 +138,11 @@ def observe(coordinator: Coordinator) -> dict:
     for label, make in {
         "too_many": lambda: coordinator.spawn(Recorder, name="bad", pool=everyone, dims=ParallelDims(dp=3)),
         "beyond_world": lambda: coordinator.spawn(Recorder, name="bad", pool=ResourcePool([2, 3, 4, 5])),
+        "local_class": lambda: coordinator.spawn(type("Local", (Worker,), {}), name="bad", pool=everyone),
     }.items():
         try:
             make()
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             errors[label] = str(error)
     results["spawn_errors"] = errors
 
