@@ -158,6 +158,10 @@ class RolloutConfig:
         _require(self, "memory_fraction", 0 < self.memory_fraction <= 1, "must be in (0, 1]")
 
 
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+"""The modes of ``spmd_rlhf.algos.aggregate`` (a test keeps the two lists equal)."""
+
+
 @dataclass
 class AlgorithmConfig:
     name: str = "ppo"
@@ -183,7 +187,8 @@ class AlgorithmConfig:
     normalize_advantages: bool = True
     """Whiten advantages over the batch; for grpo, divide each group by its std (false gives Dr. GRPO)."""
     loss_aggregation: str = "token_mean"
-    """Per-token losses to one number: token_mean, seq_mean_token_mean or seq_mean_token_sum (per response first)."""
+    """Per-token losses to one number over the global batch: token_mean, seq_mean_token_mean, seq_mean_token_sum or
+    seq_mean_token_sum_norm (Dr. GRPO: divide by sequences x max response length)."""
     cost_limit: float = 0.0
     """safe_rlhf: the expected cost the policy must stay under (threshold d of the Lagrangian)."""
     lambda_init: float = 1.0
@@ -201,7 +206,7 @@ class AlgorithmConfig:
         _require(self, "clip_ratio_low", 0 < self.clip_ratio_low < 1, "must be in (0, 1)")
         _require(self, "clip_ratio_high", self.clip_ratio_high > 0, "must be > 0")
         _require(self, "value_clip", self.value_clip is None or self.value_clip > 0, "must be > 0 or null")
-        _one_of(self, "loss_aggregation", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"))
+        _one_of(self, "loss_aggregation", LOSS_AGGREGATIONS)
         _require(self, "lambda_lr", self.lambda_lr > 0, "must be > 0")
 
 

@@ -1,0 +1,74 @@
+"""Advantage estimators: pure functions on ``[batch, response_length]`` tensors with a response mask.
+
+Rewards are per token: a sequence-level score sits on the last response token (``scores_to_token_rewards``) and a
+per-token KL penalty, if any, is subtracted everywhere (``kl.apply_kl_penalty``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """r[i, t] = scores[i] at the last response token of row i, 0 elsewhere."""
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    last = (mask.long().cumsum(dim=1) * mask.long()).argmax(dim=1)
+    has_tokens = mask.any(dim=1)
+    rewards[has_tokens, last[has_tokens]] = scores[has_tokens]
+    return rewards
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016); returns (advantages, returns).
+
+    δ_t = r_t + γ·V_{t+1} − V_t,   A_t = δ_t + γλ·A_{t+1},   R_t = A_t + V_t,
+    where t+1 is the next *unmasked* token (masked positions are skipped; after the last one V = A = 0).
+    Advantages and returns are 0 on masked positions.
+    """
+    mask = mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        keep = mask[:, t]
+        advantages[:, t] = advantage * keep
+        next_value = keep * values[:, t] + (1 - keep) * next_value
+        next_advantage = keep * advantage + (1 - keep) * next_advantage
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean) / std over the masked entries (mean kept when ``shift_mean`` is False); 0 on masked positions."""
+    mask_f = mask.to(values.dtype)
+    count = mask_f.sum().clamp(min=1.0)
+    mean = (values * mask_f).sum() / count
+    variance = (((values - mean) * mask_f) ** 2).sum() / count
+    whitened = (values - mean) * torch.rsqrt(variance + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask_f
+
+
+def group_advantages(
+    scores: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): A_i = (s_i − mean_g(s)) / (std_g(s) + ε) within each group of ``group_size``
+    consecutive rows (the n samples of one prompt); without ``normalize_std``, A_i = s_i − mean_g(s) (Dr. GRPO).
+    std is the unbiased sample standard deviation; a group of one has advantage 0."""
+    if scores.shape[0] % group_size:
+        raise ValueError(f"{scores.shape[0]} scores do not divide into groups of {group_size}")
+    grouped = scores.reshape(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std and group_size > 1:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    return centered.reshape(-1)
+
+
+def broadcast_to_tokens(sequence_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x[i] on every response token of row i, 0 on masked positions."""
+    return sequence_values[:, None].to(torch.float32) * mask.to(torch.float32)

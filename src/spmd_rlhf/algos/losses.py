@@ -1,0 +1,78 @@
+"""Policy, value and entropy losses: per-token terms aggregated by ``aggregation.aggregate``.
+
+PPO clipped surrogate (Schulman et al. 2017) with separate low/high clip ratios (DAPO's clip-higher) and dual clip
+(Ye et al. 2020), for ratio ρ = exp(log π − log π_old) and advantage A:
+
+    l = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high));   for A < 0 also  l = min(l, −A·c)   (c > 1, dual clip)
+
+Clipped value loss: l = ½·max((V − R)², (V_old + clip(V − V_old, −ε_v, ε_v) − R)²).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .aggregation import Denominators, aggregate, masked_mean
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    aggregation: str = "token_mean",
+    denominators: Denominators | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The aggregated PPO policy loss and its metrics (clip fractions, approximate KL to π_old)."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None)")
+    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual_clipped = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual_clipped, bound, loss)
+    with torch.no_grad():
+        metrics = {
+            "actor/clip_fraction": float(masked_mean((clipped > unclipped).float(), mask)),
+            "actor/dual_clip_fraction": float(masked_mean(dual_clipped.float(), mask)),
+            "actor/approx_kl": float(masked_mean(0.5 * log_ratio.square(), mask)),
+        }
+    return aggregate(loss, mask, aggregation, denominators), metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float | None,
+    aggregation: str = "token_mean",
+    denominators: Denominators | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The aggregated (clipped) value loss and the fraction of tokens where the clipped term was larger."""
+    unclipped = (values - returns).square()
+    if clip is None:
+        loss, clipped_more = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        clipped = (clipped_values - returns).square()
+        loss, clipped_more = torch.maximum(unclipped, clipped), clipped > unclipped
+    metrics = {"critic/clip_fraction": float(masked_mean(clipped_more.float(), mask).detach())}
+    return aggregate(0.5 * loss, mask, aggregation, denominators), metrics
+
+
+def entropy_bonus(
+    entropy: torch.Tensor, mask: torch.Tensor, *, aggregation: str = "token_mean", denominators: Denominators | None = None
+) -> torch.Tensor:
+    """Aggregated entropy; the policy objective subtracts ``entropy_coef`` times it from the loss."""
+    return aggregate(entropy, mask, aggregation, denominators)
