@@ -1,0 +1,100 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, reference counts, a free list, prefix sharing.
+
+Full blocks made only of prompt tokens are keyed by a hash of (previous block's key, block tokens); a sequence
+whose prompt starts with blocks already in the cache shares them (reference count + 1) and prefill skips those
+tokens. The n samples of one prompt thus hold one copy of the prompt's full blocks. Pure Python, no tensors.
+"""
+
+from __future__ import annotations
+
+from .sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV cache needs at least one block of at least one token (got {num_blocks} x {block_size})")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        """Free blocks in release order (a dict as an ordered set); the oldest is reused first."""
+        self._key_of_block: dict[int, int] = {}
+        self._block_of_key: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def _prompt_block_keys(self, seq: Sequence) -> list[int]:
+        keys, previous = [], 0
+        for index in range(seq.num_prompt_tokens // self.block_size):
+            previous = hash((previous, tuple(seq.block_tokens(index, self.block_size))))
+            keys.append(previous)
+        return keys
+
+    def _cached_prefix(self, keys: list[int]) -> list[int]:
+        blocks = []
+        for key in keys:
+            block = self._block_of_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        keys = self._prompt_block_keys(seq)
+        cached = self._cached_prefix(keys)
+        reused_from_free = sum(1 for block in cached if self.ref_counts[block] == 0)
+        needed = seq.num_blocks(self.block_size) - len(cached)
+        return needed <= self.num_free_blocks - reused_from_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, sharing cached prompt blocks (call ``can_allocate`` first)."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
+        keys = self._prompt_block_keys(seq)
+        cached = self._cached_prefix(keys)
+        for block in cached:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+        seq.block_table = list(cached)
+        seq.num_cached_tokens = len(cached) * self.block_size
+        for index in range(len(cached), seq.num_blocks(self.block_size)):
+            block = self._take_free()
+            seq.block_table.append(block)
+            if index < len(keys):
+                self._key_of_block[block] = keys[index]
+                self._block_of_key[keys[index]] = block
+        if seq.num_cached_tokens == len(seq):
+            # Every token is cached, but the last one must still run to give logits for the next token.
+            seq.num_cached_tokens -= 1
+
+    def _take_free(self) -> int:
+        block = next(iter(self._free))
+        del self._free[block]
+        key = self._key_of_block.pop(block, None)
+        if key is not None:
+            del self._block_of_key[key]
+        self.ref_counts[block] = 1
+        return block
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks nobody holds go back to the free list (keeping their prefix key, so a
+        re-run of the same prompt can still hit them until they are reused)."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} released more often than taken"
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the next decode step of ``seq`` (its last token's K/V) fits."""
+        return len(seq.block_table) >= seq.num_blocks(self.block_size) or self.num_free_blocks >= 1
+
+    def may_append(self, seq: Sequence) -> None:
+        """Give ``seq`` a new block when its last token starts one."""
+        if len(seq.block_table) < seq.num_blocks(self.block_size):
+            seq.block_table.append(self._take_free())

@@ -1,0 +1,90 @@
+"""Continuous batching: which sequences run in the next model step, and preemption when KV blocks run out.
+
+Each step is either a prefill of waiting sequences (as many as fit the token and sequence budgets and the free
+blocks) or one decode token for every running sequence. When a running sequence cannot get a block for its next
+token, the most recently started one is preempted: its blocks are freed and it goes back to the front of the waiting
+queue, keeping the tokens it has generated; its next prefill recomputes their K/V. Results do not change.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request; one that could never fit the whole cache on its own is refused here, not mid-run."""
+        manager = self.block_manager
+        # The last sampled token's K/V is never written, hence the - 1.
+        needed = -(-(len(seq) + seq.params.max_new_tokens - 1) // manager.block_size)
+        if needed > manager.num_blocks:
+            raise ValueError(
+                f"request {seq.seq_id} needs up to {needed} KV blocks ({len(seq)} prompt + {seq.params.max_new_tokens} "
+                f"new tokens, {manager.block_size} per block) but the cache has {manager.num_blocks}; give the KV cache "
+                f"more memory or lower max_new_tokens / the prompt length"
+            )
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The sequences of the next step and whether it is a prefill."""
+        scheduled: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            new_tokens = len(seq) - seq.num_cached_tokens
+            if scheduled and tokens + new_tokens > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            tokens += len(seq) - seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            scheduled.append(seq)
+        if scheduled:
+            return scheduled, True
+
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled, False
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish_step(self, seqs: list[Sequence], token_ids: list[int], log_probs: list[float]) -> list[Sequence]:
+        """Append each sequence's new token; free and return the sequences that finished."""
+        finished = []
+        for seq, token_id, log_prob in zip(seqs, token_ids, log_probs):
+            seq.append(token_id, log_prob)
+            if seq.is_finished:
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished

@@ -1,0 +1,90 @@
+"""One generation request: its tokens, sampling settings, KV block table and state. Pure Python, no tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p; 1 keeps all."""
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    """Besides EOS, tokens that end the response (kept in it, like EOS)."""
+    seed: int | None = None
+    """Per-request seed: the same request samples the same tokens whatever else is in the batch."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 keeps every token)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *, eos_token_id: int | None) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {seq_id} has an empty prompt")
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        """Leading tokens whose K/V are already in the cache (shared prefix blocks); prefill computes the rest."""
+        self.log_probs: list[float] = []
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-len(self.token_ids) // block_size)
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        return self.token_ids[index * block_size : (index + 1) * block_size]
+
+    def append(self, token_id: int, log_prob: float) -> None:
+        """Add a sampled token; finishes the sequence on EOS, a stop token or the length limit."""
+        self.token_ids.append(token_id)
+        self.log_probs.append(log_prob)
+        if token_id == self.eos_token_id or token_id in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_generated >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            self.status = SequenceStatus.FINISHED
