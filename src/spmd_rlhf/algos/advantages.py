@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .aggregation import masked_mean
+
 
 def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """r[i, t] = scores[i] at the last response token of row i, 0 elsewhere."""
@@ -45,9 +47,8 @@ def gae(
 def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """(x − mean) / std over the masked entries (mean kept when ``shift_mean`` is False); 0 on masked positions."""
     mask_f = mask.to(values.dtype)
-    count = mask_f.sum().clamp(min=1.0)
-    mean = (values * mask_f).sum() / count
-    variance = (((values - mean) * mask_f) ** 2).sum() / count
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
     whitened = (values - mean) * torch.rsqrt(variance + eps)
     if not shift_mean:
         whitened = whitened + mean

@@ -85,9 +85,7 @@ class Coordinator:
         record = RoleRecord(name, role_class, dims, pool.ranks)
         self._roles[name] = record
         command = Spawn(name, role_class, dims, pool.ranks, dumps((args, kwargs), what=f"spawn of role {name!r}"))
-        everyone = range(self.world_size)
-        futures = {rank: self._send(rank, seq, command) for rank, seq in self._reserve(everyone).items()}
-        ready = CallFuture(self, f"spawn of role {name!r}", futures, lambda values: None)
+        ready = CallFuture(self, f"spawn of role {name!r}", self._send_to_all(command), lambda values: None)
         return RoleHandle(self, record, ready)
 
     # ---- calls -------------------------------------------------------------------------------------------------
@@ -310,15 +308,16 @@ class Coordinator:
         if first and self.on_failure is not None:
             self.on_failure(failure)
 
+    def _send_to_all(self, command: Any) -> dict[int, torch.futures.Future]:
+        return {rank: self._send(rank, seq, command) for rank, seq in self._reserve(range(self.world_size)).items()}
+
     def wait_all(self, timeout: float | None = None) -> None:
         """Wait until every rank has run every command issued so far (a no-op command through each queue)."""
-        futures = {rank: self._send(rank, seq, Exchanges([])) for rank, seq in self._reserve(range(self.world_size)).items()}
-        self._wait(futures, timeout, "wait_all")
+        self._wait(self._send_to_all(Exchanges([])), timeout, "wait_all")
 
     def stop_workers(self, timeout: float) -> None:
         """Ask every executor to stop after the commands already queued; wait for all of them."""
-        futures = {rank: self._send(rank, seq, Stop()) for rank, seq in self._reserve(range(self.world_size)).items()}
-        self._wait(futures, timeout, "shutdown")
+        self._wait(self._send_to_all(Stop()), timeout, "shutdown")
 
 
 def _chain(source: torch.futures.Future, target: torch.futures.Future) -> None:

@@ -103,8 +103,6 @@ class CallFuture:
                 self._combined = True
             return self._value
 
-    def _when_done(self, callback: Callable[[], None]) -> None:
-        torch.futures.collect_all(list(self._futures.values())).add_done_callback(lambda _: callback())
 
 
 class RoleHandle:

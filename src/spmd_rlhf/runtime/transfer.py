@@ -152,17 +152,17 @@ def run_exchanges(
     that both send and receive cannot deadlock); returns the assembled batch of each exchange (``None`` for
     send-only ones). Tensors arrive on ``device`` (the process group's device)."""
     sources = [store[exchange.batch_id] if exchange.sends or _has_local(exchange, rank) else None for exchange in exchanges]
-    payloads: list[dict[tuple[int, int, int], bytes]] = []
-    lengths_out, lengths_in, ops = [], [], []
+    payloads: list[dict[tuple[int, int], bytes]] = []
+    lengths_in, ops = [], []
     for exchange, source in zip(exchanges, sources):
-        encoded = {}
+        encoded: dict[tuple[int, int], bytes] = {}
         if exchange.schema.non_tensor_keys:
             for destination, start, stop in exchange.sends:
-                encoded[(destination, start, stop)] = pickle.dumps(
-                    {name: source.non_tensors[name][start:stop] for name in exchange.schema.non_tensor_keys}
-                )
-                length = torch.tensor([len(encoded[(destination, start, stop)])], dtype=torch.int64, device=device)
-                lengths_out.append(length)
+                if (start, stop) not in encoded:  # TP / PP replicas of one DP rank get the same rows
+                    encoded[(start, stop)] = pickle.dumps(
+                        {name: source.non_tensors[name][start:stop] for name in exchange.schema.non_tensor_keys}
+                    )
+                length = torch.tensor([len(encoded[(start, stop)])], dtype=torch.int64, device=device)
                 ops.append(dist.P2POp(dist.isend, length, destination, tag=exchange.tag))
         payloads.append(encoded)
         incoming = {}
@@ -179,7 +179,7 @@ def run_exchanges(
         specs = exchange.schema.tensor_specs
         for destination, start, stop in exchange.sends:
             if encoded:
-                data = torch.frombuffer(bytearray(encoded[(destination, start, stop)]), dtype=torch.uint8).to(device)
+                data = torch.frombuffer(bytearray(encoded[(start, stop)]), dtype=torch.uint8).to(device)
                 ops.append(dist.P2POp(dist.isend, data, destination, tag=tag))
             for index, name in enumerate(specs):
                 value = source.tensors[name][start:stop].to(device).contiguous()
