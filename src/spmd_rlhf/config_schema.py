@@ -66,12 +66,14 @@ class RoleConfig:
     tp: int = 1
     """Tensor-parallel degree."""
     micro_batch_size: int = 4
-    """Rows (responses) per forward or backward pass on each data-parallel rank."""
+    """Rows (responses) per forward and backward pass of training on each data-parallel rank."""
+    forward_micro_batch_size: int = 0
+    """Rows per forward-only pass (log-probs, values, scores), which keeps no activations; 0: micro_batch_size."""
     offload: bool = False
     """Keep parameters and optimizer state in host memory while the role is idle, so colocated roles take turns."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "n_ranks", "dp")
+        _at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size")
         _at_least(self, 1, "pp", "tp", "micro_batch_size")
         _require(self, "pool", self.pool != "", "must be a name or null")
 

@@ -6,9 +6,9 @@ per-token KL penalty, if any, is subtracted everywhere (``kl.apply_kl_penalty``)
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from .aggregation import masked_mean
+import torch
 
 
 def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -44,11 +44,24 @@ def gae(
     return advantages, returns
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean) / std over the masked entries (mean kept when ``shift_mean`` is False); 0 on masked positions."""
+def whiten(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """(x − mean) / std over the masked entries (mean kept when ``shift_mean`` is False); 0 on masked positions.
+
+    When the batch is split over data-parallel ranks, ``sum_over_ranks`` (e.g. an all-reduce over the DP group) makes
+    mean and variance those of the whole batch, so the result does not depend on the split.
+    """
     mask_f = mask.to(values.dtype)
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
+    total = sum_over_ranks or (lambda tensor: tensor)
+    sums = total(torch.stack([(values * mask_f).sum(), mask_f.sum()]))
+    mean = sums[0] / sums[1].clamp(min=1.0)
+    variance = total(((values - mean) ** 2 * mask_f).sum()) / sums[1].clamp(min=1.0)
     whitened = (values - mean) * torch.rsqrt(variance + eps)
     if not shift_mean:
         whitened = whitened + mean

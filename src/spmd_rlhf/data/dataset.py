@@ -1,0 +1,146 @@
+"""Prompt datasets in verl's row schema (parquet or JSONL) and the step-indexed loader that batches them.
+
+A row holds ``prompt`` (chat messages, or plain text), ``data_source``, ``reward_model.ground_truth`` and
+``extra_info``, so users' existing verl files load as they are. Prompts are rendered with the tokenizer's chat template
+and tokenized once, up front: an over-long prompt or a missing field fails (or is skipped and counted) at start, not
+mid-run.
+
+The loader is a pure function of the step number: step s takes positions ``s*B .. s*B+B-1`` of an endless stream that
+visits the dataset once per epoch in an order drawn from ``seed + epoch``. Resuming needs nothing but the step, and
+every prompt gets a run-unique ``uid`` (its stream position) from which the actor derives per-sample seeds, so sampling
+does not depend on how the batch is split over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from .batch import Batch
+
+
+class DatasetError(ValueError):
+    """A prompt file or row that cannot be used, named with the file and row."""
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """Rows of one parquet (``.parquet``) or JSON-lines (``.jsonl`` / ``.json``) file."""
+    file = Path(path)
+    if not file.is_file():
+        raise DatasetError(f"prompt file {path} does not exist; check data.train_files / data.val_files")
+    if file.suffix == ".parquet":
+        return pq.read_table(file).to_pylist()
+    if file.suffix in (".jsonl", ".json"):
+        rows = []
+        for line_number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise DatasetError(f"{path}:{line_number} is not valid JSON: {error}") from None
+        return rows
+    raise DatasetError(f"prompt file {path}: unknown format {file.suffix!r}; use .parquet or .jsonl")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict[str, Any]
+
+
+class PromptDataset:
+    """Every usable prompt of ``files``, tokenized; ``num_skipped`` counts over-long prompts dropped with ``skip``."""
+
+    def __init__(
+        self,
+        files: list[str],
+        tokenizer,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int,
+        overlong_prompts: str = "error",
+    ) -> None:
+        self.prompts: list[Prompt] = []
+        self.num_skipped = 0
+        for path in files:
+            for index, row in enumerate(read_rows(path)):
+                where = f"{path} row {index}"
+                if prompt_key not in row:
+                    raise DatasetError(f"{where} has no {prompt_key!r} field (data.prompt_key); fields: {sorted(row)}")
+                token_ids = encode_prompt(tokenizer, row[prompt_key], where=where)
+                if len(token_ids) > max_prompt_length:
+                    if overlong_prompts == "skip":
+                        self.num_skipped += 1
+                        continue
+                    raise DatasetError(
+                        f"{where} has {len(token_ids)} prompt tokens, over data.max_prompt_length={max_prompt_length}; "
+                        f"raise it or set data.overlong_prompts=skip"
+                    )
+                reward_model = row.get("reward_model") or {}
+                self.prompts.append(
+                    Prompt(token_ids, str(row.get("data_source", "")), reward_model.get("ground_truth"), row.get("extra_info") or {})
+                )
+        if not self.prompts:
+            raise DatasetError(f"no usable prompts in {files} ({self.num_skipped} skipped as over-long)")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def encode_prompt(tokenizer, prompt: Any, *, where: str) -> list[int]:
+    """Token ids of a chat prompt (rendered with the chat template and the assistant turn opened) or of plain text."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    raise DatasetError(f"{where}: a prompt must be text or a list of {{role, content}} messages, got {prompt!r:.100}")
+
+
+class PromptLoader:
+    """Batches of ``batch_size`` prompts per step, left-padded to the batch's longest prompt."""
+
+    def __init__(self, dataset: PromptDataset, *, batch_size: int, pad_token_id: int, shuffle: bool = True, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.pad_token_id = pad_token_id
+        self.shuffle = shuffle
+        self.seed = seed
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self._orders = {epoch: torch.randperm(len(self.dataset), generator=generator).tolist()}
+            else:
+                self._orders = {epoch: list(range(len(self.dataset)))}
+        return self._orders[epoch]
+
+    def batch(self, step: int) -> Batch:
+        """The prompts of training step ``step`` (0-based)."""
+        size = len(self.dataset)
+        positions = range(step * self.batch_size, (step + 1) * self.batch_size)
+        prompts = [self.dataset.prompts[self._order(position // size)[position % size]] for position in positions]
+        width = max(len(prompt.token_ids) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt.token_ids) :] = torch.tensor(prompt.token_ids)
+            attention_mask[row, width - len(prompt.token_ids) :] = 1
+        return Batch(
+            {"input_ids": input_ids, "attention_mask": attention_mask, "uid": torch.tensor(list(positions))},
+            {
+                "data_source": [prompt.data_source for prompt in prompts],
+                "ground_truth": [prompt.ground_truth for prompt in prompts],
+                "extra_info": [prompt.extra_info for prompt in prompts],
+            },
+            {"step": step},
+        )
