@@ -14,9 +14,9 @@ def test_samples_of_one_prompt_share_its_full_blocks():
     manager = BlockManager(num_blocks=10, block_size=4)
     prompt = list(range(1, 11))  # 10 tokens: two full blocks and a partial one
     first, second = _seq(0, prompt), _seq(1, prompt)
-    manager.allocate(first)
+    assert manager.try_allocate(first)
     assert first.num_cached_tokens == 0 and len(first.block_table) == 3
-    manager.allocate(second)
+    assert manager.try_allocate(second)
     assert second.block_table[:2] == first.block_table[:2]
     assert second.block_table[2] != first.block_table[2]  # the partial block is each sample's own
     assert second.num_cached_tokens == 8
@@ -31,32 +31,33 @@ def test_samples_of_one_prompt_share_its_full_blocks():
 def test_different_prompts_do_not_share_and_freed_keys_are_dropped_on_reuse():
     manager = BlockManager(num_blocks=2, block_size=2)
     a = _seq(0, [1, 2, 3, 4])
-    manager.allocate(a)
+    assert manager.try_allocate(a)
     manager.deallocate(a)
     b = _seq(1, [5, 6, 7, 8])
-    assert manager.can_allocate(b)
-    manager.allocate(b)
+    assert manager.try_allocate(b)
     assert b.num_cached_tokens == 0
     manager.deallocate(b)
     # a's blocks were reused for b, so a gets no stale hit.
     again = _seq(2, [1, 2, 3, 4])
-    manager.allocate(again)
+    assert manager.try_allocate(again)
     assert again.num_cached_tokens == 0
 
 
 def test_a_fully_cached_prompt_still_runs_its_last_token():
     manager = BlockManager(num_blocks=4, block_size=2)
     first, second = _seq(0, [1, 2, 3, 4]), _seq(1, [1, 2, 3, 4])
-    manager.allocate(first)
-    manager.allocate(second)
+    assert manager.try_allocate(first)
+    assert manager.try_allocate(second)
     assert second.block_table == first.block_table and second.num_cached_tokens == 3
 
 
-def test_can_allocate_counts_blocks_and_append_needs_a_block_at_boundaries():
+def test_allocation_counts_blocks_and_append_needs_a_block_at_boundaries():
     manager = BlockManager(num_blocks=3, block_size=2)
-    assert not manager.can_allocate(_seq(0, [1, 2, 3, 4, 5, 6, 7]))
+    too_long = _seq(0, [1, 2, 3, 4, 5, 6, 7])
+    assert not manager.try_allocate(too_long)
+    assert too_long.block_table == [] and manager.num_free_blocks == 3
     seq = _seq(1, [1, 2, 3])
-    manager.allocate(seq)
+    assert manager.try_allocate(seq)
     assert len(seq.block_table) == 2 and manager.num_free_blocks == 1
     seq.append(9, -0.1)  # 4 tokens: still two blocks
     assert manager.can_append(seq)

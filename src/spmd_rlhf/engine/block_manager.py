@@ -42,18 +42,15 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        keys = self._prompt_block_keys(seq)
-        cached = self._cached_prefix(keys)
-        reused_from_free = sum(1 for block in cached if self.ref_counts[block] == 0)
-        needed = seq.num_blocks(self.block_size) - len(cached)
-        return needed <= self.num_free_blocks - reused_from_free
-
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, sharing cached prompt blocks (call ``can_allocate`` first)."""
+    def try_allocate(self, seq: Sequence) -> bool:
+        """Give ``seq`` blocks for all its tokens, sharing cached prompt blocks; False (nothing taken) if they don't fit."""
         assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
         keys = self._prompt_block_keys(seq)
         cached = self._cached_prefix(keys)
+        # A cached block nobody holds sits in the free list: sharing it takes it from there too.
+        reused_from_free = sum(1 for block in cached if self.ref_counts[block] == 0)
+        if seq.num_blocks(self.block_size) - len(cached) > self.num_free_blocks - reused_from_free:
+            return False
         for block in cached:
             if self.ref_counts[block] == 0:
                 del self._free[block]
@@ -69,6 +66,7 @@ class BlockManager:
         if seq.num_cached_tokens == len(seq):
             # Every token is cached, but the last one must still run to give logits for the next token.
             seq.num_cached_tokens -= 1
+        return True
 
     def _take_free(self) -> int:
         block = next(iter(self._free))

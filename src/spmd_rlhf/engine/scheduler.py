@@ -48,9 +48,8 @@ class Scheduler:
             new_tokens = len(seq) - seq.num_cached_tokens
             if scheduled and tokens + new_tokens > self.max_num_batched_tokens:
                 break
-            if not self.block_manager.can_allocate(seq):
+            if not self.block_manager.try_allocate(seq):
                 break
-            self.block_manager.allocate(seq)
             tokens += len(seq) - seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
