@@ -1,8 +1,8 @@
 """Attention backends behind one call, chosen at run time: pure torch, SDPA, flash-attn.
 
 The decoder layer computes q, k, v and hands them to ``attend`` together with an ``AttentionBatch`` that says which
-keys each query may see (padded rows or packed sequences). The paged-KV path of the generation engine slots in as
-another kind of batch description handled here, so the layer code stays the same for training and generation.
+keys each query may see (padded rows or packed sequences, or, for the generation engine, a paged KV cache that the
+new keys are written into and the whole context is read from). The layer code is the same for training and generation.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spmd_rlhf.models.paged_kv import PagedKV
+
 BACKENDS = ("auto", "torch", "sdpa", "flash")
+
+FLASH_PAGED_BLOCK_MULTIPLE = 256
+"""flash-attn 2 reads a paged cache only when the block size is a multiple of this; other block sizes gather the
+cached blocks and use SDPA instead."""
 
 
 def flash_attn_available() -> bool:
@@ -28,13 +34,16 @@ class AttentionBatch:
     Exactly one layout applies:
       * dense causal: ``attention_mask`` and ``cu_seqlens`` both None;
       * padded rows: ``attention_mask`` ``[batch, seq]``, True / 1 at real tokens (left or right padding);
-      * packed: ``cu_seqlens`` ``[num_seqs + 1]`` int32 offsets of sequences laid end to end in one row.
+      * packed: ``cu_seqlens`` ``[num_seqs + 1]`` int32 offsets of sequences laid end to end in one row;
+      * paged (generation): ``paged`` says where the new tokens of one row write their K/V in the cache and which
+        cached keys each of them reads.
     """
 
     attention_mask: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     backend: str = "sdpa"
+    paged: PagedKV | None = None
 
     @staticmethod
     def build(
@@ -46,9 +55,20 @@ class AttentionBatch:
         backend: str,
         device: torch.device,
         dtype: torch.dtype,
+        paged: PagedKV | None = None,
     ) -> AttentionBatch:
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError("pass either attention_mask (padded rows) or cu_seqlens (packed sequences), not both")
+        backend = resolve_backend(backend, device=device, dtype=dtype)
+        if paged is not None:
+            if attention_mask is not None or cu_seqlens is not None:
+                raise ValueError("a paged KV batch describes its own sequences; pass no attention_mask or cu_seqlens")
+            if batch_size != 1 or paged.slot_mapping.shape[0] != seq_len:
+                raise ValueError(
+                    f"a paged KV step packs its {paged.slot_mapping.shape[0]} new tokens in one row, got input "
+                    f"[{batch_size}, {seq_len}]"
+                )
+            return AttentionBatch(max_seqlen=paged.max_seqlen_q, backend=backend, paged=paged)
         if cu_seqlens is not None:
             if batch_size != 1:
                 raise ValueError(f"packed sequences go in one row (batch size 1), got batch size {batch_size}")
@@ -62,7 +82,7 @@ class AttentionBatch:
             attention_mask = attention_mask.to(device=device, dtype=torch.bool)
             if bool(attention_mask.all()):
                 attention_mask = None
-        return AttentionBatch(attention_mask, cu_seqlens, max_seqlen, resolve_backend(backend, device=device, dtype=dtype))
+        return AttentionBatch(attention_mask, cu_seqlens, max_seqlen, backend)
 
 
 def resolve_backend(backend: str, *, device: torch.device, dtype: torch.dtype) -> str:
@@ -130,16 +150,52 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: A
     return full.index_copy(0, keep, out).view(batch_size, seq_len, *out.shape[1:])
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, *, scale: float) -> torch.Tensor:
-    """Causal attention of ``q`` ``[b, s, heads, d]`` over ``k, v`` ``[b, s, kv_heads, d]``; returns ``[b, s, heads, d]``."""
+def _flash_paged_attention(q: torch.Tensor, paged: PagedKV, layer_index: int, scale: float) -> torch.Tensor:
+    """flash-attn reading K/V straight from the cache blocks (not exercised by the CPU test suite)."""
+    from flash_attn import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(
+        q[0], paged.key_cache[layer_index], paged.value_cache[layer_index], paged.cu_seqlens_q, paged.cu_seqlens_k,
+        paged.max_seqlen_q, paged.max_context_len, softmax_scale=scale, causal=True, block_table=paged.block_tables,
+    )
+    return out[None]
+
+
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, layer_index: int, scale: float) -> torch.Tensor:
+    paged = batch.paged
+    paged.write(layer_index, k[0], v[0])
+    if batch.backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
+        return _flash_paged_attention(q, paged, layer_index, scale)
+    padded_q, cached_k, cached_v, allowed = paged.gather(layer_index, q[0])
+    backend = "torch" if batch.backend == "torch" else "sdpa"
+    return paged.unpad(_dense_attention(padded_q, cached_k, cached_v, allowed, backend, scale))[None]
+
+
+def _dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, backend: str, scale: float
+) -> torch.Tensor:
+    """``q`` ``[b, heads, s, d]`` over ``k, v`` ``[b, kv_heads, keys, d]`` where ``allowed`` (None: causal)."""
+    if backend == "torch":
+        return _torch_attention(q, k, v, allowed, scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, *, scale: float, layer_index: int | None = None
+) -> torch.Tensor:
+    """Causal attention of ``q`` ``[b, s, heads, d]`` over ``k, v`` ``[b, s, kv_heads, d]``; returns ``[b, s, heads, d]``.
+
+    With a paged batch, ``k, v`` are the new tokens' keys and values: they are written into layer ``layer_index``'s
+    cache and ``q`` attends over each sequence's whole cached context.
+    """
+    if batch.paged is not None:
+        if layer_index is None:
+            raise ValueError("a paged KV batch needs the layer_index of the cache to read and write")
+        return _paged_attention(q, k, v, batch, layer_index, scale)
     if batch.backend == "flash":
         return _flash_attention(q, k, v, batch, scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    allowed = _allowed_keys(batch, q.shape[-2], q.device)
-    if batch.backend == "torch":
-        out = _torch_attention(q, k, v, allowed, scale)
-    else:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
-        )
+    out = _dense_attention(q, k, v, _allowed_keys(batch, q.shape[-2], q.device), batch.backend, scale)
     return out.transpose(1, 2)

@@ -13,6 +13,7 @@ from torch import nn
 
 from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.attention import AttentionBatch, attend
+from spmd_rlhf.models.paged_kv import PagedKV
 from spmd_rlhf.models.rope import RotaryEmbedding, apply_rotary
 
 HEADS = ("lm", "value", "score")
@@ -36,8 +37,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, *, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
+        """Which layer's blocks of a paged KV cache this attention reads and writes during generation."""
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.head_dim**-0.5
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
@@ -58,7 +61,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, batch, scale=self.scale)
+        out = attend(q, k, v, batch, scale=self.scale, layer_index=self.layer_index)
         return self.o_proj(out.reshape(batch_size, seq_len, -1))
 
 
@@ -76,10 +79,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, *, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer_index=layer_index)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
@@ -95,7 +98,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         # A ModuleDict keyed by layer index keeps HF names and lets pipeline stages drop layers without renumbering.
-        self.layers = nn.ModuleDict({str(index): DecoderLayer(args) for index in range(args.num_layers)})
+        self.layers = nn.ModuleDict({str(index): DecoderLayer(args, layer_index=index) for index in range(args.num_layers)})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(head_dim=args.head_dim, theta=args.rope_theta, scaling=args.rope_scaling)
 
@@ -178,9 +181,19 @@ class DecoderLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        *,
+        paged: PagedKV | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states ``[batch, seq, hidden]``, before any head."""
-        cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
+        """Final-norm hidden states ``[batch, seq, hidden]``, before any head.
+
+        ``paged`` (generation engine): ``input_ids`` ``[1, tokens]`` are the new tokens of one engine step with their
+        absolute ``position_ids``; each layer writes their K/V into the paged cache and attends over the cached context.
+        """
+        if paged is not None:
+            if position_ids is None:
+                raise ValueError("a paged KV step needs the new tokens' position_ids (their places in their sequences)")
+        else:
+            cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
         batch = AttentionBatch.build(
@@ -191,6 +204,7 @@ class DecoderLM(nn.Module):
             backend=self.attention_backend,
             device=input_ids.device,
             dtype=self.model.embed_tokens.weight.dtype,
+            paged=paged,
         )
         return self.model(input_ids, position_ids, batch)
 
