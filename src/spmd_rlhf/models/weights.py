@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from spmd_rlhf.models.args import read_decoder_args
+from spmd_rlhf.models.args import DecoderArgs, read_decoder_args
 from spmd_rlhf.models.decoder import DecoderLM
 
 SINGLE_FILE = "model.safetensors"
@@ -131,6 +131,31 @@ def load_model(
     for name in to_initialise:
         shape = model.get_parameter(name).shape
         _set_tensor(model, name, torch.zeros(shape, device=device, dtype=dtype), parameter=True)
+    for name, buffer in model.named_buffers():
+        _set_tensor(model, name, torch.empty_like(buffer, device=device), parameter=False)
+    model.tie_weights()
+    model.reset_buffers()
+    return model
+
+
+def model_from_tensors(
+    args: DecoderArgs,
+    tensors: dict[str, torch.Tensor],
+    *,
+    head: str = "lm",
+    attention_backend: str = "auto",
+) -> DecoderLM:
+    """A ``DecoderLM`` whose parameters *are* ``tensors`` (no copy): e.g. the generation copy of a sharded actor,
+    assembled from gathered shards. A tied LM head needs only the embedding. Buffers go on the tensors' device."""
+    with torch.device("meta"):
+        model = DecoderLM(args, head=head, attention_backend=attention_backend)
+    expected = {name for name, _ in model.named_parameters()}
+    if set(tensors) != expected:
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise CheckpointMismatchError(f"model_from_tensors: missing {missing}, unexpected {unexpected}")
+    for name, tensor in tensors.items():
+        _set_tensor(model, name, tensor, parameter=True)
+    device = next(iter(tensors.values())).device
     for name, buffer in model.named_buffers():
         _set_tensor(model, name, torch.empty_like(buffer, device=device), parameter=False)
     model.tie_weights()

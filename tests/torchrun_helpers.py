@@ -8,7 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROGRAMS = Path(__file__).parent / "programs"
+TESTS = Path(__file__).parent
+
+
+def program_path(name: str) -> Path:
+    """A test program by file name, from any ``tests/*/programs/`` directory (names are unique)."""
+    found = sorted(TESTS.glob(f"*/programs/{name}"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"expected exactly one tests/*/programs/{name}, found {found}")
+    return found[0]
 
 
 def free_port() -> int:
@@ -22,7 +30,7 @@ def torchrun_command(program: str, *args: str, nproc: int, nnodes: int = 1, port
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
-        str(PROGRAMS / program), *args,
+        str(program_path(program)), *args,
     ]
 
 
