@@ -1,0 +1,131 @@
+"""The generation loop: schedule a step, run the model on the paged cache, sample, repeat until every request ends.
+
+    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, kv_cache_bytes=8 * 1024**3)
+    outputs = engine.generate(prompt_token_ids, SamplingParams(temperature=1.0, max_new_tokens=256, seed=1))
+    engine.free_cache()  # give the KV memory back to training
+
+Each ``generate`` call starts a fresh block manager: prefix blocks are shared within a call (the n samples of a
+prompt, re-prefills after preemption) but never across calls, because the actor's weights change between them and
+cached K/V of the old weights would be wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spmd_rlhf.models.decoder import DecoderLM
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import SamplingParams, Sequence
+
+
+@dataclass
+class GenerationStats:
+    """Counters of the latest ``generate`` call."""
+
+    preemptions: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    """Tokens whose K/V prefill computed; shared prefix blocks are not counted."""
+    generated_tokens: int = 0
+    max_blocks_in_use: int = 0
+    """Peak KV blocks held at once: how big the cache needed to be."""
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        eos_token_id: int | None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size; with neither, each call gets a cache that holds
+        all its requests at full length (no preemption). Requests without their own seed share a generator seeded
+        with ``seed``. The cache is allocated on the first ``generate``."""
+        if num_blocks is not None and kv_cache_bytes is not None:
+            raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
+        if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"block_size={block_size}, max_num_seqs={max_num_seqs} and max_num_batched_tokens="
+                f"{max_num_batched_tokens} must all be >= 1"
+            )
+        self.eos_token_id = eos_token_id
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.runner = ModelRunner(model, block_size=block_size)
+        self.fixed_num_blocks = self.runner.blocks_for_bytes(kv_cache_bytes) if kv_cache_bytes is not None else num_blocks
+        """Cache size in blocks, or None to size it for each call's requests."""
+        if self.fixed_num_blocks is not None and self.fixed_num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.sampler = Sampler(seed=seed)
+        self.stats = GenerationStats()
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions in the latest ``generate`` call."""
+        return self.stats.preemptions
+
+    def free_cache(self) -> None:
+        """Release the KV cache memory; the next ``generate`` allocates it again."""
+        self.runner.free_cache()
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Generate a response to every prompt; outputs in input order, with ``generated_token_ids``, ``log_probs``
+        (log softmax(logits / T) of each generated token) and ``finish_reason`` ("stop" or "length")."""
+        seqs = self._requests(prompt_token_ids, params)
+        if not seqs:
+            return []
+        self.runner.allocate_cache(self.fixed_num_blocks or self._blocks_to_finish_at_once(seqs))
+        manager = BlockManager(self.runner.num_blocks, self.block_size)
+        scheduler = Scheduler(manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        for seq in seqs:
+            scheduler.add(seq)
+        generators = [None if seq.params.seed is None else torch.Generator().manual_seed(seq.params.seed) for seq in seqs]
+        stats = self.stats = GenerationStats()
+        while scheduler.has_work():
+            batch, is_prefill = scheduler.schedule()
+            assert batch, "the scheduler made no progress"
+            stats.max_blocks_in_use = max(stats.max_blocks_in_use, manager.num_blocks - manager.num_free_blocks)
+            if is_prefill:
+                stats.prefill_steps += 1
+                stats.prefill_tokens += sum(len(seq) - seq.num_cached_tokens for seq in batch)
+            else:
+                stats.decode_steps += 1
+            logits = self.runner.run(batch, is_prefill=is_prefill)
+            tokens, log_probs = self.sampler(logits, [seq.params for seq in batch], [generators[seq.seq_id] for seq in batch])
+            scheduler.finish_step(batch, tokens, log_probs)
+            stats.generated_tokens += len(batch)
+        stats.preemptions = scheduler.num_preemptions
+        assert manager.num_free_blocks == manager.num_blocks, "KV blocks leaked"
+        return seqs
+
+    def _requests(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompt_token_ids)
+        if len(params) != len(prompt_token_ids):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompt_token_ids)} prompts; give one, or one per prompt")
+        vocab_size = self.runner.model.args.vocab_size
+        for index, prompt in enumerate(prompt_token_ids):
+            if prompt and (min(prompt) < 0 or max(prompt) >= vocab_size):
+                raise ValueError(f"prompt {index} has token ids outside the model's vocabulary [0, {vocab_size})")
+        return [
+            Sequence(index, prompt, request_params, eos_token_id=self.eos_token_id)
+            for index, (prompt, request_params) in enumerate(zip(prompt_token_ids, params))
+        ]
+
+    def _blocks_to_finish_at_once(self, seqs: list[Sequence]) -> int:
+        """Blocks for every request at its longest, ignoring prefix sharing (the last token's K/V is never written)."""
+        return sum(-(-(len(seq) + seq.params.max_new_tokens - 1) // self.block_size) for seq in seqs)

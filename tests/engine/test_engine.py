@@ -1,0 +1,163 @@
+"""The engine against references: ``transformers`` greedy generation, full-forward log-probs, per-request seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fixtures import write_hf_model
+from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.models import load_model, log_probs_from_logits
+
+EOS = 2
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module", params=["qwen2_tied", "llama3"])
+def checkpoint(request, tmp_path_factory):
+    """(our model, the transformers model) with the same weights."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf_model = write_hf_model(request.param, path)
+    return load_model(path, head="lm", dtype=torch.float32), hf_model
+
+
+def _prompts() -> list[list[int]]:
+    """Different lengths; two prompts sharing a 10-token prefix (more than two 4-token blocks); a repeated prompt whose
+    length is a whole number of blocks (every block cached for the second copy)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(length: int) -> list[int]:
+        return torch.randint(3, 101, (length,), generator=generator).tolist()
+
+    prefix, repeated = tokens(10), tokens(12)
+    return [tokens(3), tokens(9), prefix + tokens(4), tokens(15), prefix + tokens(1), repeated, repeated]
+
+
+def _transformers_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    out = hf_model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _training_log_probs(model, seq, temperature: float) -> torch.Tensor:
+    """What the trainer computes for a rollout: one full forward over prompt + response."""
+    ids = torch.tensor([seq.token_ids])
+    with torch.no_grad():
+        logits = model(ids)
+    return log_probs_from_logits(logits[:, :-1] / temperature, ids[:, 1:])[0, seq.num_prompt_tokens - 1 :]
+
+
+def test_greedy_matches_transformers_with_and_without_preemption(checkpoint):
+    model, hf_model = checkpoint
+    prompts = _prompts()
+    expected = []
+    for prompt in prompts:
+        tokens = _transformers_greedy(hf_model, prompt, GREEDY.max_new_tokens, EOS)
+        # transformers pads a finished row; the engine's response ends at EOS.
+        expected.append(tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens)
+    roomy = LLMEngine(model, eos_token_id=EOS, block_size=4)
+    tight = LLMEngine(model, eos_token_id=EOS, block_size=4, num_blocks=10, max_num_batched_tokens=24)
+    for engine in (roomy, tight):
+        outputs = engine.generate(prompts, GREEDY)
+        assert [out.generated_token_ids for out in outputs] == expected
+        assert all(len(out.log_probs) == len(out.generated_token_ids) for out in outputs)
+    assert roomy.num_preemptions == 0 and tight.num_preemptions > 0
+    # The shared prefix (two blocks) and the repeated prompt (three blocks, last token recomputed) are not prefilled twice.
+    assert roomy.stats.prefill_tokens == sum(map(len, prompts)) - 8 - 11
+
+
+def test_eos_stop_tokens_and_length_end_a_response(checkpoint):
+    model, hf_model = checkpoint
+    free_running = LLMEngine(model, eos_token_id=None).generate(_prompts(), GREEDY)
+    assert all(out.finish_reason == "length" and len(out.generated_token_ids) == 12 for out in free_running)
+    # A response whose token at some step >= 2 appears there first: making it EOS must stop the response right there.
+    prompt, tokens, stop_at = next(
+        (out.token_ids[: out.num_prompt_tokens], out.generated_token_ids, i)
+        for out in free_running
+        for i in range(2, 12)
+        if out.generated_token_ids[i] not in out.generated_token_ids[:i]
+    )
+    expected = tokens[: stop_at + 1]
+
+    by_eos = LLMEngine(model, eos_token_id=tokens[stop_at]).generate([prompt], GREEDY)[0]
+    assert by_eos.generated_token_ids == expected and by_eos.finish_reason == "stop"
+    assert _transformers_greedy(hf_model, prompt, GREEDY.max_new_tokens, tokens[stop_at]) == expected
+
+    stop_params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(tokens[stop_at], 1000))
+    by_stop_id = LLMEngine(model, eos_token_id=None).generate([prompt], stop_params)[0]
+    assert by_stop_id.generated_token_ids == expected and by_stop_id.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.8)],
+    ids=["t1", "t0.7-topk", "t1.3-topp"],
+)
+def test_sampled_log_probs_equal_training_log_probs(checkpoint, sampling):
+    model, _ = checkpoint
+    params = SamplingParams(max_new_tokens=10, **sampling)
+    engine = LLMEngine(model, eos_token_id=EOS, block_size=4, num_blocks=12, seed=3)
+    outputs = engine.generate(_prompts(), params)
+    assert engine.num_preemptions > 0
+    for seq in outputs:
+        expected = _training_log_probs(model, seq, params.temperature)
+        torch.testing.assert_close(torch.tensor(seq.log_probs), expected, atol=1e-6, rtol=0)
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_in_a_batch_and_under_preemption(checkpoint):
+    model, _ = checkpoint
+    prompts = _prompts()
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=12, seed=123)
+    others = [SamplingParams(temperature=1.0, max_new_tokens=12, seed=None if i % 2 else i) for i in range(len(prompts) - 1)]
+    alone = LLMEngine(model, eos_token_id=None, block_size=4).generate([prompts[3]], seeded)[0].generated_token_ids
+
+    batch = prompts[:3] + prompts[4:] + [prompts[3]]
+    in_batch = LLMEngine(model, eos_token_id=None, block_size=4, seed=5).generate(batch, others + [seeded])[-1]
+    tight = LLMEngine(model, eos_token_id=None, block_size=4, num_blocks=12, seed=6)
+    under_preemption = tight.generate(batch, others + [seeded])[-1]
+    assert tight.num_preemptions > 0
+    assert in_batch.generated_token_ids == alone and under_preemption.generated_token_ids == alone
+    another_seed = SamplingParams(temperature=1.0, max_new_tokens=12, seed=124)
+    assert LLMEngine(model, eos_token_id=None).generate([prompts[3]], another_seed)[0].generated_token_ids != alone
+
+
+def test_samples_of_one_prompt_share_its_prompt_blocks(checkpoint):
+    model, _ = checkpoint
+    prompt = _prompts()[3][:13]  # three full 4-token blocks and one partial
+    engine = LLMEngine(model, eos_token_id=None, block_size=4)
+    samples = engine.generate([prompt] * 4, [SamplingParams(max_new_tokens=3, seed=seed) for seed in range(4)])
+    # One copy of the three full blocks plus each sample's own partial block (16 without sharing); the three copies
+    # after the first prefill only their last prompt token.
+    assert engine.stats.max_blocks_in_use == 3 + 4
+    assert engine.stats.prefill_tokens == 13 + 3 * 1
+    assert len({tuple(seq.generated_token_ids) for seq in samples}) > 1
+
+
+def test_cache_is_allocated_on_demand_and_can_be_freed(checkpoint):
+    model, _ = checkpoint
+    prompts = _prompts()[:3]
+    args = model.args
+    block_bytes = 4 * 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4  # 4 tokens, K and V, float32
+    engine = LLMEngine(model, eos_token_id=EOS, block_size=4, kv_cache_bytes=20 * block_bytes + block_bytes // 2)
+    assert engine.runner.num_blocks == 0
+    first = [out.generated_token_ids for out in engine.generate(prompts, GREEDY)]
+    assert engine.runner.num_blocks == 20
+    engine.free_cache()
+    assert engine.runner.num_blocks == 0
+    assert [out.generated_token_ids for out in engine.generate(prompts, GREEDY)] == first
+    assert engine.stats.generated_tokens == sum(map(len, first)) and engine.stats.decode_steps > 0
+
+
+def test_bad_requests_are_refused_with_the_fix_named(checkpoint):
+    model, _ = checkpoint
+    engine = LLMEngine(model, eos_token_id=EOS, block_size=4, num_blocks=4)
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        engine.generate([[5], [6], [7]], [GREEDY, GREEDY])
+    with pytest.raises(ValueError, match=r"prompt 1 has token ids outside the model's vocabulary \[0, 101\)"):
+        engine.generate([[5], [5, 101]], GREEDY)
+    with pytest.raises(ValueError, match="needs up to 5 KV blocks"):
+        engine.generate([list(range(3, 12))], GREEDY)
+    with pytest.raises(ValueError, match="num_blocks or as kv_cache_bytes, not both"):
+        LLMEngine(model, eos_token_id=EOS, num_blocks=4, kv_cache_bytes=1 << 20)
+    assert engine.generate([], GREEDY) == []
