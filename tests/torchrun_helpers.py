@@ -12,7 +12,9 @@ TESTS = Path(__file__).parent
 
 
 def program_path(name: str) -> Path:
-    """A test program by file name, from any ``tests/*/programs/`` directory (names are unique)."""
+    """A test program by file name, from any ``tests/*/programs/`` directory (names are unique), or a path."""
+    if Path(name).is_file():
+        return Path(name)
     found = sorted(TESTS.glob(f"*/programs/{name}"))
     if len(found) != 1:
         raise FileNotFoundError(f"expected exactly one tests/*/programs/{name}, found {found}")
@@ -38,9 +40,11 @@ def environment() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(program: str, *args: str, nproc: int = 4, timeout: float = 180) -> subprocess.CompletedProcess:
+def torchrun(
+    program: str, *args: str, nproc: int = 4, timeout: float = 180, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """One torchrun agent with ``nproc`` ranks; stdout and stderr together in ``.stdout``."""
     command = torchrun_command(program, *args, nproc=nproc, port=free_port())
     return subprocess.run(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=environment()
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=environment(), cwd=cwd
     )

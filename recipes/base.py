@@ -1,0 +1,203 @@
+"""What every RL recipe shares: building the run (tiny assets, data, pools, roles), the fit loop, metrics, saving.
+
+A recipe subclasses ``RLRecipe`` and writes ``step`` as the paper's controller program: a few calls on role handles.
+Use it from your own loop:
+
+    from spmd_rlhf.recipes.grpo import GRPORecipe
+    from spmd_rlhf.config import load_config
+    from spmd_rlhf.runtime import launch
+
+    def main(coordinator):
+        recipe = GRPORecipe(load_config("recipes/configs/grpo.yaml", ["trainer.total_steps=5"]), coordinator)
+        recipe.setup()
+        for step in range(5):
+            print(recipe.step(step)["reward/mean"])
+
+    launch(main)   # torchrun --nproc-per-node 4 my_loop.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from spmd_rlhf.config import load_config
+from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
+from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
+from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks
+from spmd_rlhf.runtime import Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch
+from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
+
+TINY_MODEL_DIR = "tiny/model"
+TINY_TASK_DIR = "tiny/task"
+
+_WORKERS = {"actor": ActorWorker, "critic": CriticWorker, "reference": ReferenceWorker, "reward": RewardWorker}
+
+
+def ensure_tiny_assets(config: FrameworkConfig) -> None:
+    """Build the tiny model and task at their default paths on first use (no network needed)."""
+    if config.model.path == TINY_MODEL_DIR and not os.path.isdir(TINY_MODEL_DIR):
+        from spmd_rlhf.models.tiny import make_tiny
+
+        make_tiny(family="qwen2", out_dir=TINY_MODEL_DIR)
+    if any(path.startswith(TINY_TASK_DIR + "/") and not os.path.exists(path) for path in config.data.train_files):
+        from spmd_rlhf.data.tasks import make_task
+
+        make_task(task="arithmetic", out_dir=TINY_TASK_DIR)
+
+
+def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePool]:
+    """The ranks of each enabled role under ``config.placement``; pools take consecutive ranks in order."""
+    pools = config.resource_pools()
+    if not pools:
+        raise ValueError(f"placement={config.placement} needs the device mapper, which is not built yet; use colocate, split, standalone or manual")
+    sizes = {}
+    for pool, roles in pools.items():
+        sizes[pool] = max(getattr(config, role).n_ranks for role in roles)
+    unsized = [pool for pool, size in sizes.items() if size == 0]
+    free = world_size - sum(sizes.values())
+    if unsized:
+        if free < len(unsized) or free % len(unsized):
+            raise ValueError(
+                f"placement={config.placement}: {free} ranks left for pools {unsized} of a {world_size}-rank job; "
+                f"set the roles' n_ranks or launch a multiple of {len(unsized)} ranks"
+            )
+        for pool in unsized:
+            sizes[pool] = free // len(unsized)
+    if sum(sizes.values()) != world_size:
+        raise ValueError(f"placement={config.placement}: pools need {sum(sizes.values())} ranks but the job has {world_size}")
+    result, start = {}, 0
+    for pool, roles in pools.items():
+        for role in roles:
+            result[role] = ResourcePool(range(start, start + sizes[pool]))
+        start += sizes[pool]
+    return result
+
+
+def role_dims(name: str, role: RoleConfig, pool: ResourcePool) -> ParallelDims:
+    if role.tp != 1 or role.pp != 1:
+        raise ValueError(f"{name}.tp={role.tp}, {name}.pp={role.pp}: tensor and pipeline parallelism are not built yet; use 1")
+    return ParallelDims(pp=1, dp=len(pool) // (role.pp * role.tp), tp=1)
+
+
+class RLRecipe:
+    """Setup, fit loop, metrics and saving; subclasses define ``step``."""
+
+    name = "rl"
+
+    def __init__(self, config: FrameworkConfig, coordinator: Coordinator) -> None:
+        self.config = config
+        self.coordinator = coordinator
+        self.roles: dict[str, RoleHandle] = {}
+
+    # ---- building ----------------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Tiny assets if needed, the prompt loader, and every enabled role on its pool (built concurrently)."""
+        from transformers import AutoTokenizer
+
+        config = self.config
+        if config.trainer.val_every:
+            raise ValueError(f"trainer.val_every={config.trainer.val_every}: validation is not built yet; set trainer.val_every=0")
+        ensure_tiny_assets(config)
+        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
+        dataset = PromptDataset(
+            config.data.train_files, tokenizer, prompt_key=config.data.prompt_key,
+            max_prompt_length=config.data.max_prompt_length, overlong_prompts=config.data.overlong_prompts,
+        )
+        self.skipped_prompts = dataset.num_skipped
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.loader = PromptLoader(dataset, batch_size=config.data.batch_size, pad_token_id=pad, shuffle=config.data.shuffle, seed=config.data.seed)
+        pools = role_pools(config, self.coordinator.world_size)
+        for name in config.enabled_roles():
+            if name == "cost":
+                self.roles[name] = self.coordinator.spawn(RewardWorker, config, role="cost", name=name, pool=pools[name], dims=role_dims(name, config.cost, pools[name]))
+                continue
+            dims = role_dims(name, getattr(config, name), pools[name])
+            self.roles[name] = self.coordinator.spawn(_WORKERS[name], config, name=name, pool=pools[name], dims=dims)
+        for handle in self.roles.values():
+            handle.ready.result()
+        self.metrics_logger = MetricsLogger(config.trainer.output_dir, loggers=config.trainer.loggers, total_steps=config.trainer.total_steps)
+
+    def __getattr__(self, name: str) -> RoleHandle:
+        roles = self.__dict__.get("roles", {})
+        if name in roles:
+            return roles[name]
+        raise AttributeError(name)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+
+    def step(self, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    @staticmethod
+    def collect(timer: StageTimer, *results: Any) -> dict[str, float]:
+        """The step's metrics: those the workers put in batch meta or returned per DP rank, plus stage times."""
+        metrics: dict[str, float] = {}
+        for result in results:
+            if isinstance(result, list):
+                metrics.update(mean_over_ranks(result))
+            else:
+                metrics.update(result.meta.get("metrics", {}))
+        return {**metrics, **timer.metrics()}
+
+    @staticmethod
+    def add_throughput(metrics: dict[str, float], seconds: float) -> None:
+        """Step time and tokens per second: prompt + response tokens of the step, and generated tokens alone."""
+        metrics["time/step"] = seconds
+        metrics["throughput/tokens_per_s"] = (metrics["rollout/prompt_tokens"] + metrics["rollout/generated_tokens"]) / seconds
+        if metrics.get("time/generate"):
+            metrics["throughput/generated_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/generate"]
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+
+    def fit(self) -> list[dict[str, float]]:
+        """Run ``trainer.total_steps`` steps, logging each and saving as configured; returns every step's metrics."""
+        if not self.roles:
+            self.setup()
+        trainer = self.config.trainer
+        history = []
+        for step in range(trainer.total_steps):
+            started = time.perf_counter()
+            metrics = self.step(step)
+            metrics.setdefault("time/step", time.perf_counter() - started)
+            history.append(metrics)
+            if step % trainer.log_every == 0 or step == trainer.total_steps - 1:
+                self.metrics_logger.log(step, metrics)
+            last = step == trainer.total_steps - 1
+            if last or (trainer.save_every and (step + 1) % trainer.save_every == 0):
+                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1)
+        return history
+
+    def save(self, out_dir: str, *, step: int) -> str:
+        """Hugging Face directories of the trained roles plus ``trainer_state.json``; ``latest`` is updated last.
+
+        Optimizer state is not saved yet (exact resume comes with sharded DCP checkpoints), so this is an export
+        for evaluation and serving, not a resume point."""
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for name in ("actor", "critic"):
+            if name in self.roles:
+                self.roles[name].save_pretrained(os.path.join(out_dir, name)).result()
+        Path(out_dir, "trainer_state.json").write_text(json.dumps({"step": step, "recipe": self.name}))
+        latest = Path(self.config.trainer.output_dir, "latest")
+        temporary = latest.with_suffix(".tmp")
+        temporary.write_text(os.path.basename(out_dir))
+        temporary.replace(latest)
+        return out_dir
+
+
+def main(recipe_class: type[RLRecipe], default_config: str) -> None:
+    """The torchrun entry of a recipe: ``--config FILE`` then ``key=value`` overrides."""
+    parser = argparse.ArgumentParser(description=f"{recipe_class.name} recipe (run under torchrun)")
+    parser.add_argument("--config", default=default_config, help="YAML config (default: %(default)s)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=5")
+    options = parser.parse_args()
+    config = load_config(options.config, options.overrides)
+    timeout = config.trainer.timeout_s
+    runtime = RuntimeOptions(call_timeout_s=timeout, collective_timeout_s=timeout)
+    launch(lambda coordinator: recipe_class(config, coordinator).fit(), options=runtime)
+

@@ -1,0 +1,222 @@
+"""The actor: the policy being trained. It generates the rollouts with the built-in engine, computes their log-probs,
+estimates advantages where its DP shards already are, and takes PPO steps.
+
+Generation runs on each DP rank with a full copy of the current weights gathered from the FSDP shards, dropped again
+when the rollouts are done (the 3D-HybridEngine's TP resharding comes with the 3D-parallel issue). The engine runs the
+same model code as training, so rollout log-probs equal ``compute_log_probs`` on the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoTokenizer
+
+from ..algos import (
+    aggregate,
+    apply_kl_penalty,
+    broadcast_to_tokens,
+    entropy_bonus,
+    gae,
+    group_advantages,
+    kl_estimate,
+    masked_mean,
+    policy_loss,
+    scores_to_token_rewards,
+    whiten,
+)
+from ..config_schema import FrameworkConfig
+from ..data.batch import Batch
+from ..engine import LLMEngine, SamplingParams
+from ..runtime import RoleContext, data_parallel
+from .base import ModelWorker, union_all
+from .training import Trainer
+
+ADVANTAGE_ESTIMATORS = ("gae", "grpo")
+
+_SEED_STRIDE = 1_000_003
+
+
+def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -> int:
+    """The sampling seed of sample ``sample`` of the prompt with run-unique ``uid``: the same whatever the DP split."""
+    return (run_seed * _SEED_STRIDE + uid * samples_per_prompt + sample) % (2**63)
+
+
+class ActorWorker(ModelWorker):
+    def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
+        super().__init__(context, config, config.actor, head="lm", trainable=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.trainer = Trainer(self, config.actor, total_steps=config.trainer.total_steps, max_response_length=config.rollout.max_new_tokens)
+
+    @property
+    def temperature(self) -> float:
+        """Log-probs are those of the sampling distribution, softmax(logits / T); greedy counts as T = 1."""
+        return self.config.rollout.temperature or 1.0
+
+    # ---- generation --------------------------------------------------------------------------------------------
+
+    def _generation_model(self):
+        """A plain ``DecoderLM`` holding the full current weights in the compute dtype (gathered from the shards)."""
+        return self.full_model(getattr(torch, self.config.model.dtype)).eval()
+
+    def _engine(self, model, num_requests: int, max_length: int) -> LLMEngine:
+        rollout = self.config.rollout
+        sizing = {}
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            sizing["kv_cache_bytes"] = int(max(0, rollout.memory_fraction * total - (total - free)))
+        else:
+            # Host memory is plentiful relative to these caches: room for every request at full length, no preemption.
+            sizing["num_blocks"] = num_requests * -(-max_length // rollout.kv_block_size)
+        return LLMEngine(
+            model,
+            eos_token_id=self.tokenizer.eos_token_id,
+            block_size=rollout.kv_block_size,
+            max_num_seqs=rollout.max_num_seqs,
+            seed=self.config.trainer.seed,
+            **sizing,
+        )
+
+    @data_parallel
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """``rollout.n`` responses per prompt (rows of one prompt consecutive, ``group_size = n``) in the rollout layout,
+        responses padded to ``rollout.max_new_tokens`` so every DP shard has the same shape."""
+        rollout = self.config.rollout
+        n, response_length = rollout.n, rollout.max_new_tokens
+        prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
+        requests, params = [], []
+        for tokens, uid in zip(prompt_tokens, prompts["uid"].tolist()):
+            for sample in range(n):
+                requests.append(tokens)
+                params.append(
+                    SamplingParams(
+                        temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
+                        max_new_tokens=response_length, seed=sample_seed(self.config.trainer.seed, uid, sample, n),
+                    )
+                )
+        model = self._generation_model()
+        engine = self._engine(model, len(requests), prompts["input_ids"].shape[1] + response_length)
+        outputs = engine.generate(requests, params)
+        preemptions = engine.num_preemptions
+        del engine, model  # the KV cache and the gathered weights go before training resumes
+
+        rows = len(requests)
+        responses = torch.full((rows, response_length), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((rows, response_length), dtype=torch.long)
+        rollout_log_probs = torch.zeros((rows, response_length), dtype=torch.float32)
+        for row, output in enumerate(outputs):
+            length = len(output.generated_token_ids)
+            responses[row, :length] = torch.tensor(output.generated_token_ids)
+            response_mask[row, :length] = 1
+            rollout_log_probs[row, :length] = torch.tensor(output.log_probs)
+        repeated = prompts.repeat(n)
+        attention_mask = torch.cat([repeated["attention_mask"], response_mask], dim=1)
+        lengths = response_mask.sum(dim=1).double()
+        prompt_tokens = repeated["attention_mask"].sum().double()
+        clipped = (response_mask[:, -1] == 1).double().sum()
+        totals = self.sum_over_dp(torch.stack([lengths.sum(), torch.tensor(float(rows), dtype=torch.float64), clipped, prompt_tokens]))
+        extremes = self.max_over_dp(torch.stack([lengths.max(), -lengths.min()]))
+        metrics = {
+            "response_length/mean": float(totals[0] / totals[1]),
+            "response_length/max": float(extremes[0]),
+            "response_length/min": float(-extremes[1]),
+            "response_length/clip_ratio": float(totals[2] / totals[1]),
+            "rollout/generated_tokens": float(totals[0]),
+            "rollout/prompt_tokens": float(totals[3]),
+            "rollout/preemptions": float(self.sum_over_dp(torch.tensor(float(preemptions)))),
+        }
+        return Batch(
+            {
+                "prompts": repeated["input_ids"],
+                "responses": responses,
+                "response_mask": response_mask,
+                "input_ids": torch.cat([repeated["input_ids"], responses], dim=1),
+                "attention_mask": attention_mask,
+                "rollout_log_probs": rollout_log_probs,
+                "uid": repeated["uid"],
+            },
+            dict(repeated.non_tensors),
+            {"metrics": metrics},
+            group_size=n,
+        )
+
+    # ---- log-probs ---------------------------------------------------------------------------------------------
+
+    @data_parallel
+    def compute_log_probs(self, batch: Batch) -> Batch:
+        """``old_log_probs`` ``[rows, R]`` of the responses under the current policy (at the rollout temperature)."""
+        self.model.eval()
+        with torch.no_grad():
+            parts = [self.response_log_probs(micro, self.temperature)[0] for micro in self.forward_micro_batches(batch, "compute_log_probs")]
+        return Batch({"old_log_probs": torch.cat(parts).cpu()}, group_size=batch.group_size)
+
+    # ---- advantages --------------------------------------------------------------------------------------------
+
+    @data_parallel
+    def compute_advantages(self, *parts: Batch, estimator: str) -> Batch:
+        """``advantages`` (and ``returns`` for GAE) from the rollout and its scores, log-probs and values.
+
+        Runs where the rows already are, so per-token tensors never pass through the coordinator. ``estimator``:
+        ``gae`` (needs ``values``) or ``grpo`` (group baseline over the n samples of each prompt, which a DP shard
+        always holds whole). With ``algorithm.kl_penalty=reward`` the KL to the reference is subtracted from the
+        per-token rewards first. Whitening statistics are those of the whole batch over all DP ranks.
+        """
+        if estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {estimator!r} is unknown; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+        algorithm = self.config.algorithm
+        data = union_all(parts)
+        mask = data["response_mask"]
+        scores = data["scores"].float()
+        token_rewards = scores_to_token_rewards(scores, mask)
+        tensors: dict[str, torch.Tensor] = {}
+        sums = [scores.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]
+        if "ref_log_probs" in data.tensors:
+            kl = kl_estimate(data["old_log_probs"], data["ref_log_probs"], algorithm.kl_estimator)
+            per_sequence_kl = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+            sums.append(per_sequence_kl.sum().double())
+            if algorithm.kl_penalty == "reward":
+                token_rewards = apply_kl_penalty(token_rewards, kl, algorithm.kl_coef, mask)
+        if estimator == "gae":
+            advantages, returns = gae(token_rewards, data["values"].float(), mask, gamma=algorithm.gamma, lam=algorithm.lam)
+            tensors["returns"] = returns
+            if algorithm.normalize_advantages:
+                advantages = whiten(advantages, mask, sum_over_ranks=self.sum_over_dp)
+        else:
+            sequence_rewards = (token_rewards * mask).sum(dim=1)
+            advantages = broadcast_to_tokens(
+                group_advantages(sequence_rewards, data.group_size, normalize_std=algorithm.normalize_advantages), mask
+            )
+        tensors["advantages"] = advantages
+        totals = self.sum_over_dp(torch.stack(sums))
+        metrics = {"reward/mean": float(totals[0] / totals[1]), "advantages/mean": float(self.masked_mean_over_dp(advantages, mask))}
+        if len(sums) > 2:
+            metrics["kl/mean"] = float(totals[2] / totals[1])
+        return Batch(tensors, meta={"metrics": metrics}, group_size=data.group_size)
+
+    # ---- training ----------------------------------------------------------------------------------------------
+
+    def _policy_loss(self, micro: Batch, denominators) -> tuple[torch.Tensor, dict[str, float]]:
+        algorithm = self.config.algorithm
+        aggregation = algorithm.loss_aggregation
+        mask = micro["response_mask"].to(self.device)
+        log_probs, entropy = self.response_log_probs(micro, self.temperature, with_entropy=True)
+        loss, metrics = policy_loss(
+            log_probs, micro["old_log_probs"].to(self.device), micro["advantages"].to(self.device), mask,
+            clip_low=algorithm.clip_ratio_low, clip_high=algorithm.clip_ratio_high,
+            aggregation=aggregation, denominators=denominators,
+        )
+        if algorithm.entropy_coef:
+            loss = loss - algorithm.entropy_coef * entropy_bonus(entropy, mask, aggregation=aggregation, denominators=denominators)
+        if algorithm.kl_penalty == "loss":
+            kl = kl_estimate(log_probs, micro["ref_log_probs"].to(self.device), algorithm.kl_estimator)
+            loss = loss + algorithm.kl_coef * aggregate(kl, mask, aggregation, denominators)
+            metrics["actor/kl_loss"] = float(masked_mean(kl.detach(), mask))
+        metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+        # FSDP sums gradients over DP ranks; the loss is this micro-batch's share of the global mini-batch loss.
+        return loss, metrics
+
+    @data_parallel
+    def update_actor(self, *parts: Batch) -> dict[str, float]:
+        """PPO epochs over the rows of ``parts`` (together: the rollout, ``old_log_probs``, ``advantages``, and
+        ``ref_log_probs`` when the KL is a loss term); returns this rank's mean metrics."""
+        return self.trainer.update(union_all(parts), self._policy_loss, method="update_actor", prefix="actor")

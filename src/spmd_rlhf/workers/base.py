@@ -1,0 +1,141 @@
+"""What every model-holding role shares: loading its model sharded with FSDP2 over the role's DP mesh, collectives over
+that mesh, and micro-batched forward passes over the rollout layout.
+
+The rollout layout (made by ``ActorWorker.generate_sequences``): ``prompts`` ``[rows, P]`` left-padded, ``responses``
+``[rows, R]`` right-padded, ``input_ids = prompts ++ responses``, ``attention_mask`` over both, ``response_mask``
+``[rows, R]``. The model's output at position ``P - 1 + t`` predicts (or values) response token ``t``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer
+
+from ..config_schema import FrameworkConfig, RoleConfig
+from ..data.batch import Batch
+from ..models import DecoderLM, entropy_from_logits, load_model, log_probs_from_logits, model_from_tensors, save_pretrained
+from ..runtime import RoleContext, Worker, one_to_all
+
+
+# The value and score heads return a view ([..., 1] squeezed); outputs are never modified in place here, which is the
+# only case in which that view would matter to FSDP's backward hooks.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def union_all(parts: tuple[Batch, ...]) -> Batch:
+    """The fields of several batches over the same rows (e.g. a rollout, its scores and its log-probs) as one."""
+    batch = parts[0]
+    for part in parts[1:]:
+        batch = batch.union(part)
+    return batch
+
+
+class RoleWorker(Worker):
+    """A role of the RL loop: its config and collectives over its DP group."""
+
+    def __init__(self, context: RoleContext, config: FrameworkConfig, role_config: RoleConfig) -> None:
+        super().__init__(context)
+        self.config = config
+        self.role_config = role_config
+        self.dp_group = self.mesh["dp"].get_group()
+        self.dp_size = self.mesh["dp"].size()
+
+    # ---- collectives over the role's DP group ------------------------------------------------------------------
+
+    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of ``tensor`` over the DP ranks (a new tensor; gloo and NCCL alike)."""
+        total = tensor.detach().clone()
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        return total
+
+    def max_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.detach().clone()
+        if self.dp_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return total
+
+    def masked_mean_over_dp(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        mask = mask.to(torch.float64)
+        sums = self.sum_over_dp(torch.stack([(values.double() * mask).sum(), mask.sum()]))
+        return sums[0] / sums[1].clamp(min=1.0)
+
+    def check_equal_shards(self, batch: Batch, method: str) -> None:
+        """FSDP runs a collective per forward, so every DP rank must run the same number of micro-batches."""
+        rows = torch.tensor([len(batch), -len(batch)], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self.dp_group)
+        if int(rows[0]) != -int(rows[1]):
+            raise ValueError(
+                f"{self.context.name}.{method}: DP ranks got between {-int(rows[1])} and {int(rows[0])} rows; make the "
+                f"batch (data.batch_size x rollout.n responses) divide evenly over {self.dp_size} DP ranks"
+            )
+
+    def forward_micro_batches(self, batch: Batch, method: str) -> list[Batch]:
+        """Micro-batches of ``batch`` for a forward-only pass (``forward_micro_batch_size`` rows each)."""
+        self.check_equal_shards(batch, method)
+        return batch.chunk_rows(self.role_config.forward_micro_batch_size or self.role_config.micro_batch_size)
+
+
+class ModelWorker(RoleWorker):
+    """A role holding one ``DecoderLM`` (``self.model``), FSDP2-sharded over ``mesh["dp"]``."""
+
+    def __init__(
+        self, context: RoleContext, config: FrameworkConfig, role_config: RoleConfig, *, head: str, trainable: bool
+    ) -> None:
+        super().__init__(context, config, role_config)
+        path = role_config.model_path or config.model.path
+        torch.manual_seed(config.trainer.seed)
+        compute_dtype = getattr(torch, config.model.dtype)
+        # Trained roles keep float32 master weights and compute in model.dtype; frozen ones store model.dtype directly.
+        storage_dtype = torch.float32 if trainable else compute_dtype
+        model = load_model(path, head=head, dtype=storage_dtype, device=self.device, attention_backend=config.model.attention)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for layer in model.model.layers.values():
+            fully_shard(layer, mesh=self.mesh["dp"], mp_policy=policy)
+        fully_shard(model, mesh=self.mesh["dp"], mp_policy=policy)
+        if not trainable:
+            model.requires_grad_(False)
+        self.model: DecoderLM = model
+
+    # ---- forward passes over the rollout layout ----------------------------------------------------------------
+
+    def response_outputs(self, micro: Batch) -> torch.Tensor:
+        """The model's outputs at the positions that predict / value each response token: ``[rows, R, ...]``."""
+        response_length = micro["responses"].shape[1]
+        prompt_length = micro["input_ids"].shape[1] - response_length
+        outputs = self.model(micro["input_ids"].to(self.device), attention_mask=micro["attention_mask"].to(self.device))
+        return outputs[:, prompt_length - 1 : -1]
+
+    def response_log_probs(
+        self, micro: Batch, temperature: float, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs ``[rows, R]`` of the response tokens under softmax(logits / temperature), and optionally the
+        entropy of that distribution at each response position."""
+        logits = self.response_outputs(micro).float() / temperature
+        log_probs = log_probs_from_logits(logits, micro["responses"].to(self.device))
+        return log_probs, entropy_from_logits(logits) if with_entropy else None
+
+    # ---- whole weights -----------------------------------------------------------------------------------------
+
+    def full_model(self, dtype: torch.dtype) -> DecoderLM:
+        """A plain ``DecoderLM`` with the full weights gathered from the FSDP shards (every DP rank must call it)."""
+        tensors = {}
+        for name, param in self.model.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            tensors[name] = full.detach().to(dtype)
+        return model_from_tensors(self.model.args, tensors, head=self.model.head, attention_backend=self.config.model.attention)
+
+    @one_to_all
+    def save_pretrained(self, out_dir: str) -> str:
+        """Write the current weights as a Hugging Face directory (from the role's first rank); returns ``out_dir``."""
+        model = self.full_model(torch.float32)
+        if self.context.role_rank == 0:
+            tokenizer_path = self.config.model.tokenizer_path or self.config.model.path
+            save_pretrained(model, out_dir, tokenizer=AutoTokenizer.from_pretrained(tokenizer_path))
+        return out_dir

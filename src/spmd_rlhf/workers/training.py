@@ -1,0 +1,109 @@
+"""The update loop shared by trained roles: AdamW with warm-up + constant/cosine LR, PPO epochs x mini-batches x
+micro-batches with gradient accumulation, global-norm clipping.
+
+Loss normalisation makes an update independent of the DP size and the micro-batch size: each micro-batch's loss is its
+share of the whole mini-batch's loss (``algos.aggregation``, denominators counted over all DP ranks), its gradients are
+accumulated, and summed over DP ranks. Summed, that is exactly the gradient of
+the unsplit mini-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from ..algos import Denominators
+from ..config_schema import TrainableRoleConfig
+from ..data.batch import Batch
+from .base import ModelWorker
+
+LossFunction = Callable[[Batch, Denominators], tuple[torch.Tensor, dict[str, float]]]
+"""(micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss, metrics)."""
+
+
+def learning_rate_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak LR at optimizer-schedule step ``step``: linear warm-up from 0, then constant or cosine
+    decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Optimizer, schedule and update loop of one trained role (the actor or the critic)."""
+
+    def __init__(self, worker: ModelWorker, role_config: TrainableRoleConfig, *, total_steps: int, max_response_length: int) -> None:
+        self.worker = worker
+        self.role_config = role_config
+        self.max_response_length = max_response_length
+        model = worker.model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=role_config.lr, betas=tuple(role_config.betas), weight_decay=role_config.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: learning_rate_factor(
+                step, warmup_steps=role_config.warmup_steps, schedule=role_config.lr_schedule,
+                total_steps=total_steps, min_lr_ratio=role_config.min_lr_ratio,
+            ),
+        )
+
+    def rows_per_mini_batch(self, batch: Batch, method: str) -> int:
+        dp_size = self.worker.dp_size
+        mini_batch_size = self.role_config.mini_batch_size
+        if mini_batch_size % dp_size:
+            raise ValueError(
+                f"{self.worker.context.name}.mini_batch_size={mini_batch_size} must divide over {dp_size} DP ranks "
+                f"({self.worker.context.name}.{method})"
+            )
+        rows = mini_batch_size // dp_size
+        if len(batch) % rows:
+            raise ValueError(
+                f"{self.worker.context.name}.{method}: {len(batch)} rows per DP rank do not split into mini-batches of "
+                f"{rows} ({self.worker.context.name}.mini_batch_size={mini_batch_size} over {dp_size} ranks)"
+            )
+        return rows
+
+    def update(self, batch: Batch, loss_function: LossFunction, *, method: str, prefix: str) -> dict[str, float]:
+        """PPO epochs over ``batch`` (this rank's rows), one optimizer step per mini-batch; returns mean metrics."""
+        self.worker.check_equal_shards(batch, method)
+        rows = self.rows_per_mini_batch(batch, method)
+        model = self.worker.model
+        model.train()
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.role_config.ppo_epochs):
+            for mini in batch.chunk_rows(rows):
+                mask = mini["response_mask"]
+                counts = self.worker.sum_over_dp(torch.tensor([float(mask.sum()), float(len(mini))], dtype=torch.float64))
+                denominators = Denominators(float(counts[0]), float(counts[1]), float(self.max_response_length))
+                mini_batch_loss = torch.zeros((), dtype=torch.float64)
+                for micro in mini.chunk_rows(self.role_config.micro_batch_size):
+                    loss, micro_metrics = loss_function(micro, denominators)
+                    # FSDP averages gradients over DP ranks; each rank's loss is already its share of the global
+                    # mini-batch loss, so scale by the DP size to make the average a sum (gloo has no pre-scaled sum).
+                    (loss * self.worker.dp_size).backward()
+                    mini_batch_loss += float(loss.detach())
+                    for key, value in micro_metrics.items():
+                        metrics[key].append(value)
+                metrics[f"{prefix}/loss"].append(float(self.worker.sum_over_dp(mini_batch_loss)))
+                metrics[f"{prefix}/grad_norm"].append(self._step())
+        metrics[f"{prefix}/lr"].append(self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return {key: sum(values) / len(values) for key, values in metrics.items()}
+
+    def _step(self) -> float:
+        """Clip, step and zero the gradients; a non-finite gradient norm skips the step (counted, never applied)."""
+        parameters = [p for p in self.worker.model.parameters() if p.grad is not None]
+        clip = self.role_config.grad_clip if self.role_config.grad_clip is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(parameters, clip)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
