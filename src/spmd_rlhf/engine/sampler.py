@@ -41,11 +41,15 @@ class Sampler:
         scaled = logits / temperatures[:, None]
         log_probs = scaled.log_softmax(dim=-1)
         tokens = scaled.argmax(dim=-1).tolist()
-        for row, (row_params, generator) in enumerate(zip(params, generators)):
-            if row_params.greedy:
-                continue
-            filtered = filter_logits(scaled[row : row + 1], top_k=row_params.top_k, top_p=row_params.top_p)
+        sampled = [row for row, row_params in enumerate(params) if not row_params.greedy]
+        if sampled:
+            filtered = torch.cat([
+                filter_logits(scaled[row : row + 1], top_k=params[row].top_k, top_p=params[row].top_p) for row in sampled
+            ])
+            # One copy to the host for all rows: the per-request generators are CPU generators, so a seed gives the
+            # same tokens on any device.
             probabilities = filtered.softmax(dim=-1).cpu()
-            tokens[row] = int(torch.multinomial(probabilities, 1, generator=generator or self._shared))
+            for probability_row, row in zip(probabilities, sampled):
+                tokens[row] = int(torch.multinomial(probability_row, 1, generator=generators[row] or self._shared))
         chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1)
         return tokens, chosen.tolist()

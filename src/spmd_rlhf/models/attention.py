@@ -161,7 +161,9 @@ def _flash_paged_attention(q: torch.Tensor, paged: PagedKV, layer_index: int, sc
     return out[None]
 
 
-def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, layer_index: int, scale: float) -> torch.Tensor:
+def _paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, layer_index: int, scale: float
+) -> torch.Tensor:
     paged = batch.paged
     paged.write(layer_index, k[0], v[0])
     if batch.backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
@@ -183,7 +185,13 @@ def _dense_attention(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, *, scale: float, layer_index: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: AttentionBatch,
+    *,
+    scale: float,
+    layer_index: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[b, s, heads, d]`` over ``k, v`` ``[b, s, kv_heads, d]``; returns ``[b, s, heads, d]``.
 
