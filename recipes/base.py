@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -156,12 +157,15 @@ class RLRecipe:
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def fit(self) -> list[dict[str, float]]:
-        """Run ``trainer.total_steps`` steps, logging each and saving as configured; returns every step's metrics."""
+        """Run up to ``trainer.total_steps`` steps (resuming as ``trainer.resume`` says), logging each and saving as
+        configured; returns the metrics of the steps run."""
         if not self.roles:
             self.setup()
         trainer = self.config.trainer
+        checkpoint = self.resume_checkpoint()
+        start = self.load(checkpoint) if checkpoint else 0
         history = []
-        for step in range(trainer.total_steps):
+        for step in range(start, trainer.total_steps):
             started = time.perf_counter()
             metrics = self.step(step)
             metrics.setdefault("time/step", time.perf_counter() - started)
@@ -173,21 +177,54 @@ class RLRecipe:
                 self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1)
         return history
 
-    def save(self, out_dir: str, *, step: int) -> str:
-        """Hugging Face directories of the trained roles plus ``trainer_state.json``; ``latest`` is updated last.
+    def trained_roles(self) -> list[str]:
+        return [name for name in ("actor", "critic") if name in self.roles]
 
-        Optimizer state is not saved yet (exact resume comes with sharded DCP checkpoints), so this is an export
-        for evaluation and serving, not a resume point."""
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        for name in ("actor", "critic"):
-            if name in self.roles:
-                self.roles[name].save_pretrained(os.path.join(out_dir, name)).result()
-        Path(out_dir, "trainer_state.json").write_text(json.dumps({"step": step, "recipe": self.name}))
+    def save(self, out_dir: str, *, step: int) -> str:
+        """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume)
+        and its weights as a Hugging Face directory (``<out_dir>/actor``), plus ``trainer_state.json``.
+
+        Written under ``<out_dir>.tmp`` and renamed when complete; ``<output_dir>/latest`` names it last, so a crash
+        mid-save never leaves a checkpoint that looks whole."""
+        final = Path(out_dir)
+        staging = final.with_name(final.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for name in self.trained_roles():
+            self.roles[name].save_checkpoint(str(staging / f"{name}_state")).result()
+            self.roles[name].save_pretrained(str(staging / name)).result()
+        (staging / "trainer_state.json").write_text(json.dumps({"step": step, "recipe": self.name}))
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
         latest = Path(self.config.trainer.output_dir, "latest")
         temporary = latest.with_suffix(".tmp")
-        temporary.write_text(os.path.basename(out_dir))
+        temporary.write_text(final.name)
         temporary.replace(latest)
         return out_dir
+
+    def load(self, checkpoint_dir: str) -> int:
+        """Restore the trained roles from a checkpoint written by ``save``; returns the step to continue from."""
+        state_file = Path(checkpoint_dir, "trainer_state.json")
+        if not state_file.is_file():
+            raise ValueError(f"{checkpoint_dir} is not a checkpoint (no trainer_state.json); check trainer.resume")
+        state = json.loads(state_file.read_text())
+        if state["recipe"] != self.name:
+            raise ValueError(f"{checkpoint_dir} was written by the {state['recipe']} recipe, not {self.name}")
+        for name in self.trained_roles():
+            self.roles[name].load_checkpoint(str(Path(checkpoint_dir, f"{name}_state"))).result()
+        return int(state["step"])
+
+    def resume_checkpoint(self) -> str | None:
+        """The checkpoint ``trainer.resume`` points at: auto = ``<output_dir>/latest`` if present, null = none."""
+        resume, output_dir = self.config.trainer.resume, self.config.trainer.output_dir
+        if resume is None:
+            return None
+        if resume == "auto":
+            latest = Path(output_dir, "latest")
+            return str(Path(output_dir, latest.read_text().strip())) if latest.is_file() else None
+        if not Path(resume).is_dir():
+            raise ValueError(f"trainer.resume={resume}: no such checkpoint directory")
+        return resume
 
 
 def main(recipe_class: type[RLRecipe], default_config: str) -> None:

@@ -46,8 +46,26 @@ def test_default_recipe_raises_the_reward(assets, name):
     assert (assets / name / "out" / "latest").read_text() == "step_150"
 
 
-def test_same_seed_same_metrics(assets):
-    runs = [run_recipe("grpo", assets / f"seeded_{index}", "trainer.total_steps=4") for index in range(2)]
-    strip = lambda records: [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]  # noqa: E731
-    assert strip(runs[0]) == strip(runs[1])
-    assert len({record["reward/mean"] for record in runs[0]}) > 1  # the metrics do move from step to step
+def without_timings(records: list[dict]) -> list[dict]:
+    return [{key: value for key, value in record.items() if not key.startswith(TIMING_PREFIXES)} for record in records]
+
+
+@pytest.fixture(scope="module")
+def four_steps(assets) -> list[dict]:
+    return run_recipe("grpo", assets / "four_steps", "trainer.total_steps=4")
+
+
+def test_same_seed_same_metrics(assets, four_steps):
+    again = run_recipe("grpo", assets / "four_steps_again", "trainer.total_steps=4")
+    assert without_timings(again) == without_timings(four_steps)
+    assert len({record["reward/mean"] for record in four_steps}) > 1  # the metrics do move from step to step
+
+
+def test_resume_continues_exactly(assets, four_steps):
+    workdir = assets / "resumed"
+    run_recipe("grpo", workdir, "trainer.total_steps=2")
+    resumed = run_recipe("grpo", workdir, "trainer.total_steps=4")  # trainer.resume=auto finds out/latest
+    assert [record["step"] for record in resumed] == [0, 1, 2, 3]
+    assert without_timings(resumed) == without_timings(four_steps)
+    assert (workdir / "out" / "latest").read_text() == "step_4"
+    assert not (workdir / "out" / "step_4.tmp").exists()

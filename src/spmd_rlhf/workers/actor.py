@@ -28,8 +28,8 @@ from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
 from ..engine import LLMEngine, SamplingParams
 from ..runtime import RoleContext, data_parallel
-from .base import ModelWorker, union_all
-from .training import Trainer
+from .base import union_all
+from .training import TrainedWorker
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo")
 
@@ -41,12 +41,11 @@ def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -
     return (run_seed * _SEED_STRIDE + uid * samples_per_prompt + sample) % (2**63)
 
 
-class ActorWorker(ModelWorker):
+class ActorWorker(TrainedWorker):
     def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
-        super().__init__(context, config, config.actor, head="lm", trainable=True)
+        super().__init__(context, config, config.actor, head="lm")
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.trainer = Trainer(self, config.actor, total_steps=config.trainer.total_steps, max_response_length=config.rollout.max_new_tokens)
 
     @property
     def temperature(self) -> float:

@@ -8,14 +8,13 @@ from ..algos import Denominators, masked_mean, value_loss
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
 from ..runtime import RoleContext, data_parallel
-from .base import ModelWorker, union_all
-from .training import Trainer
+from .base import union_all
+from .training import TrainedWorker
 
 
-class CriticWorker(ModelWorker):
+class CriticWorker(TrainedWorker):
     def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
-        super().__init__(context, config, config.critic, head="value", trainable=True)
-        self.trainer = Trainer(self, config.critic, total_steps=config.trainer.total_steps, max_response_length=config.rollout.max_new_tokens)
+        super().__init__(context, config, config.critic, head="value")
 
     @data_parallel
     def compute_values(self, batch: Batch) -> Batch:

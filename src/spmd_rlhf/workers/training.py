@@ -14,10 +14,13 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..algos import Denominators
-from ..config_schema import TrainableRoleConfig
+from ..config_schema import FrameworkConfig, TrainableRoleConfig
 from ..data.batch import Batch
+from ..runtime import RoleContext, one_to_all
 from .base import ModelWorker
 
 LossFunction = Callable[[Batch, Denominators], tuple[torch.Tensor, dict[str, float]]]
@@ -97,6 +100,20 @@ class Trainer:
         self.scheduler.step()
         return {key: sum(values) / len(values) for key, values in metrics.items()}
 
+    def save(self, checkpoint_dir: str) -> None:
+        """Sharded model, optimizer and LR-schedule state with DCP: each DP rank writes its own shards."""
+        model_state, optimizer_state = get_state_dict(self.worker.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
+        dcp.save(state, checkpoint_id=checkpoint_dir, process_group=self.worker.dp_group)
+
+    def load(self, checkpoint_dir: str) -> None:
+        """Restore what ``save`` wrote (any DP size can load it: DCP reshards on load)."""
+        model_state, optimizer_state = get_state_dict(self.worker.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
+        dcp.load(state, checkpoint_id=checkpoint_dir, process_group=self.worker.dp_group)
+        set_state_dict(self.worker.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
     def _step(self) -> float:
         """Clip, step and zero the gradients; a non-finite gradient norm skips the step (counted, never applied)."""
         parameters = [p for p in self.worker.model.parameters() if p.grad is not None]
@@ -107,3 +124,20 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+
+class TrainedWorker(ModelWorker):
+    """A role that trains its model (actor, critic): a ``Trainer`` plus checkpointing of the training state."""
+
+    def __init__(self, context: RoleContext, config: FrameworkConfig, role_config: TrainableRoleConfig, *, head: str) -> None:
+        super().__init__(context, config, role_config, head=head, trainable=True)
+        self.trainer = Trainer(self, role_config, total_steps=config.trainer.total_steps, max_response_length=config.rollout.max_new_tokens)
+
+    @one_to_all
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """Sharded training state (weights, optimizer, LR schedule) for an exact resume."""
+        self.trainer.save(checkpoint_dir)
+
+    @one_to_all
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        self.trainer.load(checkpoint_dir)
