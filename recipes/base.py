@@ -167,8 +167,12 @@ class RLRecipe:
         history = []
         for step in range(start, trainer.total_steps):
             started = time.perf_counter()
+            sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
             metrics = self.step(step)
             metrics.setdefault("time/step", time.perf_counter() - started)
+            # Control-plane bytes of the step: O(batch) (prompts, handles, metrics), never per-token tensors.
+            metrics["coordinator/bytes_sent"] = self.coordinator.bytes_sent - sent
+            metrics["coordinator/bytes_received"] = self.coordinator.bytes_received - received
             history.append(metrics)
             if step % trainer.log_every == 0 or step == trainer.total_steps - 1:
                 self.metrics_logger.log(step, metrics)

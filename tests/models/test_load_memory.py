@@ -9,8 +9,12 @@ import textwrap
 _SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    import transformers.models.auto.configuration_auto  # imported up front so import memory is not counted as loading
+    import transformers
     from spmd_rlhf.models import load_model
+
+    # Reading the config once up front imports whatever transformers loads lazily (accelerate and its dependencies,
+    # when installed), so import memory is not counted as loading.
+    transformers.AutoConfig.from_pretrained(sys.argv[1])
 
     def peak_bytes():
         for line in open("/proc/self/status"):

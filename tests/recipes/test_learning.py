@@ -10,7 +10,7 @@ import pytest
 from torchrun_helpers import torchrun
 
 RECIPES = Path(__file__).parents[2] / "recipes"
-TIMING_PREFIXES = ("time/", "throughput/")
+TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
 
 
 def run_recipe(name: str, workdir: Path, *overrides: str) -> list[dict]:
@@ -42,6 +42,9 @@ def test_default_recipe_raises_the_reward(assets, name):
     assert last > first + 0.08, (first, last)
     for key in ("reward/mean", "response_length/mean", "kl/mean", "time/step", "time/generate", "throughput/tokens_per_s"):
         assert key in records[-1], key
+    # What comes back to the coordinator is handles and metrics, about 2 KB a step; the rollout alone (ids, masks and
+    # log-probs of 64 rows) would be over 15 KB. What it sends is mostly the prompt batch itself.
+    assert max(record["coordinator/bytes_received"] for record in records) < 8_000
     assert (assets / name / "out" / "step_150" / "actor" / "model.safetensors").is_file()
     assert (assets / name / "out" / "latest").read_text() == "step_150"
 
