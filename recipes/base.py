@@ -30,7 +30,7 @@ from spmd_rlhf.config import load_config
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks
-from spmd_rlhf.runtime import Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch
+from spmd_rlhf.runtime import BatchRef, Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch
 from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
 
 TINY_MODEL_DIR = "tiny/model"
@@ -135,24 +135,39 @@ class RLRecipe:
     def step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
 
+    def experience(self, step: int, timer: StageTimer) -> list[BatchRef]:
+        """What every algorithm's update starts from: the step's rollouts, their scores, their log-probs under the
+        current policy and, with a reference role, under the reference."""
+        prompts = self.loader.batch(step)
+        with timer("generate"):
+            rollout = self.actor.generate_sequences(prompts).result()
+        with timer("reward"):
+            scores = self.reward.compute_rewards(rollout).result()
+        with timer("old_log_probs"):
+            old_log_probs = self.actor.compute_log_probs(rollout).result()
+        parts = [rollout, scores, old_log_probs]
+        if "reference" in self.roles:
+            with timer("ref_log_probs"):
+                parts.append(self.reference.compute_log_probs(rollout).result())
+        return parts
+
     @staticmethod
-    def collect(timer: StageTimer, *results: Any) -> dict[str, float]:
-        """The step's metrics: those the workers put in batch meta or returned per DP rank, plus stage times."""
+    def step_metrics(started: float, timer: StageTimer, *results: Any) -> dict[str, float]:
+        """The step's metrics: those the workers put in batch meta or returned per DP rank, stage times, step time and
+        tokens per second (prompt + response tokens of the step; generated tokens per second of generation)."""
         metrics: dict[str, float] = {}
         for result in results:
             if isinstance(result, list):
                 metrics.update(mean_over_ranks(result))
             else:
                 metrics.update(result.meta.get("metrics", {}))
-        return {**metrics, **timer.metrics()}
-
-    @staticmethod
-    def add_throughput(metrics: dict[str, float], seconds: float) -> None:
-        """Step time and tokens per second: prompt + response tokens of the step, and generated tokens alone."""
+        metrics.update(timer.metrics())
+        seconds = time.perf_counter() - started
         metrics["time/step"] = seconds
         metrics["throughput/tokens_per_s"] = (metrics["rollout/prompt_tokens"] + metrics["rollout/generated_tokens"]) / seconds
         if metrics.get("time/generate"):
             metrics["throughput/generated_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/generate"]
+        return metrics
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
@@ -166,10 +181,8 @@ class RLRecipe:
         start = self.load(checkpoint) if checkpoint else 0
         history = []
         for step in range(start, trainer.total_steps):
-            started = time.perf_counter()
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
             metrics = self.step(step)
-            metrics.setdefault("time/step", time.perf_counter() - started)
             # Control-plane bytes of the step: O(batch) (prompts, handles, metrics), never per-token tensors.
             metrics["coordinator/bytes_sent"] = self.coordinator.bytes_sent - sent
             metrics["coordinator/bytes_received"] = self.coordinator.bytes_received - received

@@ -16,28 +16,17 @@ class PPORecipe(RLRecipe):
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
-        prompts = self.loader.batch(step)
-        with timer("generate"):
-            rollout = self.actor.generate_sequences(prompts).result()
-        with timer("reward"):
-            scores = self.reward.compute_rewards(rollout).result()
-        with timer("old_log_probs"):
-            old_log_probs = self.actor.compute_log_probs(rollout).result()
+        inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        rollout = inputs[0]
         with timer("values"):
             values = self.critic.compute_values(rollout).result()
-        inputs = [rollout, scores, old_log_probs, values]
-        if "reference" in self.roles:
-            with timer("ref_log_probs"):
-                inputs.append(self.reference.compute_log_probs(rollout).result())
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, estimator="gae").result()
+            advantages = self.actor.compute_advantages(*inputs, values, estimator="gae").result()
         with timer("update_critic"):
             critic_metrics = self.critic.update_critic(rollout, values, advantages).result()
         with timer("update_actor"):
             actor_metrics = self.actor.update_actor(*inputs, advantages).result()
-        metrics = self.collect(timer, rollout, scores, advantages, critic_metrics, actor_metrics)
-        self.add_throughput(metrics, time.perf_counter() - started)
-        return metrics
+        return self.step_metrics(started, timer, *inputs, advantages, critic_metrics, actor_metrics)
 
 
 if __name__ == "__main__":

@@ -58,15 +58,14 @@ class ActorWorker(TrainedWorker):
         """A plain ``DecoderLM`` holding the full current weights in the compute dtype (gathered from the shards)."""
         return self.full_model(getattr(torch, self.config.model.dtype)).eval()
 
-    def _engine(self, model, num_requests: int, max_length: int) -> LLMEngine:
+    def _engine(self, model) -> LLMEngine:
         rollout = self.config.rollout
         sizing = {}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             sizing["kv_cache_bytes"] = int(max(0, rollout.memory_fraction * total - (total - free)))
-        else:
-            # Host memory is plentiful relative to these caches: room for every request at full length, no preemption.
-            sizing["num_blocks"] = num_requests * -(-max_length // rollout.kv_block_size)
+        # Elsewhere the engine sizes its cache to run every request to full length (host memory is plentiful
+        # relative to the caches of CPU-sized models), so nothing is ever preempted.
         return LLMEngine(
             model,
             eos_token_id=self.tokenizer.eos_token_id,
@@ -94,7 +93,7 @@ class ActorWorker(TrainedWorker):
                     )
                 )
         model = self._generation_model()
-        engine = self._engine(model, len(requests), prompts["input_ids"].shape[1] + response_length)
+        engine = self._engine(model)
         outputs = engine.generate(requests, params)
         preemptions = engine.num_preemptions
         del engine, model  # the KV cache and the gathered weights go before training resumes

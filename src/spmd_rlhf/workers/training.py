@@ -115,7 +115,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
 
     def _step(self) -> float:
-        """Clip, step and zero the gradients; a non-finite gradient norm skips the step (counted, never applied)."""
+        """Clip, step and zero the gradients; a non-finite gradient norm skips the step (never applied; it shows as
+        a non-finite ``grad_norm`` in the metrics)."""
         parameters = [p for p in self.worker.model.parameters() if p.grad is not None]
         clip = self.role_config.grad_clip if self.role_config.grad_clip is not None else math.inf
         norm = torch.nn.utils.clip_grad_norm_(parameters, clip)
