@@ -25,6 +25,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         "gpu": ["flash-attn>=2.6"],
         "logging": ["tensorboard>=2.16", "wandb>=0.17"],
+        "bench": ["trl>=1.16,<2"],
     },
     entry_points={"console_scripts": ["spmd-rlhf=spmd_rlhf.cli:main"]},
 )

@@ -1,0 +1,361 @@
+"""GRPO end to end on CPU: the spmd_rlhf recipe against TRL's ``GRPOTrainer``, same model, prompts, reward and sizes.
+
+    pip install -e '.[bench]'      # TRL; without it only the spmd_rlhf half runs
+    python benchmarks/e2e_cpu.py [--config tiny|tiny_gen32|small_gen32] [--nproc 2] [--trl-launch both]
+                                 [--steps 12] [--warmup 2] [--rounds 1]
+
+Each named config fixes the model shape (qwen2 family from ``make_tiny``, random init), prompts per step, responses
+per prompt, and new tokens; everything else (learning rate, KL coefficient and estimator, clip ratios, optimizer,
+temperature) comes from ``recipes/configs/grpo.yaml`` and is handed to TRL as the matching ``GRPOConfig`` field.
+
+1. spmd_rlhf: ``recipes/grpo.py`` under ``torch.distributed.run --nproc-per-node N`` (one thread per rank) in a fresh
+   temporary directory, where the recipe builds the arithmetic task on first use; ``metrics.jsonl`` gives every
+   step's time, stage times and generated tokens. The reference gets the actor's micro-batch (grpo.yaml leaves it
+   at the default 4), as TRL's reference pass uses the training micro-batch.
+2. TRL: the same model directory, the task's parquet rows (conversational ``prompt`` column), the package's rule
+   reward, one optimizer step per generation batch, fp32, no vLLM, no gradient checkpointing. It runs in one
+   process with N threads, and under torchrun as N single-thread processes (DDP over gloo); a callback times each
+   step, and the trainer's ``_generate`` and ``_generate_and_score_completions`` are timed for the stage split.
+
+The runs take turns on the same cores, never overlapping. The first ``--warmup`` steps of each are left out and the
+table gives per-step medians, which a busy neighbour on a shared machine moves less than means (the JSON also has
+mean step times and the load average before and after); ``--rounds R`` alternates the runs R times and keeps each
+one's fastest round. Ratios are spmd_rlhf / TRL: below 1 is faster for time, above 1 faster for rates. Generation
+alone (engine against ``transformers`` ``generate``) is measured by ``benchmarks/engine_generate.py``. Writes
+``benchmarks/results/e2e_cpu_<config>.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from spmd_rlhf.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "grpo.py"
+RECIPE_CONFIG = ROOT / "recipes" / "configs" / "grpo.yaml"
+TRAIN_FILE = "tiny/task/train.parquet"
+
+CONFIGS = {
+    # recipes/configs/grpo.yaml as shipped: many short responses, so training dominates generation.
+    "tiny": dict(hidden_size=64, num_layers=2, prompts=8, n=16, max_new_tokens=4, micro_batch_size=32),
+    # Fewer, longer responses: generation is a larger share of the step.
+    "tiny_gen32": dict(hidden_size=64, num_layers=2, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
+    # A wider, deeper model, so that kernels rather than per-call overheads take the time.
+    "small_gen32": dict(hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
+}
+
+def _summary(*, launch: str, wall_s: float, samples: int, step_s: list[float], generated: list[float],
+             reward: list[float], stages: dict[str, list[float]]) -> dict:
+    """Per-step medians (robust to a busy neighbour on a shared machine) and the rates they give."""
+    step = statistics.median(step_s)
+    return {
+        "launch": launch, "measured_steps": len(step_s), "wall_s_with_startup": wall_s,
+        "step_s": step, "step_s_mean": statistics.fmean(step_s), "steps_per_s": 1 / step,
+        "samples_per_s": samples / step, "generated_tokens_per_step": statistics.fmean(generated),
+        "generated_tokens_per_s": statistics.fmean(generated) / step, "reward_mean": statistics.fmean(reward),
+        "stage_s": {name: statistics.median(seconds) for name, seconds in stages.items()},
+    }
+
+
+def _run(command: list[str], *, cwd: str, threads: int, log: Path) -> float:
+    """Run ``command`` with ``threads`` OpenMP threads per process, output to ``log``; wall seconds. Fails loudly."""
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        finished = subprocess.run(command, cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - started
+    if finished.returncode:
+        tail = log.read_text().splitlines()[-80:]
+        raise RuntimeError(f"{' '.join(command)} exited with {finished.returncode}; last lines of {log}:\n" + "\n".join(tail))
+    return seconds
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+# ---- spmd_rlhf ---------------------------------------------------------------------------------------------------
+
+
+def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: int) -> dict:
+    """The GRPO recipe for ``spec['steps']`` steps in ``workdir``; per-step medians over the steps after ``warmup``."""
+    samples = spec["prompts"] * spec["n"]
+    overrides = [
+        f"trainer.total_steps={spec['steps']}", f"trainer.output_dir={out_dir}", "trainer.loggers=[jsonl]",
+        "trainer.save_every=0", f"data.batch_size={spec['prompts']}", f"rollout.n={spec['n']}",
+        f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.mini_batch_size={samples}",
+        f"actor.micro_batch_size={spec['micro_batch_size']}", f"reference.micro_batch_size={spec['micro_batch_size']}",
+    ]
+    command = _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
+    wall = _run(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
+    with open(out_dir / "metrics.jsonl") as lines:
+        steps = [json.loads(line) for line in lines][warmup:]
+    scoring = ("reward", "old_log_probs", "ref_log_probs", "advantages")
+    return _summary(
+        launch=f"torchrun, {nproc} ranks x 1 thread", wall_s=wall, samples=samples,
+        step_s=[row["time/step"] for row in steps], generated=[row["rollout/generated_tokens"] for row in steps],
+        reward=[row["reward/mean"] for row in steps],
+        stages={
+            "generate": [row["time/generate"] for row in steps],
+            "score_and_log_probs": [sum(row.get(f"time/{stage}", 0.0) for stage in scoring) for row in steps],
+            "update": [row["time/update_actor"] for row in steps],
+            **{stage: [row.get(f"time/{stage}", 0.0) for row in steps] for stage in scoring},
+        },
+    )
+
+
+# ---- TRL ---------------------------------------------------------------------------------------------------------
+
+
+class StepClock(TrainerCallback):
+    """Wall seconds of every optimizer step (generation, scoring and update included) and the trainer's log rows."""
+
+    def __init__(self) -> None:
+        self.step_seconds: list[float] = []
+        self.logs: list[dict] = []
+        self._started = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self._started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.step_seconds.append(time.perf_counter() - self._started)
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        if logs and "completions/mean_length" in logs:
+            self.logs.append(dict(logs))
+
+
+def _time_method(owner: object, name: str, seconds: list[float]) -> None:
+    """Wrap ``owner.name`` so that each call's wall time is appended to ``seconds``."""
+    method = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        result = method(*args, **kwargs)
+        seconds.append(time.perf_counter() - started)
+        return result
+
+    setattr(owner, name, timed)
+
+
+def trl_worker(spec_path: str) -> None:
+    """One TRL GRPO run as described by the JSON file at ``spec_path``; writes its raw timings to ``spec['result']``."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from spmd_rlhf.rewards import RuleReward
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    samples = spec["prompts"] * spec["n"]
+    rule = RuleReward(spec["rule"])
+
+    def rule_reward(completions, data_source, reward_model, extra_info, **kwargs) -> list[float]:
+        return [
+            rule.score(source, completion[0]["content"], model["ground_truth"], extra)[0]
+            for completion, source, model, extra in zip(completions, data_source, reward_model, extra_info)
+        ]
+
+    config = GRPOConfig(
+        output_dir=spec["output_dir"], use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=spec["seed"], max_steps=spec["steps"],
+        per_device_train_batch_size=spec["micro_batch_size"],
+        gradient_accumulation_steps=samples // (spec["micro_batch_size"] * world),
+        num_generations=spec["n"], max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
+        top_k=spec["top_k"], top_p=spec["top_p"],
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=spec["weight_decay"],
+        adam_beta1=spec["betas"][0], adam_beta2=spec["betas"][1], max_grad_norm=spec["grad_clip"],
+        beta=spec["kl_coef"], epsilon=spec["clip_low"], epsilon_high=spec["clip_high"], num_iterations=1,
+        loss_type="dapo", scale_rewards="group", bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False,
+        model_init_kwargs={"dtype": "float32"},
+    )
+    dataset = Dataset.from_parquet(spec["train_file"])
+    clock = StepClock()
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=rule_reward, args=config, train_dataset=dataset, callbacks=[clock])
+    generate_s: list[float] = []
+    generate_and_score_s: list[float] = []
+    _time_method(trainer, "_generate", generate_s)
+    _time_method(trainer, "_generate_and_score_completions", generate_and_score_s)
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        Path(spec["result"]).write_text(json.dumps({
+            "world": world, "step_s": clock.step_seconds, "generate_s": generate_s,
+            "generate_and_score_s": generate_and_score_s, "logs": clock.logs,
+        }))
+
+
+def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int) -> dict:
+    """TRL's GRPO in a subprocess (one process, or ``nproc`` under torchrun); per-step medians after ``warmup``."""
+    workdir.mkdir()
+    spec = {**spec, "threads": threads, "output_dir": str(workdir / "trl_out"), "result": str(workdir / "trl_result.json")}
+    spec_path = workdir / "trl_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    launcher = [sys.executable] if nproc == 1 else _torchrun(nproc)
+    wall = _run(launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
+                cwd=str(workdir), threads=threads, log=workdir / "trl.log")
+    raw = json.loads(Path(spec["result"]).read_text())
+    step_s, generate, generate_and_score = (raw[key][warmup:] for key in ("step_s", "generate_s", "generate_and_score_s"))
+    logs = raw["logs"][warmup:]
+    if not len(step_s) == len(generate) == len(generate_and_score) == len(logs):
+        raise RuntimeError(f"TRL did not generate once per optimizer step ({len(generate)} generations, {len(step_s)} steps)")
+    samples = spec["prompts"] * spec["n"]
+    per_process = f"{threads} thread" + ("s" if threads > 1 else "")
+    launch = f"1 process x {per_process}" if nproc == 1 else f"torchrun, {nproc} processes x {per_process}"
+    return _summary(
+        launch=launch, wall_s=wall, samples=samples, step_s=step_s,
+        generated=[row["completions/mean_length"] * samples for row in logs], reward=[row["reward"] for row in logs],
+        stages={
+            "generate": generate,
+            "score_and_log_probs": [both - alone for both, alone in zip(generate_and_score, generate)],
+            "update": [step - both for step, both in zip(step_s, generate_and_score)],
+        },
+    )
+
+
+# ---- report ------------------------------------------------------------------------------------------------------
+
+ROWS = (  # label, key, format, whether the ratio spmd_rlhf / TRL is printed
+    ("time per step (s)", "step_s", ".3f", True),
+    ("steps/s", "steps_per_s", ".2f", False),
+    ("samples/s (responses)", "samples_per_s", ".1f", True),
+    ("generated tokens/s", "generated_tokens_per_s", ".0f", True),
+    ("generated tokens per step", "generated_tokens_per_step", ".0f", False),
+    ("generate (s/step)", "generate", ".3f", False),
+    ("reward + log-probs + advantages (s/step)", "score_and_log_probs", ".3f", False),
+    ("update (s/step)", "update", ".3f", False),
+    ("wall time incl. start-up (s)", "wall_s_with_startup", ".1f", False),
+    ("mean reward over measured steps", "reward_mean", ".3f", False),
+)
+
+
+def _value(run: dict, key: str) -> float:
+    return run["stage_s"][key] if key in run["stage_s"] else run[key]
+
+
+def _table(result: dict) -> str:
+    spec, ours, trl = result["config"], result["spmd_rlhf"], result["trl"]
+    header = (
+        f"GRPO `{result['name']}`: qwen2 hidden {spec['hidden_size']} x {spec['num_layers']} layers, vocab "
+        f"{result['vocab']}; {spec['prompts']} prompts x {spec['n']} responses, {spec['max_new_tokens']} new tokens, "
+        f"micro-batch {spec['micro_batch_size']}; {spec['steps']} steps, first {result['warmup']} left out, medians per "
+        f"step, best of {result['rounds']} alternating round(s); CPU fp32, {result['cpus']} cores, "
+        f"TRL {result['trl_version'] or 'not installed'}\n\n"
+    )
+    columns = ["", "spmd_rlhf", *(f"TRL ({name})" for name in trl), *(f"ratio vs TRL ({name})" for name in trl)]
+    launches = [run["launch"] for run in (ours, *trl.values())] + [""] * len(trl)
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns), "| launch | " + " | ".join(launches) + " |"]
+    for label, key, fmt, ratio in ROWS:
+        cells = [format(_value(run, key), fmt) for run in (ours, *trl.values())]
+        cells += [f"{_value(ours, key) / _value(run, key):.2f}" if ratio else "" for run in trl.values()]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    scoring = ("reward", "old_log_probs", "ref_log_probs", "advantages")
+    stages = ", ".join(f"{stage} {ours['stage_s'][stage]:.3f}" for stage in scoring)
+    return header + "\n".join(lines) + f"\n\nspmd_rlhf scoring stages (s/step): {stages}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    parser.add_argument("--nproc", type=int, default=2, help="spmd_rlhf ranks (one thread each); TRL gets as many cores")
+    parser.add_argument("--trl-launch", default="both", choices=["process", "torchrun", "both"],
+                        help="TRL in one process with --nproc threads, under torchrun with --nproc processes, or both")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the runs this often; each keeps its best round")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(args.trl_worker)
+        return
+    if args.steps <= args.warmup:
+        raise ValueError(f"--steps={args.steps} leaves nothing after --warmup={args.warmup}; use more steps")
+
+    from spmd_rlhf.models.tiny import make_tiny
+
+    recipe = load_config(RECIPE_CONFIG)
+    actor, algorithm = recipe.actor, recipe.algorithm
+    if (algorithm.kl_penalty, algorithm.kl_estimator, algorithm.loss_aggregation) != ("loss", "k3", "token_mean"):
+        raise ValueError(f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
+                         "update the TRL arguments in this benchmark")
+    spec = {
+        **CONFIGS[args.config], "steps": args.steps, "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
+        "lr": actor.lr, "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
+        "kl_coef": algorithm.kl_coef, "clip_low": algorithm.clip_ratio_low, "clip_high": algorithm.clip_ratio_high,
+        "temperature": recipe.rollout.temperature, "top_k": recipe.rollout.top_k, "top_p": recipe.rollout.top_p,
+    }
+    try:
+        trl_version = version("trl")
+    except PackageNotFoundError:
+        trl_version = None
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"note: 1-minute load average {load_before:.1f} before starting (an earlier run counts too); "
+              "other work on these cores skews the numbers")
+    launches = {"process": (1, args.nproc), "torchrun": (args.nproc, 1)}
+    trl_launches = [] if trl_version is None else list(launches) if args.trl_launch == "both" else [args.trl_launch]
+    for name in trl_launches:
+        samples, processes = spec["prompts"] * spec["n"], launches[name][0]
+        if samples % (spec["micro_batch_size"] * processes):
+            raise ValueError(f"--config {args.config}: {samples} samples per step do not split into micro-batches of "
+                             f"{spec['micro_batch_size']} on {processes} TRL processes; change micro_batch_size in CONFIGS")
+    if trl_version is None:
+        print("TRL is not installed, so only spmd_rlhf is measured; for both: pip install -e '.[bench]'")
+    runs: dict[str, list[dict]] = {"spmd_rlhf": [], **{name: [] for name in trl_launches}}
+    with tempfile.TemporaryDirectory(prefix="e2e_cpu_") as directory:
+        workdir = Path(directory)
+        model_dir = workdir / "tiny" / "model"
+        make_tiny(family="qwen2", out_dir=str(model_dir), hidden_size=spec["hidden_size"], num_layers=spec["num_layers"], seed=0)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        for round_index in range(args.rounds):
+            print(f"round {round_index + 1}/{args.rounds}: spmd_rlhf, {args.steps} steps on {args.nproc} ranks", flush=True)
+            runs["spmd_rlhf"].append(run_spmd(spec, workdir=workdir, out_dir=workdir / f"spmd_{round_index}",
+                                              nproc=args.nproc, warmup=args.warmup))
+            for name in trl_launches:
+                nproc, threads = launches[name]
+                print(f"round {round_index + 1}/{args.rounds}: TRL {trl_version} ({name}), same model and task", flush=True)
+                runs[name].append(run_trl({**spec, "model_dir": str(model_dir), "train_file": str(workdir / TRAIN_FILE)},
+                                          workdir=workdir / f"trl_{name}_{round_index}", nproc=nproc, threads=threads,
+                                          warmup=args.warmup))
+    trl = {name: {**min(each, key=lambda run: run["step_s"]), "rounds_step_s": [run["step_s"] for run in each]}
+           for name, each in runs.items()}
+    ours = trl.pop("spmd_rlhf")
+
+    result = {
+        "name": args.config, "config": spec, "vocab": vocab, "warmup": args.warmup, "spmd_rlhf": ours, "trl": trl,
+        "ratios": {
+            name: {"step_time": ours["step_s"] / run["step_s"], "samples_per_s": ours["samples_per_s"] / run["samples_per_s"]}
+            for name, run in trl.items()
+        },
+        "trl_version": trl_version, "torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count(),
+        "rounds": args.rounds, "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+        "command": f"python benchmarks/e2e_cpu.py --config {args.config} --nproc {args.nproc} --trl-launch {args.trl_launch} "
+                   f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}",
+    }
+    print()
+    print(_table(result))
+    os.makedirs(args.out, exist_ok=True)
+    out_file = os.path.join(args.out, f"e2e_cpu_{args.config}.json")
+    with open(out_file, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=2)
+    print(f"wrote {out_file}")
+
+
+if __name__ == "__main__":
+    main()
