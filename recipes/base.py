@@ -136,16 +136,18 @@ class RLRecipe:
         raise NotImplementedError
 
     def experience(self, step: int, timer: StageTimer) -> list[BatchRef]:
-        """What every algorithm's update starts from: the step's rollouts, their scores, their log-probs under the
-        current policy and, with a reference role, under the reference."""
+        """What every algorithm's update starts from: the step's rollouts (with the engine's log-probs), their scores,
+        their log-probs recomputed under the current policy if ``rollout.recompute_log_probs``, and under the
+        reference if there is one."""
         prompts = self.loader.batch(step)
         with timer("generate"):
             rollout = self.actor.generate_sequences(prompts).result()
         with timer("reward"):
             scores = self.reward.compute_rewards(rollout).result()
-        with timer("old_log_probs"):
-            old_log_probs = self.actor.compute_log_probs(rollout).result()
-        parts = [rollout, scores, old_log_probs]
+        parts = [rollout, scores]
+        if self.config.rollout.recompute_log_probs:
+            with timer("old_log_probs"):
+                parts.append(self.actor.compute_log_probs(rollout).result())
         if "reference" in self.roles:
             with timer("ref_log_probs"):
                 parts.append(self.reference.compute_log_probs(rollout).result())

@@ -41,6 +41,11 @@ def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -
     return (run_seed * _SEED_STRIDE + uid * samples_per_prompt + sample) % (2**63)
 
 
+def old_log_probs(batch: Batch) -> torch.Tensor:
+    """π_old of the PPO ratio: recomputed ``old_log_probs`` when present, else the engine's ``rollout_log_probs``."""
+    return batch["old_log_probs"] if "old_log_probs" in batch.tensors else batch["rollout_log_probs"]
+
+
 class ActorWorker(TrainedWorker):
     def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
         super().__init__(context, config, config.actor, head="lm")
@@ -169,7 +174,7 @@ class ActorWorker(TrainedWorker):
         tensors: dict[str, torch.Tensor] = {}
         sums = [scores.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]
         if "ref_log_probs" in data.tensors:
-            kl = kl_estimate(data["old_log_probs"], data["ref_log_probs"], algorithm.kl_estimator)
+            kl = kl_estimate(old_log_probs(data), data["ref_log_probs"], algorithm.kl_estimator)
             per_sequence_kl = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
             sums.append(per_sequence_kl.sum().double())
             if algorithm.kl_penalty == "reward":
@@ -189,6 +194,10 @@ class ActorWorker(TrainedWorker):
         metrics = {"reward/mean": float(totals[0] / totals[1]), "advantages/mean": float(self.masked_mean_over_dp(advantages, mask))}
         if len(sums) > 2:
             metrics["kl/mean"] = float(totals[2] / totals[1])
+        if "old_log_probs" in data.tensors:
+            # Engine and trainer run the same model code: this stays at rounding level (1e-6 in float32).
+            difference = ((data["old_log_probs"] - data["rollout_log_probs"]).abs() * mask).max()
+            metrics["rollout/log_prob_diff_max"] = float(self.max_over_dp(difference))
         return Batch(tensors, meta={"metrics": metrics}, group_size=data.group_size)
 
     # ---- training ----------------------------------------------------------------------------------------------
@@ -199,7 +208,7 @@ class ActorWorker(TrainedWorker):
         mask = micro["response_mask"].to(self.device)
         log_probs, entropy = self.response_log_probs(micro, self.temperature, with_entropy=True)
         loss, metrics = policy_loss(
-            log_probs, micro["old_log_probs"].to(self.device), micro["advantages"].to(self.device), mask,
+            log_probs, old_log_probs(micro).to(self.device), micro["advantages"].to(self.device), mask,
             clip_low=algorithm.clip_ratio_low, clip_high=algorithm.clip_ratio_high,
             aggregation=aggregation, denominators=denominators,
         )
@@ -215,6 +224,6 @@ class ActorWorker(TrainedWorker):
 
     @data_parallel
     def update_actor(self, *parts: Batch) -> dict[str, float]:
-        """PPO epochs over the rows of ``parts`` (together: the rollout, ``old_log_probs``, ``advantages``, and
-        ``ref_log_probs`` when the KL is a loss term); returns this rank's mean metrics."""
+        """PPO epochs over the rows of ``parts`` (together: the rollout, ``advantages``, ``old_log_probs`` if
+        recomputed, and ``ref_log_probs`` when the KL is a loss term); returns this rank's mean metrics."""
         return self.trainer.update(union_all(parts), self._policy_loss, method="update_actor", prefix="actor")
