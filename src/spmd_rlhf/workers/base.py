@@ -12,7 +12,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
@@ -124,11 +124,22 @@ class ModelWorker(RoleWorker):
     # ---- whole weights -----------------------------------------------------------------------------------------
 
     def full_model(self, dtype: torch.dtype) -> DecoderLM:
-        """A plain ``DecoderLM`` with the full weights gathered from the FSDP shards (every DP rank must call it)."""
+        """A plain ``DecoderLM`` with a copy of the full weights (every DP rank must call it).
+
+        In the compute dtype, FSDP's own unshard gathers each block's parameters in one all-gather (not one per
+        tensor) and the copies outlive the reshard that frees the gathered buffers. In another dtype (a float32
+        export of a bfloat16 run) each tensor is gathered from the float32 master shards, so nothing is rounded."""
+        fsdp_modules = []
+        if dtype == getattr(torch, self.config.model.dtype):
+            fsdp_modules = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        for module in fsdp_modules:
+            module.unshard()
         tensors = {}
         for name, param in self.model.named_parameters():
             full = param.full_tensor() if isinstance(param, DTensor) else param
-            tensors[name] = full.detach().to(dtype)
+            tensors[name] = full.detach().to(dtype, copy=True)
+        for module in fsdp_modules:
+            module.reshard()
         return model_from_tensors(self.model.args, tensors, head=self.model.head, attention_backend=self.config.model.attention)
 
     @one_to_all
