@@ -1,5 +1,6 @@
-"""Data-parallel parity: update_actor with dp=2 and dp=4 leaves the same weights as dp=1 on the same batch (two PPO
-epochs, micro-batches with gradient accumulation, KL and entropy terms), for token- and sequence-level aggregation."""
+"""Data-parallel parity: update_actor with dp=2 and dp=4, or with 4x larger micro-batches, leaves the same weights,
+loss and gradient norm as dp=1 on the same batch (two PPO epochs, gradient accumulation, KL and entropy terms), for
+token- and sequence-level aggregation."""
 
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ def test_update_actor_is_independent_of_dp_size(model_dir, tmp_path, aggregation
     moved = max(float((reference[name] - initial[name]).abs().max()) for name in reference)
     assert moved > 1e-4  # the update really changed the weights
     reference_metrics = json.loads((tmp_path / "dp1.json").read_text())[0]
-    for dp in (2, 4):
-        for rank_metrics in json.loads((tmp_path / f"dp{dp}.json").read_text()):
+    for run in ("dp2", "dp4", "dp1_micro8"):
+        for rank_metrics in json.loads((tmp_path / f"{run}.json").read_text()):
             # Global quantities: the same on every rank and for every DP size.
             for key in ("actor/grad_norm", "actor/loss"):
-                assert rank_metrics[key] == pytest.approx(reference_metrics[key], rel=1e-5), (dp, key)
-        weights = load_file(f"{tmp_path}/dp{dp}/model.safetensors")
+                assert rank_metrics[key] == pytest.approx(reference_metrics[key], rel=1e-5), (run, key)
+        weights = load_file(f"{tmp_path}/{run}/model.safetensors")
         assert weights.keys() == reference.keys()
         for name in reference:
-            torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=1e-6, msg=f"dp={dp} {name}")
+            torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=1e-6, msg=f"{run} {name}")

@@ -1,8 +1,10 @@
-"""update_actor on one batch by three actors on the same 4 ranks: dp=1, dp=2, dp=4; each saves its weights.
+"""update_actor on one batch by actors on the same 4 ranks: dp=1, 2, 4, and dp=1 with larger micro-batches; each
+saves its weights and metrics.
 
     torchrun --nproc-per-node 4 dp_parity.py MODEL_DIR OUT_DIR
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -46,11 +48,14 @@ def main(coordinator):
         "actor.lr=1e-3", "actor.mini_batch_size=16", "actor.micro_batch_size=2", "actor.ppo_epochs=2", "data.batch_size=8",
     ])
     batch = rollout_batch(16, 5, 6, vocab=100)
-    for dp in (1, 2, 4):
-        actor = coordinator.spawn(ActorWorker, config, name=f"actor_dp{dp}", pool=ResourcePool(range(dp)), dims=ParallelDims(dp=dp))
+    # dp=1 with micro-batches of 2, dp=2 and dp=4 with 2, and dp=1 with micro-batches of 8 rows.
+    runs = {"dp1": (1, config), "dp2": (2, config), "dp4": (4, config),
+            "dp1_micro8": (1, dataclasses.replace(config, actor=dataclasses.replace(config.actor, micro_batch_size=8)))}
+    for name, (dp, run_config) in runs.items():
+        actor = coordinator.spawn(ActorWorker, run_config, name=f"actor_{name}", pool=ResourcePool(range(dp)), dims=ParallelDims(dp=dp))
         metrics = actor.update_actor(batch).result()  # one dict per DP rank
-        Path(f"{out_dir}/dp{dp}.json").write_text(json.dumps(metrics))
-        actor.save_pretrained(f"{out_dir}/dp{dp}").result()
+        Path(f"{out_dir}/{name}.json").write_text(json.dumps(metrics))
+        actor.save_pretrained(f"{out_dir}/{name}").result()
 
 
 if __name__ == "__main__":
