@@ -102,8 +102,6 @@ class RLRecipe:
         from transformers import AutoTokenizer
 
         config = self.config
-        if config.trainer.val_every:
-            raise ValueError(f"trainer.val_every={config.trainer.val_every}: validation is not built yet; set trainer.val_every=0")
         ensure_tiny_assets(config)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         dataset = PromptDataset(
@@ -113,6 +111,13 @@ class RLRecipe:
         self.skipped_prompts = dataset.num_skipped
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.loader = PromptLoader(dataset, batch_size=config.data.batch_size, pad_token_id=pad, shuffle=config.data.shuffle, seed=config.data.seed)
+        self.val_prompts = None
+        if config.data.val_files:
+            val = PromptDataset(
+                config.data.val_files, tokenizer, prompt_key=config.data.prompt_key,
+                max_prompt_length=config.data.max_prompt_length, overlong_prompts=config.data.overlong_prompts,
+            )
+            self.val_prompts = PromptLoader(val, batch_size=len(val), pad_token_id=pad, shuffle=False).batch(0)
         pools = role_pools(config, self.coordinator.world_size)
         for name in config.enabled_roles():
             if name == "cost":
@@ -185,16 +190,30 @@ class RLRecipe:
         for step in range(start, trainer.total_steps):
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
             metrics = self.step(step)
+            last = step == trainer.total_steps - 1
+            if trainer.val_every and ((step + 1) % trainer.val_every == 0 or last):
+                metrics.update(self.validate())
             # Control-plane bytes of the step: O(batch) (prompts, handles, metrics), never per-token tensors.
             metrics["coordinator/bytes_sent"] = self.coordinator.bytes_sent - sent
             metrics["coordinator/bytes_received"] = self.coordinator.bytes_received - received
             history.append(metrics)
-            if step % trainer.log_every == 0 or step == trainer.total_steps - 1:
+            if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
-            last = step == trainer.total_steps - 1
             if last or (trainer.save_every and (step + 1) % trainer.save_every == 0):
                 self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1)
         return history
+
+    def validate(self) -> dict[str, float]:
+        """One greedy response to every validation prompt, scored by the reward role (``val/…`` metrics)."""
+        timer = StageTimer()
+        with timer("validate"):
+            rollout = self.actor.generate_sequences(self.val_prompts, greedy=True).result()
+            scores = self.reward.compute_rewards(rollout).result()
+        return {
+            "val/reward/mean": scores.meta["metrics"]["reward/score_mean"],
+            "val/response_length/mean": rollout.meta["metrics"]["response_length/mean"],
+            **timer.metrics(),
+        }
 
     def trained_roles(self) -> list[str]:
         return [name for name in ("actor", "critic") if name in self.roles]

@@ -81,11 +81,13 @@ class ActorWorker(TrainedWorker):
         )
 
     @data_parallel
-    def generate_sequences(self, prompts: Batch) -> Batch:
+    def generate_sequences(self, prompts: Batch, *, greedy: bool = False) -> Batch:
         """``rollout.n`` responses per prompt (rows of one prompt consecutive, ``group_size = n``) in the rollout layout,
-        responses padded to ``rollout.max_new_tokens`` so every DP shard has the same shape."""
+        responses padded to ``rollout.max_new_tokens`` so every DP shard has the same shape. ``greedy`` (validation):
+        one greedy response per prompt."""
         rollout = self.config.rollout
-        n, response_length = rollout.n, rollout.max_new_tokens
+        n, response_length = (1 if greedy else rollout.n), rollout.max_new_tokens
+        temperature = 0.0 if greedy else rollout.temperature
         prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
         requests, params = [], []
         for tokens, uid in zip(prompt_tokens, prompts["uid"].tolist()):
@@ -93,7 +95,7 @@ class ActorWorker(TrainedWorker):
                 requests.append(tokens)
                 params.append(
                     SamplingParams(
-                        temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p,
+                        temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p,
                         max_new_tokens=response_length, seed=sample_seed(self.config.trainer.seed, uid, sample, n),
                     )
                 )
