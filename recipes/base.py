@@ -104,19 +104,19 @@ class RLRecipe:
         config = self.config
         ensure_tiny_assets(config)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
-        dataset = PromptDataset(
-            config.data.train_files, tokenizer, prompt_key=config.data.prompt_key,
-            max_prompt_length=config.data.max_prompt_length, overlong_prompts=config.data.overlong_prompts,
-        )
+        def prompts(files: list[str]) -> PromptDataset:
+            return PromptDataset(
+                files, tokenizer, prompt_key=config.data.prompt_key,
+                max_prompt_length=config.data.max_prompt_length, overlong_prompts=config.data.overlong_prompts,
+            )
+
+        dataset = prompts(config.data.train_files)
         self.skipped_prompts = dataset.num_skipped
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.loader = PromptLoader(dataset, batch_size=config.data.batch_size, pad_token_id=pad, shuffle=config.data.shuffle, seed=config.data.seed)
         self.val_prompts = None
         if config.data.val_files:
-            val = PromptDataset(
-                config.data.val_files, tokenizer, prompt_key=config.data.prompt_key,
-                max_prompt_length=config.data.max_prompt_length, overlong_prompts=config.data.overlong_prompts,
-            )
+            val = prompts(config.data.val_files)
             self.val_prompts = PromptLoader(val, batch_size=len(val), pad_token_id=pad, shuffle=False).batch(0)
         pools = role_pools(config, self.coordinator.world_size)
         for name in config.enabled_roles():
@@ -210,7 +210,7 @@ class RLRecipe:
             rollout = self.actor.generate_sequences(self.val_prompts, greedy=True).result()
             scores = self.reward.compute_rewards(rollout).result()
         return {
-            "val/reward/mean": scores.meta["metrics"]["reward/score_mean"],
+            "val/reward/mean": scores.meta["metrics"]["reward/mean"],
             "val/response_length/mean": rollout.meta["metrics"]["response_length/mean"],
             **timer.metrics(),
         }

@@ -127,5 +127,5 @@ class LLMEngine:
         ]
 
     def _blocks_to_finish_at_once(self, seqs: list[Sequence]) -> int:
-        """Blocks for every request at its longest, ignoring prefix sharing (the last token's K/V is never written)."""
-        return sum(-(-(len(seq) + seq.params.max_new_tokens - 1) // self.block_size) for seq in seqs)
+        """Blocks for every request at its longest, ignoring prefix sharing."""
+        return sum(seq.max_blocks(self.block_size) for seq in seqs)

@@ -26,8 +26,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a request; one that could never fit the whole cache on its own is refused here, not mid-run."""
         manager = self.block_manager
-        # The last sampled token's K/V is never written, hence the - 1.
-        needed = -(-(len(seq) + seq.params.max_new_tokens - 1) // manager.block_size)
+        needed = seq.max_blocks(manager.block_size)
         if needed > manager.num_blocks:
             raise ValueError(
                 f"request {seq.seq_id} needs up to {needed} KV blocks ({len(seq)} prompt + {seq.params.max_new_tokens} "

@@ -75,6 +75,10 @@ class Sequence:
     def num_blocks(self, block_size: int) -> int:
         return -(-len(self.token_ids) // block_size)
 
+    def max_blocks(self, block_size: int) -> int:
+        """Blocks this request holds at its longest (the last sampled token's K/V is never written, hence the - 1)."""
+        return -(-(len(self.token_ids) + self.params.max_new_tokens - 1) // block_size)
+
     def block_tokens(self, index: int, block_size: int) -> list[int]:
         return self.token_ids[index * block_size : (index + 1) * block_size]
 

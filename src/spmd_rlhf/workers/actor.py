@@ -59,10 +59,6 @@ class ActorWorker(TrainedWorker):
 
     # ---- generation --------------------------------------------------------------------------------------------
 
-    def _generation_model(self):
-        """A plain ``DecoderLM`` holding the full current weights in the compute dtype (gathered from the shards)."""
-        return self.full_model(getattr(torch, self.config.model.dtype)).eval()
-
     def _engine(self, model) -> LLMEngine:
         rollout = self.config.rollout
         sizing = {}
@@ -99,7 +95,7 @@ class ActorWorker(TrainedWorker):
                         max_new_tokens=response_length, seed=sample_seed(self.config.trainer.seed, uid, sample, n),
                     )
                 )
-        model = self._generation_model()
+        model = self.full_model(getattr(torch, self.config.model.dtype)).eval()
         engine = self._engine(model)
         outputs = engine.generate(requests, params)
         preemptions = engine.num_preemptions
@@ -174,11 +170,12 @@ class ActorWorker(TrainedWorker):
         scores = data["scores"].float()
         token_rewards = scores_to_token_rewards(scores, mask)
         tensors: dict[str, torch.Tensor] = {}
-        sums = [scores.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]
+        metrics: dict[str, float] = {}
         if "ref_log_probs" in data.tensors:
             kl = kl_estimate(old_log_probs(data), data["ref_log_probs"], algorithm.kl_estimator)
             per_sequence_kl = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-            sums.append(per_sequence_kl.sum().double())
+            totals = self.sum_over_dp(torch.stack([per_sequence_kl.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]))
+            metrics["kl/mean"] = float(totals[0] / totals[1])
             if algorithm.kl_penalty == "reward":
                 token_rewards = apply_kl_penalty(token_rewards, kl, algorithm.kl_coef, mask)
         if estimator == "gae":
@@ -192,10 +189,7 @@ class ActorWorker(TrainedWorker):
                 group_advantages(sequence_rewards, data.group_size, normalize_std=algorithm.normalize_advantages), mask
             )
         tensors["advantages"] = advantages
-        totals = self.sum_over_dp(torch.stack(sums))
-        metrics = {"reward/mean": float(totals[0] / totals[1]), "advantages/mean": float(self.masked_mean_over_dp(advantages, mask))}
-        if len(sums) > 2:
-            metrics["kl/mean"] = float(totals[2] / totals[1])
+        metrics["advantages/mean"] = float(self.masked_mean_over_dp(advantages, mask))
         if "old_log_probs" in data.tensors:
             # Engine and trainer run the same model code: this stays at rounding level (1e-6 in float32).
             difference = ((data["old_log_probs"] - data["rollout_log_probs"]).abs() * mask).max()

@@ -47,18 +47,18 @@ class RoleWorker(Worker):
 
     # ---- collectives over the role's DP group ------------------------------------------------------------------
 
-    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The elementwise sum of ``tensor`` over the DP ranks (a new tensor; gloo and NCCL alike)."""
+    def reduce_over_dp(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """``tensor`` reduced elementwise over the DP ranks (a new tensor; gloo and NCCL alike)."""
         total = tensor.detach().clone()
         if self.dp_size > 1:
-            dist.all_reduce(total, group=self.dp_group)
+            dist.all_reduce(total, op=op, group=self.dp_group)
         return total
 
+    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.reduce_over_dp(tensor)
+
     def max_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        total = tensor.detach().clone()
-        if self.dp_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return total
+        return self.reduce_over_dp(tensor, dist.ReduceOp.MAX)
 
     def masked_mean_over_dp(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask = mask.to(torch.float64)
@@ -67,9 +67,7 @@ class RoleWorker(Worker):
 
     def check_equal_shards(self, batch: Batch, method: str) -> None:
         """FSDP runs a collective per forward, so every DP rank must run the same number of micro-batches."""
-        rows = torch.tensor([len(batch), -len(batch)], dtype=torch.float64)
-        if self.dp_size > 1:
-            dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self.dp_group)
+        rows = self.max_over_dp(torch.tensor([len(batch), -len(batch)], dtype=torch.float64))
         if int(rows[0]) != -int(rows[1]):
             raise ValueError(
                 f"{self.context.name}.{method}: DP ranks got between {-int(rows[1])} and {int(rows[0])} rows; make the "

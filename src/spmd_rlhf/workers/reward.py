@@ -63,7 +63,7 @@ class RewardWorker(RoleWorker):
         for key in keys:
             sums += [torch.tensor(sum(extras[key]), dtype=torch.float64), torch.tensor(float(len(extras[key])), dtype=torch.float64)]
         totals = self.sum_over_dp(torch.stack(sums)).tolist()
-        metrics = {f"{self.context.name}/score_mean": totals[0] / totals[1]}
+        metrics = {f"{self.context.name}/mean": totals[0] / totals[1]}
         for index, key in enumerate(keys):
             metrics[f"{self.context.name}/{key}/mean"] = totals[2 + 2 * index] / max(totals[3 + 2 * index], 1.0)
         return Batch({self.output_key: scores}, meta={"metrics": metrics}, group_size=batch.group_size)

@@ -28,7 +28,7 @@ def main(coordinator):
     scores = reward.compute_rewards(batch).result()
     values = critic.compute_values(batch).result()
     torch.save({"batch": batch.tensors, "scores": scores.fetch()["scores"], "values": values.fetch()["values"],
-                "score_mean": scores.meta["metrics"]["reward/score_mean"]}, out)
+                "score_mean": scores.meta["metrics"]["reward/mean"]}, out)
 
 
 if __name__ == "__main__":
