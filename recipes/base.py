@@ -19,13 +19,12 @@ Use it from your own loop:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from spmd_rlhf import checkpoint
 from spmd_rlhf.config import load_config
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
@@ -219,50 +218,42 @@ class RLRecipe:
         return [name for name in ("actor", "critic") if name in self.roles]
 
     def save(self, out_dir: str, *, step: int) -> str:
-        """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume)
-        and its weights as a Hugging Face directory (``<out_dir>/actor``), plus ``trainer_state.json``.
+        """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume,
+        and for ``spmd-rlhf export``) and its weights as a Hugging Face directory (``<out_dir>/actor``), plus
+        ``trainer_state.json``. Atomic (``spmd_rlhf.checkpoint.write_checkpoint``): a crash mid-save leaves the
+        previous checkpoint and ``latest`` as they were."""
 
-        Written under ``<out_dir>.tmp`` and renamed when complete; ``<output_dir>/latest`` names it last, so a crash
-        mid-save never leaves a checkpoint that looks whole."""
-        final = Path(out_dir)
-        staging = final.with_name(final.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        for name in self.trained_roles():
-            self.roles[name].save_checkpoint(str(staging / f"{name}_state")).result()
-            self.roles[name].save_pretrained(str(staging / name)).result()
-        (staging / "trainer_state.json").write_text(json.dumps({"step": step, "recipe": self.name}))
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        latest = Path(self.config.trainer.output_dir, "latest")
-        temporary = latest.with_suffix(".tmp")
-        temporary.write_text(final.name)
-        temporary.replace(latest)
-        return out_dir
+        def write_roles(staging: Path) -> None:
+            for name in self.trained_roles():
+                self.roles[name].save_checkpoint(str(checkpoint.role_state_dir(staging, name))).result()
+                self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
+
+        return str(checkpoint.write_checkpoint(out_dir, write_roles, trainer_state={"step": step, "recipe": self.name}))
 
     def load(self, checkpoint_dir: str) -> int:
-        """Restore the trained roles from a checkpoint written by ``save``; returns the step to continue from."""
-        state_file = Path(checkpoint_dir, "trainer_state.json")
-        if not state_file.is_file():
-            raise ValueError(f"{checkpoint_dir} is not a checkpoint (no trainer_state.json); check trainer.resume")
-        state = json.loads(state_file.read_text())
+        """Restore the trained roles from a checkpoint written by ``save`` (by any number of ranks); returns the step
+        to continue from."""
+        state = checkpoint.read_trainer_state(checkpoint_dir)
         if state["recipe"] != self.name:
-            raise ValueError(f"{checkpoint_dir} was written by the {state['recipe']} recipe, not {self.name}")
-        for name in self.trained_roles():
-            self.roles[name].load_checkpoint(str(Path(checkpoint_dir, f"{name}_state"))).result()
+            raise checkpoint.CheckpointError(f"{checkpoint_dir} was written by the {state['recipe']} recipe, not {self.name}")
+        state_dirs = {name: checkpoint.require_role_state(checkpoint_dir, name) for name in self.trained_roles()}
+        for name, state_dir in state_dirs.items():
+            self.roles[name].load_checkpoint(str(state_dir)).result()
         return int(state["step"])
 
     def resume_checkpoint(self) -> str | None:
-        """The checkpoint ``trainer.resume`` points at: auto = ``<output_dir>/latest`` if present, null = none."""
-        resume, output_dir = self.config.trainer.resume, self.config.trainer.output_dir
+        """The checkpoint ``trainer.resume`` points at: auto = ``<output_dir>``'s latest if it has one, null = none,
+        else a checkpoint directory or a run directory (meaning its latest)."""
+        resume = self.config.trainer.resume
         if resume is None:
             return None
         if resume == "auto":
-            latest = Path(output_dir, "latest")
-            return str(Path(output_dir, latest.read_text().strip())) if latest.is_file() else None
-        if not Path(resume).is_dir():
-            raise ValueError(f"trainer.resume={resume}: no such checkpoint directory")
-        return resume
+            found = checkpoint.latest_checkpoint(self.config.trainer.output_dir)
+            return str(found) if found else None
+        try:
+            return str(checkpoint.resolve_checkpoint(resume))
+        except checkpoint.CheckpointError as error:
+            raise checkpoint.CheckpointError(f"trainer.resume={resume}: {error}") from error
 
 
 def main(recipe_class: type[RLRecipe], default_config: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).parent
+RECIPES = TESTS.parent / "recipes"
 
 
 def program_path(name: str) -> Path:
@@ -48,3 +50,15 @@ def torchrun(
     return subprocess.run(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=environment(), cwd=cwd
     )
+
+
+def run_recipe(name: str, workdir: Path, *overrides: str) -> list[dict]:
+    """Run recipes/<name>.py with its default config on 2 ranks in ``workdir`` (tiny assets are built there on first
+    use) and ``trainer.output_dir=out``; returns the metrics records of ``workdir/out/metrics.jsonl``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    finished = torchrun(
+        str(RECIPES / f"{name}.py"), "--config", str(RECIPES / "configs" / f"{name}.yaml"), "trainer.output_dir=out",
+        *overrides, nproc=2, timeout=300, cwd=str(workdir),
+    )
+    assert finished.returncode == 0, finished.stdout[-6000:]
+    return [json.loads(line) for line in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -5,6 +5,7 @@
     spmd-rlhf config --show recipes/configs/ppo.yaml actor.lr=1e-6
     spmd-rlhf config --keys
     spmd-rlhf forward --model tiny/model --prompt "2+3="
+    spmd-rlhf export outputs/grpo hf_out --roles actor
 
 Each subcommand imports its module only when chosen, so ``spmd-rlhf --help`` stays fast.
 """
@@ -55,10 +56,19 @@ def _add_forward(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def _add_export(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export", help="write trained roles' weights from a checkpoint's sharded state as Hugging Face directories"
+    )
+    parser.add_argument("checkpoint", metavar="CKPT_DIR", help="a checkpoint (step_N) or a run directory (its latest)")
+    parser.add_argument("out", metavar="OUT_DIR", help="output directory: one Hugging Face directory per role, OUT_DIR/<role>")
+    parser.add_argument("--roles", nargs="+", default=["actor"], help="roles to export (default: actor)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spmd-rlhf", description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_make_tiny, _add_make_task, _add_config, _add_forward):
+    for add in (_add_make_tiny, _add_make_task, _add_config, _add_forward, _add_export):
         add(subparsers)
     return parser
 
@@ -106,6 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         from spmd_rlhf.models.demo import run_forward
 
         run_forward(args.model, prompt=args.prompt, dtype=args.dtype)
+        return 0
+    if args.command == "export":
+        from spmd_rlhf.checkpoint import CheckpointError, export_hf
+
+        try:
+            written = export_hf(args.checkpoint, args.out, roles=args.roles)
+        except CheckpointError as error:
+            print(f"export error: {error}", file=sys.stderr)
+            return 2
+        print("\n".join(f"wrote {role} to {path}" for role, path in written.items()))
         return 0
     raise AssertionError(f"unhandled command {args.command}")
 

@@ -1,27 +1,15 @@
 """The recipes learn: default GRPO and PPO configs on the tiny model and task, run through their torchrun entry
-points on 2 CPU ranks, raise the mean reward; the same seed gives the same metrics."""
+points on 2 CPU ranks, raise the mean reward; the same seed gives the same metrics, and so does a resumed run."""
 
 from __future__ import annotations
 
-import json
+import shutil
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import torchrun
+from torchrun_helpers import run_recipe
 
-RECIPES = Path(__file__).parents[2] / "recipes"
 TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
-
-
-def run_recipe(name: str, workdir: Path, *overrides: str) -> list[dict]:
-    """Run recipes/<name>.py with its default config in ``workdir`` (tiny assets are built there on first use)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    finished = torchrun(
-        str(RECIPES / f"{name}.py"), "--config", str(RECIPES / "configs" / f"{name}.yaml"), "trainer.output_dir=out",
-        *overrides, nproc=2, timeout=300, cwd=str(workdir),
-    )
-    assert finished.returncode == 0, finished.stdout[-6000:]
-    return [json.loads(line) for line in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +56,13 @@ def test_same_seed_same_metrics(assets, four_steps):
 
 
 def test_resume_continues_exactly(assets, four_steps):
+    """4 steps, save, resume, 4 more: the same per-step metrics, bit for bit, as 8 uninterrupted steps."""
+    # Validation runs after a run's last step, so it is off here: the 4-step run's would add keys to its step 3.
+    eight_steps = run_recipe("grpo", assets / "eight_steps", "trainer.total_steps=8", "trainer.val_every=0")
     workdir = assets / "resumed"
-    # Validation runs after a run's last step, so it is off here: the 2-step run's would add keys to its step 1.
-    run_recipe("grpo", workdir, "trainer.total_steps=2", "trainer.val_every=0")
-    resumed = run_recipe("grpo", workdir, "trainer.total_steps=4", "trainer.val_every=0")  # resume=auto: out/latest
-    assert [record["step"] for record in resumed] == [0, 1, 2, 3]
-    assert without_timings(resumed) == without_timings(four_steps)
-    assert (workdir / "out" / "latest").read_text() == "step_4"
-    assert not (workdir / "out" / "step_4.tmp").exists()
+    shutil.copytree(assets / "four_steps", workdir)  # its out/step_4, out/latest and the metrics of steps 0-3
+    resumed = run_recipe("grpo", workdir, "trainer.total_steps=8", "trainer.val_every=0")  # resume=auto: out/latest
+    assert [record["step"] for record in resumed] == list(range(8))
+    assert without_timings(resumed) == without_timings(eight_steps)
+    assert (workdir / "out" / "latest").read_text() == "step_8"
+    assert not list((workdir / "out").glob("*.tmp"))

@@ -14,10 +14,9 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..algos import Denominators
+from ..checkpoint import load_role_state, save_model_config, save_role_state
 from ..config_schema import FrameworkConfig, TrainableRoleConfig
 from ..data.batch import Batch
 from ..runtime import RoleContext, one_to_all
@@ -101,18 +100,18 @@ class Trainer:
         return {key: sum(values) / len(values) for key, values in metrics.items()}
 
     def save(self, checkpoint_dir: str) -> None:
-        """Sharded model, optimizer and LR-schedule state with DCP: each DP rank writes its own shards."""
-        model_state, optimizer_state = get_state_dict(self.worker.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
-        dcp.save(state, checkpoint_id=checkpoint_dir, process_group=self.worker.dp_group)
+        """Sharded model, optimizer, LR-schedule and RNG state with DCP: each rank writes its own shards."""
+        save_role_state(
+            checkpoint_dir, model=self.worker.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            process_group=self.worker.dp_group,
+        )
 
     def load(self, checkpoint_dir: str) -> None:
         """Restore what ``save`` wrote (any DP size can load it: DCP reshards on load)."""
-        model_state, optimizer_state = get_state_dict(self.worker.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
-        dcp.load(state, checkpoint_id=checkpoint_dir, process_group=self.worker.dp_group)
-        set_state_dict(self.worker.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_role_state(
+            checkpoint_dir, model=self.worker.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            process_group=self.worker.dp_group,
+        )
 
     def _step(self) -> float:
         """Clip, step and zero the gradients; a non-finite gradient norm skips the step (never applied; it shows as
@@ -136,9 +135,13 @@ class TrainedWorker(ModelWorker):
 
     @one_to_all
     def save_checkpoint(self, checkpoint_dir: str) -> None:
-        """Sharded training state (weights, optimizer, LR schedule) for an exact resume."""
+        """Sharded training state (weights, optimizer, LR schedule, RNG) for an exact resume, plus the model config
+        and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from it alone."""
         self.trainer.save(checkpoint_dir)
+        if self.context.role_rank == 0:
+            save_model_config(checkpoint_dir, self.model, tokenizer_path=self.config.model.tokenizer_path or self.config.model.path)
 
     @one_to_all
     def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Restore what ``save_checkpoint`` wrote, whatever the DP size that wrote it."""
         self.trainer.load(checkpoint_dir)

@@ -1,0 +1,284 @@
+"""Checkpoints: the atomic directory protocol, resume resolution, each trained role's sharded state (DCP), and the
+export of a role's weights as a Hugging Face directory from that state alone.
+
+A run directory (``trainer.output_dir``) holds checkpoints and a pointer to the newest one:
+
+    <run>/step_4/trainer_state.json   {"step": 4, "recipe": "grpo"}, written last, before the rename
+    <run>/step_4/actor_state/         DCP shards: model, optimizer, LR schedule, each rank's RNG state
+    <run>/step_4/actor_state/hf_config/   config.json, tokenizer files, role.json: what export needs besides weights
+    <run>/step_4/actor/               the same weights as a Hugging Face directory, for convenience
+    <run>/latest                      "step_4"
+
+A checkpoint is written under ``step_4.tmp`` and renamed when whole; ``latest`` is replaced last. A crash at any point
+leaves the previous checkpoint and ``latest`` as they were; ``*.tmp`` leftovers are never resumed from and are removed
+by the next save. Export runs in one process, with no process group, whatever layout wrote the shards:
+
+    spmd-rlhf export outputs/grpo hf_out --roles actor critic
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from spmd_rlhf.models import DecoderLM, model_from_tensors, read_decoder_args, save_pretrained
+
+TRAINER_STATE = "trainer_state.json"
+LATEST = "latest"
+STAGING_SUFFIX = ".tmp"
+ROLE_STATE_SUFFIX = "_state"
+HF_CONFIG = "hf_config"
+"""Subdirectory of a role's state holding its model config, tokenizer and ``role.json`` (the model head)."""
+ROLE_FILE = "role.json"
+
+
+class CheckpointError(ValueError):
+    """A path is not a usable checkpoint, or a checkpoint lacks what was asked of it."""
+
+
+# ---- the directory protocol ------------------------------------------------------------------------------------------
+
+
+def role_state_dir(checkpoint_dir: str | os.PathLike, role: str) -> Path:
+    """Where ``role``'s sharded training state lives in a checkpoint."""
+    return Path(checkpoint_dir, role + ROLE_STATE_SUFFIX)
+
+
+def role_hf_dir(checkpoint_dir: str | os.PathLike, role: str) -> Path:
+    """Where ``role``'s Hugging Face copy of its weights lives in a checkpoint."""
+    return Path(checkpoint_dir, role)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write_checkpoint(
+    checkpoint_dir: str | os.PathLike, write_contents: Callable[[Path], None], *, trainer_state: dict[str, Any]
+) -> Path:
+    """Write a checkpoint atomically: ``write_contents(staging_dir)`` fills ``<checkpoint_dir>.tmp``, then
+    ``trainer_state.json`` goes in, the directory is renamed to ``checkpoint_dir``, and ``<parent>/latest`` is
+    replaced to name it. Leftover ``*.tmp`` entries of crashed saves in the run directory are removed first."""
+    final = Path(checkpoint_dir)
+    run_dir = final.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in run_dir.glob("*" + STAGING_SUFFIX):
+        _remove(leftover)
+    staging = final.with_name(final.name + STAGING_SUFFIX)
+    staging.mkdir()
+    write_contents(staging)
+    (staging / TRAINER_STATE).write_text(json.dumps(trainer_state))
+    # A directory cannot be renamed over a non-empty one: an older checkpoint of the same name is moved aside (to a
+    # *.tmp name, so it is never resumed from) and deleted once the new one is in place and named by latest.
+    replaced = final.with_name(final.name + ".replaced" + STAGING_SUFFIX)
+    if final.exists():
+        final.rename(replaced)
+    staging.rename(final)
+    pointer = run_dir / (LATEST + STAGING_SUFFIX)
+    pointer.write_text(final.name)
+    pointer.replace(run_dir / LATEST)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    return final
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """A finished checkpoint: a directory with ``trainer_state.json`` whose name is not a staging name."""
+    path = Path(path)
+    return not path.name.endswith(STAGING_SUFFIX) and (path / TRAINER_STATE).is_file()
+
+
+def read_trainer_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``trainer_state.json`` of a finished checkpoint (``step``, ``recipe``)."""
+    if not is_checkpoint(checkpoint_dir):
+        raise CheckpointError(
+            f"{checkpoint_dir} is not a checkpoint (no {TRAINER_STATE}, or an unfinished *{STAGING_SUFFIX} save)"
+        )
+    return json.loads(Path(checkpoint_dir, TRAINER_STATE).read_text())
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint ``<run_dir>/latest`` names; if it is missing or names no finished checkpoint (a crash between
+    a rename and the pointer update), the finished checkpoint with the highest step; None if there is none."""
+    run_dir = Path(run_dir)
+    pointer = run_dir / LATEST
+    if pointer.is_file():
+        named = run_dir / pointer.read_text().strip()
+        if is_checkpoint(named):
+            return named
+    finished = [path for path in run_dir.glob("*") if is_checkpoint(path)] if run_dir.is_dir() else []
+    return max(finished, key=lambda path: read_trainer_state(path)["step"], default=None)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself if it is a checkpoint, else the latest checkpoint of ``path`` as a run directory."""
+    path = Path(path)
+    if is_checkpoint(path):
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory")
+    found = latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"{path} is neither a checkpoint (no {TRAINER_STATE}) nor a run directory holding one")
+    return found
+
+
+def checkpoint_roles(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """The roles whose training state a checkpoint holds."""
+    paths = Path(checkpoint_dir).glob("*" + ROLE_STATE_SUFFIX)
+    return sorted(path.name[: -len(ROLE_STATE_SUFFIX)] for path in paths if path.is_dir())
+
+
+def require_role_state(checkpoint_dir: str | os.PathLike, role: str) -> Path:
+    """``role``'s state directory in the checkpoint, or an error naming the roles it does hold."""
+    state_dir = role_state_dir(checkpoint_dir, role)
+    if not (state_dir / ".metadata").is_file():
+        held = ", ".join(checkpoint_roles(checkpoint_dir)) or "none"
+        raise CheckpointError(f"{checkpoint_dir} holds no {role} state (roles in it: {held})")
+    return state_dir
+
+
+# ---- a role's sharded training state ---------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _rng_key(process_group: dist.ProcessGroup | None) -> str:
+    # One key per rank: DCP keeps one copy of a key that several ranks save, and the RNG states differ by rank.
+    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+    return f"rng_rank{rank}"
+
+
+def save_role_state(
+    state_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler, process_group: dist.ProcessGroup | None,
+) -> None:
+    """Save model, optimizer, LR schedule and this rank's RNG state with DCP (collective over ``process_group``, which
+    must span every rank of the role): each rank writes its own shards."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {
+        "model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+        _rng_key(process_group): _rng_state(),
+    }
+    dcp.save(state, checkpoint_id=str(state_dir), process_group=process_group)
+
+
+def load_role_state(
+    state_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler, process_group: dist.ProcessGroup | None,
+) -> None:
+    """Restore what ``save_role_state`` wrote, resharded to this layout (any DP size). A rank restores its RNG state
+    when the saving job had a rank of that index (and the same devices); otherwise it keeps its own."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
+    rng_key = _rng_key(process_group)
+    saved = dcp.FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    rng = {device: tensor for device, tensor in _rng_state().items() if f"{rng_key}.{device}" in saved}
+    if rng:
+        state[rng_key] = rng
+    dcp.load(state, checkpoint_id=str(state_dir), process_group=process_group)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def save_model_config(state_dir: str | os.PathLike, model: DecoderLM, *, tokenizer_path: str) -> None:
+    """Write what rebuilds ``model`` without its original directory (HF config, tokenizer, head) into the role's
+    state; one rank of the role calls it."""
+    from transformers import AutoTokenizer
+
+    config_dir = Path(state_dir, HF_CONFIG)
+    config_dir.mkdir(parents=True, exist_ok=True)
+    model.args.hf_config.save_pretrained(config_dir)
+    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(config_dir)
+    (config_dir / ROLE_FILE).write_text(json.dumps({"head": model.head}))
+
+
+# ---- export ----------------------------------------------------------------------------------------------------------
+
+
+def role_config_dir(checkpoint_dir: str | os.PathLike, role: str) -> Path:
+    """The directory ``save_model_config`` wrote for ``role`` in a checkpoint, or an error saying what is missing."""
+    config_dir = require_role_state(checkpoint_dir, role) / HF_CONFIG
+    if not (config_dir / ROLE_FILE).is_file():
+        raise CheckpointError(
+            f"{config_dir.parent} has no {HF_CONFIG}/{ROLE_FILE} (written before export existed); "
+            f"use the Hugging Face copy in {role_hf_dir(checkpoint_dir, role)}"
+        )
+    return config_dir
+
+
+def load_role_model(checkpoint_dir: str | os.PathLike, role: str) -> DecoderLM:
+    """``role``'s model with its saved weights (float32 master weights of a trained role), read in this process alone
+    from the DCP shards of any layout."""
+    config_dir = role_config_dir(checkpoint_dir, role)
+    state_dir = config_dir.parent
+    head = json.loads((config_dir / ROLE_FILE).read_text())["head"]
+    args = read_decoder_args(str(config_dir))
+    with torch.device("meta"):
+        names = [name for name, _ in DecoderLM(args, head=head).named_parameters()]
+    saved = dcp.FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    entries = {name: saved.get(f"model.{name}") for name in names}
+    missing = [name for name, entry in entries.items() if not isinstance(entry, TensorStorageMetadata)]
+    if missing:
+        raise CheckpointError(f"{state_dir} lacks model tensors {', '.join(missing)}; the checkpoint is incomplete")
+    tensors = {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in entries.items()}
+    with warnings.catch_warnings():
+        # DCP warns that it loads in a single process even when asked to with no_dist: that is the intent here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": tensors}, checkpoint_id=str(state_dir), no_dist=True)
+    return model_from_tensors(args, tensors, head=head)
+
+
+def _writable_dir(out_dir: str | os.PathLike) -> Path:
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise CheckpointError(f"cannot write to {out}: {error.strerror or error}") from error
+    return out
+
+
+def export_hf(
+    checkpoint_or_run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Iterable[str] = ("actor",)
+) -> dict[str, Path]:
+    """Write each role's weights from a checkpoint (or a run directory's latest) as a Hugging Face directory
+    ``<out_dir>/<role>`` with its tokenizer; returns ``{role: directory}``. Every role is checked before any is
+    written."""
+    from transformers import AutoTokenizer
+
+    checkpoint_dir = resolve_checkpoint(checkpoint_or_run_dir)
+    config_dirs = {role: role_config_dir(checkpoint_dir, role) for role in roles}
+    out = _writable_dir(out_dir)
+    written = {}
+    for role, config_dir in config_dirs.items():
+        model = load_role_model(checkpoint_dir, role)
+        tokenizer = AutoTokenizer.from_pretrained(str(config_dir))
+        save_pretrained(model, str(out / role), tokenizer=tokenizer)
+        written[role] = out / role
+    return written

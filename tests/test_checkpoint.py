@@ -1,0 +1,208 @@
+"""Checkpoints: the atomic directory protocol under a crash mid-save, resume resolution, the role state round trip
+(weights, optimizer, LR schedule, RNG), Hugging Face export of a real PPO run's actor and critic from the DCP shards
+alone (logits equal to ``transformers``), the ``spmd-rlhf export`` errors, and a resume into another world size."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torchrun_helpers import run_recipe, torchrun
+
+from spmd_rlhf import checkpoint
+from spmd_rlhf.checkpoint import CheckpointError
+from spmd_rlhf.cli import main as cli
+from spmd_rlhf.models import load_model
+from spmd_rlhf.models.tiny import make_tiny
+
+
+# ---- the directory protocol ------------------------------------------------------------------------------------------
+
+
+def write_step(run_dir: Path, step: int, contents: str = "") -> Path:
+    def write_contents(staging: Path) -> None:
+        (staging / "contents.txt").write_text(contents or f"step {step}")
+
+    state = {"step": step, "recipe": "test"}
+    return checkpoint.write_checkpoint(run_dir / f"step_{step}", write_contents, trainer_state=state)
+
+
+def test_checkpoints_are_renamed_whole_and_latest_names_the_newest(tmp_path):
+    write_step(tmp_path, 1)
+    write_step(tmp_path, 2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_1", "step_2"]
+    assert (tmp_path / "latest").read_text() == "step_2"
+    assert checkpoint.read_trainer_state(tmp_path / "step_2") == {"step": 2, "recipe": "test"}
+    write_step(tmp_path, 2, "again")  # saving a step that exists replaces it
+    assert (tmp_path / "step_2" / "contents.txt").read_text() == "again"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resume_resolution(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert checkpoint.latest_checkpoint(run_dir) is None
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        checkpoint.resolve_checkpoint(run_dir)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        checkpoint.resolve_checkpoint(tmp_path / "missing")
+    for step in (1, 3, 2):
+        write_step(run_dir, step)
+    assert checkpoint.resolve_checkpoint(run_dir) == run_dir / "step_2"  # latest, not the highest step
+    assert checkpoint.resolve_checkpoint(run_dir / "step_3") == run_dir / "step_3"
+    # A pointer naming no finished checkpoint (a crash while a same-named checkpoint was replaced): the highest step.
+    (run_dir / "latest").write_text("step_7")
+    assert checkpoint.latest_checkpoint(run_dir) == run_dir / "step_3"
+
+
+# ---- a role's state, and a crash while saving it ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return make_tiny(family="llama", out_dir=str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def trained_critic(model_dir: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """A value-head model one AdamW step into training, so the optimizer has state."""
+    model = load_model(model_dir, head="value")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    train_step(model, optimizer, scheduler)
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler) -> None:
+    model(torch.randint(3, 100, (2, 6))).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_role_state_round_trip(tmp_path, tiny_model_dir):
+    model, optimizer, scheduler = trained_critic(tiny_model_dir)
+    state_dir = checkpoint.role_state_dir(tmp_path, "critic")
+    checkpoint.save_role_state(state_dir, model=model, optimizer=optimizer, scheduler=scheduler, process_group=None)
+    checkpoint.save_model_config(state_dir, model, tokenizer_path=tiny_model_dir)
+    saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    saved_moments = {id(p): optimizer.state[p]["exp_avg"].clone() for p in model.parameters()}
+    next_random = torch.rand(4)
+    train_step(model, optimizer, scheduler)
+    checkpoint.load_role_state(state_dir, model=model, optimizer=optimizer, scheduler=scheduler, process_group=None)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+    for param in model.parameters():
+        assert torch.equal(optimizer.state[param]["exp_avg"], saved_moments[id(param)])
+    assert scheduler.last_epoch == 1
+    assert torch.equal(torch.rand(4), next_random)  # the CPU RNG continues where it was saved
+    # The single-process export path reads the same weights back without the model directory.
+    exported = checkpoint.load_role_model(tmp_path, "critic")
+    for name, param in exported.named_parameters():
+        assert torch.equal(param, saved[name]), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, tiny_model_dir):
+    model, optimizer, scheduler = trained_critic(tiny_model_dir)
+    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, process_group=None)
+
+    def save_critic(staging: Path) -> None:
+        checkpoint.save_role_state(checkpoint.role_state_dir(staging, "critic"), **parts)
+
+    checkpoint.write_checkpoint(tmp_path / "step_1", save_critic, trainer_state={"step": 1, "recipe": "test"})
+    saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    train_step(model, optimizer, scheduler)
+
+    def crash(staging: Path) -> None:
+        save_critic(staging)
+        raise RuntimeError("killed mid-save")
+
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        checkpoint.write_checkpoint(tmp_path / "step_2", crash, trainer_state={"step": 2, "recipe": "test"})
+    assert (tmp_path / "latest").read_text() == "step_1"
+    assert not (tmp_path / "step_2").exists()
+    # Even a staging dir that got as far as trainer_state.json is never resumed from.
+    (tmp_path / "step_2.tmp" / "trainer_state.json").write_text(json.dumps({"step": 2, "recipe": "test"}))
+    resumed = checkpoint.resolve_checkpoint(tmp_path)
+    assert resumed == tmp_path / "step_1"
+    with pytest.raises(CheckpointError, match="unfinished"):
+        checkpoint.read_trainer_state(tmp_path / "step_2.tmp")
+    checkpoint.load_role_state(checkpoint.role_state_dir(resumed, "critic"), **parts)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+    # The next save removes the leftover.
+    checkpoint.write_checkpoint(tmp_path / "step_3", save_critic, trainer_state={"step": 3, "recipe": "test"})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_1", "step_3"]
+
+
+# ---- a real run: export and resume into another world size -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory) -> Path:
+    """A 2-step PPO run on 2 ranks (actor and critic), saving after each step; returns its run directory."""
+    workdir = tmp_path_factory.mktemp("ppo")
+    run_recipe("ppo", workdir, "trainer.total_steps=2", "trainer.save_every=1", "trainer.val_every=0")
+    return workdir / "out"
+
+
+def test_export_equals_transformers_without_the_model_dir(tmp_path, monkeypatch, ppo_run):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    # From a copy of the run, in a directory where the run's model path (tiny/model) does not exist.
+    shutil.copytree(ppo_run, tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    assert cli(["export", "run", "hf", "--roles", "actor", "critic"]) == 0
+    input_ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    roles = (("actor", AutoModelForCausalLM, "lm"), ("critic", AutoModelForTokenClassification, "value"))
+    for role, hf_class, head in roles:
+        # The DCP export equals the Hugging Face copy the workers wrote from their live weights at save time...
+        exported, live = load_file(f"hf/{role}/model.safetensors"), load_file(f"run/step_2/{role}/model.safetensors")
+        assert exported.keys() == live.keys()
+        for name in live:
+            assert torch.equal(exported[name], live[name]), name
+        # ... and transformers computes our logits / values from it.
+        theirs = hf_class.from_pretrained(f"hf/{role}").eval()
+        ours = load_model(f"run/step_2/{role}", head=head)
+        with torch.no_grad():
+            hf_out, our_out = theirs(input_ids).logits, ours(input_ids)
+        torch.testing.assert_close(hf_out.squeeze(-1) if head == "value" else hf_out, our_out)
+    assert Path("hf/actor/tokenizer.json").is_file()
+
+
+def test_export_errors(tmp_path, capsys, ppo_run):
+    (tmp_path / "file").write_text("")
+    cases = [
+        ([str(tmp_path), str(tmp_path / "out")], "is neither a checkpoint"),
+        ([str(ppo_run / "step_1"), str(tmp_path / "out"), "--roles", "actor", "reference"],
+         "holds no reference state (roles in it: actor, critic)"),
+        ([str(ppo_run), str(tmp_path / "file" / "out")], "cannot write to"),
+    ]
+    for args, message in cases:
+        assert cli(["export", *args]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("export error: ") and message in error and error.count("\n") == 1, error
+    assert not (tmp_path / "out").exists()  # a missing role is found before anything is written
+
+
+def test_resume_into_one_rank(tmp_path, ppo_run):
+    """A checkpoint written by 2 DP ranks loads on 1: the weights it holds equal the saved ones, and it trains on."""
+    workdir = ppo_run.parent
+    finished = torchrun(
+        "load_checkpoint.py", "ppo", str(ppo_run / "step_2"), str(tmp_path), "trainer.output_dir=resumed",
+        "trainer.val_every=0", nproc=1, timeout=300, cwd=str(workdir),
+    )
+    assert finished.returncode == 0, finished.stdout[-6000:]
+    for role in ("actor", "critic"):
+        loaded = load_file(str(tmp_path / role / "model.safetensors"))
+        saved = load_file(str(ppo_run / "step_2" / role / "model.safetensors"))
+        assert loaded.keys() == saved.keys()
+        for name in saved:
+            assert torch.equal(loaded[name], saved[name]), (role, name)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert torch.isfinite(torch.tensor([metrics["actor/loss"], metrics["critic/loss"]])).all()
