@@ -79,9 +79,16 @@ def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePo
 
 
 def role_dims(name: str, role: RoleConfig, pool: ResourcePool) -> ParallelDims:
-    if role.tp != 1 or role.pp != 1:
-        raise ValueError(f"{name}.tp={role.tp}, {name}.pp={role.pp}: tensor and pipeline parallelism are not built yet; use 1")
-    return ParallelDims(pp=1, dp=len(pool) // (role.pp * role.tp), tp=1)
+    """The role's (pp, dp, tp) on its pool: dp is what pp x tp leaves of the pool's ranks."""
+    if len(pool) % (role.pp * role.tp):
+        raise ValueError(
+            f"{name}.pp={role.pp} x {name}.tp={role.tp} does not divide the {len(pool)} ranks of its pool; choose sizes "
+            f"whose product divides {len(pool)}"
+        )
+    dims = ParallelDims(pp=role.pp, dp=len(pool) // (role.pp * role.tp), tp=role.tp)
+    if role.dp and role.dp != dims.dp:
+        raise ValueError(f"{name}.dp={role.dp} but its pool of {len(pool)} ranks with pp={role.pp}, tp={role.tp} gives dp={dims.dp}; set {name}.dp=0")
+    return dims
 
 
 class RLRecipe:

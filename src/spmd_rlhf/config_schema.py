@@ -60,7 +60,9 @@ class RoleConfig:
     n_ranks: int = 0
     """Ranks (devices) the role spans; 0: all ranks of its pool, known at start from the world size."""
     pp: int = 1
-    """Pipeline-parallel degree."""
+    """Pipeline-parallel degree (stages of consecutive layers; the model must not tie its embedding and LM head)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule when pp > 1: 1f1b (less activation memory) or gpipe."""
     dp: int = 0
     """Data-parallel (FSDP) degree; 0: derived as n_ranks / (pp * tp)."""
     tp: int = 1
@@ -76,6 +78,7 @@ class RoleConfig:
         _at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size")
         _at_least(self, 1, "pp", "tp", "micro_batch_size")
         _require(self, "pool", self.pool != "", "must be a name or null")
+        _require(self, "pp_schedule", self.pp_schedule in ("1f1b", "gpipe"), "must be 1f1b or gpipe")
 
     def dp_size(self) -> int | None:
         """The data-parallel degree: ``dp``, else derived from ``n_ranks``; None while the pool size is unknown."""

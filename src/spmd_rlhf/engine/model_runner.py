@@ -9,11 +9,19 @@ steps run eagerly; CUDA graphs for them are not implemented.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
 
 from .sequence import Sequence
+
+
+def local_kv_heads(model: DecoderLM) -> int:
+    """KV heads computed on this rank: ``k_proj``'s local output rows / head_dim (a TP shard has fewer)."""
+    weight = next(iter(model.model.layers.values())).self_attn.k_proj.weight
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    return local.shape[0] // model.args.head_dim
 
 
 class ModelRunner:
@@ -24,6 +32,8 @@ class ModelRunner:
         self.block_size = block_size
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.num_kv_heads = local_kv_heads(model)
+        """KV heads this rank caches: all of them, or its share when the model is tensor-parallel."""
         self._key_cache: torch.Tensor | None = None
         self._value_cache: torch.Tensor | None = None
 
@@ -31,7 +41,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one block: keys and values of ``block_size`` tokens in every layer."""
         args = self.model.args
-        per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * self.dtype.itemsize
+        per_token = 2 * args.num_layers * self.num_kv_heads * args.head_dim * self.dtype.itemsize
         return per_token * self.block_size
 
     @property
@@ -55,7 +65,7 @@ class ModelRunner:
             return
         self.free_cache()
         args = self.model.args
-        shape = (args.num_layers, num_blocks, self.block_size, args.num_kv_heads, args.head_dim)
+        shape = (args.num_layers, num_blocks, self.block_size, self.num_kv_heads, args.head_dim)
         # Zeros, not empty: masked-out cache slots still enter attention's probs @ V as 0 * value, and uninitialised
         # memory can hold NaN.
         self._key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

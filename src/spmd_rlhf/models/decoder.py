@@ -102,12 +102,14 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(head_dim=args.head_dim, theta=args.rope_theta, scaling=args.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Token ids ``[b, s]`` to hidden states ``[b, s, hidden]``. A pipeline stage without the embedding takes
+        the previous stage's hidden states instead; one without the final norm returns its last layer's output."""
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         rope = self.rotary(position_ids, x.dtype)
         for layer in self.layers.values():
             x = layer(x, rope, batch)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -134,7 +136,7 @@ def default_position_ids(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
     """Positions counting real tokens only: 0.. per row, restarting per packed sequence, skipping left padding."""
-    batch_size, seq_len = input_ids.shape
+    batch_size, seq_len = input_ids.shape[:2]
     if cu_seqlens is not None:
         positions = torch.arange(seq_len, device=input_ids.device)
         starts = cu_seqlens.to(input_ids.device)[torch.bucketize(positions, cu_seqlens[1:].to(input_ids.device), right=True)]
@@ -175,6 +177,12 @@ class DecoderLM(nn.Module):
         """Recompute non-persistent buffers (rotary frequencies) after building on the meta device."""
         self.model.rotary.reset_parameters()
 
+    def compute_dtype(self, inputs: torch.Tensor) -> torch.dtype:
+        """The dtype layers compute in: the embedding's, or the incoming hidden states' on a later pipeline stage."""
+        if self.model.embed_tokens is not None:
+            return self.model.embed_tokens.weight.dtype
+        return inputs.dtype
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -203,7 +211,7 @@ class DecoderLM(nn.Module):
             cu_seqlens=cu_seqlens,
             backend=self.attention_backend,
             device=input_ids.device,
-            dtype=self.model.embed_tokens.weight.dtype,
+            dtype=self.compute_dtype(input_ids),
             paged=paged,
         )
         return self.model(input_ids, position_ids, batch)
@@ -224,6 +232,8 @@ class DecoderLM(nn.Module):
         """
         cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens)
+        if self.model.norm is None:  # a pipeline stage before the last: hand the hidden states on
+            return hidden
         if self.head == "lm":
             return self.lm_head(hidden)
         values = self.score(hidden).squeeze(-1)
@@ -236,7 +246,7 @@ def last_token_index(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
     """Flat index of each sequence's last real token (rightmost mask position, so left and right padding both work)."""
-    batch_size, seq_len = input_ids.shape
+    batch_size, seq_len = input_ids.shape[:2]
     if cu_seqlens is not None:
         return cu_seqlens[1:].to(input_ids.device).long() - 1
     if attention_mask is None:

@@ -1,75 +1,107 @@
-"""Per-token log-probabilities and entropies from logits, in chunks of rows.
+"""Per-token log-probabilities and entropies from logits, in chunks of rows, optionally vocab-parallel.
 
 A float32 ``[tokens, vocab]`` softmax is never materialised, neither in the forward nor in the backward pass: each
 autograd function keeps only the logits (in their own dtype) and one float per token, and recomputes the softmax of
 one chunk at a time when gradients are needed.
+
+Vocab-parallel (tensor-parallel LM head): each rank holds the logits of its slice of the vocabulary
+``[vocab_start, vocab_start + local_vocab)``; the log-sum-exp, the picked logit and the mean logit are all-reduced
+over ``group`` (three small per-token reductions), so the full-vocabulary logits are never gathered. The backward
+pass needs no communication: each rank's gradient is that of its own slice.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 """Float32 bytes of one chunk of logits; rows per chunk = this / (vocab * 4), so big vocabularies get short chunks."""
+
+
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _logsumexp(rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``logsumexp`` over the last dim, whose slices are spread over ``group`` when given."""
+    if group is None:
+        return torch.logsumexp(rows, dim=-1)
+    peak = _all_reduce(rows.max(dim=-1).values, group, dist.ReduceOp.MAX)
+    total = _all_reduce((rows - peak[:, None]).exp().sum(dim=-1), group)
+    return peak + total.log()
+
+
+def _local_labels(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels as indices into this rank's vocabulary slice (clamped), and whether each label falls in it."""
+    local = labels - vocab_start
+    inside = (local >= 0) & (local < local_vocab)
+    return local.clamp(0, local_vocab - 1), inside
 
 
 class _ChunkedLogProb(torch.autograd.Function):
     """``log p(label) = logit[label] - logsumexp(logits)``; gradient ``g * (onehot(label) - softmax)``."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int, group, vocab_start: int) -> torch.Tensor:
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
+        local_labels, inside = _local_labels(labels, vocab_start, logits.shape[-1])
         for start in range(0, logits.shape[0], chunk):
             rows = logits[start : start + chunk].float()
-            lse[start : start + chunk] = torch.logsumexp(rows, dim=-1)
-            picked = rows.gather(-1, labels[start : start + chunk, None]).squeeze(-1)
+            lse[start : start + chunk] = _logsumexp(rows, group)
+            picked = rows.gather(-1, local_labels[start : start + chunk, None]).squeeze(-1)
+            if group is not None:
+                picked = _all_reduce(picked * inside[start : start + chunk], group)
             out[start : start + chunk] = picked - lse[start : start + chunk]
-        ctx.save_for_backward(logits, labels, lse)
+        ctx.save_for_backward(logits, local_labels, inside, lse)
         ctx.chunk = chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        logits, labels, lse = ctx.saved_tensors
+        logits, local_labels, inside, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk):
             end = start + ctx.chunk
             g = grad_out[start:end, None].float()
             chunk_grad = (logits[start:end].float() - lse[start:end, None]).exp_().mul_(-g)
-            chunk_grad.scatter_add_(-1, labels[start:end, None], g)
+            chunk_grad.scatter_add_(-1, local_labels[start:end, None], g * inside[start:end, None])
             grad[start:end] = chunk_grad
-        return grad, None, None
+        return grad, None, None, None, None
 
 
 class _ChunkedEntropy(torch.autograd.Function):
     """``H = logsumexp(l) - sum_i p_i l_i``; gradient ``dH/dl_j = g * p_j (sum_i p_i l_i - l_j)``."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, chunk: int, group) -> torch.Tensor:
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
+        mean_logit = torch.empty_like(out)
         for start in range(0, logits.shape[0], chunk):
             rows = logits[start : start + chunk].float()
-            lse[start : start + chunk] = torch.logsumexp(rows, dim=-1)
+            lse[start : start + chunk] = _logsumexp(rows, group)
             probs = (rows - lse[start : start + chunk, None]).exp_()
-            out[start : start + chunk] = lse[start : start + chunk] - torch.linalg.vecdot(probs, rows)
-        ctx.save_for_backward(logits, lse)
+            mean_logit[start : start + chunk] = _all_reduce(torch.linalg.vecdot(probs, rows), group)
+        out = lse - mean_logit
+        ctx.save_for_backward(logits, lse, mean_logit)
         ctx.chunk = chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        logits, lse = ctx.saved_tensors
+        logits, lse, mean_logit = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk):
             end = start + ctx.chunk
             rows = logits[start:end].float()
             probs = (rows - lse[start:end, None]).exp_()
-            mean_logit = torch.linalg.vecdot(probs, rows)[:, None]
             # rows may alias the saved logits (float32 input), so it is never modified in place.
-            grad[start:end] = (mean_logit - rows).mul_(probs).mul_(grad_out[start:end, None].float())
-        return grad, None
+            grad[start:end] = (mean_logit[start:end, None] - rows).mul_(probs).mul_(grad_out[start:end, None].float())
+        return grad, None, None
 
 
 def _flatten(logits: torch.Tensor) -> torch.Tensor:
@@ -80,14 +112,28 @@ def _rows_per_chunk(logits: torch.Tensor, chunk_tokens: int | None) -> int:
     return chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * logits.shape[-1]))
 
 
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
-    """``log softmax(logits)[..., labels]`` in float32, shape ``labels.shape``; differentiable w.r.t. ``logits``."""
+def log_probs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+) -> torch.Tensor:
+    """``log softmax(logits)[..., labels]`` in float32, shape ``labels.shape``; differentiable w.r.t. ``logits``.
+
+    With ``group``, ``logits`` are this rank's vocabulary slice starting at token id ``vocab_start`` and every rank
+    of ``group`` must call this with the same labels and chunking."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {list(logits.shape)} and labels {list(labels.shape)} disagree on the leading dims")
-    out = _ChunkedLogProb.apply(_flatten(logits), labels.reshape(-1).long(), _rows_per_chunk(logits, chunk_tokens))
+    chunk = _rows_per_chunk(logits, chunk_tokens)
+    out = _ChunkedLogProb.apply(_flatten(logits), labels.reshape(-1).long(), chunk, group, vocab_start)
     return out.view(labels.shape)
 
 
-def entropy_from_logits(logits: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
-    """Entropy ``-sum p log p`` of ``softmax(logits)`` in float32, shape ``logits.shape[:-1]``; differentiable."""
-    return _ChunkedEntropy.apply(_flatten(logits), _rows_per_chunk(logits, chunk_tokens)).view(logits.shape[:-1])
+def entropy_from_logits(
+    logits: torch.Tensor, *, chunk_tokens: int | None = None, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Entropy ``-sum p log p`` of ``softmax(logits)`` in float32, shape ``logits.shape[:-1]``; differentiable.
+    With ``group``, ``logits`` are this rank's vocabulary slice (see ``log_probs_from_logits``)."""
+    return _ChunkedEntropy.apply(_flatten(logits), _rows_per_chunk(logits, chunk_tokens), group).view(logits.shape[:-1])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..data.batch import Batch
 from .layout import ParallelDims
@@ -27,7 +28,8 @@ from .worker import RoleContext
 
 @dataclass
 class Spawn:
-    """Build the role's mesh (every rank takes part) and, on the role's ranks, its instance."""
+    """Build the role's mesh and any extra process groups its class declares (every rank takes part: group creation
+    is collective over the world) and, on the role's ranks, its instance."""
 
     role: str
     role_class: type
@@ -166,10 +168,18 @@ class Executor:
 
     def _spawn(self, command: Spawn) -> None:
         mesh = command.dims.build_mesh(command.ranks, self.device.type)
+        args, kwargs = pickle.loads(command.arguments)
+        # Every role gets a group over all its ranks (checkpoints, role-wide reductions).
+        groups = {"role": dist.new_group(sorted(command.ranks))}
+        declare = getattr(command.role_class, "process_groups", None)
+        for name, partition in (declare(command.dims, command.ranks, *args, **kwargs) if declare else {}).items():
+            for ranks in partition:
+                group = dist.new_group(sorted(ranks))
+                if self.rank in ranks:
+                    groups[name] = group
         if self.rank not in command.ranks:
             return None
-        args, kwargs = pickle.loads(command.arguments)
-        context = RoleContext(command.role, command.dims, command.ranks, self.rank, mesh, self.device)
+        context = RoleContext(command.role, command.dims, command.ranks, self.rank, mesh, self.device, groups)
         self.roles[command.role] = command.role_class(context, *args, **kwargs)
         return None
 

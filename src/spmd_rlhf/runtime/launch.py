@@ -113,7 +113,8 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # NCCL for device tensors, gloo for the small host-side reductions (metrics, row counts).
+        backend = "cpu:gloo,cuda:nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     executor = Executor(rank, device)

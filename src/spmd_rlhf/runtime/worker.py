@@ -6,9 +6,10 @@ is a convenience, not a requirement.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .layout import Coordinates, ParallelDims
@@ -26,6 +27,10 @@ class RoleContext:
     mesh: DeviceMesh
     """The role's ``("pp", "dp", "tp")`` mesh; sub-meshes by name, e.g. ``mesh["tp"]``."""
     device: torch.device
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    """``"role"``: all the role's ranks; plus the groups the role class declared with a ``process_groups(dims,
+    ranks, *args, **kwargs)`` static method returning ``{name: [ranks of each group]}``: for each name, the group
+    this rank belongs to."""
 
     @property
     def role_rank(self) -> int:

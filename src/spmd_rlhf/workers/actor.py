@@ -1,9 +1,9 @@
 """The actor: the policy being trained. It generates the rollouts with the built-in engine, computes their log-probs,
 estimates advantages where its DP shards already are, and takes PPO steps.
 
-Generation runs on each DP rank with a full copy of the current weights gathered from the FSDP shards, dropped again
-when the rollouts are done (the 3D-HybridEngine's TP resharding comes with the 3D-parallel issue). The engine runs the
-same model code as training, so rollout log-probs equal ``compute_log_probs`` on the same weights.
+Generation runs in the 3D-HybridEngine's generation layout (``rollout.tp`` dividing ``actor.tp``, every rank holding
+all layers of its generation shard), built from the training shards just before the rollouts and dropped right after.
+The engine runs the same model code as training, so rollout log-probs equal ``compute_log_probs`` on the same weights.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from ..algos import (
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
 from ..engine import LLMEngine, SamplingParams
-from ..runtime import RoleContext, data_parallel
+from ..hybrid import GenerationLayout, HybridEngine
+from ..runtime import ParallelDims, RoleContext, data_parallel
 from .base import union_all
 from .training import TrainedWorker
 
@@ -51,6 +52,15 @@ class ActorWorker(TrainedWorker):
         super().__init__(context, config, config.actor, head="lm")
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.hybrid = HybridEngine(
+            self.model, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
+            groups=context.groups, pp_group=self.pp_group, device=self.device, attention_backend=config.model.attention,
+        )
+
+    @staticmethod
+    def process_groups(dims: ParallelDims, ranks: tuple[int, ...], config: FrameworkConfig) -> dict[str, list[list[int]]]:
+        """The 3D-HybridEngine's groups, created by the runtime on every rank when the actor is spawned."""
+        return GenerationLayout(dims, ranks, config.rollout.tp).process_groups()
 
     @property
     def temperature(self) -> float:
@@ -84,9 +94,11 @@ class ActorWorker(TrainedWorker):
         rollout = self.config.rollout
         n, response_length = (1 if greedy else rollout.n), rollout.max_new_tokens
         temperature = 0.0 if greedy else rollout.temperature
-        prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
+        # This rank's generation replica answers a share of the DP group's prompts; the rows are gathered back below.
+        mine = prompts.select(self.hybrid.replica_rows(len(prompts)))
+        prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(mine["input_ids"], mine["attention_mask"])]
         requests, params = [], []
-        for tokens, uid in zip(prompt_tokens, prompts["uid"].tolist()):
+        for tokens, uid in zip(prompt_tokens, mine["uid"].tolist()):
             for sample in range(n):
                 requests.append(tokens)
                 params.append(
@@ -95,11 +107,11 @@ class ActorWorker(TrainedWorker):
                         max_new_tokens=response_length, seed=sample_seed(self.config.trainer.seed, uid, sample, n),
                     )
                 )
-        model = self.full_model(getattr(torch, self.config.model.dtype)).eval()
+        model = self.hybrid.generation_model(getattr(torch, self.config.model.dtype))
         engine = self._engine(model)
         outputs = engine.generate(requests, params)
         preemptions = engine.num_preemptions
-        del engine, model  # the KV cache and the gathered weights go before training resumes
+        del engine, model  # the KV cache and the generation shard go before training resumes
 
         rows = len(requests)
         responses = torch.full((rows, response_length), self.pad_token_id, dtype=torch.long)
@@ -110,6 +122,13 @@ class ActorWorker(TrainedWorker):
             responses[row, :length] = torch.tensor(output.generated_token_ids)
             response_mask[row, :length] = 1
             rollout_log_probs[row, :length] = torch.tensor(output.log_probs)
+        gathered = self.hybrid.gather_rows(
+            {"responses": responses, "response_mask": response_mask, "rollout_log_probs": rollout_log_probs}
+        )
+        responses, response_mask, rollout_log_probs = gathered["responses"], gathered["response_mask"], gathered["rollout_log_probs"]
+        # Each replica counted its own preemptions; the other DP groups' replicas add theirs below.
+        preemptions = self.hybrid.sum_over_replicas(preemptions)
+        rows = len(responses)
         repeated = prompts.repeat(n)
         attention_mask = torch.cat([repeated["attention_mask"], response_mask], dim=1)
         lengths = response_mask.sum(dim=1).double()
@@ -146,10 +165,10 @@ class ActorWorker(TrainedWorker):
     @data_parallel
     def compute_log_probs(self, batch: Batch) -> Batch:
         """``old_log_probs`` ``[rows, R]`` of the responses under the current policy (at the rollout temperature)."""
-        self.model.eval()
-        with torch.no_grad():
-            parts = [self.response_log_probs(micro, self.temperature)[0] for micro in self.forward_micro_batches(batch, "compute_log_probs")]
-        return Batch({"old_log_probs": torch.cat(parts).cpu()}, group_size=batch.group_size)
+        return self.forward_rows(
+            batch, "compute_log_probs", "old_log_probs",
+            lambda logits, micro: self.response_log_probs(logits, micro, self.temperature)[0],
+        )
 
     # ---- advantages --------------------------------------------------------------------------------------------
 
@@ -198,11 +217,11 @@ class ActorWorker(TrainedWorker):
 
     # ---- training ----------------------------------------------------------------------------------------------
 
-    def _policy_loss(self, micro: Batch, denominators) -> tuple[torch.Tensor, dict[str, float]]:
+    def _policy_loss(self, logits: torch.Tensor, micro: Batch, denominators) -> tuple[torch.Tensor, dict[str, float]]:
         algorithm = self.config.algorithm
         aggregation = algorithm.loss_aggregation
         mask = micro["response_mask"].to(self.device)
-        log_probs, entropy = self.response_log_probs(micro, self.temperature, with_entropy=True)
+        log_probs, entropy = self.response_log_probs(logits, micro, self.temperature, with_entropy=True)
         loss, metrics = policy_loss(
             log_probs, old_log_probs(micro).to(self.device), micro["advantages"].to(self.device), mask,
             clip_low=algorithm.clip_ratio_low, clip_high=algorithm.clip_ratio_high,

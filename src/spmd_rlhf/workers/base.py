@@ -12,13 +12,15 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from ..config_schema import FrameworkConfig, RoleConfig
 from ..data.batch import Batch
 from ..models import DecoderLM, entropy_from_logits, load_model, log_probs_from_logits, model_from_tensors, save_pretrained
+from ..models.parallelize import parallelize
+from ..models.pipeline import OutputFunction, Pipeline, split_stage
 from ..runtime import RoleContext, Worker, one_to_all
 
 
@@ -44,6 +46,8 @@ class RoleWorker(Worker):
         self.role_config = role_config
         self.dp_group = self.mesh["dp"].get_group()
         self.dp_size = self.mesh["dp"].size()
+        self.role_group = context.groups["role"]
+        """All of the role's ranks (DP x TP x PP): sharded checkpoints are written and read over it."""
 
     # ---- collectives over the role's DP group ------------------------------------------------------------------
 
@@ -74,14 +78,11 @@ class RoleWorker(Worker):
                 f"batch (data.batch_size x rollout.n responses) divide evenly over {self.dp_size} DP ranks"
             )
 
-    def forward_micro_batches(self, batch: Batch, method: str) -> list[Batch]:
-        """Micro-batches of ``batch`` for a forward-only pass (``forward_micro_batch_size`` rows each)."""
-        self.check_equal_shards(batch, method)
-        return batch.chunk_rows(self.role_config.forward_micro_batch_size or self.role_config.micro_batch_size)
 
 
 class ModelWorker(RoleWorker):
-    """A role holding one ``DecoderLM`` (``self.model``), FSDP2-sharded over ``mesh["dp"]``."""
+    """A role holding one ``DecoderLM`` (``self.model``): its pipeline stage (``mesh["pp"]``), tensor-parallel over
+    ``mesh["tp"]`` and FSDP2-sharded over ``mesh["dp"]`` (``models.parallelize``)."""
 
     def __init__(
         self, context: RoleContext, config: FrameworkConfig, role_config: RoleConfig, *, head: str, trainable: bool
@@ -93,36 +94,83 @@ class ModelWorker(RoleWorker):
         # Trained roles keep float32 master weights and compute in model.dtype; frozen ones store model.dtype directly.
         storage_dtype = torch.float32 if trainable else compute_dtype
         model = load_model(path, head=head, dtype=storage_dtype, device=self.device, attention_backend=config.model.attention)
+        dims, name = context.dims, context.name
+        model = split_stage(model, stage=self.pp_rank, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        for layer in model.model.layers.values():
-            fully_shard(layer, mesh=self.mesh["dp"], mp_policy=policy)
-        fully_shard(model, mesh=self.mesh["dp"], mp_policy=policy)
+        parallelize(model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name)
         if not trainable:
             model.requires_grad_(False)
         self.model: DecoderLM = model
+        self.tp_group = self.mesh["tp"].get_group() if dims.tp > 1 else None
+        """Set when the LM head's logits are sharded over the vocabulary across this group."""
+        self.vocab_start = self.tp_rank * (model.args.vocab_size // dims.tp)
+        self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
+        self.pipeline = None
+        if dims.pp > 1:
+            self.pipeline = Pipeline(
+                model, stage=self.pp_rank, num_stages=dims.pp, group=self.pp_group, device=self.device,
+                schedule=role_config.pp_schedule,
+            )
 
     # ---- forward passes over the rollout layout ----------------------------------------------------------------
 
-    def response_outputs(self, micro: Batch) -> torch.Tensor:
+    def run_model(
+        self, batch: Batch, *, micro_batch_size: int, output_fn: OutputFunction, train: bool
+    ) -> list[torch.Tensor]:
+        """``output_fn(model output, micro-batch)`` for each micro-batch of ``batch``, through the pipeline when there
+        is one (then only its last stage returns results). With ``train``, each result is a loss to back-propagate
+        (gradients accumulate); the returned results are detached."""
+        if self.pipeline is not None:
+            return [result.detach() for result in self.pipeline.run(batch, micro_batch_size=micro_batch_size, output_fn=output_fn, train=train)]
+        results = []
+        for micro in batch.chunk_rows(micro_batch_size):
+            output = self.model(micro["input_ids"].to(self.device), attention_mask=micro["attention_mask"].to(self.device))
+            result = output_fn(output, micro)
+            if train:
+                result.backward()
+            results.append(result.detach())
+        return results
+
+    def forward_rows(self, batch: Batch, method: str, key: str, output_fn: OutputFunction) -> Batch:
+        """``Batch({key: output_fn results of every row})``, forward only, on every rank of the role (a pipeline's
+        last stage sends its results to the other stages)."""
+        self.check_equal_shards(batch, method)
+        self.model.eval()
+        with torch.no_grad():
+            results = self.run_model(
+                batch, micro_batch_size=self.role_config.forward_micro_batch_size or self.role_config.micro_batch_size,
+                output_fn=output_fn, train=False,
+            )
+        values = torch.cat(results).cpu() if results else None
+        if self.pipeline is not None:
+            carrier = [values]
+            last_stage = dist.get_global_rank(self.pp_group, self.pipeline.num_stages - 1)
+            dist.broadcast_object_list(carrier, src=last_stage, group=self.pp_group)
+            values = carrier[0]
+        return Batch({key: values}, group_size=batch.group_size)
+
+    @staticmethod
+    def response_outputs(outputs: torch.Tensor, micro: Batch) -> torch.Tensor:
         """The model's outputs at the positions that predict / value each response token: ``[rows, R, ...]``."""
         response_length = micro["responses"].shape[1]
         prompt_length = micro["input_ids"].shape[1] - response_length
-        outputs = self.model(micro["input_ids"].to(self.device), attention_mask=micro["attention_mask"].to(self.device))
         return outputs[:, prompt_length - 1 : -1]
 
     def response_log_probs(
-        self, micro: Batch, temperature: float, *, with_entropy: bool = False
+        self, logits: torch.Tensor, micro: Batch, temperature: float, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[rows, R]`` of the response tokens under softmax(logits / temperature), and optionally the
-        entropy of that distribution at each response position."""
-        logits = self.response_outputs(micro).float() / temperature
-        log_probs = log_probs_from_logits(logits, micro["responses"].to(self.device))
-        return log_probs, entropy_from_logits(logits) if with_entropy else None
+        entropy of that distribution at each response position. Under TP the logits are this rank's vocabulary
+        slice and the softmax statistics are reduced over the TP group."""
+        logits = self.response_outputs(logits, micro).float() / temperature
+        labels = micro["responses"].to(self.device)
+        log_probs = log_probs_from_logits(logits, labels, group=self.tp_group, vocab_start=self.vocab_start)
+        return log_probs, entropy_from_logits(logits, group=self.tp_group) if with_entropy else None
 
     # ---- whole weights -----------------------------------------------------------------------------------------
 
     def full_model(self, dtype: torch.dtype) -> DecoderLM:
-        """A plain ``DecoderLM`` with a copy of the full weights (every DP rank must call it).
+        """A plain ``DecoderLM`` with a copy of the full weights (every rank of the role must call it).
 
         In the compute dtype, FSDP's own unshard gathers each block's parameters in one all-gather (not one per
         tensor) and the copies outlive the reshard that frees the gathered buffers. In another dtype (a float32
@@ -138,6 +186,11 @@ class ModelWorker(RoleWorker):
             tensors[name] = full.detach().to(dtype, copy=True)
         for module in fsdp_modules:
             module.reshard()
+        if self.pipeline is not None:
+            # Each stage holds its own layers: exchange them so every rank has the whole model.
+            stages: list[dict[str, torch.Tensor] | None] = [None] * self.pipeline.num_stages
+            dist.all_gather_object(stages, {name: tensor.cpu() for name, tensor in tensors.items()}, group=self.pp_group)
+            tensors = {name: tensor.to(self.device) for stage in stages for name, tensor in stage.items()}
         return model_from_tensors(self.model.args, tensors, head=self.model.head, attention_backend=self.config.model.attention)
 
     @one_to_all

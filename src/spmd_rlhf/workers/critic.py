@@ -19,15 +19,14 @@ class CriticWorker(TrainedWorker):
     @data_parallel
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` ``[rows, R]``: V of the state before each response token."""
-        self.model.eval()
-        with torch.no_grad():
-            parts = [self.response_outputs(micro).float() for micro in self.forward_micro_batches(batch, "compute_values")]
-        values = torch.cat(parts).cpu() * batch["response_mask"]
-        return Batch({"values": values}, group_size=batch.group_size)
+        return self.forward_rows(
+            batch, "compute_values", "values",
+            lambda values, micro: self.response_outputs(values, micro).float() * micro["response_mask"].to(self.device),
+        )
 
-    def _value_loss(self, micro: Batch, denominators: Denominators) -> tuple[torch.Tensor, dict[str, float]]:
+    def _value_loss(self, outputs: torch.Tensor, micro: Batch, denominators: Denominators) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro["response_mask"].to(self.device)
-        values = self.response_outputs(micro).float()
+        values = self.response_outputs(outputs, micro).float()
         loss, metrics = value_loss(
             values, micro["values"].to(self.device), micro["returns"].to(self.device), mask,
             clip=self.config.algorithm.value_clip, aggregation=self.config.algorithm.loss_aggregation,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
@@ -17,8 +16,7 @@ class ReferenceWorker(ModelWorker):
     @data_parallel
     def compute_log_probs(self, batch: Batch) -> Batch:
         """``ref_log_probs`` ``[rows, R]`` of the responses, at the rollout temperature like the actor's."""
-        self.model.eval()
         temperature = self.config.rollout.temperature or 1.0
-        with torch.no_grad():
-            parts = [self.response_log_probs(micro, temperature)[0] for micro in self.forward_micro_batches(batch, "compute_log_probs")]
-        return Batch({"ref_log_probs": torch.cat(parts).cpu()}, group_size=batch.group_size)
+        return self.forward_rows(
+            batch, "compute_log_probs", "ref_log_probs", lambda logits, micro: self.response_log_probs(logits, micro, temperature)[0]
+        )

@@ -37,13 +37,7 @@ class RewardWorker(RoleWorker):
         """One score per response; the batch meta carries their mean (and any extra numbers a rule returned)."""
         extras: dict[str, list[float]] = defaultdict(list)
         if self.scorer is not None:
-            self.scorer.model.eval()
-            with torch.no_grad():
-                parts = [
-                    self.scorer.model(micro["input_ids"].to(self.device), attention_mask=micro["attention_mask"].to(self.device)).float()
-                    for micro in self.forward_micro_batches(batch, "compute_rewards")
-                ]
-            scores = torch.cat(parts).cpu()
+            scores = self.scorer.forward_rows(batch, "compute_rewards", "scores", lambda outputs, micro: outputs.float())["scores"]
         else:
             texts = self.tokenizer.batch_decode(
                 [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])],

@@ -14,6 +14,8 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..algos import Denominators
 from ..checkpoint import load_role_state, save_model_config, save_role_state
@@ -22,8 +24,8 @@ from ..data.batch import Batch
 from ..runtime import RoleContext, one_to_all
 from .base import ModelWorker
 
-LossFunction = Callable[[Batch, Denominators], tuple[torch.Tensor, dict[str, float]]]
-"""(micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss, metrics)."""
+LossFunction = Callable[[torch.Tensor, Batch, Denominators], tuple[torch.Tensor, dict[str, float]]]
+"""(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss, metrics)."""
 
 
 def learning_rate_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int, min_lr_ratio: float) -> float:
@@ -35,6 +37,39 @@ def learning_rate_factor(step: int, *, warmup_steps: int, schedule: str, total_s
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def clip_gradients(
+    gradients: list[torch.Tensor], max_norm: float | None, *, stage_groups: list[dist.ProcessGroup],
+    pipeline_group: dist.ProcessGroup | None, device: torch.device,
+) -> float:
+    """Scale ``gradients`` in place so their global L2 norm is at most ``max_norm`` (None: no clipping); returns the
+    norm before clipping.
+
+    The gradients are this rank's pieces (DTensor shards over DP and TP, or replicas). ``stage_groups`` (DP, TP)
+    span the ranks that hold pieces of the same parameters; ``pipeline_group`` the stages holding other layers. Each
+    local piece's squared norm is divided by the number of ranks holding that same piece (FSDP-only parameters are
+    replicated over TP), so summing over all groups gives the exact global norm, however the parameters are laid out.
+    """
+    ranks_per_stage = math.prod(group.size() for group in stage_groups)
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for gradient in gradients:
+        local, shards = gradient, 1
+        if isinstance(gradient, DTensor):
+            local = gradient.to_local()
+            placements = enumerate(gradient.placements)
+            # Shard and FSDP's _StridedShard split a dimension; Replicate (and Partial, never left in a gradient) do not.
+            shards = math.prod(gradient.device_mesh.size(dim) for dim, placement in placements if not placement.is_replicate())
+        squares += torch.linalg.vector_norm(local.detach(), dtype=torch.float64).square() / (ranks_per_stage // shards)
+    for group in [*stage_groups, pipeline_group]:
+        if group is not None and group.size() > 1:
+            dist.all_reduce(squares, group=group)
+    norm = float(squares.sqrt())
+    if max_norm is not None and math.isfinite(norm) and norm > max_norm:
+        coefficient = max_norm / (norm + 1e-6)
+        for gradient in gradients:
+            (gradient.to_local() if isinstance(gradient, DTensor) else gradient).mul_(coefficient)
+    return norm
 
 
 class Trainer:
@@ -84,13 +119,21 @@ class Trainer:
                 mask = mini["response_mask"]
                 counts = self.worker.sum_over_dp(torch.tensor([float(mask.sum()), float(len(mini))], dtype=torch.float64))
                 denominators = Denominators(float(counts[0]), float(counts[1]), float(self.max_response_length))
-                mini_batch_loss = torch.zeros((), dtype=torch.float64)
-                for micro in mini.chunk_rows(self.role_config.micro_batch_size):
-                    loss, micro_metrics = loss_function(micro, denominators)
+                records: list[tuple[float, dict[str, float]]] = []
+
+                def micro_batch_loss(outputs: torch.Tensor, micro: Batch) -> torch.Tensor:
+                    loss, micro_metrics = loss_function(outputs, micro, denominators)
+                    records.append((float(loss.detach()), micro_metrics))
                     # FSDP averages gradients over DP ranks; each rank's loss is already its share of the global
                     # mini-batch loss, so scale by the DP size to make the average a sum (gloo has no pre-scaled sum).
-                    (loss * self.worker.dp_size).backward()
-                    mini_batch_loss += float(loss.detach())
+                    return loss * self.worker.dp_size
+
+                results = self.worker.run_model(mini, micro_batch_size=self.role_config.micro_batch_size, output_fn=micro_batch_loss, train=True)
+                # A pipeline schedule may call the loss function on placeholder outputs first (torch >= 2.13 infers
+                # gradient shapes that way); the real micro-batches are the last len(results) calls.
+                mini_batch_loss = torch.zeros((), dtype=torch.float64)
+                for loss, micro_metrics in records[len(records) - len(results):]:
+                    mini_batch_loss += loss
                     for key, value in micro_metrics.items():
                         metrics[key].append(value)
                 metrics[f"{prefix}/loss"].append(float(self.worker.sum_over_dp(mini_batch_loss)))
@@ -103,23 +146,25 @@ class Trainer:
         """Sharded model, optimizer, LR-schedule and RNG state with DCP: each rank writes its own shards."""
         save_role_state(
             checkpoint_dir, model=self.worker.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            process_group=self.worker.dp_group,
+            process_group=self.worker.role_group,
         )
 
     def load(self, checkpoint_dir: str) -> None:
         """Restore what ``save`` wrote (any DP size can load it: DCP reshards on load)."""
         load_role_state(
             checkpoint_dir, model=self.worker.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            process_group=self.worker.dp_group,
+            process_group=self.worker.role_group,
         )
 
     def _step(self) -> float:
         """Clip, step and zero the gradients; a non-finite gradient norm skips the step (never applied; it shows as
         a non-finite ``grad_norm`` in the metrics)."""
-        parameters = [p for p in self.worker.model.parameters() if p.grad is not None]
-        clip = self.role_config.grad_clip if self.role_config.grad_clip is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(parameters, clip)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        gradients = [p.grad for p in self.worker.model.parameters() if p.grad is not None]
+        worker = self.worker
+        norm = clip_gradients(
+            gradients, self.role_config.grad_clip, stage_groups=[worker.mesh["dp"].get_group(), worker.mesh["tp"].get_group()],
+            pipeline_group=worker.pp_group, device=worker.device,
+        )
         if math.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

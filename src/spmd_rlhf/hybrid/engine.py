@@ -1,0 +1,187 @@
+"""The 3D-HybridEngine: the actor's weights resharded from its training layout to its generation layout and back,
+on the same ranks, with no redundant copy (see ``layout.py`` for the groups).
+
+Training -> generation (``generation_model``), one decoder block at a time:
+  1. FSDP's own unshard of the block: one all-gather over DP; each rank then has its TP shard of the block;
+  2. one all-gather over the micro-DP group (``t / tp_g`` ranks) of those TP shards, flattened together, which
+     concatenated along each tensor's split dimension is exactly this rank's generation shard;
+  3. FSDP reshards the block; the generation shard is copied into the generation model (TP-parallelized over the
+     generation TP group with the same plan as training, except that the LM head gathers the logits).
+With pipeline stages, each stage's ranks then broadcast their stages' generation shards to the ranks holding the
+same shard on the other stages, so every rank has all layers. Generation -> training is dropping the generation
+model: training never stopped owning its shards, so nothing moves.
+
+Per rank the peak is the training state + the generation shard + the KV cache + one block's gathered buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from spmd_rlhf.hybrid.layout import GenerationLayout
+from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.models.pipeline import stage_layers
+
+
+# torch 2.13 renames all_gather_into_tensor (kept, deprecated); 2.11 has only the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _in_group_order(items: list, layout_ranks: list[int]) -> list:
+    """``items`` indexed by group rank (a group's ranks in ascending order) reordered to ``layout_ranks``' order."""
+    ascending = sorted(layout_ranks)
+    return [items[ascending.index(rank)] for rank in layout_ranks]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _split_dim(tensor: torch.Tensor) -> int | None:
+    """The dimension a TP-sharded (unsharded-over-DP) parameter is split along, or None if it is replicated."""
+    if isinstance(tensor, DTensor):
+        for placement in tensor.placements:
+            if placement.is_shard():
+                return placement.dim % tensor.ndim
+    return None
+
+
+class HybridEngine:
+    """Builds the actor's generation model from its training model (``worker.model``: a pipeline stage, TP over
+    ``mesh["tp"]``, FSDP over ``mesh["dp"]``) and returns generated rows to the training layout."""
+
+    def __init__(
+        self, model: torch.nn.Module, *, layout: GenerationLayout, rank: int, groups: dict[str, dist.ProcessGroup],
+        pp_group: dist.ProcessGroup | None, device: torch.device, attention_backend: str,
+    ) -> None:
+        """``groups``: this rank's ``generation_tp``, ``micro_dp`` and ``rollout_rows`` groups, made by the runtime
+        from ``layout.process_groups()``."""
+        self.model, self.layout, self.rank = model, layout, rank
+        self.pp_group, self.device, self.attention_backend = pp_group, device, attention_backend
+        self.tp_group = groups["generation_tp"] if layout.tp > 1 else None
+        self.micro_dp_group = groups["micro_dp"] if layout.micro_dp > 1 else None
+        self.row_group = groups["rollout_rows"] if layout.replicas_per_dp_group > 1 else None
+        self.tp_mesh = None
+        if self.tp_group is not None:
+            # The mesh in layout order, so DTensor's shard j sits on the rank the layout gives generation shard j.
+            order = torch.tensor(layout.generation_tp_group(rank))
+            self.tp_mesh = DeviceMesh.from_group(self.tp_group, device.type, mesh=order)
+
+    # ---- training -> generation ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generation_model(self, dtype: torch.dtype) -> DecoderLM:
+        """A fresh generation model holding this rank's generation shard of the current weights (every rank of the
+        actor must call it). Drop it (``del``) to go back to the training layout."""
+        args, head = self.model.args, self.model.head
+        with torch.device("meta"):
+            generation = DecoderLM(args, head=head, attention_backend=self.attention_backend).to(dtype)
+        parallelize(generation, tp_mesh=self.tp_mesh, dp_mesh=None, gather_logits=True, role="rollout")
+        generation.to_empty(device=self.device)
+        generation.tie_weights()
+        generation.reset_buffers()
+        generation.requires_grad_(False)
+        targets = {name: _local(param) for name, param in generation.named_parameters(remove_duplicate=False)}
+        for block, prefix in self._blocks():
+            self._gather_block(block, prefix, targets)
+        if self.pp_group is not None:
+            self._exchange_stages(targets)
+        return generation.eval()
+
+    def _blocks(self):
+        """(FSDP module, prefix of its parameter names in the whole model): each decoder layer, then the root, which
+        manages the rest (embedding, final norm, head) of this pipeline stage."""
+        for index, layer in self.model.model.layers.items():
+            yield layer, f"model.layers.{index}."
+        yield self.model, ""
+
+    def _gather_block(self, block: torch.nn.Module, prefix: str, targets: dict[str, torch.Tensor]) -> None:
+        block.unshard()
+        sharded, locals_ = [], []
+        for name, param in block.named_parameters():
+            if not prefix and name.startswith("model.layers."):
+                continue  # the layers' own FSDP modules handle them
+            if _split_dim(param) is None:
+                targets[prefix + name].copy_(param)
+            elif self.micro_dp_group is None:
+                targets[prefix + name].copy_(_local(param))
+            else:
+                sharded.append((prefix + name, _local(param).shape, _split_dim(param)))
+                locals_.append(_local(param).reshape(-1))
+        flat = torch.cat(locals_) if locals_ else None
+        del locals_
+        block.reshard()  # FSDP's gathered buffers go before the micro-DP gather allocates its own
+        if flat is not None:
+            self._gather_sharded(sharded, flat, targets)
+
+    def _gather_sharded(self, sharded: list[tuple[str, torch.Size, int]], flat: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+        """All-gather the flattened TP shards of one block over the micro-DP group; each tensor's generation shard is
+        the ``m`` pieces laid side by side along its split dimension."""
+        micro_dp = self.layout.micro_dp
+        gathered = flat.new_empty(micro_dp * flat.numel())
+        _all_gather_flat(gathered, flat, group=self.micro_dp_group)
+        pieces = _in_group_order(list(gathered.view(micro_dp, -1)), self.layout.micro_dp_group(self.rank))
+        offset = 0
+        for name, shape, dim in sharded:
+            numel = shape.numel()
+            for index, piece in enumerate(pieces):
+                targets[name].narrow(dim, index * shape[dim], shape[dim]).copy_(piece[offset : offset + numel].view(shape))
+            offset += numel
+
+    def _exchange_stages(self, targets: dict[str, torch.Tensor]) -> None:
+        """Broadcast each pipeline stage's generation shards, one block at a time, to the ranks holding the same
+        shard on the other stages."""
+        args = self.model.args
+        num_stages = self.pp_group.size()
+        for stage, layers in enumerate(stage_layers(args.num_layers, num_stages)):
+            blocks = [[name for name in targets if name.startswith(f"model.layers.{index}.")] for index in layers]
+            if stage == 0:
+                blocks.append([name for name in targets if name.startswith("model.embed_tokens.")])
+            if stage == num_stages - 1:
+                blocks.append([name for name in targets if not name.startswith(("model.layers.", "model.embed_tokens."))])
+            source = dist.get_global_rank(self.pp_group, stage)
+            for names in blocks:
+                flat = torch.cat([targets[name].reshape(-1) for name in names])
+                dist.broadcast(flat, src=source, group=self.pp_group)
+                offset = 0
+                for name in names:
+                    target = targets[name]
+                    target.copy_(flat[offset : offset + target.numel()].view(target.shape))
+                    offset += target.numel()
+
+    # ---- rows between the layouts --------------------------------------------------------------------------------
+
+    def replica_rows(self, num_rows: int) -> torch.Tensor:
+        """Indices of the rows (of a DP group's batch) this rank's generation replica answers."""
+        return torch.arange(num_rows).tensor_split(self.layout.replicas_per_dp_group)[self.layout.replica_index(self.rank)]
+
+    def sum_over_replicas(self, value: float) -> float:
+        """``value`` summed over the generation replicas of this rank's DP group."""
+        total = torch.tensor([float(value)], dtype=torch.float64)
+        if self.row_group is not None:
+            dist.all_reduce(total, group=self.row_group)
+        return float(total)
+
+    def gather_rows(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every replica's rows of each tensor, concatenated in replica order (= the DP group's row order)."""
+        if self.row_group is None:
+            return tensors
+        size = self.row_group.size()
+        order = self.layout.row_group(self.rank)
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
+        rows = next(iter(tensors.values())).shape[0]
+        dist.all_gather(counts, torch.tensor([rows]), group=self.row_group)
+        longest = max(int(count) for count in counts)
+        counts = _in_group_order(counts, order)
+        gathered = {}
+        for key, tensor in tensors.items():
+            padded = tensor.new_zeros(longest, *tensor.shape[1:])
+            padded[:rows] = tensor
+            parts = [torch.empty_like(padded) for _ in range(size)]
+            dist.all_gather(parts, padded, group=self.row_group)
+            gathered[key] = torch.cat([part[: int(count)] for part, count in zip(_in_group_order(parts, order), counts)])
+        return gathered

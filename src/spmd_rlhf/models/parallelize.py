@@ -1,0 +1,81 @@
+"""Tensor and data parallelism for ``DecoderLM``, applied from outside the model in one fixed order: the TP plan
+(a dict of module name -> ``ColwiseParallel`` / ``RowwiseParallel``), then FSDP2 ``fully_shard`` per decoder layer
+and on the root.
+
+TP follows Megatron's split: q/k/v and gate/up are column-parallel (each TP rank owns whole heads / a slice of the
+MLP), o and down are row-parallel (their outputs all-reduced), the embedding is vocab-parallel (each rank owns a
+slice of the vocabulary; the partial lookups are all-reduced) and the LM head is vocab-parallel too. Training keeps
+the LM head's logits sharded over the vocabulary (``vocab_parallel_log_probs`` never gathers them); generation
+gathers them (``gather_logits=True``) so each rank samples from the full distribution. Norms and the value / score
+heads are small and replicated over TP.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from spmd_rlhf.models.decoder import DecoderLM
+
+
+def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, ParallelStyle]:
+    """Module name (``*`` = any layer) -> parallel style, for the parts ``model`` has (a pipeline stage may lack the
+    embedding or the head)."""
+    plan: dict[str, ParallelStyle] = {
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+    }
+    if model.model.embed_tokens is not None:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate() if gather_logits else Shard(-1))
+    return plan
+
+
+def check_tensor_parallel(model: DecoderLM, tp: int, *, role: str) -> None:
+    """Raise a ``ValueError`` naming the fix when ``tp`` does not divide the sizes it splits."""
+    args = model.args
+    sizes = {
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size,
+    }
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"{role}.tp={tp} does not divide the model's {name}={size}; choose a tp that divides it")
+
+
+def parallelize(
+    model: DecoderLM,
+    *,
+    tp_mesh: DeviceMesh | None,
+    dp_mesh: DeviceMesh | None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    gather_logits: bool = False,
+    role: str = "model",
+) -> DecoderLM:
+    """Apply TP over ``tp_mesh`` (skipped when None or of size 1), then FSDP2 over ``dp_mesh`` (skipped when None).
+
+    Works on a whole model or on a pipeline stage of one. Tied embedding / LM-head weights stay tied: both are
+    vocab-sharded the same way, so the head reuses the embedding's sharded parameter.
+    """
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        check_tensor_parallel(model, tp_mesh.size(), role=role)
+        parallelize_module(model, tp_mesh, tensor_parallel_plan(model, gather_logits=gather_logits))
+        if model.model.embed_tokens is not None and getattr(model, "lm_head", None) is not None:
+            model.tie_weights()
+    if dp_mesh is not None:
+        policy = mp_policy or MixedPrecisionPolicy()
+        for layer in model.model.layers.values():
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    return model
+

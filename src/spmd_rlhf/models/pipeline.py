@@ -1,0 +1,96 @@
+"""Pipeline parallelism: split a ``DecoderLM`` into stages and run micro-batches through them with
+``torch.distributed.pipelining`` (1F1B or GPipe).
+
+A stage is the same ``DecoderLM`` with the layers of other stages removed (layer names keep their global index, so
+checkpoints and Hugging Face names are unchanged); the first stage keeps the embedding, the last the final norm and
+the head. Each stage is then tensor- / data-parallelized like a whole model (``parallelize.parallelize``).
+
+Every stage of a pipeline sees the same rows. The first stage feeds ``input_ids``; every stage gets the
+``attention_mask`` (as a keyword argument, split into the same micro-batches); the last stage turns each
+micro-batch's output into a result (a loss to back-propagate, or per-token values) with ``output_fn``, which
+receives the micro-batch's rows of the input batch alongside the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.models.decoder import DecoderLM
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+OutputFunction = Callable[[torch.Tensor, Batch], torch.Tensor]
+"""(last stage's output for one micro-batch, that micro-batch's rows) -> a loss (training) or a result tensor."""
+
+
+def stage_layers(num_layers: int, pp: int, *, role: str = "model") -> list[range]:
+    """Layer indices of each of ``pp`` stages: contiguous, sizes differing by at most one (earlier stages larger)."""
+    if pp > num_layers:
+        raise ValueError(f"{role}.pp={pp} exceeds the model's {num_layers} layers; use at most one stage per layer")
+    base, extra = divmod(num_layers, pp)
+    bounds = [0]
+    for stage in range(pp):
+        bounds.append(bounds[-1] + base + (stage < extra))
+    return [range(bounds[stage], bounds[stage + 1]) for stage in range(pp)]
+
+
+def split_stage(model: DecoderLM, *, stage: int, pp: int, role: str = "model") -> DecoderLM:
+    """``model`` cut down in place to pipeline stage ``stage`` of ``pp`` (unchanged when ``pp == 1``)."""
+    if pp == 1:
+        return model
+    if model.head == "lm" and model.args.tie_word_embeddings:
+        raise ValueError(
+            f"{role}.pp={pp}: the model ties its embedding and LM head, which would sit on different pipeline stages; "
+            f"use {role}.pp=1 (tensor and data parallelism work with tied weights)"
+        )
+    keep = stage_layers(model.args.num_layers, pp, role=role)[stage]
+    for index in list(model.model.layers.keys()):
+        if int(index) not in keep:
+            del model.model.layers[index]
+    if stage > 0:
+        model.model.embed_tokens = None
+    if stage < pp - 1:
+        model.model.norm = None
+        setattr(model, "lm_head" if model.head == "lm" else "score", None)
+    return model
+
+
+class Pipeline:
+    """This rank's stage of a pipeline over ``group`` (the ranks holding the other stages of the same replica)."""
+
+    def __init__(
+        self, module: torch.nn.Module, *, stage: int, num_stages: int, group: dist.ProcessGroup,
+        device: torch.device, schedule: str,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        self.module, self.stage, self.num_stages = module, stage, num_stages
+        self.group, self.device, self.schedule = group, device, schedule
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def run(self, batch: Batch, *, micro_batch_size: int, output_fn: OutputFunction, train: bool) -> list[torch.Tensor]:
+        """Run ``batch`` through the pipeline in micro-batches of ``micro_batch_size`` rows; with ``train``, back-
+        propagate each micro-batch's ``output_fn`` loss (gradients accumulate, unscaled). Returns the ``output_fn``
+        results in micro-batch order on the last stage, an empty list elsewhere."""
+        num_micro_batches = -(-len(batch) // micro_batch_size)
+        # A fresh stage per call: PipelineStage infers activation shapes on first use, and they change with the
+        # prompt length from one batch to the next.
+        stage = PipelineStage(self.module, self.stage, self.num_stages, self.device, group=self.group)
+        schedule = SCHEDULES[self.schedule](
+            stage, num_micro_batches, loss_fn=lambda output, rows: output_fn(output, batch.select(rows)), scale_grads=False
+        )
+        args = (batch["input_ids"].to(self.device),) if self.stage == 0 else ()
+        # The row indices ride along as the "target", so the last stage can find each micro-batch's rows.
+        target = torch.arange(len(batch)) if self.is_last else None
+        results: list[torch.Tensor] = []
+        run = schedule.step if train else schedule.eval
+        run(*args, target=target, losses=results, attention_mask=batch["attention_mask"].to(self.device))
+        return results

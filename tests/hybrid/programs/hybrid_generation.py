@@ -1,0 +1,119 @@
+"""The actor in several training layouts generating in several generation layouts on the same ranks: greedy
+responses, peak memory per rank during generation (with the bound's parts), weights before and after a
+generation round trip, and generation after an update against a fresh single-rank actor loaded with the new weights.
+
+    torchrun --nproc-per-node 4 hybrid_generation.py POLICY_DIR OUT_DIR dp1tp1pp1:1 dp1tp4pp1:2 ...
+"""
+
+import json
+import re
+import sys
+
+import torch
+
+from spmd_rlhf.config import load_config
+from spmd_rlhf.data import Batch
+from spmd_rlhf.hybrid.memory import PeakMemory
+from spmd_rlhf.models import DecoderLM
+from spmd_rlhf.runtime import ParallelDims, ResourcePool, all_to_all, launch
+from spmd_rlhf.workers import ActorWorker
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2] / "workers" / "programs"))
+from dp_parity import rollout_batch  # noqa: E402
+
+
+def local_bytes(model: torch.nn.Module) -> int:
+    tensors = {id(p): p for p in model.parameters()}.values()
+    return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in tensors)
+
+
+class MeasuredActor(ActorWorker):
+    """The actor with a generation that also reports this rank's peak memory and the parts of its bound."""
+
+    def _engine(self, model):
+        engine = super()._engine(model)
+        self.generation_bytes = local_bytes(model)
+        generate = engine.generate
+
+        def measured_generate(*args, **kwargs):
+            outputs = generate(*args, **kwargs)
+            self.kv_bytes = engine.runner.num_blocks * engine.runner.block_bytes
+            return outputs
+
+        engine.generate = measured_generate
+        return engine
+
+    @all_to_all
+    def measured_generation(self, _: object) -> dict:
+        prompts = prompts_batch(100).split(self.dp_size)[self.dp_rank]
+        self.generation_bytes = self.kv_bytes = 0
+        # The largest FSDP block (a layer, or the root's embedding + norm + head) in the compute dtype: FSDP's gather
+        # buffers and the micro-DP gather hold at most a few of these at a time.
+        dtype = getattr(torch, self.config.model.dtype)
+        full = {name: p.numel() for name, p in meta_model(self.model.args).named_parameters()}
+        blocks = [sum(n for name, n in full.items() if name.startswith(f"model.layers.{i}.")) for i in range(self.model.args.num_layers)]
+        largest_block = max(*blocks, sum(n for name, n in full.items() if not name.startswith("model.layers."))) * dtype.itemsize
+        build = self.hybrid.generation_model
+        reshard = PeakMemory(self.device)
+
+        def measured_build(dtype):
+            with reshard:
+                return build(dtype)
+
+        self.hybrid.generation_model = measured_build
+        with PeakMemory(self.device) as memory:
+            batch = self.generate_sequences(prompts, greedy=True)
+        del self.hybrid.generation_model
+        return {
+            "peak_increase": memory.peak_increase, "reshard_peak_increase": reshard.peak_increase, "generation_bytes": self.generation_bytes, "kv_bytes": self.kv_bytes,
+            "block_bytes": largest_block, "full_model_bytes": sum(full.values()) * dtype.itemsize,
+            "responses": batch["responses"].tolist(),
+        }
+
+
+def meta_model(args):
+    with torch.device("meta"):
+        return DecoderLM(args, head="lm")
+
+
+def prompts_batch(vocab: int) -> Batch:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, vocab, (8, 6), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[::3, :2] = 0
+    return Batch({"input_ids": ids * mask, "attention_mask": mask, "uid": torch.arange(8)})
+
+
+def main(coordinator):
+    policy_dir, out_dir, *layouts = sys.argv[1:]
+    results = {}
+    for layout in layouts:
+        dp, tp, pp, tp_g = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+):(\d+)", layout).groups())
+        config = load_config(None, [
+            f"model.path={policy_dir}", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "rollout.max_new_tokens=8",
+            f"rollout.tp={tp_g}", f"actor.tp={tp}", f"actor.pp={pp}", "data.batch_size=8", "actor.lr=1e-2",
+            "actor.mini_batch_size=16", "actor.micro_batch_size=4",
+        ])
+        pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp)
+        actor = coordinator.spawn(MeasuredActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
+        prompts = prompts_batch(100)
+        actor.save_pretrained(f"{out_dir}/{layout}_before").result()
+        measured = actor.measured_generation([None] * len(pool)).result()
+        actor.save_pretrained(f"{out_dir}/{layout}_after").result()
+        results[layout] = {"measured": measured}
+        if layout.endswith("pp2:1") or layout == "dp1tp4pp1:2":
+            # One update, then greedy generation against a fresh single-rank actor loaded with the new weights.
+            actor.update_actor(rollout_batch(16, 5, 6, vocab=100)).result()
+            updated = actor.generate_sequences(prompts, greedy=True).result().fetch()["responses"]
+            actor.save_pretrained(f"{out_dir}/{layout}_updated").result()
+            fresh_config = load_config(None, [f"model.path={out_dir}/{layout}_updated", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "rollout.max_new_tokens=8"])
+            fresh = coordinator.spawn(ActorWorker, fresh_config, name=f"fresh_{layout}", pool=ResourcePool([0]), dims=ParallelDims())
+            expected = fresh.generate_sequences(prompts, greedy=True).result().fetch()["responses"]
+            results[layout]["updated"] = updated.tolist()
+            results[layout]["fresh"] = expected.tolist()
+    with open(f"{out_dir}/results.json", "w") as handle:
+        json.dump(results, handle)
+
+
+if __name__ == "__main__":
+    launch(main)

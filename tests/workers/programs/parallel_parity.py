@@ -1,0 +1,72 @@
+"""Every role under several (dp, tp, pp) layouts on the same ranks, against the single-rank layout: the actor's
+log-probs and one update_actor (two PPO epochs, KL and entropy terms), the critic's values and one update_critic,
+and a reward model's scores. Each layout saves its results, metrics and updated weights.
+
+Then the (dp, tp, pp) = (2, 2, 1) actor's DCP checkpoint is resumed by a (1, 2, 2) actor and both take one more step.
+
+    torchrun --nproc-per-node 4 parallel_parity.py POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1tp1pp1 dp2tp2pp1 ...
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from spmd_rlhf.config import load_config
+from spmd_rlhf.runtime import ParallelDims, ResourcePool, launch
+from spmd_rlhf.workers import ActorWorker, CriticWorker, RewardWorker
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from dp_parity import rollout_batch  # noqa: E402
+
+
+def main(coordinator):
+    policy_dir, critic_dir, reward_dir, out_dir, *layouts = sys.argv[1:]
+    config = load_config(None, [
+        f"model.path={policy_dir}", "algorithm.name=ppo", "algorithm.kl_penalty=loss", "algorithm.entropy_coef=0.01",
+        "rollout.n=2", "rollout.max_new_tokens=6", "data.batch_size=8",
+        "actor.lr=1e-3", "actor.mini_batch_size=16", "actor.micro_batch_size=2", "actor.ppo_epochs=2",
+        "actor.forward_micro_batch_size=4", f"critic.model_path={critic_dir}", "critic.lr=1e-3",
+        "critic.mini_batch_size=16", "critic.micro_batch_size=4", "critic.pp_schedule=gpipe",
+        "reward.kind=model", f"reward.model_path={reward_dir}", "reward.micro_batch_size=2",
+    ])
+    batch = rollout_batch(16, 5, 6, vocab=100)
+    generator = torch.Generator().manual_seed(1)
+    mask = batch["response_mask"].float()
+    batch = batch.union(type(batch)({"values": torch.randn(16, 6, generator=generator) * mask,
+                                     "returns": torch.randn(16, 6, generator=generator) * mask}, group_size=2))
+    actors = {}
+    for layout in layouts:
+        dp, tp, pp = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)", layout).groups())
+        pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp)
+        actor = coordinator.spawn(ActorWorker, config, name=f"actor_{layout}", pool=pool, dims=dims)
+        critic = coordinator.spawn(CriticWorker, config, name=f"critic_{layout}", pool=pool, dims=dims)
+        reward = coordinator.spawn(RewardWorker, config, name=f"reward_{layout}", pool=pool, dims=dims)
+        results = {
+            "log_probs": actor.compute_log_probs(batch).result().fetch()["old_log_probs"],
+            "values": critic.compute_values(batch).result().fetch()["values"],
+            "scores": reward.compute_rewards(batch).result().fetch()["scores"],
+        }
+        torch.save(results, f"{out_dir}/{layout}.pt")
+        metrics = {"actor": actor.update_actor(batch).result(), "critic": critic.update_critic(batch).result()}
+        Path(f"{out_dir}/{layout}.json").write_text(json.dumps(metrics))
+        actor.save_pretrained(f"{out_dir}/{layout}_actor").result()
+        critic.save_pretrained(f"{out_dir}/{layout}_critic").result()
+        actors[layout] = actor
+    # A sharded checkpoint of the trained actor in one layout, resumed in another (tp and pp both change).
+    saved = actors["dp2tp2pp1"]
+    saved.save_checkpoint(f"{out_dir}/checkpoint").result()
+    resumed = coordinator.spawn(ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(pp=2, dp=1, tp=2))
+    resumed.load_checkpoint(f"{out_dir}/checkpoint").result()
+    resumed.save_pretrained(f"{out_dir}/resumed_actor").result()
+    # The next update from the restored weights and optimizer state equals the uninterrupted one.
+    metrics = {"saved": saved.update_actor(batch).result(), "resumed": resumed.update_actor(batch).result()}
+    Path(f"{out_dir}/resume.json").write_text(json.dumps(metrics))
+    saved.save_pretrained(f"{out_dir}/saved_next").result()
+    resumed.save_pretrained(f"{out_dir}/resumed_next").result()
+
+
+if __name__ == "__main__":
+    launch(main)
