@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd_rlhf import checkpoint
+from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from spmd_rlhf.config import load_config
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
@@ -100,6 +101,12 @@ class RLRecipe:
         self.config = config
         self.coordinator = coordinator
         self.roles: dict[str, RoleHandle] = {}
+        algorithm = config.algorithm
+        self.kl_controller = (
+            AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
+            if algorithm.kl_target is not None else FixedKLController(algorithm.kl_coef)
+        )
+        """The KL weight of each step (``kl_controller.coef``), updated from the step's ``kl/mean``; checkpointed."""
 
     # ---- building ----------------------------------------------------------------------------------------------
 
@@ -196,6 +203,9 @@ class RLRecipe:
         for step in range(start, trainer.total_steps):
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
             metrics = self.step(step)
+            metrics["kl/coef"] = self.kl_controller.coef
+            if "kl/mean" in metrics:
+                self.kl_controller.update(metrics["kl/mean"], steps=self.config.data.batch_size * self.config.rollout.n)
             last = step == trainer.total_steps - 1
             if trainer.val_every and ((step + 1) % trainer.val_every == 0 or last):
                 metrics.update(self.validate())
@@ -235,7 +245,16 @@ class RLRecipe:
                 self.roles[name].save_checkpoint(str(checkpoint.role_state_dir(staging, name))).result()
                 self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
 
-        return str(checkpoint.write_checkpoint(out_dir, write_roles, trainer_state={"step": step, "recipe": self.name}))
+        trainer_state = {"step": step, "recipe": self.name, "algorithm": self.algorithm_state()}
+        return str(checkpoint.write_checkpoint(out_dir, write_roles, trainer_state=trainer_state))
+
+    def algorithm_state(self) -> dict[str, Any]:
+        """The controller's state between steps (JSON-able), saved in checkpoints: the KL weight. Recipes with more
+        (a Lagrange multiplier) extend it and ``load_algorithm_state``."""
+        return {"kl_coef": self.kl_controller.coef}
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        self.kl_controller.coef = float(state["kl_coef"])
 
     def load(self, checkpoint_dir: str) -> int:
         """Restore the trained roles from a checkpoint written by ``save`` (by any number of ranks); returns the step
@@ -246,6 +265,7 @@ class RLRecipe:
         state_dirs = {name: checkpoint.require_role_state(checkpoint_dir, name) for name in self.trained_roles()}
         for name, state_dir in state_dirs.items():
             self.roles[name].load_checkpoint(str(state_dir)).result()
+        self.load_algorithm_state(state.get("algorithm", self.algorithm_state()))
         return int(state["step"])
 
     def resume_checkpoint(self) -> str | None:

@@ -18,9 +18,9 @@ class GRPORecipe(RLRecipe):
         started, timer = time.perf_counter(), StageTimer()
         inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, estimator="grpo").result()
+            advantages = self.actor.compute_advantages(*inputs, estimator="grpo", kl_coef=self.kl_controller.coef).result()
         with timer("update_actor"):
-            actor_metrics = self.actor.update_actor(*inputs, advantages).result()
+            actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
         return self.step_metrics(started, timer, *inputs, advantages, actor_metrics)
 
 

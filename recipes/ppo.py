@@ -21,11 +21,11 @@ class PPORecipe(RLRecipe):
         with timer("values"):
             values = self.critic.compute_values(rollout).result()
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, values, estimator="gae").result()
+            advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=self.kl_controller.coef).result()
         with timer("update_critic"):
             critic_metrics = self.critic.update_critic(rollout, values, advantages).result()
         with timer("update_actor"):
-            actor_metrics = self.actor.update_actor(*inputs, advantages).result()
+            actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
         return self.step_metrics(started, timer, *inputs, advantages, critic_metrics, actor_metrics)
 
 

@@ -179,7 +179,11 @@ class AlgorithmConfig:
     lam: float = 0.95
     """GAE lambda: 0 gives one-step TD advantages, 1 gives Monte Carlo returns minus values."""
     kl_coef: float = 0.01
-    """Weight of the KL(actor || reference) term."""
+    """Weight of the KL(actor || reference) term (the initial weight with kl_target)."""
+    kl_target: float | None = None
+    """Adaptive KL (Ziegler et al. 2019): steer the weight towards this mean per-sequence KL; null: fixed kl_coef."""
+    kl_horizon: int = 10000
+    """Adaptive KL: responses over which a full +/-20% correction of the weight is applied."""
     kl_estimator: str = "k1"
     """Per-token KL estimate from r = pi_ref / pi (Schulman): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
     kl_penalty: str = "reward"
@@ -209,6 +213,8 @@ class AlgorithmConfig:
         for name in ("gamma", "lam"):
             _require(self, name, 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
         _at_least(self, 0, "kl_coef", "entropy_coef", "lambda_init")
+        _at_least(self, 1, "kl_horizon")
+        _require(self, "kl_target", self.kl_target is None or self.kl_target > 0, "must be > 0 or null")
         _one_of(self, "kl_estimator", ("k1", "k2", "k3"))
         _one_of(self, "kl_penalty", ("reward", "loss", "none"))
         _require(self, "clip_ratio_low", 0 < self.clip_ratio_low < 1, "must be in (0, 1)")

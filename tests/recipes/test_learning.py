@@ -44,13 +44,17 @@ def without_timings(records: list[dict]) -> list[dict]:
     return [{key: value for key, value in record.items() if not key.startswith(TIMING_PREFIXES)} for record in records]
 
 
+# An adaptive KL weight is algorithm state that a resume must restore (it moves every step).
+SHORT_RUN = ("trainer.val_every=0", "algorithm.kl_target=0.001", "algorithm.kl_horizon=100")
+
+
 @pytest.fixture(scope="module")
 def four_steps(assets) -> list[dict]:
-    return run_recipe("grpo", assets / "four_steps", "trainer.total_steps=4", "trainer.val_every=0")
+    return run_recipe("grpo", assets / "four_steps", "trainer.total_steps=4", *SHORT_RUN)
 
 
 def test_same_seed_same_metrics(assets, four_steps):
-    again = run_recipe("grpo", assets / "four_steps_again", "trainer.total_steps=4", "trainer.val_every=0")
+    again = run_recipe("grpo", assets / "four_steps_again", "trainer.total_steps=4", *SHORT_RUN)
     assert without_timings(again) == without_timings(four_steps)
     assert len({record["reward/mean"] for record in four_steps}) > 1  # the metrics do move from step to step
 
@@ -58,11 +62,12 @@ def test_same_seed_same_metrics(assets, four_steps):
 def test_resume_continues_exactly(assets, four_steps):
     """4 steps, save, resume, 4 more: the same per-step metrics, bit for bit, as 8 uninterrupted steps."""
     # Validation runs after a run's last step, so it is off here: the 4-step run's would add keys to its step 3.
-    eight_steps = run_recipe("grpo", assets / "eight_steps", "trainer.total_steps=8", "trainer.val_every=0")
+    eight_steps = run_recipe("grpo", assets / "eight_steps", "trainer.total_steps=8", *SHORT_RUN)
     workdir = assets / "resumed"
     shutil.copytree(assets / "four_steps", workdir)  # its out/step_4, out/latest and the metrics of steps 0-3
-    resumed = run_recipe("grpo", workdir, "trainer.total_steps=8", "trainer.val_every=0")  # resume=auto: out/latest
+    resumed = run_recipe("grpo", workdir, "trainer.total_steps=8", *SHORT_RUN)  # resume=auto: out/latest
     assert [record["step"] for record in resumed] == list(range(8))
     assert without_timings(resumed) == without_timings(eight_steps)
+    assert len({record["kl/coef"] for record in eight_steps}) == 8  # the adaptive weight moved every step
     assert (workdir / "out" / "latest").read_text() == "step_8"
     assert not list((workdir / "out").glob("*.tmp"))

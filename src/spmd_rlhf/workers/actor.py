@@ -8,6 +8,8 @@ The engine runs the same model code as training, so rollout log-probs equal ``co
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AutoTokenizer
 
@@ -173,13 +175,14 @@ class ActorWorker(TrainedWorker):
     # ---- advantages --------------------------------------------------------------------------------------------
 
     @data_parallel
-    def compute_advantages(self, *parts: Batch, estimator: str) -> Batch:
+    def compute_advantages(self, *parts: Batch, estimator: str, kl_coef: float | None = None) -> Batch:
         """``advantages`` (and ``returns`` for GAE) from the rollout and its scores, log-probs and values.
 
         Runs where the rows already are, so per-token tensors never pass through the coordinator. ``estimator``:
         ``gae`` (needs ``values``) or ``grpo`` (group baseline over the n samples of each prompt, which a DP shard
         always holds whole). With ``algorithm.kl_penalty=reward`` the KL to the reference is subtracted from the
-        per-token rewards first. Whitening statistics are those of the whole batch over all DP ranks.
+        per-token rewards first (weight ``kl_coef``, else ``algorithm.kl_coef``). Whitening statistics are those of the
+        whole batch over all DP ranks.
         """
         if estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {estimator!r} is unknown; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
@@ -196,7 +199,7 @@ class ActorWorker(TrainedWorker):
             totals = self.sum_over_dp(torch.stack([per_sequence_kl.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]))
             metrics["kl/mean"] = float(totals[0] / totals[1])
             if algorithm.kl_penalty == "reward":
-                token_rewards = apply_kl_penalty(token_rewards, kl, algorithm.kl_coef, mask)
+                token_rewards = apply_kl_penalty(token_rewards, kl, algorithm.kl_coef if kl_coef is None else kl_coef, mask)
         if estimator == "gae":
             advantages, returns = gae(token_rewards, data["values"].float(), mask, gamma=algorithm.gamma, lam=algorithm.lam)
             tensors["returns"] = returns
@@ -217,7 +220,7 @@ class ActorWorker(TrainedWorker):
 
     # ---- training ----------------------------------------------------------------------------------------------
 
-    def _policy_loss(self, logits: torch.Tensor, micro: Batch, denominators) -> tuple[torch.Tensor, dict[str, float]]:
+    def _policy_loss(self, logits: torch.Tensor, micro: Batch, denominators, *, kl_coef: float) -> tuple[torch.Tensor, dict[str, float]]:
         algorithm = self.config.algorithm
         aggregation = algorithm.loss_aggregation
         mask = micro["response_mask"].to(self.device)
@@ -231,14 +234,17 @@ class ActorWorker(TrainedWorker):
             loss = loss - algorithm.entropy_coef * entropy_bonus(entropy, mask, aggregation=aggregation, denominators=denominators)
         if algorithm.kl_penalty == "loss":
             kl = kl_estimate(log_probs, micro["ref_log_probs"].to(self.device), algorithm.kl_estimator)
-            loss = loss + algorithm.kl_coef * aggregate(kl, mask, aggregation, denominators)
+            loss = loss + kl_coef * aggregate(kl, mask, aggregation, denominators)
             metrics["actor/kl_loss"] = float(masked_mean(kl.detach(), mask))
         metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
         # FSDP sums gradients over DP ranks; the loss is this micro-batch's share of the global mini-batch loss.
         return loss, metrics
 
     @data_parallel
-    def update_actor(self, *parts: Batch) -> dict[str, float]:
+    def update_actor(self, *parts: Batch, kl_coef: float | None = None) -> dict[str, float]:
         """PPO epochs over the rows of ``parts`` (together: the rollout, ``advantages``, ``old_log_probs`` if
-        recomputed, and ``ref_log_probs`` when the KL is a loss term); returns this rank's mean metrics."""
-        return self.trainer.update(union_all(parts), self._policy_loss, method="update_actor", prefix="actor")
+        recomputed, and ``ref_log_probs`` when the KL is a loss term); returns this rank's mean metrics.
+        ``kl_coef``: the KL loss weight of this step (an adaptive controller's), else ``algorithm.kl_coef``."""
+        coef = self.config.algorithm.kl_coef if kl_coef is None else kl_coef
+        loss = functools.partial(self._policy_loss, kl_coef=coef)
+        return self.trainer.update(union_all(parts), loss, method="update_actor", prefix="actor")
