@@ -74,6 +74,20 @@ def test_peak_memory_within_bound(run, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_loading_never_holds_the_full_model(run, layout):
+    """Built on the meta device and parallelized first, a rank reads the checkpoint one tensor at a time and keeps
+    its own pieces: its peak while loading is its shard plus one whole tensor in flight (read, cast, and the
+    intermediate of slicing it over two mesh dimensions), plus small buffers (1% of the model)."""
+    _, results = run
+    for rank_result in results[layout]["measured"]:
+        assert rank_result["loading_peak"] <= (
+            rank_result["training_bytes"] + 3 * rank_result["largest_tensor_bytes"] + rank_result["full_model_bytes"] // 100
+        ), rank_result
+        if layout.startswith(("dp4", "dp2", "dp1tp4")):
+            assert rank_result["loading_peak"] < rank_result["full_model_bytes"], rank_result
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_leaves_weights_bitwise_equal(run, layout):
     out, _ = run
     before, after = load_file(f"{out}/{layout}_before/model.safetensors"), load_file(f"{out}/{layout}_after/model.safetensors")

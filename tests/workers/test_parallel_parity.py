@@ -71,3 +71,21 @@ def test_checkpoint_resumes_into_another_layout(run):
     saved, resumed = load_file(f"{out}/saved_next/model.safetensors"), load_file(f"{out}/resumed_next/model.safetensors")
     for name in saved:
         torch.testing.assert_close(resumed[name], saved[name], rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_tied_embeddings_under_tensor_parallelism(tmp_path):
+    """A model that ties its embedding and LM head (Qwen2.5-0.5B-style) stays tied when both are vocab-sharded."""
+    common = dict(family="qwen2", hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=300, num_layers=2)
+    policy = make_tiny(out_dir=str(tmp_path / "policy"), **common)
+    critic = make_tiny(out_dir=str(tmp_path / "critic"), head="score", seed=1, **common)
+    out = tmp_path / "out"
+    out.mkdir()
+    finished = torchrun("parallel_parity.py", policy, critic, critic, str(out), "dp1tp1pp1", "dp2tp2pp1", nproc=4, timeout=300)
+    assert finished.returncode == 0, finished.stdout[-6000:]
+    reference, results = torch.load(out / "dp1tp1pp1.pt"), torch.load(out / "dp2tp2pp1.pt")
+    torch.testing.assert_close(results["log_probs"], reference["log_probs"], rtol=1e-5, atol=1e-5)
+    reference = load_file(f"{out}/dp1tp1pp1_actor/model.safetensors")
+    weights = load_file(f"{out}/dp2tp2pp1_actor/model.safetensors")
+    assert "lm_head.weight" not in weights  # still tied: saved once, as the embedding
+    for name in reference:
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=2e-6, msg=name)

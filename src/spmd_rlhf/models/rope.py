@@ -43,11 +43,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
 
     def reset_parameters(self) -> None:
-        """Recompute ``inv_freq`` on its current device (after meta-device construction or ``to_empty``)."""
-        with torch.no_grad():
-            self.inv_freq.copy_(
-                rope_inverse_frequencies(head_dim=self.head_dim, theta=self.theta, scaling=self.scaling, device=self.inv_freq.device)
-            )
+        """Recompute ``inv_freq`` in float32 on its current device (after meta-device construction, ``to_empty``, or a
+        model-wide ``.to(bfloat16)`` that would otherwise round the frequencies)."""
+        self.inv_freq = rope_inverse_frequencies(
+            head_dim=self.head_dim, theta=self.theta, scaling=self.scaling, device=self.inv_freq.device
+        ).float()
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from spmd_rlhf.models.args import DecoderArgs, read_decoder_args
 from spmd_rlhf.models.decoder import DecoderLM
@@ -112,30 +113,50 @@ def load_model(
     The model is built on the meta device and each tensor is read from safetensors, cast and placed on ``device`` one
     at a time, so the weights are never held twice. Any mismatch between checkpoint and config is one error.
     """
+    model = build_model(path, head=head, dtype=dtype, attention_backend=attention_backend)
+    load_weights(model, path, device=device)
+    return model
+
+
+def build_model(path: str, *, head: str = "lm", dtype: torch.dtype | str = torch.float32, attention_backend: str = "auto") -> DecoderLM:
+    """The model of a Hugging Face directory on the meta device, in ``dtype``, checked against the checkpoint's
+    tensors (one error naming every mismatch). Parallelize it, then ``load_weights``."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    device = torch.device(device)
-    args = read_decoder_args(path)
     with torch.device("meta"):
-        model = DecoderLM(args, head=head, attention_backend=attention_backend)
+        model = DecoderLM(read_decoder_args(path), head=head, attention_backend=attention_backend).to(dtype)
+    _plan_load(model, _tensor_shapes(checkpoint_files(path)))
+    return model
+
+
+@torch.no_grad()
+def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> None:
+    """Materialise a model built by ``build_model`` (maybe cut to a pipeline stage and parallelized since) on
+    ``device`` and fill each parameter from the checkpoint. A sharded (DTensor) parameter receives only its local
+    piece: every tensor is read whole, one at a time, and sliced, so no rank ever holds a full copy of the model."""
+    device = torch.device(device)
     files = checkpoint_files(path)
-    to_load, to_initialise = _plan_load(model, _tensor_shapes(files))
-    for name in to_load:
-        # One open per tensor: the file's pages touched through the memory map are released with it, so host memory
-        # holds the materialised model plus at most one tensor in flight, never a second copy of the checkpoint.
-        # Copying into fresh memory (rather than keeping safetensors' file-backed view) lets the model outlive and
-        # even overwrite its checkpoint files.
-        with safe_open(files[name], framework="pt", device="cpu") as handle:
-            stored = handle.get_tensor(name)
-            _set_tensor(model, name, torch.empty(stored.shape, dtype=dtype, device=device).copy_(stored), parameter=True)
-            del stored
-    for name in to_initialise:
-        shape = model.get_parameter(name).shape
-        _set_tensor(model, name, torch.zeros(shape, device=device, dtype=dtype), parameter=True)
-    for name, buffer in model.named_buffers():
-        _set_tensor(model, name, torch.empty_like(buffer, device=device), parameter=False)
+    _, to_initialise = _plan_load(_meta_copy(model), _tensor_shapes(files))
+    model.to_empty(device=device)
     model.tie_weights()
     model.reset_buffers()
-    return model
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if name in to_initialise:
+            local.zero_()
+            continue
+        # One open per tensor: the file's pages touched through the memory map are released with it.
+        with safe_open(files[name], framework="pt", device="cpu") as handle:
+            stored = handle.get_tensor(name).to(device=device, dtype=local.dtype)
+        if isinstance(param, DTensor):
+            stored = distribute_tensor(stored, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        local.copy_(stored)
+        del stored
+
+
+def _meta_copy(model: DecoderLM) -> DecoderLM:
+    """A whole unparallelized meta model of the same architecture (what the checkpoint is checked against)."""
+    with torch.device("meta"):
+        return DecoderLM(model.args, head=model.head, attention_backend=model.attention_backend)
 
 
 def model_from_tensors(

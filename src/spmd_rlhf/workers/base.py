@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 
 from ..config_schema import FrameworkConfig, RoleConfig
 from ..data.batch import Batch
-from ..models import DecoderLM, entropy_from_logits, load_model, log_probs_from_logits, model_from_tensors, save_pretrained
+from ..models import DecoderLM, entropy_from_logits, log_probs_from_logits, model_from_tensors, save_pretrained
+from ..models.weights import build_model, load_weights
 from ..models.parallelize import parallelize
 from ..models.pipeline import OutputFunction, Pipeline, split_stage
 from ..runtime import RoleContext, Worker, one_to_all
@@ -93,11 +94,13 @@ class ModelWorker(RoleWorker):
         compute_dtype = getattr(torch, config.model.dtype)
         # Trained roles keep float32 master weights and compute in model.dtype; frozen ones store model.dtype directly.
         storage_dtype = torch.float32 if trainable else compute_dtype
-        model = load_model(path, head=head, dtype=storage_dtype, device=self.device, attention_backend=config.model.attention)
+        # Built on the meta device and parallelized there; each rank then reads only its own pieces of the weights.
+        model = build_model(path, head=head, dtype=storage_dtype, attention_backend=config.model.attention)
         dims, name = context.dims, context.name
         model = split_stage(model, stage=self.pp_rank, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         parallelize(model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name)
+        load_weights(model, path, device=self.device)
         if not trainable:
             model.requires_grad_(False)
         self.model: DecoderLM = model

@@ -30,6 +30,11 @@ def local_bytes(model: torch.nn.Module) -> int:
 class MeasuredActor(ActorWorker):
     """The actor with a generation that also reports this rank's peak memory and the parts of its bound."""
 
+    def __init__(self, context, config):
+        with PeakMemory(context.device) as loading:
+            super().__init__(context, config)
+        self.loading_peak = loading.peak_increase
+
     def _engine(self, model):
         engine = super()._engine(model)
         self.generation_bytes = local_bytes(model)
@@ -65,6 +70,8 @@ class MeasuredActor(ActorWorker):
             batch = self.generate_sequences(prompts, greedy=True)
         del self.hybrid.generation_model
         return {
+            "loading_peak": self.loading_peak, "training_bytes": local_bytes(self.model),
+            "largest_tensor_bytes": max(full.values()) * 4,
             "peak_increase": memory.peak_increase, "reshard_peak_increase": reshard.peak_increase, "generation_bytes": self.generation_bytes, "kv_bytes": self.kv_bytes,
             "block_bytes": largest_block, "full_model_bytes": sum(full.values()) * dtype.itemsize,
             "responses": batch["responses"].tolist(),

@@ -55,17 +55,18 @@ def main(coordinator):
         actor.save_pretrained(f"{out_dir}/{layout}_actor").result()
         critic.save_pretrained(f"{out_dir}/{layout}_critic").result()
         actors[layout] = actor
-    # A sharded checkpoint of the trained actor in one layout, resumed in another (tp and pp both change).
-    saved = actors["dp2tp2pp1"]
-    saved.save_checkpoint(f"{out_dir}/checkpoint").result()
-    resumed = coordinator.spawn(ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(pp=2, dp=1, tp=2))
-    resumed.load_checkpoint(f"{out_dir}/checkpoint").result()
-    resumed.save_pretrained(f"{out_dir}/resumed_actor").result()
-    # The next update from the restored weights and optimizer state equals the uninterrupted one.
-    metrics = {"saved": saved.update_actor(batch).result(), "resumed": resumed.update_actor(batch).result()}
-    Path(f"{out_dir}/resume.json").write_text(json.dumps(metrics))
-    saved.save_pretrained(f"{out_dir}/saved_next").result()
-    resumed.save_pretrained(f"{out_dir}/resumed_next").result()
+    if "dp2tp2pp1" in actors and "dp1tp2pp2" in actors:
+        # A sharded checkpoint of the trained actor in one layout, resumed in another (tp and pp both change).
+        saved = actors["dp2tp2pp1"]
+        saved.save_checkpoint(f"{out_dir}/checkpoint").result()
+        resumed = coordinator.spawn(ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(pp=2, dp=1, tp=2))
+        resumed.load_checkpoint(f"{out_dir}/checkpoint").result()
+        resumed.save_pretrained(f"{out_dir}/resumed_actor").result()
+        # The next update from the restored weights and optimizer state equals the uninterrupted one.
+        metrics = {"saved": saved.update_actor(batch).result(), "resumed": resumed.update_actor(batch).result()}
+        Path(f"{out_dir}/resume.json").write_text(json.dumps(metrics))
+        saved.save_pretrained(f"{out_dir}/saved_next").result()
+        resumed.save_pretrained(f"{out_dir}/resumed_next").result()
 
 
 if __name__ == "__main__":
