@@ -56,12 +56,13 @@ class HybridEngine:
 
     def __init__(
         self, model: torch.nn.Module, *, layout: GenerationLayout, rank: int, groups: dict[str, dist.ProcessGroup],
-        pp_group: dist.ProcessGroup | None, device: torch.device, attention_backend: str,
+        pp_group: dist.ProcessGroup | None, stage_ranks: list[int], device: torch.device, attention_backend: str,
     ) -> None:
         """``groups``: this rank's ``generation_tp``, ``micro_dp`` and ``rollout_rows`` groups, made by the runtime
-        from ``layout.process_groups()``."""
+        from ``layout.process_groups()``; ``stage_ranks``: the global rank of each stage of this rank's pipeline."""
         self.model, self.layout, self.rank = model, layout, rank
-        self.pp_group, self.device, self.attention_backend = pp_group, device, attention_backend
+        self.pp_group, self.stage_ranks = pp_group, stage_ranks
+        self.device, self.attention_backend = device, attention_backend
         self.tp_group = groups["generation_tp"] if layout.tp > 1 else None
         self.micro_dp_group = groups["micro_dp"] if layout.micro_dp > 1 else None
         self.row_group = groups["rollout_rows"] if layout.replicas_per_dp_group > 1 else None
@@ -136,14 +137,14 @@ class HybridEngine:
         """Broadcast each pipeline stage's generation shards, one block at a time, to the ranks holding the same
         shard on the other stages."""
         args = self.model.args
-        num_stages = self.pp_group.size()
+        num_stages = len(self.stage_ranks)
         for stage, layers in enumerate(stage_layers(args.num_layers, num_stages)):
             blocks = [[name for name in targets if name.startswith(f"model.layers.{index}.")] for index in layers]
             if stage == 0:
                 blocks.append([name for name in targets if name.startswith("model.embed_tokens.")])
             if stage == num_stages - 1:
                 blocks.append([name for name in targets if not name.startswith(("model.layers.", "model.embed_tokens."))])
-            source = dist.get_global_rank(self.pp_group, stage)
+            source = self.stage_ranks[stage]
             for names in blocks:
                 flat = torch.cat([targets[name].reshape(-1) for name in names])
                 dist.broadcast(flat, src=source, group=self.pp_group)

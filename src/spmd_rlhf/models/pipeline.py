@@ -64,13 +64,16 @@ class Pipeline:
     """This rank's stage of a pipeline over ``group`` (the ranks holding the other stages of the same replica)."""
 
     def __init__(
-        self, module: torch.nn.Module, *, stage: int, num_stages: int, group: dist.ProcessGroup,
+        self, module: torch.nn.Module, *, stage: int, stage_ranks: list[int], group: dist.ProcessGroup,
         device: torch.device, schedule: str,
     ) -> None:
+        """``stage_ranks``: the global rank of each stage, in stage order (``group`` holds exactly these ranks)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-        self.module, self.stage, self.num_stages = module, stage, num_stages
+        self.module, self.stage, self.num_stages = module, stage, len(stage_ranks)
         self.group, self.device, self.schedule = group, device, schedule
+        # A group numbers its members by ascending global rank; stages follow the pool's order, which may differ.
+        self.stage_to_group_rank = {index: dist.get_group_rank(group, rank) for index, rank in enumerate(stage_ranks)}
 
     @property
     def is_last(self) -> bool:
@@ -84,6 +87,7 @@ class Pipeline:
         # A fresh stage per call: PipelineStage infers activation shapes on first use, and they change with the
         # prompt length from one batch to the next.
         stage = PipelineStage(self.module, self.stage, self.num_stages, self.device, group=self.group)
+        stage.stage_index_to_group_rank = dict(self.stage_to_group_rank)
         schedule = SCHEDULES[self.schedule](
             stage, num_micro_batches, loss_fn=lambda output, rows: output_fn(output, batch.select(rows)), scale_grads=False
         )

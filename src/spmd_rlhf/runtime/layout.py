@@ -88,6 +88,12 @@ class ParallelDims:
             groups[self.coordinates(role_rank).dp].append(rank)
         return groups
 
+    def stage_ranks(self, ranks: tuple[int, ...], role_rank: int) -> list[int]:
+        """Global ranks of the pipeline stages of ``role_rank``'s (dp, tp) position, in stage order (a process
+        group numbers its members by ascending global rank, which is stage order only in an ascending pool)."""
+        where = self.coordinates(role_rank)
+        return [ranks[(stage * self.dp + where.dp) * self.tp + where.tp] for stage in range(self.pp)]
+
     def result_owners(self, ranks: tuple[int, ...]) -> list[int]:
         """Global rank that keeps each DP replica's result: tp rank 0 of the last pipeline stage."""
         owners = [-1] * self.dp

@@ -56,7 +56,8 @@ class ActorWorker(TrainedWorker):
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.hybrid = HybridEngine(
             self.model, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
-            groups=context.groups, pp_group=self.pp_group, device=self.device, attention_backend=config.model.attention,
+            groups=context.groups, pp_group=self.pp_group, stage_ranks=self.stage_ranks, device=self.device,
+            attention_backend=config.model.attention,
         )
 
     @staticmethod

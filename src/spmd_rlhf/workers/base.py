@@ -108,10 +108,12 @@ class ModelWorker(RoleWorker):
         """Set when the LM head's logits are sharded over the vocabulary across this group."""
         self.vocab_start = self.tp_rank * (model.args.vocab_size // dims.tp)
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
+        self.stage_ranks = dims.stage_ranks(context.ranks, context.role_rank)
+        """Global rank of each pipeline stage of this rank's pipeline, in stage order."""
         self.pipeline = None
         if dims.pp > 1:
             self.pipeline = Pipeline(
-                model, stage=self.pp_rank, num_stages=dims.pp, group=self.pp_group, device=self.device,
+                model, stage=self.pp_rank, stage_ranks=self.stage_ranks, group=self.pp_group, device=self.device,
                 schedule=role_config.pp_schedule,
             )
 
@@ -147,8 +149,7 @@ class ModelWorker(RoleWorker):
         values = torch.cat(results).cpu() if results else None
         if self.pipeline is not None:
             carrier = [values]
-            last_stage = dist.get_global_rank(self.pp_group, self.pipeline.num_stages - 1)
-            dist.broadcast_object_list(carrier, src=last_stage, group=self.pp_group)
+            dist.broadcast_object_list(carrier, src=self.stage_ranks[-1], group=self.pp_group)
             values = carrier[0]
         return Batch({key: values}, group_size=batch.group_size)
 

@@ -2,7 +2,9 @@
 responses, peak memory per rank during generation (with the bound's parts), weights before and after a
 generation round trip, and generation after an update against a fresh single-rank actor loaded with the new weights.
 
-    torchrun --nproc-per-node 4 hybrid_generation.py POLICY_DIR OUT_DIR dp1tp1pp1:1 dp1tp4pp1:2 ...
+    torchrun --nproc-per-node 4 hybrid_generation.py POLICY_DIR OUT_DIR dp1tp1pp1:1 dp1tp4pp1:2 dp1tp2pp2:1r ...
+
+A trailing ``r`` puts the layout on a pool in descending order (stage 0 on the highest ranks).
 """
 
 import json
@@ -95,20 +97,24 @@ def main(coordinator):
     policy_dir, out_dir, *layouts = sys.argv[1:]
     results = {}
     for layout in layouts:
-        dp, tp, pp, tp_g = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+):(\d+)", layout).groups())
+        *sizes, reversed_pool = re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+):(\d+)(r?)", layout).groups()
+        dp, tp, pp, tp_g = (int(size) for size in sizes)
         config = load_config(None, [
             f"model.path={policy_dir}", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "rollout.max_new_tokens=8",
             f"rollout.tp={tp_g}", f"actor.tp={tp}", f"actor.pp={pp}", "data.batch_size=8", "actor.lr=1e-2",
             "actor.mini_batch_size=16", "actor.micro_batch_size=4",
         ])
-        pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp)
+        ranks = list(range(dp * tp * pp))
+        if reversed_pool:  # the pool's TP blocks in descending order: stage 0 on the highest ranks
+            ranks = [rank for start in reversed(range(0, len(ranks), tp)) for rank in range(start, start + tp)]
+        pool, dims = ResourcePool(ranks), ParallelDims(pp=pp, dp=dp, tp=tp)
         actor = coordinator.spawn(MeasuredActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
         prompts = prompts_batch(100)
         actor.save_pretrained(f"{out_dir}/{layout}_before").result()
         measured = actor.measured_generation([None] * len(pool)).result()
         actor.save_pretrained(f"{out_dir}/{layout}_after").result()
         results[layout] = {"measured": measured}
-        if layout.endswith("pp2:1") or layout == "dp1tp4pp1:2":
+        if "pp2:1" in layout or layout == "dp1tp4pp1:2":
             # One update, then greedy generation against a fresh single-rank actor loaded with the new weights.
             actor.update_actor(rollout_batch(16, 5, 6, vocab=100)).result()
             updated = actor.generate_sequences(prompts, greedy=True).result().fetch()["responses"]
