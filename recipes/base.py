@@ -21,11 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
+
+import torch
 from pathlib import Path
 from typing import Any
 
 from spmd_rlhf import checkpoint
+from spmd_rlhf.algos import groups_with_signal
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
+from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.config import load_config
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
@@ -36,7 +40,15 @@ from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, Reward
 TINY_MODEL_DIR = "tiny/model"
 TINY_TASK_DIR = "tiny/task"
 
-_WORKERS = {"actor": ActorWorker, "critic": CriticWorker, "reference": ReferenceWorker, "reward": RewardWorker}
+_WORKERS = {
+    "actor": (ActorWorker, {}),
+    "critic": (CriticWorker, {}),
+    "reference": (ReferenceWorker, {}),
+    "reward": (RewardWorker, {}),
+    "cost": (RewardWorker, {"role": "cost"}),
+    "cost_critic": (CriticWorker, {"role": "cost_critic"}),
+}
+"""Role name -> (worker class, its keyword arguments besides the config)."""
 
 
 def ensure_tiny_assets(config: FrameworkConfig) -> None:
@@ -77,6 +89,17 @@ def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePo
             result[role] = ResourcePool(range(start, start + sizes[pool]))
         start += sizes[pool]
     return result
+
+
+def left_pad(prompts: Batch, *, width: int, pad_token_id: int) -> Batch:
+    """``prompts`` left-padded to ``width`` tokens, so rollouts of different prompt batches can be concatenated."""
+    extra = width - prompts["input_ids"].shape[1]
+    if extra <= 0:
+        return prompts
+    tensors = dict(prompts.tensors)
+    tensors["input_ids"] = torch.nn.functional.pad(prompts["input_ids"], (extra, 0), value=pad_token_id)
+    tensors["attention_mask"] = torch.nn.functional.pad(prompts["attention_mask"], (extra, 0), value=0)
+    return Batch(tensors, prompts.non_tensors, prompts.meta, prompts.group_size)
 
 
 def role_dims(name: str, role: RoleConfig, pool: ResourcePool) -> ParallelDims:
@@ -133,11 +156,9 @@ class RLRecipe:
             self.val_prompts = PromptLoader(val, batch_size=len(val), pad_token_id=pad, shuffle=False).batch(0)
         pools = role_pools(config, self.coordinator.world_size)
         for name in config.enabled_roles():
-            if name == "cost":
-                self.roles[name] = self.coordinator.spawn(RewardWorker, config, role="cost", name=name, pool=pools[name], dims=role_dims(name, config.cost, pools[name]))
-                continue
+            worker, arguments = _WORKERS[name]
             dims = role_dims(name, getattr(config, name), pools[name])
-            self.roles[name] = self.coordinator.spawn(_WORKERS[name], config, name=name, pool=pools[name], dims=dims)
+            self.roles[name] = self.coordinator.spawn(worker, config, **arguments, name=name, pool=pools[name], dims=dims)
         for handle in self.roles.values():
             handle.ready.result()
         self.metrics_logger = MetricsLogger(config.trainer.output_dir, loggers=config.trainer.loggers, total_steps=config.trainer.total_steps)
@@ -157,12 +178,15 @@ class RLRecipe:
         """What every algorithm's update starts from: the step's rollouts (with the engine's log-probs), their scores,
         their log-probs recomputed under the current policy if ``rollout.recompute_log_probs``, and under the
         reference if there is one."""
-        prompts = self.loader.batch(step)
-        with timer("generate"):
-            rollout = self.actor.generate_sequences(prompts).result()
-        with timer("reward"):
-            scores = self.reward.compute_rewards(rollout).result()
-        parts = [rollout, scores]
+        if self.config.algorithm.dynamic_sampling:
+            parts = [self.sample_with_signal(step, timer)]
+            rollout = parts[0]
+        else:
+            with timer("generate"):
+                rollout = self.actor.generate_sequences(self.loader.batch(step)).result()
+            with timer("reward"):
+                scores = self.reward.compute_rewards(rollout).result()
+            parts = [rollout, scores]
         if self.config.rollout.recompute_log_probs:
             with timer("old_log_probs"):
                 parts.append(self.actor.compute_log_probs(rollout).result())
@@ -170,6 +194,42 @@ class RLRecipe:
             with timer("ref_log_probs"):
                 parts.append(self.reference.compute_log_probs(rollout).result())
         return parts
+
+    def sample_with_signal(self, step: int, timer: StageTimer) -> BatchRef:
+        """DAPO's dynamic sampling: the step's rollouts and scores with every prompt whose samples all scored the same
+        dropped (no group-relative signal) and the batch refilled from further prompts, for at most
+        ``algorithm.max_sampling_rounds`` generation rounds. If the batch is still short after the last round it is
+        filled with that round's signal-free groups (zero advantage), so its size never changes. The coordinator
+        sees one score per row; rows are selected and merged where they are (``ActorWorker.select_rows`` /
+        ``concat_rows``), and later calls rebalance them over the DP ranks."""
+        config = self.config
+        group_size, wanted = config.rollout.n, config.data.batch_size
+        selected, kept, first_round_signal = [], 0, 0.0
+        for sampling_round in range(config.algorithm.max_sampling_rounds):
+            # Further prompts come from beyond the run's own steps, so every round's prompts (and uids) are new.
+            index = step + sampling_round * config.trainer.total_steps
+            prompts = left_pad(self.loader.batch(index), width=config.data.max_prompt_length, pad_token_id=self.loader.pad_token_id)
+            with timer("generate"):
+                rollout = self.actor.generate_sequences(prompts)
+            with timer("reward"):
+                scores = self.reward.compute_rewards(rollout).result()
+            signal = groups_with_signal(scores.fetch()["scores"], group_size)
+            if sampling_round == 0:
+                first_round_signal = float(signal.float().mean())
+            keep = signal.clone()
+            keep[signal.cumsum(0) > wanted - kept] = False
+            last_round = sampling_round == config.algorithm.max_sampling_rounds - 1
+            if last_round:
+                # Still short: fill up with this round's first signal-free groups, so the batch keeps its size.
+                filler = (~signal).nonzero().squeeze(1)[: wanted - kept - int(keep.sum())]
+                keep[filler] = True
+            kept += int(keep.sum())
+            rows = Batch({"keep": keep.repeat_interleave(group_size)}, group_size=group_size)
+            selected.append(self.actor.select_rows(rollout, scores, keep=rows))
+            if kept >= wanted:
+                break
+        self.step_extras = {"sampling/rounds": sampling_round + 1.0, "sampling/signal_fraction": first_round_signal}
+        return selected[0].result() if len(selected) == 1 else self.actor.concat_rows(*selected).result()
 
     @staticmethod
     def step_metrics(started: float, timer: StageTimer, *results: Any) -> dict[str, float]:
@@ -202,7 +262,9 @@ class RLRecipe:
         history = []
         for step in range(start, trainer.total_steps):
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
+            self.step_extras = {}
             metrics = self.step(step)
+            metrics.update(self.step_extras)
             metrics["kl/coef"] = self.kl_controller.coef
             if "kl/mean" in metrics:
                 self.kl_controller.update(metrics["kl/mean"], steps=self.config.data.batch_size * self.config.rollout.n)
@@ -232,7 +294,7 @@ class RLRecipe:
         }
 
     def trained_roles(self) -> list[str]:
-        return [name for name in ("actor", "critic") if name in self.roles]
+        return [name for name in ("actor", "critic", "cost_critic") if name in self.roles]
 
     def save(self, out_dir: str, *, step: int) -> str:
         """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume,

@@ -1,6 +1,11 @@
-"""GRPO (Shao et al. 2024): no critic; each prompt's n responses are scored against their group's mean.
+"""GRPO (Shao et al. 2024) and its critic-free family: each prompt's n responses are scored against a baseline
+from the group. ``algorithm.name`` picks the estimator: grpo (mean/std; ``normalize_advantages=false`` is Dr. GRPO),
+rloo (leave-one-out mean), reinforce_pp (REINFORCE++: whitened returns) or reinforce_pp_baseline. DAPO's pieces
+are switches too: ``clip_ratio_high`` (clip-higher), ``dynamic_sampling``, ``overlong_buffer``; GSPO is
+``policy_loss=gspo``.
 
     torchrun --nproc-per-node 4 recipes/grpo.py --config recipes/configs/grpo.yaml trainer.total_steps=20
+    torchrun --nproc-per-node 4 recipes/grpo.py algorithm.name=rloo
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ class GRPORecipe(RLRecipe):
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
         inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        estimator = self.config.algorithm.name
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, estimator="grpo", kl_coef=self.kl_controller.coef).result()
+            advantages = self.actor.compute_advantages(*inputs, estimator=estimator, kl_coef=self.kl_controller.coef).result()
         with timer("update_actor"):
             actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
         return self.step_metrics(started, timer, *inputs, advantages, actor_metrics)

@@ -8,15 +8,15 @@ and adds the section prefix to a section's errors.
 import functools
 from dataclasses import dataclass, field
 
-ALGORITHMS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp", "safe_rlhf")
-ROLES = ("actor", "critic", "reference", "reward", "cost")
+ALGORITHMS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "safe_rlhf")
+ROLES = ("actor", "critic", "reference", "reward", "cost", "cost_critic")
 # The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
 # The other algorithms take their baseline from rollouts (group mean, greedy response, batch mean).
 _CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")
 # Baselines from the other responses to the same prompt: a group of one has none.
-_GROUP_ALGORITHMS = ("grpo", "rloo")
+_GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
 # Under placement=split, these roles share one pool and the rest share the other.
 _POLICY_POOL_ROLES = ("actor", "reference")
 
@@ -125,12 +125,29 @@ class ScoringRoleConfig(RoleConfig):
     kind: str = "rule"
     """rule: a Python function scores each response; model: the scoring model at model_path does."""
     rule: str = "auto"
-    """With kind=rule, the function's name in the spmd_rlhf.rewards registry; auto: chosen by each row's data_source."""
+    """With kind=rule, the function's name in the spmd_rlhf.rewards registry, or path/to/file.py:function (verl's
+    signature); auto: chosen by each row's data_source."""
+    rule_kwargs: dict | None = None
+    """With kind=rule, keyword arguments for every call of the rule (verl's reward_kwargs), e.g. {strict: true,
+    format_score: 0.1} for gsm8k (with rule=auto, every data source's function must take them); null: none."""
+    num_workers: int = 0
+    """With kind=rule, processes per rank that score rows in parallel (started once, reused); 0: score in the rank's
+    own process, where a call cannot be stopped, so timeout_s does not apply."""
+    timeout_s: float | None = 10.0
+    """With kind=rule and num_workers >= 1, seconds one call may run before it is stopped and counts as a timeout;
+    null: no limit."""
+    on_error: str = "zero"
+    """With kind=rule, a call that raises, times out or returns a non-finite number: zero (score 0, logged, counted
+    in the <role>/errors, /timeouts and /non_finite metrics) or abort (stop with an error naming the function, the
+    row's data source and the cause)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _one_of(self, "kind", ("rule", "model"))
         _require(self, "rule", self.rule != "", "must name a registered function or be auto")
+        _at_least(self, 0, "num_workers")
+        _require(self, "timeout_s", self.timeout_s is None or self.timeout_s > 0, "must be > 0 or null")
+        _one_of(self, "on_error", ("zero", "abort"))
 
 
 @dataclass
@@ -173,7 +190,8 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", 
 @dataclass
 class AlgorithmConfig:
     name: str = "ppo"
-    """ppo, grpo, remax, rloo, reinforce_pp (REINFORCE++) or safe_rlhf (PPO-Lagrangian with a cost model)."""
+    """ppo, grpo, remax, rloo, reinforce_pp (REINFORCE++), reinforce_pp_baseline (REINFORCE++ with a group-mean
+    baseline) or safe_rlhf (PPO-Lagrangian with a cost model and a cost critic)."""
     gamma: float = 1.0
     """Discount factor of returns and GAE."""
     lam: float = 0.95
@@ -201,12 +219,26 @@ class AlgorithmConfig:
     loss_aggregation: str = "token_mean"
     """Per-token losses to one number over the global batch: token_mean, seq_mean_token_mean, seq_mean_token_sum or
     seq_mean_token_sum_norm (Dr. GRPO: divide by sequences x max response length)."""
+    policy_loss: str = "ppo"
+    """Importance ratio of the clipped policy loss: ppo (per token) or gspo (per sequence, Zheng et al. 2025; use
+    small clip ratios such as 3e-4 / 4e-4)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop prompts whose samples all scored the same and refill the batch from further prompts (grpo family)."""
+    max_sampling_rounds: int = 3
+    """DAPO dynamic sampling: generation rounds per step at most; a batch still short after them is used as it is."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: the last this many tokens before rollout.max_new_tokens cost up to
+    overlong_penalty linearly; 0: off."""
+    overlong_penalty: float = 1.0
+    """DAPO: the score subtracted from a response of rollout.max_new_tokens tokens when overlong_buffer > 0."""
     cost_limit: float = 0.0
     """safe_rlhf: the expected cost the policy must stay under (threshold d of the Lagrangian)."""
     lambda_init: float = 1.0
-    """safe_rlhf: initial Lagrange multiplier of the cost constraint."""
+    """safe_rlhf: initial Lagrange multiplier of the cost constraint (> 0; it is log-parameterised)."""
     lambda_lr: float = 0.1
     """safe_rlhf: learning rate of the Lagrange multiplier."""
+    lambda_max: float | None = None
+    """safe_rlhf: upper bound of the Lagrange multiplier; null: none."""
 
     def __post_init__(self) -> None:
         _one_of(self, "name", ALGORITHMS)
@@ -222,6 +254,12 @@ class AlgorithmConfig:
         _require(self, "value_clip", self.value_clip is None or self.value_clip > 0, "must be > 0 or null")
         _one_of(self, "loss_aggregation", LOSS_AGGREGATIONS)
         _require(self, "lambda_lr", self.lambda_lr > 0, "must be > 0")
+        _require(self, "lambda_init", self.lambda_init > 0, "must be > 0 (the multiplier is log-parameterised)")
+        _one_of(self, "policy_loss", ("ppo", "gspo"))
+        _at_least(self, 1, "max_sampling_rounds")
+        _at_least(self, 0, "overlong_buffer", "overlong_penalty")
+        rule = "dynamic sampling filters groups of samples; use grpo, rloo or reinforce_pp_baseline"
+        _require(self, "dynamic_sampling", not self.dynamic_sampling or self.name in _GROUP_ALGORITHMS, rule)
 
 
 @dataclass
@@ -306,6 +344,8 @@ class FrameworkConfig:
     """Scores each response: a rule function or a reward model."""
     cost: ScoringRoleConfig = field(default_factory=lambda: ScoringRoleConfig(enabled=False, kind="model"))
     """Safe-RLHF cost model: scores how harmful each response is (safe_rlhf only)."""
+    cost_critic: TrainableRoleConfig = field(default_factory=lambda: TrainableRoleConfig(enabled=False, lr=1e-4))
+    """Safe-RLHF cost value model, trained on the cost returns beside the reward critic (safe_rlhf only)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Step count, checkpoints, logging and the run's directory."""
 
@@ -359,6 +399,7 @@ class FrameworkConfig:
             "reference": (kl_penalty != "none", f"algorithm.kl_penalty={kl_penalty}"),
             "reward": (True, "every algorithm"),
             "cost": (name == "safe_rlhf", f"algorithm.name={name}"),
+            "cost_critic": (name == "safe_rlhf", f"algorithm.name={name}"),
         }
         for role, (used, by) in needs.items():
             verb = "needs" if used else "never calls"

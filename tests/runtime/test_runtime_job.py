@@ -72,12 +72,13 @@ def test_data_parallel_split_replication_and_exact_content(job, role, owners, ro
 
 
 def test_non_batch_results_come_back_per_dp_rank(job):
-    # Same layout as the producer: shard i (1, 2, 3, 4 rows) stays DP rank i's input.
+    # Uneven shards (1, 2, 3, 4 rows of ids 0..9) are rebalanced for the next call: 3, 3, 2, 2 rows in order
+    # (total = 2 x the sum of the ids a rank received).
     assert job["dp_values"] == [
-        {"rows": 1, "total": 0.0},
-        {"rows": 2, "total": 6.0},
+        {"rows": 3, "total": 6.0},
         {"rows": 3, "total": 24.0},
-        {"rows": 4, "total": 60.0},
+        {"rows": 2, "total": 26.0},
+        {"rows": 2, "total": 34.0},
     ]
 
 

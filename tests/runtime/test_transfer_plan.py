@@ -10,9 +10,16 @@ def _plan(shards, consumers, schema=SCHEMA):
 
 
 def test_same_layout_on_the_same_ranks_moves_nothing():
-    plan = _plan([ShardInfo(0, 3), ShardInfo(1, 5)], [[0], [1]])
-    assert plan[0].pieces == [Piece(0, 0, 3)] and plan[1].pieces == [Piece(1, 0, 5)]
+    plan = _plan([ShardInfo(0, 4), ShardInfo(1, 4)], [[0], [1]])
+    assert plan[0].pieces == [Piece(0, 0, 4)] and plan[1].pieces == [Piece(1, 0, 4)]
     assert plan[0].sends == [] and plan[1].sends == []
+
+
+def test_uneven_shards_are_rebalanced_on_the_same_ranks():
+    # Rows selected in place (3 and 5) go back to 4 and 4: rank 1 sends its first row to rank 0.
+    plan = _plan([ShardInfo(0, 3), ShardInfo(1, 5)], [[0], [1]])
+    assert plan[0].pieces == [Piece(0, 0, 3), Piece(1, 0, 1)] and plan[1].pieces == [Piece(1, 1, 5)]
+    assert plan[0].sends == [] and plan[1].sends == [(0, 0, 1)]
 
 
 def test_uneven_shards_are_rebalanced_when_dp_sizes_differ():

@@ -1,25 +1,45 @@
 """RL algorithms as pure tensor functions: advantages, losses, KL estimators and controllers, loss aggregation."""
 
-from .advantages import broadcast_to_tokens, gae, group_advantages, scores_to_token_rewards, whiten
+from .advantages import (
+    broadcast_to_tokens,
+    discounted_returns,
+    gae,
+    group_advantages,
+    groups_with_signal,
+    overlong_penalty,
+    remax_advantages,
+    rloo_advantages,
+    scores_to_token_rewards,
+    whiten,
+)
 from .aggregation import AGGREGATIONS, Denominators, aggregate, masked_mean
 from .kl import ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
-from .losses import entropy_bonus, policy_loss, value_loss
+from .losses import RATIO_LEVELS, entropy_bonus, policy_loss, value_loss
+from .safe_rlhf import LagrangeMultiplier, combine_advantages
 
 __all__ = [
     "AGGREGATIONS",
     "ESTIMATORS",
     "AdaptiveKLController",
+    "LagrangeMultiplier",
+    "RATIO_LEVELS",
     "Denominators",
     "FixedKLController",
     "aggregate",
     "apply_kl_penalty",
     "broadcast_to_tokens",
+    "combine_advantages",
+    "discounted_returns",
     "entropy_bonus",
     "gae",
     "group_advantages",
+    "groups_with_signal",
     "kl_estimate",
     "masked_mean",
+    "overlong_penalty",
     "policy_loss",
+    "remax_advantages",
+    "rloo_advantages",
     "scores_to_token_rewards",
     "value_loss",
     "whiten",

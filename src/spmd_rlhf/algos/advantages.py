@@ -86,3 +86,56 @@ def group_advantages(
 def broadcast_to_tokens(sequence_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x[i] on every response token of row i, 0 on masked positions."""
     return sequence_values[:, None].to(torch.float32) * mask.to(torch.float32)
+
+
+def _check_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    if scores.shape[0] % group_size:
+        raise ValueError(f"{scores.shape[0]} scores do not divide into groups of {group_size}")
+    return scores.reshape(-1, group_size)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each sample's baseline is the mean of the *other* samples of its prompt,
+    A_i = s_i − (Σ_g s − s_i) / (n − 1) = n/(n−1) · (s_i − mean_g(s)). Needs n ≥ 2."""
+    if group_size < 2:
+        raise ValueError("RLOO needs at least 2 samples per prompt (rollout.n >= 2)")
+    grouped = _check_groups(scores, group_size)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(-1)
+
+
+def remax_advantages(scores: torch.Tensor, baseline_scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """ReMax (Li et al. 2023): the baseline of every sample of a prompt is the reward of that prompt's greedy
+    response, A_i = s_i − s_greedy(prompt(i)); ``baseline_scores`` has one entry per prompt."""
+    grouped = _check_groups(scores, group_size)
+    if baseline_scores.shape[0] != grouped.shape[0]:
+        raise ValueError(f"{baseline_scores.shape[0]} baseline scores for {grouped.shape[0]} prompts")
+    return (grouped - baseline_scores[:, None].to(grouped.dtype)).reshape(-1)
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
+    """G_t = r_t + γ·G_{t+1} (REINFORCE's return-to-go) over each row's response tokens; 0 on masked positions
+    (responses are right-padded, so the recursion simply carries 0 through the padding)."""
+    mask = mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] * mask[:, t] + gamma * running
+        returns[:, t] = running * mask[:, t]
+    return returns
+
+
+def groups_with_signal(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter: True for each prompt whose samples' scores are not all equal (a group with
+    equal scores has zero group-relative advantage and contributes no gradient)."""
+    grouped = _check_groups(scores, group_size)
+    return (grouped.max(dim=1).values - grouped.min(dim=1).values) > 0
+
+
+def overlong_penalty(lengths: torch.Tensor, *, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment added to a response's score: 0 up to ``max_length − buffer`` tokens, then
+    falling linearly to ``−factor`` at ``max_length``: ``−factor · (L − (max_length − buffer)) / buffer``."""
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"overlong buffer={buffer} must be in (0, max_length={max_length}]")
+    excess = (lengths.to(torch.float32) - (max_length - buffer)).clamp(min=0, max=buffer)
+    return -factor * excess / buffer

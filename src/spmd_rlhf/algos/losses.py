@@ -5,6 +5,11 @@ PPO clipped surrogate (Schulman et al. 2017) with separate low/high clip ratios 
 
     l = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high));   for A < 0 also  l = min(l, −A·c)   (c > 1, dual clip)
 
+GSPO (Zheng et al. 2025, ``ratio_level="sequence"``): one importance ratio per response, the geometric mean of its
+token ratios, s_i = exp(mean_t(log π − log π_old)), clipped as above; each token carries s_i with the gradient of its
+own log-probability (s_i,t = sg[s_i] · π_t / sg[π_t]), so the ratio is that of the sequence and the gradient flows
+through every token.
+
 Clipped value loss: l = ½·max((V − R)², (V_old + clip(V − V_old, −ε_v, ε_v) − R)²).
 """
 
@@ -13,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from .aggregation import Denominators, aggregate, masked_mean
+
+RATIO_LEVELS = ("token", "sequence")
 
 
 def policy_loss(
@@ -26,11 +33,19 @@ def policy_loss(
     dual_clip: float | None = None,
     aggregation: str = "token_mean",
     denominators: Denominators | None = None,
+    ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The aggregated PPO policy loss and its metrics (clip fractions, approximate KL to π_old)."""
+    """The aggregated PPO policy loss and its metrics (clip fractions, approximate KL to π_old).
+    ``ratio_level``: ``token`` (PPO) or ``sequence`` (GSPO)."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None)")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level={ratio_level!r} is unknown; choose one of {', '.join(RATIO_LEVELS)}")
     log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)
+    if ratio_level == "sequence":
+        mask_f = mask.to(log_ratio.dtype)
+        sequence_log_ratio = (log_ratio * mask_f).sum(dim=1) / mask_f.sum(dim=1).clamp(min=1.0)
+        log_ratio = sequence_log_ratio.detach()[:, None] + log_probs - log_probs.detach()
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)

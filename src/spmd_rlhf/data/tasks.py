@@ -116,3 +116,13 @@ def score_arithmetic(solution_str: str, ground_truth: str) -> float:
     if match is None:
         return NO_INTEGER_REWARD
     return CORRECT_REWARD if int(match.group()) == int(ground_truth) else WRONG_INTEGER_REWARD
+
+
+_LETTER = re.compile(r"[A-Za-z]")
+
+
+def cost_arithmetic(solution_str: str) -> float:
+    """Rule cost for the arithmetic task (the Safe-RLHF demo's stand-in for a cost model): 1.0 when the response
+    contains a Latin letter (words are off-limits in an answer), else 0.0. Most random-init responses do; a policy
+    can avoid them and still answer."""
+    return 1.0 if _LETTER.search(solution_str) else 0.0

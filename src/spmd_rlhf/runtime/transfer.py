@@ -103,19 +103,16 @@ def plan_exchanges(
 ) -> dict[int, Exchange]:
     """Work out, for every rank involved, what it sends and which pieces it assembles.
 
-    With as many consumer DP ranks as stored shards, shard ``i`` goes to DP rank ``i`` (so a consumer with the
-    producer's layout on the producer's ranks moves nothing); otherwise the groups are re-split evenly, as
-    ``Batch.split`` does."""
+    The groups are split evenly over the consumer DP ranks, as ``Batch.split`` does; a consumer with the producer's
+    layout on the producer's ranks then finds each even shard where it already is and moves nothing, while uneven
+    shards (rows selected in place) are rebalanced."""
     group_size = schema.group_size
     starts, total = [], 0
     for shard in shards:
         starts.append(total)
         total += shard.rows
-    if len(consumers) == len(shards):
-        counts = [shard.rows for shard in shards]
-    else:
-        base, extra = divmod(total // group_size, len(consumers))
-        counts = [(base + (dp_rank < extra)) * group_size for dp_rank in range(len(consumers))]
+    base, extra = divmod(total // group_size, len(consumers))
+    counts = [(base + (dp_rank < extra)) * group_size for dp_rank in range(len(consumers))]
     tag = transfer_tag(transfer_id)
     exchanges: dict[int, Exchange] = {}
 

@@ -13,28 +13,15 @@ import functools
 import torch
 from transformers import AutoTokenizer
 
-from ..algos import (
-    aggregate,
-    apply_kl_penalty,
-    broadcast_to_tokens,
-    entropy_bonus,
-    gae,
-    group_advantages,
-    kl_estimate,
-    masked_mean,
-    policy_loss,
-    scores_to_token_rewards,
-    whiten,
-)
+from ..algos import aggregate, combine_advantages, entropy_bonus, kl_estimate, masked_mean, policy_loss
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
 from ..engine import LLMEngine, SamplingParams
 from ..hybrid import GenerationLayout, HybridEngine
 from ..runtime import ParallelDims, RoleContext, data_parallel
+from .advantages import old_log_probs, rollout_advantages
 from .base import union_all
 from .training import TrainedWorker
-
-ADVANTAGE_ESTIMATORS = ("gae", "grpo")
 
 _SEED_STRIDE = 1_000_003
 
@@ -42,11 +29,6 @@ _SEED_STRIDE = 1_000_003
 def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -> int:
     """The sampling seed of sample ``sample`` of the prompt with run-unique ``uid``: the same whatever the DP split."""
     return (run_seed * _SEED_STRIDE + uid * samples_per_prompt + sample) % (2**63)
-
-
-def old_log_probs(batch: Batch) -> torch.Tensor:
-    """π_old of the PPO ratio: recomputed ``old_log_probs`` when present, else the engine's ``rollout_log_probs``."""
-    return batch["old_log_probs"] if "old_log_probs" in batch.tensors else batch["rollout_log_probs"]
 
 
 class ActorWorker(TrainedWorker):
@@ -163,6 +145,22 @@ class ActorWorker(TrainedWorker):
             group_size=n,
         )
 
+    # ---- selecting and merging rows in place (dynamic sampling) --------------------------------------------------
+
+    @data_parallel
+    def select_rows(self, *parts: Batch, keep: Batch) -> Batch:
+        """The rows of ``parts`` (together) where ``keep["keep"]`` is true, kept where they are; DP shards may end
+        up uneven, and the next data-parallel call rebalances them. Metrics in the parts' meta are carried along."""
+        data = union_all(parts)
+        metrics = {key: value for part in parts for key, value in part.meta.get("metrics", {}).items()}
+        selected = data.select(keep["keep"].nonzero().squeeze(1), group_size=data.group_size)
+        return Batch(selected.tensors, selected.non_tensors, {"metrics": metrics}, data.group_size)
+
+    @data_parallel
+    def concat_rows(self, *batches: Batch) -> Batch:
+        """The rows of ``batches`` one after another (each DP rank concatenates its shares); meta of the first."""
+        return Batch.concat(batches)
+
     # ---- log-probs ---------------------------------------------------------------------------------------------
 
     @data_parallel
@@ -176,60 +174,49 @@ class ActorWorker(TrainedWorker):
     # ---- advantages --------------------------------------------------------------------------------------------
 
     @data_parallel
-    def compute_advantages(self, *parts: Batch, estimator: str, kl_coef: float | None = None) -> Batch:
-        """``advantages`` (and ``returns`` for GAE) from the rollout and its scores, log-probs and values.
+    def compute_advantages(
+        self, *parts: Batch, estimator: str, kl_coef: float | None = None, source: str = "reward",
+        baseline: Batch | None = None,
+    ) -> Batch:
+        """``advantages`` (and ``returns`` for GAE) from the rollout and its scores, log-probs and values; with
+        ``source="cost"``, ``cost_advantages`` / ``cost_returns`` from ``costs`` and ``cost_values`` (Safe-RLHF).
 
-        Runs where the rows already are, so per-token tensors never pass through the coordinator. ``estimator``:
-        ``gae`` (needs ``values``) or ``grpo`` (group baseline over the n samples of each prompt, which a DP shard
-        always holds whole). With ``algorithm.kl_penalty=reward`` the KL to the reference is subtracted from the
-        per-token rewards first (weight ``kl_coef``, else ``algorithm.kl_coef``). Whitening statistics are those of the
-        whole batch over all DP ranks.
+        Runs where the rows already are, so per-token tensors never pass through the coordinator. ``estimator``: one
+        of ``workers.advantages.ADVANTAGE_ESTIMATORS`` (the table there); group estimators rely on a DP shard always
+        holding a prompt's n samples whole. ``baseline`` (remax): the scores of one greedy response per prompt.
+        With ``algorithm.kl_penalty=reward`` the KL to the reference (weight ``kl_coef``, else ``algorithm.kl_coef``)
+        is subtracted from the per-token rewards first. Whitening statistics are those of the whole batch.
         """
-        if estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {estimator!r} is unknown; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
-        algorithm = self.config.algorithm
         data = union_all(parts)
-        mask = data["response_mask"]
-        scores = data["scores"].float()
-        token_rewards = scores_to_token_rewards(scores, mask)
-        tensors: dict[str, torch.Tensor] = {}
-        metrics: dict[str, float] = {}
-        if "ref_log_probs" in data.tensors:
-            kl = kl_estimate(old_log_probs(data), data["ref_log_probs"], algorithm.kl_estimator)
-            per_sequence_kl = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-            totals = self.sum_over_dp(torch.stack([per_sequence_kl.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]))
-            metrics["kl/mean"] = float(totals[0] / totals[1])
-            if algorithm.kl_penalty == "reward":
-                token_rewards = apply_kl_penalty(token_rewards, kl, algorithm.kl_coef if kl_coef is None else kl_coef, mask)
-        if estimator == "gae":
-            advantages, returns = gae(token_rewards, data["values"].float(), mask, gamma=algorithm.gamma, lam=algorithm.lam)
-            tensors["returns"] = returns
-            if algorithm.normalize_advantages:
-                advantages = whiten(advantages, mask, sum_over_ranks=self.sum_over_dp)
-        else:
-            sequence_rewards = (token_rewards * mask).sum(dim=1)
-            advantages = broadcast_to_tokens(
-                group_advantages(sequence_rewards, data.group_size, normalize_std=algorithm.normalize_advantages), mask
-            )
-        tensors["advantages"] = advantages
-        metrics["advantages/mean"] = float(self.masked_mean_over_dp(advantages, mask))
-        if "old_log_probs" in data.tensors:
+        tensors, metrics = rollout_advantages(
+            data, estimator=estimator, algorithm=self.config.algorithm, worker=self, source=source,
+            kl_coef=self.config.algorithm.kl_coef if kl_coef is None else kl_coef,
+            max_response_length=self.config.rollout.max_new_tokens,
+            baseline_scores=None if baseline is None else baseline["scores"],
+        )
+        if source == "reward" and "old_log_probs" in data.tensors:
             # Engine and trainer run the same model code: this stays at rounding level (1e-6 in float32).
-            difference = ((data["old_log_probs"] - data["rollout_log_probs"]).abs() * mask).max()
+            difference = ((data["old_log_probs"] - data["rollout_log_probs"]).abs() * data["response_mask"]).max()
             metrics["rollout/log_prob_diff_max"] = float(self.max_over_dp(difference))
         return Batch(tensors, meta={"metrics": metrics}, group_size=data.group_size)
 
     # ---- training ----------------------------------------------------------------------------------------------
 
-    def _policy_loss(self, logits: torch.Tensor, micro: Batch, denominators, *, kl_coef: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def _policy_loss(
+        self, logits: torch.Tensor, micro: Batch, denominators, *, kl_coef: float, cost_multiplier: float | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         algorithm = self.config.algorithm
         aggregation = algorithm.loss_aggregation
         mask = micro["response_mask"].to(self.device)
         log_probs, entropy = self.response_log_probs(logits, micro, self.temperature, with_entropy=True)
+        advantages = micro["advantages"]
+        if cost_multiplier is not None:
+            advantages = combine_advantages(advantages, micro["cost_advantages"], cost_multiplier)
         loss, metrics = policy_loss(
-            log_probs, old_log_probs(micro).to(self.device), micro["advantages"].to(self.device), mask,
+            log_probs, old_log_probs(micro).to(self.device), advantages.to(self.device), mask,
             clip_low=algorithm.clip_ratio_low, clip_high=algorithm.clip_ratio_high,
             aggregation=aggregation, denominators=denominators,
+            ratio_level="sequence" if algorithm.policy_loss == "gspo" else "token",
         )
         if algorithm.entropy_coef:
             loss = loss - algorithm.entropy_coef * entropy_bonus(entropy, mask, aggregation=aggregation, denominators=denominators)
@@ -242,10 +229,12 @@ class ActorWorker(TrainedWorker):
         return loss, metrics
 
     @data_parallel
-    def update_actor(self, *parts: Batch, kl_coef: float | None = None) -> dict[str, float]:
+    def update_actor(self, *parts: Batch, kl_coef: float | None = None, cost_multiplier: float | None = None) -> dict[str, float]:
         """PPO epochs over the rows of ``parts`` (together: the rollout, ``advantages``, ``old_log_probs`` if
         recomputed, and ``ref_log_probs`` when the KL is a loss term); returns this rank's mean metrics.
-        ``kl_coef``: the KL loss weight of this step (an adaptive controller's), else ``algorithm.kl_coef``."""
+        ``kl_coef``: the KL loss weight of this step (an adaptive controller's), else ``algorithm.kl_coef``.
+        ``cost_multiplier`` (Safe-RLHF's λ): the policy follows (A_reward − λ·A_cost) / (1 + λ), with
+        ``cost_advantages`` among ``parts``."""
         coef = self.config.algorithm.kl_coef if kl_coef is None else kl_coef
-        loss = functools.partial(self._policy_loss, kl_coef=coef)
+        loss = functools.partial(self._policy_loss, kl_coef=coef, cost_multiplier=cost_multiplier)
         return self.trainer.update(union_all(parts), loss, method="update_actor", prefix="actor")

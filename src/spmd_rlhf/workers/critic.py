@@ -1,4 +1,8 @@
-"""The critic: a value model (one value per token) trained on GAE returns with the clipped value loss."""
+"""The critic: a value model (one value per token) trained on GAE returns with the clipped value loss.
+
+``role="critic"`` values the reward (``values``, ``returns``); ``role="cost_critic"`` (Safe-RLHF) values the cost
+(``cost_values``, ``cost_returns``), with its own config section and metrics prefix.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +15,22 @@ from ..runtime import RoleContext, data_parallel
 from .base import union_all
 from .training import TrainedWorker
 
+CRITIC_ROLES = {"critic": "", "cost_critic": "cost_"}
+"""Critic role -> prefix of the batch keys it reads and writes."""
+
 
 class CriticWorker(TrainedWorker):
-    def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
-        super().__init__(context, config, config.critic, head="value")
+    def __init__(self, context: RoleContext, config: FrameworkConfig, *, role: str = "critic") -> None:
+        if role not in CRITIC_ROLES:
+            raise ValueError(f"critic role {role!r} is unknown; choose one of {', '.join(CRITIC_ROLES)}")
+        super().__init__(context, config, getattr(config, role), head="value")
+        self.role, self.keys = role, CRITIC_ROLES[role]
 
     @data_parallel
     def compute_values(self, batch: Batch) -> Batch:
-        """``values`` ``[rows, R]``: V of the state before each response token."""
+        """``values`` (``cost_values``) ``[rows, R]``: V of the state before each response token."""
         return self.forward_rows(
-            batch, "compute_values", "values",
+            batch, "compute_values", f"{self.keys}values",
             lambda values, micro: self.response_outputs(values, micro).float() * micro["response_mask"].to(self.device),
         )
 
@@ -28,15 +38,16 @@ class CriticWorker(TrainedWorker):
         mask = micro["response_mask"].to(self.device)
         values = self.response_outputs(outputs, micro).float()
         loss, metrics = value_loss(
-            values, micro["values"].to(self.device), micro["returns"].to(self.device), mask,
+            values, micro[f"{self.keys}values"].to(self.device), micro[f"{self.keys}returns"].to(self.device), mask,
             clip=self.config.algorithm.value_clip, aggregation=self.config.algorithm.loss_aggregation,
             denominators=denominators,
         )
-        metrics["critic/values_mean"] = float(masked_mean(values.detach(), mask))
+        metrics = {key.replace("critic/", f"{self.role}/"): value for key, value in metrics.items()}
+        metrics[f"{self.role}/values_mean"] = float(masked_mean(values.detach(), mask))
         return loss, metrics
 
     @data_parallel
     def update_critic(self, *parts: Batch) -> dict[str, float]:
         """Epochs of clipped value-loss steps over the rows of ``parts`` (together: the rollout, ``values`` from
-        before the update and ``returns``)."""
-        return self.trainer.update(union_all(parts), self._value_loss, method="update_critic", prefix="critic")
+        before the update and ``returns``, or their ``cost_`` versions)."""
+        return self.trainer.update(union_all(parts), self._value_loss, method="update_critic", prefix=self.role)

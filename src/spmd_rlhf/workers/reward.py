@@ -3,18 +3,21 @@
 Both give one score per response, ``scores`` ``[rows]`` (the cost role's output is named ``costs``). A rule sees the
 decoded response text without special tokens; a model scores prompt + response as token ids, so a scoring model must
 share the policy's tokenizer (reward models with their own tokenizer and chat template are not supported yet).
+
+Every rank of a DP replica holds the same rows, so under a rule the replica's TP x PP ranks each decode and score a
+slice of them (in ``reward.num_workers`` processes each, or inline) and gather the outcomes, and every rank ends with
+all of them.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from ..config_schema import FrameworkConfig, ScoringRoleConfig
 from ..data.batch import Batch
-from ..rewards import RuleReward
+from ..rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores
 from ..runtime import RoleContext, data_parallel
 from .base import ModelWorker, RoleWorker
 
@@ -25,47 +28,73 @@ class RewardWorker(RoleWorker):
         super().__init__(context, config, role_config)
         self.output_key = "scores" if role == "reward" else "costs"
         self.scorer: ModelWorker | None = None
-        self.rule: RuleReward | None = None
+        self.runner: RewardRunner | None = None
         if role_config.kind == "model":
             self.scorer = ModelWorker(context, config, role_config, head="score", trainable=False)
         else:
-            self.rule = RuleReward(role_config.rule)
+            self.runner = RewardRunner(
+                role_config.rule, rule_kwargs=role_config.rule_kwargs, num_workers=role_config.num_workers,
+                timeout_s=role_config.timeout_s, on_error=role_config.on_error, name=role,
+            )
             self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
 
     @data_parallel
     def compute_rewards(self, batch: Batch) -> Batch:
-        """One score per response; the batch meta carries their mean (and any extra numbers a rule returned)."""
-        extras: dict[str, list[float]] = defaultdict(list)
+        """One score per response. The batch meta carries their mean, the mean of each extra number a rule returned
+        and, for a rule, the rows whose call failed (``<role>/errors``, ``/timeouts``, ``/non_finite``), over all
+        DP ranks."""
+        scored: RewardScores | None = None
         if self.scorer is not None:
             scores = self.scorer.forward_rows(batch, "compute_rewards", "scores", lambda outputs, micro: outputs.float())["scores"]
         else:
-            texts = self.tokenizer.batch_decode(
-                [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])],
-                skip_special_tokens=True,
-            )
-            values = []
-            for text, data_source, ground_truth, extra_info in zip(
-                texts, batch["data_source"], batch["ground_truth"], batch["extra_info"]
-            ):
-                score, extra = self.rule.score(data_source, text, ground_truth, extra_info)
-                values.append(score)
-                for key, value in extra.items():
-                    extras[key].append(value)
-            scores = torch.tensor(values, dtype=torch.float32)
+            scored = self.score_with_rule(batch)
+            scores = torch.tensor(scored.scores, dtype=torch.float32)
+        extras = scored.extras if scored else {}
+        failures = scored.failures if scored else {}
         keys = self.keys_over_dp(sorted(extras))
-        sums = [scores.double().sum(), torch.tensor(float(len(scores)), dtype=torch.float64)]
+        sums = [float(scores.double().sum()), float(len(scores))]
         for key in keys:
-            sums += [torch.tensor(sum(extras[key]), dtype=torch.float64), torch.tensor(float(len(extras[key])), dtype=torch.float64)]
-        totals = self.sum_over_dp(torch.stack(sums)).tolist()
-        metrics = {f"{self.context.name}/mean": totals[0] / totals[1]}
+            sums += [sum(extras.get(key, ())), float(len(extras.get(key, ())))]
+        sums += [float(count) for count in failures.values()]
+        totals = self.sum_over_dp(torch.tensor(sums, dtype=torch.float64)).tolist()
+        name = self.context.name
+        metrics = {f"{name}/mean": totals[0] / totals[1]}
         for index, key in enumerate(keys):
-            metrics[f"{self.context.name}/{key}/mean"] = totals[2 + 2 * index] / max(totals[3 + 2 * index], 1.0)
+            metrics[f"{name}/{key}/mean"] = totals[2 + 2 * index] / max(totals[3 + 2 * index], 1.0)
+        metrics.update({f"{name}/{metric}": total for metric, total in zip(failures, totals[2 + 2 * len(keys) :])})
         return Batch({self.output_key: scores}, meta={"metrics": metrics}, group_size=batch.group_size)
+
+    def score_with_rule(self, batch: Batch) -> RewardScores:
+        """The rule's scores of every row: this rank decodes and scores its slice of the replica's rows, the
+        replica's ranks gather the outcomes, then each summarizes them (under ``on_error=abort``, all raise)."""
+        dims = self.context.dims
+        position, replica_size = self.pp_rank * dims.tp + self.tp_rank, dims.pp * dims.tp
+        start, stop = len(batch) * position // replica_size, len(batch) * (position + 1) // replica_size
+        responses, masks = batch["responses"][start:stop], batch["response_mask"][start:stop]
+        texts = self.tokenizer.batch_decode(
+            [row[mask.bool()].tolist() for row, mask in zip(responses, masks)], skip_special_tokens=True
+        )
+        sources, truths, extra_infos = (batch[key][start:stop] for key in ("data_source", "ground_truth", "extra_info"))
+        rows = [RewardRow(*fields) for fields in zip(sources, texts, truths, extra_infos)]
+        return self.runner.summarize(self.gather_over_replica(position, self.runner.score(rows)))
+
+    def gather_over_replica(self, position: int, outcomes: list[RewardOutcome]) -> list[RewardOutcome]:
+        """The outcomes of all the replica's ranks in row order, from each rank's ``(position, outcomes)``: gathered
+        over the TP group, then the PP group (the mesh's own groups; their group ranks follow global rank order,
+        which need not be position order, hence the positions)."""
+        parts = [(position, outcomes)]
+        for dim in ("tp", "pp"):
+            size = getattr(self.context.dims, dim)
+            if size > 1:
+                gathered: list[list[tuple[int, list[RewardOutcome]]] | None] = [None] * size
+                dist.all_gather_object(gathered, parts, group=self.mesh[dim].get_group())
+                parts = [part for rank_parts in gathered for part in rank_parts]
+        return [outcome for _, part in sorted(parts, key=lambda part: part[0]) for outcome in part]
 
     def keys_over_dp(self, keys: list[str]) -> list[str]:
         """The extra metric names returned on any DP rank (rules may return different ones for different rows)."""
         if self.dp_size == 1:
             return keys
         gathered: list[list[str] | None] = [None] * self.dp_size
-        torch.distributed.all_gather_object(gathered, keys, group=self.dp_group)
+        dist.all_gather_object(gathered, keys, group=self.dp_group)
         return sorted({key for rank_keys in gathered for key in rank_keys})

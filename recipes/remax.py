@@ -1,0 +1,37 @@
+"""ReMax (Li et al. 2023): REINFORCE whose baseline is the reward of each prompt's greedy response; no critic.
+
+The step is GRPO's with one more generation: a greedy response per prompt, scored by the same reward.
+
+    torchrun --nproc-per-node 4 recipes/remax.py --config recipes/configs/remax.yaml trainer.total_steps=20
+"""
+
+from __future__ import annotations
+
+import time
+
+from spmd_rlhf.metrics import StageTimer
+from spmd_rlhf.recipes.base import RLRecipe, main
+
+
+class ReMaxRecipe(RLRecipe):
+    name = "remax"
+
+    def step(self, step: int) -> dict[str, float]:
+        started, timer = time.perf_counter(), StageTimer()
+        inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        with timer("baseline"):
+            greedy = self.actor.generate_sequences(self.loader.batch(step), greedy=True)
+            baseline = self.reward.compute_rewards(greedy).result()
+        with timer("advantages"):
+            advantages = self.actor.compute_advantages(
+                *inputs, estimator="remax", baseline=baseline, kl_coef=self.kl_controller.coef
+            ).result()
+        with timer("update_actor"):
+            actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
+        metrics = self.step_metrics(started, timer, *inputs, advantages, actor_metrics)
+        metrics["baseline/reward/mean"] = baseline.meta["metrics"]["reward/mean"]
+        return metrics
+
+
+if __name__ == "__main__":
+    main(ReMaxRecipe, "recipes/configs/remax.yaml")

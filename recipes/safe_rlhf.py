@@ -1,0 +1,65 @@
+"""Safe-RLHF (Dai et al. 2023): PPO on the reward under a cost constraint E[cost] <= algorithm.cost_limit, with a
+cost model, a cost critic beside the reward critic, and a Lagrange multiplier λ.
+
+The step is PPO's with the cost mirrored (score, values, GAE, critic update) and the policy following
+(A_reward − λ·A_cost) / (1 + λ); λ then takes one ascent step on the batch's mean cost and is checkpointed.
+
+    torchrun --nproc-per-node 4 recipes/safe_rlhf.py --config recipes/configs/safe_rlhf.yaml trainer.total_steps=20
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from spmd_rlhf.algos import LagrangeMultiplier
+from spmd_rlhf.metrics import StageTimer
+from spmd_rlhf.recipes.base import RLRecipe, main
+
+
+class SafeRLHFRecipe(RLRecipe):
+    name = "safe_rlhf"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        algorithm = self.config.algorithm
+        self.multiplier = LagrangeMultiplier(
+            algorithm.lambda_init, lr=algorithm.lambda_lr, threshold=algorithm.cost_limit, max_value=algorithm.lambda_max
+        )
+
+    def step(self, step: int) -> dict[str, float]:
+        started, timer = time.perf_counter(), StageTimer()
+        inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        rollout, kl_coef = inputs[0], self.kl_controller.coef
+        with timer("cost"):
+            costs = self.cost.compute_rewards(rollout).result()
+        with timer("values"):
+            values = self.critic.compute_values(rollout).result()
+            cost_values = self.cost_critic.compute_values(rollout).result()
+        with timer("advantages"):
+            advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=kl_coef).result()
+            cost_advantages = self.actor.compute_advantages(rollout, costs, cost_values, estimator="gae", source="cost").result()
+        with timer("update_critic"):
+            critic_metrics = self.critic.update_critic(rollout, values, advantages).result()
+            cost_critic_metrics = self.cost_critic.update_critic(rollout, cost_values, cost_advantages).result()
+        with timer("update_actor"):
+            actor_metrics = self.actor.update_actor(
+                *inputs, advantages, cost_advantages, kl_coef=kl_coef, cost_multiplier=self.multiplier.value
+            ).result()
+        metrics = self.step_metrics(
+            started, timer, *inputs, costs, advantages, cost_advantages, critic_metrics, cost_critic_metrics, actor_metrics
+        )
+        metrics["lambda"] = self.multiplier.value
+        self.multiplier.update(metrics["cost/mean"])
+        return metrics
+
+    def algorithm_state(self) -> dict[str, Any]:
+        return {**super().algorithm_state(), "lambda": self.multiplier.value}
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        super().load_algorithm_state(state)
+        self.multiplier.value = float(state["lambda"])
+
+
+if __name__ == "__main__":
+    main(SafeRLHFRecipe, "recipes/configs/safe_rlhf.yaml")
