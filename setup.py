@@ -22,9 +22,9 @@ setup(
         "pyarrow>=15",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "tensorboard>=2.16", "wandb>=0.17"],
         "gpu": ["flash-attn>=2.6"],
-        "logging": ["tensorboard>=2.16", "wandb>=0.17"],
+        "logging": ["tensorboard>=2.16", "wandb>=0.17", "matplotlib>=3.8"],
         "bench": ["trl>=1.16,<2"],
     },
     entry_points={"console_scripts": ["spmd-rlhf=spmd_rlhf.cli:main"]},

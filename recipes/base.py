@@ -21,19 +21,20 @@ from __future__ import annotations
 import argparse
 import os
 import time
-
-import torch
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from spmd_rlhf import checkpoint
 from spmd_rlhf.algos import groups_with_signal
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
-from spmd_rlhf.data.batch import Batch
-from spmd_rlhf.config import load_config
+from spmd_rlhf.config import ConfigError, config_reference, load_config
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
+from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
-from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks
+from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
+from spmd_rlhf.recipes.dry_run import describe
 from spmd_rlhf.runtime import BatchRef, Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch
 from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
 
@@ -91,6 +92,20 @@ def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePo
     return result
 
 
+def pass_at_k(passed: torch.Tensor, k: int) -> torch.Tensor:
+    """Unbiased pass@k per prompt (Chen et al. 2021) from ``passed`` ``[prompts, n]`` with n >= k samples each:
+    1 − C(n − c, k) / C(n, k), c = passing samples."""
+    n = passed.shape[1]
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {n}")
+    failures = n - passed.sum(dim=1).double()
+    # C(n - c, k) / C(n, k) = prod_{i=0}^{k-1} (n - c - i) / (n - i), 0 once fewer than k samples failed.
+    ratio = torch.ones_like(failures)
+    for i in range(k):
+        ratio = ratio * ((failures - i).clamp(min=0) / (n - i))
+    return 1.0 - ratio
+
+
 def left_pad(prompts: Batch, *, width: int, pad_token_id: int) -> Batch:
     """``prompts`` left-padded to ``width`` tokens, so rollouts of different prompt batches can be concatenated."""
     extra = width - prompts["input_ids"].shape[1]
@@ -134,11 +149,18 @@ class RLRecipe:
     # ---- building ----------------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Tiny assets if needed, the prompt loader, and every enabled role on its pool (built concurrently)."""
+        """Tiny assets if needed, the metric sinks (first, so a missing sink package fails at once) and the step's
+        model passes for MFU, the prompt loader, and every enabled role on its pool (built concurrently)."""
         from transformers import AutoTokenizer
 
         config = self.config
         ensure_tiny_assets(config)
+        try:  # at once, not at the first save after hours of training
+            checkpoint.writable_dir(config.trainer.output_dir)
+        except checkpoint.CheckpointError as error:
+            raise checkpoint.CheckpointError(f"trainer.output_dir: {error}") from None
+        self.metrics_logger = MetricsLogger(config)
+        self.model_passes = step_passes(config)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         def prompts(files: list[str]) -> PromptDataset:
             return PromptDataset(
@@ -147,7 +169,7 @@ class RLRecipe:
             )
 
         dataset = prompts(config.data.train_files)
-        self.skipped_prompts = dataset.num_skipped
+        self.data_metrics = {"data/skipped_prompts": float(dataset.num_skipped), "data/truncated_prompts": float(dataset.num_truncated)}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.loader = PromptLoader(dataset, batch_size=config.data.batch_size, pad_token_id=pad, shuffle=config.data.shuffle, seed=config.data.seed)
         self.val_prompts = None
@@ -161,7 +183,6 @@ class RLRecipe:
             self.roles[name] = self.coordinator.spawn(worker, config, **arguments, name=name, pool=pools[name], dims=dims)
         for handle in self.roles.values():
             handle.ready.result()
-        self.metrics_logger = MetricsLogger(config.trainer.output_dir, loggers=config.trainer.loggers, total_steps=config.trainer.total_steps)
 
     def __getattr__(self, name: str) -> RoleHandle:
         roles = self.__dict__.get("roles", {})
@@ -231,10 +252,10 @@ class RLRecipe:
         self.step_extras = {"sampling/rounds": sampling_round + 1.0, "sampling/signal_fraction": first_round_signal}
         return selected[0].result() if len(selected) == 1 else self.actor.concat_rows(*selected).result()
 
-    @staticmethod
-    def step_metrics(started: float, timer: StageTimer, *results: Any) -> dict[str, float]:
-        """The step's metrics: those the workers put in batch meta or returned per DP rank, stage times, step time and
-        tokens per second (prompt + response tokens of the step; generated tokens per second of generation)."""
+    def step_metrics(self, started: float, timer: StageTimer, *results: Any) -> dict[str, float]:
+        """The step's metrics: those the workers put in batch meta or returned per DP rank, stage times, step time,
+        throughput (tokens per second in all and per device, generated tokens per second of generation) and model
+        TFLOP/s per device and MFU (``spmd_rlhf.metrics.throughput_metrics``)."""
         metrics: dict[str, float] = {}
         for result in results:
             if isinstance(result, list):
@@ -242,11 +263,11 @@ class RLRecipe:
             else:
                 metrics.update(result.meta.get("metrics", {}))
         metrics.update(timer.metrics())
-        seconds = time.perf_counter() - started
-        metrics["time/step"] = seconds
-        metrics["throughput/tokens_per_s"] = (metrics["rollout/prompt_tokens"] + metrics["rollout/generated_tokens"]) / seconds
-        if metrics.get("time/generate"):
-            metrics["throughput/generated_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/generate"]
+        metrics["time/step"] = time.perf_counter() - started
+        metrics.update(throughput_metrics(
+            metrics, world_size=self.coordinator.world_size, passes=self.model_passes,
+            peak_flops_per_device=self.config.trainer.peak_flops_per_device,
+        ))
         return metrics
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -262,7 +283,7 @@ class RLRecipe:
         history = []
         for step in range(start, trainer.total_steps):
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
-            self.step_extras = {}
+            self.step_extras = dict(self.data_metrics)
             metrics = self.step(step)
             metrics.update(self.step_extras)
             metrics["kl/coef"] = self.kl_controller.coef
@@ -279,19 +300,28 @@ class RLRecipe:
                 self.metrics_logger.log(step, metrics)
             if last or (trainer.save_every and (step + 1) % trainer.save_every == 0):
                 self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1)
+        self.metrics_logger.close()
         return history
 
     def validate(self) -> dict[str, float]:
-        """One greedy response to every validation prompt, scored by the reward role (``val/…`` metrics)."""
-        timer = StageTimer()
+        """One greedy response to every validation prompt, scored by the reward role, and with
+        ``trainer.val_samples = k`` also k sampled ones: ``val/reward/mean``, ``val/response_length/mean``,
+        ``val/sampled/reward/mean`` and ``val/pass@k`` (the coordinator sees one score per response)."""
+        timer, trainer = StageTimer(), self.config.trainer
         with timer("validate"):
             rollout = self.actor.generate_sequences(self.val_prompts, greedy=True).result()
             scores = self.reward.compute_rewards(rollout).result()
-        return {
-            "val/reward/mean": scores.meta["metrics"]["reward/mean"],
-            "val/response_length/mean": rollout.meta["metrics"]["response_length/mean"],
-            **timer.metrics(),
-        }
+            metrics = {
+                "val/reward/mean": scores.meta["metrics"]["reward/mean"],
+                "val/response_length/mean": rollout.meta["metrics"]["response_length/mean"],
+            }
+            if trainer.val_samples:
+                sampled = self.actor.generate_sequences(self.val_prompts, samples=trainer.val_samples).result()
+                sampled_scores = self.reward.compute_rewards(sampled).result().fetch()["scores"]
+                passed = (sampled_scores >= trainer.val_pass_score).reshape(-1, trainer.val_samples)
+                metrics["val/sampled/reward/mean"] = float(sampled_scores.double().mean())
+                metrics[f"val/pass@{trainer.val_samples}"] = float(pass_at_k(passed, trainer.val_samples).mean())
+        return {**metrics, **timer.metrics()}
 
     def trained_roles(self) -> list[str]:
         return [name for name in ("actor", "critic", "cost_critic") if name in self.roles]
@@ -323,7 +353,10 @@ class RLRecipe:
         to continue from."""
         state = checkpoint.read_trainer_state(checkpoint_dir)
         if state["recipe"] != self.name:
-            raise checkpoint.CheckpointError(f"{checkpoint_dir} was written by the {state['recipe']} recipe, not {self.name}")
+            raise checkpoint.CheckpointError(
+                f"{checkpoint_dir} was written by the {state['recipe']} recipe, not {self.name}; resume it with that "
+                f"recipe, or start fresh with trainer.resume=null or another trainer.output_dir"
+            )
         state_dirs = {name: checkpoint.require_role_state(checkpoint_dir, name) for name in self.trained_roles()}
         for name, state_dir in state_dirs.items():
             self.roles[name].load_checkpoint(str(state_dir)).result()
@@ -346,13 +379,26 @@ class RLRecipe:
 
 
 def main(recipe_class: type[RLRecipe], default_config: str) -> None:
-    """The torchrun entry of a recipe: ``--config FILE`` then ``key=value`` overrides."""
-    parser = argparse.ArgumentParser(description=f"{recipe_class.name} recipe (run under torchrun)")
+    """The torchrun entry of a recipe: ``--config FILE`` then ``key=value`` overrides; ``--help`` lists every key,
+    ``--dry-run`` prints what would run (config, placement, layouts, memory per rank) and exits."""
+    parser = argparse.ArgumentParser(
+        description=f"The {recipe_class.name} recipe. Run it under torchrun; every key below can be set as key=value.",
+        epilog="config keys (default, meaning):\n" + config_reference(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", default=default_config, help="YAML config (default: %(default)s)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config, placement, role layouts and memory per rank, then exit")
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")), help="ranks to plan for with --dry-run (default: $WORLD_SIZE or 1)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=5")
     options = parser.parse_args()
-    config = load_config(options.config, options.overrides)
+    try:
+        config = load_config(options.config, options.overrides)
+        if options.dry_run:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(describe(config, options.world_size), end="")
+            return
+    except (ConfigError, ValueError) as error:
+        parser.exit(2, f"{recipe_class.name}: {error}\n")
     timeout = config.trainer.timeout_s
     runtime = RuntimeOptions(call_timeout_s=timeout, collective_timeout_s=timeout)
     launch(lambda coordinator: recipe_class(config, coordinator).fit(), options=runtime)
-

@@ -1,29 +1,130 @@
-"""Tests for step metrics: JSONL records, the console progress line, per-rank averaging, stage timers."""
+"""Tests for step metrics and their sinks: JSONL records, the console progress line and stage-timing table,
+TensorBoard event files, wandb offline runs and the errors for missing packages, per-rank averaging, stage timers,
+and the model-FLOP / MFU accounting."""
 
 from __future__ import annotations
 
 import io
 import json
+import sys
 
 import pytest
+from transformers import Qwen2Config
 
-from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks
+from spmd_rlhf.config_schema import ConfigError, FrameworkConfig, RolloutConfig, TrainerConfig
+from spmd_rlhf.metrics import (
+    MetricsLogger,
+    ModelPasses,
+    StageTimer,
+    matmul_parameters,
+    mean_over_ranks,
+    step_flops,
+    step_passes,
+    throughput_metrics,
+)
+from spmd_rlhf.sinks import SINKS, ConsoleSink, build_sinks
+
+
+def run_config(tmp_path, **trainer) -> FrameworkConfig:
+    return FrameworkConfig(trainer=TrainerConfig(output_dir=str(tmp_path / "run"), **trainer))
 
 
 def test_jsonl_gets_one_object_per_step_and_console_a_progress_line(tmp_path):
     stream = io.StringIO()
-    logger = MetricsLogger(str(tmp_path / "run"), loggers=["console", "jsonl"], total_steps=4, stream=stream)
+    logger = MetricsLogger(run_config(tmp_path, total_steps=4, loggers=["console", "jsonl"]), stream=stream)
     logger.log(0, {"reward/mean": 0.25, "response_length/mean": 3.0})
-    logger.log(1, {"reward/mean": 0.5, "kl/mean": 0.01})
+    logger.log(1, {"reward/mean": 0.5, "kl/mean": 0.01, "perf/mfu": 0.125})
+    logger.close()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert records == [{"step": 0, "reward/mean": 0.25, "response_length/mean": 3.0}, {"step": 1, "reward/mean": 0.5, "kl/mean": 0.01}]
+    assert records == [
+        {"step": 0, "reward/mean": 0.25, "response_length/mean": 3.0},
+        {"step": 1, "reward/mean": 0.5, "kl/mean": 0.01, "perf/mfu": 0.125},
+    ]
     lines = stream.getvalue().splitlines()
-    assert lines[1].startswith("step 2/4 [##########----------]  50% | reward 0.5 | kl 0.01 |") and "ETA 0:00:0" in lines[1]
+    assert lines[1].startswith("step 2/4 [##########----------]  50% | reward 0.5 | kl 0.01 | mfu 0.125 |")
+    assert "ETA 0:00:0" in lines[1]
 
 
-def test_unavailable_loggers_are_named(tmp_path):
-    with pytest.raises(ValueError, match="wandb"):
-        MetricsLogger(str(tmp_path), loggers=["jsonl", "wandb"], total_steps=1)
+def test_timing_table_averages_the_stages_since_the_last_table():
+    stream = io.StringIO()
+    console = ConsoleSink(total_steps=5, timing_every=2, stream=stream)
+    for step, (generate, update) in enumerate([(3.0, 1.0), (1.0, 1.0), (2.0, 2.0), (2.0, 2.0), (1.0, 0.5)]):
+        console.log(step, {"time/generate": generate, "time/update_actor": update, "time/step": generate + update + 1.0})
+    tables: list[list[str]] = []
+    for line in stream.getvalue().splitlines():
+        if line.startswith("stage times"):
+            tables.append([line])
+        elif line.startswith("  "):
+            tables[-1].append(line)
+    # Tables after steps 2 and 4 (every 2) and 5 (the last), each over the steps logged since the one before.
+    assert [table[0] for table in tables] == [
+        "stage times, mean of 2 logged steps 1-2:",
+        "stage times, mean of 2 logged steps 3-4:",
+        "stage times, mean of 1 logged step 5:",
+    ]
+    assert [line.split() for line in tables[0][1:]] == [
+        ["generate", "2.000", "s", "50.0%"],
+        ["update_actor", "1.000", "s", "25.0%"],
+        ["step", "4.000", "s", "100.0%"],
+    ]
+    assert tables[2][1].split() == ["generate", "1.000", "s", "40.0%"]
+
+
+def test_timing_table_comes_when_logged_steps_skip_the_boundary():
+    stream = io.StringIO()
+    console = ConsoleSink(total_steps=100, timing_every=4, stream=stream)
+    for step in (0, 3, 5, 9):  # steps 1, 4 (due), 6, 10 (past the boundary of 8)
+        console.log(step, {"time/step": 1.0})
+    headers = [line for line in stream.getvalue().splitlines() if line.startswith("stage times")]
+    assert headers == ["stage times, mean of 2 logged steps 1-4:", "stage times, mean of 2 logged steps 6-10:"]
+    silent = io.StringIO()
+    ConsoleSink(total_steps=2, timing_every=0, stream=silent).log(1, {"time/step": 1.0})
+    assert "stage times" not in silent.getvalue()
+
+
+def test_logger_names_match_the_config_check(tmp_path):
+    with pytest.raises(ConfigError, match="loggers.*allowed: " + ", ".join(SINKS)):
+        TrainerConfig(loggers=["console", "slack"])
+    trainer = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl"])
+    trainer.loggers = ["slack"]  # a config changed after validation is checked again
+    with pytest.raises(ValueError, match="slack"):
+        build_sinks(trainer)
+
+
+def test_tensorboard_sink_writes_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(run_config(tmp_path, loggers=["tensorboard"]))
+    logger.log(0, {"reward/mean": 0.25, "time/step": 1.5})
+    logger.log(1, {"reward/mean": 0.75, "time/step": 1.0})
+    logger.close()
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # jsonl is written always
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["reward/mean", "time/step"]
+    assert [(event.step, event.value) for event in events.Scalars("reward/mean")] == [(0, 0.25), (1, 0.75)]
+
+
+@pytest.mark.parametrize("logger,module,package", [("wandb", "wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard", "tensorboard")])
+def test_missing_package_is_named_with_its_install(tmp_path, monkeypatch, logger, module, package):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    with pytest.raises(ImportError, match=f"trainer.loggers has {logger}.*pip install {package}"):
+        MetricsLogger(run_config(tmp_path, loggers=["console", logger]))
+
+
+def test_wandb_offline_run_writes_its_local_files(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = MetricsLogger(run_config(tmp_path, loggers=["wandb"], wandb_project="tests"))
+    run = logger.sinks[-1].run  # after metrics.jsonl
+    logger.log(0, {"reward/mean": 0.25})
+    logger.log(1, {"reward/mean": 0.75})
+    assert (run.project, run.name) == ("tests", "run")
+    assert run.config["trainer"]["output_dir"] == str(tmp_path / "run")
+    logger.close()
+    [stream] = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert stream.stat().st_size > 0
 
 
 def test_mean_over_ranks_and_timer():
@@ -34,3 +135,53 @@ def test_mean_over_ranks_and_timer():
     with timer("generate"):
         pass
     assert list(timer.metrics()) == ["time/generate"] and timer.metrics()["time/generate"] >= 0
+
+
+def test_step_flops_formula():
+    passes = ModelPasses(generate=10, train=(10, 10, 4), forward=(10, 4))
+    # 6 * 100 tokens * 24 trained params + 2 * 100 * 14 forward params + 2 * 30 generated tokens * 10.
+    assert step_flops(passes, sequence_tokens=100, generated_tokens=30) == 14_400 + 2_800 + 600
+
+
+def write_model_config(path, *, tied: bool) -> None:
+    Qwen2Config(
+        vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=tied,
+    ).save_pretrained(path)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_matmul_parameters_leave_out_the_embedding_lookup(tmp_path, tied):
+    write_model_config(tmp_path, tied=tied)
+    # Per layer: q 16x16 + k, v 8x16 each (GQA: 2 of 4 heads of 4 dims) with biases, o 16x16, MLP 3 x 16x32, 2 norms.
+    layer = (16 * 16 + 16) + 2 * (8 * 16 + 8) + 16 * 16 + 3 * 16 * 32 + 2 * 16
+    lm_head = 100 * 16  # a matmul even when tied to the embedding
+    assert matmul_parameters(str(tmp_path), head="lm") == 2 * layer + 16 + lm_head
+    assert matmul_parameters(str(tmp_path), head="value") == 2 * layer + 16 + 16 + 1
+
+
+def test_step_passes_follow_the_config(tmp_path):
+    write_model_config(tmp_path, tied=True)
+    config = FrameworkConfig(trainer=TrainerConfig(output_dir=str(tmp_path / "run")))
+    config.model.path = str(tmp_path)
+    config.actor.ppo_epochs = 2
+    actor, critic = matmul_parameters(str(tmp_path), head="lm"), matmul_parameters(str(tmp_path), head="value")
+    # PPO: actor x 2 epochs and critic trained; reference and critic values forward-only; the rule reward is free.
+    assert step_passes(config) == ModelPasses(generate=actor, train=(actor, actor, critic), forward=(actor, critic))
+    config.rollout = RolloutConfig(recompute_log_probs=True)
+    assert step_passes(config).forward == (actor, actor, critic)
+
+
+def test_throughput_metrics():
+    passes = ModelPasses(generate=1_000, train=(1_000,), forward=(1_000,))
+    metrics = {"time/step": 2.0, "time/generate": 0.5, "rollout/prompt_tokens": 300.0, "rollout/generated_tokens": 100.0}
+    result = throughput_metrics(metrics, world_size=4, passes=passes, peak_flops_per_device=1e6)
+    flops = step_flops(passes, sequence_tokens=400, generated_tokens=100)  # 3.4e6
+    assert result == pytest.approx({
+        "throughput/tokens_per_s": 200.0,
+        "throughput/tokens_per_s_per_device": 50.0,
+        "throughput/generated_tokens_per_s": 200.0,
+        "throughput/tflops_per_device": flops / 2.0 / 4 / 1e12,
+        "perf/mfu": flops / (2.0 * 4 * 1e6),
+    })
+    assert "perf/mfu" not in throughput_metrics(metrics, world_size=4, passes=passes, peak_flops_per_device=0.0)

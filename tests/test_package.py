@@ -22,5 +22,5 @@ def test_console_script_lists_subcommands():
     script = shutil.which("spmd-rlhf")
     assert script is not None, "spmd-rlhf is not on PATH: install the package (pip install -e .)"
     result = subprocess.run([script, "--help"], capture_output=True, text=True, check=True)
-    for command in ("make-tiny", "make-task", "config", "forward", "export"):
+    for command in ("make-tiny", "make-task", "config", "forward", "export", "plot"):
         assert command in result.stdout

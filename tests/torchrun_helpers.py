@@ -52,6 +52,19 @@ def torchrun(
     )
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def run_recipe(name: str, workdir: Path, *overrides: str) -> list[dict]:
     """Run recipes/<name>.py with its default config on 2 ranks in ``workdir`` (tiny assets are built there on first
     use) and ``trainer.output_dir=out``; returns the metrics records of ``workdir/out/metrics.jsonl``."""

@@ -193,6 +193,7 @@ def load_role_state(
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
     rng_key = _rng_key(process_group)
     saved = dcp.FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    _check_model_shapes(state_dir, model_state, saved)
     rng = {device: tensor for device, tensor in _rng_state().items() if f"{rng_key}.{device}" in saved}
     if rng:
         state[rng_key] = rng
@@ -203,6 +204,24 @@ def load_role_state(
         torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _check_model_shapes(state_dir: str | os.PathLike, model_state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """One error naming the tensors whose saved shapes differ from this model's (or that it lacks), before DCP's
+    own per-rank errors: the checkpoint is of another model."""
+    problems = []
+    for name, tensor in model_state.items():
+        entry = saved.get(f"model.{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            problems.append(f"{name} missing")
+        elif tuple(entry.size) != tuple(tensor.shape):
+            problems.append(f"{name} {list(entry.size)} saved, {list(tensor.shape)} here")
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise CheckpointError(
+            f"{state_dir} holds another model ({shown}); resume with the model it was trained from (model.path), "
+            f"or start fresh with trainer.resume=null or another trainer.output_dir"
+        )
 
 
 def save_model_config(state_dir: str | os.PathLike, model: DecoderLM, *, tokenizer_path: str) -> None:
@@ -253,7 +272,8 @@ def load_role_model(checkpoint_dir: str | os.PathLike, role: str) -> DecoderLM:
     return model_from_tensors(args, tensors, head=head)
 
 
-def _writable_dir(out_dir: str | os.PathLike) -> Path:
+def writable_dir(out_dir: str | os.PathLike) -> Path:
+    """``out_dir``, created if missing, once a file could be written in it; else an error naming it and why."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -274,7 +294,7 @@ def export_hf(
 
     checkpoint_dir = resolve_checkpoint(checkpoint_or_run_dir)
     config_dirs = {role: role_config_dir(checkpoint_dir, role) for role in roles}
-    out = _writable_dir(out_dir)
+    out = writable_dir(out_dir)
     written = {}
     for role, config_dir in config_dirs.items():
         model = load_role_model(checkpoint_dir, role)

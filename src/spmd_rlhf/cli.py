@@ -6,6 +6,7 @@
     spmd-rlhf config --keys
     spmd-rlhf forward --model tiny/model --prompt "2+3="
     spmd-rlhf export outputs/grpo hf_out --roles actor
+    spmd-rlhf plot outputs/grpo
 
 Each subcommand imports its module only when chosen, so ``spmd-rlhf --help`` stays fast.
 """
@@ -46,6 +47,7 @@ def _add_config(subparsers: argparse._SubParsersAction) -> None:
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--show", metavar="FILE", help="YAML config file to resolve (with key=value overrides) and print")
     action.add_argument("--keys", action="store_true", help="list every config key with its default and docstring")
+    parser.add_argument("--markdown", action="store_true", help="with --keys: Markdown tables (the README's config reference)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
 
 
@@ -65,10 +67,17 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--roles", nargs="+", default=["actor"], help="roles to export (default: actor)")
 
 
+def _add_plot(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plot", help="draw PNG charts (reward, KL, entropy, length, stage times) of a run's metrics.jsonl")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's trainer.output_dir (or its metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
+    parser.add_argument("--keys", nargs="+", default=None, help="one chart per metric key or pattern (e.g. 'critic/*') instead of the default charts")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spmd-rlhf", description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_make_tiny, _add_make_task, _add_config, _add_forward, _add_export):
+    for add in (_add_make_tiny, _add_make_task, _add_config, _add_forward, _add_export, _add_plot):
         add(subparsers)
     return parser
 
@@ -99,11 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {path}" for path in paths))
         return 0
     if args.command == "config":
-        from spmd_rlhf.config import ConfigError, field_docs, load_config, to_yaml
+        from spmd_rlhf.config import ConfigError, config_reference, load_config, to_yaml
 
         if args.keys:
-            for key, (default, doc) in field_docs().items():
-                print(f"{key} = {default}\n    {doc}")
+            print(config_reference(markdown=args.markdown), end="")
             return 0
         try:
             config = load_config(args.show, args.overrides)
@@ -126,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export error: {error}", file=sys.stderr)
             return 2
         print("\n".join(f"wrote {role} to {path}" for role, path in written.items()))
+        return 0
+    if args.command == "plot":
+        from spmd_rlhf.plot import PlotError, plot_run
+
+        try:
+            written = plot_run(args.run_dir, out_dir=args.out, keys=args.keys)
+        except PlotError as error:
+            print(f"plot error: {error}", file=sys.stderr)
+            return 2
+        print("\n".join(f"wrote {path}" for path in written))
         return 0
     raise AssertionError(f"unhandled command {args.command}")
 

@@ -91,6 +91,24 @@ def field_docs(schema: type = FrameworkConfig) -> dict[str, tuple[str, str]]:
     return dict(_leaf_docs(schema(), ""))
 
 
+def config_reference(*, markdown: bool = False) -> str:
+    """Every key with its default and docstring, from the dataclasses themselves: plain text (a recipe's ``--help``,
+    ``spmd-rlhf config --keys``) or Markdown, one table per section (the README's config reference; a test keeps
+    the README's copy equal to this)."""
+    docs = field_docs()
+    if not markdown:
+        return "\n".join(f"{key} = {default}\n    {doc}" for key, (default, doc) in docs.items()) + "\n"
+    lines: list[str] = []
+    section = None
+    for key, (default, doc) in docs.items():
+        head = key.split(".")[0] if "." in key else "(top level)"
+        if head != section:
+            section = head
+            lines += ["", f"**{section}**", "", "| key | default | meaning |", "| --- | --- | --- |"]
+        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', chr(92) + '|')} |")
+    return "\n".join(lines[1:]) + "\n"
+
+
 def _leaf_docs(config: Any, prefix: str) -> Iterator[tuple[str, tuple[str, str]]]:
     docs = _attribute_docs(type(config))
     for item in fields(config):

@@ -40,7 +40,7 @@ class ModelConfig:
     attention: str = "auto"
     """Attention backend: auto (flash when installed, else sdpa), flash, sdpa or torch (plain matmul, runs anywhere)."""
     activation_checkpointing: bool = False
-    """Recompute each decoder block's activations in the backward pass: less memory for more compute."""
+    """Recompute each decoder block's activations in the backward pass of trained roles: less memory, more compute."""
     compile: bool = False
     """torch.compile each decoder block (GPU only; ignored on CPU)."""
 
@@ -72,7 +72,8 @@ class RoleConfig:
     forward_micro_batch_size: int = 0
     """Rows per forward-only pass (log-probs, values, scores), which keeps no activations; 0: micro_batch_size."""
     offload: bool = False
-    """Keep parameters and optimizer state in host memory while the role is idle, so colocated roles take turns."""
+    """GPU: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy), each block
+    copied to the device for its forward and backward, so colocated roles leave the device to each other."""
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size")
@@ -168,6 +169,9 @@ class RolloutConfig:
     """Tokens per paged KV-cache block."""
     memory_fraction: float = 0.5
     """Fraction of device memory generation may fill, resident weights included; the KV cache gets what is left."""
+    kv_cache_blocks: int = 0
+    """KV-cache blocks of each generation replica, a fixed budget (requests that do not fit wait or are preempted);
+    0: on GPU what memory_fraction leaves, elsewhere enough to run every request to full length at once."""
     max_num_seqs: int = 256
     """Most sequences decoded together by continuous batching."""
     cuda_graphs: bool = True
@@ -178,7 +182,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "n", "max_new_tokens", "tp", "kv_block_size", "max_num_seqs")
-        _at_least(self, 0, "temperature", "top_k")
+        _at_least(self, 0, "temperature", "top_k", "kv_cache_blocks")
         _require(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
         _require(self, "memory_fraction", 0 < self.memory_fraction <= 1, "must be in (0, 1]")
 
@@ -273,7 +277,8 @@ class DataConfig:
     max_prompt_length: int = 64
     """Most prompt tokens, chat template included; longer prompts are handled as overlong_prompts says."""
     overlong_prompts: str = "error"
-    """A prompt over max_prompt_length: error (stop, naming the row) or skip (drop it and count it in the metrics)."""
+    """A prompt over max_prompt_length: error (stop, naming the row), skip (drop it, counted as data/skipped_prompts)
+    or truncate (keep its last max_prompt_length tokens, counted as data/truncated_prompts)."""
     batch_size: int = 8
     """Prompts per training step over all ranks; the step trains on batch_size * rollout.n responses."""
     shuffle: bool = True
@@ -285,7 +290,7 @@ class DataConfig:
         _require(self, "train_files", bool(self.train_files), "must list at least one file")
         _require(self, "prompt_key", self.prompt_key != "", "must name a column")
         _at_least(self, 1, "max_prompt_length", "batch_size")
-        _one_of(self, "overlong_prompts", ("error", "skip"))
+        _one_of(self, "overlong_prompts", ("error", "skip", "truncate"))
 
 
 @dataclass
@@ -301,11 +306,28 @@ class TrainerConfig:
     log_every: int = 1
     """Log metrics every this many steps."""
     val_every: int = 0
-    """Validate every this many steps (needs data.val_files); 0: never."""
+    """Validate every this many steps (needs data.val_files): a greedy response per prompt; 0: never."""
+    val_samples: int = 0
+    """Validation also samples this many responses per prompt (rollout temperature): val/sampled/reward/mean and
+    val/pass@k (k = val_samples, unbiased estimator); 0: greedy only."""
+    val_pass_score: float = 1.0
+    """A sampled validation response passes (for pass@k) when its score is at least this."""
     resume: str | None = "auto"
     """auto: continue from output_dir's latest checkpoint if there is one; null: start fresh; else a checkpoint dir."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Metric sinks, any of: console, jsonl, tensorboard, wandb."""
+    """Metric sinks, any of: console (progress line), jsonl (<output_dir>/metrics.jsonl, read by spmd-rlhf plot;
+    written whether listed or not), tensorboard (<output_dir>/tensorboard; pip install tensorboard) and wandb
+    (pip install wandb; WANDB_MODE=offline works)."""
+    timing_every: int = 50
+    """Print a table of each stage's mean seconds and share of the step every this many steps and after the last
+    (console logger); 0: never."""
+    peak_flops_per_device: float = 0.0
+    """Peak FLOP/s of one device at the training dtype, for the perf/mfu metric, e.g. 989e12 for an H100 SXM in dense
+    bf16; 0: unknown, perf/mfu is not logged."""
+    wandb_project: str = "spmd_rlhf"
+    """wandb project of the run (wandb logger)."""
+    wandb_run_name: str | None = None
+    """wandb run name (wandb logger); null: the name of output_dir."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cuda (NCCL) or cpu (gloo)."""
     timeout_s: float = 600.0
@@ -313,8 +335,10 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "total_steps", "log_every")
-        _at_least(self, 0, "save_every", "val_every")
+        _at_least(self, 0, "val_samples")
+        _at_least(self, 0, "save_every", "val_every", "timing_every", "peak_flops_per_device")
         _require(self, "output_dir", self.output_dir != "", "must name a directory")
+        _require(self, "wandb_project", self.wandb_project != "", "must name a wandb project")
         _require(self, "resume", self.resume != "", "must be auto, null or a checkpoint directory")
         loggers = ("console", "jsonl", "tensorboard", "wandb")
         _require(self, "loggers", set(self.loggers) <= set(loggers), "allowed: " + ", ".join(loggers))
@@ -356,6 +380,7 @@ class FrameworkConfig:
             _check_layout(self, name, role)
         self._check_pools()
         _require(self, "rollout.tp", self.actor.tp % self.rollout.tp == 0, f"must divide actor.tp={self.actor.tp}")
+        self._check_kv_cache()
         if self.algorithm.name in _GROUP_ALGORITHMS:
             rule = f"algorithm.name={self.algorithm.name} needs >= 2 responses per prompt for its group baseline"
             _require(self, "rollout.n", self.rollout.n >= 2, rule)
@@ -422,6 +447,19 @@ class FrameworkConfig:
                     f"roles sharing a pool (here {pool}, placement={self.placement}) span all of its ranks"
                 )
                 _require(self, f"{name}.n_ranks", getattr(self, name).n_ranks == first_n_ranks, rule)
+
+    def _check_kv_cache(self) -> None:
+        rollout = self.rollout
+        if not rollout.kv_cache_blocks:
+            return
+        longest = self.data.max_prompt_length + rollout.max_new_tokens
+        needed = -(-longest // rollout.kv_block_size)
+        rule = (
+            f"holds {rollout.kv_cache_blocks * rollout.kv_block_size} tokens, fewer than one sequence of "
+            f"data.max_prompt_length + rollout.max_new_tokens = {longest}; set it to at least {needed} "
+            f"(rollout.kv_block_size={rollout.kv_block_size}) or 0 to size the cache for every request"
+        )
+        _require(self, "rollout.kv_cache_blocks", rollout.kv_cache_blocks >= needed, rule)
 
     def _check_training_batches(self) -> None:
         rows = self.data.batch_size * self.rollout.n

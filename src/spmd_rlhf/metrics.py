@@ -1,16 +1,21 @@
-"""Step metrics: stage timers, the JSONL sink (``<output_dir>/metrics.jsonl``, one object per step) and a console
-progress bar with ETA and the key numbers."""
+"""Step metrics: stage timers, per-rank averaging, throughput and model-FLOP utilisation (MFU), and the
+``MetricsLogger`` that hands each step's metrics to the sinks of ``trainer.loggers`` (``spmd_rlhf.sinks``)."""
 
 from __future__ import annotations
 
-import json
-import sys
+import dataclasses
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
+from dataclasses import dataclass
+from typing import TextIO
 
-CONSOLE_KEYS = (("reward/mean", "reward"), ("response_length/mean", "len"), ("kl/mean", "kl"), ("actor/entropy", "entropy"))
+import torch
+
+from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.models import DecoderLM, read_decoder_args
+from spmd_rlhf.sinks import build_sinks
 
 
 class StageTimer:
@@ -37,45 +42,113 @@ def mean_over_ranks(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     return {key: sum(m[key] for m in per_rank if key in m) / sum(1 for m in per_rank if key in m) for key in sorted(keys)}
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+# ---- model FLOPs ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelPasses:
+    """The model passes of one training step, each given as the matmul parameter count N of the model that runs it
+    (``matmul_parameters``)."""
+
+    generate: int
+    """The generating model (the actor): one forward per generated token."""
+    train: tuple[int, ...] = ()
+    """One entry per forward + backward pass over the step's sequences: the actor and each critic, ppo_epochs times."""
+    forward: tuple[int, ...] = ()
+    """One entry per forward-only pass over the step's sequences: reference, recomputed log-probs, values, reward and
+    cost models."""
+
+
+def step_flops(passes: ModelPasses, *, sequence_tokens: float, generated_tokens: float) -> float:
+    """Model FLOPs of one step, by the dense-transformer estimate of Kaplan et al. (2020):
+
+        FLOPs = 6 · T · Σ N_train  +  2 · T · Σ N_forward  +  2 · G · N_generate
+
+    with T the step's prompt + response tokens, G its generated tokens and N a model's matmul parameters: a forward
+    pass costs 2 FLOPs per parameter per token, a backward pass twice that.
+
+    Not counted, so MFU from this errs low: attention's score and value products (the term quadratic in
+    sequence length: small next to 2N for short sequences, not for long ones), prompt prefill during generation,
+    norms, softmax and the optimizer step, ReMax's greedy baseline rollout and DAPO's extra sampling rounds. Counted
+    only once: activation checkpointing's recomputed forward (these are model FLOPs, not hardware FLOPs).
+    """
+    return 6 * sequence_tokens * sum(passes.train) + 2 * sequence_tokens * sum(passes.forward) + 2 * generated_tokens * passes.generate
+
+
+@functools.cache
+def matmul_parameters(model_path: str, *, head: str) -> int:
+    """Parameters of the model at ``model_path`` (with ``head``) that multiply activations: all but the token
+    embedding, which is a lookup; a tied LM head is counted, since it is a matmul. Built on the meta device, so no
+    memory is allocated."""
+    with torch.device("meta"):
+        model = DecoderLM(read_decoder_args(model_path), head=head)
+    parameters = model.named_parameters(remove_duplicate=False)
+    return sum(parameter.numel() for name, parameter in parameters if not name.startswith("model.embed_tokens."))
+
+
+def step_passes(config: FrameworkConfig) -> ModelPasses:
+    """The model passes of one step of the recipes under ``config``: the actor trains ``actor.ppo_epochs`` times and
+    each critic its ``ppo_epochs``; forward-only passes are the reference, the actor's recomputed log-probs
+    (``rollout.recompute_log_probs``), each critic's values and each model-based reward or cost."""
+    roles = config.enabled_roles()
+
+    def parameters(name: str, head: str) -> int:
+        return matmul_parameters(roles[name].model_path or config.model.path, head=head)
+
+    actor = parameters("actor", "lm")
+    train = [actor] * config.actor.ppo_epochs
+    forward = [actor] if config.rollout.recompute_log_probs else []
+    if "reference" in roles:
+        forward.append(parameters("reference", "lm"))
+    for name in ("critic", "cost_critic"):
+        if name in roles:
+            critic = parameters(name, "value")
+            train += [critic] * getattr(config, name).ppo_epochs
+            forward.append(critic)
+    for name in ("reward", "cost"):
+        if name in roles and getattr(config, name).kind == "model":
+            forward.append(parameters(name, "score"))
+    return ModelPasses(generate=actor, train=tuple(train), forward=tuple(forward))
+
+
+def throughput_metrics(
+    metrics: dict[str, float], *, world_size: int, passes: ModelPasses, peak_flops_per_device: float
+) -> dict[str, float]:
+    """Throughput of a step from its ``time/step``, ``time/generate``, ``rollout/prompt_tokens`` and
+    ``rollout/generated_tokens``: prompt + response tokens per second (in all and per device of the job), generated
+    tokens per second of generation, achieved model TFLOP/s per device (``step_flops``) and, when
+    ``peak_flops_per_device`` is known (> 0), MFU = step FLOPs / (step seconds · devices · peak FLOP/s)."""
+    seconds = metrics["time/step"]
+    tokens = metrics["rollout/prompt_tokens"] + metrics["rollout/generated_tokens"]
+    result = {
+        "throughput/tokens_per_s": tokens / seconds,
+        "throughput/tokens_per_s_per_device": tokens / seconds / world_size,
+    }
+    if metrics.get("time/generate"):
+        result["throughput/generated_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/generate"]
+    flops_per_device = step_flops(passes, sequence_tokens=tokens, generated_tokens=metrics["rollout/generated_tokens"]) / seconds / world_size
+    result["throughput/tflops_per_device"] = flops_per_device / 1e12
+    if peak_flops_per_device > 0:
+        result["perf/mfu"] = flops_per_device / peak_flops_per_device
+    return result
+
+
+# ---- logging -------------------------------------------------------------------------------------------------------
 
 
 class MetricsLogger:
-    """Writes each step's metrics to the configured sinks (``console`` and ``jsonl``)."""
+    """Hands each logged step's metrics to the sinks ``config.trainer.loggers`` names (the whole config becomes the
+    wandb run's config). Build it on the coordinator before the models load: a sink whose package is missing then
+    fails the run at once."""
 
-    def __init__(self, output_dir: str, *, loggers: Sequence[str], total_steps: int, stream=None) -> None:
-        self.loggers = set(loggers)
-        unsupported = self.loggers - {"console", "jsonl"}
-        if unsupported:
-            raise ValueError(f"trainer.loggers: {sorted(unsupported)} are not available yet; use console and jsonl")
-        self.path = Path(output_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.total_steps = total_steps
-        self.stream = stream or sys.stdout
-        self._started = time.perf_counter()
-        self._first_step: int | None = None
+    def __init__(self, config: FrameworkConfig, *, stream: TextIO | None = None) -> None:
+        self.sinks = build_sinks(config.trainer, run_config=dataclasses.asdict(config), stream=stream)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **metrics}
-        if "jsonl" in self.loggers:
-            with self.path.open("a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
-        if "console" in self.loggers:
-            self.stream.write(self.progress_line(step, metrics) + "\n")
-            self.stream.flush()
+        for sink in self.sinks:
+            sink.log(step, metrics)
 
-    def progress_line(self, step: int, metrics: dict[str, float]) -> str:
-        """``step 3/20 [###-------] 15% | reward 0.412 | len 3.1 | 1.20 s/step | ETA 0:00:20``"""
-        if self._first_step is None:
-            self._first_step = step
-        done = step + 1
-        elapsed = time.perf_counter() - self._started
-        per_step = elapsed / max(1, done - self._first_step)
-        width = 20
-        filled = width * done // self.total_steps
-        parts = [f"step {done}/{self.total_steps} [{'#' * filled}{'-' * (width - filled)}] {100 * done // self.total_steps:3d}%"]
-        parts += [f"{label} {metrics[key]:.3g}" for key, label in CONSOLE_KEYS if key in metrics]
-        parts += [f"{per_step:.2f} s/step", f"ETA {format_duration(per_step * (self.total_steps - done))}"]
-        return " | ".join(parts)
+    def close(self) -> None:
+        """Flush and close every sink (ends the wandb run)."""
+        for sink in self.sinks:
+            sink.close()

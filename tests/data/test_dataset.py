@@ -43,6 +43,10 @@ def test_overlong_prompts_fail_naming_the_row_or_are_skipped_and_counted(tokeniz
         PromptDataset([str(path)], tokenizer, max_prompt_length=16)
     dataset = PromptDataset([str(path)], tokenizer, max_prompt_length=16, overlong_prompts="skip")
     assert len(dataset) == 1 and dataset.num_skipped == 1
+    dataset = PromptDataset([str(path)], tokenizer, max_prompt_length=16, overlong_prompts="truncate")
+    assert len(dataset) == 2 and dataset.num_truncated == 1 and dataset.num_skipped == 0
+    full = PromptDataset([str(path)], tokenizer, max_prompt_length=1000).prompts[1].token_ids
+    assert dataset.prompts[1].token_ids == full[-16:]  # the end of the prompt is kept
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ def test_remax_raises_the_reward(assets):
 
 
 def test_rloo_raises_the_reward(assets):
-    records = run_recipe("grpo", assets / "rloo", "algorithm.name=rloo", "trainer.val_every=0")
+    records = run_recipe("rloo", assets / "rloo", "trainer.val_every=0")
     assert mean(records[-5:], "reward/mean") > mean(records[:5], "reward/mean") + 0.08
 
 

@@ -33,6 +33,8 @@ def test_default_recipe_raises_the_reward(assets, name):
     # Greedy validation on the val split every 50 steps (trainer.val_every in the default config).
     assert [record["step"] for record in records if "val/reward/mean" in record] == [49, 99, 149]
     assert 0.0 <= records[-1]["val/reward/mean"] <= 1.0
+    if name == "grpo":  # its config also samples 4 responses per validation prompt
+        assert 0.0 <= records[-1]["val/pass@4"] <= 1.0 and 0.0 <= records[-1]["val/sampled/reward/mean"] <= 1.0
     # What comes back to the coordinator is handles and metrics, about 2 KB a step; the rollout alone (ids, masks and
     # log-probs of 64 rows) would be over 15 KB. What it sends is mostly the prompt batch itself.
     assert max(record["coordinator/bytes_received"] for record in records) < 8_000

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from torchrun_helpers import environment, free_port, torchrun, torchrun_command
+from torchrun_helpers import alive, environment, free_port, torchrun, torchrun_command
 
 
 def test_worker_exception_reaches_the_coordinator_with_its_traceback():
@@ -69,7 +69,7 @@ def test_killed_rank_ends_the_job_and_leaves_no_process(tmp_path, victim):
     pids = [int(path.read_text()) for path in tmp_path.glob("pid.*")]
     assert len(pids) == 4
     time.sleep(1.0)
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if alive(pid)] == []
 
 
 def test_workers_exit_on_their_own_when_the_coordinator_goes_silent(tmp_path):
@@ -82,30 +82,18 @@ def test_workers_exit_on_their_own_when_the_coordinator_goes_silent(tmp_path):
             time.sleep(0.2)
         pids = {int(path.name.split(".")[1]): int(path.read_text()) for path in tmp_path.glob("pid.*")}
         assert len(pids) == 4
-        workers_alive = lambda: [rank for rank in (1, 2, 3) if _alive(pids[rank])]
+        workers_alive = lambda: [rank for rank in (1, 2, 3) if alive(pids[rank])]
         while workers_alive() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not workers_alive()
     finally:
         for pid in pids.values():
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         output, _ = agent.communicate(timeout=60)
     assert agent.returncode != 0
     # The first worker to notice exits; torchrun then stops the others, often before their own watchdogs fire.
     assert output.count("no word from the coordinator (rank 0)") >= 1, output[-4000:]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_the_readme_loop_runs():

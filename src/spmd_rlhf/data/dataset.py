@@ -56,7 +56,9 @@ class Prompt:
 
 
 class PromptDataset:
-    """Every usable prompt of ``files``, tokenized; ``num_skipped`` counts over-long prompts dropped with ``skip``."""
+    """Every usable prompt of ``files``, tokenized; ``num_skipped`` counts over-long prompts dropped with ``skip``,
+    ``num_truncated`` those cut to their last ``max_prompt_length`` tokens with ``truncate`` (the end of a prompt,
+    with the chat template's opened assistant turn, is what the response continues)."""
 
     def __init__(
         self,
@@ -68,7 +70,7 @@ class PromptDataset:
         overlong_prompts: str = "error",
     ) -> None:
         self.prompts: list[Prompt] = []
-        self.num_skipped = 0
+        self.num_skipped = self.num_truncated = 0
         for path in files:
             for index, row in enumerate(read_rows(path)):
                 where = f"{path} row {index}"
@@ -79,16 +81,25 @@ class PromptDataset:
                     if overlong_prompts == "skip":
                         self.num_skipped += 1
                         continue
-                    raise DatasetError(
-                        f"{where} has {len(token_ids)} prompt tokens, over data.max_prompt_length={max_prompt_length}; "
-                        f"raise it or set data.overlong_prompts=skip"
-                    )
+                    if overlong_prompts == "truncate":
+                        self.num_truncated += 1
+                        token_ids = token_ids[-max_prompt_length:]
+                    else:
+                        raise DatasetError(
+                            f"{where} has {len(token_ids)} prompt tokens, over data.max_prompt_length={max_prompt_length}; "
+                            f"raise it or set data.overlong_prompts=skip or truncate"
+                        )
                 reward_model = row.get("reward_model") or {}
                 self.prompts.append(
                     Prompt(token_ids, str(row.get("data_source", "")), reward_model.get("ground_truth"), row.get("extra_info") or {})
                 )
         if not self.prompts:
-            raise DatasetError(f"no usable prompts in {files} ({self.num_skipped} skipped as over-long)")
+            why = (
+                f"all {self.num_skipped} are over data.max_prompt_length={max_prompt_length} tokens and were skipped; "
+                f"raise it or set data.overlong_prompts=truncate"
+                if self.num_skipped else "the files hold no rows; check data.train_files / data.val_files"
+            )
+            raise DatasetError(f"no usable prompts in {files}: {why}")
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -62,7 +62,8 @@ class DecoderArgs:
 def _raw_config_dict(path: str) -> dict[str, Any]:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise ModelConfigError(f"{path}: no config.json; expected a Hugging Face model directory")
+        problem = "no config.json" if os.path.isdir(path) else "no such directory"
+        raise ModelConfigError(f"{path}: {problem}; expected a Hugging Face model directory")
     with open(config_file, encoding="utf-8") as handle:
         return json.load(handle)
 

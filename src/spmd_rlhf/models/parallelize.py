@@ -1,6 +1,6 @@
 """Tensor and data parallelism for ``DecoderLM``, applied from outside the model in one fixed order: the TP plan
-(a dict of module name -> ``ColwiseParallel`` / ``RowwiseParallel``), then FSDP2 ``fully_shard`` per decoder layer
-and on the root.
+(a dict of module name -> ``ColwiseParallel`` / ``RowwiseParallel``), activation checkpointing, ``torch.compile``
+(GPU), then FSDP2 ``fully_shard`` per decoder layer and on the root.
 
 TP follows Megatron's split: q/k/v and gate/up are column-parallel (each TP rank owns whole heads / a slice of the
 MLP), o and down are row-parallel (their outputs all-reduced), the embedding is vocab-parallel (each rank owns a
@@ -12,10 +12,13 @@ heads are small and replicated over TP.
 
 from __future__ import annotations
 
+import functools
+
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 from spmd_rlhf.models.decoder import DecoderLM
 
@@ -60,22 +63,36 @@ def parallelize(
     dp_mesh: DeviceMesh | None,
     mp_policy: MixedPrecisionPolicy | None = None,
     gather_logits: bool = False,
+    activation_checkpointing: bool = False,
+    compile_layers: bool = False,
+    offload: bool = False,
     role: str = "model",
 ) -> DecoderLM:
-    """Apply TP over ``tp_mesh`` (skipped when None or of size 1), then FSDP2 over ``dp_mesh`` (skipped when None).
+    """Apply TP over ``tp_mesh`` (skipped when None or of size 1), activation checkpointing and ``torch.compile`` of
+    each decoder layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None); ``offload``: FSDP2's
+    ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, each block copied to the device
+    for its forward and backward).
 
     Works on a whole model or on a pipeline stage of one. Tied embedding / LM-head weights stay tied: both are
-    vocab-sharded the same way, so the head reuses the embedding's sharded parameter.
+    vocab-sharded the same way, so the head reuses the embedding's sharded parameter. Neither checkpointing nor
+    compiling wraps a layer in another module, so parameter names stay Hugging Face's.
     """
     if tp_mesh is not None and tp_mesh.size() > 1:
         check_tensor_parallel(model, tp_mesh.size(), role=role)
         parallelize_module(model, tp_mesh, tensor_parallel_plan(model, gather_logits=gather_logits))
         if model.model.embed_tokens is not None and getattr(model, "lm_head", None) is not None:
             model.tie_weights()
+    for layer in model.model.layers.values():
+        if activation_checkpointing:
+            # The layer's own forward, recomputed in the backward pass; hooks (FSDP's) stay on the module's call.
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+        if compile_layers:
+            layer.compile()
     if dp_mesh is not None:
         policy = mp_policy or MixedPrecisionPolicy()
+        offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
         for layer in model.model.layers.values():
-            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
     return model
 

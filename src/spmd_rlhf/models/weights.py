@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -30,6 +30,17 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not match the model built from its config (missing, unexpected, wrong shape)."""
 
 
+def _open(file: str):
+    """``safe_open`` on the CPU, with an error naming the file when it is not a whole safetensors file."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as error:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({error}); it is truncated or corrupt: download or save the "
+            f"model again"
+        ) from None
+
+
 def checkpoint_files(path: str) -> dict[str, str]:
     """Map each tensor name in a HF directory (single file or sharded with an index) to the file holding it."""
     index_path = os.path.join(path, INDEX_FILE)
@@ -39,7 +50,7 @@ def checkpoint_files(path: str) -> dict[str, str]:
         return {name: os.path.join(path, file) for name, file in weight_map.items()}
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        with safe_open(single, framework="pt") as handle:
+        with _open(single) as handle:
             return {name: single for name in handle.keys()}
     found = sorted(name for name in os.listdir(path) if name.endswith((".bin", ".pt", ".pth")))
     hint = f" (found {', '.join(found)}: only safetensors are loaded; convert with transformers' save_pretrained)" if found else ""
@@ -52,7 +63,7 @@ def _tensor_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     for name, file in files.items():
         by_file[file].append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as handle:
+        with _open(file) as handle:
             for name in names:
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
@@ -145,7 +156,7 @@ def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> 
             local.zero_()
             continue
         # One open per tensor: the file's pages touched through the memory map are released with it.
-        with safe_open(files[name], framework="pt", device="cpu") as handle:
+        with _open(files[name]) as handle:
             stored = handle.get_tensor(name).to(device=device, dtype=local.dtype)
         if isinstance(param, DTensor):
             stored = distribute_tensor(stored, param.device_mesh, param.placements, src_data_rank=None).to_local()

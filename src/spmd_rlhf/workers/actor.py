@@ -34,7 +34,16 @@ def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -
 class ActorWorker(TrainedWorker):
     def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
         super().__init__(context, config, config.actor, head="lm")
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
+        tokenizer_path = config.model.tokenizer_path or config.model.path
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        vocab_size = self.model.args.vocab_size
+        if len(self.tokenizer) > vocab_size:
+            # Prompt ids past the embedding would fail mid-run; responses would be decoded into the wrong text.
+            raise ValueError(
+                f"the tokenizer at {tokenizer_path} has {len(self.tokenizer)} tokens but the actor's model at "
+                f"{config.actor.model_path or config.model.path} has vocab_size={vocab_size}; point "
+                f"model.tokenizer_path at the model's own tokenizer (null: model.path)"
+            )
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.hybrid = HybridEngine(
             self.model, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
@@ -57,10 +66,12 @@ class ActorWorker(TrainedWorker):
     def _engine(self, model) -> LLMEngine:
         rollout = self.config.rollout
         sizing = {}
-        if self.device.type == "cuda":
+        if rollout.kv_cache_blocks:
+            sizing["num_blocks"] = rollout.kv_cache_blocks
+        elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             sizing["kv_cache_bytes"] = int(max(0, rollout.memory_fraction * total - (total - free)))
-        # Elsewhere the engine sizes its cache to run every request to full length (host memory is plentiful
+        # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
         # relative to the caches of CPU-sized models), so nothing is ever preempted.
         return LLMEngine(
             model,
@@ -72,12 +83,12 @@ class ActorWorker(TrainedWorker):
         )
 
     @data_parallel
-    def generate_sequences(self, prompts: Batch, *, greedy: bool = False) -> Batch:
-        """``rollout.n`` responses per prompt (rows of one prompt consecutive, ``group_size = n``) in the rollout layout,
-        responses padded to ``rollout.max_new_tokens`` so every DP shard has the same shape. ``greedy`` (validation):
-        one greedy response per prompt."""
+    def generate_sequences(self, prompts: Batch, *, greedy: bool = False, samples: int | None = None) -> Batch:
+        """``rollout.n`` responses per prompt (``samples`` if given; rows of one prompt consecutive, ``group_size =
+        n``) in the rollout layout, responses padded to ``rollout.max_new_tokens`` so every DP shard has the same
+        shape. ``greedy`` (validation, ReMax's baseline): one greedy response per prompt."""
         rollout = self.config.rollout
-        n, response_length = (1 if greedy else rollout.n), rollout.max_new_tokens
+        n, response_length = (1 if greedy else samples or rollout.n), rollout.max_new_tokens
         temperature = 0.0 if greedy else rollout.temperature
         # This rank's generation replica answers a share of the DP group's prompts; the rows are gathered back below.
         mine = prompts.select(self.hybrid.replica_rows(len(prompts)))

@@ -99,7 +99,12 @@ class ModelWorker(RoleWorker):
         dims, name = context.dims, context.name
         model = split_stage(model, stage=self.pp_rank, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        parallelize(model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name)
+        on_gpu = self.device.type == "cuda"
+        parallelize(
+            model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name,
+            activation_checkpointing=config.model.activation_checkpointing and trainable,
+            compile_layers=config.model.compile and on_gpu, offload=role_config.offload and on_gpu,
+        )
         load_weights(model, path, device=self.device)
         if not trainable:
             model.requires_grad_(False)

@@ -1,0 +1,18 @@
+"""RLOO (Ahmadian et al. 2024): GRPO's step with each sample's baseline the mean reward of its prompt's other
+samples. The same loop as ``GRPORecipe`` (the estimator follows ``algorithm.name``); its own name and config.
+
+    torchrun --nproc-per-node 4 recipes/rloo.py --config recipes/configs/rloo.yaml trainer.total_steps=20
+"""
+
+from __future__ import annotations
+
+from spmd_rlhf.recipes.base import main
+from spmd_rlhf.recipes.grpo import GRPORecipe
+
+
+class RLOORecipe(GRPORecipe):
+    name = "rloo"
+
+
+if __name__ == "__main__":
+    main(RLOORecipe, "recipes/configs/rloo.yaml")

@@ -1,0 +1,55 @@
+"""A GRPO run in which worker rank VICTIM SIGKILLs its own process on entering a stage, while the other ranks are in
+that stage and about to wait for it in the stage's collectives: the job must end non-zero, naming the lost rank.
+
+    torchrun --nproc-per-node 2 tests/recipes/programs/killed_mid_stage.py generate@1 1 RUN_DIR \
+        --config recipes/configs/grpo.yaml key=value ...
+
+STAGE@CALL is ``generate`` or ``update`` and which call of it (1: the first step's) kills. Every rank writes its pid
+to ``RUN_DIR/pid.<rank>`` at start, and the victim the time of its death to ``RUN_DIR/killed_at``, so the test can
+check how long the job outlived it and that no process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from spmd_rlhf.recipes import base
+from spmd_rlhf.recipes.grpo import GRPORecipe
+from spmd_rlhf.runtime import data_parallel
+from spmd_rlhf.workers import ActorWorker
+
+STAGE, _, CALL = sys.argv[1].partition("@")
+VICTIM, RUN_DIR = int(sys.argv[2]), Path(sys.argv[3])
+CALLS: Counter[str] = Counter()
+
+
+class DyingActor(ActorWorker):
+    """The actor, except that rank VICTIM kills itself on the CALL-th entry into STAGE."""
+
+    def _enter(self, stage: str) -> None:
+        CALLS[stage] += 1
+        if stage == STAGE and CALLS[stage] == int(CALL) and self.context.rank == VICTIM:
+            (RUN_DIR / "killed_at").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @data_parallel
+    def generate_sequences(self, *args, **kwargs):
+        self._enter("generate")
+        return super().generate_sequences(*args, **kwargs)
+
+    @data_parallel
+    def update_actor(self, *args, **kwargs):
+        self._enter("update")
+        return super().update_actor(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    (RUN_DIR / f"pid.{os.environ['RANK']}").write_text(str(os.getpid()))
+    del sys.argv[1:4]  # the rest is the recipe's own command line
+    base._WORKERS["actor"] = (DyingActor, {})
+    base.main(GRPORecipe, "recipes/configs/grpo.yaml")

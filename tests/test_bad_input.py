@@ -1,0 +1,330 @@
+"""Bad input through the real entry points: the recipes under torchrun, and the ``spmd-rlhf`` CLI.
+
+Every case must end with one output line that names the cause and what to change, and a non-zero exit, or, where
+the design counts and carries on (reward failures under ``on_error=zero``, over-long prompts under ``skip``), a
+finished run with the count in its metrics. No case may leave a partial checkpoint behind: no ``step_N`` without
+``trainer_state.json``, no ``latest`` naming an unfinished one, no ``*.tmp``.
+
+The cases are independent jobs on the tiny model and task. One module fixture runs the selected ones two at a time
+(the CPU budget of this suite) before their tests look at the results; a resume case runs after the run whose
+checkpoint it resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from torchrun_helpers import RECIPES, alive, environment, torchrun
+
+from spmd_rlhf import checkpoint
+from spmd_rlhf.data.tasks import make_task
+from spmd_rlhf.models.tiny import make_tiny
+
+TIMEOUT_S = 60
+"""``trainer.timeout_s`` of every case: a lost rank must end its job within it."""
+PARALLEL_JOBS = 2
+RESPONSES_PER_STEP = 8 * 16
+"""data.batch_size x rollout.n of recipes/configs/grpo.yaml."""
+
+
+@dataclass(frozen=True)
+class Case:
+    expected: str | None
+    """Regex of the output line that names the cause and what to change; None: the run must finish."""
+    overrides: tuple[str, ...] = ()
+    """Recipe overrides; ``{assets}`` is the shared inputs' directory and ``{runs}/<case>`` another case's directory."""
+    nproc: int = 1
+    recipe: str = "grpo"
+    kill: str | None = None
+    """Run through ``killed_mid_stage.py``, whose rank 1 kills itself at this ``STAGE@CALL``."""
+    checkpoints: tuple[str, ...] = ()
+    """The finished checkpoints the run leaves."""
+
+
+def case(expected: str | None, *overrides: str, **options) -> Case:
+    return Case(expected, overrides, **options)
+
+
+CASES = {
+    # Config errors: the recipe's entry stops before the ranks meet.
+    "unknown_key": case(
+        r"actor\.micro_batch_szie: unknown key; did you mean actor\.micro_batch_size\?", "actor.micro_batch_szie=4"
+    ),
+    "wrong_type": case(r"actor\.lr=fast: expected a number", "actor.lr=fast"),
+    "kv_cache_too_small_for_one_sequence": case(
+        r"rollout\.kv_cache_blocks=4: holds 64 tokens, fewer than one sequence of data\.max_prompt_length \+ "
+        r"rollout\.max_new_tokens = 68; set it to at least 5",
+        "rollout.kv_cache_blocks=4",
+    ),
+    # At start, on the coordinator or while a role is built.
+    "tp_not_dividing_the_ranks": case(
+        r"actor\.pp=1 x actor\.tp=2 does not divide the 1 ranks of its pool; choose sizes", "actor.tp=2"
+    ),
+    "model_dir_missing": case(
+        r"no_such_model: no such directory; expected a Hugging Face model directory",
+        "model.path={assets}/no_such_model",
+    ),
+    "corrupt_safetensors": case(
+        r"truncated/model\.safetensors is not a readable safetensors file .*; it is truncated or corrupt: download "
+        r"or save the model again",
+        "model.path={assets}/truncated",
+    ),
+    "tokenizer_beyond_the_model_vocab": case(
+        r"the tokenizer at \S+/tiny/model has \d+ tokens but the actor's model at \S+/small_vocab has "
+        r"vocab_size=\d+; point model\.tokenizer_path at the model's own tokenizer",
+        "model.path={assets}/small_vocab", "model.tokenizer_path={assets}/tiny/model",
+    ),
+    "empty_dataset": case(
+        r"no usable prompts in \[\S+/empty\.jsonl'\]: the files hold no rows; check data\.train_files",
+        "data.train_files=[{assets}/empty.jsonl]",
+    ),
+    "missing_prompt_column": case(
+        r"no_prompt\.jsonl row 0 has no 'prompt' field \(data\.prompt_key\); fields: \[.*'question'",
+        "data.train_files=[{assets}/no_prompt.jsonl]",
+    ),
+    "every_prompt_overlong_skipped": case(
+        r"no usable prompts in .*: all \d+ are over data\.max_prompt_length=4 tokens and were skipped; raise it",
+        "data.max_prompt_length=4", "data.overlong_prompts=skip",
+    ),
+    "overlong_prompt_error": case(
+        r"row 0 has 12 prompt tokens, over data\.max_prompt_length=4; raise it or set data\.overlong_prompts=skip",
+        "data.max_prompt_length=4",
+    ),
+    "reward_file_missing": case(
+        r"reward\.rule='\S+/no_such_reward\.py:score': \S+/no_such_reward\.py does not exist",
+        "reward.rule={assets}/no_such_reward.py:score",
+    ),
+    "output_dir_under_a_file": case(
+        r"trainer\.output_dir: cannot write to \S+/a_file/out: Not a directory",
+        "trainer.output_dir={assets}/a_file/out",
+    ),
+    # In the middle of a run.
+    "reward_raises_abort": case(
+        r"reward: \S+/raises\.py:score raised RuntimeError: no score today .*Fix the reward function, or set "
+        r"reward\.on_error=zero",
+        "reward.rule={assets}/raises.py:score", "reward.on_error=abort", nproc=2,
+    ),
+    "reward_nan_abort": case(
+        r"reward: \S+/nan\.py:score returned nan as 'score' .*Fix the reward function, or set reward\.on_error=zero",
+        "reward.rule={assets}/nan.py:score", "reward.on_error=abort",
+    ),
+    "rank_killed_in_generation": case(
+        r"rank 1 \(.*\) was lost: no answer to actor\.generate_sequences", kill="generate@1", nproc=2
+    ),
+    "rank_killed_in_update": case(
+        r"rank 1 \(.*\) was lost: no answer to actor\.update_actor",
+        "trainer.total_steps=2", "trainer.save_every=1", kill="update@2", nproc=2, checkpoints=("step_1",),
+    ),
+    # Counted and carried on.
+    "reward_raises_zero": case(
+        None, "reward.rule={assets}/raises.py:score", "reward.on_error=zero", checkpoints=("step_1",)
+    ),
+    "reward_nan_zero": case(None, "reward.rule={assets}/nan.py:score", "reward.on_error=zero", checkpoints=("step_1",)),
+    "some_prompts_overlong_skipped": case(
+        None, "data.train_files=[{assets}/some_long.jsonl]", "data.max_prompt_length=32", "data.overlong_prompts=skip",
+        checkpoints=("step_1",),
+    ),
+    "small_kv_cache": case(
+        None, "rollout.kv_cache_blocks=5", "rollout.kv_block_size=4", "data.max_prompt_length=16",
+        checkpoints=("step_1",),
+    ),
+    # Resuming a checkpoint that does not fit the run.
+    "ppo_checkpoint": case(None, recipe="ppo", checkpoints=("step_1",)),
+    "resume_another_recipe": case(
+        r"ppo_checkpoint/out/step_1 was written by the ppo recipe, not grpo; resume it with that recipe, or start "
+        r"fresh with trainer\.resume=null",
+        "trainer.resume={runs}/ppo_checkpoint/out",
+    ),
+    "resume_another_model_size": case(
+        r"step_1/actor_state holds another model \(model\.embed_tokens\.weight \[\d+, 64\] saved, \[\d+, 128\] here.*"
+        r"; resume with the model it was trained from \(model\.path\)",
+        "trainer.resume={runs}/ppo_checkpoint/out", "model.path={assets}/wide", recipe="ppo",
+    ),
+}
+FAILING = [name for name, entry in CASES.items() if entry.expected is not None]
+CONFIG_ERRORS = {
+    **{name: CASES[name] for name in ("unknown_key", "wrong_type", "kv_cache_too_small_for_one_sequence")},
+    # Known before the ranks meet only when the role's size is given; tp_not_dividing_the_ranks is the usual case.
+    "tp_not_dividing_n_ranks": case(r"actor\.tp=3: must divide actor\.n_ranks=2", "actor.n_ranks=2", "actor.tp=3"),
+}
+"""Cases the ``spmd-rlhf config`` check catches too, with the same line."""
+
+SIGNATURE = "def score(data_source, solution_str, ground_truth, extra_info):\n"
+USER_REWARDS = {
+    "raises.py": SIGNATURE + "    raise RuntimeError('no score today')\n",
+    "nan.py": SIGNATURE + "    return float('nan')\n",
+}
+"""User reward files (verl's signature) that fail on every call."""
+
+
+def build_assets(root: Path) -> Path:
+    """The tiny model and task, and broken or mismatched variants of them."""
+    make_tiny(family="qwen2", out_dir=str(root / "tiny" / "model"))
+    make_task(task="arithmetic", out_dir=str(root / "tiny" / "task"))
+    make_tiny(family="qwen2", out_dir=str(root / "small_vocab"), vocab_size=300)
+    make_tiny(family="qwen2", out_dir=str(root / "wide"), hidden_size=128)
+    shutil.copytree(root / "tiny" / "model", root / "truncated")
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (root / "empty.jsonl").write_text("")
+    rows = [json.loads(line) for line in (root / "tiny" / "task" / "train.jsonl").read_text().splitlines()[:16]]
+    renamed = [{("question" if key == "prompt" else key): value for key, value in row.items()} for row in rows]
+    (root / "no_prompt.jsonl").write_text("".join(json.dumps(row) + "\n" for row in renamed))
+    overlong = [{**row, "prompt": [{"role": "user", "content": "1+" * 40 + "1="}]} for row in rows[:3]]
+    (root / "some_long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows + overlong))
+    for name, source in USER_REWARDS.items():
+        (root / name).write_text(source)
+    (root / "a_file").write_text("a regular file, not a directory\n")
+    return root
+
+
+@dataclass(frozen=True)
+class Run:
+    finished: subprocess.CompletedProcess
+    workdir: Path
+    ended_at: float
+    """``time.time()`` when the job had ended."""
+
+    @property
+    def output(self) -> str:
+        return self.finished.stdout
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.workdir / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_case(name: str, assets: Path, runs: Path) -> Run:
+    entry = CASES[name]
+    workdir = runs / name
+    workdir.mkdir()
+    (workdir / "tiny").symlink_to(assets / "tiny")
+    arguments = [
+        "--config", str(RECIPES / "configs" / f"{entry.recipe}.yaml"), "trainer.output_dir=out",
+        "trainer.total_steps=1", "trainer.val_every=0", f"trainer.timeout_s={TIMEOUT_S}",
+        *(override.format(assets=assets, runs=runs) for override in entry.overrides),
+    ]
+    if entry.kill:
+        program, arguments = "killed_mid_stage.py", [entry.kill, "1", str(workdir), *arguments]
+    else:
+        program = str(RECIPES / f"{entry.recipe}.py")
+    finished = torchrun(program, *arguments, nproc=entry.nproc, timeout=240, cwd=str(workdir))
+    return Run(finished, workdir, time.time())
+
+
+def dependencies(name: str) -> set[str]:
+    return {found for override in CASES[name].overrides for found in re.findall(r"\{runs\}/(\w+)", override)}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict[str, Run]:
+    """The cases this session selected (and the runs they resume), run two at a time, by name."""
+    selected = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.module.__name__ == __name__ and "name" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    selected |= {dependency for name in selected for dependency in dependencies(name)}
+    assets = build_assets(tmp_path_factory.mktemp("assets"))
+    root = tmp_path_factory.mktemp("runs")
+    results: dict[str, Run] = {}
+    with ThreadPoolExecutor(PARALLEL_JOBS) as pool:
+        for phase in ([name for name in CASES if name in selected and not dependencies(name)],
+                      [name for name in CASES if name in selected and dependencies(name)]):
+            futures = {name: pool.submit(run_case, name, assets, root) for name in phase}
+            results.update({name: future.result() for name, future in futures.items()})
+    return results
+
+
+def finished_checkpoints(run_dir: Path) -> list[str]:
+    """The finished checkpoints of a run directory, after checking that it holds no partial one."""
+    if not run_dir.is_dir():
+        return []
+    leftovers = sorted(str(path.relative_to(run_dir)) for path in run_dir.rglob("*" + checkpoint.STAGING_SUFFIX))
+    assert leftovers == [], f"staging leftovers in {run_dir}"
+    steps = sorted(path.name for path in run_dir.glob("step_*"))
+    unfinished = [step for step in steps if not checkpoint.is_checkpoint(run_dir / step)]
+    assert unfinished == [], f"checkpoints without {checkpoint.TRAINER_STATE} in {run_dir}"
+    latest = run_dir / checkpoint.LATEST
+    if latest.exists():
+        assert latest.read_text() in steps, f"{latest} names {latest.read_text()!r}, not a finished checkpoint"
+    else:
+        assert steps == [], f"{run_dir} has checkpoints but no {checkpoint.LATEST}"
+    return steps
+
+
+@pytest.mark.parametrize("name", FAILING)
+def test_bad_input_fails_with_one_line_naming_the_fix(runs, name):
+    run, entry = runs[name], CASES[name]
+    assert run.finished.returncode != 0, run.output[-4000:]
+    assert re.search(entry.expected, run.output), run.output[-4000:]
+    assert finished_checkpoints(run.workdir / "out") == list(entry.checkpoints)
+    for dependency in dependencies(name):  # the checkpoint that did not fit is left as it was
+        assert finished_checkpoints(runs[dependency].workdir / "out") == list(CASES[dependency].checkpoints)
+
+
+@pytest.mark.parametrize("name", ["rank_killed_in_generation", "rank_killed_in_update"])
+def test_a_killed_rank_ends_the_job_within_the_timeout_and_no_process_is_left(runs, name):
+    run = runs[name]
+    killed_at = float((run.workdir / "killed_at").read_text())
+    assert run.ended_at - killed_at < TIMEOUT_S
+    pids = [int(path.read_text()) for path in run.workdir.glob("pid.*")]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in pids if alive(pid)] == []
+
+
+@pytest.mark.parametrize(
+    ("name", "counter", "logged"),
+    [
+        ("reward_raises_zero", "reward/errors", r"reward: \S+/raises\.py:score raised RuntimeError: no score today"),
+        ("reward_nan_zero", "reward/non_finite", r"reward: \S+/nan\.py:score returned nan as 'score'"),
+    ],
+)
+def test_reward_failures_under_on_error_zero_score_zero_and_are_counted(runs, name, counter, logged):
+    run = runs[name]
+    assert run.finished.returncode == 0, run.output[-4000:]
+    assert re.search(logged, run.output), run.output[-4000:]
+    (record,) = run.metrics()
+    assert record[counter] == RESPONSES_PER_STEP
+    assert record["reward/mean"] == 0.0
+    assert finished_checkpoints(run.workdir / "out") == list(CASES[name].checkpoints)
+
+
+@pytest.mark.parametrize("name", ["some_prompts_overlong_skipped"])
+def test_overlong_prompts_under_skip_are_dropped_and_counted(runs, name):
+    run = runs[name]
+    assert run.finished.returncode == 0, run.output[-4000:]
+    (record,) = run.metrics()
+    assert record["data/skipped_prompts"] == 3
+    assert finished_checkpoints(run.workdir / "out") == list(CASES[name].checkpoints)
+
+
+@pytest.mark.parametrize("name", ["small_kv_cache"])
+def test_a_kv_cache_of_a_few_sequences_preempts_and_finishes(runs, name):
+    run = runs[name]
+    assert run.finished.returncode == 0, run.output[-4000:]
+    (record,) = run.metrics()
+    assert record["rollout/preemptions"] > 0  # the budget was used: far fewer blocks than the requests wanted
+    assert finished_checkpoints(run.workdir / "out") == list(CASES[name].checkpoints)
+
+
+@pytest.mark.parametrize("config_error", CONFIG_ERRORS)
+def test_cli_config_check_names_the_bad_key(config_error):
+    entry = CONFIG_ERRORS[config_error]
+    command = [sys.executable, "-m", "spmd_rlhf.cli", "config", "--show", str(RECIPES / "configs" / "grpo.yaml")]
+    finished = subprocess.run(
+        [*command, *entry.overrides], capture_output=True, text=True, timeout=120, env=environment()
+    )
+    assert finished.returncode == 2, finished.stdout + finished.stderr
+    assert re.search(entry.expected, finished.stderr), finished.stderr
