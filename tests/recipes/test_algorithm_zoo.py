@@ -58,8 +58,12 @@ def test_reinforce_pp_dynamic_sampling_and_overlong_shaping_run(assets):
         "algorithm.overlong_buffer=2", "algorithm.clip_ratio_high=0.28", "trainer.total_steps=4", "trainer.val_every=0",
     )
     for record in records:
-        assert 1 <= record["sampling/rounds"] <= 3 and 0 <= record["sampling/signal_fraction"] <= 1
-        assert record["reward/overlong_penalty"] <= 0
+        # A first round where every prompt had signal fills the batch at once; otherwise more rounds were run.
+        if record["sampling/signal_fraction"] == 1.0:
+            assert record["sampling/rounds"] == 1.0
+        else:
+            assert record["sampling/rounds"] in (2.0, 3.0)
+        assert record["reward/overlong_penalty"] < 0  # 4-token responses sit inside the 2-token buffer
         assert record["actor/loss"] == record["actor/loss"]  # finite, not NaN
     records = run_recipe("grpo", assets / "gspo", "algorithm.policy_loss=gspo", "trainer.total_steps=2", "trainer.val_every=0")
     assert len(records) == 2

@@ -72,7 +72,8 @@ def rollout_advantages(
             mask.sum(dim=1), max_length=max_response_length, buffer=algorithm.overlong_buffer, factor=algorithm.overlong_penalty
         )
         scores = scores + penalty
-        metrics["reward/overlong_penalty"] = float(worker.sum_over_dp(penalty.double().sum()) / worker.sum_over_dp(torch.tensor(float(len(scores)))))
+        totals = worker.sum_over_dp(torch.stack([penalty.double().sum(), torch.tensor(float(len(scores)), dtype=torch.float64)]))
+        metrics["reward/overlong_penalty"] = float(totals[0] / totals[1])
     if estimator == "reinforce_pp_baseline":
         scores = group_advantages(scores, data.group_size, normalize_std=False)
     token_rewards = scores_to_token_rewards(scores, mask)
