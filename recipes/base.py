@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,9 @@ from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.recipes.dry_run import describe
-from spmd_rlhf.runtime import BatchRef, Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch
+from spmd_rlhf.runtime import (
+    BatchRef, CallFuture, CallTimeout, Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch,
+)
 from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
 
 TINY_MODEL_DIR = "tiny/model"
@@ -65,11 +68,24 @@ def ensure_tiny_assets(config: FrameworkConfig) -> None:
         make_task(task="arithmetic", out_dir=TINY_TASK_DIR)
 
 
+def resolve_placement(config: FrameworkConfig, world_size: int) -> tuple[FrameworkConfig, str]:
+    """``config`` itself, or for placement=auto the device mapper's plan written in as a manual placement (pools,
+    n_ranks, pp, tp, rollout.tp); and the plan as text ('' when there is none)."""
+    if config.placement != "auto":
+        return config, ""
+    from spmd_rlhf.mapping.placement import apply_mapping, describe_plan, plan_config
+    from spmd_rlhf.mapping.profile import resolve_profile
+
+    profile = resolve_profile(config.mapping.profile)
+    result = plan_config(config, world_size, profile=profile)
+    return apply_mapping(config, result.best), describe_plan(result, devices=world_size, profile=profile)
+
+
 def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePool]:
     """The ranks of each enabled role under ``config.placement``; pools take consecutive ranks in order."""
     pools = config.resource_pools()
     if not pools:
-        raise ValueError(f"placement={config.placement} needs the device mapper, which is not built yet; use colocate, split, standalone or manual")
+        raise ValueError(f"placement={config.placement}: resolve it first (resolve_placement) to get the mapper's pools")
     sizes = {}
     for pool, roles in pools.items():
         sizes[pool] = max(getattr(config, role).n_ranks for role in roles)
@@ -154,8 +170,11 @@ class RLRecipe:
         model passes for MFU, the prompt loader, and every enabled role on its pool (built concurrently)."""
         from transformers import AutoTokenizer
 
+        ensure_tiny_assets(self.config)
+        self.config, plan = resolve_placement(self.config, self.coordinator.world_size)
         config = self.config
-        ensure_tiny_assets(config)
+        if plan:
+            print(plan, end="", flush=True)
         try:  # at once, not at the first save after hours of training
             checkpoint.writable_dir(config.trainer.output_dir)
         except checkpoint.CheckpointError as error:
@@ -196,26 +215,47 @@ class RLRecipe:
     def step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
 
-    def experience(self, step: int, timer: StageTimer) -> list[BatchRef]:
+    def experience(self, step: int, timer: StageTimer, **also: Callable[[BatchRef], CallFuture]) -> list[BatchRef]:
         """What every algorithm's update starts from: the step's rollouts (with the engine's log-probs), their scores,
         their log-probs recomputed under the current policy if ``rollout.recompute_log_probs``, and under the
-        reference if there is one."""
+        reference if there is one; then the results of ``also`` (further calls on the rollouts, such as a critic's
+        ``values=self.critic.compute_values``), in keyword order.
+
+        Every call after generation is issued at once (``run_together``): roles placed on different devices run
+        at the same time, colocated ones one after another."""
         if self.config.algorithm.dynamic_sampling:
-            parts = [self.sample_with_signal(step, timer)]
-            rollout = parts[0]
+            rollout = self.sample_with_signal(step, timer)
+            calls = {}
         else:
             with timer("generate"):
                 rollout = self.actor.generate_sequences(self.loader.batch(step)).result()
-            with timer("reward"):
-                scores = self.reward.compute_rewards(rollout).result()
-            parts = [rollout, scores]
+            calls = {"reward": self.reward.compute_rewards(rollout)}
         if self.config.rollout.recompute_log_probs:
-            with timer("old_log_probs"):
-                parts.append(self.actor.compute_log_probs(rollout).result())
+            calls["old_log_probs"] = self.actor.compute_log_probs(rollout)
         if "reference" in self.roles:
-            with timer("ref_log_probs"):
-                parts.append(self.reference.compute_log_probs(rollout).result())
-        return parts
+            calls["ref_log_probs"] = self.reference.compute_log_probs(rollout)
+        calls.update((name, call(rollout)) for name, call in also.items())
+        return [rollout, *self.run_together(timer, **calls)]
+
+    def run_together(self, timer: StageTimer, **calls: CallFuture) -> list[Any]:
+        """The results of calls already issued, in keyword order, each timed as ``time/<keyword>`` from now until
+        the controller saw it complete (calls on different devices overlap, so these times may sum to more than
+        the step). Waits at most ``trainer.timeout_s`` in all, then raises naming the call still running."""
+        started = time.perf_counter()
+        deadline = started + self.config.trainer.timeout_s
+        pending = dict(calls)
+        while pending:
+            for name in [name for name, call in pending.items() if call.done()]:
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - started
+                del pending[name]
+            if pending:
+                waited = next(iter(pending.values()))
+                try:  # wakes when any rank reports, and raises at once if a worker failed
+                    waited.result(timeout=max(0.0, min(0.01, deadline - time.perf_counter())))
+                except CallTimeout:
+                    if time.perf_counter() >= deadline:
+                        raise
+        return [call.result() for call in calls.values()]
 
     def sample_with_signal(self, step: int, timer: StageTimer) -> BatchRef:
         """DAPO's dynamic sampling: the step's rollouts and scores with every prompt whose samples all scored the same

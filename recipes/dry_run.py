@@ -37,12 +37,16 @@ def _mib(num_bytes: float) -> str:
 
 def describe(config: FrameworkConfig, world_size: int) -> str:
     """The dry-run report: resolved config, pools, each role's layout and per-rank state, per-rank totals."""
-    from spmd_rlhf.recipes.base import ensure_tiny_assets, role_dims, role_pools
+    from spmd_rlhf.recipes.base import ensure_tiny_assets, resolve_placement, role_dims, role_pools
 
     ensure_tiny_assets(config)
+    config, plan = resolve_placement(config, world_size)
     pools = role_pools(config, world_size)
     compute_bytes = getattr(torch, config.model.dtype).itemsize
-    lines = ["# resolved config", to_yaml(config).rstrip(), "", f"# placement: {config.placement}, world size {world_size}"]
+    lines = ["# resolved config", to_yaml(config).rstrip(), ""]
+    if plan:
+        lines += [plan.rstrip(), ""]
+    lines.append(f"# placement: {config.placement}, world size {world_size}")
     lines.append(f"{'role':<12} {'ranks':<10} {'pp':>3} {'dp':>3} {'tp':>3} {'parameters':>14}  per-rank state")
     per_rank = [0.0] * world_size
     for name, pool in pools.items():

@@ -16,16 +16,16 @@ class PPORecipe(RLRecipe):
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
-        inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        *inputs, values = self.experience(step, timer, values=self.critic.compute_values)
         rollout = inputs[0]
-        with timer("values"):
-            values = self.critic.compute_values(rollout).result()
         with timer("advantages"):
             advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=self.kl_controller.coef).result()
-        with timer("update_critic"):
-            critic_metrics = self.critic.update_critic(rollout, values, advantages).result()
-        with timer("update_actor"):
-            actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
+        # The critics and the actor train at the same time when they are placed on different devices.
+        critic_metrics, actor_metrics = self.run_together(
+            timer,
+            update_critic=self.critic.update_critic(rollout, values, advantages),
+            update_actor=self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef),
+        )
         return self.step_metrics(started, timer, *inputs, advantages, critic_metrics, actor_metrics)
 
 

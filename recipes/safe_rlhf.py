@@ -29,23 +29,22 @@ class SafeRLHFRecipe(RLRecipe):
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
-        inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
-        rollout, kl_coef = inputs[0], self.kl_controller.coef
-        with timer("cost"):
-            costs = self.cost.compute_rewards(rollout).result()
-        with timer("values"):
-            values = self.critic.compute_values(rollout).result()
-            cost_values = self.cost_critic.compute_values(rollout).result()
+        *inputs, values, costs, cost_values = self.experience(
+            step, timer, values=self.critic.compute_values, costs=self.cost.compute_rewards, cost_values=self.cost_critic.compute_values
+        )
+        rollout = inputs[0]
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=kl_coef).result()
+            advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=self.kl_controller.coef).result()
             cost_advantages = self.actor.compute_advantages(rollout, costs, cost_values, estimator="gae", source="cost").result()
-        with timer("update_critic"):
-            critic_metrics = self.critic.update_critic(rollout, values, advantages).result()
-            cost_critic_metrics = self.cost_critic.update_critic(rollout, cost_values, cost_advantages).result()
-        with timer("update_actor"):
-            actor_metrics = self.actor.update_actor(
-                *inputs, advantages, cost_advantages, kl_coef=kl_coef, cost_multiplier=self.multiplier.value
-            ).result()
+        # The critics and the actor train at the same time when they are placed on different devices.
+        critic_metrics, cost_critic_metrics, actor_metrics = self.run_together(
+            timer,
+            update_critic=self.critic.update_critic(rollout, values, advantages),
+            update_cost_critic=self.cost_critic.update_critic(rollout, cost_values, cost_advantages),
+            update_actor=self.actor.update_actor(
+                *inputs, advantages, cost_advantages, kl_coef=self.kl_controller.coef, cost_multiplier=self.multiplier.value
+            ),
+        )
         metrics = self.step_metrics(
             started, timer, *inputs, costs, advantages, cost_advantages, critic_metrics, cost_critic_metrics, actor_metrics
         )

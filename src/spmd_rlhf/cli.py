@@ -7,6 +7,8 @@
     spmd-rlhf forward --model tiny/model --prompt "2+3="
     spmd-rlhf export outputs/grpo hf_out --roles actor
     spmd-rlhf plot outputs/grpo
+    spmd-rlhf plan --algo ppo --actor 7b --critic 7b --reward 7b --gpus 128 --gpus-per-node 8
+    spmd-rlhf calibrate
 
 Each subcommand imports its module only when chosen, so ``spmd-rlhf --help`` stays fast.
 """
@@ -77,7 +79,9 @@ def _add_plot(subparsers: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spmd-rlhf", description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_make_tiny, _add_make_task, _add_config, _add_forward, _add_export, _add_plot):
+    from spmd_rlhf.mapping.commands import add_calibrate_parser, add_plan_parser
+
+    for add in (_add_make_tiny, _add_make_task, _add_config, _add_forward, _add_export, _add_plot, add_plan_parser, add_calibrate_parser):
         add(subparsers)
     return parser
 
@@ -144,6 +148,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot error: {error}", file=sys.stderr)
             return 2
         print("\n".join(f"wrote {path}" for path in written))
+        return 0
+    if args.command in ("plan", "calibrate"):
+        from spmd_rlhf.mapping.commands import run_calibrate, run_plan
+
+        try:
+            print(run_plan(args) if args.command == "plan" else run_calibrate(args), end="")
+        except (ValueError, FileNotFoundError) as error:
+            print(f"{args.command} error: {error}", file=sys.stderr)
+            return 2
         return 0
     raise AssertionError(f"unhandled command {args.command}")
 

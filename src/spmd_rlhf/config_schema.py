@@ -347,6 +347,20 @@ class TrainerConfig:
 
 
 @dataclass
+class MappingConfig:
+    profile: str = "auto"
+    """Device profile for placement=auto: h100, a100, a JSON file written by `spmd-rlhf calibrate`, or auto (the
+    calibrated profile at ~/.cache/spmd_rlhf/device_profile.json or $SPMD_RLHF_PROFILE, else the built-in one named in
+    the GPU's name, else a quick calibration of this machine)."""
+    gpus_per_node: int = 0
+    """Devices per node for placement=auto; 0: torchrun's LOCAL_WORLD_SIZE (every rank when it is not set)."""
+
+    def __post_init__(self) -> None:
+        _require(self, "profile", self.profile != "", "must be auto, a built-in profile name or a profile file")
+        _at_least(self, 0, "gpus_per_node")
+
+
+@dataclass
 class FrameworkConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model and how every model runs."""
@@ -357,7 +371,10 @@ class FrameworkConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Response generation by the actor."""
     placement: str = "colocate"
-    """Roles on devices: colocate (one pool), split (actor+reference | rest), standalone, manual (by pool), auto."""
+    """Roles on devices: colocate (one pool), split (actor+reference | rest), standalone, manual (by pool), or auto
+    (the device mapper picks the pools and every role's pp/tp and rollout.tp; see mapping)."""
+    mapping: MappingConfig = field(default_factory=MappingConfig)
+    """How placement=auto models the devices."""
     actor: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)
     """The policy being trained; it also generates the rollouts."""
     critic: TrainableRoleConfig = field(default_factory=lambda: TrainableRoleConfig(lr=1e-4))

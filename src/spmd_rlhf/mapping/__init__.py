@@ -1,0 +1,21 @@
+"""Auto device mapping (HybridFlow's Algorithm 1): place an RLHF dataflow's roles on devices and choose each role's
+parallel layout, by simulating each candidate's step time with an analytical cost model.
+
+- ``workload``: model shapes (by size name or config), the step's batch, each algorithm's roles and stages.
+- ``profile`` / ``calibrate``: what a device can do (built-in datasheet profiles; ``spmd-rlhf calibrate`` measures).
+- ``cost``: seconds and bytes of a role's work on a layout.
+- ``search``: placements, allocations, auto_parallel, d_cost, the plan.
+- ``placement``: ``placement: auto`` for recipe configs; ``commands``: ``spmd-rlhf plan`` and ``calibrate``.
+"""
+
+from .cost import Cluster, Layout
+from .placement import apply_mapping, mapping_overrides, plan_config
+from .profile import BUILTIN_PROFILES, DeviceProfile, load_profile, resolve_profile
+from .search import Mapping, Planner, PlanResult
+from .workload import NAMED_SHAPES, Batch, ModelShape, RoleSpec, dataflow, model_shape
+
+__all__ = [
+    "BUILTIN_PROFILES", "NAMED_SHAPES", "Batch", "Cluster", "DeviceProfile", "Layout", "Mapping", "ModelShape",
+    "PlanResult", "Planner", "RoleSpec", "apply_mapping", "dataflow", "load_profile", "mapping_overrides",
+    "model_shape", "plan_config", "resolve_profile",
+]

@@ -1,0 +1,165 @@
+"""Measure this machine's rates for the cost model: matmul FLOP/s, memory copy bytes/s, per-op and per-collective
+latency, and all-gather bandwidth between two local processes.
+
+    spmd-rlhf calibrate [--out ~/.cache/spmd_rlhf/device_profile.json] [--quick] [--inter-node-gbps 400]
+
+On CPU each process runs one thread, as the multi-rank jobs do (``OMP_NUM_THREADS=1``). On a machine with one GPU no
+device-to-device link can be measured: the links are then taken from the built-in profile whose name matches the GPU,
+and say so in ``source``. The network between nodes cannot be measured from one node either; pass its per-device
+rate (``--inter-node-gbps``), else the within-node rate stands in for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .profile import BUILTIN_PROFILES, DeviceProfile
+
+_JOIN_TIMEOUT_S = 120.0
+# torch 2.13 renames all_gather_into_tensor (kept, deprecated); 2.11 has only the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _best_seconds(run: Callable[[], object], *, repeats: int, sync: Callable[[], None]) -> float:
+    """Fastest of ``repeats`` timed calls after one warm-up call."""
+    run()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, *, size: int, repeats: int = 3) -> float:
+    """FLOP/s of one ``[size, size] @ [size, size]`` matmul (2·size³ FLOPs)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    return 2 * size**3 / _best_seconds(lambda: a @ b, repeats=repeats, sync=_sync_for(device))
+
+
+def measure_copy_bandwidth(device: torch.device, *, num_bytes: int, repeats: int = 3) -> float:
+    """Bytes/s moved by a device-memory copy (each byte read once and written once)."""
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * num_bytes / _best_seconds(lambda: target.copy_(source), repeats=repeats, sync=_sync_for(device))
+
+
+def measure_op_latency(device: torch.device, *, calls: int = 2000) -> float:
+    """Seconds per tiny kernel: what a framework pays per op whatever its size."""
+    x = torch.zeros(8, device=device)
+    sync = _sync_for(device)
+
+    def many() -> None:
+        for _ in range(calls):
+            x.add_(1.0)
+
+    return _best_seconds(many, repeats=3, sync=sync) / calls
+
+
+def _link_worker(rank: int, world_size: int, port: int, backend: str, num_bytes: int, out: str) -> None:
+    """One of the spawned processes: all-gather ``num_bytes`` per rank and time tiny all-reduces; rank 0 writes
+    ``(bandwidth, latency)`` to ``out``."""
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=_JOIN_TIMEOUT_S),
+    )
+    try:
+        sync = _sync_for(device)
+        piece = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        gathered = torch.empty(num_bytes * world_size, dtype=torch.uint8, device=device)
+        seconds = _best_seconds(lambda: _all_gather_flat(gathered, piece), repeats=3, sync=sync)
+        # Each rank sends its piece to the world_size - 1 others (ring: (w - 1)/w of the gathered bytes).
+        bandwidth = num_bytes * (world_size - 1) / seconds
+        tiny = torch.zeros(1, device=device)
+        calls = 50
+        # A ring all-reduce takes 2·(world_size - 1) steps.
+        steps = 2 * (world_size - 1)
+        latency = _best_seconds(lambda: [dist.all_reduce(tiny) for _ in range(calls)], repeats=3, sync=sync) / calls / steps
+        if rank == 0:
+            with open(out, "w") as file:
+                file.write(f"{bandwidth} {latency}")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link(*, backend: str, num_bytes: int, world_size: int = 2) -> tuple[float, float]:
+    """(all-gather bytes/s sent per device, seconds per ring step of a tiny all-reduce) between ``world_size`` local processes."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "link.txt")
+        context = mp.start_processes(
+            _link_worker, args=(world_size, port, backend, num_bytes, out), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"link calibration did not finish within {_JOIN_TIMEOUT_S:.0f} s ({backend})")
+        with open(out) as file:
+            bandwidth, latency = map(float, file.read().split())
+    return bandwidth, latency
+
+
+def calibrate(*, quick: bool = False, dtype: torch.dtype | None = None, inter_node_bandwidth: float | None = None) -> DeviceProfile:
+    """Measure this machine and return its profile (CPU if no GPU is visible; bf16 on GPU, float32 on CPU)."""
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    threads = torch.get_num_threads()
+    if not on_gpu:
+        torch.set_num_threads(1)  # as each rank of a CPU job runs
+    try:
+        flops = measure_matmul_flops(device, dtype, size=(4096 if on_gpu else 384) if quick else (8192 if on_gpu else 1024))
+        copy = measure_copy_bandwidth(device, num_bytes=(2**30 if on_gpu else 2**24) if quick else (2**32 if on_gpu else 2**27))
+        op_latency = measure_op_latency(device)
+    finally:
+        torch.set_num_threads(threads)
+    name = torch.cuda.get_device_name().lower() if on_gpu else "cpu"
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    source = f"calibrated on {socket.gethostname()}, {datetime.date.today().isoformat()}"
+    if on_gpu and gpus < 2:
+        known = next((profile for key, profile in BUILTIN_PROFILES.items() if key in name), None)
+        if known is None:
+            raise RuntimeError(
+                f"one GPU ({name}) and no built-in profile for it: the device link cannot be measured here; run "
+                f"`spmd-rlhf calibrate` on a machine with 2+ GPUs of this kind"
+            )
+        link = known.link_bandwidth(across_nodes=False)
+        latency = known.collective_latency
+        source += f"; links from the {known.name} datasheet profile (one GPU: no link to measure)"
+    else:
+        link, latency = measure_link(backend="nccl" if on_gpu else "gloo", num_bytes=(2**26 if quick else 2**28) if on_gpu else 2**22)
+    memory = torch.cuda.get_device_properties(device).total_memory if on_gpu else _host_memory_bytes()
+    return DeviceProfile(
+        name=name, peak_flops=flops, memory_bandwidth=copy, intra_node_bandwidth=link,
+        inter_node_bandwidth=inter_node_bandwidth or link, device_memory=float(memory),
+        collective_latency=latency, op_latency=op_latency, source=source,
+    )
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,193 @@
+"""The analytical cost model: seconds and bytes per device of a role's work on a layout, from FLOPs and bytes.
+
+Per pass over the step's rows, with N a model's matmul parameters, P all its parameters, b bytes per element, t the
+tokens of one micro-batch and n = pp·dp·tp devices:
+
+- **Compute** is 2·N FLOPs per token forward (plus attention's 2·L²·heads·head_dim per layer and row), three times
+  that for forward + backward, four with activation checkpointing, at the profile's attained FLOP/s.
+- **FSDP** gathers each block's weights per micro-batch (P·b/(tp·pp) bytes over dp; FSDP2 reshards after forward),
+  again in backward, and reduce-scatters float32 gradients; prefetching overlaps this with compute, so a micro-batch
+  costs the larger of the two.
+- **TP** all-reduces the activations twice per layer forward (twice more in backward): not overlapped.
+- **PP** runs m micro-batches through pp stages in (m + pp − 1) slots of one stage's time (the 1F1B/GPipe bubble).
+- **Decode** is memory-bound: each step reads the generation shard (P·b/tp_g) and the KV cache of the running
+  sequences, or is compute-bound for large batches, whichever is slower, plus a fixed cost per kernel; **prefill** is
+  compute-bound. The KV cache gets the memory the colocated roles leave, which bounds the sequences decoded at once.
+- **Resharding** for generation gathers the generation shard (FSDP's all-gather over dp, then over the tp / tp_g
+  ranks that form one generation shard).
+
+Memory per device: a trained role keeps 16 bytes per parameter (float32 weight, gradient and two Adam moments)
+sharded n ways; a frozen role its weights in the compute dtype; activations of one micro-batch in flight per stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .profile import DeviceProfile
+from .workload import Batch, RoleSpec
+
+TRAINING_BYTES_PER_PARAMETER = 16
+"""float32 weight + float32 gradient + Adam's two float32 moments."""
+OPS_PER_LAYER = 14
+"""Kernels one decoder layer launches per forward (norms, projections, rope, attention, activation, residuals)."""
+ACTIVATION_BYTES_PER_HIDDEN = 17
+"""Activations one layer keeps per token for backward, in units of hidden·b (Korthikanti et al. 2022 with
+memory-efficient attention: 34·h bytes at b = 2)."""
+GRADIENT_BYTES = 4
+"""FSDP reduce-scatters gradients in float32."""
+MAX_DECODE_BATCH = 256
+"""Sequences decoded together at most (``rollout.max_num_seqs``)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A role's parallel sizes on its devices: training (pp, dp, tp) and, for the generating actor, ``tp_g``."""
+
+    pp: int
+    dp: int
+    tp: int
+    tp_g: int = 0
+    """Generation tensor-parallel degree (divides tp); 0 for roles that do not generate."""
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def __str__(self) -> str:
+        text = f"pp={self.pp} dp={self.dp} tp={self.tp}"
+        return text + (f" tp_g={self.tp_g}" if self.tp_g else "")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The devices being placed: how many, how they group into nodes, and what each can do."""
+
+    devices: int
+    gpus_per_node: int
+    profile: DeviceProfile
+
+    def spans_nodes(self, extent: int) -> bool:
+        """Whether a group covering ``extent`` consecutive ranks (pools start on node boundaries) crosses nodes."""
+        return extent > self.gpus_per_node
+
+    def all_gather(self, gathered_bytes: float, size: int, *, extent: int) -> float:
+        """Seconds for ``size`` ranks to gather ``gathered_bytes`` in all (each sends (size-1)/size of it)."""
+        if size <= 1:
+            return 0.0
+        bandwidth = self.profile.link_bandwidth(across_nodes=self.spans_nodes(extent))
+        # A ring: size - 1 steps, each paying the link latency and moving 1/size of the bytes.
+        return (size - 1) * (gathered_bytes / size / bandwidth + self.profile.collective_latency)
+
+    def all_reduce(self, num_bytes: float, size: int, *, extent: int) -> float:
+        """Seconds to all-reduce ``num_bytes`` over ``size`` ranks (reduce-scatter + all-gather)."""
+        if size <= 1:
+            return 0.0
+        return 2 * self.all_gather(num_bytes, size, extent=extent)
+
+
+def resident_bytes(role: RoleSpec, devices: int, batch: Batch) -> float:
+    """Bytes per device the role keeps between its calls (the same for every layout on ``devices`` devices)."""
+    parameters = role.shape.parameters(role.head)
+    per_parameter = TRAINING_BYTES_PER_PARAMETER if role.trained else batch.dtype_bytes
+    return parameters * per_parameter / devices
+
+
+def _micro_batch(role: RoleSpec, batch: Batch) -> int:
+    return role.micro_batch_size or batch.micro_batch_size
+
+
+def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
+    """Bytes per device a pass needs on top of the resident state: activations of the micro-batches in flight and
+    their logits (training); one layer's activations and the logits (forward only). Generation is accounted for
+    in ``generation_seconds`` (its shard and KV cache take what is left)."""
+    shape, b = role.shape, batch.dtype_bytes
+    tokens = _micro_batch(role, batch) * batch.sequence_length
+    vocab = shape.vocab if role.head == "lm" else 1
+    logits = tokens * vocab * b / layout.tp
+    layer = ACTIVATION_BYTES_PER_HIDDEN * shape.hidden * b * tokens / layout.tp
+    if not role.trained:
+        return layer + logits
+    # 1F1B keeps pp micro-batches in flight on the first stage, each through layers/pp layers: ~ all layers' worth.
+    in_flight = shape.layers / layout.pp * min(layout.pp, batch.rows)
+    if batch.activation_checkpointing:
+        kept = 2 * shape.hidden * b * tokens * in_flight + layer
+    else:
+        kept = layer * in_flight
+    return kept + 2 * logits
+
+
+def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, train: bool) -> float:
+    """Seconds for the role to run one pass (forward only, or forward + backward) over the step's rows."""
+    shape, profile, b = role.shape, cluster.profile, batch.dtype_bytes
+    pp, dp, tp = layout.pp, layout.dp, layout.tp
+    rows_per_dp = math.ceil(batch.rows / dp)
+    micro = min(_micro_batch(role, batch), rows_per_dp)
+    micro_batches = math.ceil(rows_per_dp / micro)
+    tokens = micro * batch.sequence_length
+    passes = (4 if batch.activation_checkpointing else 3) if train else 1
+    flops = 2 * shape.matmul_parameters(role.head) * tokens + 2 * shape.layers * micro * batch.sequence_length**2 * shape.heads * shape.head_dim
+    compute = passes * flops / (tp * pp) / profile.flops
+    layers = shape.layers / pp
+    # FSDP gathers (and in backward reduce-scatters) one block at a time: one collective per layer.
+    gathered = shape.parameters(role.head) * b / (tp * pp * layers)
+    fsdp = layers * cluster.all_gather(gathered, dp, extent=dp * tp)
+    if train:  # gather again for backward, then reduce-scatter float32 gradients
+        fsdp = 2 * fsdp + layers * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
+    tensor_parallel = layers * 2 * (passes - 1 if train else 1) * cluster.all_reduce(tokens * shape.hidden * b, tp, extent=tp)
+    kernels = passes * layers * OPS_PER_LAYER * profile.op_latency
+    pipeline_send = cluster.all_gather(tokens * shape.hidden * b * 2, 2, extent=layout.devices) if pp > 1 else 0.0
+    slot = max(compute, fsdp) + tensor_parallel + kernels + (pipeline_send if train else pipeline_send / 2)
+    seconds = (micro_batches + pp - 1) * slot
+    if train:
+        mini = role.mini_batch_size or batch.mini_batch_size or batch.rows
+        steps = batch.ppo_epochs * math.ceil(batch.rows / mini)
+        optimizer = shape.parameters(role.head) / layout.devices * TRAINING_BYTES_PER_PARAMETER * 2 / profile.attained_memory_bandwidth
+        clip = cluster.all_reduce(4, layout.devices, extent=layout.devices)
+        seconds = batch.ppo_epochs * seconds + steps * (optimizer + clip)
+    return seconds
+
+
+def generation_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, rows: int, free_bytes: float) -> float:
+    """Seconds for the actor to generate ``rows`` responses with tp_g-way replicas, including resharding into the
+    generation layout; ``free_bytes`` is what each device has left after every colocated role's resident state.
+    ``math.inf`` if the generation shard and one sequence's KV cache do not fit."""
+    shape, profile, b = role.shape, cluster.profile, batch.dtype_bytes
+    tp_g = layout.tp_g
+    parameters = shape.parameters(role.head)
+    shard = parameters * b / tp_g
+    kv_per_token = shape.kv_bytes_per_token(b) / tp_g
+    length = batch.sequence_length
+    capacity = int((free_bytes - shard) // (kv_per_token * length)) if free_bytes > shard else 0
+    if capacity < 1:
+        return math.inf
+    replicas = layout.devices // tp_g
+    rows_per_replica = math.ceil(rows / replicas)
+    running = min(rows_per_replica, capacity, MAX_DECODE_BATCH)
+    waves = math.ceil(rows_per_replica / running)
+    matmul = shape.matmul_parameters(role.head)
+    # Prefill: compute-bound over the wave's prompts.
+    prompt_tokens = running * batch.prompt_length
+    prefill_flops = 2 * matmul * prompt_tokens + 2 * shape.layers * running * batch.prompt_length**2 * shape.heads * shape.head_dim
+    prefill = (
+        prefill_flops / tp_g / profile.flops
+        + shape.layers * 2 * cluster.all_reduce(prompt_tokens * shape.hidden * b, tp_g, extent=tp_g)
+        + shape.layers * OPS_PER_LAYER * profile.op_latency
+    )
+    # Decode: each step reads the shard and the running sequences' cache (at their mean context length).
+    mean_context = batch.prompt_length + batch.response_length / 2
+    read = shard + running * mean_context * kv_per_token
+    decode_step = (
+        max(read / profile.attained_memory_bandwidth, 2 * matmul * running / tp_g / profile.flops)
+        + shape.layers * 2 * cluster.all_reduce(running * shape.hidden * b, tp_g, extent=tp_g)
+        + shape.layers * OPS_PER_LAYER * profile.op_latency
+    )
+    generate = waves * (prefill + batch.response_length * decode_step)
+    micro_dp = layout.tp // tp_g
+    reshard = (
+        cluster.all_gather(parameters * b / (layout.tp * layout.pp), layout.dp, extent=layout.dp * layout.tp)
+        + cluster.all_gather(shard / layout.pp, micro_dp, extent=layout.tp)
+        + cluster.all_gather(shard, layout.pp, extent=layout.devices)
+    )
+    return generate + reshard

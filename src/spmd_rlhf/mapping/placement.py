@@ -1,0 +1,113 @@
+"""``placement: auto``: plan a recipe config's roles onto the job's devices and write the plan back as a concrete
+manual placement (pools, n_ranks, pp, tp, rollout.tp), validated like any config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
+
+from .cost import Cluster
+from .profile import DeviceProfile, resolve_profile
+from .search import Mapping, Planner, PlanResult
+from .workload import Batch, ModelShape, RoleSpec, dataflow, model_shape
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
+    """The model roles and the step's batch of ``config`` (rule-based rewards and costs are not models)."""
+    roles = config.enabled_roles()
+
+    def shape(name: str) -> ModelShape | None:
+        if name not in roles:
+            return None
+        role = roles[name]
+        if name in ("reward", "cost") and role.kind != "model":
+            return None
+        return model_shape(role.model_path or config.model.path)
+
+    specs = dataflow(
+        config.algorithm.name, actor=shape("actor"), critic=shape("critic"), reference=shape("reference"),
+        reward=shape("reward"), cost=shape("cost"), recompute_log_probs=config.rollout.recompute_log_probs,
+    )
+    if "cost_critic" in roles:
+        specs = [dataclasses.replace(spec, shape=shape("cost_critic")) if spec.name == "cost_critic" else spec for spec in specs]
+    specs = [_with_batch_sizes(spec, roles[spec.name]) for spec in specs]
+    actor = config.actor
+    batch = Batch(
+        prompts=config.data.batch_size, samples=config.rollout.n, prompt_length=config.data.max_prompt_length,
+        response_length=config.rollout.max_new_tokens, micro_batch_size=actor.micro_batch_size,
+        mini_batch_size=actor.mini_batch_size, ppo_epochs=actor.ppo_epochs, dtype_bytes=_DTYPE_BYTES[config.model.dtype],
+        activation_checkpointing=config.model.activation_checkpointing, memory_fraction=config.rollout.memory_fraction,
+    )
+    return specs, batch
+
+
+def _with_batch_sizes(spec: RoleSpec, role: RoleConfig) -> RoleSpec:
+    """The role's own micro-batch (its forward one for frozen roles) and mini-batch."""
+    micro = role.micro_batch_size if spec.trained else (role.forward_micro_batch_size or role.micro_batch_size)
+    mini = getattr(role, "mini_batch_size", 0)
+    return dataclasses.replace(spec, micro_batch_size=micro, mini_batch_size=mini)
+
+
+def gpus_per_node(config: FrameworkConfig, world_size: int) -> int:
+    """``mapping.gpus_per_node``, else torchrun's LOCAL_WORLD_SIZE, else the whole job on one node."""
+    return config.mapping.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def plan_config(config: FrameworkConfig, world_size: int, *, profile: DeviceProfile | None = None) -> PlanResult:
+    """Algorithm 1 for ``config``'s dataflow on ``world_size`` devices."""
+    specs, batch = config_dataflow(config)
+    cluster = Cluster(world_size, gpus_per_node(config, world_size), profile or resolve_profile(config.mapping.profile))
+    return Planner(specs, cluster, batch).plan()
+
+
+def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
+    """``mapping`` as config overrides for a manual placement: one pool per colocated set (``set0``, ``set1``, ...),
+    each role's n_ranks, pp and tp, and rollout.tp; rule-based scorers join the actor's pool."""
+    overrides = ["placement=manual"]
+    pool_of = {}
+    for index, (roles, devices) in enumerate(zip(mapping.sets, mapping.devices)):
+        for name in roles:
+            pool_of[name] = (f"set{index}", devices)
+    for name in config.enabled_roles():
+        pool, devices = pool_of.get(name, pool_of["actor"])
+        layout = mapping.layouts.get(name)
+        pp, tp = (layout.pp, layout.tp) if layout else (1, 1)
+        overrides += [f"{name}.pool={pool}", f"{name}.n_ranks={devices}", f"{name}.dp=0", f"{name}.pp={pp}", f"{name}.tp={tp}"]
+    overrides.append(f"rollout.tp={mapping.layouts['actor'].tp_g}")
+    return overrides
+
+
+def apply_mapping(config: FrameworkConfig, mapping: Mapping) -> FrameworkConfig:
+    """``config`` with ``mapping`` written in (``mapping_overrides``), validated like any config."""
+    from spmd_rlhf.config import load_config, to_yaml
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "config.yaml")
+        with open(path, "w") as file:
+            file.write(to_yaml(config))
+        return load_config(path, mapping_overrides(config, mapping))
+
+
+def describe_plan(result: PlanResult, *, devices: int, profile: DeviceProfile) -> str:
+    """The plan as text: the chosen mapping with per-role layouts and stage times, then the runners-up."""
+    best = result.best
+    lines = [
+        f"# device mapping for {devices} devices ({profile.name}, {profile.source})",
+        f"placement: {best.describe()}",
+        f"{'role':<12} {'devices':>7}  layout",
+    ]
+    for roles, count in zip(best.sets, best.devices):
+        for name in roles:
+            lines.append(f"{name:<12} {count:>7}  {best.layouts[name]}")
+    stages = "  ".join(f"{stage} {seconds:.3g} s" for stage, seconds in best.stage_seconds.items())
+    lines += [f"estimated step: {best.seconds:.3g} s ({stages})", "", "# runners-up"]
+    for mapping in result.runners_up:
+        lines.append(f"{mapping.seconds:10.3g} s  {mapping.describe()}  " + ", ".join(f"{name}: {layout}" for name, layout in mapping.layouts.items()))
+    lines.append(f"\n{result.mappings_evaluated} mappings evaluated in {result.search_seconds:.2f} s")
+    return "\n".join(lines) + "\n"

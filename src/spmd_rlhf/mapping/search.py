@@ -1,0 +1,222 @@
+"""Algorithm 1 of HybridFlow (Sheng et al. 2024): the cheapest mapping of an RLHF dataflow's roles onto devices.
+
+    for each placement (the roles grouped into colocated sets):
+        for each allocation of the devices to the sets (each set at least its minimal allocation):
+            for each role: auto_parallel picks its layout on its set's devices (fastest that fits in memory)
+            d_cost = Σ over stages of max over sets of Σ latencies of the set's roles in that stage
+    keep the cheapest
+
+Roles in one set share its devices and run one after another; different sets run at the same time. A set's devices
+are a whole number of nodes once the cluster has more than one node (``Cluster.gpus_per_node``), any number below.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .cost import Cluster, Layout, generation_seconds, pass_seconds, resident_bytes, working_bytes
+from .workload import STAGES, Batch, RoleSpec
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """Roles on devices: colocated sets, the devices of each, every role's layout and the simulated step."""
+
+    sets: tuple[tuple[str, ...], ...]
+    devices: tuple[int, ...]
+    """Devices of each set, in ``sets`` order."""
+    layouts: dict[str, Layout] = field(compare=False)
+    stage_seconds: dict[str, float] = field(compare=False)
+    """Simulated seconds of each stage (the slowest set's)."""
+
+    @property
+    def seconds(self) -> float:
+        """d_cost: the simulated step time."""
+        return sum(self.stage_seconds.values())
+
+    def describe(self) -> str:
+        """``[actor,reference]:4 [critic]:4`` — sets and their devices."""
+        return " ".join(f"[{','.join(roles)}]:{devices}" for roles, devices in zip(self.sets, self.devices))
+
+
+@dataclass
+class PlanResult:
+    best: Mapping
+    runners_up: list[Mapping]
+    """The next cheapest mappings, cheapest first."""
+    mappings_evaluated: int
+    search_seconds: float
+
+
+def placements(names: list[str]) -> Iterator[tuple[tuple[str, ...], ...]]:
+    """Every grouping of ``names`` into non-empty colocated sets (set partitions; a Bell number of them), each set
+    in ``names`` order and the sets ordered by their first role."""
+    if not names:
+        yield ()
+        return
+    first, rest = names[0], names[1:]
+    for partition in placements(rest):
+        yield ((first,),) + partition
+        for index in range(len(partition)):
+            yield partition[:index] + ((first,) + partition[index],) + partition[index + 1:]
+
+
+def allocations(total: int, minimum: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every way to split ``total`` units over the sets with at least ``minimum[i]`` units for set i."""
+    if len(minimum) == 1:
+        if total >= minimum[0]:
+            yield (total,)
+        return
+    for first in range(minimum[0], total - sum(minimum[1:]) + 1):
+        for rest in allocations(total - first, minimum[1:]):
+            yield (first,) + rest
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Batch) -> list[Layout]:
+    """Every (pp, dp, tp[, tp_g]) the framework can run the role with on ``devices`` devices: tp within a node and
+    dividing heads, KV heads, MLP width and (LM head) vocabulary; pp at most the layers and 1 for a tied LM head;
+    trained roles' dp dividing the mini-batch in whole micro-batches; tp_g dividing tp."""
+    shape = role.shape
+    sizes = [shape.heads, shape.kv_heads, shape.intermediate] + ([shape.vocab] if role.head == "lm" else [])
+    micro = role.micro_batch_size or batch.micro_batch_size
+    mini = role.mini_batch_size or batch.mini_batch_size or batch.rows
+    generates = any("generate" in work for work in role.work.values())
+    layouts = []
+    for tp in _divisors(devices):
+        if tp > cluster.gpus_per_node or any(size % tp for size in sizes):
+            continue
+        for pp in _divisors(devices // tp):
+            if pp > shape.layers or (pp > 1 and role.head == "lm" and shape.tied):
+                continue
+            dp = devices // (tp * pp)
+            if role.trained and mini % (micro * dp):
+                continue
+            for tp_g in (_divisors(tp) if generates else [0]):
+                layouts.append(Layout(pp=pp, dp=dp, tp=tp, tp_g=tp_g))
+    return layouts
+
+
+def role_stage_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, free_bytes: float) -> dict[str, float]:
+    """Simulated seconds of the role's work in each stage on ``layout`` (inf where it does not fit)."""
+    seconds = {}
+    for stage, work in role.work.items():
+        total = 0.0
+        for kind in work:
+            if kind in ("generate", "greedy"):
+                rows = batch.rows if kind == "generate" else batch.prompts
+                total += generation_seconds(role, layout, cluster, batch, rows=rows, free_bytes=free_bytes)
+            else:
+                total += pass_seconds(role, layout, cluster, batch, train=kind == "train")
+        seconds[stage] = total
+    return seconds
+
+
+class Planner:
+    """Algorithm 1 for one dataflow, cluster and batch; ``auto_parallel`` results are cached per (role, devices,
+    colocated set), so the allocation loop only adds up cached latencies."""
+
+    def __init__(self, roles: list[RoleSpec], cluster: Cluster, batch: Batch) -> None:
+        if not roles:
+            raise ValueError("nothing to place: the dataflow has no model roles")
+        self.roles = {role.name: role for role in roles}
+        self.cluster = cluster
+        self.batch = batch
+        gpus_per_node = cluster.gpus_per_node
+        if cluster.devices > gpus_per_node and cluster.devices % gpus_per_node:
+            raise ValueError(
+                f"{cluster.devices} devices are not whole nodes of {gpus_per_node}; give the job's device count and "
+                f"its devices per node (--gpus-per-node)"
+            )
+        self.unit = gpus_per_node if cluster.devices > gpus_per_node else 1
+        """Devices per allocation step: whole nodes on a multi-node cluster."""
+        self.budget = cluster.profile.device_memory * batch.memory_fraction
+        self._cache: dict[tuple[str, int, tuple[str, ...]], tuple[Layout, dict[str, float]] | None] = {}
+
+    def auto_parallel(self, name: str, devices: int, colocated: tuple[str, ...]) -> tuple[Layout, dict[str, float]] | None:
+        """The role's fastest layout on ``devices`` devices shared with ``colocated`` (itself included) and its
+        seconds per stage, or None if no layout fits in memory."""
+        key = (name, devices, colocated)
+        if key not in self._cache:
+            self._cache[key] = self._auto_parallel(self.roles[name], devices, colocated)
+        return self._cache[key]
+
+    def _auto_parallel(self, role: RoleSpec, devices: int, colocated: tuple[str, ...]) -> tuple[Layout, dict[str, float]] | None:
+        free = self.budget - sum(resident_bytes(self.roles[name], devices, self.batch) for name in colocated)
+        best = None
+        for layout in candidate_layouts(role, devices, self.cluster, self.batch):
+            if working_bytes(role, layout, self.batch) > free:
+                continue
+            seconds = role_stage_seconds(role, layout, self.cluster, self.batch, free_bytes=free)
+            total = sum(seconds.values())
+            if math.isfinite(total) and (best is None or total < best[0]):
+                best = (total, layout, seconds)
+        return None if best is None else (best[1], best[2])
+
+    def minimal_units(self, colocated: tuple[str, ...]) -> int | None:
+        """The fewest allocation units on which every role of the set fits, or None if none does."""
+        for units in range(1, self.cluster.devices // self.unit + 1):
+            if all(self.auto_parallel(name, units * self.unit, colocated) for name in colocated):
+                return units
+        return None
+
+    def evaluate(self, sets: tuple[tuple[str, ...], ...], devices: tuple[int, ...]) -> Mapping | None:
+        """d_cost of one placement and allocation with auto_parallel layouts; None if a role does not fit."""
+        layouts, stage_seconds = {}, dict.fromkeys(STAGES, 0.0)
+        per_set = []
+        for colocated, count in zip(sets, devices):
+            set_seconds = dict.fromkeys(STAGES, 0.0)
+            for name in colocated:
+                chosen = self.auto_parallel(name, count, colocated)
+                if chosen is None:
+                    return None
+                layouts[name] = chosen[0]
+                for stage, seconds in chosen[1].items():
+                    set_seconds[stage] += seconds
+            per_set.append(set_seconds)
+        for stage in STAGES:
+            stage_seconds[stage] = max(seconds[stage] for seconds in per_set)
+        return Mapping(sets=sets, devices=devices, layouts=layouts, stage_seconds=stage_seconds)
+
+    def mappings(self) -> Iterator[Mapping]:
+        """Every feasible mapping (placement x allocation) with its auto_parallel layouts."""
+        units = self.cluster.devices // self.unit
+        for sets in placements(list(self.roles)):
+            minimum = [self.minimal_units(colocated) for colocated in sets]
+            if None in minimum:
+                continue
+            for allocation in allocations(units, minimum):
+                mapping = self.evaluate(sets, tuple(count * self.unit for count in allocation))
+                if mapping is not None:
+                    yield mapping
+
+    def plan(self, *, runners_up: int = 5) -> PlanResult:
+        """The cheapest mapping and the next ``runners_up`` (ties go to fewer sets: less to manage)."""
+        started = time.perf_counter()
+        counter = itertools.count()
+        evaluated = 0
+        heap: list[tuple[float, int, int, Mapping]] = []
+        for mapping in self.mappings():
+            evaluated += 1
+            entry = (-mapping.seconds, -len(mapping.sets), -next(counter), mapping)
+            if len(heap) <= runners_up:
+                heapq.heappush(heap, entry)
+            else:
+                heapq.heappushpop(heap, entry)
+        if not heap:
+            raise ValueError(
+                f"no mapping fits: the roles do not fit in {self.cluster.devices} devices of "
+                f"{self.cluster.profile.device_memory / 2**30:.0f} GiB ({self.cluster.profile.name}); use more devices, "
+                f"smaller micro-batches, activation checkpointing or shorter sequences"
+            )
+        ranked = [entry[3] for entry in sorted(heap, reverse=True)]
+        return PlanResult(best=ranked[0], runners_up=ranked[1:], mappings_evaluated=evaluated,
+                          search_seconds=time.perf_counter() - started)

@@ -1,0 +1,182 @@
+"""What the mapper places: the models (shapes, by name or config), the step's batch, and each algorithm's dataflow as
+the paper's stages (generation, preparation, training) with the work each role does in each.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+STAGES = ("generation", "preparation", "training")
+"""The paper's three stages of an RLHF step, run one after another; roles in different sets overlap within one."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a dense decoder that fix its FLOPs, bytes and how it may be split."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int = 0
+    """0: hidden / heads."""
+    tied: bool = False
+    """Embedding and LM head share one matrix (then pipeline parallelism is not available)."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2)."""
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """RMS norms on each head's queries and keys (Qwen3)."""
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @property
+    def block_parameters(self) -> int:
+        """Parameters of one decoder block: attention projections, the gated MLP, biases and norms."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * (2 * q + 2 * kv) + self.qkv_bias * (q + 2 * kv) + self.o_bias * self.hidden
+        mlp = 3 * self.hidden * self.intermediate + self.mlp_bias * (2 * self.intermediate + self.hidden)
+        norms = 2 * self.hidden + self.qk_norm * 2 * self.head_dim
+        return attention + mlp + norms
+
+    def _head_parameters(self, head: str) -> int:
+        # lm: the vocabulary projection; value: one output with a bias; score: one output, no bias.
+        return {"lm": self.vocab * self.hidden, "value": self.hidden + 1, "score": self.hidden}[head]
+
+    def matmul_parameters(self, head: str) -> int:
+        """Parameters that multiply activations (all but the embedding lookup; a tied LM head counts, as it is a
+        matmul): N of the 2·N FLOPs per token."""
+        return self.layers * self.block_parameters + self.hidden + self._head_parameters(head)
+
+    def parameters(self, head: str) -> int:
+        """All parameters (a tied LM head counted once)."""
+        head_parameters = 0 if (head == "lm" and self.tied) else self._head_parameters(head)
+        return self.vocab * self.hidden + self.layers * self.block_parameters + self.hidden + head_parameters
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of keys and values one token keeps in the KV cache, over all layers and KV heads."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+NAMED_SHAPES = {
+    "0.5b": ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True, qkv_bias=True),
+    "1.5b": ModelShape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True, qkv_bias=True),
+    "3b": ModelShape(hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008, vocab=151936, tied=True, qkv_bias=True),
+    "7b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000),
+    "8b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
+    "13b": ModelShape(hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824, vocab=32000),
+    "34b": ModelShape(hidden=8192, layers=48, heads=64, kv_heads=8, intermediate=22016, vocab=32000),
+    "70b": ModelShape(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=32000),
+}
+"""Shapes by size name: Qwen2.5 (0.5b–3b), Llama 2 (7b, 13b, 70b), Llama 3 (8b), Code Llama (34b)."""
+
+
+def model_shape(name_or_path: str) -> ModelShape:
+    """A shape by size name (``7b``) or from a Hugging Face model directory's ``config.json``."""
+    if name_or_path.lower() in NAMED_SHAPES:
+        return NAMED_SHAPES[name_or_path.lower()]
+    from spmd_rlhf.models.args import read_decoder_args
+
+    if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        raise ValueError(
+            f"model {name_or_path!r}: neither a size name ({', '.join(NAMED_SHAPES)}) nor a model directory with a "
+            f"config.json"
+        )
+    args = read_decoder_args(name_or_path)
+    return ModelShape(
+        hidden=args.hidden_size, layers=args.num_layers, heads=args.num_heads, kv_heads=args.num_kv_heads,
+        intermediate=args.intermediate_size, vocab=args.vocab_size, head_dim=args.head_dim, tied=args.tie_word_embeddings,
+        qkv_bias=args.qkv_bias, o_bias=args.o_bias, mlp_bias=args.mlp_bias, qk_norm=args.qk_norm,
+    )
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's rows and lengths."""
+
+    prompts: int
+    """Prompts per step."""
+    samples: int = 1
+    """Responses per prompt."""
+    prompt_length: int = 512
+    response_length: int = 512
+    micro_batch_size: int = 4
+    """Rows per forward/backward pass on each data-parallel rank of a trained role."""
+    mini_batch_size: int = 0
+    """Rows per optimizer step over all data-parallel ranks; 0: the whole batch (one step per epoch). Trained roles'
+    dp must then divide mini_batch_size / micro_batch_size."""
+    ppo_epochs: int = 1
+    dtype_bytes: int = 2
+    """Bytes per element of weights and activations in forward passes (2: bf16)."""
+    activation_checkpointing: bool = False
+    memory_fraction: float = 0.9
+    """Fraction of device memory the mapper may plan to fill."""
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.samples
+
+    @property
+    def sequence_length(self) -> int:
+        return self.prompt_length + self.response_length
+
+    @property
+    def tokens(self) -> int:
+        """Prompt + response tokens of the step's rows (every response at full length: an upper bound)."""
+        return self.rows * self.sequence_length
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """A model role of the dataflow and what it does in each stage."""
+
+    name: str
+    shape: ModelShape
+    head: str
+    """lm (actor, reference), value (critics) or score (reward and cost models)."""
+    trained: bool
+    work: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Stage -> the passes the role runs in it: ``generate``, ``greedy`` (ReMax's extra greedy rollout of one
+    response per prompt), ``forward`` (log-probs, values, scores) or ``train`` (forward + backward + step, per epoch)."""
+    micro_batch_size: int = 0
+    """This role's micro-batch; 0: the batch's."""
+    mini_batch_size: int = 0
+    """This role's rows per optimizer step; 0: the batch's."""
+
+
+def dataflow(
+    algorithm: str, *, actor: ModelShape, critic: ModelShape | None = None, reference: ModelShape | None = None,
+    reward: ModelShape | None = None, cost: ModelShape | None = None, recompute_log_probs: bool = False,
+) -> list[RoleSpec]:
+    """The model roles of one step of ``algorithm`` (as the recipes run it), with their work per stage.
+
+    A role given None is not a model: a rule reward, or no reference (``kl_penalty: none``). Critics exist for ppo
+    and safe_rlhf only; the cost model and cost critic (the cost critic has the critic's shape) for safe_rlhf only.
+    """
+    from spmd_rlhf.config_schema import ALGORITHMS
+
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r}: must be one of {', '.join(ALGORITHMS)}")
+    has_critic = algorithm in ("ppo", "safe_rlhf")
+    if has_critic and critic is None:
+        raise ValueError(f"algorithm {algorithm} trains a critic: give its model (--critic)")
+    generation = ("generate", "greedy") if algorithm == "remax" else ("generate",)
+    actor_preparation = ("forward",) if recompute_log_probs else ()
+    roles = [RoleSpec("actor", actor, "lm", True, {"generation": generation, "preparation": actor_preparation, "training": ("train",)})]
+    if has_critic:
+        roles.append(RoleSpec("critic", critic, "value", True, {"preparation": ("forward",), "training": ("train",)}))
+    if reference is not None:
+        roles.append(RoleSpec("reference", reference, "lm", False, {"preparation": ("forward",)}))
+    if reward is not None:
+        roles.append(RoleSpec("reward", reward, "score", False, {"preparation": ("forward",)}))
+    if algorithm == "safe_rlhf":
+        if cost is not None:
+            roles.append(RoleSpec("cost", cost, "score", False, {"preparation": ("forward",)}))
+        roles.append(RoleSpec("cost_critic", critic, "value", True, {"preparation": ("forward",), "training": ("train",)}))
+    return roles

@@ -1,0 +1,62 @@
+"""The cost model's terms behave as the hardware does: decode reads weights, training is ~3x a forward pass,
+communication vanishes for one rank and grows across nodes, memory bounds the KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from spmd_rlhf.mapping.cost import OPS_PER_LAYER, Cluster, Layout, generation_seconds, pass_seconds, resident_bytes, working_bytes
+from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
+from spmd_rlhf.mapping.workload import NAMED_SHAPES, Batch, dataflow
+
+H100 = BUILTIN_PROFILES["h100"]
+ACTOR = dataflow("grpo", actor=NAMED_SHAPES["7b"])[0]
+BATCH = Batch(prompts=64, prompt_length=512, response_length=512, micro_batch_size=8)
+
+
+def test_batch_one_decode_is_bound_by_reading_the_weights():
+    cluster = Cluster(1, 8, H100)
+    batch = dataclasses.replace(BATCH, prompts=1, response_length=1000, prompt_length=1)
+    seconds = generation_seconds(ACTOR, Layout(1, 1, 1, 1), cluster, batch, rows=1, free_bytes=H100.device_memory)
+    weight_read = ACTOR.shape.parameters("lm") * 2 / H100.attained_memory_bandwidth
+    kernels = ACTOR.shape.layers * OPS_PER_LAYER * H100.op_latency  # eager launches; what CUDA graphs remove
+    assert seconds / 1000 == pytest.approx(weight_read + kernels, rel=0.05)
+    faster_memory = Cluster(1, 8, dataclasses.replace(H100, memory_bandwidth=2 * H100.memory_bandwidth))
+    halved = generation_seconds(ACTOR, Layout(1, 1, 1, 1), faster_memory, batch, rows=1, free_bytes=H100.device_memory)
+    assert halved / 1000 == pytest.approx(weight_read / 2 + kernels, rel=0.05)
+
+
+def test_training_costs_about_three_forward_passes_when_compute_bound():
+    cluster = Cluster(1, 8, H100)
+    layout = Layout(1, 1, 1)
+    forward = pass_seconds(ACTOR, layout, cluster, BATCH, train=False)
+    train = pass_seconds(ACTOR, layout, cluster, BATCH, train=True)
+    assert 2.9 < train / forward < 3.3
+    checkpointed = pass_seconds(ACTOR, layout, cluster, dataclasses.replace(BATCH, activation_checkpointing=True), train=True)
+    assert checkpointed / forward == pytest.approx(train / forward * 4 / 3, rel=0.05)
+
+
+def test_communication_is_free_on_one_rank_and_slower_across_nodes():
+    cluster = Cluster(16, 8, H100)
+    assert cluster.all_gather(1e9, 1, extent=1) == 0.0
+    within, across = cluster.all_gather(1e9, 8, extent=8), cluster.all_gather(1e9, 16, extent=16)
+    assert across > 5 * within  # InfiniBand per GPU is ~9x slower than NVLink
+
+
+def test_resident_state_is_sharded_over_every_device():
+    assert resident_bytes(ACTOR, 8, BATCH) == ACTOR.shape.parameters("lm") * 16 / 8
+    reference = dataflow("grpo", actor=NAMED_SHAPES["7b"], reference=NAMED_SHAPES["7b"])[1]
+    assert resident_bytes(reference, 8, BATCH) == reference.shape.parameters("lm") * 2 / 8
+    assert working_bytes(ACTOR, Layout(1, 1, 2), BATCH) < working_bytes(ACTOR, Layout(1, 1, 1), BATCH)
+
+
+def test_the_kv_cache_gets_what_memory_is_left():
+    cluster = Cluster(1, 8, H100)
+    shard = ACTOR.shape.parameters("lm") * 2
+    assert generation_seconds(ACTOR, Layout(1, 1, 1, 1), cluster, BATCH, rows=64, free_bytes=shard) == math.inf
+    roomy = generation_seconds(ACTOR, Layout(1, 1, 1, 1), cluster, BATCH, rows=64, free_bytes=shard + 40e9)
+    tight = generation_seconds(ACTOR, Layout(1, 1, 1, 1), cluster, BATCH, rows=64, free_bytes=shard + 2e9)
+    assert tight > 2 * roomy  # fewer sequences at once: more waves, each re-reading the weights every step

@@ -1,0 +1,77 @@
+"""placement: auto — a recipe config planned onto the job's ranks and written back as a manual placement, the
+``spmd-rlhf plan`` command, and a real run with the mapper's placement."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from spmd_rlhf.config import load_config
+from spmd_rlhf.mapping.placement import apply_mapping, config_dataflow, plan_config
+from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
+from spmd_rlhf.recipes.base import resolve_placement, role_pools
+from torchrun_helpers import run_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def ppo_config(tiny_model_dir: Path, *overrides: str):
+    return load_config(RECIPES / "configs" / "ppo.yaml", [f"model.path={tiny_model_dir}", "placement=auto", *overrides])
+
+
+def test_the_config_dataflow_takes_the_config_batch(tiny_model_dir):
+    roles, batch = config_dataflow(ppo_config(tiny_model_dir, "critic.micro_batch_size=16"))
+    assert [role.name for role in roles] == ["actor", "critic", "reference"]  # reward.kind=rule is no model
+    assert (batch.prompts, batch.samples, batch.prompt_length, batch.response_length) == (64, 1, 64, 4)
+    assert roles[1].micro_batch_size == 16 and batch.dtype_bytes == 4
+
+
+def test_every_mapping_of_the_plan_is_a_valid_manual_placement(tiny_model_dir):
+    config = ppo_config(tiny_model_dir)
+    result = plan_config(config, 4, profile=BUILTIN_PROFILES["h100"])
+    for mapping in [result.best, *result.runners_up]:
+        applied = apply_mapping(config, mapping)
+        assert applied.placement == "manual"
+        pools = role_pools(applied, 4)
+        for roles, devices in zip(mapping.sets, mapping.devices):
+            ranks = {pools[name].ranks for name in roles}
+            assert len(ranks) == 1 and len(next(iter(ranks))) == devices  # a set shares one pool
+            for name in roles:
+                layout = mapping.layouts[name]
+                assert (getattr(applied, name).pp, getattr(applied, name).tp) == (layout.pp, layout.tp)
+        assert pools["reward"] == pools["actor"]  # the rule reward runs beside the actor
+        assert applied.rollout.tp == mapping.layouts["actor"].tp_g
+        assert sorted(rank for pool in {pool.ranks for pool in pools.values()} for rank in pool) == [0, 1, 2, 3]
+
+
+def test_resolve_placement_leaves_other_placements_alone(tiny_model_dir):
+    config = load_config(RECIPES / "configs" / "ppo.yaml", [f"model.path={tiny_model_dir}"])
+    assert resolve_placement(config, 2) == (config, "")
+    resolved, plan = resolve_placement(ppo_config(tiny_model_dir, "mapping.profile=a100"), 2)
+    assert resolved.placement == "manual" and "# device mapping for 2 devices (a100, datasheet)" in plan
+
+
+def test_plan_command_prints_the_mapping_and_runners_up():
+    command = [sys.executable, "-m", "spmd_rlhf.cli", "plan", "--algo", "ppo", "--actor", "7b", "--critic", "13b",
+               "--reward", "13b", "--gpus", "64", "--gpus-per-node", "8", "--runners-up", "3"]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == "# device mapping for 64 devices (h100, datasheet)" and lines[1].startswith("placement: [")
+    for role in ("actor", "critic", "reference", "reward"):
+        assert any(line.startswith(role + " ") and "pp=" in line for line in lines), role
+    assert any(line.startswith("estimated step:") for line in lines)
+    runners = lines[lines.index("# runners-up") + 1:]
+    assert len([line for line in runners if " s  [" in line]) == 3
+    wrong = subprocess.run([*command[:4], "--algo", "dpo", "--gpus", "8"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "algorithm 'dpo': must be one of" in wrong.stderr
+
+
+def test_a_recipe_runs_on_the_mappers_placement(tmp_path):
+    records = run_recipe(
+        "ppo", tmp_path, "placement=auto", "mapping.profile=h100", "trainer.total_steps=2", "trainer.val_every=0",
+        "actor.micro_batch_size=16", "critic.micro_batch_size=16",
+    )
+    assert len(records) == 2 and all(record["actor/loss"] == record["actor/loss"] for record in records)
+    assert {"time/update_actor", "time/update_critic", "time/values", "time/ref_log_probs"} <= set(records[-1])

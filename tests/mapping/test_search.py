@@ -1,0 +1,92 @@
+"""Algorithm 1: placements are set partitions, allocations split the devices, layouts obey what the framework can
+run, d_cost adds and maxes as the paper defines, and the plan is the cheapest of every mapping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from spmd_rlhf.mapping.cost import Cluster
+from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
+from spmd_rlhf.mapping.search import Planner, allocations, candidate_layouts, placements
+from spmd_rlhf.mapping.workload import NAMED_SHAPES, STAGES, Batch, dataflow
+
+H100 = BUILTIN_PROFILES["h100"]
+BATCH = Batch(prompts=512, prompt_length=512, response_length=512, micro_batch_size=8, mini_batch_size=256)
+
+
+def ppo(actor: str = "7b", critic: str = "7b"):
+    return dataflow("ppo", actor=NAMED_SHAPES[actor], critic=NAMED_SHAPES[critic], reference=NAMED_SHAPES[actor], reward=NAMED_SHAPES[critic])
+
+
+@pytest.mark.parametrize(("count", "bell"), [(1, 1), (2, 2), (3, 5), (4, 15), (5, 52)])
+def test_placements_are_every_set_partition_once(count, bell):
+    names = [f"role{i}" for i in range(count)]
+    found = list(placements(names))
+    assert len(found) == bell == len({frozenset(map(frozenset, sets)) for sets in found})
+    for sets in found:
+        assert sorted(name for roles in sets for name in roles) == names
+
+
+def test_allocations_cover_the_devices_above_each_minimum():
+    found = list(allocations(10, [2, 1, 3]))
+    assert all(sum(parts) == 10 and parts[0] >= 2 and parts[1] >= 1 and parts[2] >= 3 for parts in found)
+    assert len(found) == len(set(found)) == math.comb(10 - 6 + 2, 2)  # 4 spare units over 3 sets
+    assert list(allocations(3, [2, 2])) == []
+
+
+def test_layouts_are_ones_the_framework_runs():
+    tied = NAMED_SHAPES["0.5b"]  # tied embeddings, 14 heads, 2 KV heads
+    actor = dataflow("grpo", actor=tied)[0]
+    cluster = Cluster(16, 8, H100)
+    layouts = candidate_layouts(actor, 16, cluster, BATCH)
+    assert layouts and all(layout.devices == 16 for layout in layouts)
+    assert all(layout.pp == 1 for layout in layouts)  # tied LM head: no pipeline stages
+    assert {layout.tp for layout in layouts} <= {1, 2}  # tp divides 14 heads and 2 KV heads, within a node
+    assert all(layout.tp % layout.tp_g == 0 for layout in layouts)
+    assert all(BATCH.mini_batch_size % (BATCH.micro_batch_size * layout.dp) == 0 for layout in layouts)
+    untied = ppo()[1]  # the 7b critic: 32 heads, pipeline allowed
+    pipelined = [layout for layout in candidate_layouts(untied, 64, Cluster(64, 8, H100), BATCH) if layout.pp > 1]
+    assert pipelined and all(layout.tp <= 8 for layout in pipelined)
+
+
+def test_d_cost_sums_within_a_set_and_takes_the_slowest_set():
+    planner = Planner(ppo(), Cluster(32, 8, H100), BATCH)
+    sets, devices = (("actor", "reference"), ("critic", "reward")), (16, 16)
+    mapping = planner.evaluate(sets, devices)
+    for stage in STAGES:
+        per_set = [
+            sum(planner.auto_parallel(name, count, roles)[1].get(stage, 0.0) for name in roles)
+            for roles, count in zip(sets, devices)
+        ]
+        assert mapping.stage_seconds[stage] == pytest.approx(max(per_set))
+    assert mapping.seconds == pytest.approx(sum(mapping.stage_seconds.values()))
+    assert mapping.layouts["actor"].tp_g >= 1 and mapping.layouts["critic"].tp_g == 0
+
+
+def test_plan_is_the_cheapest_mapping():
+    planner = Planner(ppo(), Cluster(32, 8, H100), BATCH)
+    every = list(planner.mappings())
+    result = planner.plan(runners_up=3)
+    assert result.mappings_evaluated == len(every) > 10
+    assert result.best.seconds == pytest.approx(min(mapping.seconds for mapping in every))
+    ranked = [result.best, *result.runners_up]
+    assert [mapping.seconds for mapping in ranked] == sorted(mapping.seconds for mapping in ranked)
+    assert len(result.runners_up) == 3
+
+
+def test_colocating_everything_wins_on_a_small_cluster():
+    # The paper's small-cluster result: sharing 8 GPUs beats splitting them when every model needs most of them.
+    result = Planner(ppo(), Cluster(8, 8, H100), BATCH).plan()
+    assert result.best.sets == (("actor", "critic", "reference", "reward"),)
+
+
+def test_roles_that_cannot_fit_are_refused_with_what_to_change():
+    with pytest.raises(ValueError, match="no mapping fits.*use more devices"):
+        Planner(ppo("70b", "70b"), Cluster(8, 8, H100), BATCH).plan()
+
+
+def test_partial_nodes_are_refused():
+    with pytest.raises(ValueError, match="not whole nodes of 8"):
+        Planner(ppo(), Cluster(12, 8, H100), BATCH)

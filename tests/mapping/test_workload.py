@@ -1,0 +1,46 @@
+"""Model shapes count what the decoder builds, and each algorithm's dataflow has the roles and stages its recipe runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd_rlhf.mapping.workload import NAMED_SHAPES, dataflow, model_shape
+from spmd_rlhf.metrics import matmul_parameters
+from spmd_rlhf.recipes.dry_run import parameter_count
+from spmd_rlhf.models.args import read_decoder_args
+
+
+@pytest.mark.parametrize("head", ["lm", "value", "score"])
+def test_shape_counts_equal_the_built_model(tiny_model_dir, head):
+    shape = model_shape(str(tiny_model_dir))
+    assert shape.parameters(head) == parameter_count(read_decoder_args(str(tiny_model_dir)), head)
+    assert shape.matmul_parameters(head) == matmul_parameters(str(tiny_model_dir), head=head)
+
+
+def test_named_shapes_have_their_advertised_sizes():
+    assert NAMED_SHAPES["7b"].parameters("lm") == pytest.approx(6.74e9, rel=0.01)
+    assert NAMED_SHAPES["13b"].parameters("lm") == pytest.approx(13.0e9, rel=0.01)
+    assert NAMED_SHAPES["70b"].parameters("lm") == pytest.approx(69.0e9, rel=0.01)
+    assert NAMED_SHAPES["0.5b"].parameters("lm") == pytest.approx(0.494e9, rel=0.01)
+
+
+def test_unknown_model_names_the_choices():
+    with pytest.raises(ValueError, match="neither a size name .*7b.* nor a model directory"):
+        model_shape("no_such_model")
+
+
+def test_dataflows_follow_the_recipes():
+    shape = NAMED_SHAPES["7b"]
+    ppo = {role.name: role for role in dataflow("ppo", actor=shape, critic=shape, reference=shape, reward=shape)}
+    assert list(ppo) == ["actor", "critic", "reference", "reward"]
+    assert ppo["actor"].work == {"generation": ("generate",), "preparation": (), "training": ("train",)}
+    assert ppo["critic"].work == {"preparation": ("forward",), "training": ("train",)} and ppo["critic"].trained
+    assert not ppo["reward"].trained and ppo["reward"].head == "score"
+    grpo = dataflow("grpo", actor=shape, reference=shape)  # rule reward: no reward model
+    assert [role.name for role in grpo] == ["actor", "reference"]
+    remax = dataflow("remax", actor=shape, reference=shape)
+    assert remax[0].work["generation"] == ("generate", "greedy")
+    safe = [role.name for role in dataflow("safe_rlhf", actor=shape, critic=shape, reference=shape, reward=shape, cost=shape)]
+    assert safe == ["actor", "critic", "reference", "reward", "cost", "cost_critic"]
+    with pytest.raises(ValueError, match="trains a critic"):
+        dataflow("ppo", actor=shape)
