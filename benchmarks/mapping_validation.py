@@ -64,8 +64,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return covariance / spread if spread else float("nan")
 
 
-def measure(recipe: Path, config_path: str, overrides: list[str], *, nproc: int, steps: int, warmup: int, scratch: Path) -> float:
-    """Median step seconds of the recipe (run from the checkout, where the tiny assets live) with ``overrides``
+def measure(recipe: Path, config_path: str, overrides: list[str], *, nproc: int, steps: int, warmup: int, scratch: Path) -> dict[str, float]:
+    """Median seconds of the step and of each stage (``time/*``) of the recipe (run from the checkout, where the tiny assets live) with ``overrides``
     after ``warmup`` steps; its run directory goes under ``scratch``."""
     out_dir = scratch / f"run_{time.monotonic_ns()}"
     command = [
@@ -77,8 +77,8 @@ def measure(recipe: Path, config_path: str, overrides: list[str], *, nproc: int,
     finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)
     if finished.returncode:
         raise RuntimeError(f"{' '.join(command)} exited with {finished.returncode}:\n{finished.stdout[-3000:]}\n{finished.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(row["time/step"] for row in rows[warmup:])
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
+    return {key.removeprefix("time/"): statistics.median(row[key] for row in rows) for key in rows[0] if key.startswith("time/")}
 
 
 def main() -> None:
@@ -107,9 +107,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for mapping in mappings:
             overrides = [*args.overrides, *mapping_overrides(config, mapping)]
-            measured = measure(recipe, config_path, overrides, nproc=args.nproc, steps=args.steps, warmup=args.warmup, scratch=Path(scratch))
+            times = measure(recipe, config_path, overrides, nproc=args.nproc, steps=args.steps, warmup=args.warmup, scratch=Path(scratch))
+            measured = times.pop("step")
             layouts = ", ".join(f"{name} {layout}" for name, layout in mapping.layouts.items())
-            rows.append({"mapping": mapping.describe(), "layouts": layouts, "predicted_s": mapping.seconds, "measured_s": measured})
+            rows.append({
+                "mapping": mapping.describe(), "layouts": layouts, "predicted_s": mapping.seconds,
+                "predicted_stage_s": mapping.stage_seconds, "measured_s": measured, "measured_stage_s": times,
+            })
             print(f"{mapping.describe():45s} predicted {mapping.seconds:.4f} s  measured {measured:.4f} s", flush=True)
     predicted = [row["predicted_s"] for row in rows]
     measured = [row["measured_s"] for row in rows]

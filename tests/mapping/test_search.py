@@ -46,6 +46,8 @@ def test_layouts_are_ones_the_framework_runs():
     assert {layout.tp for layout in layouts} <= {1, 2}  # tp divides 14 heads and 2 KV heads, within a node
     assert all(layout.tp % layout.tp_g == 0 for layout in layouts)
     assert all(BATCH.mini_batch_size % (BATCH.micro_batch_size * layout.dp) == 0 for layout in layouts)
+    reference = ppo()[2]  # 7b: untied, 32 heads
+    assert {layout.dp for layout in candidate_layouts(reference, 6, Cluster(6, 8, H100), BATCH)} == {1, 2}  # 3, 6 ∤ 512 rows
     untied = ppo()[1]  # the 7b critic: 32 heads, pipeline allowed
     pipelined = [layout for layout in candidate_layouts(untied, 64, Cluster(64, 8, H100), BATCH) if layout.pp > 1]
     assert pipelined and all(layout.tp <= 8 for layout in pipelined)
@@ -90,3 +92,16 @@ def test_roles_that_cannot_fit_are_refused_with_what_to_change():
 def test_partial_nodes_are_refused():
     with pytest.raises(ValueError, match="not whole nodes of 8"):
         Planner(ppo(), Cluster(12, 8, H100), BATCH)
+
+
+def test_cpu_ranks_sharing_cores_slow_each_other_down():
+    import dataclasses
+
+    shared = dataclasses.replace(H100, shared_cores=8)
+    alone, crowded = Planner(ppo(), Cluster(16, 16, H100), BATCH), Planner(ppo(), Cluster(16, 16, shared), BATCH)
+    everything = (("actor", "critic", "reference", "reward"),)
+    assert crowded.evaluate(everything, (16,)).seconds == pytest.approx(2 * alone.evaluate(everything, (16,)).seconds)
+    split = (("actor", "reference"), ("critic", "reward"))
+    free, busy = alone.evaluate(split, (8, 8)), crowded.evaluate(split, (8, 8))
+    assert busy.stage_seconds["generation"] == pytest.approx(free.stage_seconds["generation"])  # only the actor's 8 ranks
+    assert busy.stage_seconds["training"] == pytest.approx(2 * free.stage_seconds["training"])  # all 16 ranks

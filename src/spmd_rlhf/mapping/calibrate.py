@@ -60,21 +60,66 @@ def measure_copy_bandwidth(device: torch.device, *, num_bytes: int, repeats: int
     return 2 * num_bytes / _best_seconds(lambda: target.copy_(source), repeats=repeats, sync=_sync_for(device))
 
 
-def measure_op_latency(device: torch.device, *, calls: int = 2000) -> float:
-    """Seconds per tiny kernel: what a framework pays per op whatever its size."""
-    x = torch.zeros(8, device=device)
+def _probe_model(device: torch.device, dtype: torch.dtype):
+    """A tiny decoder of the framework's own code (4 layers, hidden 64): small enough that only per-op and
+    per-collective costs show."""
+    from spmd_rlhf.models.args import DecoderArgs
+    from spmd_rlhf.models.decoder import DecoderLM
+
+    args = DecoderArgs(
+        family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
+        qk_norm=False,
+    )
+    return DecoderLM(args, head="lm").to(device=device, dtype=dtype)
+
+
+def measure_op_latency(device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds per kernel of the framework's own decoder: one-token forwards of the probe model divided by the
+    kernels they run (``OPS_PER_LAYER`` per layer). Includes the module and dispatch overhead a bare tensor op
+    would not show."""
+    from .cost import OPS_PER_LAYER
+
+    model = _probe_model(device, dtype).eval()
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    calls = 50
+
+    def forwards() -> None:
+        with torch.inference_mode():
+            for _ in range(calls):
+                model(token)
+
+    return _best_seconds(forwards, repeats=3, sync=_sync_for(device)) / calls / (model.args.num_layers * OPS_PER_LAYER)
+
+
+def measure_fsdp_collective_seconds(device: torch.device, dtype: torch.dtype, world_size: int) -> float:
+    """Seconds one FSDP collective costs in practice (hooks, copies, the collective itself) for a tiny message:
+    a forward + backward of the probe model sharded per layer over the world, minus the same unsharded, divided by
+    its collectives (an all-gather forward, one backward and a reduce-scatter per FSDP unit). Call on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    tokens = torch.zeros(1, 8, dtype=torch.long, device=device)
     sync = _sync_for(device)
 
-    def many() -> None:
-        for _ in range(calls):
-            x.add_(1.0)
+    def step_seconds(model: torch.nn.Module) -> float:
+        def step() -> None:
+            model(tokens).sum().backward()
 
-    return _best_seconds(many, repeats=3, sync=sync) / calls
+        return _best_seconds(step, repeats=5, sync=sync)
+
+    local = step_seconds(_probe_model(device, dtype))
+    sharded = _probe_model(device, dtype)
+    for layer in sharded.model.layers.values():
+        fully_shard(layer)
+    fully_shard(sharded)
+    units = sharded.args.num_layers + 1
+    return max(0.0, step_seconds(sharded) - local) / (3 * units)
 
 
 def _link_worker(rank: int, world_size: int, port: int, backend: str, num_bytes: int, out: str) -> None:
-    """One of the spawned processes: all-gather ``num_bytes`` per rank and time tiny all-reduces; rank 0 writes
-    ``(bandwidth, latency)`` to ``out``."""
+    """One of the spawned processes: all-gather ``num_bytes`` per rank, time tiny all-reduces and FSDP's per-layer
+    collectives; rank 0 writes ``(bandwidth, latency)`` to ``out``."""
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -95,6 +140,9 @@ def _link_worker(rank: int, world_size: int, port: int, backend: str, num_bytes:
         # A ring all-reduce takes 2·(world_size - 1) steps.
         steps = 2 * (world_size - 1)
         latency = _best_seconds(lambda: [dist.all_reduce(tiny) for _ in range(calls)], repeats=3, sync=sync) / calls / steps
+        # What a collective costs through FSDP, per ring step, when that is more than the bare collective.
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        latency = max(latency, measure_fsdp_collective_seconds(device, dtype, world_size) / (world_size - 1))
         if rank == 0:
             with open(out, "w") as file:
                 file.write(f"{bandwidth} {latency}")
@@ -103,7 +151,8 @@ def _link_worker(rank: int, world_size: int, port: int, backend: str, num_bytes:
 
 
 def measure_link(*, backend: str, num_bytes: int, world_size: int = 2) -> tuple[float, float]:
-    """(all-gather bytes/s sent per device, seconds per ring step of a tiny all-reduce) between ``world_size`` local processes."""
+    """(all-gather bytes/s sent per device, seconds per ring step of a small collective: a bare all-reduce or,
+    when more, one through FSDP) between ``world_size`` local processes."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -135,7 +184,7 @@ def calibrate(*, quick: bool = False, dtype: torch.dtype | None = None, inter_no
     try:
         flops = measure_matmul_flops(device, dtype, size=(4096 if on_gpu else 384) if quick else (8192 if on_gpu else 1024))
         copy = measure_copy_bandwidth(device, num_bytes=(2**30 if on_gpu else 2**24) if quick else (2**32 if on_gpu else 2**27))
-        op_latency = measure_op_latency(device)
+        op_latency = measure_op_latency(device, dtype)
     finally:
         torch.set_num_threads(threads)
     name = torch.cuda.get_device_name().lower() if on_gpu else "cpu"
@@ -157,7 +206,8 @@ def calibrate(*, quick: bool = False, dtype: torch.dtype | None = None, inter_no
     return DeviceProfile(
         name=name, peak_flops=flops, memory_bandwidth=copy, intra_node_bandwidth=link,
         inter_node_bandwidth=inter_node_bandwidth or link, device_memory=float(memory),
-        collective_latency=latency, op_latency=op_latency, source=source,
+        collective_latency=latency, op_latency=op_latency, shared_cores=0 if on_gpu else len(os.sched_getaffinity(0)),
+        overlaps_communication=on_gpu, source=source,
     )
 
 

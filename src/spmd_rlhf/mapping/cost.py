@@ -6,8 +6,8 @@ tokens of one micro-batch and n = pp·dp·tp devices:
 - **Compute** is 2·N FLOPs per token forward (plus attention's 2·L²·heads·head_dim per layer and row), three times
   that for forward + backward, four with activation checkpointing, at the profile's attained FLOP/s.
 - **FSDP** gathers each block's weights per micro-batch (P·b/(tp·pp) bytes over dp; FSDP2 reshards after forward),
-  again in backward, and reduce-scatters float32 gradients; prefetching overlaps this with compute, so a micro-batch
-  costs the larger of the two.
+  again in backward, and reduce-scatters float32 gradients; on GPUs prefetching overlaps this with compute, so a
+  micro-batch costs the larger of the two (on CPU ranks the sum: ``DeviceProfile.overlaps_communication``).
 - **TP** all-reduces the activations twice per layer forward (twice more in backward): not overlapped.
 - **PP** runs m micro-batches through pp stages in (m + pp − 1) slots of one stage's time (the 1F1B/GPipe bubble).
 - **Decode** is memory-bound: each step reads the generation shard (P·b/tp_g) and the KV cache of the running
@@ -130,15 +130,18 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     flops = 2 * shape.matmul_parameters(role.head) * tokens + 2 * shape.layers * micro * batch.sequence_length**2 * shape.heads * shape.head_dim
     compute = passes * flops / (tp * pp) / profile.flops
     layers = shape.layers / pp
-    # FSDP gathers (and in backward reduce-scatters) one block at a time: one collective per layer.
-    gathered = shape.parameters(role.head) * b / (tp * pp * layers)
-    fsdp = layers * cluster.all_gather(gathered, dp, extent=dp * tp)
+    # FSDP gathers (and in backward reduce-scatters) one unit at a time: each layer, and the root's embedding,
+    # final norm and head.
+    units = layers + 1
+    gathered = shape.parameters(role.head) * b / (tp * pp * units)
+    fsdp = units * cluster.all_gather(gathered, dp, extent=dp * tp)
     if train:  # gather again for backward, then reduce-scatter float32 gradients
-        fsdp = 2 * fsdp + layers * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
+        fsdp = 2 * fsdp + units * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
     tensor_parallel = layers * 2 * (passes - 1 if train else 1) * cluster.all_reduce(tokens * shape.hidden * b, tp, extent=tp)
     kernels = passes * layers * OPS_PER_LAYER * profile.op_latency
     pipeline_send = cluster.all_gather(tokens * shape.hidden * b * 2, 2, extent=layout.devices) if pp > 1 else 0.0
-    slot = max(compute, fsdp) + tensor_parallel + kernels + (pipeline_send if train else pipeline_send / 2)
+    overlapped = max(compute, fsdp) if profile.overlaps_communication else compute + fsdp
+    slot = overlapped + tensor_parallel + kernels + (pipeline_send if train else pipeline_send / 2)
     seconds = (micro_batches + pp - 1) * slot
     if train:
         mini = role.mini_batch_size or batch.mini_batch_size or batch.rows

@@ -40,6 +40,12 @@ class DeviceProfile:
     op_latency: float
     """Seconds of fixed cost per kernel (launch, or the framework's per-op overhead on CPU); decode steps run many
     small kernels, so this bounds small-batch decoding."""
+    shared_cores: int = 0
+    """CPU profiles: the cores every rank of the machine shares (a rank is one single-thread process), so that more
+    busy ranks than cores run proportionally slower; 0: every device computes on its own (GPUs)."""
+    overlaps_communication: bool = True
+    """Collectives run beside compute (GPUs: NCCL on its own stream, FSDP prefetching), so a micro-batch costs the
+    larger of the two; false (CPU ranks with gloo): they add up."""
     compute_efficiency: float = 1.0
     """Fraction of ``peak_flops`` attained by large matmuls (1 for calibrated profiles)."""
     bandwidth_efficiency: float = 1.0

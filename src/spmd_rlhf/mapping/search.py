@@ -6,7 +6,8 @@
             d_cost = Σ over stages of max over sets of Σ latencies of the set's roles in that stage
     keep the cheapest
 
-Roles in one set share its devices and run one after another; different sets run at the same time. A set's devices
+Roles in one set share its devices and run one after another; different sets run at the same time (on a CPU
+profile with ``shared_cores``, sets busy in the same stage share the machine's cores). A set's devices
 are a whole number of nodes once the cluster has more than one node (``Cluster.gpus_per_node``), any number below.
 """
 
@@ -84,7 +85,8 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Batch) -> list[Layout]:
     """Every (pp, dp, tp[, tp_g]) the framework can run the role with on ``devices`` devices: tp within a node and
     dividing heads, KV heads, MLP width and (LM head) vocabulary; pp at most the layers and 1 for a tied LM head;
-    trained roles' dp dividing the mini-batch in whole micro-batches; tp_g dividing tp."""
+    dp dividing the step's rows (each DP rank takes an equal share) and, for trained roles, the mini-batch in whole
+    micro-batches; tp_g dividing tp."""
     shape = role.shape
     sizes = [shape.heads, shape.kv_heads, shape.intermediate] + ([shape.vocab] if role.head == "lm" else [])
     micro = role.micro_batch_size or batch.micro_batch_size
@@ -98,7 +100,7 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
             if pp > shape.layers or (pp > 1 and role.head == "lm" and shape.tied):
                 continue
             dp = devices // (tp * pp)
-            if role.trained and mini % (micro * dp):
+            if batch.rows % dp or (role.trained and mini % (micro * dp)):
                 continue
             for tp_g in (_divisors(tp) if generates else [0]):
                 layouts.append(Layout(pp=pp, dp=dp, tp=tp, tp_g=tp_g))
@@ -182,8 +184,12 @@ class Planner:
                 for stage, seconds in chosen[1].items():
                     set_seconds[stage] += seconds
             per_set.append(set_seconds)
+        cores = self.cluster.profile.shared_cores
         for stage in STAGES:
             stage_seconds[stage] = max(seconds[stage] for seconds in per_set)
+            if cores:  # CPU ranks sharing cores: the sets busy in this stage slow each other down
+                busy = sum(count for seconds, count in zip(per_set, devices) if seconds[stage] > 0)
+                stage_seconds[stage] *= max(1.0, busy / cores)
         return Mapping(sets=sets, devices=devices, layouts=layouts, stage_seconds=stage_seconds)
 
     def mappings(self) -> Iterator[Mapping]:
