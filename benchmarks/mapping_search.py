@@ -3,10 +3,10 @@ Figure 16), and which placement wins as the cluster and the critic/reward models
 
     python benchmarks/mapping_search.py [--profile h100] [--gpus 8 16 32 64 128 256 512 1024]
 
-PPO with actor, critic, reference and reward model; 1024 prompts of 1024 tokens, 1024 new tokens, micro-batch 8,
-mini-batch 256, 8 GPUs per node. Runtime table: every role the same size. Placement table: a 7B actor and reference
+PPO with actor, critic, reference and reward model; ``--prompts`` prompts (default 1024) of 1024 tokens, 1024 new
+tokens, micro-batch 8, mini-batch 256, 8 GPUs per node. Runtime table: every role the same size. Placement table: a 7B actor and reference
 with critic and reward of the given size; each cell is the winning placement and how much faster it is than
-colocating everything (1.00x: colocate wins). Writes ``benchmarks/results/mapping_search_<profile>.json`` and prints
+colocating everything (1.00x: colocate wins). Writes ``benchmarks/results/mapping_search_<profile>_<prompts>.json`` and prints
 markdown tables.
 """
 
@@ -22,12 +22,9 @@ from pathlib import Path
 from spmd_rlhf.mapping import BUILTIN_PROFILES, NAMED_SHAPES, Batch, Cluster, Planner, dataflow, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH = Batch(prompts=1024, prompt_length=1024, response_length=1024, micro_batch_size=8, mini_batch_size=256)
-
-
-def plan(actor: str, scorer: str, gpus: int, profile) -> dict | None:
+def plan(actor: str, scorer: str, gpus: int, profile, batch: Batch) -> dict | None:
     roles = dataflow("ppo", actor=NAMED_SHAPES[actor], critic=NAMED_SHAPES[scorer], reference=NAMED_SHAPES[actor], reward=NAMED_SHAPES[scorer])
-    planner = Planner(roles, Cluster(gpus, 8, profile), BATCH)
+    planner = Planner(roles, Cluster(gpus, 8, profile), batch)
     try:
         result = planner.plan(runners_up=0)
     except ValueError:
@@ -45,11 +42,13 @@ def main() -> None:
     parser.add_argument("--profile", default="h100")
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--sizes", nargs="+", default=["7b", "13b", "34b", "70b"])
+    parser.add_argument("--prompts", type=int, default=1024, help="prompts per step (the paper's 1024; fewer: smaller per-GPU work)")
     args = parser.parse_args()
     profile = load_profile(args.profile) if args.profile not in BUILTIN_PROFILES else BUILTIN_PROFILES[args.profile]
 
-    runtime = {size: {gpus: plan(size, size, gpus, profile) for gpus in args.gpus} for size in args.sizes}
-    placement = {size: {gpus: plan("7b", size, gpus, profile) for gpus in args.gpus} for size in args.sizes}
+    batch = Batch(prompts=args.prompts, prompt_length=1024, response_length=1024, micro_batch_size=8, mini_batch_size=256)
+    runtime = {size: {gpus: plan(size, size, gpus, profile, batch) for gpus in args.gpus} for size in args.sizes}
+    placement = {size: {gpus: plan("7b", size, gpus, profile, batch) for gpus in args.gpus} for size in args.sizes}
 
     header = "| roles | " + " | ".join(f"{gpus} GPUs" for gpus in args.gpus) + " |"
     rule = "| --- |" + " --- |" * len(args.gpus)
@@ -70,9 +69,9 @@ def main() -> None:
             else:
                 cells.append(f"{cell['best']} ({cell['colocate_s'] / cell['best_s']:.2f}x)")
         print(f"| {size} | " + " | ".join(cells) + " |")
-    out = ROOT / "benchmarks" / "results" / f"mapping_search_{profile.name}.json"
+    out = ROOT / "benchmarks" / "results" / f"mapping_search_{profile.name}_{args.prompts}.json"
     out.write_text(json.dumps({
-        "profile": profile.name, "batch": BATCH.__dict__, "runtime": runtime, "placement": placement,
+        "profile": profile.name, "batch": batch.__dict__, "runtime": runtime, "placement": placement,
         "python": platform.python_version(), "cpus": os.cpu_count(), "command": " ".join(["python", *sys.argv]),
     }, indent=2) + "\n")
     print(f"\nwrote {out}")
