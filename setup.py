@@ -22,8 +22,14 @@ setup(
         "pyarrow>=15",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "tensorboard>=2.16", "wandb>=0.17"],
+        # triton: the kernels run under its CPU interpreter in the tests (3.7 fixes the interpreter with numpy 2.4);
+        # trl: the GPU benchmarks' TRL baseline is smoke-tested on CPU.
+        "test": [
+            "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "tensorboard>=2.16", "wandb>=0.17", "trl>=1.16,<2",
+            "triton>=3.7,<3.8; platform_system == 'Linux' and platform_machine == 'x86_64'",
+        ],
         "gpu": ["flash-attn>=2.6"],
+        "kernels": ["triton>=3.2"],
         "logging": ["tensorboard>=2.16", "wandb>=0.17", "matplotlib>=3.8"],
         "bench": ["trl>=1.16,<2"],
     },

@@ -1,4 +1,5 @@
-"""Attention backends behind one call, chosen at run time: pure torch, SDPA, flash-attn.
+"""Attention backends behind one call, chosen at run time: pure torch, SDPA, flash-attn, and for the generation
+engine's decode steps on CUDA the Triton paged-decode kernel (``spmd_rlhf.kernels.paged_attention``).
 
 The decoder layer computes q, k, v and hands them to ``attend`` together with an ``AttentionBatch`` that says which
 keys each query may see (padded rows or packed sequences, or, for the generation engine, a paged KV cache that the
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spmd_rlhf.kernels.paged_attention import paged_decode_attention
+from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.paged_kv import PagedKV
 
 BACKENDS = ("auto", "torch", "sdpa", "flash")
@@ -161,6 +164,18 @@ def _flash_paged_attention(q: torch.Tensor, paged: PagedKV, layer_index: int, sc
     return out[None]
 
 
+def _is_triton_decode(q: torch.Tensor, paged: PagedKV, backend: str) -> bool:
+    """A decode step (one new token per sequence) on CUDA reads the cache blocks in place with the Triton kernel,
+    instead of gathering them into a padded copy; the pure-torch backend keeps the gather path."""
+    one_token_per_sequence = paged.max_seqlen_q == 1 and q.shape[1] == paged.context_lens.shape[0]
+    return (
+        backend != "torch"
+        and one_token_per_sequence
+        and q.dtype == paged.key_cache.dtype
+        and use_triton(q.device, "auto")
+    )
+
+
 def _paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, layer_index: int, scale: float
 ) -> torch.Tensor:
@@ -168,6 +183,12 @@ def _paged_attention(
     paged.write(layer_index, k[0], v[0])
     if batch.backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
         return _flash_paged_attention(q, paged, layer_index, scale)
+    if _is_triton_decode(q, paged, batch.backend):
+        out = paged_decode_attention(
+            q[0], paged.key_cache[layer_index], paged.value_cache[layer_index], paged.block_tables,
+            paged.context_lens, scale=scale,
+        )
+        return out[None]
     padded_q, cached_k, cached_v, allowed = paged.gather(layer_index, q[0])
     backend = "torch" if batch.backend == "torch" else "sdpa"
     return paged.unpad(_dense_attention(padded_q, cached_k, cached_v, allowed, backend, scale))[None]

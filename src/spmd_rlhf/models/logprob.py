@@ -8,12 +8,19 @@ Vocab-parallel (tensor-parallel LM head): each rank holds the logits of its slic
 ``[vocab_start, vocab_start + local_vocab)``; the log-sum-exp, the picked logit and the mean logit are all-reduced
 over ``group`` (three small per-token reductions), so the full-vocabulary logits are never gathered. The backward
 pass needs no communication: each rank's gradient is that of its own slice.
+
+On CUDA with Triton installed, full-vocabulary logits (no ``group``) take the fused kernels of
+``spmd_rlhf.kernels.fused_logprob`` instead: one streaming pass per token computes log-prob and entropy together, and
+one pass writes their gradient, with no row chunking needed.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from spmd_rlhf.kernels.fused_logprob import SUPPORTED_DTYPES as FUSED_DTYPES, fused_log_probs_and_entropy
+from spmd_rlhf.kernels.triton_support import use_triton
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 """Float32 bytes of one chunk of logits; rows per chunk = this / (vocab * 4), so big vocabularies get short chunks."""
@@ -112,6 +119,27 @@ def _rows_per_chunk(logits: torch.Tensor, chunk_tokens: int | None) -> int:
     return chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * logits.shape[-1]))
 
 
+def _fused_applies(logits: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """The Triton kernels serve full-vocabulary logits on CUDA; a vocabulary slice (``group``) keeps the torch path,
+    whose per-token statistics are all-reduced over the group."""
+    return (
+        group is None
+        and logits.dtype in FUSED_DTYPES
+        and logits.stride(-1) == 1
+        and use_triton(logits.device, "auto")
+    )
+
+
+def _fused(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs, entropy = fused_log_probs_and_entropy(_flatten(logits), labels.reshape(-1))
+    return log_probs.view(labels.shape), entropy.view(labels.shape)
+
+
+def _check_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {list(logits.shape)} and labels {list(labels.shape)} disagree on the leading dims")
+
+
 def log_probs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -123,9 +151,11 @@ def log_probs_from_logits(
     """``log softmax(logits)[..., labels]`` in float32, shape ``labels.shape``; differentiable w.r.t. ``logits``.
 
     With ``group``, ``logits`` are this rank's vocabulary slice starting at token id ``vocab_start`` and every rank
-    of ``group`` must call this with the same labels and chunking."""
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {list(logits.shape)} and labels {list(labels.shape)} disagree on the leading dims")
+    of ``group`` must call this with the same labels and chunking. ``chunk_tokens`` (rows per chunk of the torch path)
+    does not apply to the fused CUDA kernels, which need no chunks."""
+    _check_labels(logits, labels)
+    if _fused_applies(logits, group):
+        return _fused(logits, labels)[0]
     chunk = _rows_per_chunk(logits, chunk_tokens)
     out = _ChunkedLogProb.apply(_flatten(logits), labels.reshape(-1).long(), chunk, group, vocab_start)
     return out.view(labels.shape)
@@ -136,4 +166,24 @@ def entropy_from_logits(
 ) -> torch.Tensor:
     """Entropy ``-sum p log p`` of ``softmax(logits)`` in float32, shape ``logits.shape[:-1]``; differentiable.
     With ``group``, ``logits`` are this rank's vocabulary slice (see ``log_probs_from_logits``)."""
+    if _fused_applies(logits, group):
+        # The fused kernel reads a label per token; entropy needs none, so token 0 serves and its log-prob is dropped.
+        return _fused(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device))[1]
     return _ChunkedEntropy.apply(_flatten(logits), _rows_per_chunk(logits, chunk_tokens), group).view(logits.shape[:-1])
+
+
+def log_probs_and_entropy_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_probs_from_logits(...), entropy_from_logits(...))`` of the same logits, for losses with an entropy
+    term: on the fused CUDA path one read of the logits computes both and one pass writes their summed gradient."""
+    _check_labels(logits, labels)
+    if _fused_applies(logits, group):
+        return _fused(logits, labels)
+    log_probs = log_probs_from_logits(logits, labels, chunk_tokens=chunk_tokens, group=group, vocab_start=vocab_start)
+    return log_probs, entropy_from_logits(logits, chunk_tokens=chunk_tokens, group=group)

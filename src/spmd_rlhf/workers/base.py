@@ -18,7 +18,13 @@ from transformers import AutoTokenizer
 
 from ..config_schema import FrameworkConfig, RoleConfig
 from ..data.batch import Batch
-from ..models import DecoderLM, entropy_from_logits, log_probs_from_logits, model_from_tensors, save_pretrained
+from ..models import (
+    DecoderLM,
+    log_probs_and_entropy_from_logits,
+    log_probs_from_logits,
+    model_from_tensors,
+    save_pretrained,
+)
 from ..models.weights import build_model, load_weights
 from ..models.parallelize import parallelize
 from ..models.pipeline import OutputFunction, Pipeline, split_stage
@@ -173,8 +179,9 @@ class ModelWorker(RoleWorker):
         slice and the softmax statistics are reduced over the TP group."""
         logits = self.response_outputs(logits, micro).float() / temperature
         labels = micro["responses"].to(self.device)
-        log_probs = log_probs_from_logits(logits, labels, group=self.tp_group, vocab_start=self.vocab_start)
-        return log_probs, entropy_from_logits(logits, group=self.tp_group) if with_entropy else None
+        if with_entropy:
+            return log_probs_and_entropy_from_logits(logits, labels, group=self.tp_group, vocab_start=self.vocab_start)
+        return log_probs_from_logits(logits, labels, group=self.tp_group, vocab_start=self.vocab_start), None
 
     # ---- whole weights -----------------------------------------------------------------------------------------
 

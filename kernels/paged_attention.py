@@ -1,0 +1,212 @@
+"""Paged-attention decode: one query token per sequence attends over its whole context, read through its block table.
+
+A decode step of the generation engine gives every running sequence exactly one new token. The torch path gathers
+each sequence's cache blocks into a padded ``[num_seqs, kv_heads, max_context, head_dim]`` copy before attending;
+this kernel reads the blocks in place instead. One program serves one (sequence, KV head) pair and all the query heads
+that share that KV head (GQA), so each cached key and value is loaded once per step. It walks the context in tiles of
+``BLOCK_TOKENS`` tokens with an online softmax (running max and sum, float32 accumulator), so its memory does not grow
+with the context length.
+
+Layouts are the engine's (``spmd_rlhf.models.paged_kv.PagedKV``): one layer's cache is
+``[num_blocks, block_size, kv_heads, head_dim]``, token ``t`` of sequence ``s`` lives in block
+``block_tables[s, t // block_size]`` at offset ``t % block_size``, and query head ``h`` reads KV head
+``h // (heads // kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .triton_support import launch_device, tl, triton, use_triton
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+BLOCK_TOKENS = 64
+"""Context tokens per tile: enough to keep the tensor-core dots busy, few enough for the tile to stay in registers."""
+
+MIN_DOT_SIZE = 16
+"""``tl.dot`` needs every matrix dimension to be at least 16, so query-head groups and head dims are padded to it."""
+
+
+def reference_paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel's definition in plain torch: gather each sequence's blocks, mask past its length, softmax.
+
+    Computes in float32 (float64 for float64 inputs, which the tests use as ground truth) and returns ``q.dtype``.
+    A sequence with an empty context (a padding row) gets zeros, as in the kernel.
+    """
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = key_cache.shape[2]
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    keys, values = (
+        cache[block_tables.long()].flatten(1, 2).to(compute_dtype) for cache in (key_cache, value_cache)
+    )  # [num_seqs, max_blocks * block_size, kv_heads, head_dim]
+    grouped_q = q.to(compute_dtype).reshape(num_seqs, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.einsum("skgd,stkd->skgt", grouped_q, keys) * scale
+    valid = torch.arange(keys.shape[1], device=q.device) < context_lens[:, None].long()
+    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+    probs = probs.masked_fill(~valid.any(dim=-1)[:, None, None, None], 0.0)
+    out = torch.einsum("skgt,stkd->skgd", probs, values)
+    return out.reshape(num_seqs, heads, head_dim).to(q.dtype)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_seqs, heads, head_dim] (one decode token per sequence), got {list(q.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be one layer's [num_blocks, block_size, kv_heads, head_dim], got "
+            f"{list(key_cache.shape)} and {list(value_cache.shape)}"
+        )
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"q has head_dim {head_dim} but the cache has head_dim {key_cache.shape[3]}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"{heads} query heads are not a multiple of the cache's {kv_heads} KV heads")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], got {block_tables.dtype} "
+            f"{list(block_tables.shape)}"
+        )
+    if context_lens.shape != (num_seqs,) or context_lens.dtype != torch.int32:
+        raise ValueError(
+            f"context_lens must be int32 [num_seqs={num_seqs}], got {context_lens.dtype} {list(context_lens.shape)}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q, key_cache and value_cache must share one of float16, bfloat16, float32; got {q.dtype}, "
+            f"{key_cache.dtype}, {value_cache.dtype}"
+        )
+    devices = {t.device for t in (q, key_cache, value_cache, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    # The kernel loads each head_dim vector as one contiguous row; every other stride is passed through.
+    for name, tensor in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride 1), got strides {tensor.stride()}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of each sequence's one query over its cached context; returns ``[num_seqs, heads, head_dim]``.
+
+    ``q`` ``[num_seqs, heads, head_dim]``; ``key_cache``, ``value_cache`` one layer's
+    ``[num_blocks, block_size, kv_heads, head_dim]`` (same dtype as ``q``: float16, bfloat16 or float32);
+    ``block_tables`` int32 ``[num_seqs, max_blocks]``; ``context_lens`` int32 ``[num_seqs]``, each at most
+    ``max_blocks * block_size`` (not checked: that would wait for the device). ``backend``: ``auto`` (the Triton kernel
+    on CUDA when triton is installed, else the torch reference), ``triton`` or ``torch``.
+    """
+    _check_inputs(q, key_cache, value_cache, block_tables, context_lens)
+    if not use_triton(q.device, backend):
+        return reference_paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale)
+    num_seqs, heads, head_dim = q.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    group = heads // kv_heads
+    with launch_device(q.device):
+        _paged_decode_kernel[(num_seqs, kv_heads)](
+            out, q, key_cache, value_cache, block_tables, context_lens,
+            scale * math.log2(math.e),
+            out.stride(0), out.stride(1),
+            q.stride(0), q.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            block_tables.stride(0), block_tables.stride(1),
+            block_size,
+            GROUP=group,
+            GROUP_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim)),
+            BLOCK_TOKENS=BLOCK_TOKENS,
+            # float32 caches get full-precision dots; TF32 would cost about three decimal digits.
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
+        scale_log2,
+        stride_out_seq, stride_out_head,
+        stride_q_seq, stride_q_head,
+        stride_key_block, stride_key_token, stride_key_head,
+        stride_value_block, stride_value_token, stride_value_head,
+        stride_table_seq, stride_table_block,
+        block_size,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        context_len = tl.load(context_lens_ptr + seq)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        heads = kv_head * GROUP + group
+        head_dim_mask = dims < HEAD_DIM
+        q_mask = (group < GROUP)[:, None] & head_dim_mask[None, :]
+        q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
+
+        # Scores are kept in log2 units (scale folded with log2(e)) so that the softmax uses exp2.
+        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        running_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        for start in range(0, context_len, BLOCK_TOKENS):
+            tokens = start + tl.arange(0, BLOCK_TOKENS)
+            token_mask = tokens < context_len
+            blocks = tl.load(
+                block_tables_ptr + seq * stride_table_seq + (tokens // block_size) * stride_table_block,
+                mask=token_mask, other=0,
+            ).to(tl.int64)
+            offsets = tokens % block_size
+            kv_mask = token_mask[:, None] & head_dim_mask[None, :]
+            key_rows = blocks * stride_key_block + offsets * stride_key_token + kv_head * stride_key_head
+            keys = tl.load(key_cache_ptr + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
+            scores = tl.where(token_mask[None, :], scores, float("-inf"))
+
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp2(running_max - new_max)
+            probs = tl.exp2(scores - new_max[:, None])
+            running_sum = running_sum * correction + tl.sum(probs, axis=1)
+            value_rows = blocks * stride_value_block + offsets * stride_value_token + kv_head * stride_value_head
+            values = tl.load(value_cache_ptr + value_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
+            running_max = new_max
+
+        # An empty context (a padding row) leaves running_sum at 0: write zeros, not 0 / 0.
+        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+        out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)

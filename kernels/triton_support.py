@@ -1,0 +1,60 @@
+"""The optional Triton import and the one rule every kernel wrapper uses to pick Triton or its torch reference.
+
+Triton is an optional dependency (extra ``kernels``): without it every wrapper runs its pure-torch reference. The
+kernels also run on CPU tensors under Triton's interpreter, which is how the CPU test suite checks them; the
+interpreter replaces ``@triton.jit`` functions when they are defined, so ``TRITON_INTERPRET=1`` must be in the
+environment before a kernel module is first imported (the tests run those checks in a subprocess).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+    tl = None
+
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+
+INTERPRETING = triton is not None and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+"""True when the kernels were defined under Triton's CPU interpreter: Triton reads the variable when ``@triton.jit``
+runs, so it is read once here, at import, too."""
+
+
+def triton_available() -> bool:
+    """True when the optional ``triton`` package is importable."""
+    return triton is not None
+
+
+def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it the tensors' device for the launch (a process driving
+    several GPUs need not have switched to it); CPU tensors under the interpreter need nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def use_triton(device: torch.device, backend: str) -> bool:
+    """Whether a kernel wrapper runs its Triton kernel (True) or its torch reference (False) for tensors on ``device``.
+
+    ``auto`` takes Triton for CUDA tensors when it is installed (the interpreter is far too slow to be picked
+    silently); ``triton`` insists, and on CPU tensors that needs the interpreter; ``torch`` is the reference.
+    """
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel backend {backend!r} is unknown; choose one of {', '.join(KERNEL_BACKENDS)}")
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return triton is not None and device.type == "cuda"
+    if triton is None:
+        raise ValueError("kernel backend 'triton' needs the triton package (pip install triton)")
+    if device.type != "cuda" and not INTERPRETING:
+        raise ValueError(
+            f"kernel backend 'triton' got {device.type} tensors; Triton kernels run on CUDA, or on CPU only with "
+            "TRITON_INTERPRET=1 set before the kernel module is imported"
+        )
+    return True

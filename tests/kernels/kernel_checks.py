@@ -1,0 +1,202 @@
+"""Checks of each Triton kernel against its float64 torch reference on fresh random inputs.
+
+The CUDA tests call them in-process; the CPU tests run this file as a script under ``TRITON_INTERPRET=1``, which must
+be set before the kernel modules are imported, so it cannot be switched on inside the pytest process:
+
+    TRITON_INTERPRET=1 python tests/kernels/kernel_checks.py paged_attention
+
+Every check draws a new seed and names it when it fails, so a failure can be replayed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import numpy
+import torch
+
+from spmd_rlhf.kernels.fused_logprob import MAX_BLOCK_VOCAB, fused_log_probs_and_entropy, reference_log_probs_and_entropy
+from spmd_rlhf.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
+from spmd_rlhf.kernels.triton_support import triton, triton_available
+
+RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+"""Bound on ``|out - ref| / |ref|`` (Frobenius) for outputs stored in each dtype: a few roundings of that dtype."""
+
+FLOAT32_OUTPUT_TOLERANCE = 1e-5
+"""Log-probs and entropies are float32 whatever the logits' dtype, computed from the same rounded logits as the
+reference, so they get the float32 bound."""
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(torch.finfo(torch.float64).tiny))
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    context_lens: tuple[int, ...]
+    strided_q: bool = False
+    """q a view with a padded head stride, as a slice of a wider projection would be."""
+
+
+def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, backend: str) -> float:
+    """Runs ``paged_decode_attention`` on random inputs laid out like the engine's cache; returns its relative error."""
+    seed = torch.seed()
+    num_seqs = len(case.context_lens)
+    blocks_per_seq = [math.ceil(length / case.block_size) for length in case.context_lens]
+    # One spare column of padding in every table (as the engine pads to the longest sequence) and spare blocks that
+    # no table lists, so that reading a wrong block changes the result.
+    max_blocks = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks).tolist()
+    block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    for seq, count in enumerate(blocks_per_seq):
+        block_tables[seq, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+    cache_shape = (num_blocks, case.block_size, case.kv_heads, case.head_dim)
+    key_cache = torch.randn(cache_shape, device=device).to(dtype)
+    value_cache = torch.randn(cache_shape, device=device).to(dtype)
+    padding = 8 if case.strided_q else 0
+    q = (torch.randn(num_seqs, case.heads, case.head_dim + padding, device=device) * 2).to(dtype)[..., : case.head_dim]
+    context_lens = torch.tensor(case.context_lens, dtype=torch.int32, device=device)
+    block_tables = block_tables.to(device)
+    scale = case.head_dim**-0.5
+
+    out = paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend=backend)
+    expected = reference_paged_decode_attention(
+        q.double(), key_cache.double(), value_cache.double(), block_tables, context_lens, scale=scale
+    )
+    assert out.shape == q.shape and out.dtype == dtype, f"{case}: got {out.dtype} {list(out.shape)}"
+    empty = context_lens == 0
+    assert not out[empty].any(), f"{case} seed {seed}: a sequence with no context must get zeros"
+    error = relative_error(out[~empty], expected[~empty])
+    assert error < RELATIVE_TOLERANCE[dtype], f"{case} {dtype} seed {seed}: relative error {error:.2e}"
+    return error
+
+
+@dataclass(frozen=True)
+class LogProbCase:
+    tokens: int
+    vocab: int
+    strided_rows: bool = False
+    """logits a slice of wider rows, as the response positions of a longer sequence are."""
+    int32_labels: bool = False
+
+
+def check_log_probs_and_entropy(case: LogProbCase, dtype: torch.dtype, device: str, backend: str) -> dict[str, float]:
+    """Values and gradient of ``fused_log_probs_and_entropy`` on random logits; returns the relative errors."""
+    seed = torch.seed()
+    padding = 5 if case.strided_rows else 0
+    wide = torch.randn(case.tokens, case.vocab + padding, device=device) * 4
+    # Half the rows peak in the last vocabulary block, so the online max changes mid-row; every third row is shifted
+    # far from zero, where entropy = lse - mean logit would lose digits to cancellation.
+    wide[: case.tokens // 2, case.vocab - max(1, case.vocab // 10) : case.vocab] += 8
+    wide[1::3] += 60
+    logits = wide.to(dtype)[:, : case.vocab]
+    labels = torch.randint(0, case.vocab, (case.tokens,), device=device)
+    labels = labels.int() if case.int32_labels else labels
+    # A plain sum reaches backward as an expanded (stride 0) gradient, a weighted one as a real tensor: both occur.
+    grad_log_probs, entropy_weight = torch.randn(case.tokens, device=device), float(torch.randn(()))
+
+    leaf = logits.detach().requires_grad_()
+    log_probs, entropy = fused_log_probs_and_entropy(leaf, labels, backend=backend)
+    (grad,) = torch.autograd.grad((log_probs * grad_log_probs).sum() + entropy.sum() * entropy_weight, leaf)
+    reference_leaf = logits.detach().double().requires_grad_()
+    expected_log_probs, expected_entropy = reference_log_probs_and_entropy(reference_leaf, labels)
+    loss = (expected_log_probs * grad_log_probs.double()).sum() + expected_entropy.sum() * entropy_weight
+    (expected_grad,) = torch.autograd.grad(loss, reference_leaf)
+
+    assert log_probs.dtype == entropy.dtype == torch.float32 and grad.dtype == dtype
+    errors = {
+        "log_probs": relative_error(log_probs, expected_log_probs),
+        "entropy": relative_error(entropy, expected_entropy),
+        "grad": relative_error(grad, expected_grad),
+    }
+    bounds = {"log_probs": FLOAT32_OUTPUT_TOLERANCE, "entropy": FLOAT32_OUTPUT_TOLERANCE, "grad": RELATIVE_TOLERANCE[dtype]}
+    for name, error in errors.items():
+        assert error < bounds[name], f"{case} {dtype} seed {seed}: {name} relative error {error:.2e}"
+    return errors
+
+
+def check_out_of_range_label_gives_nan(device: str) -> None:
+    """The Triton path cannot raise for a bad label without waiting for the device; it must not read out of bounds
+    and return a plausible number instead."""
+    logits = torch.randn(3, 40, device=device)
+    labels = torch.tensor([40, -1, 7], device=device)
+    log_probs, entropy = fused_log_probs_and_entropy(logits, labels, backend="triton")
+    assert log_probs[:2].isnan().all() and log_probs[2].isfinite() and entropy.isfinite().all(), log_probs
+
+
+PAGED_INTERPRETER_CASES = [
+    PagedCase(heads=8, kv_heads=2, head_dim=16, block_size=4, context_lens=(1, 37, 130)),
+    PagedCase(heads=6, kv_heads=2, head_dim=24, block_size=5, context_lens=(0, 9, 70), strided_q=True),
+    PagedCase(heads=4, kv_heads=4, head_dim=32, block_size=16, context_lens=(200, 3)),
+]
+"""Small shapes covering several context tiles, padded GQA groups and head dims, block sizes that are not powers of
+two, an empty context, plain multi-head attention and a strided ``q``."""
+
+PAGED_INTERPRETER_DTYPES = (torch.float32, torch.float16)
+"""Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as raw integers, so bfloat16 is checked on CUDA only."""
+
+LOG_PROB_INTERPRETER_CASES = [
+    LogProbCase(tokens=6, vocab=MAX_BLOCK_VOCAB + 904),
+    LogProbCase(tokens=5, vocab=37, strided_rows=True, int32_labels=True),
+    LogProbCase(tokens=0, vocab=37),
+]
+"""Rows longer than one vocabulary block (the online max rescales), a short vocabulary that is not a power of two
+with strided rows and int32 labels, and no tokens at all."""
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed triton; (0, 0) without it."""
+    return _major_minor(triton.__version__) if triton_available() else (0, 0)
+
+
+def interpreter_unusable_reason() -> str | None:
+    """Why Triton's CPU interpreter cannot run the kernels here, or None when it can."""
+    if not triton_available():
+        return "triton is not installed"
+    if triton_version() < (3, 7) and _major_minor(numpy.__version__) >= (2, 4):
+        return "Triton < 3.7's interpreter cannot run loops with run-time bounds under numpy >= 2.4 (triton#9171)"
+    return None
+
+
+def run_under_interpreter(kernel: str) -> list[str]:
+    """Runs this file's checks of ``kernel`` in a subprocess under the interpreter; returns the ``ok`` lines."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, __file__, kernel], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"interpreted {kernel} checks failed:\n{result.stderr[-6000:]}"
+    return [line for line in result.stdout.splitlines() if line.startswith("ok ")]
+
+
+def _run_interpreted(kernel: str) -> None:
+    """Prints one ``ok`` line per passed check (the test counts them)."""
+    if kernel == "paged_attention":
+        for case in PAGED_INTERPRETER_CASES:
+            for dtype in PAGED_INTERPRETER_DTYPES:
+                print("ok", case, dtype, f"{check_paged_attention(case, dtype, 'cpu', 'triton'):.1e}")
+    elif kernel == "fused_logprob":
+        for case in LOG_PROB_INTERPRETER_CASES:
+            for dtype in RELATIVE_TOLERANCE:
+                print("ok", case, dtype, check_log_probs_and_entropy(case, dtype, "cpu", "triton"))
+        check_out_of_range_label_gives_nan("cpu")
+        print("ok out-of-range label")
+    else:
+        raise SystemExit(f"unknown kernel {kernel!r}; choose paged_attention or fused_logprob")
+
+
+if __name__ == "__main__":
+    _run_interpreted(sys.argv[1])

@@ -1,0 +1,61 @@
+"""Every kernel compiles to a Hopper (sm_90) binary without a GPU, for each dtype it accepts.
+
+The interpreter runs the kernels' Python semantics but not Triton's compiler, whose type rules are stricter (loop-carried
+types, dot operand dtypes and shapes); compiling ahead of time catches those on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_checks import triton_version
+from spmd_rlhf.kernels import fused_logprob, paged_attention
+from spmd_rlhf.kernels.triton_support import INTERPRETING, triton
+
+pytestmark = pytest.mark.skipif(
+    triton is None or INTERPRETING or triton_version() < (3, 5),
+    reason="needs triton >= 3.5 (its ASTSource signature by argument name), not in interpreter mode",
+)
+
+DTYPES = ("fp32", "fp16", "bf16")
+
+
+def _compile(kernel, pointers: dict[str, str], constexprs: dict, *, floats: tuple[str, ...] = (), num_warps: int = 4):
+    """Compiles ``kernel`` with the given pointer types; every other argument is an i32 (or fp32 if in ``floats``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+    assert compiled.asm["cubin"], "ptxas produced no binary"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_kernel_compiles(dtype):
+    pointers = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr")}
+    pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32"}
+    constexprs = dict(
+        GROUP=4, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_TOKENS=paged_attention.BLOCK_TOKENS,
+        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+    )
+    _compile(paged_attention._paged_decode_kernel, pointers, constexprs, floats=("scale_log2",))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_prob_kernels_compile(dtype):
+    constexprs = dict(BLOCK_VOCAB=fused_logprob.MAX_BLOCK_VOCAB)
+    statistics = {name: "*fp32" for name in ("log_probs_ptr", "entropy_ptr", "logsumexp_ptr")}
+    forward = statistics | {"logits_ptr": f"*{dtype}", "labels_ptr": "*i64"}
+    _compile(fused_logprob._forward_kernel, forward, constexprs, num_warps=8)
+    backward = statistics | {
+        "grad_logits_ptr": f"*{dtype}", "logits_ptr": f"*{dtype}", "labels_ptr": "*i64",
+        "grad_log_probs_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
+    }
+    _compile(fused_logprob._backward_kernel, backward, constexprs, num_warps=8)

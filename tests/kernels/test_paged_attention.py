@@ -1,0 +1,183 @@
+"""Paged decode attention: the Triton kernel against its torch reference (on CUDA, and on CPU under Triton's
+interpreter), the reference against the engine's gather path, the wrapper's input checks, and ``attend``'s dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import spmd_rlhf.models.attention as attention
+from kernel_checks import (
+    PAGED_INTERPRETER_CASES,
+    PAGED_INTERPRETER_DTYPES,
+    RELATIVE_TOLERANCE,
+    PagedCase,
+    check_paged_attention,
+    interpreter_unusable_reason,
+    run_under_interpreter,
+)
+from spmd_rlhf.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
+from spmd_rlhf.kernels.triton_support import triton_available
+from spmd_rlhf.models.attention import AttentionBatch, attend
+from spmd_rlhf.models.paged_kv import PagedKV
+
+needs_cuda_and_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() and triton_available()), reason="needs a CUDA device and triton"
+)
+
+BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
+
+
+def _decode_step(context_lens: list[int], *, num_layers: int = 2, device: str = "cpu", dtype=torch.float32):
+    """A decode step of the engine: sequences with ``context_lens`` tokens (the last one new), their blocks drawn at
+    random from a cache whose other slots hold random values; returns the PagedKV and the new tokens' q, k, v."""
+    blocks_per_seq = [-(-length // BLOCK_SIZE) for length in context_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    order = torch.randperm(num_blocks).tolist()
+    tables = []
+    for count in blocks_per_seq:
+        tables.append(order[:count] + [0] * (max(blocks_per_seq) - count))
+        order = order[count:]
+    cache_shape = (num_layers, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(cache_shape, device=device).to(dtype)
+    value_cache = torch.randn(cache_shape, device=device).to(dtype)
+    last = [length - 1 for length in context_lens]
+    slots = [table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE for table, position in zip(tables, last)]
+    num_seqs = len(context_lens)
+    paged = PagedKV(
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=torch.tensor(slots, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        max_seqlen_q=1,
+        max_context_len=max(context_lens),
+    )
+    q, k, v = (
+        torch.randn(1, num_seqs, heads, HEAD_DIM, device=device).to(dtype) for heads in (HEADS, KV_HEADS, KV_HEADS)
+    )
+    return paged, q, k, v
+
+
+def _attend(paged: PagedKV, q, k, v, backend: str, layer: int = 1) -> torch.Tensor:
+    batch = AttentionBatch.build(
+        batch_size=1, seq_len=q.shape[1], attention_mask=None, cu_seqlens=None, backend=backend,
+        device=q.device, dtype=q.dtype, paged=paged,
+    )
+    return attend(q, k, v, batch, scale=HEAD_DIM**-0.5, layer_index=layer)
+
+
+def test_reference_equals_the_engine_gather_path_on_a_decode_step():
+    paged, q, k, v = _decode_step([5, 1, 11])
+    out = _attend(paged, q, k, v, backend="torch")[0]
+    # attend wrote the new tokens' K/V into layer 1 first; the reference reads that layer's cache as it now is.
+    expected = reference_paged_decode_attention(
+        q[0], paged.key_cache[1], paged.value_cache[1], paged.block_tables, paged.context_lens, scale=HEAD_DIM**-0.5
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_falls_back_to_the_reference_and_zeros_an_empty_context():
+    paged, _, _, _ = _decode_step([6, 9, 3])
+    context_lens = torch.tensor([6, 0, 3], dtype=torch.int32)
+    strided_q = torch.randn(3, HEADS, HEAD_DIM + 4)[..., :HEAD_DIM]
+    inputs = (strided_q, paged.key_cache[0], paged.value_cache[0], paged.block_tables, context_lens)
+    out = paged_decode_attention(*inputs, scale=0.3)
+    assert torch.equal(out, reference_paged_decode_attention(*inputs, scale=0.3))
+    assert not out[1].any() and out[0].abs().sum() > 0
+
+
+def test_attend_sends_decode_steps_to_the_kernel_when_triton_applies(monkeypatch):
+    calls = []
+
+    def recording_kernel(q, key_cache, value_cache, block_tables, context_lens, *, scale):
+        calls.append((key_cache.data_ptr(), value_cache.data_ptr(), q.shape))
+        return paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend="torch")
+
+    paged, q, k, v = _decode_step([7, 2, 12])
+    expected = _attend(paged, q, k, v, backend="torch")
+    monkeypatch.setattr(attention, "use_triton", lambda device, backend: True)
+    monkeypatch.setattr(attention, "paged_decode_attention", recording_kernel)
+
+    torch.testing.assert_close(_attend(paged, q, k, v, backend="sdpa"), expected, atol=1e-5, rtol=1e-5)
+    assert calls == [(paged.key_cache[1].data_ptr(), paged.value_cache[1].data_ptr(), q[0].shape)]
+    _attend(paged, q, k, v, backend="torch")
+    assert len(calls) == 1, "the pure-torch backend keeps the gather path"
+    prefill = dataclasses.replace(paged, max_seqlen_q=2)
+    _attend(prefill, q, k, v, backend="sdpa")
+    assert len(calls) == 1, "a step with several new tokens per sequence is not a decode step"
+
+
+def _inputs(**overrides):
+    inputs = dict(
+        q=torch.randn(2, 4, 8),
+        key_cache=torch.randn(5, 4, 2, 8),
+        value_cache=torch.randn(5, 4, 2, 8),
+        block_tables=torch.zeros(2, 3, dtype=torch.int32),
+        context_lens=torch.tensor([3, 9], dtype=torch.int32),
+    )
+    return {**inputs, **overrides}
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(q=torch.randn(2, 32)), "q must be \\[num_seqs, heads, head_dim\\]"),
+        (dict(value_cache=torch.randn(5, 4, 1, 8)), "key_cache and value_cache must both be"),
+        (dict(q=torch.randn(2, 4, 16)), "q has head_dim 16 but the cache has head_dim 8"),
+        (dict(q=torch.randn(2, 3, 8)), "3 query heads are not a multiple of the cache's 2 KV heads"),
+        (dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)), "block_tables must be int32"),
+        (dict(block_tables=torch.zeros(3, 3, dtype=torch.int32)), "block_tables must be int32 \\[num_seqs=2"),
+        (dict(context_lens=torch.tensor([3], dtype=torch.int32)), "context_lens must be int32 \\[num_seqs=2\\]"),
+        (dict(key_cache=torch.randn(5, 4, 2, 8).half()), "must share one of float16, bfloat16, float32"),
+        (
+            dict(q=torch.randn(2, 4, 8).double(), key_cache=torch.randn(5, 4, 2, 8).double(),
+                 value_cache=torch.randn(5, 4, 2, 8).double()),
+            "must share one of float16, bfloat16, float32",
+        ),
+        (dict(context_lens=torch.tensor([3, 9], dtype=torch.int32, device="meta")), "all inputs must be on one device"),
+        (dict(q=torch.randn(2, 8, 4).transpose(1, 2)), "q must be contiguous in head_dim"),
+        (dict(key_cache=torch.randn(5, 4, 8, 2).transpose(2, 3)), "key_cache must be contiguous in head_dim"),
+    ],
+)
+def test_bad_inputs_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**_inputs(**overrides), scale=1.0)
+
+
+@pytest.mark.skipif(interpreter_unusable_reason() is not None, reason=str(interpreter_unusable_reason()))
+def test_kernel_matches_the_reference_under_the_triton_interpreter():
+    passed = run_under_interpreter("paged_attention")
+    assert len(passed) == len(PAGED_INTERPRETER_CASES) * len(PAGED_INTERPRETER_DTYPES), passed
+
+
+CUDA_CASES = [
+    PagedCase(heads=32, kv_heads=8, head_dim=128, block_size=16, context_lens=(1, 17, 640, 2049, 64, 1000) * 8),
+    PagedCase(heads=28, kv_heads=4, head_dim=128, block_size=16, context_lens=(3000, 5, 0, 129), strided_q=True),
+    PagedCase(heads=16, kv_heads=16, head_dim=64, block_size=256, context_lens=(300, 1, 700)),
+    PagedCase(heads=14, kv_heads=2, head_dim=96, block_size=5, context_lens=(33, 98, 7)),
+]
+
+
+@needs_cuda_and_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CUDA_CASES, ids=str)
+def test_cuda_kernel_matches_the_reference(case, dtype):
+    check_paged_attention(case, dtype, "cuda", "auto")
+    check_paged_attention(case, dtype, "cuda", "triton")
+
+
+@needs_cuda_and_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_decode_step_through_attend_matches_the_gather_path(dtype):
+    paged, q, k, v = _decode_step([1, 40, 300, 17], device="cuda", dtype=dtype)
+    gather_paged = dataclasses.replace(paged, key_cache=paged.key_cache.clone(), value_cache=paged.value_cache.clone())
+    out = _attend(paged, q, k, v, backend="sdpa")
+    expected = _attend(gather_paged, q, k, v, backend="torch")
+    error = float((out.double() - expected.double()).norm() / expected.double().norm())
+    assert error < RELATIVE_TOLERANCE[dtype], error
