@@ -81,6 +81,18 @@ def test_weights_are_seeded(tmp_path):
     assert (tmp_path / "first" / "tokenizer.json").read_text() == (tmp_path / "other" / "tokenizer.json").read_text()
 
 
+def test_model_vocabulary_and_positions_can_exceed_the_tokenizer(tmp_path):
+    from spmd_rlhf.models import load_model
+
+    make_tiny(family="qwen2", out_dir=str(tmp_path), model_vocab_size=1000, max_position_embeddings=4096)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert len(tokenizer) < 1000
+    assert (model.config.vocab_size, model.config.max_position_embeddings) == (1000, 4096)
+    assert model.get_input_embeddings().weight.shape[0] == 1000
+    assert load_model(str(tmp_path)).args.vocab_size == 1000
+
+
 def test_bad_arguments_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="allowed families: llama, qwen2, qwen3, mistral"):
         make_tiny(family="gpt2", out_dir=str(tmp_path))
@@ -88,6 +100,8 @@ def test_bad_arguments_are_rejected(tmp_path):
         make_tiny(family="llama", out_dir=str(tmp_path), head="value")
     with pytest.raises(ValueError, match="num_kv_heads=3"):
         make_tiny(family="llama", out_dir=str(tmp_path), num_kv_heads=3)
+    with pytest.raises(ValueError, match="model_vocab_size=10 is smaller than the tokenizer"):
+        make_tiny(family="llama", out_dir=str(tmp_path), model_vocab_size=10)
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -61,14 +61,18 @@ def make_tiny(
     num_kv_heads: int = 2,
     intermediate_size: int | None = None,
     vocab_size: int = 512,
+    model_vocab_size: int | None = None,
+    max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
     head: str = "lm",
     seed: int = 0,
 ) -> str:
     """Train a tokenizer, build a random-init `family` model seeded by `seed`, save both to `out_dir`; return it.
 
-    `vocab_size` bounds the tokenizer's vocabulary; the model's is `len(tokenizer)`. `head="lm"` gives a
-    `*ForCausalLM`, `head="score"` a `*ForSequenceClassification` with one output (reward or value model).
-    `intermediate_size` defaults to 4 x `hidden_size`.
+    `vocab_size` bounds the tokenizer's vocabulary; the model's is `len(tokenizer)`, or `model_vocab_size` rows when
+    given (real checkpoints pad theirs past the tokenizer, e.g. Qwen2.5's 151936 rows for 151665 tokens, so a model
+    of a real shape can be written with this small tokenizer). `head="lm"` gives a `*ForCausalLM`, `head="score"` a
+    `*ForSequenceClassification` with one output (reward or value model). `intermediate_size` defaults to
+    4 x `hidden_size`.
     """
     if family not in _FAMILIES:
         raise ValueError(f"unknown family {family!r}; allowed families: {', '.join(_FAMILIES)}")
@@ -80,15 +84,20 @@ def make_tiny(
             "num_heads must divide hidden_size and num_kv_heads must divide num_heads"
         )
     tokenizer = train_tokenizer(task_corpus("arithmetic") + _GENERIC_TEXT, vocab_size=vocab_size)
+    if model_vocab_size is not None and model_vocab_size < len(tokenizer):
+        raise ValueError(
+            f"model_vocab_size={model_vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; give at least "
+            f"{len(tokenizer)} or leave it out"
+        )
     config_class, family_fields = _FAMILIES[family]
     fields = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) if model_vocab_size is None else model_vocab_size,
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size if intermediate_size is None else intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        max_position_embeddings=max_position_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -1,0 +1,185 @@
+"""What the GPU benchmarks (``benchmarks/gpu_*.py``) share: the model shapes they run, the random-init model directory,
+the device facts every result records (name, versions, measured copy bandwidth, peak FLOP/s), ``--smoke`` handling
+and the JSON writer. Not an entry point.
+
+Every figure a GPU benchmark reports is a ratio to a baseline measured in the same run. ``--smoke`` runs the same code
+on a tiny model with small sizes (on CPU when there is no GPU, in seconds; ``tests/benchmarks`` runs it), and the JSON
+then says ``"smoke": true`` and names the device it ran on: a smoke figure is never a GPU figure, and ``meets_goal``
+is only set (true or false) for a run on CUDA without ``--smoke``; elsewhere it is null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from spmd_rlhf.models.tiny import make_tiny
+
+SHAPES: dict[str, dict[str, int | None]] = {
+    # Qwen2.5-1.5B: tied embeddings (as every qwen2 make_tiny model), vocabulary padded past the tokenizer like the
+    # real checkpoint's.
+    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+                 model_vocab_size=151936, max_position_embeddings=32768),
+    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                 model_vocab_size=151936, max_position_embeddings=32768),
+    # For --smoke: the tokenizer's own few hundred tokens.
+    "smoke": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                  model_vocab_size=None, max_position_embeddings=4096),
+}
+_CONFIG_KEYS = {  # SHAPES key -> config.json key, for checking a reused --model-dir
+    "hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size", "model_vocab_size": "vocab_size",
+}
+
+# Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, matched against torch.cuda.get_device_name in this order.
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+
+
+# ---- models ------------------------------------------------------------------------------------------------------
+
+
+def _check_shape(model_dir: str, shape: str) -> None:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    for key, config_key in _CONFIG_KEYS.items():
+        wanted = SHAPES[shape][key]
+        if wanted is not None and config.get(config_key) != wanted:
+            raise ValueError(
+                f"--model-dir {model_dir} holds a model with {config_key}={config.get(config_key)}, not the {shape} "
+                f"shape's {wanted}; give an empty or new directory (it is built there) or the matching --shape"
+            )
+
+
+@contextmanager
+def shaped_model(shape: str, model_dir: str | None = None, *, seed: int = 0) -> Iterator[str]:
+    """The directory of a random-init qwen2 model of ``shape`` (``SHAPES``) with ``make_tiny``'s tokenizer: built in a
+    temporary directory removed afterwards, or in ``model_dir`` and kept there (a directory that already holds a
+    model of that shape is used as it is, so several benchmarks can share one build)."""
+    if model_dir is None:
+        with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{shape}_") as scratch:
+            yield make_tiny(family="qwen2", out_dir=scratch, seed=seed, **SHAPES[shape])
+        return
+    if (Path(model_dir) / "config.json").is_file():
+        _check_shape(model_dir, shape)
+    else:
+        make_tiny(family="qwen2", out_dir=model_dir, seed=seed, **SHAPES[shape])
+    yield model_dir
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters, a tied embedding once: what one decode step must read from memory."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---- device ------------------------------------------------------------------------------------------------------
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> str:
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def known_peak_tflops(name: str) -> float | None:
+    """The dense bf16 peak of the GPU called ``name`` (``torch.cuda.get_device_name``), None if not known."""
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def peak_tflops(device: torch.device | str, given: float | None) -> float | None:
+    """``given`` (``--peak-tflops``), else the dense bf16 peak of a known GPU by name, else None (MFU not reported)."""
+    if given is not None:
+        return given
+    return known_peak_tflops(device_name(device)) if torch.device(device).type == "cuda" else None
+
+
+def copy_bandwidth(device: torch.device | str, *, nbytes: int, repeats: int = 5, copies: int = 10) -> float:
+    """Bytes read plus bytes written per second by device-to-device copies of ``nbytes`` (best of ``repeats`` runs of
+    ``copies`` back-to-back copies, after a warm-up, so that one synchronisation is small next to a run): the memory
+    bandwidth a bandwidth-bound kernel can actually get."""
+    source = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(copies):
+            target.copy_(source)
+        synchronize(device)
+        best = min(best, (time.perf_counter() - start) / copies)
+    return 2 * source.numel() * source.element_size() / best
+
+
+# ---- arguments and results ---------------------------------------------------------------------------------------
+
+
+def parse_with_smoke(parser: argparse.ArgumentParser, smoke_defaults: dict) -> argparse.Namespace:
+    """Parse the command line; with ``--smoke``, ``smoke_defaults`` replace the defaults (flags given still win)."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model and sizes (seconds on CPU): checks the script, measures nothing of interest")
+    args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**smoke_defaults)
+        args = parser.parse_args()
+    return args
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device | str) -> dict:
+    """Where and how a result was measured, with the command that measured it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Set by torchrun's agent (launch() sets RANK and friends itself for a plain one-process run).
+    launcher = f"torchrun --nproc-per-node {world}" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
+    return {
+        "device": torch.device(device).type, "device_name": device_name(device),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": _package_version("transformers"),
+        "triton": _package_version("triton"), "platform": platform.platform(), "cpus": os.cpu_count(),
+        "world_size": world, "command": f"{launcher} {shlex.join(sys.argv)}",
+    }
+
+
+def meets_goal(achieved: float | None, goal: float, *, at_least: bool, real_run: bool) -> bool | None:
+    """Whether ``achieved`` reaches ``goal``; None for a smoke or CPU run, whose figures say nothing about the GPU."""
+    if not real_run or achieved is None:
+        return None
+    return achieved >= goal if at_least else achieved <= goal
+
+
+def write_result(out_dir: str, name: str, result: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=2)
+    print(f"wrote {path}")
+    return path
