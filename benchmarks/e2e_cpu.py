@@ -154,7 +154,10 @@ def _time_method(owner: object, name: str, seconds: list[float]) -> None:
 
 
 def trl_worker(spec_path: str) -> None:
-    """One TRL GRPO run as described by the JSON file at ``spec_path``; writes its raw timings to ``spec['result']``."""
+    """One TRL GRPO run as described by the JSON file at ``spec_path``; writes its raw timings to ``spec['result']``.
+
+    Also the TRL half of ``benchmarks/gpu_grpo.py``, whose spec adds ``device`` (cuda), ``dtype`` (bfloat16: autocast)
+    and ``trl_weights`` (the dtype TRL loads the weights in); without them: CPU, float32 throughout."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -173,8 +176,8 @@ def trl_worker(spec_path: str) -> None:
         ]
 
     config = GRPOConfig(
-        output_dir=spec["output_dir"], use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, seed=spec["seed"], max_steps=spec["steps"],
+        output_dir=spec["output_dir"], use_cpu=spec.get("device", "cpu") == "cpu", report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, seed=spec["seed"], max_steps=spec["steps"],
         per_device_train_batch_size=spec["micro_batch_size"],
         gradient_accumulation_steps=samples // (spec["micro_batch_size"] * world),
         num_generations=spec["n"], max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
@@ -182,8 +185,9 @@ def trl_worker(spec_path: str) -> None:
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=spec["weight_decay"],
         adam_beta1=spec["betas"][0], adam_beta2=spec["betas"][1], max_grad_norm=spec["grad_clip"],
         beta=spec["kl_coef"], epsilon=spec["clip_low"], epsilon_high=spec["clip_high"], num_iterations=1,
-        loss_type="dapo", scale_rewards="group", bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False,
-        model_init_kwargs={"dtype": "float32"},
+        loss_type="dapo", scale_rewards="group", bf16=spec.get("dtype") == "bfloat16", fp16=False,
+        gradient_checkpointing=False, use_vllm=False,
+        model_init_kwargs={"dtype": spec.get("trl_weights", "float32"), "attn_implementation": "sdpa"},
     )
     dataset = Dataset.from_parquet(spec["train_file"])
     clock = StepClock()

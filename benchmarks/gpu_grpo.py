@@ -26,7 +26,7 @@ clip ratios, sampling temperature / top-k / top-p, AdamW betas and weight decay,
 
 The runs take turns on the device, ours first. The first ``--warmup`` steps of each are left out; per-step medians.
 tokens/s = (prompt + generated tokens of a step, as each framework counts them) / step seconds. Goal (G4): ours >= 5x
-TRL's tokens/s. Reuses ``benchmarks/e2e_cpu.py``'s process runner, step clock and summary. Writes
+TRL's tokens/s. Reuses ``benchmarks/e2e_cpu.py``'s process runner, TRL worker and summary. Writes
 ``benchmarks/results/gpu_grpo_<shape>_<device>.json`` and prints a table.
 """
 
@@ -44,14 +44,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from e2e_cpu import RECIPE, RECIPE_CONFIG, StepClock, _run, _summary, _time_method, _torchrun
+from e2e_cpu import RECIPE, RECIPE_CONFIG, _run, _summary, _torchrun
 from gpu_common import (
     SHAPES, default_device, default_dtype, environment, meets_goal, parse_with_smoke, shaped_model, write_result,
 )
 from spmd_rlhf.config import load_config
 
+E2E_SCRIPT = Path(__file__).resolve().parent / "e2e_cpu.py"
+"""Runs the TRL half (``--trl-worker``), shared with the CPU comparison."""
 SPEEDUP_GOAL = 5.0
 LEARNING_RATE = 1e-6
 
@@ -117,55 +118,17 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
 # ---- TRL ---------------------------------------------------------------------------------------------------------
 
 
-def trl_worker(spec_path: str) -> None:
-    """One TRL GRPO run as described by the JSON file at ``spec_path``; writes its raw timings to ``spec['result']``."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    from spmd_rlhf.rewards import RuleReward
-
-    spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(spec["threads"])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    samples = spec["prompts"] * spec["n"]
-    rule = RuleReward(spec["rule"])
-
-    def rule_reward(completions, data_source, reward_model, extra_info, **kwargs) -> list[float]:
-        return [
-            rule.score(source, completion[0]["content"], model["ground_truth"], extra)[0]
-            for completion, source, model, extra in zip(completions, data_source, reward_model, extra_info)
-        ]
-
-    config = GRPOConfig(
-        output_dir=spec["output_dir"], use_cpu=spec["device"] == "cpu", report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=spec["seed"], max_steps=spec["steps"],
-        per_device_train_batch_size=spec["micro_batch"],
-        gradient_accumulation_steps=samples // (spec["micro_batch"] * world),
-        num_generations=spec["n"], max_completion_length=spec["new_tokens"], temperature=spec["temperature"],
-        top_k=spec["top_k"], top_p=spec["top_p"],
-        learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, weight_decay=spec["weight_decay"],
-        adam_beta1=spec["betas"][0], adam_beta2=spec["betas"][1], max_grad_norm=spec["grad_clip"],
-        beta=spec["kl_coef"], epsilon=spec["clip_low"], epsilon_high=spec["clip_high"], num_iterations=1,
-        loss_type="dapo", scale_rewards="group", bf16=spec["dtype"] == "bfloat16", fp16=False,
-        gradient_checkpointing=False, use_vllm=False,
-        model_init_kwargs={"dtype": spec["trl_weights"], "attn_implementation": "sdpa"},
-    )
-    clock = StepClock()
-    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=rule_reward, args=config,
-                          train_dataset=Dataset.from_parquet(spec["train_file"]), callbacks=[clock])
-    generate_s: list[float] = []
-    _time_method(trainer, "_generate", generate_s)
-    trainer.train()
-    if trainer.accelerator.is_main_process:
-        Path(spec["result"]).write_text(json.dumps({"step_s": clock.step_seconds, "generate_s": generate_s, "logs": clock.logs}))
-
-
 def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
-    spec = {**spec, "output_dir": str(workdir / "trl_out"), "result": str(workdir / "trl_result.json")}
+    """TRL's GRPO through ``e2e_cpu.trl_worker`` (one process, or ``nproc`` under torchrun), with this benchmark's
+    sizes under the names that worker reads."""
+    spec = {
+        **spec, "output_dir": str(workdir / "trl_out"), "result": str(workdir / "trl_result.json"),
+        "micro_batch_size": spec["micro_batch"], "max_new_tokens": spec["new_tokens"], "lr": LEARNING_RATE,
+    }
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
     launcher = [sys.executable] if spec["nproc"] == 1 else _torchrun(spec["nproc"])
-    wall = _run(launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
+    wall = _run(launcher + [str(E2E_SCRIPT), "--trl-worker", str(spec_path)],
                 cwd=str(workdir), threads=spec["threads"], log=workdir / "trl.log")
     raw = json.loads(Path(spec["result"]).read_text())
     if not len(raw["step_s"]) == len(raw["generate_s"]) == len(raw["logs"]) == spec["steps"]:
@@ -204,11 +167,7 @@ def main() -> None:
                         help="dtype TRL stores the weights in (it computes in bf16 autocast on GPU either way)")
     parser.add_argument("--threads", type=int, help="CPU threads per process; default: cores / --nproc")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parse_with_smoke(parser, SMOKE)
-    if args.trl_worker:
-        trl_worker(args.trl_worker)
-        return
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} leaves nothing after --warmup={args.warmup}; use more steps")
     samples = args.prompts * args.n
