@@ -68,9 +68,11 @@ def test_plan_command_prints_the_mapping_and_runners_up():
     assert wrong.returncode == 2 and "algorithm 'dpo': must be one of" in wrong.stderr
 
 
-def test_a_recipe_runs_on_the_mappers_placement(tmp_path):
+def test_a_recipe_runs_on_the_mappers_placement(tmp_path, monkeypatch):
+    # No saved profile: the coordinator calibrates this machine inside the torchrun job, then plans.
+    monkeypatch.setenv("SPMD_RLHF_PROFILE", str(tmp_path / "no_profile.json"))
     records = run_recipe(
-        "ppo", tmp_path, "placement=auto", "mapping.profile=h100", "trainer.total_steps=2", "trainer.val_every=0",
+        "ppo", tmp_path, "placement=auto", "mapping.profile=auto", "trainer.total_steps=2", "trainer.val_every=0",
         "actor.micro_batch_size=16", "critic.micro_batch_size=16",
     )
     assert len(records) == 2 and all(record["actor/loss"] == record["actor/loss"] for record in records)

@@ -124,10 +124,11 @@ def _link_worker(rank: int, world_size: int, port: int, backend: str, num_bytes:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=_JOIN_TIMEOUT_S),
-    )
+    timeout = datetime.timedelta(seconds=_JOIN_TIMEOUT_S)
+    # An explicit store: under torchrun (placement=auto calibrating at start) a tcp:// init would defer to the
+    # elastic agent's store (TORCHELASTIC_USE_AGENT_STORE), which these processes are not part of.
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         sync = _sync_for(device)
         piece = torch.empty(num_bytes, dtype=torch.uint8, device=device)
