@@ -1,6 +1,8 @@
 """Fused log-softmax-gather and entropy over the vocabulary, forward and backward, in one pass each.
 
-For logits ``l`` of one token with label ``y``, ``lse = logsumexp(l)``, ``p = softmax(l)``:
+For logits ``x`` of one token with label ``y`` at temperature ``T``, ``l = x / T`` (each logit read in its own dtype
+and multiplied by ``1 / T`` in float32, so no scaled copy of the logits exists), ``lse = logsumexp(l)``,
+``p = softmax(l)``:
 
     log_prob = l[y] - lse
     entropy  = -sum_j p_j log p_j = log s - t / s,  s = sum_j e^(l_j - m),  t = sum_j e^(l_j - m) (l_j - m)
@@ -17,12 +19,15 @@ and ``d H / d l_j = -p_j (log p_j + H)``:
     d loss / d l_j = g [j = y] - p_j (g + h (log p_j + H))
 
 which the backward kernel evaluates block by block from the saved ``lse`` and ``H`` (``log p_j = l_j - lse``),
-writing the gradient straight into a tensor of the logits' dtype. Neither pass materialises a float32
-``[tokens, vocab]`` tensor. ``spmd_rlhf.models.logprob`` calls this on CUDA; vocabulary-parallel logits keep its
+writing the gradient straight into a tensor of the logits' dtype. The gradient w.r.t. the unscaled logits ``x`` is
+that times ``1 / T``, folded into ``g`` and ``h`` since the expression is linear in them. Neither pass materialises a
+float32 ``[tokens, vocab]`` tensor. ``spmd_rlhf.models.logprob`` calls this on CUDA; vocabulary-parallel logits keep its
 chunked torch path.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -34,14 +39,28 @@ MAX_BLOCK_VOCAB = 4096
 """Vocabulary entries per block: wide enough to stream at full bandwidth, small enough to stay in registers."""
 
 
-def reference_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' definition in plain torch, differentiable by autograd; materialises the full log-softmax.
+def reference_log_probs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' definition in plain torch, differentiable by autograd; materialises the full log-softmax of
+    ``logits / temperature``.
 
     Computes in float32 (float64 for float64 logits, which the tests use as ground truth)."""
-    log_softmax = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
+    check_temperature(temperature)
+    log_softmax = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(dim=-1)
     log_probs = log_softmax.gather(-1, labels.long()[:, None]).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
     return log_probs, entropy
+
+
+def check_temperature(temperature: float) -> None:
+    """Log-probs are of ``softmax(logits / temperature)``: only a finite positive temperature defines one (greedy
+    decoding, temperature 0, has no softmax to score against)."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"temperature={temperature!r} must be a finite number > 0: log-probs are of softmax(logits / temperature); "
+            "score greedy rollouts at temperature 1"
+        )
 
 
 def _check_inputs(logits: torch.Tensor, labels: torch.Tensor) -> None:
@@ -72,7 +91,9 @@ class _FusedLogProbEntropy(torch.autograd.Function):
     """Log-probs and entropies ``[tokens]`` float32 of ``logits`` ``[tokens, vocab]``; gradients w.r.t. ``logits``."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, vocab = logits.shape
         log_probs, entropy, logsumexp = (
             torch.empty(tokens, dtype=torch.float32, device=logits.device) for _ in range(3)
@@ -82,15 +103,16 @@ class _FusedLogProbEntropy(torch.autograd.Function):
             with launch_device(logits.device):
                 _forward_kernel[(tokens,)](
                     log_probs, entropy, logsumexp, logits, labels,
-                    vocab, logits.stride(0), labels.stride(0),
+                    1.0 / temperature, vocab, logits.stride(0), labels.stride(0),
                     BLOCK_VOCAB=block_vocab,
                     num_warps=_num_warps(block_vocab),
                 )
         ctx.save_for_backward(logits, labels, logsumexp, entropy)
+        ctx.temperature = temperature
         return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, labels, logsumexp, entropy = ctx.saved_tensors
         tokens, vocab = logits.shape
         grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -100,19 +122,21 @@ class _FusedLogProbEntropy(torch.autograd.Function):
             with launch_device(logits.device):
                 _backward_kernel[(tokens, triton.cdiv(vocab, block_vocab))](
                     grad_logits, logits, labels, logsumexp, entropy, grad_log_probs, grad_entropy,
-                    vocab, grad_logits.stride(0), logits.stride(0), labels.stride(0),
+                    1.0 / ctx.temperature, vocab, grad_logits.stride(0), logits.stride(0), labels.stride(0),
                     grad_log_probs.stride(0), grad_entropy.stride(0),
                     BLOCK_VOCAB=block_vocab,
                     num_warps=_num_warps(block_vocab),
                 )
-        return grad_logits, None
+        return grad_logits, None, None
 
 
 def fused_log_probs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, *, backend: str = "auto"
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log softmax(logits)[labels]`` and the entropy of ``softmax(logits)``, both float32 ``[tokens]`` and
-    differentiable w.r.t. ``logits`` ``[tokens, vocab]`` (float16, bfloat16 or float32; ``labels`` int ``[tokens]``).
+    """``log softmax(logits / temperature)[labels]`` and the entropy of ``softmax(logits / temperature)``, both
+    float32 ``[tokens]`` and differentiable w.r.t. ``logits`` ``[tokens, vocab]`` (float16, bfloat16 or float32;
+    ``labels`` int ``[tokens]``). The kernels scale each logit in float32 as they read it, so the caller passes the
+    logits unscaled and in their own dtype rather than a float32 ``logits / temperature`` copy.
 
     ``backend``: ``auto`` (the Triton kernels on CUDA when triton is installed, else the torch reference),
     ``triton`` or ``torch``. The reference materialises the float32 log-softmax; the memory-light torch path for large
@@ -120,9 +144,10 @@ def fused_log_probs_and_entropy(
     label outside ``[0, vocab)`` yields a NaN log-prob (checking the range on the host would wait for the device).
     """
     _check_inputs(logits, labels)
+    check_temperature(temperature)
     if not use_triton(logits.device, backend):
-        return reference_log_probs_and_entropy(logits, labels)
-    return _FusedLogProbEntropy.apply(logits, labels)
+        return reference_log_probs_and_entropy(logits, labels, temperature=temperature)
+    return _FusedLogProbEntropy.apply(logits, labels, float(temperature))
 
 
 if triton is not None:
@@ -130,7 +155,7 @@ if triton is not None:
     @triton.jit
     def _forward_kernel(
         log_probs_ptr, entropy_ptr, logsumexp_ptr, logits_ptr, labels_ptr,
-        vocab, stride_logits_row, stride_labels,
+        inverse_temperature, vocab, stride_logits_row, stride_labels,
         BLOCK_VOCAB: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -141,7 +166,7 @@ if triton is not None:
         for start in range(0, vocab, BLOCK_VOCAB):
             columns = start + tl.arange(0, BLOCK_VOCAB)
             mask = columns < vocab
-            logits = tl.load(row_ptr + columns, mask=mask, other=float("-inf")).to(tl.float32)
+            logits = tl.load(row_ptr + columns, mask=mask, other=float("-inf")).to(tl.float32) * inverse_temperature
             new_max = tl.maximum(running_max, tl.max(logits, axis=0))
             correction = tl.exp(running_max - new_max)
             centred = logits - new_max
@@ -156,7 +181,7 @@ if triton is not None:
         logsumexp = running_max + log_sum
         label = tl.load(labels_ptr + row * stride_labels)
         inside = (label >= 0) & (label < vocab)
-        picked = tl.load(row_ptr + label, mask=inside, other=float("nan")).to(tl.float32)
+        picked = tl.load(row_ptr + label, mask=inside, other=float("nan")).to(tl.float32) * inverse_temperature
         tl.store(log_probs_ptr + row, picked - logsumexp)
         tl.store(entropy_ptr + row, log_sum - centred_sum / running_sum)
         tl.store(logsumexp_ptr + row, logsumexp)
@@ -164,17 +189,20 @@ if triton is not None:
     @triton.jit
     def _backward_kernel(
         grad_logits_ptr, logits_ptr, labels_ptr, logsumexp_ptr, entropy_ptr, grad_log_probs_ptr, grad_entropy_ptr,
-        vocab, stride_grad_row, stride_logits_row, stride_labels, stride_grad_log_probs, stride_grad_entropy,
+        inverse_temperature, vocab,
+        stride_grad_row, stride_logits_row, stride_labels, stride_grad_log_probs, stride_grad_entropy,
         BLOCK_VOCAB: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         columns = tl.program_id(1) * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
         mask = columns < vocab
         logits = tl.load(logits_ptr + row * stride_logits_row + columns, mask=mask, other=0.0).to(tl.float32)
+        logits *= inverse_temperature
         log_probs = logits - tl.load(logsumexp_ptr + row)
         probs = tl.exp(log_probs)
-        grad_log_prob = tl.load(grad_log_probs_ptr + row * stride_grad_log_probs).to(tl.float32)
-        grad_entropy = tl.load(grad_entropy_ptr + row * stride_grad_entropy).to(tl.float32)
+        # d l / d x = 1 / T, and the gradient below is linear in the upstream gradients: scale those once per row.
+        grad_log_prob = tl.load(grad_log_probs_ptr + row * stride_grad_log_probs).to(tl.float32) * inverse_temperature
+        grad_entropy = tl.load(grad_entropy_ptr + row * stride_grad_entropy).to(tl.float32) * inverse_temperature
         entropy = tl.load(entropy_ptr + row)
         grad = -probs * (grad_log_prob + grad_entropy * (log_probs + entropy))
         label = tl.load(labels_ptr + row * stride_labels)

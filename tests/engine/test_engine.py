@@ -46,7 +46,7 @@ def _training_log_probs(model, seq, temperature: float) -> torch.Tensor:
     ids = torch.tensor([seq.token_ids])
     with torch.no_grad():
         logits = model(ids)
-    return log_probs_from_logits(logits[:, :-1] / temperature, ids[:, 1:])[0, seq.num_prompt_tokens - 1 :]
+    return log_probs_from_logits(logits[:, :-1], ids[:, 1:], temperature=temperature)[0, seq.num_prompt_tokens - 1 :]
 
 
 def test_greedy_matches_transformers_with_and_without_preemption(checkpoint):

@@ -21,7 +21,8 @@ def _max_log_prob_error(model, outputs, temperature: float) -> float:
         ids = torch.tensor([seq.token_ids], device="cuda")
         with torch.no_grad():
             logits = model(ids)
-        expected = log_probs_from_logits(logits[:, :-1] / temperature, ids[:, 1:])[0, seq.num_prompt_tokens - 1 :]
+        expected = log_probs_from_logits(logits[:, :-1], ids[:, 1:], temperature=temperature)
+        expected = expected[0, seq.num_prompt_tokens - 1 :]
         errors.append((torch.tensor(seq.log_probs) - expected.cpu()).abs().max().item())
     return max(errors)
 

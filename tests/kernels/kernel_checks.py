@@ -89,6 +89,8 @@ class LogProbCase:
     strided_rows: bool = False
     """logits a slice of wider rows, as the response positions of a longer sequence are."""
     int32_labels: bool = False
+    temperature: float = 1.0
+    """Log-probs of ``softmax(logits / temperature)``; the kernels scale the logits as they read them."""
 
 
 def check_log_probs_and_entropy(case: LogProbCase, dtype: torch.dtype, device: str, backend: str) -> dict[str, float]:
@@ -107,10 +109,12 @@ def check_log_probs_and_entropy(case: LogProbCase, dtype: torch.dtype, device: s
     grad_log_probs, entropy_weight = torch.randn(case.tokens, device=device), float(torch.randn(()))
 
     leaf = logits.detach().requires_grad_()
-    log_probs, entropy = fused_log_probs_and_entropy(leaf, labels, backend=backend)
+    log_probs, entropy = fused_log_probs_and_entropy(leaf, labels, temperature=case.temperature, backend=backend)
     (grad,) = torch.autograd.grad((log_probs * grad_log_probs).sum() + entropy.sum() * entropy_weight, leaf)
     reference_leaf = logits.detach().double().requires_grad_()
-    expected_log_probs, expected_entropy = reference_log_probs_and_entropy(reference_leaf, labels)
+    expected_log_probs, expected_entropy = reference_log_probs_and_entropy(
+        reference_leaf, labels, temperature=case.temperature
+    )
     loss = (expected_log_probs * grad_log_probs.double()).sum() + expected_entropy.sum() * entropy_weight
     (expected_grad,) = torch.autograd.grad(loss, reference_leaf)
 
@@ -148,11 +152,12 @@ PAGED_INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 LOG_PROB_INTERPRETER_CASES = [
     LogProbCase(tokens=6, vocab=MAX_BLOCK_VOCAB + 904),
-    LogProbCase(tokens=5, vocab=37, strided_rows=True, int32_labels=True),
+    LogProbCase(tokens=4, vocab=MAX_BLOCK_VOCAB + 300, temperature=0.6),
+    LogProbCase(tokens=5, vocab=37, strided_rows=True, int32_labels=True, temperature=1.7),
     LogProbCase(tokens=0, vocab=37),
 ]
-"""Rows longer than one vocabulary block (the online max rescales), a short vocabulary that is not a power of two
-with strided rows and int32 labels, and no tokens at all."""
+"""Rows longer than one vocabulary block (the online max rescales), also sharpened by a temperature below 1, a short
+vocabulary that is not a power of two with strided rows, int32 labels and a temperature above 1, and no tokens."""
 
 
 def _major_minor(version: str) -> tuple[int, int]:

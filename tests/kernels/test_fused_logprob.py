@@ -26,14 +26,15 @@ needs_cuda_and_triton = pytest.mark.skipif(
 )
 
 
-def test_reference_matches_the_chunked_torch_path_in_values_and_gradients():
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_reference_matches_the_chunked_torch_path_in_values_and_gradients(temperature):
     logits = (torch.randn(9, 70) * 3).requires_grad_()
     labels = torch.randint(0, 70, (9,))
     weights = torch.randn(2, 9)
-    log_probs, entropy = reference_log_probs_and_entropy(logits, labels)
+    log_probs, entropy = reference_log_probs_and_entropy(logits, labels, temperature=temperature)
     (grad,) = torch.autograd.grad((log_probs * weights[0] + entropy * weights[1]).sum(), logits)
-    chunked_log_probs = log_probs_from_logits(logits, labels, chunk_tokens=4)
-    chunked_entropy = entropy_from_logits(logits, chunk_tokens=4)
+    chunked_log_probs = log_probs_from_logits(logits, labels, temperature=temperature, chunk_tokens=4)
+    chunked_entropy = entropy_from_logits(logits, temperature=temperature, chunk_tokens=4)
     (chunked_grad,) = torch.autograd.grad((chunked_log_probs * weights[0] + chunked_entropy * weights[1]).sum(), logits)
     torch.testing.assert_close(log_probs, chunked_log_probs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, chunked_entropy, atol=1e-5, rtol=1e-5)
@@ -42,7 +43,8 @@ def test_reference_matches_the_chunked_torch_path_in_values_and_gradients():
 
 def test_cpu_falls_back_to_the_reference():
     logits, labels = torch.randn(5, 33).bfloat16(), torch.randint(0, 33, (5,))
-    for actual, expected in zip(fused_log_probs_and_entropy(logits, labels), reference_log_probs_and_entropy(logits, labels)):
+    fused = fused_log_probs_and_entropy(logits, labels, temperature=0.7)
+    for actual, expected in zip(fused, reference_log_probs_and_entropy(logits, labels, temperature=0.7)):
         assert torch.equal(actual, expected)
 
 
@@ -58,22 +60,23 @@ def test_log_probs_and_entropy_together_equal_the_two_functions():
 def test_models_logprob_sends_full_vocabulary_logits_to_the_kernel_when_triton_applies(monkeypatch):
     calls = []
 
-    def recording_kernel(logits, labels):
-        calls.append((logits.shape, labels.tolist()))
-        return fused_log_probs_and_entropy(logits, labels, backend="torch")
+    def recording_kernel(logits, labels, *, temperature):
+        calls.append((logits.shape, labels.tolist(), temperature))
+        return fused_log_probs_and_entropy(logits, labels, temperature=temperature, backend="torch")
 
     logits, labels = torch.randn(2, 3, 20), torch.randint(0, 20, (2, 3))
-    expected = log_probs_and_entropy_from_logits(logits, labels)
+    expected = log_probs_and_entropy_from_logits(logits, labels, temperature=0.8)
     monkeypatch.setattr(logprob, "use_triton", lambda device, backend: True)
     monkeypatch.setattr(logprob, "fused_log_probs_and_entropy", recording_kernel)
 
-    both = log_probs_and_entropy_from_logits(logits, labels)
-    log_probs, entropy = log_probs_from_logits(logits, labels), entropy_from_logits(logits)
+    both = log_probs_and_entropy_from_logits(logits, labels, temperature=0.8)
+    log_probs = log_probs_from_logits(logits, labels, temperature=0.8)
+    entropy = entropy_from_logits(logits, temperature=0.8)
     for actual, wanted in ((both[0], expected[0]), (both[1], expected[1]), (log_probs, expected[0]), (entropy, expected[1])):
         assert actual.shape == (2, 3)
         torch.testing.assert_close(actual, wanted, atol=1e-6, rtol=1e-6)
     flat_labels = labels.reshape(-1).tolist()
-    assert calls == [((6, 20), flat_labels), ((6, 20), flat_labels), ((6, 20), [0] * 6)]
+    assert calls == [((6, 20), flat_labels, 0.8), ((6, 20), flat_labels, 0.8), ((6, 20), [0] * 6, 0.8)]
     log_probs_from_logits(logits.double(), labels)
     assert len(calls) == 3, "float64 logits have no kernel and keep the chunked path"
     assert not logprob._fused_applies(logits, group=object()), "a vocabulary slice keeps the all-reducing torch path"
@@ -96,6 +99,15 @@ def test_bad_inputs_are_named(logits, labels, message):
         fused_log_probs_and_entropy(logits, labels)
 
 
+@pytest.mark.parametrize("temperature", [0.0, -0.5, float("inf"), float("nan")])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_temperature_that_defines_no_softmax_is_named(temperature, backend):
+    # Checked before any backend runs, so the Triton backend raises the same error on a CPU tensor.
+    with pytest.raises(ValueError, match="temperature=.* must be a finite number > 0"):
+        logits, labels = torch.randn(3, 9), torch.zeros(3, dtype=torch.long)
+        fused_log_probs_and_entropy(logits, labels, temperature=temperature, backend=backend)
+
+
 @pytest.mark.skipif(interpreter_unusable_reason() is not None, reason=str(interpreter_unusable_reason()))
 def test_kernels_match_the_reference_under_the_triton_interpreter():
     passed = run_under_interpreter("fused_logprob")
@@ -104,7 +116,8 @@ def test_kernels_match_the_reference_under_the_triton_interpreter():
 
 CUDA_CASES = [
     LogProbCase(tokens=300, vocab=151936),
-    LogProbCase(tokens=1000, vocab=32000, strided_rows=True),
+    LogProbCase(tokens=300, vocab=151936, temperature=0.6),
+    LogProbCase(tokens=1000, vocab=32000, strided_rows=True, temperature=1.7),
     LogProbCase(tokens=7, vocab=50, int32_labels=True),
 ]
 
@@ -132,7 +145,8 @@ def test_cuda_forward_and_backward_allocate_no_float32_table():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    log_probs, entropy = log_probs_and_entropy_from_logits(logits, labels)
+    # At a temperature other than 1, as the actor calls it: the scale must not bring back a float32 copy either.
+    log_probs, entropy = log_probs_and_entropy_from_logits(logits, labels, temperature=0.7)
     (log_probs.sum() + entropy.sum()).backward()
     extra = torch.cuda.max_memory_allocated() - before
     # The gradient itself is one bfloat16 table; a float32 softmax anywhere would add two more of that size.

@@ -1,4 +1,5 @@
-"""Chunked log-prob / entropy: equal to the plain formulas (values and gradients), and light on memory."""
+"""Chunked log-prob / entropy: equal to the plain formulas (values and gradients) at any temperature, also with the
+vocabulary split over ranks, and light on memory."""
 
 from __future__ import annotations
 
@@ -8,24 +9,27 @@ import textwrap
 
 import pytest
 import torch
+from torchrun_helpers import torchrun
 
-from spmd_rlhf.models import entropy_from_logits, log_probs_from_logits
+from spmd_rlhf.models import entropy_from_logits, log_probs_and_entropy_from_logits, log_probs_from_logits
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
 @pytest.mark.parametrize("chunk_tokens", [None, 1, 7, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_values_and_gradients_match_reference(chunk_tokens, dtype):
+def test_values_and_gradients_match_reference(chunk_tokens, dtype, temperature):
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 11, 50, generator=generator) * 3).to(dtype).requires_grad_()
     labels = torch.randint(0, 50, (3, 11), generator=generator)
     weights = torch.randn(3, 11, generator=generator)
 
-    log_probs = log_probs_from_logits(logits, labels, chunk_tokens=chunk_tokens)
-    entropy = entropy_from_logits(logits, chunk_tokens=chunk_tokens)
+    log_probs = log_probs_from_logits(logits, labels, temperature=temperature, chunk_tokens=chunk_tokens)
+    entropy = entropy_from_logits(logits, temperature=temperature, chunk_tokens=chunk_tokens)
     (grad,) = torch.autograd.grad((log_probs * weights).sum() + (entropy * weights).sum(), logits)
 
+    # What the worker computed before the temperature moved inside: a float32 copy of the logits, scaled.
     reference_logits = logits.detach().float().requires_grad_()
-    log_softmax = reference_logits.log_softmax(-1)
+    log_softmax = (reference_logits / temperature).log_softmax(-1)
     reference_log_probs = log_softmax.gather(-1, labels[..., None]).squeeze(-1)
     reference_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     (reference_grad,) = torch.autograd.grad(
@@ -33,15 +37,45 @@ def test_values_and_gradients_match_reference(chunk_tokens, dtype):
     )
     assert log_probs.dtype == entropy.dtype == torch.float32
     torch.testing.assert_close(log_probs, reference_log_probs, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy, reference_entropy, atol=1e-5, rtol=1e-5)
+    # The torch path's entropy is logsumexp(l) - sum p l, two numbers of about max(l) whose float32 difference loses
+    # ~1e-5 on the sharp rows a temperature below 1 makes; a float32 log-softmax reference does not.
+    torch.testing.assert_close(entropy, reference_entropy, atol=3e-5, rtol=1e-5)
     assert grad.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(grad.float(), reference_grad, atol=tolerance, rtol=tolerance)
 
 
+def test_temperature_changes_the_result_and_the_pair_function_agrees():
+    logits, labels = torch.randn(2, 5, 30) * 2, torch.randint(0, 30, (2, 5))
+    log_probs, entropy = log_probs_and_entropy_from_logits(logits, labels, temperature=0.5, chunk_tokens=3)
+    torch.testing.assert_close(log_probs, log_probs_from_logits(logits, labels, temperature=0.5), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits, temperature=0.5), atol=1e-6, rtol=1e-6)
+    # Sharper at 0.5 than at 1: the scale really reaches the softmax.
+    assert (entropy < entropy_from_logits(logits)).all()
+
+
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="disagree"):
         log_probs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf"), float("nan")])
+def test_temperature_must_be_finite_and_positive(temperature):
+    logits, labels = torch.zeros(2, 5), torch.zeros(2, dtype=torch.long)
+    for call in (
+        lambda: log_probs_from_logits(logits, labels, temperature=temperature),
+        lambda: entropy_from_logits(logits, temperature=temperature),
+        lambda: log_probs_and_entropy_from_logits(logits, labels, temperature=temperature),
+    ):
+        with pytest.raises(ValueError, match="temperature=.* must be a finite number > 0"):
+            call()
+
+
+def test_vocabulary_parallel_matches_one_rank_at_a_temperature():
+    """Two ranks, each holding an unequal slice of the vocabulary, against the full-vocabulary float32 reference."""
+    finished = torchrun("vocab_parallel_logprob.py", nproc=2, timeout=120)
+    assert finished.returncode == 0, finished.stdout[-6000:]
+    assert finished.stdout.count("ok rank") == 2, finished.stdout[-2000:]
 
 
 _PEAK_SCRIPT = textwrap.dedent(

@@ -9,6 +9,11 @@ Vocab-parallel (tensor-parallel LM head): each rank holds the logits of its slic
 over ``group`` (three small per-token reductions), so the full-vocabulary logits are never gathered. The backward
 pass needs no communication: each rank's gradient is that of its own slice.
 
+Every function takes a ``temperature`` and computes the statistics of ``softmax(logits / temperature)``: each chunk
+(or, in the kernels, each block of a row) is scaled after its float32 upcast, so callers pass the logits unscaled and
+in their own dtype, and neither a float32 nor a scaled ``[tokens, vocab]`` copy of them is ever made. Gradients are
+w.r.t. the unscaled logits (the chain rule's ``1 / temperature`` included).
+
 On CUDA with Triton installed, full-vocabulary logits (no ``group``) take the fused kernels of
 ``spmd_rlhf.kernels.fused_logprob`` instead: one streaming pass per token computes log-prob and entropy together, and
 one pass writes their gradient, with no row chunking needed.
@@ -19,7 +24,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spmd_rlhf.kernels.fused_logprob import SUPPORTED_DTYPES as FUSED_DTYPES, fused_log_probs_and_entropy
+from spmd_rlhf.kernels.fused_logprob import (
+    SUPPORTED_DTYPES as FUSED_DTYPES,
+    check_temperature,
+    fused_log_probs_and_entropy,
+)
 from spmd_rlhf.kernels.triton_support import use_triton
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
@@ -41,6 +50,13 @@ def _logsumexp(rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
     return peak + total.log()
 
 
+def _scaled_rows(logits: torch.Tensor, start: int, end: int, temperature: float) -> torch.Tensor:
+    """Rows ``[start, end)`` of ``logits / temperature`` in float32; the only float32 copy of logits that exists, one
+    chunk at a time. It may alias ``logits`` (float32 input at temperature 1), so callers never modify it in place."""
+    rows = logits[start:end].float()
+    return rows if temperature == 1.0 else rows / temperature
+
+
 def _local_labels(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels as indices into this rank's vocabulary slice (clamped), and whether each label falls in it."""
     local = labels - vocab_start
@@ -49,22 +65,25 @@ def _local_labels(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> t
 
 
 class _ChunkedLogProb(torch.autograd.Function):
-    """``log p(label) = logit[label] - logsumexp(logits)``; gradient ``g * (onehot(label) - softmax)``."""
+    """With ``l = logits / T``: ``log p(label) = l[label] - logsumexp(l)``; gradient w.r.t. ``logits``
+    ``(g / T) * (onehot(label) - softmax(l))``."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int, group, vocab_start: int) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int, group, vocab_start: int, temperature: float
+    ) -> torch.Tensor:
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         local_labels, inside = _local_labels(labels, vocab_start, logits.shape[-1])
         for start in range(0, logits.shape[0], chunk):
-            rows = logits[start : start + chunk].float()
+            rows = _scaled_rows(logits, start, start + chunk, temperature)
             lse[start : start + chunk] = _logsumexp(rows, group)
             picked = rows.gather(-1, local_labels[start : start + chunk, None]).squeeze(-1)
             if group is not None:
                 picked = _all_reduce(picked * inside[start : start + chunk], group)
             out[start : start + chunk] = picked - lse[start : start + chunk]
         ctx.save_for_backward(logits, local_labels, inside, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return out
 
     @staticmethod
@@ -73,29 +92,30 @@ class _ChunkedLogProb(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk):
             end = start + ctx.chunk
-            g = grad_out[start:end, None].float()
-            chunk_grad = (logits[start:end].float() - lse[start:end, None]).exp_().mul_(-g)
+            g = grad_out[start:end, None].float() / ctx.temperature
+            chunk_grad = (_scaled_rows(logits, start, end, ctx.temperature) - lse[start:end, None]).exp_().mul_(-g)
             chunk_grad.scatter_add_(-1, local_labels[start:end, None], g * inside[start:end, None])
             grad[start:end] = chunk_grad
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class _ChunkedEntropy(torch.autograd.Function):
-    """``H = logsumexp(l) - sum_i p_i l_i``; gradient ``dH/dl_j = g * p_j (sum_i p_i l_i - l_j)``."""
+    """With ``l = logits / T``: ``H = logsumexp(l) - sum_i p_i l_i``; gradient w.r.t. ``logits``
+    ``(g / T) * p_j (sum_i p_i l_i - l_j)``."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, chunk: int, group) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, chunk: int, group, temperature: float) -> torch.Tensor:
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         mean_logit = torch.empty_like(out)
         for start in range(0, logits.shape[0], chunk):
-            rows = logits[start : start + chunk].float()
+            rows = _scaled_rows(logits, start, start + chunk, temperature)
             lse[start : start + chunk] = _logsumexp(rows, group)
             probs = (rows - lse[start : start + chunk, None]).exp_()
             mean_logit[start : start + chunk] = _all_reduce(torch.linalg.vecdot(probs, rows), group)
         out = lse - mean_logit
         ctx.save_for_backward(logits, lse, mean_logit)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return out
 
     @staticmethod
@@ -104,11 +124,11 @@ class _ChunkedEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk):
             end = start + ctx.chunk
-            rows = logits[start:end].float()
+            rows = _scaled_rows(logits, start, end, ctx.temperature)
             probs = (rows - lse[start:end, None]).exp_()
-            # rows may alias the saved logits (float32 input), so it is never modified in place.
-            grad[start:end] = (mean_logit[start:end, None] - rows).mul_(probs).mul_(grad_out[start:end, None].float())
-        return grad, None, None
+            g = grad_out[start:end, None].float() / ctx.temperature
+            grad[start:end] = (mean_logit[start:end, None] - rows).mul_(probs).mul_(g)
+        return grad, None, None, None
 
 
 def _flatten(logits: torch.Tensor) -> torch.Tensor:
@@ -130,8 +150,8 @@ def _fused_applies(logits: torch.Tensor, group: dist.ProcessGroup | None) -> boo
     )
 
 
-def _fused(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    log_probs, entropy = fused_log_probs_and_entropy(_flatten(logits), labels.reshape(-1))
+def _fused(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs, entropy = fused_log_probs_and_entropy(_flatten(logits), labels.reshape(-1), temperature=temperature)
     return log_probs.view(labels.shape), entropy.view(labels.shape)
 
 
@@ -144,38 +164,49 @@ def log_probs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
+    temperature: float = 1.0,
     chunk_tokens: int | None = None,
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
 ) -> torch.Tensor:
-    """``log softmax(logits)[..., labels]`` in float32, shape ``labels.shape``; differentiable w.r.t. ``logits``.
+    """``log softmax(logits / temperature)[..., labels]`` in float32, shape ``labels.shape``; differentiable w.r.t.
+    ``logits``. Pass the logits unscaled and in their own dtype: the scale is applied to float32 chunks.
 
     With ``group``, ``logits`` are this rank's vocabulary slice starting at token id ``vocab_start`` and every rank
     of ``group`` must call this with the same labels and chunking. ``chunk_tokens`` (rows per chunk of the torch path)
     does not apply to the fused CUDA kernels, which need no chunks."""
     _check_labels(logits, labels)
+    check_temperature(temperature)
     if _fused_applies(logits, group):
-        return _fused(logits, labels)[0]
+        return _fused(logits, labels, temperature)[0]
     chunk = _rows_per_chunk(logits, chunk_tokens)
-    out = _ChunkedLogProb.apply(_flatten(logits), labels.reshape(-1).long(), chunk, group, vocab_start)
+    out = _ChunkedLogProb.apply(_flatten(logits), labels.reshape(-1).long(), chunk, group, vocab_start, temperature)
     return out.view(labels.shape)
 
 
 def entropy_from_logits(
-    logits: torch.Tensor, *, chunk_tokens: int | None = None, group: dist.ProcessGroup | None = None
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Entropy ``-sum p log p`` of ``softmax(logits)`` in float32, shape ``logits.shape[:-1]``; differentiable.
-    With ``group``, ``logits`` are this rank's vocabulary slice (see ``log_probs_from_logits``)."""
+    """Entropy ``-sum p log p`` of ``p = softmax(logits / temperature)`` in float32, shape ``logits.shape[:-1]``;
+    differentiable. With ``group``, ``logits`` are this rank's vocabulary slice (see ``log_probs_from_logits``)."""
+    check_temperature(temperature)
     if _fused_applies(logits, group):
         # The fused kernel reads a label per token; entropy needs none, so token 0 serves and its log-prob is dropped.
-        return _fused(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device))[1]
-    return _ChunkedEntropy.apply(_flatten(logits), _rows_per_chunk(logits, chunk_tokens), group).view(logits.shape[:-1])
+        labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        return _fused(logits, labels, temperature)[1]
+    chunk = _rows_per_chunk(logits, chunk_tokens)
+    return _ChunkedEntropy.apply(_flatten(logits), chunk, group, temperature).view(logits.shape[:-1])
 
 
 def log_probs_and_entropy_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
+    temperature: float = 1.0,
     chunk_tokens: int | None = None,
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
@@ -183,7 +214,10 @@ def log_probs_and_entropy_from_logits(
     """``(log_probs_from_logits(...), entropy_from_logits(...))`` of the same logits, for losses with an entropy
     term: on the fused CUDA path one read of the logits computes both and one pass writes their summed gradient."""
     _check_labels(logits, labels)
+    check_temperature(temperature)
     if _fused_applies(logits, group):
-        return _fused(logits, labels)
-    log_probs = log_probs_from_logits(logits, labels, chunk_tokens=chunk_tokens, group=group, vocab_start=vocab_start)
-    return log_probs, entropy_from_logits(logits, chunk_tokens=chunk_tokens, group=group)
+        return _fused(logits, labels, temperature)
+    log_probs = log_probs_from_logits(
+        logits, labels, temperature=temperature, chunk_tokens=chunk_tokens, group=group, vocab_start=vocab_start
+    )
+    return log_probs, entropy_from_logits(logits, temperature=temperature, chunk_tokens=chunk_tokens, group=group)

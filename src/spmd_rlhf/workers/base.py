@@ -177,11 +177,14 @@ class ModelWorker(RoleWorker):
         """Log-probs ``[rows, R]`` of the response tokens under softmax(logits / temperature), and optionally the
         entropy of that distribution at each response position. Under TP the logits are this rank's vocabulary
         slice and the softmax statistics are reduced over the TP group."""
-        logits = self.response_outputs(logits, micro).float() / temperature
+        # The logits go in unscaled and in the model's dtype: the log-prob functions scale them in float32 chunk by
+        # chunk (or in the fused kernel's registers), never as a float32 [tokens, vocab] copy.
+        logits = self.response_outputs(logits, micro)
         labels = micro["responses"].to(self.device)
+        options = dict(temperature=temperature, group=self.tp_group, vocab_start=self.vocab_start)
         if with_entropy:
-            return log_probs_and_entropy_from_logits(logits, labels, group=self.tp_group, vocab_start=self.vocab_start)
-        return log_probs_from_logits(logits, labels, group=self.tp_group, vocab_start=self.vocab_start), None
+            return log_probs_and_entropy_from_logits(logits, labels, **options)
+        return log_probs_from_logits(logits, labels, **options), None
 
     # ---- whole weights -----------------------------------------------------------------------------------------
 
