@@ -26,6 +26,20 @@ from spmd_rlhf.models import load_model
 from spmd_rlhf.models.tiny import make_tiny
 
 
+def mixed_prompts(
+    batch: int, min_length: int, max_length: int, *, token_ids: tuple[int, int], pad_id: int, device: str, seed: int
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """``batch`` random prompts of ``min_length``..``max_length`` tokens drawn from ``[token_ids[0], token_ids[1])``:
+    as lists (the engine's input) and left-padded with their attention mask (``transformers``' input)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_length, max_length + 1, (batch,), generator=generator).tolist()
+    prompts = [torch.randint(*token_ids, (length,), generator=generator).tolist() for length in lengths]
+    longest = max(lengths)
+    input_ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return prompts, input_ids, attention_mask
+
+
 def _best_times(runs: dict, *, repeats: int, device: str) -> tuple[dict[str, float], dict]:
     """Fastest of ``repeats`` timed calls of each run after one warm-up call, the runs interleaved so that a noisy
     neighbour on the machine slows both alike; and each run's last result."""
@@ -69,15 +83,12 @@ def main() -> None:
     reference.generation_config.eos_token_id = None
     pad_id = reference.config.pad_token_id
 
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.batch,), generator=generator).tolist()
-    prompts = [torch.randint(5, reference.config.vocab_size, (length,), generator=generator).tolist() for length in lengths]
-    longest = max(lengths)
-    input_ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=args.device)
-    attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=args.device)
-
+    prompts, input_ids, attention_mask = mixed_prompts(
+        args.batch, args.min_prompt, args.max_prompt, token_ids=(5, reference.config.vocab_size), pad_id=pad_id,
+        device=args.device, seed=0,
+    )
     engine = LLMEngine(ours, eos_token_id=None, block_size=args.block_size, max_num_seqs=args.batch,
-                       max_num_batched_tokens=sum(lengths))
+                       max_num_batched_tokens=sum(map(len, prompts)))
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
 
     def hf_generate() -> torch.Tensor:
@@ -88,7 +99,7 @@ def main() -> None:
     times, results = _best_times({"engine": lambda: engine.generate(prompts, params), "transformers": hf_generate},
                                  repeats=args.repeats, device=args.device)
     engine_s, hf_s, outputs = times["engine"], times["transformers"], results["engine"]
-    hf_tokens = results["transformers"][:, longest:].tolist()
+    hf_tokens = results["transformers"][:, input_ids.shape[1]:].tolist()
     assert all(len(tokens) == args.new_tokens for tokens in hf_tokens)
     assert all(len(out.generated_token_ids) == args.new_tokens for out in outputs)
     generated = args.batch * args.new_tokens

@@ -138,6 +138,12 @@ def copy_bandwidth(device: torch.device | str, *, nbytes: int, repeats: int = 5,
 # ---- arguments and results ---------------------------------------------------------------------------------------
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, *, default_shape: str) -> None:
+    """``--shape`` and ``--model-dir``, which every GPU benchmark takes (see ``shaped_model``)."""
+    parser.add_argument("--shape", default=default_shape, choices=sorted(SHAPES))
+    parser.add_argument("--model-dir", help="build the model here and keep it (or reuse one of the same shape)")
+
+
 def parse_with_smoke(parser: argparse.ArgumentParser, smoke_defaults: dict) -> argparse.Namespace:
     """Parse the command line; with ``--smoke``, ``smoke_defaults`` replace the defaults (flags given still win)."""
     parser.add_argument("--smoke", action="store_true",

@@ -25,9 +25,9 @@ import argparse
 
 import torch
 
-from engine_generate import _best_times
+from engine_generate import _best_times, mixed_prompts
 from gpu_common import (
-    SHAPES, copy_bandwidth, default_device, default_dtype, environment, meets_goal, parameter_bytes, parse_with_smoke,
+    add_model_arguments, copy_bandwidth, default_device, default_dtype, environment, meets_goal, parameter_bytes, parse_with_smoke,
     shaped_model, write_result,
 )
 from spmd_rlhf.engine import LLMEngine, SamplingParams
@@ -81,15 +81,12 @@ def measure_batch(
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
     reference.generation_config.eos_token_id = None
     pad_id = reference.config.pad_token_id
-    generator = torch.Generator().manual_seed(1)
-    lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.batch,), generator=generator).tolist()
-    vocab = model.args.vocab_size
-    prompts = [torch.randint(0, vocab, (length,), generator=generator).tolist() for length in lengths]
-    longest = max(lengths)
-    input_ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=args.device)
-    attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=args.device)
+    prompts, input_ids, attention_mask = mixed_prompts(
+        args.batch, args.min_prompt, args.max_prompt, token_ids=(0, model.args.vocab_size), pad_id=pad_id,
+        device=args.device, seed=1,
+    )
     engine = LLMEngine(model, eos_token_id=None, block_size=args.block_size, max_num_seqs=args.batch,
-                       max_num_batched_tokens=sum(lengths))
+                       max_num_batched_tokens=sum(map(len, prompts)))
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
 
     def hf_generate() -> torch.Tensor:
@@ -100,7 +97,7 @@ def measure_batch(
     times, outputs = _best_times({"engine": lambda: engine.generate(prompts, params), "transformers": hf_generate},
                                  repeats=args.repeats, device=args.device)
     assert all(len(out.generated_token_ids) == args.new_tokens for out in outputs["engine"])
-    assert outputs["transformers"].shape == (args.batch, longest + args.new_tokens)
+    assert outputs["transformers"].shape == (args.batch, input_ids.shape[1] + args.new_tokens)
     generated = args.batch * args.new_tokens
     speedup = times["transformers"] / times["engine"]
     return {
@@ -115,8 +112,7 @@ def measure_batch(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
-    parser.add_argument("--model-dir", help="build the model here and keep it (or reuse one of the same shape)")
+    add_model_arguments(parser, default_shape="1.5b")
     parser.add_argument("--measure", nargs="+", default=["decode", "batch"], choices=["decode", "batch"])
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on cuda, else float32")

@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 
 from e2e_cpu import RECIPE, RECIPE_CONFIG, _run, _summary, _torchrun
 from gpu_common import (
-    SHAPES, default_device, default_dtype, environment, meets_goal, parse_with_smoke, shaped_model, write_result,
+    add_model_arguments, default_device, default_dtype, environment, meets_goal, parse_with_smoke, shaped_model, write_result,
 )
 from spmd_rlhf.config import load_config
 
@@ -153,8 +153,7 @@ def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
-    parser.add_argument("--model-dir", help="build the model here and keep it (or reuse one of the same shape)")
+    add_model_arguments(parser, default_shape="0.5b")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="responses per prompt")
     parser.add_argument("--prompt-tokens", type=int, default=128)

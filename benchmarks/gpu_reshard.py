@@ -27,7 +27,7 @@ import statistics
 import torch
 
 from gpu_common import (
-    SHAPES, copy_bandwidth, default_dtype, environment, meets_goal, parse_with_smoke, shaped_model, write_result,
+    add_model_arguments, copy_bandwidth, default_dtype, environment, meets_goal, parse_with_smoke, shaped_model, write_result,
 )
 from reshard import ReshardingActor, parse_layout, summarize, table
 from spmd_rlhf.config import load_config
@@ -114,8 +114,7 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
-    parser.add_argument("--model-dir", help="build the model here and keep it (or reuse one of the same shape)")
+    add_model_arguments(parser, default_shape="1.5b")
     parser.add_argument("--layouts", nargs="+", help="dp{D}tp{T}pp{P}:{tp_g} each; default: see default_layouts")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype; default bfloat16 on cuda")

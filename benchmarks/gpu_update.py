@@ -29,7 +29,7 @@ import time
 import torch
 
 from gpu_common import (
-    SHAPES, default_dtype, environment, meets_goal, parse_with_smoke, peak_tflops, shaped_model,
+    add_model_arguments, default_dtype, environment, meets_goal, parse_with_smoke, peak_tflops, shaped_model,
     write_result,
 )
 from spmd_rlhf.config import load_config
@@ -154,8 +154,7 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
-    parser.add_argument("--model-dir", help="build the model here and keep it (or reuse one of the same shape)")
+    add_model_arguments(parser, default_shape="1.5b")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="tokens per sequence")
     parser.add_argument("--rows", type=int, default=32, help="sequences per optimizer step, over all ranks")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")

@@ -309,3 +309,14 @@ def test_cli_lists_every_key_with_default_and_doc() -> None:
     assert result.returncode == 0
     for key, (default, doc) in field_docs().items():
         assert f"{key} = {default}\n    {doc}" in result.stdout
+
+
+def test_overrides_apply_to_a_built_config_and_are_validated():
+    from spmd_rlhf.config import with_overrides
+
+    config = load_config(None, ["actor.lr=0.5"])
+    changed = with_overrides(config, ["actor.tp=2", "rollout.n=4"])
+    assert (changed.actor.tp, changed.rollout.n, changed.actor.lr) == (2, 4, 0.5)
+    assert config.actor.tp == 1  # the original is untouched
+    with pytest.raises(ConfigError, match="rollout.tp=3: must divide actor.tp=2"):
+        with_overrides(changed, ["rollout.tp=3"])

@@ -69,7 +69,15 @@ def load_config(
     unknown key, a value of the wrong type and a value or combination that fails validation.
     """
     sources = [] if path is None else [_load_yaml(path)]
-    sources += [_parse_override(item) for item in overrides or []]
+    return _merge(schema, sources + [_parse_override(item) for item in overrides or []])
+
+
+def with_overrides(config: ConfigT, overrides: list[str]) -> ConfigT:
+    """``config`` with ``key=value`` overrides applied, validated as ``load_config`` validates a file."""
+    return _merge(type(config), [OmegaConf.structured(config)] + [_parse_override(item) for item in overrides])
+
+
+def _merge(schema: type[ConfigT], sources: list[DictConfig]) -> ConfigT:
     try:
         user = OmegaConf.merge(OmegaConf.create(), *sources)
         # Checked before the typed merge: OmegaConf's message for a scalar given for a section has no key.

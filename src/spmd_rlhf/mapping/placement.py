@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
 
@@ -85,13 +84,9 @@ def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
 
 def apply_mapping(config: FrameworkConfig, mapping: Mapping) -> FrameworkConfig:
     """``config`` with ``mapping`` written in (``mapping_overrides``), validated like any config."""
-    from spmd_rlhf.config import load_config, to_yaml
+    from spmd_rlhf.config import with_overrides
 
-    with tempfile.TemporaryDirectory() as scratch:
-        path = os.path.join(scratch, "config.yaml")
-        with open(path, "w") as file:
-            file.write(to_yaml(config))
-        return load_config(path, mapping_overrides(config, mapping))
+    return with_overrides(config, mapping_overrides(config, mapping))
 
 
 def describe_plan(result: PlanResult, *, devices: int, profile: DeviceProfile) -> str:

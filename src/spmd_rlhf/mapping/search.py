@@ -172,7 +172,7 @@ class Planner:
 
     def evaluate(self, sets: tuple[tuple[str, ...], ...], devices: tuple[int, ...]) -> Mapping | None:
         """d_cost of one placement and allocation with auto_parallel layouts; None if a role does not fit."""
-        layouts, stage_seconds = {}, dict.fromkeys(STAGES, 0.0)
+        layouts, stage_seconds = {}, {}
         per_set = []
         for colocated, count in zip(sets, devices):
             set_seconds = dict.fromkeys(STAGES, 0.0)
