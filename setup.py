@@ -13,7 +13,7 @@ setup(
     package_dir={"": "src", "spmd_rlhf.recipes": "recipes", "spmd_rlhf.kernels": "kernels"},
     package_data={"spmd_rlhf.recipes": ["configs/*.yaml"]},
     install_requires=[
-        "torch>=2.11,<2.14",
+        "torch>=2.11,<2.16",
         "transformers>=4.51",
         "tokenizers>=0.21",
         "safetensors>=0.4",

@@ -49,7 +49,7 @@ def _add_config(subparsers: argparse._SubParsersAction) -> None:
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--show", metavar="FILE", help="YAML config file to resolve (with key=value overrides) and print")
     action.add_argument("--keys", action="store_true", help="list every config key with its default and docstring")
-    parser.add_argument("--markdown", action="store_true", help="with --keys: Markdown tables (the README's config reference)")
+    parser.add_argument("--markdown", action="store_true", help="with --keys: Markdown tables (docs/config.md's reference)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
 
 

@@ -101,8 +101,8 @@ def field_docs(schema: type = FrameworkConfig) -> dict[str, tuple[str, str]]:
 
 def config_reference(*, markdown: bool = False) -> str:
     """Every key with its default and docstring, from the dataclasses themselves: plain text (a recipe's ``--help``,
-    ``spmd-rlhf config --keys``) or Markdown, one table per section (the README's config reference; a test keeps
-    the README's copy equal to this)."""
+    ``spmd-rlhf config --keys``) or Markdown, one table per section (docs/config.md's reference; a test keeps
+    that copy equal to this)."""
     docs = field_docs()
     if not markdown:
         return "\n".join(f"{key} = {default}\n    {doc}" for key, (default, doc) in docs.items()) + "\n"

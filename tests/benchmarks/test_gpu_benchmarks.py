@@ -118,3 +118,42 @@ def test_peak_and_goal_rules():
     assert meets_goal(0.6, 0.5, at_least=True, real_run=True) is True
     assert meets_goal(1.4, 1.3, at_least=False, real_run=True) is False
     assert meets_goal(0.6, 0.5, at_least=True, real_run=False) is None
+
+
+def test_kernels_at_real_sizes_script(tmp_path):
+    result, _ = run_smoke("gpu_kernels.py", tmp_path)
+    paged, fused = result["paged_decode"], result["fused_logprob"]
+    assert_positive_finite(paged, "kernel_s", "reference_s", "speedup", "floor_s", "kernel_over_floor")
+    assert paged["speedup"] == pytest.approx(paged["reference_s"] / paged["kernel_s"])
+    assert paged["floor_s"] == pytest.approx(paged["kv_bytes"] / paged["copy_bytes_per_s"])
+    assert_positive_finite(fused, "kernel_s", "reference_s", "speedup")
+    assert paged["meets_goal"] is None and fused["meets_goal"] is None
+
+
+def test_gpu_suite_runs_steps_and_reports_the_budget(tmp_path):
+    """The suite in smoke mode: one real step with its figures in the one JSON file, and a budget too small for any
+    step reports every step as skipped instead of dropping it."""
+    def suite(*arguments: str) -> dict:
+        finished = subprocess.run(
+            [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--smoke", "--out", str(tmp_path), *arguments],
+            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=300,
+        )
+        assert finished.returncode == 0, finished.stdout[-4000:]
+        assert "SMOKE RUN: not a GPU figure" in finished.stdout
+        return json.loads((tmp_path / f"gpu_suite_{DEVICE}_smoke.json").read_text())
+
+    report = suite("--only", "kernels")
+    step = report["steps"]["kernels"]
+    assert step["status"] == "passed" and set(report["steps"]) == {"kernels"}
+    assert step["figures"]["paged_decode_speedup"] == step["result"]["paged_decode"]["speedup"]
+    report = suite("--budget-s", "0")
+    assert [record["status"] for record in report["steps"].values()] == ["skipped"] * 7
+
+
+def test_suite_digs_figures_out_of_nested_results():
+    from gpu_suite import dig
+
+    result = {"a": [{"x": 1}, {"x": 2}], "results": {"dp1": {"ratio": 0.5}}}
+    assert dig(result, "a.-1.x") == 2 and dig(result, "results.*.ratio") == 0.5
+    assert dig(result, "a.5.x") is None and dig(result, "missing.key") is None

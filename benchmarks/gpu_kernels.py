@@ -1,0 +1,151 @@
+"""Both Triton kernels at real sizes on one GPU, each against its torch reference measured in the same run:
+
+    python benchmarks/gpu_kernels.py [--decode-seqs 256] [--context 1024] [--tokens 8192] [--vocab 151936]
+    python benchmarks/gpu_kernels.py --smoke     # small sizes, CPU-sized: checks the script in seconds
+
+- ``paged_decode``: one decode step's attention for ``--decode-seqs`` sequences of ``--context`` cached tokens,
+  Qwen2.5-7B's attention shape (28 query / 4 KV heads, head_dim 128), 16-token blocks, bf16. The kernel
+  (``kernels.paged_attention``) against the torch reference (gather the blocks, masked softmax): time, and the kernel's
+  time against the floor of reading the whole KV context once at the copy bandwidth measured here.
+- ``fused_logprob``: log-prob and entropy of ``--tokens`` rows of ``--vocab`` bf16 logits at T = 0.7, forward and
+  backward. The fused kernels (``kernels.fused_logprob``) against the reference (float32 log-softmax, the way a plain
+  PyTorch trainer computes it): time and peak memory above the logits.
+
+On CPU (or with ``--smoke``) both sides run the torch path: the figures then check the script, not the kernels.
+Writes ``benchmarks/results/gpu_kernels_<device>.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from gpu_common import copy_bandwidth, default_device, environment, meets_goal, parse_with_smoke, synchronize, write_result
+from spmd_rlhf.kernels.fused_logprob import fused_log_probs_and_entropy
+from spmd_rlhf.kernels.paged_attention import paged_decode_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
+
+
+def best_seconds(function, device: str, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls after one warm-up call (which compiles a Triton kernel)."""
+    function()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def peak_bytes_above(function, device: str) -> int | None:
+    """CUDA allocator peak during ``function()`` above what was allocated before; None off CUDA."""
+    if torch.device(device).type != "cuda":
+        function()
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    function()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    device, seqs, context = args.device, args.decode_seqs, args.context
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    generator = torch.Generator(device=device).manual_seed(0)
+    key_cache, value_cache = (
+        torch.randn(seqs * blocks_per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=generator)
+        for _ in range(2)
+    )
+    # Each sequence's blocks scattered over the cache, as after continuous batching.
+    block_tables = torch.randperm(seqs * blocks_per_seq, device=device, generator=generator).view(seqs, blocks_per_seq)
+    block_tables = block_tables.to(torch.int32)
+    context_lens = torch.full((seqs,), context, device=device, dtype=torch.int32)
+    q = torch.randn(seqs, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=generator)
+    scale = HEAD_DIM**-0.5
+
+    def run(backend: str):
+        return lambda: paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend=backend)
+
+    kernel_s = best_seconds(run("auto"), device, args.repeats)
+    reference_s = best_seconds(run("torch"), device, args.repeats)
+    kv_bytes = 2 * seqs * context * KV_HEADS * HEAD_DIM * key_cache.element_size()
+    bandwidth = copy_bandwidth(device, nbytes=args.copy_mib * 2**20)
+    # copy_bandwidth counts bytes read + written per second: the memory system's byte rate, at which the kernel's
+    # one read of every cached key and value would take floor_s.
+    floor_s = kv_bytes / bandwidth
+    return {
+        "seqs": seqs, "context": context, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "kernel_s": kernel_s, "reference_s": reference_s, "speedup": reference_s / kernel_s,
+        "kv_bytes": kv_bytes, "copy_bytes_per_s": bandwidth, "floor_s": floor_s, "kernel_over_floor": kernel_s / floor_s,
+    }
+
+
+def measure_fused_logprob(args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    device, tokens, vocab = args.device, args.tokens, args.vocab
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(tokens, vocab, device=device, dtype=dtype, generator=generator).requires_grad_(True)
+    labels = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+
+    def run(backend: str):
+        def forward_backward():
+            logits.grad = None
+            log_probs, entropy = fused_log_probs_and_entropy(logits, labels, temperature=0.7, backend=backend)
+            (log_probs.sum() + 0.01 * entropy.sum()).backward()
+        return forward_backward
+
+    kernel_s = best_seconds(run("auto"), device, args.repeats)
+    reference_s = best_seconds(run("torch"), device, args.repeats)
+    logits.grad = None
+    kernel_peak, reference_peak = peak_bytes_above(run("auto"), device), peak_bytes_above(run("torch"), device)
+    logits_bytes = logits.numel() * logits.element_size()
+    return {
+        "tokens": tokens, "vocab": vocab, "kernel_s": kernel_s, "reference_s": reference_s,
+        "speedup": reference_s / kernel_s, "logits_bytes": logits_bytes,
+        "kernel_peak_over_logits": None if kernel_peak is None else kernel_peak / logits_bytes,
+        "reference_peak_over_logits": None if reference_peak is None else reference_peak / logits_bytes,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--decode-seqs", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--copy-mib", type=int, default=1024)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parse_with_smoke(parser, dict(decode_seqs=4, context=40, tokens=64, vocab=512, repeats=2, copy_mib=4))
+    real_run = torch.device(args.device).type == "cuda" and not args.smoke
+    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    paged = measure_paged_decode(args, dtype)
+    fused = measure_fused_logprob(args, dtype)
+    # Goals: the paged kernel within 2x of reading its KV once; the fused pass at least as fast as the reference while
+    # holding no float32 [tokens, vocab] table (peak below 1.5x the bf16 logits, the gradient itself being 1x).
+    paged["meets_goal"] = meets_goal(paged["kernel_over_floor"], 2.0, at_least=False, real_run=real_run)
+    fused["meets_goal"] = meets_goal(
+        min(fused["speedup"], 1.5 / (fused["kernel_peak_over_logits"] or float("inf"))), 1.0, at_least=True, real_run=real_run
+    )
+    result = {"smoke": args.smoke, "dtype": str(dtype).removeprefix("torch."), "environment": environment(args.device),
+              "paged_decode": paged, "fused_logprob": fused}
+    if args.smoke:
+        print("SMOKE RUN: not a GPU figure")
+    print(f"{'kernel':<14} {'kernel s':>10} {'torch s':>10} {'speed-up':>9}  other")
+    print(f"{'paged_decode':<14} {paged['kernel_s']:>10.5f} {paged['reference_s']:>10.5f} {paged['speedup']:>9.2f}  "
+          f"kernel / KV-read floor {paged['kernel_over_floor']:.2f}")
+    peaks = "" if fused["kernel_peak_over_logits"] is None else (
+        f"peak / logits: kernel {fused['kernel_peak_over_logits']:.2f}, torch {fused['reference_peak_over_logits']:.2f}")
+    print(f"{'fused_logprob':<14} {fused['kernel_s']:>10.5f} {fused['reference_s']:>10.5f} {fused['speedup']:>9.2f}  {peaks}")
+    write_result(args.out, f"gpu_kernels_{torch.device(args.device).type}", result)
+
+
+if __name__ == "__main__":
+    main()
