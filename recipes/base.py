@@ -74,7 +74,7 @@ def resolve_placement(config: FrameworkConfig, world_size: int) -> tuple[Framewo
     if config.placement != "auto":
         return config, ""
     from spmd_rlhf.mapping.placement import apply_mapping, describe_plan, plan_config
-    from spmd_rlhf.mapping.profile import resolve_profile
+    from spmd_rlhf.mapping.calibrate import resolve_profile
 
     profile = resolve_profile(config.mapping.profile)
     result = plan_config(config, world_size, profile=profile)

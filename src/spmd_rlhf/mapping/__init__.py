@@ -8,9 +8,10 @@ parallel layout, by simulating each candidate's step time with an analytical cos
 - ``placement``: ``placement: auto`` for recipe configs; ``commands``: ``spmd-rlhf plan`` and ``calibrate``.
 """
 
+from .calibrate import resolve_profile
 from .cost import Cluster, Layout
 from .placement import apply_mapping, mapping_overrides, plan_config
-from .profile import BUILTIN_PROFILES, DeviceProfile, load_profile, resolve_profile
+from .profile import BUILTIN_PROFILES, DeviceProfile, load_profile
 from .search import Mapping, Planner, PlanResult
 from .workload import NAMED_SHAPES, Batch, ModelShape, RoleSpec, dataflow, model_shape
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .profile import BUILTIN_PROFILES, DeviceProfile
+from .cost import OPS_PER_LAYER
+from .profile import BUILTIN_PROFILES, DEFAULT_PROFILE_PATH, DeviceProfile, load_profile
 
 _JOIN_TIMEOUT_S = 120.0
 # torch 2.13 renames all_gather_into_tensor (kept, deprecated); 2.11 has only the old name.
@@ -79,8 +80,6 @@ def measure_op_latency(device: torch.device, dtype: torch.dtype) -> float:
     """Seconds per kernel of the framework's own decoder: one-token forwards of the probe model divided by the
     kernels they run (``OPS_PER_LAYER`` per layer). Includes the module and dispatch overhead a bare tensor op
     would not show."""
-    from .cost import OPS_PER_LAYER
-
     model = _probe_model(device, dtype).eval()
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
     calls = 50
@@ -224,3 +223,18 @@ def calibrate(*, quick: bool = False, dtype: torch.dtype | None = None, inter_no
 
 def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_profile(choice: str) -> DeviceProfile:
+    """``auto``: the calibrated profile at ``DEFAULT_PROFILE_PATH`` if there is one, else the built-in profile whose
+    name is in the visible GPU's name, else a quick calibration of this machine (CPU); anything else: ``load_profile``."""
+    if choice != "auto":
+        return load_profile(choice)
+    if DEFAULT_PROFILE_PATH.is_file():
+        return load_profile(DEFAULT_PROFILE_PATH)
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name().lower()
+        for name, profile in BUILTIN_PROFILES.items():
+            if name in gpu:
+                return profile
+    return calibrate(quick=True)

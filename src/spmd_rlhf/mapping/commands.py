@@ -48,7 +48,7 @@ def run_plan(args: argparse.Namespace) -> str:
     """The plan's text for the parsed ``plan`` arguments."""
     from .cost import Cluster
     from .placement import config_dataflow, describe_plan
-    from .profile import resolve_profile
+    from .calibrate import resolve_profile
     from .search import Planner
     from .workload import Batch, dataflow, model_shape
 

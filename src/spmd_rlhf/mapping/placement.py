@@ -10,7 +10,8 @@ import os
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
 
 from .cost import Cluster
-from .profile import DeviceProfile, resolve_profile
+from .calibrate import resolve_profile
+from .profile import DeviceProfile
 from .search import Mapping, Planner, PlanResult
 from .workload import Batch, ModelShape, RoleSpec, dataflow, model_shape
 

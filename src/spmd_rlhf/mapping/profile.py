@@ -119,22 +119,3 @@ def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     if unknown:
         raise ValueError(f"device profile {path}: unknown keys {unknown}; re-run `spmd-rlhf calibrate`")
     return DeviceProfile(**fields)
-
-
-def resolve_profile(choice: str) -> DeviceProfile:
-    """``auto``: the calibrated profile at ``DEFAULT_PROFILE_PATH`` if there is one, else the built-in profile whose
-    name is in the visible GPU's name, else a quick calibration of this machine (CPU); anything else: ``load_profile``."""
-    if choice != "auto":
-        return load_profile(choice)
-    if DEFAULT_PROFILE_PATH.is_file():
-        return load_profile(DEFAULT_PROFILE_PATH)
-    import torch
-
-    if torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name().lower()
-        for name, profile in BUILTIN_PROFILES.items():
-            if name in gpu:
-                return profile
-    from .calibrate import calibrate
-
-    return calibrate(quick=True)

@@ -90,7 +90,8 @@ class Coordinator:
 
     # ---- calls -------------------------------------------------------------------------------------------------
 
-    def _call(self, role: RoleRecord, method: str, mode: Dispatch, *args: Any, **kwargs: Any) -> CallFuture:
+    def submit(self, role: RoleRecord, method: str, mode: Dispatch, *args: Any, **kwargs: Any) -> CallFuture:
+        """Issue ``role.method`` under its dispatch mode (what ``RoleHandle`` attribute calls do); a future at once."""
         self._raise_if_failed()
         description = f"{role.name}.{method}"
         if mode is Dispatch.DATA_PARALLEL:
@@ -212,14 +213,15 @@ class Coordinator:
                                    consumers=[[0]], transfer_id=next(self._ids))
         involved = sorted(exchanges)
         futures = {rank: self._send(rank, seq, Exchanges([exchanges[rank]])) for rank, seq in self._reserve(involved).items()}
-        self._wait(futures, timeout, f"fetch of batch {ref.id}")
+        self.wait(futures, timeout, f"fetch of batch {ref.id}")
         (batch,) = futures[0].value()
         remote_rows = sum(shard.rows for shard in ref.shards if shard.owner != 0)
         with self._lock:
             self.bytes_received += _batch_bytes(batch) * remote_rows // max(len(batch), 1)
         return batch
 
-    def _release(self, batch_id: int, owners: tuple[int, ...]) -> None:
+    def release(self, batch_id: int, owners: tuple[int, ...]) -> None:
+        """Queue the batch for freeing on its owners (a ``BatchRef`` was garbage-collected)."""
         with self._lock:
             for owner in owners:
                 self._to_free.setdefault(owner, []).append(batch_id)
@@ -278,7 +280,8 @@ class Coordinator:
             self.bytes_received += len(payload)
         return pickle.loads(payload)
 
-    def _wait(self, futures: dict[int, torch.futures.Future], timeout: float | None, description: str) -> None:
+    def wait(self, futures: dict[int, torch.futures.Future], timeout: float | None, description: str) -> None:
+        """Block until every future is done; raises the job's failure, or ``CallTimeout`` naming the ranks still running."""
         limit = self._call_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._changed:
@@ -313,11 +316,11 @@ class Coordinator:
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Wait until every rank has run every command issued so far (a no-op command through each queue)."""
-        self._wait(self._send_to_all(Exchanges([])), timeout, "wait_all")
+        self.wait(self._send_to_all(Exchanges([])), timeout, "wait_all")
 
     def stop_workers(self, timeout: float) -> None:
         """Ask every executor to stop after the commands already queued; wait for all of them."""
-        self._wait(self._send_to_all(Stop()), timeout, "shutdown")
+        self.wait(self._send_to_all(Stop()), timeout, "shutdown")
 
 
 def _chain(source: torch.futures.Future, target: torch.futures.Future) -> None:
@@ -325,11 +328,11 @@ def _chain(source: torch.futures.Future, target: torch.futures.Future) -> None:
 
 
 def _gather(futures: list[CallFuture]) -> torch.futures.Future:
-    return torch.futures.collect_all([rank_future for f in futures for rank_future in f._futures.values()])
+    return torch.futures.collect_all([rank_future for f in futures for rank_future in f.rank_futures.values()])
 
 
 def _as_batch_ref(future: CallFuture, timeout: float | None = None) -> BatchRef:
-    value = future.result(timeout) if not future.done() else future._resolved()
+    value = future.result(timeout) if not future.done() else future.resolved()
     if not isinstance(value, BatchRef):
         raise RuntimeFailure(f"{future.description} returned {type(value).__name__} values, not a Batch, so it "
                              f"cannot feed another role's data-parallel call")

@@ -1,5 +1,8 @@
 """What the coordinator hands back: ``RoleHandle`` (call a role's methods), ``CallFuture`` (a pending result) and
-``BatchRef`` (a batch that stays on the worker ranks; the coordinator knows only ids, keys, row counts and owners)."""
+``BatchRef`` (a batch that stays on the worker ranks; the coordinator knows only ids, keys, row counts and owners).
+
+Handles reach the coordinator only through ``Dispatcher``, the four operations it offers them, so this module does not
+import the coordinator and the coordinator uses nothing of the handles but their public attributes."""
 
 from __future__ import annotations
 
@@ -8,17 +11,30 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..data.batch import Batch
-from .dispatch import dispatch_mode
+from .dispatch import Dispatch, dispatch_mode
 from .layout import ParallelDims
 from .transfer import Schema, ShardInfo
 
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
+
+class Dispatcher(Protocol):
+    """What handles ask of the coordinator (``runtime.coordinator.Coordinator`` implements it)."""
+
+    def submit(self, role: RoleRecord, method: str, mode: Dispatch, *args: Any, **kwargs: Any) -> CallFuture:
+        """Issue ``role.method(*args, **kwargs)`` under ``mode``; a future at once."""
+
+    def wait(self, futures: dict[int, torch.futures.Future], timeout: float | None, description: str) -> None:
+        """Block until every per-rank future is done, a rank fails, or ``timeout`` (None: the call timeout) passes."""
+
+    def release(self, batch_id: int, owners: tuple[int, ...]) -> None:
+        """The batch is no longer referenced: its owners may drop it."""
+
+    def fetch(self, ref: BatchRef, *, timeout: float | None = None) -> Batch:
+        """Every row of ``ref`` on the coordinator."""
 
 
 @dataclass(frozen=True)
@@ -36,12 +52,12 @@ class RoleRecord:
 class BatchRef:
     """A batch that lives on worker ranks, one DP shard per owner; the coordinator knows only its shape of rows."""
 
-    def __init__(self, coordinator: Coordinator, batch_id: int, shards: tuple[ShardInfo, ...], schema: Schema) -> None:
+    def __init__(self, coordinator: Dispatcher, batch_id: int, shards: tuple[ShardInfo, ...], schema: Schema) -> None:
         self.id = batch_id
         self.shards = shards
         self.schema = schema
         self._coordinator = coordinator
-        weakref.finalize(self, coordinator._release, batch_id, tuple(shard.owner for shard in shards))
+        weakref.finalize(self, coordinator.release, batch_id, tuple(shard.owner for shard in shards))
 
     def __len__(self) -> int:
         return sum(shard.rows for shard in self.shards)
@@ -71,7 +87,7 @@ class CallFuture:
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        coordinator: Dispatcher,
         description: str,
         futures: dict[int, torch.futures.Future],
         combine: Callable[[dict[int, Any]], Any],
@@ -82,24 +98,26 @@ class CallFuture:
         self.result_owners = result_owners
         """For data-parallel calls: the ranks that will hold the result's DP shards."""
         self._coordinator = coordinator
-        self._futures = futures
+        self.rank_futures = futures
+        """One future per rank of the call."""
         self._combine = combine
         self._lock = threading.Lock()
         self._value: Any = None
         self._combined = False
 
     def done(self) -> bool:
-        return all(future.done() for future in self._futures.values())
+        return all(future.done() for future in self.rank_futures.values())
 
     def result(self, timeout: float | None = None) -> Any:
         """Wait (at most ``timeout`` seconds, default the runtime's call timeout) and return the combined value."""
-        self._coordinator._wait(self._futures, timeout, self.description)
-        return self._resolved()
+        self._coordinator.wait(self.rank_futures, timeout, self.description)
+        return self.resolved()
 
-    def _resolved(self) -> Any:
+    def resolved(self) -> Any:
+        """The combined value of a future that is ``done()``."""
         with self._lock:
             if not self._combined:
-                self._value = self._combine({rank: future.value() for rank, future in self._futures.items()})
+                self._value = self._combine({rank: future.value() for rank, future in self.rank_futures.items()})
                 self._combined = True
             return self._value
 
@@ -108,7 +126,7 @@ class CallFuture:
 class RoleHandle:
     """The coordinator's view of a spawned role: ``handle.method(...)`` calls ``method`` under its dispatch mode."""
 
-    def __init__(self, coordinator: Coordinator, record: RoleRecord, ready: CallFuture) -> None:
+    def __init__(self, coordinator: Dispatcher, record: RoleRecord, ready: CallFuture) -> None:
         self._coordinator = coordinator
         self.record = record
         self.ready = ready
@@ -122,7 +140,7 @@ class RoleHandle:
         if method.startswith("_"):
             raise AttributeError(method)
         mode = dispatch_mode(self.record.role_class, method)
-        return functools.partial(self._coordinator._call, self.record, method, mode)
+        return functools.partial(self._coordinator.submit, self.record, method, mode)
 
     def __repr__(self) -> str:
         return f"RoleHandle({self.record.name!r}, {self.record.dims}, ranks={list(self.record.ranks)})"
