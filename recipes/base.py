@@ -26,10 +26,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from spmd_rlhf import checkpoint
-from spmd_rlhf.algos import groups_with_signal
+from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from spmd_rlhf.config import ConfigError, config_reference, load_config
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
@@ -37,8 +35,9 @@ from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.recipes.dry_run import describe
+from spmd_rlhf.recipes.dynamic_sampling import sample_with_signal
 from spmd_rlhf.runtime import (
-    BatchRef, CallFuture, CallTimeout, Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch,
+    BatchRef, CallFuture, Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch, wait_together,
 )
 from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
 
@@ -109,31 +108,6 @@ def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePo
     return result
 
 
-def pass_at_k(passed: torch.Tensor, k: int) -> torch.Tensor:
-    """Unbiased pass@k per prompt (Chen et al. 2021) from ``passed`` ``[prompts, n]`` with n >= k samples each:
-    1 − C(n − c, k) / C(n, k), c = passing samples."""
-    n = passed.shape[1]
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {n}")
-    failures = n - passed.sum(dim=1).double()
-    # C(n - c, k) / C(n, k) = prod_{i=0}^{k-1} (n - c - i) / (n - i), 0 once fewer than k samples failed.
-    ratio = torch.ones_like(failures)
-    for i in range(k):
-        ratio = ratio * ((failures - i).clamp(min=0) / (n - i))
-    return 1.0 - ratio
-
-
-def left_pad(prompts: Batch, *, width: int, pad_token_id: int) -> Batch:
-    """``prompts`` left-padded to ``width`` tokens, so rollouts of different prompt batches can be concatenated."""
-    extra = width - prompts["input_ids"].shape[1]
-    if extra <= 0:
-        return prompts
-    tensors = dict(prompts.tensors)
-    tensors["input_ids"] = torch.nn.functional.pad(prompts["input_ids"], (extra, 0), value=pad_token_id)
-    tensors["attention_mask"] = torch.nn.functional.pad(prompts["attention_mask"], (extra, 0), value=0)
-    return Batch(tensors, prompts.non_tensors, prompts.meta, prompts.group_size)
-
-
 def role_dims(name: str, role: RoleConfig, pool: ResourcePool) -> ParallelDims:
     """The role's (pp, dp, tp) on its pool: dp is what pp x tp leaves of the pool's ranks."""
     if len(pool) % (role.pp * role.tp):
@@ -162,6 +136,8 @@ class RLRecipe:
             if algorithm.kl_target is not None else FixedKLController(algorithm.kl_coef)
         )
         """The KL weight of each step (``kl_controller.coef``), updated from the step's ``kl/mean``; checkpointed."""
+        self.step_extras: dict[str, float] = {}
+        """Metrics of the step in flight that no worker reports (data counts, dynamic sampling rounds)."""
 
     # ---- building ----------------------------------------------------------------------------------------------
 
@@ -224,7 +200,10 @@ class RLRecipe:
         Every call after generation is issued at once (``run_together``): roles placed on different devices run
         at the same time, colocated ones one after another."""
         if self.config.algorithm.dynamic_sampling:
-            rollout = self.sample_with_signal(step, timer)
+            rollout, sampling_metrics = sample_with_signal(
+                self.config, actor=self.actor, reward=self.reward, loader=self.loader, step=step, timer=timer
+            )
+            self.step_extras.update(sampling_metrics)
             calls = {}
         else:
             with timer("generate"):
@@ -239,59 +218,8 @@ class RLRecipe:
 
     def run_together(self, timer: StageTimer, **calls: CallFuture) -> list[Any]:
         """The results of calls already issued, in keyword order, each timed as ``time/<keyword>`` from now until
-        the controller saw it complete (calls on different devices overlap, so these times may sum to more than
-        the step). Waits at most ``trainer.timeout_s`` in all, then raises naming the call still running."""
-        started = time.perf_counter()
-        deadline = started + self.config.trainer.timeout_s
-        pending = dict(calls)
-        while pending:
-            for name in [name for name, call in pending.items() if call.done()]:
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - started
-                del pending[name]
-            if pending:
-                waited = next(iter(pending.values()))
-                try:  # wakes when any rank reports, and raises at once if a worker failed
-                    waited.result(timeout=max(0.0, min(0.01, deadline - time.perf_counter())))
-                except CallTimeout:
-                    if time.perf_counter() >= deadline:
-                        raise
-        return [call.result() for call in calls.values()]
-
-    def sample_with_signal(self, step: int, timer: StageTimer) -> BatchRef:
-        """DAPO's dynamic sampling: the step's rollouts and scores with every prompt whose samples all scored the same
-        dropped (no group-relative signal) and the batch refilled from further prompts, for at most
-        ``algorithm.max_sampling_rounds`` generation rounds. If the batch is still short after the last round it is
-        filled with that round's signal-free groups (zero advantage), so its size never changes. The coordinator
-        sees one score per row; rows are selected and merged where they are (``ActorWorker.select_rows`` /
-        ``concat_rows``), and later calls rebalance them over the DP ranks."""
-        config = self.config
-        group_size, wanted = config.rollout.n, config.data.batch_size
-        selected, kept, first_round_signal = [], 0, 0.0
-        for sampling_round in range(config.algorithm.max_sampling_rounds):
-            # Further prompts come from beyond the run's own steps, so every round's prompts (and uids) are new.
-            index = step + sampling_round * config.trainer.total_steps
-            prompts = left_pad(self.loader.batch(index), width=config.data.max_prompt_length, pad_token_id=self.loader.pad_token_id)
-            with timer("generate"):
-                rollout = self.actor.generate_sequences(prompts)
-            with timer("reward"):
-                scores = self.reward.compute_rewards(rollout).result()
-            signal = groups_with_signal(scores.fetch()["scores"], group_size)
-            if sampling_round == 0:
-                first_round_signal = float(signal.float().mean())
-            keep = signal.clone()
-            keep[signal.cumsum(0) > wanted - kept] = False
-            last_round = sampling_round == config.algorithm.max_sampling_rounds - 1
-            if last_round:
-                # Still short: fill up with this round's first signal-free groups, so the batch keeps its size.
-                filler = (~signal).nonzero().squeeze(1)[: wanted - kept - int(keep.sum())]
-                keep[filler] = True
-            kept += int(keep.sum())
-            rows = Batch({"keep": keep.repeat_interleave(group_size)}, group_size=group_size)
-            selected.append(self.actor.select_rows(rollout, scores, keep=rows))
-            if kept >= wanted:
-                break
-        self.step_extras = {"sampling/rounds": sampling_round + 1.0, "sampling/signal_fraction": first_round_signal}
-        return selected[0].result() if len(selected) == 1 else self.actor.concat_rows(*selected).result()
+        the controller saw it complete; at most ``trainer.timeout_s`` in all (``runtime.wait_together``)."""
+        return wait_together(calls, timeout_s=self.config.trainer.timeout_s, on_done=timer.add)
 
     def step_metrics(self, started: float, timer: StageTimer, *results: Any) -> dict[str, float]:
         """The step's metrics: those the workers put in batch meta or returned per DP rank, stage times, step time,

@@ -30,7 +30,11 @@ class StageTimer:
         try:
             yield
         finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+            self.add(stage, time.perf_counter() - start)
+
+    def add(self, stage: str, seconds: float) -> None:
+        """Count ``seconds`` more for ``stage`` (a call timed from its issue to its completion)."""
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     def metrics(self) -> dict[str, float]:
         return {f"time/{stage}": seconds for stage, seconds in self.seconds.items()}

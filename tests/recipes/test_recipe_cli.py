@@ -51,15 +51,3 @@ def test_bad_key_is_one_line_and_exit_code_2(workdir):
     shown = run("grpo", "actor.tpp=2", cwd=workdir)
     assert shown.returncode == 2
     assert shown.stderr.strip().splitlines() == ["grpo: actor.tpp: unknown key; did you mean actor.tp?"]
-
-
-def test_pass_at_k_is_the_unbiased_estimator():
-    import torch
-
-    from spmd_rlhf.recipes.base import pass_at_k
-
-    passed = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
-    # n = 4: pass@1 = c / 4; pass@2 = 1 - C(4-c, 2) / C(4, 2)
-    torch.testing.assert_close(pass_at_k(passed, 1), torch.tensor([0.25, 0.0, 1.0, 0.5], dtype=torch.float64))
-    torch.testing.assert_close(pass_at_k(passed, 2), torch.tensor([0.5, 0.0, 1.0, 5 / 6], dtype=torch.float64))
-    torch.testing.assert_close(pass_at_k(passed, 4), torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64))

@@ -1,4 +1,5 @@
-"""RL algorithms as pure tensor functions: advantages, losses, KL estimators and controllers, loss aggregation."""
+"""RL algorithms as pure tensor functions: advantages, losses, KL estimators and controllers, loss aggregation,
+evaluation statistics (pass@k)."""
 
 from .advantages import (
     broadcast_to_tokens,
@@ -13,6 +14,7 @@ from .advantages import (
     whiten,
 )
 from .aggregation import AGGREGATIONS, Denominators, aggregate, masked_mean
+from .evaluation import pass_at_k
 from .kl import ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
 from .losses import RATIO_LEVELS, entropy_bonus, policy_loss, value_loss
 from .safe_rlhf import LagrangeMultiplier, combine_advantages
@@ -37,6 +39,7 @@ __all__ = [
     "kl_estimate",
     "masked_mean",
     "overlong_penalty",
+    "pass_at_k",
     "policy_loss",
     "remax_advantages",
     "rloo_advantages",

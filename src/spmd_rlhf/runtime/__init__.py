@@ -3,6 +3,7 @@
 from .coordinator import Coordinator
 from .dispatch import Dispatch, all_to_all, data_parallel, dispatch_mode, one_to_all, rank_zero
 from .errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
+from .futures import wait_together
 from .handles import BatchRef, CallFuture, RoleHandle
 from .launch import RuntimeOptions, launch
 from .layout import ParallelDims, ResourcePool
@@ -31,4 +32,5 @@ __all__ = [
     "launch",
     "one_to_all",
     "rank_zero",
+    "wait_together",
 ]
