@@ -1,3 +1,7 @@
+"""The device-side sampler: supports, chi-square fits of the sampled distributions (with top-k, top-p, T != 1, per-row
+parameters in one batch), batch-independence of seeded requests, log-probs, the hash against exact integer arithmetic,
+and the peak memory its docstring states."""
+
 import math
 
 import pytest
@@ -35,7 +39,8 @@ def _assert_fits(tokens: list[int], expected: torch.Tensor) -> None:
     wanted = expected[support].double() / expected[support].sum() * len(tokens)
     statistic = float(((counts[support] - wanted) ** 2 / wanted).sum())
     df = int(support.sum()) - 1
-    assert statistic < CHI2_CRITICAL_999[df], f"chi2={statistic:.2f} >= {CHI2_CRITICAL_999[df]} (df={df}): {counts.tolist()}"
+    critical = CHI2_CRITICAL_999[df]
+    assert statistic < critical, f"chi2={statistic:.2f} >= {critical} (df={df}): {counts.tolist()}"
 
 
 def test_greedy_takes_the_argmax_with_its_plain_log_prob():
@@ -101,7 +106,10 @@ def test_a_wider_vocabulary_fits_too():
 def test_per_row_params_in_one_batch():
     """Greedy rows, rows at different temperatures, top-k and top-p, interleaved in one batch: each row draws what it
     draws alone, and each kind of row follows its own distribution."""
-    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.5), SamplingParams(top_k=2), SamplingParams(temperature=2.0, top_p=0.6)]
+    kinds = [
+        SamplingParams(temperature=0), SamplingParams(temperature=0.5), SamplingParams(top_k=2),
+        SamplingParams(temperature=2.0, top_p=0.6),
+    ]
     expected = [None, PROBS[0] ** 2, torch.tensor([0.5, 0.3, 0, 0]), torch.tensor([0.5**0.5, 0.3**0.5, 0, 0])]
     rows = DRAWS * len(kinds)
     params = [kinds[row % len(kinds)] for row in range(rows)]
@@ -133,7 +141,7 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch_and_row():
         others = torch.randn(5, 1000, generator=generator)
         row = position % 6
         batch = torch.cat([others[:row], logits, others[row:]])
-        other_params = [SamplingParams(temperature=0.7, top_k=10), SamplingParams(temperature=0), params, params, params]
+        other_params = [SamplingParams(temperature=0.7, top_k=10), SamplingParams(temperature=0)] + [params] * 3
         batch_params = other_params[:row] + [params] + other_params[row:]
         seeds = [100, 101, 7, 102, 103][:row] + [7] + [100, 101, 7, 102, 103][row:]
         positions = [3, 4, 5, 6, 7][:row] + [position] + [3, 4, 5, 6, 7][row:]

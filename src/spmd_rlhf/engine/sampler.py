@@ -27,6 +27,12 @@ _LARGEST_BELOW_ONE = 1.0 - 2.0**-24
 """The largest float32 below 1."""
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A per-row vector built on the host, sent without waiting: a non-blocking copy from pageable memory is staged at
+    once, so the host never stalls here for the model's queued work; the step's one sync is the final ``tolist``."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _mix64(z: int) -> int:
     """splitmix64's finalizer on a Python int in [0, 2^64): a bijection in which every output bit depends on every
     input bit. Python ints are exact, so this runs on the host, once per row."""
@@ -54,7 +60,9 @@ def _mix31_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
 
 
-def hash_uniforms(seeds: Sequence[int], positions: Sequence[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+def hash_uniforms(
+    seeds: Sequence[int], positions: Sequence[int], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
     """[rows, vocab_size] float32 uniforms strictly inside (0, 1): entry (r, i) is a hash of (``seeds[r]``,
     ``positions[r]``, i), the same whatever the other rows are.
 
@@ -62,7 +70,7 @@ def hash_uniforms(seeds: Sequence[int], positions: Sequence[int], vocab_size: in
     ``_mix31_`` round over the vocabulary index, giving 31 random bits v per entry; the uniform is (v + 1/2) / 2^31 in
     float32, clamped below 1 where rounding would reach it. Holds two int64 [rows, vocab_size] tensors at peak."""
     keys = [derive_seed(seed, position) for seed, position in zip(seeds, positions, strict=True)]
-    lanes = torch.tensor([[key & _MASK31, (key >> 31) & _MASK31] for key in keys], dtype=torch.int64).to(device)
+    lanes = _to_device([[key & _MASK31, (key >> 31) & _MASK31] for key in keys], torch.int64, device)
     x = torch.arange(vocab_size, dtype=torch.int64, device=device).bitwise_xor(lanes[:, :1])
     scratch = torch.empty_like(x)
     _mix31_(x, scratch).bitwise_xor_(lanes[:, 1:])
@@ -85,7 +93,7 @@ def _support_floor(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[f
     if not sorts and not any(ks):
         return None
     ranked = logits.sort(dim=-1, descending=True).values if sorts else logits.topk(max(ks), dim=-1).values
-    k = torch.tensor(ks, device=logits.device)
+    k = _to_device(ks, torch.int64, logits.device)
     kth = ranked.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
     floor = torch.where(k > 0, kth, float("-inf"))
     if sorts:
@@ -93,7 +101,7 @@ def _support_floor(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[f
         # A token is dropped when the tokens ranked above it already reach top_p, so the best one never is.
         mass_above = probs.cumsum(dim=-1).sub_(probs)
         del probs
-        p = torch.tensor([p if p < 1 else float("inf") for p in top_p], device=logits.device)
+        p = _to_device([p if p < 1 else float("inf") for p in top_p], logits.dtype, logits.device)
         kept = (mass_above < p[:, None]).sum(dim=-1)
         floor = torch.maximum(floor, ranked.gather(1, (kept - 1)[:, None]).squeeze(1))
     return floor
@@ -121,12 +129,12 @@ def sample(
     Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T and, while the
     noise is hashed, two int64 tensors of the same shape (20 bytes per [rows, vocab] element); greedy-only batches
     hold the float32 copy alone."""
-    rows, vocab_size = logits.shape
+    vocab_size = logits.shape[-1]
     assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
     device = logits.device
     greedy = [row_params.greedy for row_params in params]
-    temperature = torch.tensor([1.0 if row_params.greedy else row_params.temperature for row_params in params])
-    scaled = logits / temperature.to(device)[:, None]  # float32 whatever the logits' dtype
+    temperature = [1.0 if row_params.greedy else row_params.temperature for row_params in params]
+    scaled = logits / _to_device(temperature, torch.float32, device)[:, None]  # float32 (or wider) whatever came in
     log_normaliser = torch.logsumexp(scaled, dim=-1)
     if all(greedy):
         tokens = scaled.argmax(dim=-1)
@@ -137,14 +145,15 @@ def sample(
             [1.0 if row_params.greedy else row_params.top_p for row_params in params],
         )
         scores = hash_uniforms(seeds, positions, vocab_size, device)
-        scores.neg_().log1p_().neg_().log_().neg_().add_(scaled)  # the Gumbel noise -log(-log(1 - u)), plus logits / T
+        # Gumbel noise -log(-log U) with U = 1 - u: log1p keeps u's precision near 0, where the noise's upper tail is.
+        scores.neg_().log1p_().neg_().log_().neg_().add_(scaled)
         if floor is not None:
             scores.masked_fill_(scaled < floor[:, None], float("-inf"))
         tokens = scores.argmax(dim=-1)
         del scores
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy).to(device), scaled.argmax(dim=-1), tokens)
+            tokens = torch.where(_to_device(greedy, torch.bool, device), scaled.argmax(dim=-1), tokens)
     # The chosen token is always in the support, so its unfiltered log-prob is finite.
     chosen_log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_normaliser
-    token_row, log_prob_row = torch.stack([tokens.to(torch.float32), chosen_log_probs]).tolist()
+    token_row, log_prob_row = torch.stack([tokens.to(torch.float32), chosen_log_probs.to(torch.float32)]).tolist()
     return [int(token) for token in token_row], log_prob_row
