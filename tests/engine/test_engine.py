@@ -161,3 +161,19 @@ def test_bad_requests_are_refused_with_the_fix_named(checkpoint):
     with pytest.raises(ValueError, match="num_blocks or as kv_cache_bytes, not both"):
         LLMEngine(model, eos_token_id=EOS, num_blocks=4, kv_cache_bytes=1 << 20)
     assert engine.generate([], GREEDY) == []
+
+
+def test_unseeded_requests_follow_the_engine_seed_and_request_number(checkpoint):
+    model, _ = checkpoint
+    prompts = _prompts()[:3]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+
+    def responses(engine):
+        return [seq.generated_token_ids for seq in engine.generate(prompts, params)]
+
+    first_engine, same_seed = LLMEngine(model, eos_token_id=None, seed=5), LLMEngine(model, eos_token_id=None, seed=5)
+    first = responses(first_engine)
+    assert responses(same_seed) == first
+    # The request count runs on across calls: repeating a call draws new responses.
+    assert responses(first_engine) != first
+    assert responses(LLMEngine(model, eos_token_id=None, seed=6)) != first

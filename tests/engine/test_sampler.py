@@ -1,22 +1,51 @@
+"""The device-side sampler: supports, chi-square fits of the sampled distributions (with top-k, top-p, T != 1, per-row
+parameters in one batch), batch-independence of seeded requests, log-probs, the hash against exact integer arithmetic,
+and the peak memory its docstring states."""
+
 import math
 
 import pytest
 import torch
 
-from spmd_rlhf.engine.sampler import Sampler, filter_logits
+from spmd_rlhf.engine.sampler import _MASK31, _MASK64, derive_seed, filter_logits, hash_uniforms, sample
 from spmd_rlhf.engine.sequence import SamplingParams
+from spmd_rlhf.hybrid.memory import PeakMemory
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 LOGITS = PROBS.log()
 
+# Goodness of fit: Pearson's chi-square at significance 0.001 against the critical value of chi2(df), i.e.
+# scipy.stats.chi2.ppf(0.999, df). The noise is a hash of fixed keys, so each test's statistic is a fixed number:
+# the level says how unlucky a correct sampler would have to be for these keys to fail.
+CHI2_CRITICAL_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
+DRAWS = 20_000
 
-def _generator(seed):
-    return torch.Generator().manual_seed(seed)
+
+def _sample(logits, params, seeds, positions):
+    return sample(logits, params, seeds=seeds, positions=positions)
+
+
+def _draw(logits_row: torch.Tensor, params: SamplingParams, seed: int) -> list[int]:
+    """DRAWS tokens of one request from the same logits, at positions 0..DRAWS-1, in one batch."""
+    tokens, _ = _sample(logits_row.expand(DRAWS, -1), [params] * DRAWS, [seed] * DRAWS, list(range(DRAWS)))
+    return tokens
+
+
+def _assert_fits(tokens: list[int], expected: torch.Tensor) -> None:
+    """Tokens outside the support never drawn; the rest pass Pearson's chi-square test against ``expected``."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(expected)).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"drew tokens outside the support: {counts.tolist()}"
+    wanted = expected[support].double() / expected[support].sum() * len(tokens)
+    statistic = float(((counts[support] - wanted) ** 2 / wanted).sum())
+    df = int(support.sum()) - 1
+    critical = CHI2_CRITICAL_999[df]
+    assert statistic < critical, f"chi2={statistic:.2f} >= {critical} (df={df}): {counts.tolist()}"
 
 
 def test_greedy_takes_the_argmax_with_its_plain_log_prob():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
-    tokens, log_probs = Sampler()(logits, [SamplingParams(temperature=0)] * 2, [None, None])
+    tokens, log_probs = _sample(logits, [SamplingParams(temperature=0)] * 2, [0, 0], [0, 0])
     assert tokens == [1, 0]
     expected = logits.log_softmax(-1)[[0, 1], [1, 0]]
     torch.testing.assert_close(torch.tensor(log_probs), expected)
@@ -29,36 +58,166 @@ def test_top_k_and_top_p_supports():
     assert torch.isinf(filter_logits(LOGITS, top_k=0, top_p=0.01)).tolist() == [[False, True, True, True]]
 
 
-def test_sampled_frequencies_follow_the_filtered_distribution():
-    sampler = Sampler()
-    generator = _generator(0)
-    counts = torch.zeros(4)
-    for _ in range(3000):
-        (token,), _ = sampler(LOGITS, [SamplingParams(top_k=3)], [generator])
-        counts[token] += 1
-    expected = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
-    torch.testing.assert_close(counts / counts.sum(), expected, atol=0.03, rtol=0)
+def test_per_row_top_k_and_top_p_equal_each_row_filtered_alone():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 2
+    top_k, top_p = [0, 5, 0, 3, 49, 50], [1.0, 1.0, 0.6, 0.9, 0.3, 1.0]
+    rows = torch.cat([filter_logits(logits[r : r + 1], top_k=top_k[r], top_p=top_p[r]) for r in range(6)])
+    torch.testing.assert_close(filter_logits(logits, top_k=top_k, top_p=top_p), rows)
+    kept = (~torch.isinf(rows)).sum(-1).tolist()
+    assert kept[0] == kept[5] == 50 and kept[1] == 5 and kept[3] <= 3 and 1 <= kept[2] < 50
+    # Top-k alone takes topk rather than a sort: the same supports.
+    torch.testing.assert_close(filter_logits(logits, top_k=top_k, top_p=1.0), torch.cat([
+        filter_logits(logits[r : r + 1], top_k=top_k[r], top_p=1.0) for r in range(6)
+    ]))
+
+
+def test_ties_with_the_last_kept_token_stay_in():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [[False, False, False, True]]
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(), PROBS[0]),
+        (SamplingParams(top_k=3), torch.tensor([0.5, 0.3, 0.15, 0.0])),
+        (SamplingParams(top_p=0.85), torch.tensor([0.5, 0.3, 0.15, 0.0])),
+        (SamplingParams(temperature=0.5), PROBS[0] ** 2),
+        (SamplingParams(temperature=2.0, top_p=0.6), torch.tensor([0.5**0.5, 0.3**0.5, 0.0, 0.0])),
+        (SamplingParams(temperature=1.5, top_k=3, top_p=0.9), (PROBS[0] ** (1 / 1.5)) * torch.tensor([1, 1, 1, 0])),
+    ],
+    ids=["t1", "topk3", "topp0.85", "t0.5", "t2-topp0.6", "t1.5-topk3-topp0.9"],
+)
+def test_sampled_frequencies_pass_a_chi_square_test(params, expected):
+    _assert_fits(_draw(LOGITS[0], params, seed=11), expected)
+
+
+def test_t1_5_top_k_3_top_p_0_9_keeps_three_tokens():
+    """The support the last chi-square case assumes: top-p on the top-k distribution at T = 1.5 keeps all three."""
+    scaled = LOGITS / 1.5
+    assert torch.isinf(filter_logits(scaled, top_k=3, top_p=0.9)).tolist() == [[False, False, False, True]]
+
+
+def test_a_wider_vocabulary_fits_too():
+    logits = torch.randn(1, 8, generator=torch.Generator().manual_seed(3))
+    _assert_fits(_draw(logits[0], SamplingParams(temperature=0.8), seed=5), (logits[0] / 0.8).softmax(-1))
+
+
+def test_per_row_params_in_one_batch():
+    """Greedy rows, rows at different temperatures, top-k and top-p, interleaved in one batch: each row draws what it
+    draws alone, and each kind of row follows its own distribution."""
+    kinds = [
+        SamplingParams(temperature=0), SamplingParams(temperature=0.5), SamplingParams(top_k=2),
+        SamplingParams(temperature=2.0, top_p=0.6),
+    ]
+    expected = [None, PROBS[0] ** 2, torch.tensor([0.5, 0.3, 0, 0]), torch.tensor([0.5**0.5, 0.3**0.5, 0, 0])]
+    rows = DRAWS * len(kinds)
+    params = [kinds[row % len(kinds)] for row in range(rows)]
+    seeds, positions = [row % 97 for row in range(rows)], [row // 4 for row in range(rows)]
+    tokens, log_probs = _sample(LOGITS.expand(rows, -1), params, seeds, positions)
+    assert set(tokens[0::4]) == {0} and all(lp == pytest.approx(math.log(0.5), abs=1e-6) for lp in log_probs[0::4])
+    for kind in range(1, len(kinds)):
+        _assert_fits(tokens[kind::4], expected[kind])
+    for row in (1, 2, 3, 6, 7, 4005, 4006, 4007):
+        alone, _ = _sample(LOGITS, [params[row]], [seeds[row]], [positions[row]])
+        assert alone == [tokens[row]]
 
 
 def test_log_prob_is_at_temperature_and_before_filtering():
     params = SamplingParams(temperature=0.5, top_k=2)
-    (token,), (log_prob,) = Sampler()(LOGITS, [params], [_generator(1)])
-    assert log_prob == pytest.approx(float((LOGITS / 0.5).log_softmax(-1)[0, token]), abs=1e-6)
-    assert token in (0, 1)
+    tokens, log_probs = _sample(LOGITS.expand(64, -1), [params] * 64, [1] * 64, list(range(64)))
+    assert set(tokens) == {0, 1}
+    expected = (LOGITS / 0.5).log_softmax(-1)[0, tokens]
+    torch.testing.assert_close(torch.tensor(log_probs), expected, atol=1e-6, rtol=0)
 
 
-def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch():
-    sampler = Sampler()
+def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch_and_row():
     params = SamplingParams(temperature=1.0)
-    alone, in_batch = _generator(7), _generator(7)
-    other = torch.randn(1, 4)
-    for _ in range(20):
-        (token_alone,), _ = sampler(LOGITS, [params], [alone])
-        tokens, _ = sampler(torch.cat([other, LOGITS]), [params, params], [None, in_batch])
-        assert tokens[1] == token_alone
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1))
+    alone = [_sample(logits, [params], [7], [position])[0][0] for position in range(20)]
+    assert len(set(alone)) > 5
+    generator = torch.Generator().manual_seed(2)
+    for position in range(20):
+        others = torch.randn(5, 1000, generator=generator)
+        row = position % 6
+        batch = torch.cat([others[:row], logits, others[row:]])
+        other_params = [SamplingParams(temperature=0.7, top_k=10), SamplingParams(temperature=0)] + [params] * 3
+        batch_params = other_params[:row] + [params] + other_params[row:]
+        seeds = [100, 101, 7, 102, 103][:row] + [7] + [100, 101, 7, 102, 103][row:]
+        positions = [3, 4, 5, 6, 7][:row] + [position] + [3, 4, 5, 6, 7][row:]
+        tokens, _ = _sample(batch, batch_params, seeds, positions)
+        assert tokens[row] == alone[position]
+    other_seed = [_sample(logits, [params], [8], [position])[0][0] for position in range(20)]
+    assert other_seed != alone
 
 
 def test_temperature_sharpens():
-    (token,), (log_prob,) = Sampler()(LOGITS, [SamplingParams(temperature=1e-3)], [_generator(0)])
+    (token,), (log_prob,) = _sample(LOGITS, [SamplingParams(temperature=1e-3)], [0], [0])
     assert token == 0 and log_prob == pytest.approx(0.0, abs=1e-6)
     assert math.isfinite(log_prob)
+
+
+def test_low_precision_logits_are_scaled_in_float32():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.7, seed=0)] * 3
+    tokens, log_probs = _sample(logits, params, [1, 2, 3], [0, 0, 0])
+    expected = (logits.float() / 0.7).log_softmax(-1)[[0, 1, 2], tokens]
+    torch.testing.assert_close(torch.tensor(log_probs), expected, atol=1e-6, rtol=0)
+
+
+def _reference_uniform(seed: int, position: int, index: int) -> float:
+    """The hash in exact Python integers: what every device must reproduce bit for bit."""
+
+    def mix31(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & _MASK31
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & _MASK31
+        return x ^ (x >> 16)
+
+    key = derive_seed(seed, position)
+    x = mix31(mix31(index ^ (key & _MASK31)) ^ ((key >> 31) & _MASK31))
+    return min(float(torch.tensor((x + 0.5) * 2.0**-31, dtype=torch.float32)), 1 - 2**-24)
+
+
+def test_hash_uniforms_equal_the_exact_integer_hash():
+    seeds, positions = [0, -1, 2**63 - 1, 12345, 2**64 + 5], [0, 7, 2**40, 1, 3]
+    uniforms = hash_uniforms(seeds, positions, 300, "cpu")
+    for row, (seed, position) in enumerate(zip(seeds, positions)):
+        for index in (0, 1, 2, 150, 299):
+            assert float(uniforms[row, index]) == _reference_uniform(seed, position, index)
+    assert derive_seed(-1, 7) == derive_seed(_MASK64, 7) and derive_seed(2**64 + 5, 3) == derive_seed(5, 3)
+
+
+def test_hash_uniforms_repeat_for_a_key_and_decorrelate_across_neighbouring_keys():
+    vocab = 50_000
+    keys = [(5, 10), (5, 10), (6, 10), (5, 11), (4, 10), (5, 9)]
+    uniforms = hash_uniforms([seed for seed, _ in keys], [position for _, position in keys], vocab, "cpu").double()
+    assert torch.equal(uniforms[0], uniforms[1])
+    assert 0 < uniforms.min() and uniforms.max() < 1
+    # Uncorrelated rows of n uniforms have a correlation of standard deviation 1 / sqrt(n): 5 of them is a 1e-6 event.
+    bound = 5 / math.sqrt(vocab)
+    correlations = torch.corrcoef(uniforms[1:])
+    assert (correlations - torch.eye(5, dtype=torch.float64)).abs().max() < bound
+    # Neighbouring vocabulary indices too (lag-1 correlation along a row).
+    for row in uniforms[1:]:
+        assert torch.corrcoef(torch.stack([row[:-1], row[1:]]))[0, 1].abs() < bound
+    # Each row is uniform: chi-square over 8 equal bins.
+    for row in uniforms[1:]:
+        counts = torch.bincount((row * 8).long(), minlength=8).double()
+        assert float(((counts - vocab / 8) ** 2 / (vocab / 8)).sum()) < CHI2_CRITICAL_999[7]
+
+
+def test_peak_memory_is_as_documented():
+    rows, vocab = 8, 20_000
+    logits = torch.randn(rows, vocab)
+    elements = rows * vocab
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=100 * (row % 2)) for row in range(rows)]
+    with PeakMemory("cpu") as memory:
+        _sample(logits, params, list(range(rows)), [0] * rows)
+    # 20 bytes per element documented; a little room for per-row vectors.
+    assert 16 * elements <= memory.peak_increase <= 21 * elements, memory.peak_increase / elements
+    greedy = [SamplingParams(temperature=0)] * rows
+    with PeakMemory("cpu") as memory:
+        _sample(logits, greedy, [0] * rows, [0] * rows)
+    assert memory.peak_increase <= 4.1 * elements, memory.peak_increase / elements

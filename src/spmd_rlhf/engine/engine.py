@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from spmd_rlhf.models.decoder import DecoderLM
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .sampler import Sampler
+from .sampler import derive_seed, sample
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
 
@@ -52,8 +50,9 @@ class LLMEngine:
         seed: int = 0,
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size; with neither, each call gets a cache that holds
-        all its requests at full length (no preemption). Requests without their own seed share a generator seeded
-        with ``seed``. The cache is allocated on the first ``generate``."""
+        all its requests at full length (no preemption). A request without its own seed gets ``derive_seed(seed, n)``
+        for the n-th request this engine has received (counted across ``generate`` calls, so repeating a call draws
+        new samples). The cache is allocated on the first ``generate``."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -70,7 +69,9 @@ class LLMEngine:
         """Cache size in blocks, or None to size it for each call's requests."""
         if self.fixed_num_blocks is not None and self.fixed_num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
-        self.sampler = Sampler(seed=seed)
+        self.seed = seed
+        self.num_requests = 0
+        """Requests received so far, across calls: numbers the unseeded ones' seeds."""
         self.stats = GenerationStats()
 
     @property
@@ -93,7 +94,11 @@ class LLMEngine:
         scheduler = Scheduler(manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
         for seq in seqs:
             scheduler.add(seq)
-        generators = [None if seq.params.seed is None else torch.Generator().manual_seed(seq.params.seed) for seq in seqs]
+        seeds = [
+            derive_seed(self.seed, self.num_requests + seq.seq_id) if seq.params.seed is None else seq.params.seed
+            for seq in seqs
+        ]
+        self.num_requests += len(seqs)
         stats = self.stats = GenerationStats()
         while scheduler.has_work():
             batch, is_prefill = scheduler.schedule()
@@ -105,7 +110,10 @@ class LLMEngine:
             else:
                 stats.decode_steps += 1
             logits = self.runner.run(batch, is_prefill=is_prefill)
-            tokens, log_probs = self.sampler(logits, [seq.params for seq in batch], [generators[seq.seq_id] for seq in batch])
+            tokens, log_probs = sample(
+                logits, [seq.params for seq in batch], seeds=[seeds[seq.seq_id] for seq in batch],
+                positions=[seq.num_generated for seq in batch],
+            )
             scheduler.finish_step(batch, tokens, log_probs)
             stats.generated_tokens += len(batch)
         stats.preemptions = scheduler.num_preemptions

@@ -1,55 +1,159 @@
-"""Next-token choice from last-position logits: greedy, temperature, top-k, top-p, per-request seeds.
+"""Next-token choice from last-position logits, for every row at once on the logits' device: greedy, temperature,
+top-k, top-p, per-request seeds.
 
-The returned log-prob of a sampled token is log softmax(logits / T) at that token (T = 1 for greedy), before top-k /
-top-p filtering: the same quantity the trainer's ``compute_log_probs`` computes at that temperature, so rollout and
+Sampling is Gumbel-max: the token is argmax(logits / T + G) over the top-k / top-p support, with G = -log(-log U) and
+U a counter-based uniform, a hash of (request seed, response position, vocabulary index). The noise is a function of
+its key, not a generator's stream, so a request's tokens depend only on its seed, its positions and its own logits:
+never on the other rows of the batch, their order, preemption, or how many steps ran before. Only the chosen ids and
+their log-probs (two [rows] vectors) reach the host, in one copy per step.
+
+The returned log-prob of a token is log softmax(logits / T) at that token (T = 1 for greedy), before top-k / top-p
+filtering: the same quantity the trainer's ``compute_log_probs`` computes at that temperature, so rollout and
 training log-probs agree without correction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .sequence import SamplingParams
 
-
-def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
-    """``logits`` [rows, vocab] with tokens outside the top-k / top-p sets set to -inf (the best token always stays)."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p.
-        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+_MASK64 = (1 << 64) - 1
+_MASK31 = (1 << 31) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_LARGEST_BELOW_ONE = 1.0 - 2.0**-24
+"""The largest float32 below 1."""
 
 
-class Sampler:
-    def __init__(self, *, seed: int = 0) -> None:
-        self._shared = torch.Generator().manual_seed(seed)
-        """Used by requests without their own seed."""
+def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A per-row vector built on the host, sent without waiting: a non-blocking copy from pageable memory is staged at
+    once, so the host never stalls here for the model's queued work; the step's one sync is the final ``tolist``."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> tuple[list[int], list[float]]:
-        """One token and its log-prob per row of ``logits`` [rows, vocab]."""
-        logits = logits.float()
-        temperatures = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-        scaled = logits / temperatures[:, None]
-        log_probs = scaled.log_softmax(dim=-1)
-        tokens = scaled.argmax(dim=-1).tolist()
-        sampled = [row for row, row_params in enumerate(params) if not row_params.greedy]
-        if sampled:
-            filtered = torch.cat([
-                filter_logits(scaled[row : row + 1], top_k=params[row].top_k, top_p=params[row].top_p) for row in sampled
-            ])
-            # One copy to the host for all rows: the per-request generators are CPU generators, so a seed gives the
-            # same tokens on any device.
-            probabilities = filtered.softmax(dim=-1).cpu()
-            for probability_row, row in zip(probabilities, sampled):
-                tokens[row] = int(torch.multinomial(probability_row, 1, generator=generators[row] or self._shared))
-        chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1)
-        return tokens, chosen.tolist()
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer on a Python int in [0, 2^64): a bijection in which every output bit depends on every
+    input bit. Python ints are exact, so this runs on the host, once per row."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def derive_seed(seed: int, counter: int) -> int:
+    """A 64-bit seed for draw number ``counter`` under ``seed`` (both taken modulo 2^64); distinct counters give
+    distinct seeds. Keys a row's noise by (request seed, position), and an unseeded request's seed by (engine seed,
+    request number)."""
+    return _mix64((_mix64(seed & _MASK64) + counter * _GOLDEN_GAMMA) & _MASK64)
+
+
+def _mix31_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer carried out modulo 2^31, in place on an int64 tensor of values in [0, 2^31): a
+    bijection of [0, 2^31). Every product is below 2^31 * 2^32 = 2^63 and every shifted value is non-negative, so no
+    int64 operation overflows and arithmetic and logical shifts agree: the result is exact, the same bits on every
+    device, with no reliance on how a backend wraps signed overflow. ``scratch`` (same shape) takes the shifted copies:
+    in-place updates keep the allocator out of the loop, which on the host costs more than the arithmetic."""
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
+        x.mul_(multiplier).bitwise_and_(_MASK31)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+
+
+def hash_uniforms(
+    seeds: Sequence[int], positions: Sequence[int], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """[rows, vocab_size] float32 uniforms strictly inside (0, 1): entry (r, i) is a hash of (``seeds[r]``,
+    ``positions[r]``, i), the same whatever the other rows are.
+
+    The row key ``derive_seed(seed, position)`` (62 of its bits) enters as two 31-bit lanes, each followed by a
+    ``_mix31_`` round over the vocabulary index, giving 31 random bits v per entry; the uniform is (v + 1/2) / 2^31 in
+    float32, clamped below 1 where rounding would reach it. Holds two int64 [rows, vocab_size] tensors at peak."""
+    keys = [derive_seed(seed, position) for seed, position in zip(seeds, positions, strict=True)]
+    lanes = _to_device([[key & _MASK31, (key >> 31) & _MASK31] for key in keys], torch.int64, device)
+    x = torch.arange(vocab_size, dtype=torch.int64, device=device).bitwise_xor(lanes[:, :1])
+    scratch = torch.empty_like(x)
+    _mix31_(x, scratch).bitwise_xor_(lanes[:, 1:])
+    _mix31_(x, scratch)
+    del scratch
+    # (2v + 1) / 2^32 rounds once, in the int-to-float conversion, the same way on every device.
+    return x.mul_(2).add_(1).to(torch.float32).mul_(2.0**-32).clamp_(max=_LARGEST_BELOW_ONE)
+
+
+def _support_floor(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor | None:
+    """Per row, the smallest logit of its top-k / top-p support (tokens tied with it stay in; the best token always
+    does), or None when no row filters. Top-p applies to the distribution left after top-k. The rows are sorted only
+    when some row has top_p < 1; top-k alone takes ``torch.topk`` of the largest k.
+
+    Holds at peak, when sorting: the sorted values and their int64 indices, then the sorted values, their softmax and
+    its cumulative sum (16 bytes per [rows, vocab] element)."""
+    vocab_size = logits.shape[-1]
+    ks = [k if 0 < k < vocab_size else 0 for k in top_k]
+    sorts = any(p < 1 for p in top_p)
+    if not sorts and not any(ks):
+        return None
+    ranked = logits.sort(dim=-1, descending=True).values if sorts else logits.topk(max(ks), dim=-1).values
+    k = _to_device(ks, torch.int64, logits.device)
+    kth = ranked.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
+    floor = torch.where(k > 0, kth, float("-inf"))
+    if sorts:
+        probs = ranked.masked_fill(ranked < floor[:, None], float("-inf")).softmax(dim=-1)
+        # A token is dropped when the tokens ranked above it already reach top_p, so the best one never is.
+        mass_above = probs.cumsum(dim=-1).sub_(probs)
+        del probs
+        p = _to_device([p if p < 1 else float("inf") for p in top_p], logits.dtype, logits.device)
+        kept = (mass_above < p[:, None]).sum(dim=-1)
+        floor = torch.maximum(floor, ranked.gather(1, (kept - 1)[:, None]).squeeze(1))
+    return floor
+
+
+def filter_logits(logits: torch.Tensor, *, top_k: int | Sequence[int], top_p: float | Sequence[float]) -> torch.Tensor:
+    """``logits`` [rows, vocab] with tokens outside the top-k / top-p sets set to -inf; ``top_k`` and ``top_p`` are one
+    value for every row or one per row (0 and 1 keep every token)."""
+    rows = logits.shape[0]
+    floor = _support_floor(
+        logits,
+        [top_k] * rows if isinstance(top_k, int) else top_k,
+        [top_p] * rows if isinstance(top_p, float | int) else top_p,
+    )
+    return logits if floor is None else logits.masked_fill(logits < floor[:, None], float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], *, seeds: Sequence[int], positions: Sequence[int]
+) -> tuple[list[int], list[float]]:
+    """One token and its log-prob per row of ``logits`` [rows, vocab] (any float dtype, any device), row r under
+    ``params[r]``, its noise keyed by ``seeds[r]`` and ``positions[r]`` (the index of the token in its response).
+    Greedy and sampled rows, and rows with different temperatures, top-k and top-p, mix freely in one batch.
+
+    Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T and, while the
+    noise is hashed, two int64 tensors of the same shape (20 bytes per [rows, vocab] element); greedy-only batches
+    hold the float32 copy alone."""
+    vocab_size = logits.shape[-1]
+    assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
+    device = logits.device
+    greedy = [row_params.greedy for row_params in params]
+    temperature = [1.0 if row_params.greedy else row_params.temperature for row_params in params]
+    scaled = logits / _to_device(temperature, torch.float32, device)[:, None]  # float32 (or wider) whatever came in
+    log_normaliser = torch.logsumexp(scaled, dim=-1)
+    if all(greedy):
+        tokens = scaled.argmax(dim=-1)
+    else:
+        floor = _support_floor(
+            scaled,
+            [0 if row_params.greedy else row_params.top_k for row_params in params],
+            [1.0 if row_params.greedy else row_params.top_p for row_params in params],
+        )
+        scores = hash_uniforms(seeds, positions, vocab_size, device)
+        # Gumbel noise -log(-log U) with U = 1 - u: log1p keeps u's precision near 0, where the noise's upper tail is.
+        scores.neg_().log1p_().neg_().log_().neg_().add_(scaled)
+        if floor is not None:
+            scores.masked_fill_(scaled < floor[:, None], float("-inf"))
+        tokens = scores.argmax(dim=-1)
+        del scores
+        if any(greedy):
+            tokens = torch.where(_to_device(greedy, torch.bool, device), scaled.argmax(dim=-1), tokens)
+    # The chosen token is always in the support, so its unfiltered log-prob is finite.
+    chosen_log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_normaliser
+    token_row, log_prob_row = torch.stack([tokens.to(torch.float32), chosen_log_probs.to(torch.float32)]).tolist()
+    return [int(token) for token in token_row], log_prob_row

@@ -24,7 +24,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Besides EOS, tokens that end the response (kept in it, like EOS)."""
     seed: int | None = None
-    """Per-request seed: the same request samples the same tokens whatever else is in the batch."""
+    """Per-request seed (taken modulo 2^64): the same request samples the same tokens whatever else is in the batch;
+    None: one derived from the engine's seed and the request's number."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
