@@ -30,15 +30,15 @@ from spmd_rlhf import checkpoint
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from spmd_rlhf.config import ConfigError, config_reference, load_config
-from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
-from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.recipes.dry_run import describe
 from spmd_rlhf.recipes.dynamic_sampling import sample_with_signal
 from spmd_rlhf.runtime import (
-    BatchRef, CallFuture, Coordinator, ParallelDims, ResourcePool, RoleHandle, RuntimeOptions, launch, wait_together,
+    BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, wait_together,
 )
+from spmd_rlhf.runtime.placement import place_roles
 from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
 
 TINY_MODEL_DIR = "tiny/model"
@@ -67,60 +67,6 @@ def ensure_tiny_assets(config: FrameworkConfig) -> None:
         make_task(task="arithmetic", out_dir=TINY_TASK_DIR)
 
 
-def resolve_placement(config: FrameworkConfig, world_size: int) -> tuple[FrameworkConfig, str]:
-    """``config`` itself, or for placement=auto the device mapper's plan written in as a manual placement (pools,
-    n_ranks, pp, tp, rollout.tp); and the plan as text ('' when there is none)."""
-    if config.placement != "auto":
-        return config, ""
-    from spmd_rlhf.mapping.placement import apply_mapping, describe_plan, plan_config
-    from spmd_rlhf.mapping.calibrate import resolve_profile
-
-    profile = resolve_profile(config.mapping.profile)
-    result = plan_config(config, world_size, profile=profile)
-    return apply_mapping(config, result.best), describe_plan(result, devices=world_size, profile=profile)
-
-
-def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePool]:
-    """The ranks of each enabled role under ``config.placement``; pools take consecutive ranks in order."""
-    pools = config.resource_pools()
-    if not pools:
-        raise ValueError(f"placement={config.placement}: resolve it first (resolve_placement) to get the mapper's pools")
-    sizes = {}
-    for pool, roles in pools.items():
-        sizes[pool] = max(getattr(config, role).n_ranks for role in roles)
-    unsized = [pool for pool, size in sizes.items() if size == 0]
-    free = world_size - sum(sizes.values())
-    if unsized:
-        if free < len(unsized) or free % len(unsized):
-            raise ValueError(
-                f"placement={config.placement}: {free} ranks left for pools {unsized} of a {world_size}-rank job; "
-                f"set the roles' n_ranks or launch a multiple of {len(unsized)} ranks"
-            )
-        for pool in unsized:
-            sizes[pool] = free // len(unsized)
-    if sum(sizes.values()) != world_size:
-        raise ValueError(f"placement={config.placement}: pools need {sum(sizes.values())} ranks but the job has {world_size}")
-    result, start = {}, 0
-    for pool, roles in pools.items():
-        for role in roles:
-            result[role] = ResourcePool(range(start, start + sizes[pool]))
-        start += sizes[pool]
-    return result
-
-
-def role_dims(name: str, role: RoleConfig, pool: ResourcePool) -> ParallelDims:
-    """The role's (pp, dp, tp) on its pool: dp is what pp x tp leaves of the pool's ranks."""
-    if len(pool) % (role.pp * role.tp):
-        raise ValueError(
-            f"{name}.pp={role.pp} x {name}.tp={role.tp} does not divide the {len(pool)} ranks of its pool; choose sizes "
-            f"whose product divides {len(pool)}"
-        )
-    dims = ParallelDims(pp=role.pp, dp=len(pool) // (role.pp * role.tp), tp=role.tp)
-    if role.dp and role.dp != dims.dp:
-        raise ValueError(f"{name}.dp={role.dp} but its pool of {len(pool)} ranks with pp={role.pp}, tp={role.tp} gives dp={dims.dp}; set {name}.dp=0")
-    return dims
-
-
 class RLRecipe:
     """Setup, fit loop, metrics and saving; subclasses define ``step``."""
 
@@ -147,10 +93,10 @@ class RLRecipe:
         from transformers import AutoTokenizer
 
         ensure_tiny_assets(self.config)
-        self.config, plan = resolve_placement(self.config, self.coordinator.world_size)
-        config = self.config
-        if plan:
-            print(plan, end="", flush=True)
+        placement = place_roles(self.config, self.coordinator.world_size)
+        self.config = config = placement.config
+        if placement.plan:
+            print(placement.plan, end="", flush=True)
         try:  # at once, not at the first save after hours of training
             checkpoint.writable_dir(config.trainer.output_dir)
         except checkpoint.CheckpointError as error:
@@ -172,11 +118,9 @@ class RLRecipe:
         if config.data.val_files:
             val = prompts(config.data.val_files)
             self.val_prompts = PromptLoader(val, batch_size=len(val), pad_token_id=pad, shuffle=False).batch(0)
-        pools = role_pools(config, self.coordinator.world_size)
-        for name in config.enabled_roles():
+        for name, (pool, dims) in placement.roles.items():
             worker, arguments = _WORKERS[name]
-            dims = role_dims(name, getattr(config, name), pools[name])
-            self.roles[name] = self.coordinator.spawn(worker, config, **arguments, name=name, pool=pools[name], dims=dims)
+            self.roles[name] = self.coordinator.spawn(worker, config, **arguments, name=name, pool=pool, dims=dims)
         for handle in self.roles.values():
             handle.ready.result()
 

@@ -17,6 +17,7 @@ from spmd_rlhf.config import to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models.args import DecoderArgs, read_decoder_args
+from spmd_rlhf.runtime.placement import place_roles
 
 TRAINING_BYTES_PER_PARAMETER = 16
 """float32 weight + float32 gradient + Adam's two float32 moments."""
@@ -37,11 +38,11 @@ def _mib(num_bytes: float) -> str:
 
 def describe(config: FrameworkConfig, world_size: int) -> str:
     """The dry-run report: resolved config, pools, each role's layout and per-rank state, per-rank totals."""
-    from spmd_rlhf.recipes.base import ensure_tiny_assets, resolve_placement, role_dims, role_pools
+    from spmd_rlhf.recipes.base import ensure_tiny_assets
 
     ensure_tiny_assets(config)
-    config, plan = resolve_placement(config, world_size)
-    pools = role_pools(config, world_size)
+    placement = place_roles(config, world_size)
+    config, plan = placement.config, placement.plan
     compute_bytes = getattr(torch, config.model.dtype).itemsize
     lines = ["# resolved config", to_yaml(config).rstrip(), ""]
     if plan:
@@ -49,12 +50,11 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
     lines.append(f"# placement: {config.placement}, world size {world_size}")
     lines.append(f"{'role':<12} {'ranks':<10} {'pp':>3} {'dp':>3} {'tp':>3} {'parameters':>14}  per-rank state")
     per_rank = [0.0] * world_size
-    for name, pool in pools.items():
+    for name, (pool, dims) in placement.roles.items():
         role = getattr(config, name)
         if name in ("reward", "cost") and role.kind == "rule":
             lines.append(f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'rule':>14}  none (reward.rule={role.rule})")
             continue
-        dims = role_dims(name, role, pool)
         args = read_decoder_args(role.model_path or config.model.path)
         count = parameter_count(args, _HEADS[name])
         trained = name in ("actor", "critic", "cost_critic")
@@ -65,10 +65,11 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
         )
         for rank in pool.ranks:
             per_rank[rank] += state
-    generation = _generation_bytes(config, pools["actor"].ranks, compute_bytes)
+    actor_ranks = placement.roles["actor"][0].ranks
+    generation = _generation_bytes(config, actor_ranks, compute_bytes)
     lines += ["", "# memory per rank (weights and optimizer state; activations not counted)"]
     for rank, state in enumerate(per_rank):
-        extra = f" + {_mib(generation)} while generating" if rank in pools["actor"].ranks else ""
+        extra = f" + {_mib(generation)} while generating" if rank in actor_ranks else ""
         lines.append(f"rank {rank}: {_mib(state)}{extra}")
     return "\n".join(lines) + "\n"
 

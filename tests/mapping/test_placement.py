@@ -10,7 +10,7 @@ from pathlib import Path
 from spmd_rlhf.config import load_config
 from spmd_rlhf.mapping.placement import apply_mapping, config_dataflow, plan_config
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
-from spmd_rlhf.recipes.base import resolve_placement, role_pools
+from spmd_rlhf.runtime.placement import resolve_placement, role_pools
 from torchrun_helpers import run_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

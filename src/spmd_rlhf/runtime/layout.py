@@ -63,6 +63,22 @@ class ParallelDims:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{name}={value!r} must be a positive integer")
 
+    @classmethod
+    def for_ranks(cls, num_ranks: int, *, pp: int = 1, tp: int = 1, dp: int = 0, role: str = "role") -> ParallelDims:
+        """The layout of ``num_ranks`` ranks: dp is what pp x tp leaves (``dp`` given: checked against that). Errors
+        name ``<role>.pp`` / ``.tp`` / ``.dp`` and what to change."""
+        if num_ranks % (pp * tp):
+            raise ValueError(
+                f"{role}.pp={pp} x {role}.tp={tp} does not divide the {num_ranks} ranks of its pool; choose sizes "
+                f"whose product divides {num_ranks}"
+            )
+        derived = num_ranks // (pp * tp)
+        if dp and dp != derived:
+            raise ValueError(
+                f"{role}.dp={dp} but its pool of {num_ranks} ranks with pp={pp}, tp={tp} gives dp={derived}; set {role}.dp=0"
+            )
+        return cls(pp=pp, dp=derived, tp=tp)
+
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
