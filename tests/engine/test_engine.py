@@ -7,6 +7,7 @@ import torch
 
 from hf_fixtures import write_hf_model
 from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.engine import engine as engine_module
 from spmd_rlhf.models import load_model, log_probs_from_logits
 
 EOS = 2
@@ -161,3 +162,12 @@ def test_bad_requests_are_refused_with_the_fix_named(checkpoint):
     with pytest.raises(ValueError, match="num_blocks or as kv_cache_bytes, not both"):
         LLMEngine(model, eos_token_id=EOS, num_blocks=4, kv_cache_bytes=1 << 20)
     assert engine.generate([], GREEDY) == []
+
+
+def test_block_size_defaults_from_the_attention_backend(checkpoint, monkeypatch):
+    """Unset, the block size is 16, or 256 where flash-attn reads the cache (its paged kernel's smallest block)."""
+    model, _ = checkpoint
+    assert LLMEngine(model, eos_token_id=EOS).block_size == 16  # SDPA on CPU
+    assert LLMEngine(model, eos_token_id=EOS, block_size=8).block_size == 8
+    monkeypatch.setattr(engine_module, "resolve_backend", lambda backend, *, device, dtype: "flash")
+    assert LLMEngine(model, eos_token_id=EOS).runner.block_size == 256
