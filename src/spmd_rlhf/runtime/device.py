@@ -7,9 +7,10 @@ sees two ranks on one device and hangs. So every thread that touches the device 
 anything else (the launch's main thread, the executor thread that runs all role code), and role code calls
 ``check_thread`` so that a thread that was never bound fails at once, naming itself, instead of hanging later.
 
-Thread inventory (keep it current): the main thread (``launch``) and the executor thread (``Executor._loop``) bind;
-the heartbeat, abort timers and RPC handler threads only pass small Python messages; reward rules run in worker
-processes (``rewards.runner``) on strings. Autograd's backward threads set their own device.
+Thread inventory (keep it current): the main thread (``launch``), the executor thread (``Executor._loop``) and the
+calibration's link processes (``mapping.calibrate``) bind; the heartbeat, abort timers and RPC handler threads only
+pass small Python messages; reward rules run in worker processes (``rewards.runner``) on strings. Autograd's backward
+threads set their own device.
 """
 
 from __future__ import annotations
