@@ -16,6 +16,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 # two block sizes, so the check of a fixed rollout.kv_cache_blocks budget holds whichever one a rank picks.
 DEFAULT_KV_BLOCK_SIZE = 16
 PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
+DEVICE_SETTINGS = ("auto", "cuda", "cpu")
+"""The values of trainer.device (runtime.device.select_device turns one into a device and a backend)."""
 # The other algorithms take their baseline from rollouts (group mean, greedy response, batch mean).
 _CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")
 # Baselines from the other responses to the same prompt: a group of one has none.
@@ -348,7 +350,7 @@ class TrainerConfig:
         _require(self, "resume", self.resume != "", "must be auto, null or a checkpoint directory")
         loggers = ("console", "jsonl", "tensorboard", "wandb")
         _require(self, "loggers", set(self.loggers) <= set(loggers), "allowed: " + ", ".join(loggers))
-        _one_of(self, "device", ("auto", "cuda", "cpu"))
+        _one_of(self, "device", DEVICE_SETTINGS)
         _require(self, "timeout_s", self.timeout_s > 0, "must be > 0")
         _require(self, "collective_timeout_s", self.collective_timeout_s > 0, "must be > 0")
 

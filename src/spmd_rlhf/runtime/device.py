@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-DEVICE_SETTINGS = ("auto", "cuda", "cpu")
-"""The values of ``trainer.device``."""
+from ..config_schema import DEVICE_SETTINGS
 
 
 def select_device(setting: str, *, local_rank: int, cuda_devices: int) -> tuple[torch.device, str]:
