@@ -337,7 +337,8 @@ class TrainerConfig:
     """auto (cuda when a GPU is visible, else cpu), cuda (one GPU per rank, NCCL; an error without CUDA) or cpu
     (gloo only, even on a GPU machine)."""
     timeout_s: float = 600.0
-    """Seconds the controller waits for a step's remote calls before the job fails, naming the call still running."""
+    """Seconds the controller waits for a remote call (and for a step's calls together) before the job fails, naming
+    the call still running; collectives have their own collective_timeout_s."""
     collective_timeout_s: float = 600.0
     """Seconds a collective (or point-to-point transfer) may wait for its peers before it fails on the ranks in it."""
 
