@@ -57,6 +57,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DecoderLM(ARGS).eval()  # the same weights on both ranks (same seed)
+    model.reset_buffers()  # the rotary frequencies are computed here, not in the constructor
     reference = copy.deepcopy(model)
     parallelize(model, tp_mesh=init_device_mesh("cpu", (2,)), dp_mesh=None, gather_logits=True, role="rollout")
     mine = run(model, LOCAL_BLOCKS[rank])
