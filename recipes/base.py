@@ -312,8 +312,10 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
             return
     except (ConfigError, ValueError) as error:
         parser.exit(2, f"{recipe_class.name}: {error}\n")
-    timeout = config.trainer.timeout_s
-    runtime = RuntimeOptions(call_timeout_s=timeout, collective_timeout_s=timeout)
+    trainer = config.trainer
+    runtime = RuntimeOptions(
+        call_timeout_s=trainer.timeout_s, collective_timeout_s=trainer.collective_timeout_s, device=trainer.device
+    )
     launch(lambda coordinator: recipe_class(config, coordinator).fit(), options=runtime)
     # RPC and the process groups are shut down and the sinks closed; skip interpreter teardown, where a C++ thread
     # of the distributed stack left joinable can abort the process ("terminate called without an active exception",

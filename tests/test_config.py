@@ -302,6 +302,35 @@ def test_attention_choices_are_the_model_backends():
     assert ATTENTION_BACKENDS == BACKENDS
 
 
+def test_kv_block_size_check_uses_the_smaller_default_block():
+    """A fixed rollout.kv_cache_blocks budget is checked with the smaller of kv_block_size=null's two sizes, so it
+    holds one sequence whichever a rank picks."""
+    from spmd_rlhf.config_schema import DEFAULT_KV_BLOCK_SIZE
+    from spmd_rlhf.models.attention import DEFAULT_KV_BLOCK_SIZE as ENGINE_DEFAULT, default_kv_block_size
+
+    assert DEFAULT_KV_BLOCK_SIZE == ENGINE_DEFAULT == min(default_kv_block_size(b) for b in ("flash", "sdpa"))
+    needed = -(-(load_config(None).data.max_prompt_length + load_config(None).rollout.max_new_tokens) // 16)
+    with pytest.raises(ConfigError, match=f"rollout.kv_cache_blocks={needed - 1}: .*blocks of 16 tokens: rollout.kv_block_size=null"):
+        load_config(None, [f"rollout.kv_cache_blocks={needed - 1}"])
+    assert load_config(None, [f"rollout.kv_cache_blocks={needed}"]).rollout.kv_block_size is None
+
+
+def test_device_and_timeouts_reach_the_launch(monkeypatch):
+    """trainer.device, trainer.timeout_s (calls) and trainer.collective_timeout_s (collectives) each reach their own
+    RuntimeOptions field."""
+    from spmd_rlhf.recipes import base
+
+    seen = {}
+    monkeypatch.setattr(base, "launch", lambda main, *, options: seen.setdefault("options", options))
+    monkeypatch.setattr(base.os, "_exit", lambda code: None)
+    monkeypatch.setattr(
+        sys, "argv", ["ppo", "trainer.device=cpu", "trainer.timeout_s=123", "trainer.collective_timeout_s=45"]
+    )
+    base.main(base.RLRecipe, str(base.Path(base.__file__).parent / "configs" / "ppo.yaml"))
+    options = seen["options"]
+    assert (options.device, options.call_timeout_s, options.collective_timeout_s) == ("cpu", 123, 45)
+
+
 def test_cli_lists_every_key_with_default_and_doc() -> None:
     from spmd_rlhf.config import field_docs
 

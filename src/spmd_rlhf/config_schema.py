@@ -12,7 +12,12 @@ ALGORITHMS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_base
 ROLES = ("actor", "critic", "reference", "reward", "cost", "cost_critic")
 # The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
+# spmd_rlhf.models.attention.DEFAULT_KV_BLOCK_SIZE (a test keeps them equal): the smaller of rollout.kv_block_size=null's
+# two block sizes, so the check of a fixed rollout.kv_cache_blocks budget holds whichever one a rank picks.
+DEFAULT_KV_BLOCK_SIZE = 16
 PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
+DEVICE_SETTINGS = ("auto", "cuda", "cpu")
+"""The values of trainer.device (runtime.device.select_device turns one into a device and a backend)."""
 # The other algorithms take their baseline from rollouts (group mean, greedy response, batch mean).
 _CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")
 # Baselines from the other responses to the same prompt: a group of one has none.
@@ -165,8 +170,9 @@ class RolloutConfig:
     """Most tokens generated per response; generation also stops at EOS."""
     tp: int = 1
     """Tensor-parallel degree while generating (tp_g); must divide actor.tp: the other actor.tp / tp become replicas."""
-    kv_block_size: int = 16
-    """Tokens per paged KV-cache block."""
+    kv_block_size: int | None = None
+    """Tokens per paged KV-cache block; null: 256 where generation runs flash-attn (CUDA, a 16-bit model.dtype and
+    flash-attn installed: its paged kernel needs a multiple of 256), else 16."""
     memory_fraction: float = 0.5
     """Fraction of device memory generation may fill, resident weights included; the KV cache gets what is left."""
     kv_cache_blocks: int = 0
@@ -174,14 +180,13 @@ class RolloutConfig:
     0: on GPU what memory_fraction leaves, elsewhere enough to run every request to full length at once."""
     max_num_seqs: int = 256
     """Most sequences decoded together by continuous batching."""
-    cuda_graphs: bool = True
-    """Capture decode steps in CUDA graphs (GPU only; ignored on CPU)."""
     recompute_log_probs: bool = False
     """Recompute the rollouts' log-probs with a training forward pass; false uses the engine's, which are the same
     numbers (same model code; equal within 1e-6 in float32) and saves that pass."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "n", "max_new_tokens", "tp", "kv_block_size", "max_num_seqs")
+        _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs")
+        _require(self, "kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, "must be >= 1 or null")
         _at_least(self, 0, "temperature", "top_k", "kv_cache_blocks")
         _require(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
         _require(self, "memory_fraction", 0 < self.memory_fraction <= 1, "must be in (0, 1]")
@@ -329,9 +334,13 @@ class TrainerConfig:
     wandb_run_name: str | None = None
     """wandb run name (wandb logger); null: the name of output_dir."""
     device: str = "auto"
-    """auto (cuda when available, else cpu), cuda (NCCL) or cpu (gloo)."""
+    """auto (cuda when a GPU is visible, else cpu), cuda (one GPU per rank, NCCL; an error without CUDA) or cpu
+    (gloo only, even on a GPU machine)."""
     timeout_s: float = 600.0
-    """Seconds a collective or remote call may wait before the job fails, naming the rank it waited for."""
+    """Seconds the controller waits for a remote call (and for a step's calls together) before the job fails, naming
+    the call still running; collectives have their own collective_timeout_s."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective (or point-to-point transfer) may wait for its peers before it fails on the ranks in it."""
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "total_steps", "log_every")
@@ -342,8 +351,9 @@ class TrainerConfig:
         _require(self, "resume", self.resume != "", "must be auto, null or a checkpoint directory")
         loggers = ("console", "jsonl", "tensorboard", "wandb")
         _require(self, "loggers", set(self.loggers) <= set(loggers), "allowed: " + ", ".join(loggers))
-        _one_of(self, "device", ("auto", "cuda", "cpu"))
+        _one_of(self, "device", DEVICE_SETTINGS)
         _require(self, "timeout_s", self.timeout_s > 0, "must be > 0")
+        _require(self, "collective_timeout_s", self.collective_timeout_s > 0, "must be > 0")
 
 
 @dataclass
@@ -470,11 +480,13 @@ class FrameworkConfig:
         if not rollout.kv_cache_blocks:
             return
         longest = self.data.max_prompt_length + rollout.max_new_tokens
-        needed = -(-longest // rollout.kv_block_size)
+        block_size = rollout.kv_block_size or DEFAULT_KV_BLOCK_SIZE
+        needed = -(-longest // block_size)
         rule = (
-            f"holds {rollout.kv_cache_blocks * rollout.kv_block_size} tokens, fewer than one sequence of "
+            f"holds {rollout.kv_cache_blocks * block_size} tokens, fewer than one sequence of "
             f"data.max_prompt_length + rollout.max_new_tokens = {longest}; set it to at least {needed} "
-            f"(rollout.kv_block_size={rollout.kv_block_size}) or 0 to size the cache for every request"
+            f"(blocks of {block_size} tokens: rollout.kv_block_size={format_value(rollout.kv_block_size)}) or 0 to "
+            f"size the cache for every request"
         )
         _require(self, "rollout.kv_cache_blocks", rollout.kv_cache_blocks >= needed, rule)
 

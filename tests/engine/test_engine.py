@@ -7,6 +7,7 @@ import torch
 
 from hf_fixtures import write_hf_model
 from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.engine import engine as engine_module
 from spmd_rlhf.models import load_model, log_probs_from_logits
 
 EOS = 2
@@ -177,3 +178,12 @@ def test_unseeded_requests_follow_the_engine_seed_and_request_number(checkpoint)
     # The request count runs on across calls: repeating a call draws new responses.
     assert responses(first_engine) != first
     assert responses(LLMEngine(model, eos_token_id=None, seed=6)) != first
+
+
+def test_block_size_defaults_from_the_attention_backend(checkpoint, monkeypatch):
+    """Unset, the block size is 16, or 256 where flash-attn reads the cache (its paged kernel's smallest block)."""
+    model, _ = checkpoint
+    assert LLMEngine(model, eos_token_id=EOS).block_size == 16  # SDPA on CPU
+    assert LLMEngine(model, eos_token_id=EOS, block_size=8).block_size == 8
+    monkeypatch.setattr(engine_module, "resolve_backend", lambda backend, *, device, dtype: "flash")
+    assert LLMEngine(model, eos_token_id=EOS).runner.block_size == 256

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd_rlhf.models.attention import AttentionBatch, attend, resolve_backend
+from spmd_rlhf.models import attention
+from spmd_rlhf.models.attention import (
+    DEFAULT_KV_BLOCK_SIZE,
+    FLASH_PAGED_BLOCK_MULTIPLE,
+    AttentionBatch,
+    attend,
+    default_kv_block_size,
+    resolve_backend,
+)
+from spmd_rlhf.models.paged_kv import PagedKV
 
 
 def _batch(backend: str, *, batch_size: int, seq_len: int, attention_mask=None, cu_seqlens=None) -> AttentionBatch:
@@ -47,3 +56,23 @@ def test_auto_falls_back_to_sdpa_on_cpu_and_unknown_backend_is_rejected():
 def test_packed_offsets_must_cover_the_row():
     with pytest.raises(ValueError, match="cu_seqlens ends at 8"):
         _batch("sdpa", batch_size=1, seq_len=10, cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_the_default_block_size_under_flash_takes_its_paged_kernel(monkeypatch):
+    """flash-attn reads a paged cache only in blocks of a multiple of 256: the default block size under flash is one,
+    so its paged kernel is the path taken (the kernel needs CUDA; a stub records the call here)."""
+    assert default_kv_block_size("flash") % FLASH_PAGED_BLOCK_MULTIPLE == 0
+    assert default_kv_block_size("sdpa") == default_kv_block_size("torch") == DEFAULT_KV_BLOCK_SIZE
+    taken = []
+    monkeypatch.setattr(attention, "_flash_paged_attention", lambda q, paged, layer_index, scale: taken.append(paged.block_size) or q)
+    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8)
+    for block_size in (default_kv_block_size("flash"), DEFAULT_KV_BLOCK_SIZE):
+        cache = torch.zeros(1, 2, block_size, 2, 8)
+        paged = PagedKV(
+            key_cache=cache, value_cache=cache.clone(), slot_mapping=torch.tensor([0]),
+            block_tables=torch.tensor([[0]], dtype=torch.int32), context_lens=torch.tensor([1], dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1, max_context_len=1,
+        )
+        out = attend(q, k, v, AttentionBatch(max_seqlen=1, backend="flash", paged=paged), scale=8**-0.5, layer_index=0)
+        assert out.shape == q.shape
+    assert taken == [default_kv_block_size("flash")]  # 16-token blocks gather the cache and use SDPA instead

@@ -3,6 +3,7 @@
 import pickle
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -78,3 +79,17 @@ def test_free_drops_stored_batches_before_the_command_runs(make_executor):
     assert 11 in executor.store
     executor.submit(1, Envelope(1, Put(12, Batch({"x": torch.zeros(2)})), free=[11]), local=True).wait()
     assert sorted(executor.store) == [12]
+
+
+def test_the_executor_thread_binds_itself_to_the_rank_device(monkeypatch):
+    """All role code runs on the executor thread; CUDA's current device is per thread, so it must bind itself."""
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: bound.append((threading.current_thread().name, device)))
+    executor = Executor(rank=3, device=torch.device("cuda", 1), poll_seconds=0.05)
+    try:
+        deadline = time.monotonic() + 10
+        while not bound and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bound == [("spmd-executor-rank3", torch.device("cuda", 1))]
+    finally:
+        executor.stopped.set()

@@ -7,14 +7,19 @@
 Each ``generate`` call starts a fresh block manager: prefix blocks are shared within a call (the n samples of a
 prompt, re-prefills after preemption) but never across calls, because the actor's weights change between them and
 cached K/V of the old weights would be wrong.
+
+With a tensor-parallel model, the block size, cache blocks and batch limits are agreed (the minimum) across the
+model's mesh when the engine is built (``agreement.py``), so every rank of a replica runs the same schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 
+from .agreement import agree_minimum, schedule_groups
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import derive_seed, sample
@@ -36,13 +41,17 @@ class GenerationStats:
     """Peak KV blocks held at once: how big the cache needed to be."""
 
 
+_UNLIMITED = 2**62
+"""Stands for "size the cache for each call's requests" when budgets are agreed: any fixed budget is smaller."""
+
+
 class LLMEngine:
     def __init__(
         self,
         model: DecoderLM,
         *,
         eos_token_id: int | None,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         max_num_seqs: int = 256,
@@ -50,25 +59,39 @@ class LLMEngine:
         seed: int = 0,
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size; with neither, each call gets a cache that holds
-        all its requests at full length (no preemption). A request without its own seed gets ``derive_seed(seed, n)``
-        for the n-th request this engine has received (counted across ``generate`` calls, so repeating a call draws
-        new samples). The cache is allocated on the first ``generate``."""
+        all its requests at full length (no preemption). ``block_size`` None: ``default_kv_block_size`` of the
+        model's attention backend (256 where flash-attn reads the cache, else 16). A request without its own seed gets
+        ``derive_seed(seed, n)`` for the n-th request this engine has received (counted across ``generate`` calls, so
+        repeating a call draws new samples). The cache is allocated on the first ``generate``.
+
+        A tensor-parallel model's ranks must all build their engines together: each of these numbers becomes its
+        minimum over the model's mesh (two small all-reduces), so ranks that measured different free memory still
+        run one schedule."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
+        if block_size is None:
+            weight = model.model.embed_tokens.weight
+            block_size = default_kv_block_size(resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype))
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"block_size={block_size}, max_num_seqs={max_num_seqs} and max_num_batched_tokens="
                 f"{max_num_batched_tokens} must all be >= 1"
             )
-        self.eos_token_id = eos_token_id
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.runner = ModelRunner(model, block_size=block_size)
-        self.fixed_num_blocks = self.runner.blocks_for_bytes(kv_cache_bytes) if kv_cache_bytes is not None else num_blocks
-        """Cache size in blocks, or None to size it for each call's requests."""
-        if self.fixed_num_blocks is not None and self.fixed_num_blocks < 1:
+        if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        groups = schedule_groups(model)
+        device = model.model.embed_tokens.weight.device
+        self.block_size, self.max_num_seqs, self.max_num_batched_tokens = agree_minimum(
+            [block_size, max_num_seqs, max_num_batched_tokens], groups, device
+        )
+        self.eos_token_id = eos_token_id
+        self.runner = ModelRunner(model, block_size=self.block_size)
+        # Blocks from bytes after the block size is agreed: every rank of the mesh holds an equal shard, so one
+        # block costs the same bytes everywhere.
+        local_blocks = self.runner.blocks_for_bytes(kv_cache_bytes) if kv_cache_bytes is not None else num_blocks
+        (agreed_blocks,) = agree_minimum([_UNLIMITED if local_blocks is None else local_blocks], groups, device)
+        self.fixed_num_blocks = None if agreed_blocks == _UNLIMITED else agreed_blocks
+        """Cache size in blocks, or None to size it for each call's requests."""
         self.seed = seed
         self.num_requests = 0
         """Requests received so far, across calls: numbers the unseeded ones' seeds."""

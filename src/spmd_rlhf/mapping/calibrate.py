@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..runtime.device import bind_thread
 from .cost import OPS_PER_LAYER
 from .profile import BUILTIN_PROFILES, DEFAULT_PROFILE_PATH, DeviceProfile, load_profile
 
@@ -121,8 +122,7 @@ def _link_worker(rank: int, world_size: int, port: int, backend: str, num_bytes:
     collectives; rank 0 writes ``(bandwidth, latency)`` to ``out``."""
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    bind_thread(device)
     timeout = datetime.timedelta(seconds=_JOIN_TIMEOUT_S)
     # An explicit store: under torchrun (placement=auto calibrating at start) a tcp:// init would defer to the
     # elastic agent's store (TORCHELASTIC_USE_AGENT_STORE), which these processes are not part of.

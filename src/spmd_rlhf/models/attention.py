@@ -23,6 +23,15 @@ BACKENDS = ("auto", "torch", "sdpa", "flash")
 FLASH_PAGED_BLOCK_MULTIPLE = 256
 """flash-attn 2 reads a paged cache only when the block size is a multiple of this; other block sizes gather the
 cached blocks and use SDPA instead."""
+DEFAULT_KV_BLOCK_SIZE = 16
+"""KV block size of the engine when flash-attn does not read the cache: small blocks waste little of a sequence's
+last block."""
+
+
+def default_kv_block_size(backend: str) -> int:
+    """The paged-KV block size for a resolved attention ``backend``: flash-attn's smallest paged block when it reads
+    the cache (``_flash_paged_attention``), else ``DEFAULT_KV_BLOCK_SIZE``."""
+    return FLASH_PAGED_BLOCK_MULTIPLE if backend == "flash" else DEFAULT_KV_BLOCK_SIZE
 
 
 def flash_attn_available() -> bool:
@@ -154,7 +163,8 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: A
 
 
 def _flash_paged_attention(q: torch.Tensor, paged: PagedKV, layer_index: int, scale: float) -> torch.Tensor:
-    """flash-attn reading K/V straight from the cache blocks (not exercised by the CPU test suite)."""
+    """flash-attn reading K/V straight from the cache blocks: taken when the engine's block size is a multiple of
+    ``FLASH_PAGED_BLOCK_MULTIPLE``, as ``default_kv_block_size("flash")`` makes it (CUDA only: tests/engine/test_gpu_engine.py)."""
     from flash_attn import flash_attn_varlen_func
 
     out = flash_attn_varlen_func(

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.batch import Batch
+from .device import bind_thread
 from .layout import ParallelDims
 from .payload import dumps
 from .transfer import Exchange, Schema, run_exchanges
@@ -131,6 +132,8 @@ class Executor:
         return future
 
     def _loop(self) -> None:
+        # All role code runs on this thread; CUDA's current device is per thread, so it binds itself first.
+        bind_thread(self.device)
         while not self.stopped.is_set():
             with self._condition:
                 if not self._condition.wait_for(lambda: self._next_seq in self._queue, timeout=self._poll_seconds):

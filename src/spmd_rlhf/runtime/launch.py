@@ -3,8 +3,10 @@
     torchrun --nproc-per-node 4 my_loop.py
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 my_loop.py
 
-Every rank joins the global process group (NCCL with CUDA, gloo otherwise) and RPC (TensorPipe, ``env://``: a
-``tcp://`` init hangs under torchrun's agent store) and starts its executor. Rank 0 runs ``main(coordinator)`` on its
+Every rank picks its device from ``RuntimeOptions.device`` (``runtime.device.select_device``: cpu -> gloo;
+cuda -> ``cuda:<LOCAL_RANK>`` with NCCL for device tensors and gloo for host ones), binds its threads to it, joins the
+global process group and RPC (TensorPipe, ``env://``: a ``tcp://`` init hangs under torchrun's agent store) and starts
+its executor. Rank 0 runs ``main(coordinator)`` on its
 main thread while its executor serves as a worker; the other ranks serve until the coordinator stops them. Run
 without torchrun, it is a one-rank job.
 
@@ -33,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from .coordinator import Coordinator
+from .device import bind_thread, select_device
 from .errors import RankLostError, RuntimeFailure
 from .executor import Executor
 
@@ -48,6 +51,9 @@ class RuntimeOptions:
     """Default limit of any wait on the coordinator (``CallFuture.result()`` without a timeout)."""
     collective_timeout_s: float = 1800.0
     """Process-group timeout: a collective stuck this long raises on the ranks in it."""
+    device: str = "auto"
+    """auto (cuda when a GPU is visible, else cpu), cuda (an error without one) or cpu (gloo only, even on a GPU
+    machine)."""
     shutdown_timeout_s: float = 60.0
     """Limit for draining the executors and shutting RPC down at the end."""
     rpc_threads: int = 16
@@ -110,17 +116,17 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
     options = options or RuntimeOptions()
     rank, world_size, local_rank = _environment()
     _state["rank"] = rank
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        # NCCL for device tensors, gloo for the small host-side reductions (metrics, row counts).
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, backend = select_device(options.device, local_rank=local_rank, cuda_devices=cuda_devices)
+    bind_thread(device)
     executor = Executor(rank, device)
     _state["executor"] = executor
     _state["last_heard"] = time.monotonic()
     dist.init_process_group(backend, timeout=timedelta(seconds=options.collective_timeout_s))
+    if device.type == "cuda":
+        # Form the world group's NCCL communicator now, on every rank: batched point-to-point transfers between a
+        # subset of ranks (runtime.transfer) are undefined when they are that group's first NCCL call.
+        dist.all_reduce(torch.zeros(1, device=device))
     with warnings.catch_warnings():
         # TensorPipe's own device-map exchange uses a deprecated c10d path; nothing for users to act on.
         warnings.filterwarnings("ignore", message="You are using a Backend")

@@ -1,8 +1,11 @@
 """The data plane: moving rows of a stored batch from the ranks that made them to the ranks that consume them.
 
 The coordinator only plans (``plan_exchanges``: which rows of which owner go to which rank, from row counts alone);
-the ranks move the bytes themselves with batched ``isend``/``irecv`` on the global process group
-(``run_exchanges``), inside commands that the coordinator schedules on both sides. Rows a rank already holds are
+the ranks move the bytes themselves with ``isend``/``irecv`` on the global process group (``run_exchanges``), inside
+commands that the coordinator schedules on both sides. Device tensors go in one ``batch_isend_irecv`` group per round:
+NCCL matches a pair's sends and receives in issue order on one stream, so a pairwise exchange (two ranks sending to
+each other) posted op by op deadlocks. gloo's are independent, and host tensors go one by one (gloo's
+``batch_isend_irecv`` does the same); ``grouped`` selects either path for tests. Rows a rank already holds are
 sliced locally, so a consumer colocated with the producer under the same DP layout moves nothing.
 
 Per-row Python values (non-tensor fields) travel as pickled bytes; because their size is not known in advance, they
@@ -142,12 +145,21 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def groups_point_to_point(device: torch.device) -> bool:
+    """Whether sends and receives of tensors on ``device`` must be posted as one ``batch_isend_irecv`` group: yes
+    for every device but the host (NCCL and its kin), whatever the process group's backend string says."""
+    return device.type != "cpu"
+
+
 def run_exchanges(
-    exchanges: list[Exchange], *, rank: int, store: dict[int, Batch], device: torch.device
+    exchanges: list[Exchange], *, rank: int, store: dict[int, Batch], device: torch.device, grouped: bool | None = None
 ) -> list[Batch | None]:
     """Carry out this rank's part of several transfers at once (all sends and receives posted together, so ranks
     that both send and receive cannot deadlock); returns the assembled batch of each exchange (``None`` for
-    send-only ones). Tensors arrive on ``device`` (the process group's device)."""
+    send-only ones). Tensors arrive on ``device`` (the process group's device). ``grouped``: post each round as one
+    ``batch_isend_irecv`` group (True) or op by op (False); None: ``groups_point_to_point(device)``."""
+    if grouped is None:
+        grouped = groups_point_to_point(device)
     sources = [store[exchange.batch_id] if exchange.sends or _has_local(exchange, rank) else None for exchange in exchanges]
     payloads: list[dict[tuple[int, int], bytes]] = []
     lengths_in, ops = [], []
@@ -168,7 +180,7 @@ def run_exchanges(
                 incoming[piece] = torch.empty(1, dtype=torch.int64, device=device)
                 ops.append(dist.P2POp(dist.irecv, incoming[piece], piece.source, tag=exchange.tag))
         lengths_in.append(incoming)
-    _wait_all(ops)
+    _wait_all(ops, grouped=grouped)
 
     ops, received = [], []
     for exchange, source, encoded, incoming in zip(exchanges, sources, payloads, lengths_in):
@@ -195,7 +207,7 @@ def run_exchanges(
                     ops.append(dist.P2POp(dist.irecv, tensors[name], piece.source, tag=tag + 1 + index))
             buffers[piece] = (data, tensors)
         received.append(buffers)
-    _wait_all(ops)
+    _wait_all(ops, grouped=grouped)
 
     results: list[Batch | None] = []
     for exchange, source, buffers in zip(exchanges, sources, received):
@@ -230,11 +242,11 @@ def _assemble(parts: list[Batch], schema: Schema, device: torch.device) -> Batch
     return Batch(joined.tensors, joined.non_tensors, dict(schema.meta), schema.group_size)
 
 
-def _wait_all(ops: list[dist.P2POp]) -> None:
+def _wait_all(ops: list[dist.P2POp], *, grouped: bool) -> None:
     if not ops:
         return
-    if dist.get_backend() == "nccl":
-        works = dist.batch_isend_irecv(ops)  # NCCL needs them grouped; gloo's are independent and cheaper one by one
+    if grouped:
+        works = dist.batch_isend_irecv(ops)
     else:
         works = [op.op(op.tensor, op.peer, tag=op.tag) for op in ops]
     for work in works:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .device import check_thread
 from .layout import Coordinates, ParallelDims
 
 
@@ -45,6 +46,8 @@ class Worker:
     """Base class for role workers: keeps the context and names its parts."""
 
     def __init__(self, context: RoleContext) -> None:
+        # A role built on a thread that never bound itself to the rank's device would build on cuda:0.
+        check_thread(context.device)
         self.context = context
 
     @property

@@ -19,6 +19,7 @@ from ..data.batch import Batch
 from ..engine import LLMEngine, SamplingParams
 from ..hybrid import GenerationLayout, HybridEngine
 from ..runtime import ParallelDims, RoleContext, data_parallel
+from ..runtime.device import check_thread
 from .advantages import old_log_probs, rollout_advantages
 from .base import union_all
 from .training import TrainedWorker
@@ -69,10 +70,13 @@ class ActorWorker(TrainedWorker):
         if rollout.kv_cache_blocks:
             sizing["num_blocks"] = rollout.kv_cache_blocks
         elif self.device.type == "cuda":
+            # Each rank measures its own free memory; the engine takes the minimum over the generation TP group, so
+            # the replica's ranks run one schedule.
             free, total = torch.cuda.mem_get_info(self.device)
             sizing["kv_cache_bytes"] = int(max(0, rollout.memory_fraction * total - (total - free)))
         # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
-        # relative to the caches of CPU-sized models), so nothing is ever preempted.
+        # relative to the caches of CPU-sized models), so nothing is ever preempted. A null kv_block_size lets the
+        # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).
         return LLMEngine(
             model,
             eos_token_id=self.tokenizer.eos_token_id,
@@ -87,6 +91,7 @@ class ActorWorker(TrainedWorker):
         """``rollout.n`` responses per prompt (``samples`` if given; rows of one prompt consecutive, ``group_size =
         n``) in the rollout layout, responses padded to ``rollout.max_new_tokens`` so every DP shard has the same
         shape. ``greedy`` (validation, ReMax's baseline): one greedy response per prompt."""
+        check_thread(self.device)
         rollout = self.config.rollout
         n, response_length = (1 if greedy else samples or rollout.n), rollout.max_new_tokens
         temperature = 0.0 if greedy else rollout.temperature

@@ -1,0 +1,78 @@
+"""Two gloo ranks run one tensor-parallel generation replica (tp_g = 2) with different local KV budgets (10 and 40
+blocks, as ranks that measured different free memory would); the engine agrees on the smaller one, so both ranks run
+the same steps (same sequences prefilled, decoded and preempted, in order) and produce the same tokens as a
+single-rank engine with 10 blocks. Without the agreement the ranks' schedules part and their TP collectives hang.
+Rank 0 writes the results as JSON to the path given.
+
+    torchrun --nproc-per-node 2 tests/engine/programs/tp_schedule_agreement.py OUT.json
+"""
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.models.args import DecoderArgs
+from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.parallelize import parallelize
+
+ARGS = DecoderArgs(
+    family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
+    tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+)
+LOCAL_BLOCKS = (10, 40)
+"""Each rank's own KV budget; the agreed one is the smaller."""
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 96, (length,), generator=generator).tolist() for length in (9, 5, 7, 9, 3, 6)]
+
+
+def run(model: DecoderLM, num_blocks: int) -> dict:
+    """Greedy generation with a 4-token block size; the steps the engine ran and what it produced."""
+    engine = LLMEngine(model, eos_token_id=None, block_size=4, num_blocks=num_blocks, max_num_seqs=4)
+    steps = []
+    run_step = engine.runner.run
+
+    def recorded(seqs, *, is_prefill):
+        steps.append(["prefill" if is_prefill else "decode", [seq.seq_id for seq in seqs]])
+        return run_step(seqs, is_prefill=is_prefill)
+
+    engine.runner.run = recorded
+    outputs = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=12))
+    return {
+        "num_blocks": engine.runner.num_blocks, "preemptions": engine.num_preemptions, "steps": steps,
+        "tokens": [seq.generated_token_ids for seq in outputs],
+    }
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DecoderLM(ARGS).eval()  # the same weights on both ranks (same seed)
+    model.reset_buffers()  # the rotary frequencies are computed here, not in the constructor
+    reference = copy.deepcopy(model)
+    parallelize(model, tp_mesh=init_device_mesh("cpu", (2,)), dp_mesh=None, gather_logits=True, role="rollout")
+    mine = run(model, LOCAL_BLOCKS[rank])
+    gathered = [None, None]
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        results = {
+            "ranks": gathered,
+            "reference": run(reference, min(LOCAL_BLOCKS)),
+            "roomy_reference": run(reference, max(LOCAL_BLOCKS)),
+        }
+        with open(sys.argv[1], "w") as out:
+            json.dump(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
