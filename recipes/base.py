@@ -340,7 +340,8 @@ class RLRecipe:
             if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
             if last or (trainer.save_every and (step + 1) % trainer.save_every == 0):
-                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1)
+                with_hf = trainer.save_hf == "every" or (trainer.save_hf == "final" and last)
+                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1, with_hf=with_hf)
         self.metrics_logger.close()
         return history
 
@@ -367,16 +368,17 @@ class RLRecipe:
     def trained_roles(self) -> list[str]:
         return [name for name in ("actor", "critic", "cost_critic") if name in self.roles]
 
-    def save(self, out_dir: str, *, step: int) -> str:
+    def save(self, out_dir: str, *, step: int, with_hf: bool) -> str:
         """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume,
-        and for ``spmd-rlhf export``) and its weights as a Hugging Face directory (``<out_dir>/actor``), plus
-        ``trainer_state.json``. Atomic (``spmd_rlhf.checkpoint.write_checkpoint``): a crash mid-save leaves the
-        previous checkpoint and ``latest`` as they were."""
+        and for ``spmd-rlhf export``), with ``with_hf`` (``trainer.save_hf``) its weights as a Hugging Face directory
+        (``<out_dir>/actor``) too, plus ``trainer_state.json``. Atomic (``spmd_rlhf.checkpoint.write_checkpoint``):
+        a crash mid-save leaves the previous checkpoint and ``latest`` as they were."""
 
         def write_roles(staging: Path) -> None:
             for name in self.trained_roles():
                 self.roles[name].save_checkpoint(str(checkpoint.role_state_dir(staging, name))).result()
-                self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
+                if with_hf:
+                    self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
 
         trainer_state = {"step": step, "recipe": self.name, "algorithm": self.algorithm_state()}
         return str(checkpoint.write_checkpoint(out_dir, write_roles, trainer_state=trainer_state))

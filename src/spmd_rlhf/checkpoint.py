@@ -19,11 +19,12 @@ by the next save. Export runs in one process, with no process group, whatever la
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from spmd_rlhf.models import DecoderLM, model_from_tensors, read_decoder_args, save_pretrained
+from spmd_rlhf.models import DecoderArgs, DecoderLM, read_decoder_args
+from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, write_index
+from spmd_rlhf.models.weights import write_hf_metadata
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
@@ -250,9 +253,8 @@ def role_config_dir(checkpoint_dir: str | os.PathLike, role: str) -> Path:
     return config_dir
 
 
-def load_role_model(checkpoint_dir: str | os.PathLike, role: str) -> DecoderLM:
-    """``role``'s model with its saved weights (float32 master weights of a trained role), read in this process alone
-    from the DCP shards of any layout."""
+def _role_model_entries(checkpoint_dir: str | os.PathLike, role: str) -> tuple[Path, DecoderArgs, str, dict[str, TensorStorageMetadata]]:
+    """(state directory, model args, head, each parameter's saved tensor metadata in model order) of ``role``."""
     config_dir = role_config_dir(checkpoint_dir, role)
     state_dir = config_dir.parent
     head = json.loads((config_dir / ROLE_FILE).read_text())["head"]
@@ -264,12 +266,33 @@ def load_role_model(checkpoint_dir: str | os.PathLike, role: str) -> DecoderLM:
     missing = [name for name, entry in entries.items() if not isinstance(entry, TensorStorageMetadata)]
     if missing:
         raise CheckpointError(f"{state_dir} lacks model tensors {', '.join(missing)}; the checkpoint is incomplete")
-    tensors = {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in entries.items()}
-    with warnings.catch_warnings():
-        # DCP warns that it loads in a single process even when asked to with no_dist: that is the intent here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": tensors}, checkpoint_id=str(state_dir), no_dist=True)
-    return model_from_tensors(args, tensors, head=head)
+    return state_dir, args, head, entries
+
+
+def read_role_tensors(
+    checkpoint_dir: str | os.PathLike, role: str, *, bucket_bytes: int = 1024**3
+) -> Iterator[dict[str, torch.Tensor]]:
+    """``role``'s saved weights (float32 master weights of a trained role), read in this process alone from the DCP
+    shards of any layout, as buckets of consecutive tensors of at most ``bucket_bytes`` as saved (a larger tensor
+    is a bucket of its own), in model order. At peak this holds one bucket plus one saved chunk being copied in."""
+    state_dir, _, _, entries = _role_model_entries(checkpoint_dir, role)
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name, entry in entries.items():
+        nbytes = math.prod(entry.size) * entry.properties.dtype.itemsize
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    for names in buckets:
+        tensors = {name: torch.empty(entries[name].size, dtype=entries[name].properties.dtype) for name in names}
+        with warnings.catch_warnings():
+            # DCP warns that it loads in a single process even when asked to with no_dist: that is the intent here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": tensors}, checkpoint_id=str(state_dir), no_dist=True)
+        yield tensors
+        del tensors
 
 
 def writable_dir(out_dir: str | os.PathLike) -> Path:
@@ -285,11 +308,15 @@ def writable_dir(out_dir: str | os.PathLike) -> Path:
 
 
 def export_hf(
-    checkpoint_or_run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Iterable[str] = ("actor",)
+    checkpoint_or_run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Iterable[str] = ("actor",), *,
+    dtype: torch.dtype = torch.float32, bucket_bytes: int = 1024**3, max_shard_bytes: int = 5 * 1024**3,
 ) -> dict[str, Path]:
     """Write each role's weights from a checkpoint (or a run directory's latest) as a Hugging Face directory
-    ``<out_dir>/<role>`` with its tokenizer; returns ``{role: directory}``. Every role is checked before any is
-    written."""
+    ``<out_dir>/<role>`` with its tokenizer, in ``dtype`` (float32: the master weights as trained); returns
+    ``{role: directory}``. Every role is checked before any is written.
+
+    Streams: at peak this holds one bucket of ``bucket_bytes`` of saved tensors (or one tensor when it is larger),
+    one saved chunk being read and one tensor converted to ``dtype``; never the whole model."""
     from transformers import AutoTokenizer
 
     checkpoint_dir = resolve_checkpoint(checkpoint_or_run_dir)
@@ -297,8 +324,21 @@ def export_hf(
     out = writable_dir(out_dir)
     written = {}
     for role, config_dir in config_dirs.items():
-        model = load_role_model(checkpoint_dir, role)
-        tokenizer = AutoTokenizer.from_pretrained(str(config_dir))
-        save_pretrained(model, str(out / role), tokenizer=tokenizer)
-        written[role] = out / role
+        _, args, head, saved = _role_model_entries(checkpoint_dir, role)
+        role_dir = out / role
+        role_dir.mkdir(exist_ok=True)
+        entries = [TensorEntry(name, tuple(entry.size), dtype) for name, entry in saved.items()]
+        files = plan_files([entries], max_shard_bytes=max_shard_bytes)
+        buckets = read_role_tensors(checkpoint_dir, role, bucket_bytes=bucket_bytes)
+        bucket: dict[str, torch.Tensor] = {}
+        for planned in files:
+            with SafetensorsWriter(role_dir, planned) as file:
+                for entry in planned.entries:
+                    if entry.name not in bucket:
+                        bucket = {}
+                        bucket = next(buckets)
+                    file.write(bucket.pop(entry.name).to(dtype))
+        write_index(role_dir, files)
+        write_hf_metadata(role_dir, args, head=head, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(str(config_dir)))
+        written[role] = role_dir
     return written
