@@ -340,7 +340,7 @@ class RLRecipe:
             if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
             if last or (trainer.save_every and (step + 1) % trainer.save_every == 0):
-                with_hf = trainer.save_hf == "every" or (trainer.save_hf == "final" and last)
+                with_hf = checkpoint.hf_copy_due(trainer.save_hf, last=last)
                 self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1, with_hf=with_hf)
         self.metrics_logger.close()
         return history

@@ -6,12 +6,14 @@ A run directory (``trainer.output_dir``) holds checkpoints and a pointer to the 
     <run>/step_4/trainer_state.json   {"step": 4, "recipe": "grpo"}, written last, before the rename
     <run>/step_4/actor_state/         DCP shards: model, optimizer, LR schedule, each rank's RNG state
     <run>/step_4/actor_state/hf_config/   config.json, tokenizer files, role.json: what export needs besides weights
-    <run>/step_4/actor/               the same weights as a Hugging Face directory, for convenience
+    <run>/step_4/actor/               the same weights as a Hugging Face directory (trainer.save_hf: by default
+                                      only in the final checkpoint), streamed from the shards
     <run>/latest                      "step_4"
 
 A checkpoint is written under ``step_4.tmp`` and renamed when whole; ``latest`` is replaced last. A crash at any point
 leaves the previous checkpoint and ``latest`` as they were; ``*.tmp`` leftovers are never resumed from and are removed
-by the next save. Export runs in one process, with no process group, whatever layout wrote the shards:
+by the next save. Export runs in one process, with no process group, whatever layout wrote the shards, a bucket of
+tensors at a time:
 
     spmd-rlhf export outputs/grpo hf_out --roles actor critic
 """
@@ -98,6 +100,12 @@ def write_checkpoint(
     if replaced.exists():
         shutil.rmtree(replaced)
     return final
+
+
+def hf_copy_due(save_hf: str, *, last: bool) -> bool:
+    """Whether a checkpoint also gets the trained roles' Hugging Face copies under ``trainer.save_hf``: ``every``
+    save, only the ``final`` one (after the last step), or ``never``."""
+    return save_hf == "every" or (save_hf == "final" and last)
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
