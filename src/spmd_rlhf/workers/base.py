@@ -199,7 +199,7 @@ class ModelWorker(RoleWorker):
             tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path or self.config.model.path)
         save_sharded_pretrained(
             self.model, out_dir, stage=self.pp_rank, stage_ranks=list(self.context.ranks[stage_start : stage_start + per_stage]),
-            writers_group=self.pp_group, dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
+            writers_group=self.pp_group, group=self.role_group, dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
             device=self.device, tokenizer=tokenizer,
         )
         return out_dir

@@ -53,7 +53,7 @@ def run_layout(model_dir: str, out_dir: str, layout: str, reference: dict[str, t
     with PeakMemory(torch.device("cpu")) as tensors:
         save_sharded_pretrained(
             model, f"{out_dir}/{layout}", stage=stage, stage_ranks=mesh.mesh[stage].flatten().tolist(),
-            writers_group=mesh["pp"].get_group() if pp > 1 else None, dtype=torch.bfloat16, device=torch.device("cpu"),
+            writers_group=mesh["pp"].get_group() if pp > 1 else None, group=None, dtype=torch.bfloat16, device=torch.device("cpu"),
             band_bytes=BAND_BYTES,
         )
     figures = {
