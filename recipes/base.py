@@ -340,8 +340,7 @@ class RLRecipe:
             if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
             if last or (trainer.save_every and (step + 1) % trainer.save_every == 0):
-                with_hf = checkpoint.hf_copy_due(trainer.save_hf, last=last)
-                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1, with_hf=with_hf)
+                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1, final=last)
         self.metrics_logger.close()
         return history
 
@@ -368,11 +367,13 @@ class RLRecipe:
     def trained_roles(self) -> list[str]:
         return [name for name in ("actor", "critic", "cost_critic") if name in self.roles]
 
-    def save(self, out_dir: str, *, step: int, with_hf: bool) -> str:
+    def save(self, out_dir: str, *, step: int, final: bool) -> str:
         """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume,
-        and for ``spmd-rlhf export``), with ``with_hf`` (``trainer.save_hf``) its weights as a Hugging Face directory
-        (``<out_dir>/actor``) too, plus ``trainer_state.json``. Atomic (``spmd_rlhf.checkpoint.write_checkpoint``):
-        a crash mid-save leaves the previous checkpoint and ``latest`` as they were."""
+        and for ``spmd-rlhf export``), its weights as a Hugging Face directory (``<out_dir>/actor``) when
+        ``trainer.save_hf`` asks for them (``final``: this is the save after the last step), and
+        ``trainer_state.json``. Atomic (``spmd_rlhf.checkpoint.write_checkpoint``): a crash mid-save leaves the
+        previous checkpoint and ``latest`` as they were."""
+        with_hf = checkpoint.hf_copy_due(self.config.trainer.save_hf, last=final)
 
         def write_roles(staging: Path) -> None:
             for name in self.trained_roles():
