@@ -21,7 +21,6 @@ tensors at a time:
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from spmd_rlhf.models import DecoderArgs, DecoderLM, read_decoder_args
-from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, write_index
+from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, split_by_bytes, write_index
 from spmd_rlhf.models.weights import write_hf_metadata
 
 TRAINER_STATE = "trainer_state.json"
@@ -283,18 +282,10 @@ def read_role_tensors(
     """``role``'s saved weights (float32 master weights of a trained role), read in this process alone from the DCP
     shards of any layout, as buckets of consecutive tensors of at most ``bucket_bytes`` as saved (a larger tensor
     is a bucket of its own), in model order. At peak this holds one bucket plus one saved chunk being copied in."""
-    state_dir, _, _, entries = _role_model_entries(checkpoint_dir, role)
-    buckets: list[list[str]] = [[]]
-    size = 0
-    for name, entry in entries.items():
-        nbytes = math.prod(entry.size) * entry.properties.dtype.itemsize
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(name)
-        size += nbytes
-    for names in buckets:
-        tensors = {name: torch.empty(entries[name].size, dtype=entries[name].properties.dtype) for name in names}
+    state_dir, _, _, saved = _role_model_entries(checkpoint_dir, role)
+    entries = [TensorEntry(name, tuple(entry.size), entry.properties.dtype) for name, entry in saved.items()]
+    for bucket in split_by_bytes(entries, bucket_bytes):
+        tensors = {entry.name: torch.empty(entry.shape, dtype=entry.dtype) for entry in bucket}
         with warnings.catch_warnings():
             # DCP warns that it loads in a single process even when asked to with no_dist: that is the intent here.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -343,8 +334,9 @@ def export_hf(
             with SafetensorsWriter(role_dir, planned) as file:
                 for entry in planned.entries:
                     if entry.name not in bucket:
-                        bucket = {}
+                        bucket = {}  # dropped before the next is read
                         bucket = next(buckets)
+                    # Popped, so each tensor goes as soon as it is written (the reader holds the same dict).
                     file.write(bucket.pop(entry.name).to(dtype))
         write_index(role_dir, files)
         write_hf_metadata(role_dir, args, head=head, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(str(config_dir)))

@@ -57,21 +57,24 @@ class PlannedFile:
         return sum(entry.nbytes for entry in self.entries)
 
 
+def split_by_bytes(entries: list[TensorEntry], limit: int) -> list[list[TensorEntry]]:
+    """Consecutive runs of ``entries`` of at most ``limit`` bytes each (a larger tensor is a run of its own)."""
+    runs: list[list[TensorEntry]] = []
+    size = 0
+    for entry in entries:
+        if not runs or (runs[-1] and size + entry.nbytes > limit):
+            runs.append([])
+            size = 0
+        runs[-1].append(entry)
+        size += entry.nbytes
+    return runs
+
+
 def plan_files(groups: list[list[TensorEntry]], *, max_shard_bytes: int) -> list[PlannedFile]:
     """Split tensors into files of at most ``max_shard_bytes`` (a larger tensor gets a file of its own), in order.
     A file never spans two ``groups`` (e.g. pipeline stages, each written by its own rank). One file is named
     ``model.safetensors``; more are ``model-0000i-of-0000n.safetensors``."""
-    files: list[list[TensorEntry]] = []
-    for group in groups:
-        size = 0
-        files.append([])
-        for entry in group:
-            if files[-1] and size + entry.nbytes > max_shard_bytes:
-                files.append([])
-                size = 0
-            files[-1].append(entry)
-            size += entry.nbytes
-    files = [entries for entries in files if entries]
+    files = [run for group in groups for run in split_by_bytes(group, max_shard_bytes)]
     if len(files) == 1:
         return [PlannedFile(SINGLE_FILE, tuple(files[0]))]
     return [

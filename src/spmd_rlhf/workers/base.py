@@ -12,7 +12,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from transformers import AutoTokenizer
 
 from ..config_schema import FrameworkConfig, RoleConfig
@@ -194,6 +194,10 @@ class ModelWorker(RoleWorker):
         dims, role_rank = self.context.dims, self.context.role_rank
         per_stage = dims.dp * dims.tp
         stage_start = role_rank // per_stage * per_stage
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                # The copy reads the sharded master weights, whatever gathered state the last forward left behind.
+                module.reshard()
         tokenizer = None
         if role_rank == 0:
             tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path or self.config.model.path)
