@@ -265,6 +265,28 @@ def test_only_the_final_checkpoint_holds_hf_copies(ppo_run):
             assert (ppo_run / step / role / "config.json").is_file() == has_hf, (step, role)
 
 
+def test_save_hf_every_in_bfloat16(tmp_path):
+    """trainer.save_hf=every and trainer.save_hf_dtype=bfloat16 on a 2-step GRPO run saving after each step: both
+    checkpoints hold a bfloat16 Hugging Face copy of the actor, equal to the float32 export of its state rounded."""
+    overrides = ("trainer.total_steps=2", "trainer.save_every=1", "trainer.val_every=0", "trainer.save_hf=every")
+    run_recipe("grpo", tmp_path, *overrides, "trainer.save_hf_dtype=bfloat16")
+    for step in ("step_1", "step_2"):
+        copy = tmp_path / "out" / step / "actor"
+        assert json.loads((copy / "config.json").read_text())["dtype"] == "bfloat16"
+        live = load_file(str(copy / "model.safetensors"))
+        exported = checkpoint.export_hf(tmp_path / "out" / step, tmp_path / "export" / step)["actor"]
+        for name, tensor in load_file(str(exported / "model.safetensors")).items():
+            assert live[name].dtype == torch.bfloat16 and torch.equal(live[name], tensor.to(torch.bfloat16)), name
+
+
+def test_save_hf_never(tmp_path):
+    """trainer.save_hf=never: the final checkpoint holds the sharded state only, which export turns into a copy."""
+    run_recipe("grpo", tmp_path, "trainer.total_steps=1", "trainer.val_every=0", "trainer.save_hf=never")
+    final = tmp_path / "out" / "step_1"
+    assert (final / "actor_state" / ".metadata").is_file() and not (final / "actor").exists()
+    assert (checkpoint.export_hf(final, tmp_path / "export")["actor"] / "model.safetensors").is_file()
+
+
 def test_export_errors(tmp_path, capsys, ppo_run):
     (tmp_path / "file").write_text("")
     cases = [
