@@ -46,12 +46,14 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from spmd_rlhf.config import load_config
 from spmd_rlhf.hybrid.engine import _all_gather_flat
 from spmd_rlhf.hybrid.memory import PeakMemory
-from spmd_rlhf.models import DecoderLM
+from spmd_rlhf.models import DecoderLM, model_from_tensors
 from spmd_rlhf.models.tiny import make_tiny
 from spmd_rlhf.runtime import Coordinator, ParallelDims, ResourcePool, all_to_all, launch
 from spmd_rlhf.workers import ActorWorker
@@ -103,6 +105,25 @@ class ReshardingActor(ActorWorker):
         ]
         root = sum(n for name, n in numels.items() if not name.startswith("model.layers."))
         return sum(numels.values()) * self.compute_dtype.itemsize, max(*layers, root) * self.compute_dtype.itemsize
+
+    def full_model(self, dtype: torch.dtype) -> DecoderLM:
+        """The naive baseline: a plain ``DecoderLM`` with a copy of the full weights on every rank (every rank of the
+        role must call it). FSDP's own unshard gathers each block's parameters in one all-gather and the copies
+        outlive the reshard; with pp > 1 the stages are exchanged whole as pickled objects."""
+        fsdp_modules = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        for module in fsdp_modules:
+            module.unshard()
+        tensors = {}
+        for name, param in self.model.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            tensors[name] = full.detach().to(dtype, copy=True)
+        for module in fsdp_modules:
+            module.reshard()
+        if self.pipeline is not None:
+            stages: list[dict[str, torch.Tensor] | None] = [None] * self.pipeline.num_stages
+            dist.all_gather_object(stages, {name: tensor.cpu() for name, tensor in tensors.items()}, group=self.pp_group)
+            tensors = {name: tensor.to(self.device) for stage in stages for name, tensor in stage.items()}
+        return model_from_tensors(self.model.args, tensors, head=self.model.head, attention_backend=self.config.model.attention)
 
     @all_to_all
     def time_switches(self, repeats: int) -> dict:

@@ -212,7 +212,7 @@ class RLRecipe:
             if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
             if last or (trainer.save_every and (step + 1) % trainer.save_every == 0):
-                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1)
+                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1, final=last)
         self.metrics_logger.close()
         return history
 
@@ -239,16 +239,19 @@ class RLRecipe:
     def trained_roles(self) -> list[str]:
         return [name for name in ("actor", "critic", "cost_critic") if name in self.roles]
 
-    def save(self, out_dir: str, *, step: int) -> str:
+    def save(self, out_dir: str, *, step: int, final: bool) -> str:
         """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume,
-        and for ``spmd-rlhf export``) and its weights as a Hugging Face directory (``<out_dir>/actor``), plus
+        and for ``spmd-rlhf export``), its weights as a Hugging Face directory (``<out_dir>/actor``) when
+        ``trainer.save_hf`` asks for them (``final``: this is the save after the last step), and
         ``trainer_state.json``. Atomic (``spmd_rlhf.checkpoint.write_checkpoint``): a crash mid-save leaves the
         previous checkpoint and ``latest`` as they were."""
+        with_hf = checkpoint.hf_copy_due(self.config.trainer.save_hf, last=final)
 
         def write_roles(staging: Path) -> None:
             for name in self.trained_roles():
                 self.roles[name].save_checkpoint(str(checkpoint.role_state_dir(staging, name))).result()
-                self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
+                if with_hf:
+                    self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
 
         trainer_state = {"step": step, "recipe": self.name, "algorithm": self.algorithm_state()}
         return str(checkpoint.write_checkpoint(out_dir, write_roles, trainer_state=trainer_state))

@@ -1,11 +1,15 @@
 """Checkpoints: the atomic directory protocol under a crash mid-save, resume resolution, the role state round trip
 (weights, optimizer, LR schedule, RNG), Hugging Face export of a real PPO run's actor and critic from the DCP shards
-alone (logits equal to ``transformers``), the ``spmd-rlhf export`` errors, and a resume into another world size."""
+alone (logits equal to ``transformers``), export's peak memory (a bucket, never the model), which checkpoints get
+Hugging Face copies (``trainer.save_hf``), the ``spmd-rlhf export`` errors, and a resume into another world size."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -100,10 +104,13 @@ def test_role_state_round_trip(tmp_path, tiny_model_dir):
         assert torch.equal(optimizer.state[param]["exp_avg"], saved_moments[id(param)])
     assert scheduler.last_epoch == 1
     assert torch.equal(torch.rand(4), next_random)  # the CPU RNG continues where it was saved
-    # The single-process export path reads the same weights back without the model directory.
-    exported = checkpoint.load_role_model(tmp_path, "critic")
-    for name, param in exported.named_parameters():
-        assert torch.equal(param, saved[name]), name
+    # The single-process export path reads the same weights back without the model directory, in small buckets.
+    buckets = list(checkpoint.read_role_tensors(tmp_path, "critic", bucket_bytes=4096))
+    assert len(buckets) > 2
+    exported = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+    assert list(exported) == [name for name, _ in model.named_parameters()]
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, saved[name]), name
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -140,6 +147,81 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, tiny_m
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_1", "step_3"]
 
 
+# ---- export's memory ---------------------------------------------------------------------------------------------------
+
+_EXPORT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    import transformers
+    from spmd_rlhf import checkpoint
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+    run, out, bucket = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    options = dict(dtype=torch.bfloat16, bucket_bytes=bucket, max_shard_bytes=16 * 2**20)
+    checkpoint.export_hf(run, out + "/warm_up", **options)  # first-use imports and caches are not the export's
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    before = status("VmRSS")
+    checkpoint.export_hf(run, out + "/measured", **options)
+    print(status("VmHWM") - before)
+    """
+)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_export_streams_one_bucket_at_a_time(tmp_path):
+    """An ~80 MB float32 role state exported as bfloat16 in 2 MiB buckets: the process grows by a bucket, the tensor
+    read and its converted copy (plus slack), not by the model; the files (three, with an index) equal the source."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny(
+        family="llama", out_dir=str(tmp_path / "model"), hidden_size=512, intermediate_size=1024, num_layers=8,
+        num_heads=8, num_kv_heads=4, model_vocab_size=1030,
+    )
+    model = load_model(model_dir)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: the checkpoint is the model
+    parts = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+
+    def save_actor(staging: Path) -> None:
+        state_dir = checkpoint.role_state_dir(staging, "actor")
+        checkpoint.save_role_state(state_dir, process_group=None, **parts)
+        checkpoint.save_model_config(state_dir, model, tokenizer_path=model_dir)
+
+    checkpoint.write_checkpoint(tmp_path / "run" / "step_1", save_actor, trainer_state={"step": 1, "recipe": "test"})
+    model_bytes = sum(param.nbytes for param in model.parameters())
+    largest_tensor = max(param.nbytes for param in model.parameters())
+    del model, parts, optimizer
+    bucket = 2 * 2**20
+    finished = subprocess.run(
+        [sys.executable, "-c", _EXPORT_SCRIPT, str(tmp_path / "run"), str(tmp_path), str(bucket)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    peak = int(finished.stdout.split()[-1])
+    assert model_bytes > 75 * 10**6 and largest_tensor <= bucket + 2**20
+    # A bucket being filled, one saved chunk read into memory, one tensor converted, and 8 MiB of slack.
+    assert peak < bucket + 2 * largest_tensor + 8 * 2**20 < model_bytes / 3, (peak, model_bytes)
+    out = tmp_path / "measured" / "actor"
+    assert sorted(path.name for path in out.glob("model*")) == [
+        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ]
+    exported = AutoModelForCausalLM.from_pretrained(str(out))
+    assert exported.dtype == torch.bfloat16
+    source = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, source[name].to(torch.bfloat16)), name
+
+
+def test_hf_copy_due():
+    due = {mode: [checkpoint.hf_copy_due(mode, last=last) for last in (False, True)] for mode in ("final", "every", "never")}
+    assert due == {"final": [False, True], "every": [True, True], "never": [False, False]}
+
+
 # ---- a real run: export and resume into another world size -----------------------------------------------------------
 
 
@@ -173,6 +255,36 @@ def test_export_equals_transformers_without_the_model_dir(tmp_path, monkeypatch,
             hf_out, our_out = theirs(input_ids).logits, ours(input_ids)
         torch.testing.assert_close(hf_out.squeeze(-1) if head == "value" else hf_out, our_out)
     assert Path("hf/actor/tokenizer.json").is_file()
+
+
+def test_only_the_final_checkpoint_holds_hf_copies(ppo_run):
+    """trainer.save_hf=final (the default) with a save after each of 2 steps: both hold the sharded state."""
+    for step, has_hf in (("step_1", False), ("step_2", True)):
+        for role in ("actor", "critic"):
+            assert (ppo_run / step / f"{role}_state" / ".metadata").is_file()
+            assert (ppo_run / step / role / "config.json").is_file() == has_hf, (step, role)
+
+
+def test_save_hf_every_in_bfloat16(tmp_path):
+    """trainer.save_hf=every and trainer.save_hf_dtype=bfloat16 on a 2-step GRPO run saving after each step: both
+    checkpoints hold a bfloat16 Hugging Face copy of the actor, equal to the float32 export of its state rounded."""
+    overrides = ("trainer.total_steps=2", "trainer.save_every=1", "trainer.val_every=0", "trainer.save_hf=every")
+    run_recipe("grpo", tmp_path, *overrides, "trainer.save_hf_dtype=bfloat16")
+    for step in ("step_1", "step_2"):
+        copy = tmp_path / "out" / step / "actor"
+        assert json.loads((copy / "config.json").read_text())["dtype"] == "bfloat16"
+        live = load_file(str(copy / "model.safetensors"))
+        exported = checkpoint.export_hf(tmp_path / "out" / step, tmp_path / "export" / step)["actor"]
+        for name, tensor in load_file(str(exported / "model.safetensors")).items():
+            assert live[name].dtype == torch.bfloat16 and torch.equal(live[name], tensor.to(torch.bfloat16)), name
+
+
+def test_save_hf_never(tmp_path):
+    """trainer.save_hf=never: the final checkpoint holds the sharded state only, which export turns into a copy."""
+    run_recipe("grpo", tmp_path, "trainer.total_steps=1", "trainer.val_every=0", "trainer.save_hf=never")
+    final = tmp_path / "out" / "step_1"
+    assert (final / "actor_state" / ".metadata").is_file() and not (final / "actor").exists()
+    assert (checkpoint.export_hf(final, tmp_path / "export")["actor"] / "model.safetensors").is_file()
 
 
 def test_export_errors(tmp_path, capsys, ppo_run):

@@ -120,6 +120,8 @@ BAD_OVERRIDES = [
     (["trainer.total_steps=abc"], "trainer.total_steps", "=abc: expected an integer"),
     (["trainer.total_steps=1.5"], "trainer.total_steps", "expected an integer"),
     (["rollout.temperature=hot"], "rollout.temperature", "expected a number"),
+    (["trainer.save_hf=sometimes"], "trainer.save_hf=sometimes", "must be one of final, every, never"),
+    (["trainer.save_hf_dtype=float64"], "trainer.save_hf_dtype=float64", "must be null (model.dtype), float32"),
     (["critic.enabled=maybe"], "critic.enabled", "expected true or false"),
     (["actor.betas=[0.9,abc]"], "actor.betas[1]", "expected a number"),
     (["data.train_files=x.parquet"], "data.train_files", "expected a list of strings"),

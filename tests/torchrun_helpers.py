@@ -75,3 +75,14 @@ def run_recipe(name: str, workdir: Path, *overrides: str) -> list[dict]:
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     return [json.loads(line) for line in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def hf_weights(directory: str | Path) -> dict:
+    """Every tensor of a Hugging Face directory a test program wrote: one ``model.safetensors``, or several files
+    and an index (a pipeline-parallel role writes one file per stage)."""
+    from safetensors.torch import load_file
+
+    from spmd_rlhf.models.weights import checkpoint_files
+
+    files = set(checkpoint_files(str(directory)).values())
+    return {name: tensor for file in sorted(files) for name, tensor in load_file(file).items()}

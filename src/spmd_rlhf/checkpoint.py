@@ -6,12 +6,14 @@ A run directory (``trainer.output_dir``) holds checkpoints and a pointer to the 
     <run>/step_4/trainer_state.json   {"step": 4, "recipe": "grpo"}, written last, before the rename
     <run>/step_4/actor_state/         DCP shards: model, optimizer, LR schedule, each rank's RNG state
     <run>/step_4/actor_state/hf_config/   config.json, tokenizer files, role.json: what export needs besides weights
-    <run>/step_4/actor/               the same weights as a Hugging Face directory, for convenience
+    <run>/step_4/actor/               the same weights as a Hugging Face directory (trainer.save_hf: by default
+                                      only in the final checkpoint), streamed from the shards
     <run>/latest                      "step_4"
 
 A checkpoint is written under ``step_4.tmp`` and renamed when whole; ``latest`` is replaced last. A crash at any point
 leaves the previous checkpoint and ``latest`` as they were; ``*.tmp`` leftovers are never resumed from and are removed
-by the next save. Export runs in one process, with no process group, whatever layout wrote the shards:
+by the next save. Export runs in one process, with no process group, whatever layout wrote the shards, a bucket of
+tensors at a time:
 
     spmd-rlhf export outputs/grpo hf_out --roles actor critic
 """
@@ -23,7 +25,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from spmd_rlhf.models import DecoderLM, model_from_tensors, read_decoder_args, save_pretrained
+from spmd_rlhf.models import DecoderArgs, DecoderLM, read_decoder_args
+from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, split_by_bytes, write_index
+from spmd_rlhf.models.weights import write_hf_metadata
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
@@ -95,6 +99,12 @@ def write_checkpoint(
     if replaced.exists():
         shutil.rmtree(replaced)
     return final
+
+
+def hf_copy_due(save_hf: str, *, last: bool) -> bool:
+    """Whether a checkpoint also gets the trained roles' Hugging Face copies under ``trainer.save_hf``: ``every``
+    save, only the ``final`` one (after the last step), or ``never``."""
+    return save_hf == "every" or (save_hf == "final" and last)
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -250,9 +260,8 @@ def role_config_dir(checkpoint_dir: str | os.PathLike, role: str) -> Path:
     return config_dir
 
 
-def load_role_model(checkpoint_dir: str | os.PathLike, role: str) -> DecoderLM:
-    """``role``'s model with its saved weights (float32 master weights of a trained role), read in this process alone
-    from the DCP shards of any layout."""
+def _role_model_entries(checkpoint_dir: str | os.PathLike, role: str) -> tuple[Path, DecoderArgs, str, dict[str, TensorStorageMetadata]]:
+    """(state directory, model args, head, each parameter's saved tensor metadata in model order) of ``role``."""
     config_dir = role_config_dir(checkpoint_dir, role)
     state_dir = config_dir.parent
     head = json.loads((config_dir / ROLE_FILE).read_text())["head"]
@@ -264,12 +273,25 @@ def load_role_model(checkpoint_dir: str | os.PathLike, role: str) -> DecoderLM:
     missing = [name for name, entry in entries.items() if not isinstance(entry, TensorStorageMetadata)]
     if missing:
         raise CheckpointError(f"{state_dir} lacks model tensors {', '.join(missing)}; the checkpoint is incomplete")
-    tensors = {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in entries.items()}
-    with warnings.catch_warnings():
-        # DCP warns that it loads in a single process even when asked to with no_dist: that is the intent here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": tensors}, checkpoint_id=str(state_dir), no_dist=True)
-    return model_from_tensors(args, tensors, head=head)
+    return state_dir, args, head, entries
+
+
+def read_role_tensors(
+    checkpoint_dir: str | os.PathLike, role: str, *, bucket_bytes: int = 1024**3
+) -> Iterator[dict[str, torch.Tensor]]:
+    """``role``'s saved weights (float32 master weights of a trained role), read in this process alone from the DCP
+    shards of any layout, as buckets of consecutive tensors of at most ``bucket_bytes`` as saved (a larger tensor
+    is a bucket of its own), in model order. At peak this holds one bucket plus one saved chunk being copied in."""
+    state_dir, _, _, saved = _role_model_entries(checkpoint_dir, role)
+    entries = [TensorEntry(name, tuple(entry.size), entry.properties.dtype) for name, entry in saved.items()]
+    for bucket in split_by_bytes(entries, bucket_bytes):
+        tensors = {entry.name: torch.empty(entry.shape, dtype=entry.dtype) for entry in bucket}
+        with warnings.catch_warnings():
+            # DCP warns that it loads in a single process even when asked to with no_dist: that is the intent here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": tensors}, checkpoint_id=str(state_dir), no_dist=True)
+        yield tensors
+        del tensors
 
 
 def writable_dir(out_dir: str | os.PathLike) -> Path:
@@ -285,11 +307,15 @@ def writable_dir(out_dir: str | os.PathLike) -> Path:
 
 
 def export_hf(
-    checkpoint_or_run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Iterable[str] = ("actor",)
+    checkpoint_or_run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Iterable[str] = ("actor",), *,
+    dtype: torch.dtype = torch.float32, bucket_bytes: int = 1024**3, max_shard_bytes: int = 5 * 1024**3,
 ) -> dict[str, Path]:
     """Write each role's weights from a checkpoint (or a run directory's latest) as a Hugging Face directory
-    ``<out_dir>/<role>`` with its tokenizer; returns ``{role: directory}``. Every role is checked before any is
-    written."""
+    ``<out_dir>/<role>`` with its tokenizer, in ``dtype`` (float32: the master weights as trained); returns
+    ``{role: directory}``. Every role is checked before any is written.
+
+    Streams: at peak this holds one bucket of ``bucket_bytes`` of saved tensors (or one tensor when it is larger),
+    one saved chunk being read and one tensor converted to ``dtype``; never the whole model."""
     from transformers import AutoTokenizer
 
     checkpoint_dir = resolve_checkpoint(checkpoint_or_run_dir)
@@ -297,8 +323,22 @@ def export_hf(
     out = writable_dir(out_dir)
     written = {}
     for role, config_dir in config_dirs.items():
-        model = load_role_model(checkpoint_dir, role)
-        tokenizer = AutoTokenizer.from_pretrained(str(config_dir))
-        save_pretrained(model, str(out / role), tokenizer=tokenizer)
-        written[role] = out / role
+        _, args, head, saved = _role_model_entries(checkpoint_dir, role)
+        role_dir = out / role
+        role_dir.mkdir(exist_ok=True)
+        entries = [TensorEntry(name, tuple(entry.size), dtype) for name, entry in saved.items()]
+        files = plan_files([entries], max_shard_bytes=max_shard_bytes)
+        buckets = read_role_tensors(checkpoint_dir, role, bucket_bytes=bucket_bytes)
+        bucket: dict[str, torch.Tensor] = {}
+        for planned in files:
+            with SafetensorsWriter(role_dir, planned) as file:
+                for entry in planned.entries:
+                    if entry.name not in bucket:
+                        bucket = {}  # dropped before the next is read
+                        bucket = next(buckets)
+                    # Popped, so each tensor goes as soon as it is written (the reader holds the same dict).
+                    file.write(bucket.pop(entry.name).to(dtype))
+        write_index(role_dir, files)
+        write_hf_metadata(role_dir, args, head=head, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(str(config_dir)))
+        written[role] = role_dir
     return written

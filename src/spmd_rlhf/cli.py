@@ -67,6 +67,10 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("checkpoint", metavar="CKPT_DIR", help="a checkpoint (step_N) or a run directory (its latest)")
     parser.add_argument("out", metavar="OUT_DIR", help="output directory: one Hugging Face directory per role, OUT_DIR/<role>")
     parser.add_argument("--roles", nargs="+", default=["actor"], help="roles to export (default: actor)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="dtype of the written weights (default: float32, the trained master weights unrounded)",
+    )
 
 
 def _add_plot(subparsers: argparse._SubParsersAction) -> None:
@@ -130,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         run_forward(args.model, prompt=args.prompt, dtype=args.dtype)
         return 0
     if args.command == "export":
+        import torch
+
         from spmd_rlhf.checkpoint import CheckpointError, export_hf
 
         try:
-            written = export_hf(args.checkpoint, args.out, roles=args.roles)
+            written = export_hf(args.checkpoint, args.out, roles=args.roles, dtype=getattr(torch, args.dtype))
         except CheckpointError as error:
             print(f"export error: {error}", file=sys.stderr)
             return 2

@@ -308,6 +308,13 @@ class TrainerConfig:
     """Seed of initialization and sampling."""
     save_every: int = 0
     """Save a checkpoint every this many steps; 0: only after the last step."""
+    save_hf: str = "final"
+    """Which checkpoints also hold each trained role's weights as a Hugging Face directory (<step>/<role>, streamed
+    from the shards; resume only needs the sharded state): final (the save after the last step), every or never
+    (spmd-rlhf export writes one from any checkpoint later)."""
+    save_hf_dtype: str | None = None
+    """Dtype of those Hugging Face copies: null (model.dtype), float32 (the trained roles' float32 master weights,
+    unrounded, at twice the bytes of bfloat16), bfloat16 or float16."""
     log_every: int = 1
     """Log metrics every this many steps."""
     val_every: int = 0
@@ -352,6 +359,9 @@ class TrainerConfig:
         loggers = ("console", "jsonl", "tensorboard", "wandb")
         _require(self, "loggers", set(self.loggers) <= set(loggers), "allowed: " + ", ".join(loggers))
         _one_of(self, "device", DEVICE_SETTINGS)
+        _one_of(self, "save_hf", ("final", "every", "never"))
+        _require(self, "save_hf_dtype", self.save_hf_dtype in (None, "float32", "bfloat16", "float16"),
+                 "must be null (model.dtype), float32, bfloat16 or float16")
         _require(self, "timeout_s", self.timeout_s > 0, "must be > 0")
         _require(self, "collective_timeout_s", self.collective_timeout_s > 0, "must be > 0")
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from safetensors.torch import load_file
-from torchrun_helpers import torchrun
+from torchrun_helpers import hf_weights, torchrun
 
 from spmd_rlhf.hybrid import GenerationLayout
 from spmd_rlhf.models.tiny import make_tiny
@@ -91,7 +90,7 @@ def test_loading_never_holds_the_full_model(run, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_leaves_weights_bitwise_equal(run, layout):
     out, _ = run
-    before, after = load_file(f"{out}/{layout}_before/model.safetensors"), load_file(f"{out}/{layout}_after/model.safetensors")
+    before, after = hf_weights(f"{out}/{layout}_before"), hf_weights(f"{out}/{layout}_after")
     assert before.keys() == after.keys()
     assert all(before[name].equal(after[name]) for name in before)
 

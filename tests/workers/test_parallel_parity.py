@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from torchrun_helpers import torchrun
+from torchrun_helpers import hf_weights, torchrun
 
 from spmd_rlhf.models.tiny import make_tiny
 
@@ -49,13 +49,13 @@ def test_update_matches_one_rank(run, layout):
         for rank_metrics in metrics[role]:
             for key in (f"{role}/loss", f"{role}/grad_norm"):
                 assert rank_metrics[key] == pytest.approx(reference_metrics[role][0][key], rel=1e-5), (layout, key)
-        reference = load_file(f"{out}/dp1tp1pp1_{role}/model.safetensors")
-        weights = load_file(f"{out}/{layout}_{role}/model.safetensors")
+        reference = hf_weights(f"{out}/dp1tp1pp1_{role}")
+        weights = hf_weights(f"{out}/{layout}_{role}")
         assert weights.keys() == reference.keys()
         for name in reference:
             torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=2e-6, msg=f"{layout} {role} {name}")
     initial = load_file(f"{policy}/model.safetensors")
-    reference = load_file(f"{out}/dp1tp1pp1_actor/model.safetensors")
+    reference = hf_weights(f"{out}/dp1tp1pp1_actor")
     assert max(float((reference[name] - initial[name]).abs().max()) for name in reference) > 1e-4  # it really trained
 
 
@@ -63,12 +63,12 @@ def test_checkpoint_resumes_into_another_layout(run):
     """Saved by (dp, tp, pp) = (2, 2, 1), loaded by (1, 2, 2): the weights arrive bitwise, and the next update
     (restored optimizer moments and schedule) matches the uninterrupted actor's."""
     _, out = run
-    saved, resumed = load_file(f"{out}/dp2tp2pp1_actor/model.safetensors"), load_file(f"{out}/resumed_actor/model.safetensors")
+    saved, resumed = hf_weights(f"{out}/dp2tp2pp1_actor"), hf_weights(f"{out}/resumed_actor")
     assert all(saved[name].equal(resumed[name]) for name in saved)
     metrics = json.loads((out / "resume.json").read_text())
     for key in ("actor/loss", "actor/grad_norm", "actor/lr"):
         assert metrics["resumed"][0][key] == pytest.approx(metrics["saved"][0][key], rel=1e-5), key
-    saved, resumed = load_file(f"{out}/saved_next/model.safetensors"), load_file(f"{out}/resumed_next/model.safetensors")
+    saved, resumed = hf_weights(f"{out}/saved_next"), hf_weights(f"{out}/resumed_next")
     for name in saved:
         torch.testing.assert_close(resumed[name], saved[name], rtol=1e-5, atol=2e-6, msg=name)
 
@@ -84,8 +84,8 @@ def test_tied_embeddings_under_tensor_parallelism(tmp_path):
     assert finished.returncode == 0, finished.stdout[-6000:]
     reference, results = torch.load(out / "dp1tp1pp1.pt"), torch.load(out / "dp2tp2pp1.pt")
     torch.testing.assert_close(results["log_probs"], reference["log_probs"], rtol=1e-5, atol=1e-5)
-    reference = load_file(f"{out}/dp1tp1pp1_actor/model.safetensors")
-    weights = load_file(f"{out}/dp2tp2pp1_actor/model.safetensors")
+    reference = hf_weights(f"{out}/dp1tp1pp1_actor")
+    weights = hf_weights(f"{out}/dp2tp2pp1_actor")
     assert "lm_head.weight" not in weights  # still tied: saved once, as the embedding
     for name in reference:
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=2e-6, msg=name)

@@ -13,15 +13,20 @@ from collections import defaultdict
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from spmd_rlhf.models.args import DecoderArgs, read_decoder_args
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.safetensors_stream import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    SafetensorsWriter,
+    TensorEntry,
+    plan_files,
+    write_index,
+)
+from spmd_rlhf.models.shard_pieces import local_piece
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _ARCHITECTURE_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 _ARCHITECTURE_SUFFIX = {"lm": "ForCausalLM", "value": "ForTokenClassification", "score": "ForSequenceClassification"}
 
@@ -140,28 +145,32 @@ def build_model(path: str, *, head: str = "lm", dtype: torch.dtype | str = torch
 
 
 @torch.no_grad()
-def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> None:
+def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> int:
     """Materialise a model built by ``build_model`` (maybe cut to a pipeline stage and parallelized since) on
-    ``device`` and fill each parameter from the checkpoint. A sharded (DTensor) parameter receives only its local
-    piece: every tensor is read whole, one at a time, and sliced, so no rank ever holds a full copy of the model."""
+    ``device`` and fill each parameter from the checkpoint. Each rank reads only its own piece of each tensor (the
+    rectangle its TP, FSDP and PP shard covers, with safetensors' ``get_slice``; a plain tensor whole) and casts it
+    to the parameter's dtype: at peak it holds its shard plus one piece as stored. Returns the bytes read."""
     device = torch.device(device)
     files = checkpoint_files(path)
     _, to_initialise = _plan_load(_meta_copy(model), _tensor_shapes(files))
     model.to_empty(device=device)
     model.tie_weights()
     model.reset_buffers()
+    read = 0
     for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local, piece = local_piece(param)
         if name in to_initialise:
             local.zero_()
             continue
+        if not local.numel():
+            continue
         # One open per tensor: the file's pages touched through the memory map are released with it.
         with _open(files[name]) as handle:
-            stored = handle.get_tensor(name).to(device=device, dtype=local.dtype)
-        if isinstance(param, DTensor):
-            stored = distribute_tensor(stored, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        local.copy_(stored)
+            stored = handle.get_slice(name)[piece.slices()]
+        read += stored.nbytes
+        local.copy_(stored.to(device=device, dtype=local.dtype))
         del stored
+    return read
 
 
 def _meta_copy(model: DecoderLM) -> DecoderLM:
@@ -195,55 +204,48 @@ def model_from_tensors(
     return model
 
 
-def _hf_config_for(model: DecoderLM, dtype: torch.dtype):
-    config = copy.deepcopy(model.args.hf_config)
-    config.architectures = [_ARCHITECTURE_PREFIX[model.args.family] + _ARCHITECTURE_SUFFIX[model.head]]
-    if model.head != "lm":
+def write_hf_metadata(out_dir: str | os.PathLike, args: DecoderArgs, *, head: str, dtype: torch.dtype, tokenizer=None) -> list[str]:
+    """``config.json`` of a ``head`` model with weights in ``dtype`` (and the tokenizer's files when given) in
+    ``out_dir``; returns the files written."""
+    config = copy.deepcopy(args.hf_config)
+    config.architectures = [_ARCHITECTURE_PREFIX[args.family] + _ARCHITECTURE_SUFFIX[head]]
+    if head != "lm":
         config.num_labels = 1
     config.dtype = dtype
-    return config
+    config.save_pretrained(out_dir)
+    written = [os.path.join(out_dir, "config.json")]
+    if tokenizer is not None:
+        written.extend(tokenizer.save_pretrained(out_dir))
+    return written
 
 
+@torch.no_grad()
 def save_pretrained(
     model: DecoderLM,
     out_dir: str,
     *,
     tokenizer=None,
+    dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 1024**3,
 ) -> list[str]:
-    """Write ``model`` as a Hugging Face directory that ``transformers`` ``from_pretrained`` loads.
+    """Write ``model`` (whole, in this process) as a Hugging Face directory that ``transformers`` ``from_pretrained``
+    loads, in ``dtype`` (None: the parameters' own).
 
     Tensors go into ``model.safetensors``, or into ``model-0000i-of-0000n.safetensors`` shards of at most
-    ``max_shard_bytes`` (a single larger tensor gets its own shard) with an index. Returns the files written.
+    ``max_shard_bytes`` (a single larger tensor gets its own shard) with an index. Each tensor is converted and
+    written on its own: at peak this holds the model plus one converted tensor. Returns the files written.
     """
     os.makedirs(out_dir, exist_ok=True)
     # named_parameters drops the tied lm_head alias, exactly as Hugging Face stores tied checkpoints.
-    tensors = {name: param.detach().to("cpu").contiguous() for name, param in model.named_parameters()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += size
+    params = dict(model.named_parameters())
+    dtype = dtype or next(iter(params.values())).dtype
+    files = plan_files([[TensorEntry(name, tuple(p.shape), dtype) for name, p in params.items()]], max_shard_bytes=max_shard_bytes)
     written = []
-    if len(shards) == 1:
-        names = [SINGLE_FILE]
-    else:
-        names = [f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors" for index in range(len(shards))]
-        weight_map = {tensor_name: file for file, shard in zip(names, shards) for tensor_name in shard}
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
-        with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as handle:
-            json.dump(index, handle, indent=2, sort_keys=True)
-        written.append(os.path.join(out_dir, INDEX_FILE))
-    for file, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
-        written.append(os.path.join(out_dir, file))
-    dtype = next(iter(tensors.values())).dtype
-    _hf_config_for(model, dtype).save_pretrained(out_dir)
-    written.append(os.path.join(out_dir, "config.json"))
-    if tokenizer is not None:
-        written.extend(tokenizer.save_pretrained(out_dir))
-    return written
+    for planned in files:
+        with SafetensorsWriter(out_dir, planned) as file:
+            for entry in planned.entries:
+                file.write(params[entry.name].detach().to(device="cpu", dtype=dtype))
+        written.append(str(file.path))
+    index = write_index(out_dir, files)
+    written.extend([index] if index else [])
+    return written + write_hf_metadata(out_dir, model.args, head=model.head, dtype=dtype, tokenizer=tokenizer)

@@ -13,7 +13,6 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from ..config_schema import FrameworkConfig, RoleConfig
@@ -22,12 +21,11 @@ from ..models import (
     DecoderLM,
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
-    model_from_tensors,
-    save_pretrained,
 )
-from ..models.weights import build_model, load_weights
 from ..models.parallelize import parallelize
 from ..models.pipeline import OutputFunction, Pipeline, split_stage
+from ..models.sharded_save import save_sharded_pretrained
+from ..models.weights import build_model, load_weights
 from ..runtime import RoleContext, Worker, one_to_all
 
 
@@ -186,37 +184,26 @@ class ModelWorker(RoleWorker):
             return log_probs_and_entropy_from_logits(logits, labels, **options)
         return log_probs_from_logits(logits, labels, **options), None
 
-    # ---- whole weights -----------------------------------------------------------------------------------------
-
-    def full_model(self, dtype: torch.dtype) -> DecoderLM:
-        """A plain ``DecoderLM`` with a copy of the full weights (every rank of the role must call it).
-
-        In the compute dtype, FSDP's own unshard gathers each block's parameters in one all-gather (not one per
-        tensor) and the copies outlive the reshard that frees the gathered buffers. In another dtype (a float32
-        export of a bfloat16 run) each tensor is gathered from the float32 master shards, so nothing is rounded."""
-        fsdp_modules = []
-        if dtype == getattr(torch, self.config.model.dtype):
-            fsdp_modules = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
-        for module in fsdp_modules:
-            module.unshard()
-        tensors = {}
-        for name, param in self.model.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            tensors[name] = full.detach().to(dtype, copy=True)
-        for module in fsdp_modules:
-            module.reshard()
-        if self.pipeline is not None:
-            # Each stage holds its own layers: exchange them so every rank has the whole model.
-            stages: list[dict[str, torch.Tensor] | None] = [None] * self.pipeline.num_stages
-            dist.all_gather_object(stages, {name: tensor.cpu() for name, tensor in tensors.items()}, group=self.pp_group)
-            tensors = {name: tensor.to(self.device) for stage in stages for name, tensor in stage.items()}
-        return model_from_tensors(self.model.args, tensors, head=self.model.head, attention_backend=self.config.model.attention)
+    # ---- Hugging Face copy -------------------------------------------------------------------------------------
 
     @one_to_all
     def save_pretrained(self, out_dir: str) -> str:
-        """Write the current weights as a Hugging Face directory (from the role's first rank); returns ``out_dir``."""
-        model = self.full_model(torch.float32)
-        if self.context.role_rank == 0:
-            tokenizer_path = self.config.model.tokenizer_path or self.config.model.path
-            save_pretrained(model, out_dir, tokenizer=AutoTokenizer.from_pretrained(tokenizer_path))
+        """Write the current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default
+        ``model.dtype``), streamed from the shards: each pipeline stage's first rank writes that stage's files,
+        gathering one row band of one tensor at a time (``models.sharded_save``); returns ``out_dir``."""
+        dims, role_rank = self.context.dims, self.context.role_rank
+        per_stage = dims.dp * dims.tp
+        stage_start = role_rank // per_stage * per_stage
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                # The copy reads the sharded master weights, whatever gathered state the last forward left behind.
+                module.reshard()
+        tokenizer = None
+        if role_rank == 0:
+            tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path or self.config.model.path)
+        save_sharded_pretrained(
+            self.model, out_dir, stage=self.pp_rank, stage_ranks=list(self.context.ranks[stage_start : stage_start + per_stage]),
+            writers_group=self.pp_group, group=self.role_group, dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
+            device=self.device, tokenizer=tokenizer,
+        )
         return out_dir
