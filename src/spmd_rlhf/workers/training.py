@@ -1,10 +1,10 @@
 """The update loop shared by trained roles: AdamW with warm-up + constant/cosine LR, PPO epochs x mini-batches x
 micro-batches with gradient accumulation, global-norm clipping.
 
-Loss normalisation makes an update independent of the DP size and the micro-batch size: each micro-batch's loss is its
-share of the whole mini-batch's loss (``algos.aggregation``, denominators counted over all DP ranks), its gradients are
-accumulated, and summed over DP ranks. Summed, that is exactly the gradient of
-the unsplit mini-batch.
+Loss normalisation makes an update independent of the DP size and of how rows are grouped into micro-batches (row
+counts or token-balanced groups, ``workers.micro_batches``): each micro-batch's loss is its share of the whole
+mini-batch's loss (``algos.aggregation``, denominators counted over all DP ranks), its gradients are accumulated, and
+summed over DP ranks. Summed, that is exactly the gradient of the unsplit mini-batch.
 """
 
 from __future__ import annotations
