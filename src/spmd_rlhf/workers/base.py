@@ -139,9 +139,9 @@ class ModelWorker(RoleWorker):
     def micro_batch_rows(self, batch: Batch, rows_per_micro_batch: int) -> list[list[int]]:
         """Row indices of each micro-batch of ``batch``: token-balanced groups within the role's
         ``max_tokens_per_micro_batch`` (their count agreed over the DP group), else ``rows_per_micro_batch``
-        consecutive rows. A pipeline always takes consecutive rows (its schedule splits the batch itself)."""
+        consecutive rows."""
         max_tokens = self.role_config.max_tokens_per_micro_batch
-        if max_tokens is None or self.pipeline is not None:
+        if max_tokens is None:
             return row_chunks(len(batch), rows_per_micro_batch)
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         return token_balanced_micro_batches(lengths, max_tokens, lambda count: int(self.max_over_dp(torch.tensor(count))))
@@ -156,7 +156,10 @@ class ModelWorker(RoleWorker):
         Without pipeline parallelism each micro-batch is fed packed (``PackedRows``: no padding, the head only at
         response positions). Through a pipeline (then only its last stage returns results) micro-batches stay padded
         rows (``PaddedRows``): ``torch.distributed.pipelining`` needs every micro-batch of a schedule to have the same
-        shape, which packed sequences of different total lengths do not."""
+        shape, which packed sequences of different total lengths do not.
+
+        Peak per packed micro-batch: the logits of its response tokens, ``[response_tokens, vocab / tp]`` in the
+        compute dtype (a padded one: ``[rows, P + R, vocab / tp]``), plus the activations of its real tokens."""
         if self.pipeline is not None:
             results = self.pipeline.run(
                 batch, micro_batch_size=micro_batch_size, output_fn=lambda output, rows: output_fn(output, PaddedRows(rows)),
