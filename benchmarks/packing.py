@@ -1,14 +1,15 @@
 """Packed against padded micro-batches on a real rollout batch: tokens fed, logit rows computed, micro-batch counts,
 and the CPU time of one log-prob pass over the batch.
 
-    python benchmarks/packing.py [--config recipes/configs/grpo.yaml] [--repeats 3] [key=value ...]
+    python benchmarks/packing.py [--config recipes/configs/grpo.yaml] [--repeats 3] [--truncate-responses]
+                                 [key=value ...]
 
 Generates the first step's rollouts of ``--config`` (the tiny arithmetic task by default, built on first use) with
 the built-in engine on one process, in the rollout layout the workers receive (prompts left-padded to the batch's
 longest, responses right-padded to ``rollout.max_new_tokens``). Then one log-prob pass over all rows, three ways:
 padded rows in micro-batches of ``actor.micro_batch_size`` (the layout before packing, logits at every position),
 the same row-count micro-batches packed, and token-balanced packed micro-batches under a budget of the longest row
-times ``actor.micro_batch_size``. Ratios are padded / packed. Writes ``benchmarks/results/packing_<config name>.json``.
+times ``actor.micro_batch_size``. Ratios are padded / packed. Writes ``benchmarks/results/packing_<config name>[_truncated].json``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_bat
 from spmd_rlhf.workers.packing import MicroBatch, PackedRows, PaddedRows
 
 
-def rollout_batch(config, model: DecoderLM, tokenizer) -> Batch:
-    """The first step's prompts, ``rollout.n`` sampled responses each, in the rollout layout."""
+def rollout_batch(config, model: DecoderLM, tokenizer, *, truncate: bool) -> Batch:
+    """The first step's prompts, ``rollout.n`` sampled responses each, in the rollout layout; ``truncate``: each
+    response cut at a length drawn uniformly from 1 to its own, as if the policy had stopped there."""
     dataset = PromptDataset(
         config.data.train_files, tokenizer, prompt_key=config.data.prompt_key,
         max_prompt_length=config.data.max_prompt_length, overlong_prompts=config.data.overlong_prompts,
@@ -51,9 +53,12 @@ def rollout_batch(config, model: DecoderLM, tokenizer) -> Batch:
     outputs = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, seed=config.trainer.seed).generate(requests, params)
     responses = torch.full((len(requests), rollout.max_new_tokens), pad, dtype=torch.long)
     response_mask = torch.zeros_like(responses)
+    generator = torch.Generator().manual_seed(config.trainer.seed)
     for row, output in enumerate(outputs):
         length = len(output.generated_token_ids)
-        responses[row, :length] = torch.tensor(output.generated_token_ids)
+        if truncate:
+            length = int(torch.randint(1, length + 1, (), generator=generator))
+        responses[row, :length] = torch.tensor(output.generated_token_ids[:length])
         response_mask[row, :length] = 1
     return Batch({
         "prompts": repeated["input_ids"], "responses": responses, "response_mask": response_mask,
@@ -76,6 +81,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="recipes/configs/grpo.yaml")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per layout; the fastest counts")
+    parser.add_argument(
+        "--truncate-responses", action="store_true",
+        help="cut each response at a uniform random length (a random-init model never stops on its own)",
+    )
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     options = parser.parse_args()
     config = load_config(options.config, options.overrides)
@@ -83,7 +92,7 @@ def main() -> None:
     torch.manual_seed(config.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
     model = load_model(config.model.path, dtype=getattr(torch, config.model.dtype), attention_backend=config.model.attention)
-    batch = rollout_batch(config, model, tokenizer)
+    batch = rollout_batch(config, model, tokenizer, truncate=options.truncate_responses)
 
     rows, width = batch["input_ids"].shape
     lengths = batch["attention_mask"].sum(dim=1).tolist()
@@ -102,7 +111,8 @@ def main() -> None:
     seconds = {name: min(log_prob_pass(model, micro) for _ in range(options.repeats)) for name, micro in layouts.items()}
     response_tokens = int(batch["response_mask"].sum())
     results = {
-        "config": options.config, "overrides": options.overrides, "rows": rows, "width": width,
+        "config": options.config, "overrides": options.overrides, "truncated": options.truncate_responses,
+        "rows": rows, "width": width,
         "prompt_width": batch["prompts"].shape[1], "max_new_tokens": config.rollout.max_new_tokens,
         "tokens_fed": {"padded": rows * width, "packed": sum(lengths)},
         "logit_rows": {"padded": rows * width, "packed": response_tokens},
@@ -119,7 +129,8 @@ def main() -> None:
     for name in ("packed_rows", "packed_tokens"):
         label = f"log-prob pass, s ({name.replace('_', ' by ')}, {len(groups[name])} micro-batches)"
         print(f"| {label} | {seconds['padded']:.3f} | {seconds[name]:.3f} | {seconds['padded'] / seconds[name]:.2f} |")
-    out = Path(__file__).parent / "results" / f"packing_{Path(options.config).stem}.json"
+    name = Path(options.config).stem + ("_truncated" if options.truncate_responses else "")
+    out = Path(__file__).parent / "results" / f"packing_{name}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {out}")
 
