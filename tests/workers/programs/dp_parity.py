@@ -58,6 +58,8 @@ def main(coordinator):
             "dp1_tokens30": (1, dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=30)))}
     for name, (dp, run_config) in runs.items():
         actor = coordinator.spawn(ActorWorker, run_config, name=f"actor_{name}", pool=ResourcePool(range(dp)), dims=ParallelDims(dp=dp))
+        # Forward rows come back in the batch's row order however the micro-batches grouped them.
+        torch.save(actor.compute_log_probs(batch).result().fetch()["old_log_probs"], f"{out_dir}/{name}_log_probs.pt")
         metrics = actor.update_actor(batch).result()  # one dict per DP rank
         Path(f"{out_dir}/{name}.json").write_text(json.dumps(metrics))
         actor.save_pretrained(f"{out_dir}/{name}").result()
