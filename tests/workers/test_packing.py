@@ -137,10 +137,14 @@ def test_packed_policy_loss_and_gradients_equal_padded(budget, aggregation):
     assert max(float(grad.abs().max()) for grad in padded_grads.values()) > 1e-3  # the loss really reaches the weights
 
 
-def test_packed_rows_feed_no_padding():
+def test_packed_rows_feed_no_padding_and_compute_response_logits_only():
     batch = rollout_batch()
     micro = PackedRows(batch)
     assert micro.total_tokens == int(batch["attention_mask"].sum()) < batch["input_ids"].numel()
     assert micro.cu_seqlens.tolist() == [0, *batch["attention_mask"].sum(dim=1).cumsum(0).tolist()]
     assert micro.position_ids[0, :19].tolist() == list(range(19))  # row 0: 7 + 12 tokens, positions from 0
     assert len(micro.output_positions) == micro.response_tokens == int(batch["response_mask"].sum())
+    # The LM head runs at response positions only: logits [response tokens, vocab], not [tokens, vocab].
+    with torch.no_grad():
+        logits = tiny_model("lm")(**micro.model_inputs(torch.device("cpu"), per_token=True))
+    assert logits.shape == (micro.response_tokens, VOCAB)
