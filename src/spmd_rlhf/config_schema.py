@@ -76,6 +76,13 @@ class RoleConfig:
     """Rows (responses) per forward and backward pass of training on each data-parallel rank."""
     forward_micro_batch_size: int = 0
     """Rows per forward-only pass (log-probs, values, scores), which keeps no activations; 0: micro_batch_size."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of one micro-batch on each data-parallel rank, for training and forward-only passes alike (verl's
+    ppo_max_token_len_per_gpu): rows are grouped into as few micro-batches of nearly equal token counts as fit it, so
+    short responses share a pass and long ones get their own; every DP rank runs the same number. Must hold the
+    longest row (data.max_prompt_length + rollout.max_new_tokens); pp must be 1. null: micro_batch_size /
+    forward_micro_batch_size rows per micro-batch. Either way a micro-batch is fed as one packed sequence of its
+    rows' real tokens (no padding)."""
     offload: bool = False
     """GPU: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy), each block
     copied to the device for its forward and backward, so colocated roles leave the device to each other."""
@@ -85,6 +92,10 @@ class RoleConfig:
         _at_least(self, 1, "pp", "tp", "micro_batch_size")
         _require(self, "pool", self.pool != "", "must be a name or null")
         _require(self, "pp_schedule", self.pp_schedule in ("1f1b", "gpipe"), "must be 1f1b or gpipe")
+        budget = self.max_tokens_per_micro_batch
+        _require(self, "max_tokens_per_micro_batch", budget is None or budget >= 1, "must be >= 1 or null")
+        rule = "token-balanced micro-batches need pp=1 (a pipeline schedule splits rows evenly); set it to null"
+        _require(self, "max_tokens_per_micro_batch", budget is None or self.pp == 1, rule)
 
     def dp_size(self) -> int | None:
         """The data-parallel degree: ``dp``, else derived from ``n_ranks``; None while the pool size is unknown."""
@@ -422,6 +433,7 @@ class FrameworkConfig:
             rule = f"algorithm.name={self.algorithm.name} needs >= 2 responses per prompt for its group baseline"
             _require(self, "rollout.n", self.rollout.n >= 2, rule)
         self._check_training_batches()
+        self._check_token_budgets()
         for name in ("reward", "cost"):
             role = getattr(self, name)
             if role.enabled and role.kind == "model":
@@ -499,6 +511,16 @@ class FrameworkConfig:
             f"size the cache for every request"
         )
         _require(self, "rollout.kv_cache_blocks", rollout.kv_cache_blocks >= needed, rule)
+
+    def _check_token_budgets(self) -> None:
+        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        for name, role in self.enabled_roles().items():
+            budget = role.max_tokens_per_micro_batch
+            rule = (
+                f"must hold the longest row, data.max_prompt_length + rollout.max_new_tokens = {longest}; "
+                f"set it to at least {longest} or null"
+            )
+            _require(self, f"{name}.max_tokens_per_micro_batch", budget is None or budget >= longest, rule)
 
     def _check_training_batches(self) -> None:
         rows = self.data.batch_size * self.rollout.n

@@ -42,6 +42,28 @@ def test_torch_and_sdpa_backends_agree_with_gqa(layout):
         torch.testing.assert_close(outputs["torch"][:, 3:], alone, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+@pytest.mark.parametrize("lengths", [[3, 7], [4, 5, 4], [1, 1, 8], [10]])
+def test_packed_sequences_attend_as_if_alone(backend, lengths):
+    """Packed sequences of similar lengths run as right-padded rows, one long among short ones under a
+    [total, total] mask: either way each sequence's output is that of the sequence on its own."""
+    generator = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(1, total, 6, 8, generator=generator, requires_grad=True)
+    k, v = (torch.randn(1, total, 2, 8, generator=generator, requires_grad=True) for _ in range(2))
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    packed = attend(q, k, v, _batch(backend, batch_size=1, seq_len=total, cu_seqlens=cu_seqlens), scale=8**-0.5)
+    weights = torch.randn(packed.shape, generator=generator)
+    grads = torch.autograd.grad((packed * weights).sum(), (q, k, v))
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        parts = [tensor.detach()[:, start:end].requires_grad_() for tensor in (q, k, v)]
+        alone = attend(*parts, _batch(backend, batch_size=1, seq_len=end - start), scale=8**-0.5)
+        torch.testing.assert_close(packed[:, start:end], alone, atol=1e-6, rtol=0)
+        alone_grads = torch.autograd.grad((alone * weights[:, start:end]).sum(), parts)
+        for grad, alone_grad in zip(grads, alone_grads):
+            torch.testing.assert_close(grad[:, start:end], alone_grad, atol=1e-6, rtol=0)
+
+
 def test_flash_without_cuda_or_package_names_the_fix():
     with pytest.raises(ValueError, match="pip install 'spmd_rlhf\\[gpu\\]'"):
         resolve_backend("flash", device=torch.device("cpu"), dtype=torch.bfloat16)

@@ -1,6 +1,7 @@
-"""Data-parallel parity: update_actor with dp=2 and dp=4, or with 4x larger micro-batches, leaves the same weights,
-loss and gradient norm as dp=1 on the same batch (two PPO epochs, gradient accumulation, KL and entropy terms), for
-token- and sequence-level aggregation."""
+"""Data-parallel parity: update_actor with dp=2 and dp=4, with 4x larger micro-batches, or with token-balanced
+micro-batches (dp=2 ranks agreeing on their count), leaves the same weights, loss and gradient norm as dp=1 on the
+same batch (two PPO epochs, gradient accumulation, KL and entropy terms), for token- and sequence-level aggregation;
+compute_log_probs gives the same log-probs in the batch's row order."""
 
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ def test_update_actor_is_independent_of_dp_size(model_dir, tmp_path, aggregation
     moved = max(float((reference[name] - initial[name]).abs().max()) for name in reference)
     assert moved > 1e-4  # the update really changed the weights
     reference_metrics = json.loads((tmp_path / "dp1.json").read_text())[0]
-    for run in ("dp2", "dp4", "dp1_micro8"):
+    for run in ("dp2", "dp4", "dp1_micro8", "dp2_tokens11", "dp1_tokens30"):
         for rank_metrics in json.loads((tmp_path / f"{run}.json").read_text()):
             # Global quantities: the same on every rank and for every DP size.
             for key in ("actor/grad_norm", "actor/loss"):
                 assert rank_metrics[key] == pytest.approx(reference_metrics[key], rel=1e-5), (run, key)
+        log_probs = torch.load(tmp_path / f"{run}_log_probs.pt")
+        torch.testing.assert_close(log_probs, torch.load(tmp_path / "dp1_log_probs.pt"), rtol=1e-5, atol=1e-6, msg=run)
         weights = load_file(f"{tmp_path}/{run}/model.safetensors")
         assert weights.keys() == reference.keys()
         for name in reference:

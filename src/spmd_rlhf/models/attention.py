@@ -215,6 +215,32 @@ def _dense_attention(
     )
 
 
+def _per_sequence_is_cheaper(batch: AttentionBatch, total: int) -> bool:
+    """For packed sequences on a dense backend: whether right-padded rows (``num_seqs * max_seqlen**2`` scores) cost
+    less than one masked ``[total, total]`` attention. Sequences of similar lengths make it ``num_seqs`` times
+    cheaper; one long sequence beside many short ones keeps the mask."""
+    num_seqs = batch.cu_seqlens.shape[0] - 1
+    return num_seqs * batch.max_seqlen**2 < total**2
+
+
+def _per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """Packed sequences ``[1, total, heads, d]`` through a dense backend as right-padded rows ``[num_seqs, max_seqlen]``
+    with plain causal attention (a right-padded row's real queries see only real keys, so no mask is built); returns
+    ``[1, total, heads, d]``. Holds padded copies of q, k, v and the output, ``num_seqs * max_seqlen`` tokens each."""
+    starts = batch.cu_seqlens[:-1].long()
+    lengths = batch.cu_seqlens[1:].long() - starts
+    total = q.shape[1]
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths, output_size=total)
+    index = (sequence, torch.arange(total, device=q.device) - starts[sequence])
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        padded = tensor.new_zeros(len(lengths), batch.max_seqlen, *tensor.shape[2:])
+        return padded.index_put(index, tensor[0]).transpose(1, 2)
+
+    out = _dense_attention(rows(q), rows(k), rows(v), None, batch.backend, scale)
+    return out.transpose(1, 2)[index][None]
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -235,6 +261,8 @@ def attend(
         return _paged_attention(q, k, v, batch, layer_index, scale)
     if batch.backend == "flash":
         return _flash_attention(q, k, v, batch, scale)
+    if batch.cu_seqlens is not None and _per_sequence_is_cheaper(batch, q.shape[1]):
+        return _per_sequence_attention(q, k, v, batch, scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = _dense_attention(q, k, v, _allowed_keys(batch, q.shape[-2], q.device), batch.backend, scale)
     return out.transpose(1, 2)

@@ -222,6 +222,7 @@ class DecoderLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        output_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits, values or scores for ``input_ids`` ``[batch, seq]`` (see the class docstring).
 
@@ -229,11 +230,21 @@ class DecoderLM(nn.Module):
         default to counting real tokens. Packed: ``input_ids`` ``[1, total]`` with ``cu_seqlens`` ``[n + 1]``, or
         with ``position_ids`` that restart at 0 for each sequence; outputs equal the separate forwards of the n
         sequences.
+
+        ``output_positions`` (LM and value heads): flat indices into the ``batch * seq`` positions; the head runs on
+        the hidden states of those positions only and the result is ``[len(output_positions), ...]`` (logits
+        ``[n, vocab]``, values ``[n]``). A training pass that needs the outputs of response positions only thus never
+        computes, or keeps for the backward pass, the logits of the others: at peak ``n * vocab`` logits in the
+        compute dtype instead of ``batch * seq * vocab``.
         """
+        if output_positions is not None and self.head == "score":
+            raise ValueError("output_positions selects per-token outputs; the score head reads each sequence's last token")
         cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens)
         if self.model.norm is None:  # a pipeline stage before the last: hand the hidden states on
             return hidden
+        if output_positions is not None:
+            hidden = hidden.flatten(0, 1).index_select(0, output_positions.to(hidden.device))
         if self.head == "lm":
             return self.lm_head(hidden)
         values = self.score(hidden).squeeze(-1)

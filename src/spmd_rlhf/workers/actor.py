@@ -22,6 +22,7 @@ from ..runtime import ParallelDims, RoleContext, data_parallel
 from ..runtime.device import check_thread
 from .advantages import old_log_probs, rollout_advantages
 from .base import union_all
+from .packing import MicroBatch
 from .training import TrainedWorker
 
 _SEED_STRIDE = 1_000_003
@@ -181,7 +182,8 @@ class ActorWorker(TrainedWorker):
 
     @data_parallel
     def compute_log_probs(self, batch: Batch) -> Batch:
-        """``old_log_probs`` ``[rows, R]`` of the responses under the current policy (at the rollout temperature)."""
+        """``old_log_probs`` ``[rows, R]`` of the responses under the current policy (at the rollout temperature;
+        0 past the response, like the engine's ``rollout_log_probs``)."""
         return self.forward_rows(
             batch, "compute_log_probs", "old_log_probs",
             lambda logits, micro: self.response_log_probs(logits, micro, self.temperature)[0],
@@ -219,17 +221,18 @@ class ActorWorker(TrainedWorker):
     # ---- training ----------------------------------------------------------------------------------------------
 
     def _policy_loss(
-        self, logits: torch.Tensor, micro: Batch, denominators, *, kl_coef: float, cost_multiplier: float | None
+        self, logits: torch.Tensor, micro: MicroBatch, denominators, *, kl_coef: float, cost_multiplier: float | None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         algorithm = self.config.algorithm
         aggregation = algorithm.loss_aggregation
-        mask = micro["response_mask"].to(self.device)
+        rows = micro.rows
+        mask = rows["response_mask"].to(self.device)
         log_probs, entropy = self.response_log_probs(logits, micro, self.temperature, with_entropy=True)
-        advantages = micro["advantages"]
+        advantages = rows["advantages"]
         if cost_multiplier is not None:
-            advantages = combine_advantages(advantages, micro["cost_advantages"], cost_multiplier)
+            advantages = combine_advantages(advantages, rows["cost_advantages"], cost_multiplier)
         loss, metrics = policy_loss(
-            log_probs, old_log_probs(micro).to(self.device), advantages.to(self.device), mask,
+            log_probs, old_log_probs(rows).to(self.device), advantages.to(self.device), mask,
             clip_low=algorithm.clip_ratio_low, clip_high=algorithm.clip_ratio_high,
             aggregation=aggregation, denominators=denominators,
             ratio_level="sequence" if algorithm.policy_loss == "gspo" else "token",
@@ -237,7 +240,7 @@ class ActorWorker(TrainedWorker):
         if algorithm.entropy_coef:
             loss = loss - algorithm.entropy_coef * entropy_bonus(entropy, mask, aggregation=aggregation, denominators=denominators)
         if algorithm.kl_penalty == "loss":
-            kl = kl_estimate(log_probs, micro["ref_log_probs"].to(self.device), algorithm.kl_estimator)
+            kl = kl_estimate(log_probs, rows["ref_log_probs"].to(self.device), algorithm.kl_estimator)
             loss = loss + kl_coef * aggregate(kl, mask, aggregation, denominators)
             metrics["actor/kl_loss"] = float(masked_mean(kl.detach(), mask))
         metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))

@@ -1,5 +1,5 @@
 """What every model-holding role shares: loading its model sharded with FSDP2 over the role's DP mesh, collectives over
-that mesh, and micro-batched forward passes over the rollout layout.
+that mesh, and micro-batched forward passes over the rollout layout (fed packed, ``workers.packing``).
 
 The rollout layout (made by ``ActorWorker.generate_sequences``): ``prompts`` ``[rows, P]`` left-padded, ``responses``
 ``[rows, R]`` right-padded, ``input_ids = prompts ++ responses``, ``attention_mask`` over both, ``response_mask``
@@ -9,6 +9,7 @@ The rollout layout (made by ``ActorWorker.generate_sequences``): ``prompts`` ``[
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,10 +24,15 @@ from ..models import (
     log_probs_from_logits,
 )
 from ..models.parallelize import parallelize
-from ..models.pipeline import OutputFunction, Pipeline, split_stage
+from ..models.pipeline import Pipeline, split_stage
 from ..models.sharded_save import save_sharded_pretrained
 from ..models.weights import build_model, load_weights
 from ..runtime import RoleContext, Worker, one_to_all
+from .micro_batches import row_chunks, token_balanced_micro_batches
+from .packing import MicroBatch, PackedRows, PaddedRows
+
+MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+"""(the model's output for one micro-batch, that micro-batch) -> a loss (training) or per-row results."""
 
 
 # The value and score heads return a view ([..., 1] squeezed); outputs are never modified in place here, which is the
@@ -128,61 +134,84 @@ class ModelWorker(RoleWorker):
 
     # ---- forward passes over the rollout layout ----------------------------------------------------------------
 
+    def micro_batch_rows(self, batch: Batch, rows_per_micro_batch: int) -> list[list[int]]:
+        """Row indices of each micro-batch of ``batch``: token-balanced groups within the role's
+        ``max_tokens_per_micro_batch`` (their count agreed over the DP group), else ``rows_per_micro_batch``
+        consecutive rows."""
+        max_tokens = self.role_config.max_tokens_per_micro_batch
+        if max_tokens is None:
+            return row_chunks(len(batch), rows_per_micro_batch)
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        return token_balanced_micro_batches(lengths, max_tokens, lambda count: int(self.max_over_dp(torch.tensor(count))))
+
     def run_model(
-        self, batch: Batch, *, micro_batch_size: int, output_fn: OutputFunction, train: bool
-    ) -> list[torch.Tensor]:
-        """``output_fn(model output, micro-batch)`` for each micro-batch of ``batch``, through the pipeline when there
-        is one (then only its last stage returns results). With ``train``, each result is a loss to back-propagate
-        (gradients accumulate); the returned results are detached."""
+        self, batch: Batch, *, micro_batch_size: int, output_fn: MicroBatchFunction, train: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``output_fn(model output, micro-batch)`` for each micro-batch of ``batch`` (``micro_batch_rows``), and
+        the rows of ``batch`` in the order the results cover them. With ``train``, each result is a loss to
+        back-propagate (gradients accumulate); the returned results are detached.
+
+        Without pipeline parallelism each micro-batch is fed packed (``PackedRows``: no padding, the head only at
+        response positions). Through a pipeline (then only its last stage returns results) micro-batches stay padded
+        rows (``PaddedRows``): ``torch.distributed.pipelining`` needs every micro-batch of a schedule to have the same
+        shape, which packed sequences of different total lengths do not.
+
+        Peak per packed micro-batch: the logits of its response tokens, ``[response_tokens, vocab / tp]`` in the
+        compute dtype (a padded one: ``[rows, P + R, vocab / tp]``), plus the activations of its real tokens."""
         if self.pipeline is not None:
-            return [result.detach() for result in self.pipeline.run(batch, micro_batch_size=micro_batch_size, output_fn=output_fn, train=train)]
+            results = self.pipeline.run(
+                batch, micro_batch_size=micro_batch_size, output_fn=lambda output, rows: output_fn(output, PaddedRows(rows)),
+                train=train,
+            )
+            return [result.detach() for result in results], torch.arange(len(batch))
+        per_token = self.model.head != "score"
+        groups = self.micro_batch_rows(batch, micro_batch_size)
         results = []
-        for micro in batch.chunk_rows(micro_batch_size):
-            output = self.model(micro["input_ids"].to(self.device), attention_mask=micro["attention_mask"].to(self.device))
-            result = output_fn(output, micro)
+        for rows in groups:
+            micro = PackedRows(batch.select(rows))
+            result = output_fn(self.model(**micro.model_inputs(self.device, per_token=per_token)), micro)
             if train:
                 result.backward()
             results.append(result.detach())
-        return results
+        return results, torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
 
-    def forward_rows(self, batch: Batch, method: str, key: str, output_fn: OutputFunction) -> Batch:
-        """``Batch({key: output_fn results of every row})``, forward only, on every rank of the role (a pipeline's
-        last stage sends its results to the other stages)."""
+    def forward_rows(self, batch: Batch, method: str, key: str, output_fn: MicroBatchFunction) -> Batch:
+        """``Batch({key: output_fn results of every row})`` in ``batch``'s row order, forward only, on every rank of
+        the role (a pipeline's last stage sends its results to the other stages)."""
         self.check_equal_shards(batch, method)
         self.model.eval()
         with torch.no_grad():
-            results = self.run_model(
+            results, order = self.run_model(
                 batch, micro_batch_size=self.role_config.forward_micro_batch_size or self.role_config.micro_batch_size,
                 output_fn=output_fn, train=False,
             )
-        values = torch.cat(results).cpu() if results else None
+        values = None
+        if results:
+            grouped = torch.cat(results).cpu()
+            values = torch.empty_like(grouped)
+            values[order] = grouped
         if self.pipeline is not None:
             carrier = [values]
             dist.broadcast_object_list(carrier, src=self.stage_ranks[-1], group=self.pp_group)
             values = carrier[0]
         return Batch({key: values}, group_size=batch.group_size)
 
-    @staticmethod
-    def response_outputs(outputs: torch.Tensor, micro: Batch) -> torch.Tensor:
-        """The model's outputs at the positions that predict / value each response token: ``[rows, R, ...]``."""
-        response_length = micro["responses"].shape[1]
-        prompt_length = micro["input_ids"].shape[1] - response_length
-        return outputs[:, prompt_length - 1 : -1]
-
     def response_log_probs(
-        self, logits: torch.Tensor, micro: Batch, temperature: float, *, with_entropy: bool = False
+        self, logits: torch.Tensor, micro: MicroBatch, temperature: float, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[rows, R]`` of the response tokens under softmax(logits / temperature), and optionally the
-        entropy of that distribution at each response position. Under TP the logits are this rank's vocabulary
-        slice and the softmax statistics are reduced over the TP group."""
-        # The logits go in unscaled and in the model's dtype: the log-prob functions scale them in float32 chunk by
-        # chunk (or in the fused kernel's registers), never as a float32 [tokens, vocab] copy.
-        logits = self.response_outputs(logits, micro)
-        labels = micro["responses"].to(self.device)
+        entropy of that distribution at each response position; zero where ``response_mask`` is 0. Under TP the
+        logits are this rank's vocabulary slice and the softmax statistics are reduced over the TP group."""
+        # The logits go in unscaled and in the model's dtype, at response positions only: the log-prob functions
+        # scale them in float32 chunk by chunk (or in the fused kernel's registers), never as a float32
+        # [tokens, vocab] copy.
+        logits = micro.response_outputs(logits)
+        labels = micro.response_labels(self.device)
         options = dict(temperature=temperature, group=self.tp_group, vocab_start=self.vocab_start)
         if with_entropy:
-            return log_probs_and_entropy_from_logits(logits, labels, **options)
-        return log_probs_from_logits(logits, labels, **options), None
+            log_probs, entropy = log_probs_and_entropy_from_logits(logits, labels, **options)
+            return micro.scatter(log_probs), micro.scatter(entropy)
+        return micro.scatter(log_probs_from_logits(logits, labels, **options)), None
 
     # ---- Hugging Face copy -------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
 from ..runtime import RoleContext, data_parallel
 from .base import union_all
+from .packing import MicroBatch
 from .training import TrainedWorker
 
 CRITIC_ROLES = {"critic": "", "cost_critic": "cost_"}
@@ -28,17 +29,21 @@ class CriticWorker(TrainedWorker):
 
     @data_parallel
     def compute_values(self, batch: Batch) -> Batch:
-        """``values`` (``cost_values``) ``[rows, R]``: V of the state before each response token."""
+        """``values`` (``cost_values``) ``[rows, R]``: V of the state before each response token (0 past the
+        response)."""
         return self.forward_rows(
             batch, "compute_values", f"{self.keys}values",
-            lambda values, micro: self.response_outputs(values, micro).float() * micro["response_mask"].to(self.device),
+            lambda values, micro: micro.scatter(micro.response_outputs(values).float()),
         )
 
-    def _value_loss(self, outputs: torch.Tensor, micro: Batch, denominators: Denominators) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = micro["response_mask"].to(self.device)
-        values = self.response_outputs(outputs, micro).float()
+    def _value_loss(
+        self, outputs: torch.Tensor, micro: MicroBatch, denominators: Denominators
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        rows = micro.rows
+        mask = rows["response_mask"].to(self.device)
+        values = micro.scatter(micro.response_outputs(outputs).float())
         loss, metrics = value_loss(
-            values, micro[f"{self.keys}values"].to(self.device), micro[f"{self.keys}returns"].to(self.device), mask,
+            values, rows[f"{self.keys}values"].to(self.device), rows[f"{self.keys}returns"].to(self.device), mask,
             clip=self.config.algorithm.value_clip, aggregation=self.config.algorithm.loss_aggregation,
             denominators=denominators,
         )

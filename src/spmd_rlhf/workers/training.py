@@ -1,10 +1,10 @@
 """The update loop shared by trained roles: AdamW with warm-up + constant/cosine LR, PPO epochs x mini-batches x
 micro-batches with gradient accumulation, global-norm clipping.
 
-Loss normalisation makes an update independent of the DP size and the micro-batch size: each micro-batch's loss is its
-share of the whole mini-batch's loss (``algos.aggregation``, denominators counted over all DP ranks), its gradients are
-accumulated, and summed over DP ranks. Summed, that is exactly the gradient of
-the unsplit mini-batch.
+Loss normalisation makes an update independent of the DP size and of how rows are grouped into micro-batches (row
+counts or token-balanced groups, ``workers.micro_batches``): each micro-batch's loss is its share of the whole
+mini-batch's loss (``algos.aggregation``, denominators counted over all DP ranks), its gradients are accumulated, and
+summed over DP ranks. Summed, that is exactly the gradient of the unsplit mini-batch.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from ..config_schema import FrameworkConfig, TrainableRoleConfig
 from ..data.batch import Batch
 from ..runtime import RoleContext, one_to_all
 from .base import ModelWorker
+from .packing import MicroBatch
 
-LossFunction = Callable[[torch.Tensor, Batch, Denominators], tuple[torch.Tensor, dict[str, float]]]
+LossFunction = Callable[[torch.Tensor, MicroBatch, Denominators], tuple[torch.Tensor, dict[str, float]]]
 """(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss, metrics)."""
 
 
@@ -121,14 +122,16 @@ class Trainer:
                 denominators = Denominators(float(counts[0]), float(counts[1]), float(self.max_response_length))
                 records: list[tuple[float, dict[str, float]]] = []
 
-                def micro_batch_loss(outputs: torch.Tensor, micro: Batch) -> torch.Tensor:
+                def micro_batch_loss(outputs: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
                     loss, micro_metrics = loss_function(outputs, micro, denominators)
                     records.append((float(loss.detach()), micro_metrics))
                     # FSDP averages gradients over DP ranks; each rank's loss is already its share of the global
                     # mini-batch loss, so scale by the DP size to make the average a sum (gloo has no pre-scaled sum).
                     return loss * self.worker.dp_size
 
-                results = self.worker.run_model(mini, micro_batch_size=self.role_config.micro_batch_size, output_fn=micro_batch_loss, train=True)
+                results, _ = self.worker.run_model(
+                    mini, micro_batch_size=self.role_config.micro_batch_size, output_fn=micro_batch_loss, train=True
+                )
                 # A pipeline schedule may call the loss function on placeholder outputs first (torch >= 2.13 infers
                 # gradient shapes that way); the real micro-batches are the last len(results) calls.
                 mini_batch_loss = torch.zeros((), dtype=torch.float64)

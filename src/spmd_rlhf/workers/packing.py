@@ -1,0 +1,119 @@
+"""How the rows of one micro-batch are fed to the model, and where each response token's output comes back.
+
+Two layouts of the same rows (the rollout layout of ``workers.base``):
+
+- ``PackedRows`` (every pass without pipeline parallelism): the attended tokens of all rows laid end to end in one
+  ``[1, total_tokens]`` sequence, with ``cu_seqlens`` and position ids restarting at 0 for each row, so no padding
+  token is fed; the LM / value head runs only at the positions that predict a response token (the model's
+  ``output_positions``).
+- ``PaddedRows`` (pipeline parallelism, whose schedules need fixed micro-batch shapes): the ``[rows, P + R]`` padded
+  rows with their attention mask; the head runs at every position and the response positions are picked after.
+
+Either way ``response_outputs`` gives the model's outputs at the positions predicting (or valuing) the response
+tokens flat, ``[response_tokens, ...]`` in row-major order of ``response_mask``, and ``scatter`` puts per-token
+results back into ``[rows, R]`` (zero where the mask is 0): losses and callers see the same tensors in both layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..data.batch import Batch
+
+
+class MicroBatch:
+    """One micro-batch's rows (``rows``, rollout layout) and their response tokens where ``response_mask`` is set."""
+
+    def __init__(self, rows: Batch) -> None:
+        self.rows = rows
+        """The rows in the rollout layout: losses read their per-row fields (advantages, old log-probs) here."""
+        self.response_mask = rows["response_mask"].bool()
+        self.response_index = self.response_mask.nonzero(as_tuple=True)
+        """(row, column) of each response token, row-major: the order of every flat per-token tensor."""
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def response_tokens(self) -> int:
+        return len(self.response_index[0])
+
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor]:
+        """Keyword arguments of ``DecoderLM.forward`` for these rows; ``per_token``: the head's outputs are wanted
+        per token (LM, value heads), not per sequence (score head)."""
+        raise NotImplementedError
+
+    def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The model's outputs at the positions that predict / value each response token: ``[response_tokens, ...]``."""
+        raise NotImplementedError
+
+    def response_labels(self, device: torch.device) -> torch.Tensor:
+        """The response token ids ``[response_tokens]``, in the order of ``response_outputs``."""
+        return self.rows["responses"][self.response_index].to(device)
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token ``values`` ``[response_tokens]`` as ``[rows, R]``, zero where ``response_mask`` is 0;
+        differentiable w.r.t. ``values``."""
+        full = values.new_zeros(self.response_mask.shape)
+        index = tuple(part.to(values.device) for part in self.response_index)
+        return full.index_put(index, values)
+
+
+class PackedRows(MicroBatch):
+    """The rows' attended tokens packed into one sequence (see the module docstring).
+
+    Holds ``[total_tokens]`` token ids and positions and ``[response_tokens]`` output positions: no ``[rows, P + R]``
+    copies beyond the rows themselves."""
+
+    def __init__(self, rows: Batch) -> None:
+        super().__init__(rows)
+        attended = rows["attention_mask"].bool()
+        lengths = attended.sum(dim=1)
+        prompt_length = rows["prompts"].shape[1]
+        if bool((attended[:, :prompt_length].sum(dim=1) == 0).any()):
+            raise ValueError("a row has no prompt token: its first response token would have nothing to be predicted from")
+        if bool((self.response_mask & ~attended[:, prompt_length:]).any()):
+            raise ValueError("a response token in response_mask is outside attention_mask: the model would never see it")
+        # Index of each attended token within its own row, and where each row starts in the packed sequence.
+        index_in_row = attended.long().cumsum(dim=1) - 1
+        ends = lengths.cumsum(dim=0)
+        starts = ends - lengths
+        self.input_ids = rows["input_ids"][attended][None]
+        self.position_ids = index_in_row[attended][None]
+        self.cu_seqlens = F.pad(ends, (1, 0)).to(torch.int32)
+        row, column = self.response_index
+        # The output at the token before response token t predicts (values) it.
+        self.output_positions = starts[row] + index_in_row[:, prompt_length:][row, column] - 1
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor]:
+        inputs = {
+            "input_ids": self.input_ids.to(device),
+            "position_ids": self.position_ids.to(device),
+            "cu_seqlens": self.cu_seqlens.to(device),
+        }
+        if per_token:
+            inputs["output_positions"] = self.output_positions.to(device)
+        return inputs
+
+    def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
+        # The model already ran its head at the output positions only.
+        return outputs
+
+
+class PaddedRows(MicroBatch):
+    """The rows as the padded ``[rows, P + R]`` batch. ``response_outputs`` copies the response positions' outputs
+    out of the full ``[rows, P + R, ...]`` outputs (for logits, ``response_tokens * vocab`` in the compute dtype)."""
+
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows["input_ids"].to(device), "attention_mask": self.rows["attention_mask"].to(device)}
+
+    def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
+        response_length = self.response_mask.shape[1]
+        prompt_length = self.rows["input_ids"].shape[1] - response_length
+        index = tuple(part.to(outputs.device) for part in self.response_index)
+        return outputs[:, prompt_length - 1 : -1][index]

@@ -1,0 +1,66 @@
+"""Micro-batch grouping: the balanced partition keeps every row once and loads even, the fewest groups within a
+token budget, and two DP ranks with uneven rows agree on their micro-batch count with no empty micro-batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torchrun_helpers import free_port
+
+from spmd_rlhf.workers.micro_batches import balanced_partition, fitting_parts, row_chunks, token_balanced_micro_batches
+
+
+def test_balanced_partition():
+    lengths = [19, 2, 3, 12, 14, 7, 13, 9, 12]
+    for parts in range(1, len(lengths) + 1):
+        groups = balanced_partition(lengths, parts)
+        assert len(groups) == parts and all(groups)
+        assert sorted(row for group in groups for row in group) == list(range(len(lengths)))
+        loads = [sum(lengths[row] for row in group) for group in groups]
+        # LPT: no group exceeds the average by more than the longest row.
+        assert max(loads) <= sum(lengths) / parts + max(lengths)
+    loads = sorted(sum(lengths[row] for row in group) for group in balanced_partition(lengths, 3))
+    assert loads == [29, 30, 32]  # longest first to the lightest: 19+9+2, 14+12+3, 13+12+7
+    assert fitting_parts(lengths, 40) == 3  # 91 tokens: ceil(91 / 40) = 3 groups fit
+    assert fitting_parts(lengths, 19) == 6  # the 19-token row alone, the rest in pairs of at most 19
+    assert fitting_parts(lengths, 40, at_least=7) == 7
+    with pytest.raises(ValueError, match="exceeds the micro-batch budget"):
+        fitting_parts(lengths, 18)
+    with pytest.raises(ValueError, match="non-empty"):
+        balanced_partition(lengths, 10)
+
+
+def _agree_over_two_ranks(rank: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # Rank 0 holds long rows and needs 4 micro-batches of 40 tokens; rank 1's short rows would fit in one.
+    lengths = [30, 25, 28, 35, 20, 33] if rank == 0 else [3, 4, 5, 2, 6, 3]
+    calls = []
+
+    def agree(count: int) -> int:
+        total = torch.tensor(count)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        calls.append(count)
+        return int(total)
+
+    groups = token_balanced_micro_batches(lengths, 40, agree)
+    results[rank] = (groups, calls)
+    dist.destroy_process_group()
+
+
+def test_dp_ranks_with_uneven_lengths_agree_on_the_micro_batch_count():
+    results = mp.Manager().dict()
+    mp.spawn(_agree_over_two_ranks, args=(free_port(), results), nprocs=2)
+    long_groups, _ = results[0]
+    short_groups, _ = results[1]
+    long_lengths = [30, 25, 28, 35, 20, 33]
+    assert len(long_groups) == len(short_groups) == fitting_parts(long_lengths, 40)
+    assert all(short_groups)  # the short rank split its rows: no empty forward
+    assert max(sum(long_lengths[row] for row in group) for group in long_groups) <= 40
+    assert sorted(row for group in short_groups for row in group) == list(range(6))
+    assert len(results[0][1]) == len(results[1][1])  # the same number of collectives on both ranks
+
+
+def test_row_chunks_are_consecutive():
+    assert row_chunks(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]

@@ -1,0 +1,150 @@
+"""Packed micro-batches equal the padded batch: log-probs, entropy, values, scores, and the loss and gradients of a
+policy step, in float32 within 1e-6, whatever the token budget groups the rows into."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from spmd_rlhf.algos import Denominators, entropy_bonus, policy_loss
+from spmd_rlhf.data import Batch
+from spmd_rlhf.models import DecoderArgs, DecoderLM
+from spmd_rlhf.workers.base import ModelWorker
+from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_batches
+from spmd_rlhf.workers.packing import PackedRows, PaddedRows
+
+PROMPT, RESPONSE, VOCAB = 7, 12, 97
+BUDGETS = [None, 19, 25, 40, 1000]
+"""Token budgets of one micro-batch (None: one row per micro-batch); the longest row has 19 tokens."""
+
+
+def rollout_batch() -> Batch:
+    """Rows of very different lengths: prompts of 1 to 7 tokens (left-padded), responses of 0 to 12 (right-padded)."""
+    generator = torch.Generator().manual_seed(0)
+    prompt_lengths = torch.tensor([7, 1, 3, 7, 2, 5, 4, 6, 1])
+    response_lengths = torch.tensor([12, 1, 0, 5, 12, 2, 9, 3, 11])
+    rows = len(prompt_lengths)
+    prompt_mask = (torch.arange(PROMPT)[None] >= PROMPT - prompt_lengths[:, None]).long()
+    response_mask = (torch.arange(RESPONSE)[None] < response_lengths[:, None]).long()
+    prompts = torch.randint(3, VOCAB, (rows, PROMPT), generator=generator) * prompt_mask
+    responses = torch.randint(3, VOCAB, (rows, RESPONSE), generator=generator) * response_mask
+    return Batch({
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+        "old_log_probs": -torch.rand(rows, RESPONSE, generator=generator) * 5,
+        "advantages": torch.randn(rows, RESPONSE, generator=generator) * response_mask,
+    })
+
+
+def tiny_model(head: str) -> DecoderLM:
+    torch.manual_seed(0)
+    args = DecoderArgs(
+        family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False,
+    )
+    model = DecoderLM(args, head=head, attention_backend="sdpa")
+    model.reset_buffers()
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    return model
+
+
+def groups_of(batch: Batch, budget: int | None) -> list[list[int]]:
+    if budget is None:
+        return row_chunks(len(batch), 1)
+    return token_balanced_micro_batches(batch["attention_mask"].sum(dim=1).tolist(), budget, agree=lambda count: count)
+
+
+# The worker's own method, with what it reads from a one-rank worker.
+WORKER = types.SimpleNamespace(tp_group=None, vocab_start=0, device=torch.device("cpu"))
+
+
+def run_micro_batches(model: DecoderLM, batch: Batch, budget: int | None | str, output_fn) -> list[torch.Tensor]:
+    """``output_fn(outputs, micro)`` of each micro-batch: one padded pass (``budget="padded"``), or packed ones."""
+    if budget == "padded":
+        micro = PaddedRows(batch)
+        return [output_fn(model(**micro.model_inputs(torch.device("cpu"), per_token=True)), micro)]
+    per_token = model.head != "score"
+    results = []
+    for rows in groups_of(batch, budget):
+        micro = PackedRows(batch.select(rows))
+        results.append(output_fn(model(**micro.model_inputs(torch.device("cpu"), per_token=per_token)), micro))
+    return results
+
+
+def per_row_outputs(model: DecoderLM, batch: Batch, budget: int | None | str, output_fn) -> torch.Tensor:
+    """``output_fn`` results of every row, in row order."""
+    grouped = torch.cat(run_micro_batches(model, batch, budget, output_fn))
+    if budget == "padded":
+        return grouped
+    order = torch.tensor([row for rows in groups_of(batch, budget) for row in rows])
+    return torch.empty_like(grouped).index_copy_(0, order, grouped)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_packed_log_probs_entropy_values_and_scores_equal_padded(budget):
+    batch = rollout_batch()
+    with torch.no_grad():
+        model = tiny_model("lm")
+
+        def log_probs_and_entropy(logits, micro):
+            return torch.stack(ModelWorker.response_log_probs(WORKER, logits, micro, 0.7, with_entropy=True), dim=1)
+
+        padded, packed = (per_row_outputs(model, batch, layout, log_probs_and_entropy) for layout in ("padded", budget))
+        torch.testing.assert_close(packed, padded, atol=1e-6, rtol=0)
+        assert (padded[:, 0] < 0).sum() == batch["response_mask"].sum()  # real log-probs exactly where the mask is
+        values_model = tiny_model("value")
+
+        def values(outputs, micro):
+            return micro.scatter(micro.response_outputs(outputs))
+
+        padded, packed = (per_row_outputs(values_model, batch, layout, values) for layout in ("padded", budget))
+        torch.testing.assert_close(packed, padded, atol=1e-6, rtol=0)
+        score_model = tiny_model("score")
+        padded, packed = (per_row_outputs(score_model, batch, layout, lambda out, micro: out) for layout in ("padded", budget))
+        torch.testing.assert_close(packed, padded, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_packed_policy_loss_and_gradients_equal_padded(budget, aggregation):
+    """Each micro-batch's loss is its share of the whole batch's (denominators over all rows), so the summed losses
+    and accumulated gradients do not depend on the grouping."""
+    batch = rollout_batch()
+    denominators = Denominators.local(batch["response_mask"], RESPONSE)
+
+    def loss_of(logits, micro):
+        log_probs, entropy = ModelWorker.response_log_probs(WORKER, logits, micro, 0.7, with_entropy=True)
+        mask = micro.rows["response_mask"]
+        loss, _ = policy_loss(log_probs, micro.rows["old_log_probs"], micro.rows["advantages"], mask, clip_low=0.2,
+                              clip_high=0.28, aggregation=aggregation, denominators=denominators)
+        loss = loss - 0.01 * entropy_bonus(entropy, mask, aggregation=aggregation, denominators=denominators)
+        loss.backward()
+        return loss.detach()
+
+    results = {}
+    for layout in ("padded", budget):
+        model = tiny_model("lm")
+        loss = torch.stack(run_micro_batches(model, batch, layout, loss_of)).sum()
+        results[layout] = loss, {name: param.grad for name, param in model.named_parameters()}
+    (padded_loss, padded_grads), (packed_loss, packed_grads) = results["padded"], results[budget]
+    torch.testing.assert_close(packed_loss, padded_loss, atol=1e-6, rtol=0)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert max(float(grad.abs().max()) for grad in padded_grads.values()) > 1e-3  # the loss really reaches the weights
+
+
+def test_packed_rows_feed_no_padding_and_compute_response_logits_only():
+    batch = rollout_batch()
+    micro = PackedRows(batch)
+    assert micro.total_tokens == int(batch["attention_mask"].sum()) < batch["input_ids"].numel()
+    assert micro.cu_seqlens.tolist() == [0, *batch["attention_mask"].sum(dim=1).cumsum(0).tolist()]
+    assert micro.position_ids[0, :19].tolist() == list(range(19))  # row 0: 7 + 12 tokens, positions from 0
+    assert len(micro.output_positions) == micro.response_tokens == int(batch["response_mask"].sum())
+    # The LM head runs at response positions only: logits [response tokens, vocab], not [tokens, vocab].
+    with torch.no_grad():
+        logits = tiny_model("lm")(**micro.model_inputs(torch.device("cpu"), per_token=True))
+    assert logits.shape == (micro.response_tokens, VOCAB)
