@@ -1,8 +1,9 @@
 """GRPO end to end on CPU: the spmd_rlhf recipe against TRL's ``GRPOTrainer``, same model, prompts, reward and sizes.
 
     pip install -e '.[bench]'      # TRL; without it only the spmd_rlhf half runs
-    python benchmarks/e2e_cpu.py [--config tiny|tiny_gen32|small_gen32] [--nproc 2] [--trl-launch both]
+    python benchmarks/e2e_cpu.py [--config tiny|tiny_gen32|small_gen32|qwen05b] [--nproc 2] [--trl-launch both]
                                  [--steps 12] [--warmup 2] [--rounds 1]
+    python benchmarks/e2e_cpu.py --config qwen05b --steps 4 --warmup 1   # Qwen2.5-0.5B's shape: minutes per step
 
 Each named config fixes the model shape (qwen2 family from ``make_tiny``, random init), prompts per step, responses
 per prompt, and new tokens; everything else (learning rate, KL coefficient and estimator, clip ratios, optimizer,
@@ -20,7 +21,10 @@ temperature) comes from ``recipes/configs/grpo.yaml`` and is handed to TRL as th
 The runs take turns on the same cores, never overlapping. The first ``--warmup`` steps of each are left out and the
 table gives per-step medians, which a busy neighbour on a shared machine moves less than means (the JSON also has
 mean step times and the load average before and after); ``--rounds R`` alternates the runs R times and keeps each
-one's fastest round. Ratios are spmd_rlhf / TRL: below 1 is faster for time, above 1 faster for rates. Generation
+one's fastest round. Ratios are spmd_rlhf / TRL: below 1 is faster for time and less for memory, above 1 faster
+for rates. Memory is each process's peak resident set size (the kernel's ``VmHWM``, polled every 0.1 s while it runs,
+so exact but for growth in its last 0.1 s; the torchrun agent left out): the most any one process held, allocator
+caches included. Generation
 alone (engine against ``transformers`` ``generate``) is measured by ``benchmarks/engine_generate.py``. Writes
 ``benchmarks/results/e2e_cpu_<config>.json`` and prints a markdown table.
 """
@@ -42,6 +46,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from gpu_common import SHAPES
 from spmd_rlhf.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,32 +61,89 @@ CONFIGS = {
     "tiny_gen32": dict(hidden_size=64, num_layers=2, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
     # A wider, deeper model, so that kernels rather than per-call overheads take the time.
     "small_gen32": dict(hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
+    # Qwen2.5-0.5B's shape (151,936-row tied vocabulary), random init, a small batch: where memory and the vocabulary
+    # projection, not per-call overheads, decide.
+    "qwen05b": dict(**SHAPES["0.5b"], prompts=2, n=2, max_new_tokens=16, micro_batch_size=2),
 }
+MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "model_vocab_size",
+                "max_position_embeddings", "tie_word_embeddings")
+"""The keys of a ``CONFIGS`` entry that are ``make_tiny``'s (those left out keep its defaults)."""
 
 def _summary(*, launch: str, wall_s: float, samples: int, step_s: list[float], generated: list[float],
-             reward: list[float], stages: dict[str, list[float]]) -> dict:
-    """Per-step medians (robust to a busy neighbour on a shared machine) and the rates they give."""
+             reward: list[float], stages: dict[str, list[float]], peak_rss: list[int] | None = None) -> dict:
+    """Per-step medians (robust to a busy neighbour on a shared machine) and the rates they give; with ``peak_rss``
+    (bytes, one per process) the largest and all of them in GiB."""
     step = statistics.median(step_s)
+    memory = {} if peak_rss is None else {
+        "peak_rss_gib_per_process": [peak / 2**30 for peak in peak_rss], "peak_rss_gib": max(peak_rss) / 2**30,
+    }
     return {
         "launch": launch, "measured_steps": len(step_s), "wall_s_with_startup": wall_s,
         "step_s": step, "step_s_mean": statistics.fmean(step_s), "steps_per_s": 1 / step,
         "samples_per_s": samples / step, "generated_tokens_per_step": statistics.fmean(generated),
         "generated_tokens_per_s": statistics.fmean(generated) / step, "reward_mean": statistics.fmean(reward),
-        "stage_s": {name: statistics.median(seconds) for name, seconds in stages.items()},
+        "stage_s": {name: statistics.median(seconds) for name, seconds in stages.items()}, **memory,
     }
 
 
 def _run(command: list[str], *, cwd: str, threads: int, log: Path) -> float:
     """Run ``command`` with ``threads`` OpenMP threads per process, output to ``log``; wall seconds. Fails loudly."""
+    return _run_measured(command, cwd=cwd, threads=threads, log=log)[0]
+
+
+def _read_proc(pid: int, name: str) -> str:
+    """``/proc/<pid>/<name>``; '' once the process has exited."""
+    try:
+        return (Path("/proc") / str(pid) / name).read_text()
+    except OSError:
+        return ""
+
+
+def _peak_rss(pid: int) -> int | None:
+    """The peak resident set size of process ``pid`` in bytes (``VmHWM``), None once it has exited."""
+    line = next((line for line in _read_proc(pid, "status").splitlines() if line.startswith("VmHWM:")), None)
+    return None if line is None else int(line.split()[1]) * 1024
+
+
+def _descendants(root: int) -> list[int]:
+    """The processes below ``root`` now (from each process's parent id in ``/proc/<pid>/stat``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _read_proc(int(entry.name), "stat")
+            if stat:  # "pid (name) state ppid ...": the name may hold spaces, so split after its ")"
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, pending = [], [root]
+    while pending:
+        below = children.get(pending.pop(), [])
+        found += below
+        pending += below
+    return found
+
+
+def _run_measured(command: list[str], *, cwd: str, threads: int, log: Path) -> tuple[float, list[int]]:
+    """``_run``, also polling every 0.1 s each process's peak resident set size (``VmHWM``, kept by the kernel);
+    wall seconds and the peak in bytes of every process the command started (itself included; torchrun's agent,
+    which only waits, left out), in start order."""
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    peaks: dict[int, int] = {}
+    agents: set[int] = set()
     started = time.perf_counter()
     with open(log, "w") as out:
-        finished = subprocess.run(command, cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT)
+        while process.poll() is None:
+            for pid in [process.pid, *_descendants(process.pid)]:
+                peak = _peak_rss(pid)
+                if peak is not None:
+                    peaks[pid] = max(peaks.get(pid, 0), peak)
+                    if "torch.distributed.run" in _read_proc(pid, "cmdline"):
+                        agents.add(pid)
+            time.sleep(0.1)
     seconds = time.perf_counter() - started
-    if finished.returncode:
+    if process.returncode:
         tail = log.read_text().splitlines()[-80:]
-        raise RuntimeError(f"{' '.join(command)} exited with {finished.returncode}; last lines of {log}:\n" + "\n".join(tail))
-    return seconds
+        raise RuntimeError(f"{' '.join(command)} exited with {process.returncode}; last lines of {log}:\n" + "\n".join(tail))
+    return seconds, [peak for pid, peak in peaks.items() if pid not in agents]
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -101,14 +163,14 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
         f"actor.micro_batch_size={spec['micro_batch_size']}", f"reference.micro_batch_size={spec['micro_batch_size']}",
     ]
     command = _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
-    wall = _run(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
+    wall, peak_rss = _run_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
     with open(out_dir / "metrics.jsonl") as lines:
         steps = [json.loads(line) for line in lines][warmup:]
     scoring = ("reward", "old_log_probs", "ref_log_probs", "advantages")
     return _summary(
         launch=f"torchrun, {nproc} ranks x 1 thread", wall_s=wall, samples=samples,
         step_s=[row["time/step"] for row in steps], generated=[row["rollout/generated_tokens"] for row in steps],
-        reward=[row["reward/mean"] for row in steps],
+        reward=[row["reward/mean"] for row in steps], peak_rss=peak_rss,
         stages={
             "generate": [row["time/generate"] for row in steps],
             "score_and_log_probs": [sum(row.get(f"time/{stage}", 0.0) for stage in scoring) for row in steps],
@@ -211,8 +273,8 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int)
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
     launcher = [sys.executable] if nproc == 1 else _torchrun(nproc)
-    wall = _run(launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
-                cwd=str(workdir), threads=threads, log=workdir / "trl.log")
+    wall, peak_rss = _run_measured(launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
+                                   cwd=str(workdir), threads=threads, log=workdir / "trl.log")
     raw = json.loads(Path(spec["result"]).read_text())
     step_s, generate, generate_and_score = (raw[key][warmup:] for key in ("step_s", "generate_s", "generate_and_score_s"))
     logs = raw["logs"][warmup:]
@@ -224,7 +286,7 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int)
     return _summary(
         launch=launch, wall_s=wall, samples=samples, step_s=step_s,
         generated=[row["completions/mean_length"] * samples for row in logs], reward=[row["reward"] for row in logs],
-        stages={
+        peak_rss=peak_rss, stages={
             "generate": generate,
             "score_and_log_probs": [both - alone for both, alone in zip(generate_and_score, generate)],
             "update": [step - both for step, both in zip(step_s, generate_and_score)],
@@ -243,6 +305,7 @@ ROWS = (  # label, key, format, whether the ratio spmd_rlhf / TRL is printed
     ("generate (s/step)", "generate", ".3f", False),
     ("reward + log-probs + advantages (s/step)", "score_and_log_probs", ".3f", False),
     ("update (s/step)", "update", ".3f", False),
+    ("peak RSS of a process (GiB)", "peak_rss_gib", ".2f", True),
     ("wall time incl. start-up (s)", "wall_s_with_startup", ".1f", False),
     ("mean reward over measured steps", "reward_mean", ".3f", False),
 )
@@ -325,7 +388,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="e2e_cpu_") as directory:
         workdir = Path(directory)
         model_dir = workdir / "tiny" / "model"
-        make_tiny(family="qwen2", out_dir=str(model_dir), hidden_size=spec["hidden_size"], num_layers=spec["num_layers"], seed=0)
+        make_tiny(family="qwen2", out_dir=str(model_dir), seed=0, **{key: spec[key] for key in MODEL_FIELDS if key in spec})
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         for round_index in range(args.rounds):
             print(f"round {round_index + 1}/{args.rounds}: spmd_rlhf, {args.steps} steps on {args.nproc} ranks", flush=True)
@@ -344,7 +407,8 @@ def main() -> None:
     result = {
         "name": args.config, "config": spec, "vocab": vocab, "warmup": args.warmup, "spmd_rlhf": ours, "trl": trl,
         "ratios": {
-            name: {"step_time": ours["step_s"] / run["step_s"], "samples_per_s": ours["samples_per_s"] / run["samples_per_s"]}
+            name: {"step_time": ours["step_s"] / run["step_s"], "samples_per_s": ours["samples_per_s"] / run["samples_per_s"],
+                   "peak_rss": ours["peak_rss_gib"] / run["peak_rss_gib"]}
             for name, run in trl.items()
         },
         "trl_version": trl_version, "torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count(),
