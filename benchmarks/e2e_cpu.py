@@ -47,6 +47,7 @@ import torch
 from transformers import TrainerCallback
 
 from gpu_common import SHAPES
+from process_memory import run_with_peak_rss
 from spmd_rlhf.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,59 +92,18 @@ def _run(command: list[str], *, cwd: str, threads: int, log: Path) -> float:
     return _run_measured(command, cwd=cwd, threads=threads, log=log)[0]
 
 
-def _read_proc(pid: int, name: str) -> str:
-    """``/proc/<pid>/<name>``; '' once the process has exited."""
-    try:
-        return (Path("/proc") / str(pid) / name).read_text()
-    except OSError:
-        return ""
-
-
-def _peak_rss(pid: int) -> int | None:
-    """The peak resident set size of process ``pid`` in bytes (``VmHWM``), None once it has exited."""
-    line = next((line for line in _read_proc(pid, "status").splitlines() if line.startswith("VmHWM:")), None)
-    return None if line is None else int(line.split()[1]) * 1024
-
-
-def _descendants(root: int) -> list[int]:
-    """The processes below ``root`` now (from each process's parent id in ``/proc/<pid>/stat``)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = _read_proc(int(entry.name), "stat")
-            if stat:  # "pid (name) state ppid ...": the name may hold spaces, so split after its ")"
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, pending = [], [root]
-    while pending:
-        below = children.get(pending.pop(), [])
-        found += below
-        pending += below
-    return found
-
-
 def _run_measured(command: list[str], *, cwd: str, threads: int, log: Path) -> tuple[float, list[int]]:
-    """``_run``, also polling every 0.1 s each process's peak resident set size (``VmHWM``, kept by the kernel);
-    wall seconds and the peak in bytes of every process the command started (itself included; torchrun's agent,
-    which only waits, left out), in start order."""
+    """``_run``, also giving the peak resident set size in bytes of every process the command started
+    (``process_memory.run_with_peak_rss``); wall seconds and those peaks."""
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    peaks: dict[int, int] = {}
-    agents: set[int] = set()
     started = time.perf_counter()
     with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT)
-        while process.poll() is None:
-            for pid in [process.pid, *_descendants(process.pid)]:
-                peak = _peak_rss(pid)
-                if peak is not None:
-                    peaks[pid] = max(peaks.get(pid, 0), peak)
-                    if "torch.distributed.run" in _read_proc(pid, "cmdline"):
-                        agents.add(pid)
-            time.sleep(0.1)
+        returncode, peaks = run_with_peak_rss(command, cwd=cwd, env=environment, stdout=out)
     seconds = time.perf_counter() - started
-    if process.returncode:
+    if returncode:
         tail = log.read_text().splitlines()[-80:]
-        raise RuntimeError(f"{' '.join(command)} exited with {process.returncode}; last lines of {log}:\n" + "\n".join(tail))
-    return seconds, [peak for pid, peak in peaks.items() if pid not in agents]
+        raise RuntimeError(f"{' '.join(command)} exited with {returncode}; last lines of {log}:\n" + "\n".join(tail))
+    return seconds, peaks
 
 
 def _torchrun(nproc: int) -> list[str]:

@@ -134,9 +134,9 @@ def table(result: dict) -> str:
     for stage in result["stages"]:
         lines.append(f"| {stage['stage']} | {stage['peak_bytes'] / GIB:.3f} | {stage['floor_bytes'] / GIB:.3f} | "
                      f"{stage['peak_over_floor']:.2f} | {'yes' if stage['whole_model_copy'] else 'no'} |")
-    lines += ["", f"floors per rank (parts, GiB; one float32 model = {result['full_model_bytes'] / GIB:.3f} GiB):"]
+    lines += ["", f"floors per rank (parts, MiB; one float32 model = {result['full_model_bytes'] / 2**20:,.1f} MiB):"]
     for stage in result["stages"]:
-        parts = ", ".join(f"{part} {size / GIB:.3f}" for part, size in stage["floor_parts"].items())
+        parts = ", ".join(f"{part} {size / 2**20:,.1f}" for part, size in stage["floor_parts"].items())
         lines.append(f"  {stage['stage']}: {parts}")
     return "\n".join(lines)
 
