@@ -23,8 +23,10 @@ the samples are the resident set size, which counts what the allocator keeps aft
 on live tensors. On CUDA they are ``torch.cuda.max_memory_allocated`` between samples: live tensors only.
 
 Writes ``benchmarks/results/scale_<algo>_<shape>_l<layers>_<device>.json`` and prints, per stage: peak per rank (the
-larger rank), floor, peak / floor, and whether the excess reaches one whole float32 copy of the model (a rank that
-gathered the full model, which the design forbids at every stage but generation's own copy, already in the floor).
+larger rank), floor, peak / floor, whether the excess reaches one whole float32 copy of the model (a rank that
+gathered the full model, which the design forbids at every stage but generation's own copy, already in the floor),
+the stage's own rise (RSS does not fall when the allocator keeps freed memory, so a stage's peak may be an earlier
+stage's: the rise says what the stage itself added) and its seconds.
 """
 
 from __future__ import annotations
@@ -95,16 +97,20 @@ def run_phase(args: argparse.Namespace, phase: str, *, config_path: Path, overri
 
 
 def stage_peaks(record: Path, nproc: int) -> tuple[dict[str, dict], list[int]]:
-    """Per stage: each rank's peak above its baseline (bytes) and the stage's seconds; and each rank's baseline, its
-    last sample before the first stage began. A window's samples are those inside it plus the first after it (on
-    CUDA a sample holds the peak since the one before), so a stage shorter than the interval still gets one."""
+    """Per stage: each rank's peak above its baseline (bytes), its rise (the most any one window of the stage rose
+    above the sample before it began: what the stage itself added, where the peak may be memory an earlier stage
+    left with the allocator) and the stage's seconds; and each rank's baseline, its last sample before the first
+    stage began. A window's samples are those inside it plus the first after it (on CUDA a sample holds the peak
+    since the one before), so a stage shorter than the interval still gets one."""
     windows = json.loads((record / "stages.json").read_text())
     first_start = min(start for _, start, _ in windows)
     by_stage: dict[str, list[tuple[float, float]]] = {}
     for name, start, end in windows:
         by_stage.setdefault(STAGE_OF_TIMER.get(name, name), []).append((start, end))
-    stages: dict[str, dict] = {name: {"peak_bytes_per_rank": [], "seconds": sum(end - start for start, end in spans)}
-                               for name, spans in by_stage.items()}
+    stages: dict[str, dict] = {
+        name: {"peak_bytes_per_rank": [], "rise_bytes_per_rank": [], "seconds": sum(end - start for start, end in spans)}
+        for name, spans in by_stage.items()
+    }
     baselines = []
     for rank in range(nproc):
         samples = json.loads((record / f"memory_rank{rank}.json").read_text())
@@ -112,9 +118,13 @@ def stage_peaks(record: Path, nproc: int) -> tuple[dict[str, dict], list[int]]:
         baseline = values[max(0, bisect.bisect_left(times, first_start) - 1)]
         baselines.append(baseline)
         for name, spans in by_stage.items():
-            peak = max(max(values[bisect.bisect_left(times, start):bisect.bisect_right(times, end) + 1], default=0)
-                       for start, end in spans)
-            stages[name]["peak_bytes_per_rank"].append(peak - baseline)
+            peaks, rises = [], []
+            for start, end in spans:
+                first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+                peaks.append(max(values[first:last + 1], default=0))
+                rises.append(peaks[-1] - values[max(0, first - 1)])
+            stages[name]["peak_bytes_per_rank"].append(max(peaks) - baseline)
+            stages[name]["rise_bytes_per_rank"].append(max(rises))
     return stages, baselines
 
 
@@ -128,12 +138,13 @@ def table(result: dict) -> str:
         f"ranks, {result['dtype']}, {result['measurement']}; {result['steps']} steps of {result['prompts']} prompts x "
         f"{result['samples']} samples x {result['new_tokens']} new tokens",
         "",
-        "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | whole-model copy? |",
-        "| --- | --- | --- | --- | --- |",
+        "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | whole-model copy? | rise in stage (GiB) | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for stage in result["stages"]:
         lines.append(f"| {stage['stage']} | {stage['peak_bytes'] / GIB:.3f} | {stage['floor_bytes'] / GIB:.3f} | "
-                     f"{stage['peak_over_floor']:.2f} | {'yes' if stage['whole_model_copy'] else 'no'} |")
+                     f"{stage['peak_over_floor']:.2f} | {'yes' if stage['whole_model_copy'] else 'no'} | "
+                     f"{max(stage['rise_bytes_per_rank']) / GIB:.3f} | {stage['seconds']:.1f} |")
     lines += ["", f"floors per rank (parts, MiB; one float32 model = {result['full_model_bytes'] / 2**20:,.1f} MiB):"]
     for stage in result["stages"]:
         parts = ", ".join(f"{part} {size / 2**20:,.1f}" for part, size in stage["floor_parts"].items())
@@ -180,6 +191,7 @@ def main() -> None:
         floor, peak = sum(parts.values()), max(stages[name]["peak_bytes_per_rank"])
         rows.append({
             "stage": name, "seconds": stages[name]["seconds"], "peak_bytes_per_rank": stages[name]["peak_bytes_per_rank"],
+            "rise_bytes_per_rank": stages[name]["rise_bytes_per_rank"],
             "peak_bytes": peak, "floor_bytes": floor, "floor_parts": parts, "peak_over_floor": peak / floor,
             "whole_model_copy": peak - floor >= whole_model,
         })

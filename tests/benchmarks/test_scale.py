@@ -44,7 +44,7 @@ def test_smoke_run_reports_every_stage(tmp_path):
         assert stage["peak_over_floor"] == pytest.approx(stage["peak_bytes"] / stage["floor_bytes"])
     # Building the model and the optimizer cannot leave a rank's memory where it was before the load.
     assert all(peak > 0 for peak in result["stages"][0]["peak_bytes_per_rank"])
-    assert "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | whole-model copy? |" in finished.stdout
+    assert "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | whole-model copy? | rise in stage (GiB) | seconds |" in finished.stdout
 
 
 def test_floor_parts_at_a_real_shape(tmp_path):
@@ -56,6 +56,7 @@ def test_floor_parts_at_a_real_shape(tmp_path):
     config = load_config(ROOT / "recipes" / "configs" / "ppo.yaml", [
         f"model.path={model_dir}", "data.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=16", "trainer.total_steps=1",
         "actor.micro_batch_size=2", "critic.micro_batch_size=2", "reference.micro_batch_size=2",
+        "actor.mini_batch_size=4", "critic.mini_batch_size=4",
     ])
     floors = stage_floors(config, devices=2)
     shape = model_shape(model_dir)
