@@ -6,8 +6,9 @@
     python benchmarks/e2e_cpu.py --config qwen05b --steps 4 --warmup 1   # Qwen2.5-0.5B's shape: minutes per step
 
 Each named config fixes the model shape (qwen2 family from ``make_tiny``, random init), prompts per step, responses
-per prompt, and new tokens; everything else (learning rate, KL coefficient and estimator, clip ratios, optimizer,
-temperature) comes from ``recipes/configs/grpo.yaml`` and is handed to TRL as the matching ``GRPOConfig`` field.
+per prompt, and new tokens; everything else (learning rate unless the config sets one, KL coefficient and estimator,
+clip ratios, optimizer, temperature) comes from ``recipes/configs/grpo.yaml`` and is handed to TRL as the matching
+``GRPOConfig`` field.
 
 1. spmd_rlhf: ``recipes/grpo.py`` under ``torch.distributed.run --nproc-per-node N`` (one thread per rank) in a fresh
    temporary directory, where the recipe builds the arithmetic task on first use; ``metrics.jsonl`` gives every
@@ -63,8 +64,9 @@ CONFIGS = {
     # A wider, deeper model, so that kernels rather than per-call overheads take the time.
     "small_gen32": dict(hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
     # Qwen2.5-0.5B's shape (151,936-row tied vocabulary), random init, a small batch: where memory and the vocabulary
-    # projection, not per-call overheads, decide.
-    "qwen05b": dict(**SHAPES["0.5b"], prompts=2, n=2, max_new_tokens=16, micro_batch_size=2),
+    # projection, not per-call overheads, decide. grpo.yaml's learning rate is sized for the tiny model and would
+    # blow this one up (as in benchmarks/gpu_grpo.py).
+    "qwen05b": dict(**SHAPES["0.5b"], prompts=2, n=2, max_new_tokens=16, micro_batch_size=2, lr=1e-6),
 }
 MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "model_vocab_size",
                 "max_position_embeddings", "tie_word_embeddings")
@@ -121,6 +123,7 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
         "trainer.save_every=0", f"data.batch_size={spec['prompts']}", f"rollout.n={spec['n']}",
         f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.mini_batch_size={samples}",
         f"actor.micro_batch_size={spec['micro_batch_size']}", f"reference.micro_batch_size={spec['micro_batch_size']}",
+        f"actor.lr={spec['lr']}",
     ]
     command = _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
     wall, peak_rss = _run_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
@@ -322,8 +325,8 @@ def main() -> None:
         raise ValueError(f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
                          "update the TRL arguments in this benchmark")
     spec = {
-        **CONFIGS[args.config], "steps": args.steps, "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
-        "lr": actor.lr, "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
+        "lr": actor.lr, **CONFIGS[args.config], "steps": args.steps, "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
+        "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
         "kl_coef": algorithm.kl_coef, "clip_low": algorithm.clip_ratio_low, "clip_high": algorithm.clip_ratio_high,
         "temperature": recipe.rollout.temperature, "top_k": recipe.rollout.top_k, "top_p": recipe.rollout.top_p,
     }
