@@ -2,8 +2,14 @@
 the analytical floor of that stage (``benchmarks/scale_floor.py``) and their ratio.
 
     python benchmarks/scale.py --algo grpo --shape 0.5b --layers 2      # real widths and vocabulary, 2 layers
-    python benchmarks/scale.py --algo ppo --shape 7b                     # the whole 7B shape (needs ~250 GB of RAM)
+    python benchmarks/scale.py --algo ppo --shape 1.5b                   # the whole 1.5B shape
+    python benchmarks/scale.py --algo grpo --shape 7b --nproc 8 --prompts 4   # on 8 GPUs
     python benchmarks/scale.py --smoke                                   # tiny model, seconds: checks the script
+
+Size the machine from the floor (printed, and in ``scale_floor``): on 2 ranks the largest stage's floor per rank is
+about 5.5 GiB for GRPO at 0.5B in float32 (8.3 for PPO), 64 GiB for GRPO at 7B in bfloat16 (103 for PPO), 124 GiB
+for GRPO at 14B in bfloat16; the measured peak on CPU was 1.4-2.6x the floor at 0.5B's widths. ``make_tiny`` also
+builds the whole model once in host memory in float32.
 
 The model is a random-init qwen2 of the shape's sizes (``gpu_common.SHAPES``: Qwen2.5 0.5B, 1.5B, 7B, 14B; ``--layers
 N`` keeps the widths and vocabulary and changes the depth, so runs at two depths give the growth per layer and what
@@ -34,7 +40,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import math
 import os
 import subprocess
 import sys
@@ -187,7 +192,7 @@ def main() -> None:
 
     rows = []
     for name in sorted(stages, key=_order):
-        parts = floors.get(name, floors["advantages"])
+        parts = floors.get(name, floors["advantages"])  # a stage the floor model does not name: the resident state
         floor, peak = sum(parts.values()), max(stages[name]["peak_bytes_per_rank"])
         rows.append({
             "stage": name, "seconds": stages[name]["seconds"], "peak_bytes_per_rank": stages[name]["peak_bytes_per_rank"],
@@ -203,9 +208,6 @@ def main() -> None:
         "sample_interval_s": args.interval, "baseline_bytes_per_rank": {"train": baselines, "resume": resume_baselines},
         "full_model_bytes": whole_model, "recipe_overrides": overrides, "stages": rows, "environment": environment(device),
     }
-    bad = [row["stage"] for row in rows if not (math.isfinite(row["peak_over_floor"]) and row["floor_bytes"] > 0)]
-    if bad:
-        raise RuntimeError(f"stages {bad} have no finite positive floor; scale_floor.stage_floors is missing them")
     print(table(result))
     if args.smoke:
         print("SMOKE RUN: not a figure at scale")
