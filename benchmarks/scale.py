@@ -120,6 +120,8 @@ def stage_peaks(record: Path, nproc: int) -> tuple[dict[str, dict], list[int]]:
     for rank in range(nproc):
         samples = json.loads((record / f"memory_rank{rank}.json").read_text())
         times, values = samples["times"], samples["bytes"]
+        if not times or times[-1] < max(end for _, _, end in windows):
+            raise RuntimeError(f"rank {rank}'s memory samples stop before its run ended: its sampler thread failed")
         baseline = values[max(0, bisect.bisect_left(times, first_start) - 1)]
         baselines.append(baseline)
         for name, spans in by_stage.items():

@@ -22,9 +22,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Iterator
 
 import torch
 
@@ -42,6 +42,10 @@ class MemorySampler(threading.Thread):
         self._read = self._cuda_peak if cuda_device is not None else _rss_reader()
 
     def _cuda_peak(self) -> int:
+        # Before the rank's first CUDA call the allocator does not exist yet (and nothing is allocated); touching its
+        # statistics from this thread must not be what creates the context.
+        if not torch.cuda.is_initialized():
+            return 0
         peak = torch.cuda.max_memory_allocated(self.cuda_device)
         torch.cuda.reset_peak_memory_stats(self.cuda_device)
         return peak
@@ -58,7 +62,8 @@ class MemorySampler(threading.Thread):
         return {"times": self.times, "bytes": self.values}
 
 
-def _rss_reader():
+def _rss_reader() -> Callable[[], int]:
+    """This process's resident set size in bytes: psutil if installed, else ``/proc/self/statm``."""
     try:
         import psutil
 
