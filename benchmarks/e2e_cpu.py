@@ -1,12 +1,14 @@
 """GRPO end to end on CPU: the spmd_rlhf recipe against TRL's ``GRPOTrainer``, same model, prompts, reward and sizes.
 
     pip install -e '.[bench]'      # TRL; without it only the spmd_rlhf half runs
-    python benchmarks/e2e_cpu.py [--config tiny|tiny_gen32|small_gen32] [--nproc 2] [--trl-launch both]
+    python benchmarks/e2e_cpu.py [--config tiny|tiny_gen32|small_gen32|qwen05b] [--nproc 2] [--trl-launch both]
                                  [--steps 12] [--warmup 2] [--rounds 1]
+    python benchmarks/e2e_cpu.py --config qwen05b --steps 4 --warmup 1   # Qwen2.5-0.5B's shape: minutes per step
 
 Each named config fixes the model shape (qwen2 family from ``make_tiny``, random init), prompts per step, responses
-per prompt, and new tokens; everything else (learning rate, KL coefficient and estimator, clip ratios, optimizer,
-temperature) comes from ``recipes/configs/grpo.yaml`` and is handed to TRL as the matching ``GRPOConfig`` field.
+per prompt, and new tokens; everything else (learning rate unless the config sets one, KL coefficient and estimator,
+clip ratios, optimizer, temperature) comes from ``recipes/configs/grpo.yaml`` and is handed to TRL as the matching
+``GRPOConfig`` field.
 
 1. spmd_rlhf: ``recipes/grpo.py`` under ``torch.distributed.run --nproc-per-node N`` (one thread per rank) in a fresh
    temporary directory, where the recipe builds the arithmetic task on first use; ``metrics.jsonl`` gives every
@@ -20,7 +22,10 @@ temperature) comes from ``recipes/configs/grpo.yaml`` and is handed to TRL as th
 The runs take turns on the same cores, never overlapping. The first ``--warmup`` steps of each are left out and the
 table gives per-step medians, which a busy neighbour on a shared machine moves less than means (the JSON also has
 mean step times and the load average before and after); ``--rounds R`` alternates the runs R times and keeps each
-one's fastest round. Ratios are spmd_rlhf / TRL: below 1 is faster for time, above 1 faster for rates. Generation
+one's fastest round. Ratios are spmd_rlhf / TRL: below 1 is faster for time and less for memory, above 1 faster
+for rates. Memory is each process's peak resident set size (the kernel's ``VmHWM``, polled every 0.1 s while it runs,
+so exact but for growth in its last 0.1 s; the torchrun agent left out): the most any one process held, allocator
+caches included. Generation
 alone (engine against ``transformers`` ``generate``) is measured by ``benchmarks/engine_generate.py``. Writes
 ``benchmarks/results/e2e_cpu_<config>.json`` and prints a markdown table.
 """
@@ -42,6 +47,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from gpu_common import SHAPES
+from process_memory import run_with_peak_rss
 from spmd_rlhf.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,32 +63,49 @@ CONFIGS = {
     "tiny_gen32": dict(hidden_size=64, num_layers=2, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
     # A wider, deeper model, so that kernels rather than per-call overheads take the time.
     "small_gen32": dict(hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
+    # Qwen2.5-0.5B's shape (151,936-row tied vocabulary), random init, a small batch: where memory and the vocabulary
+    # projection, not per-call overheads, decide. grpo.yaml's learning rate is sized for the tiny model and would
+    # blow this one up (as in benchmarks/gpu_grpo.py).
+    "qwen05b": dict(**SHAPES["0.5b"], prompts=2, n=2, max_new_tokens=16, micro_batch_size=2, lr=1e-6),
 }
+MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "model_vocab_size",
+                "max_position_embeddings", "tie_word_embeddings")
+"""The keys of a ``CONFIGS`` entry that are ``make_tiny``'s (those left out keep its defaults)."""
 
 def _summary(*, launch: str, wall_s: float, samples: int, step_s: list[float], generated: list[float],
-             reward: list[float], stages: dict[str, list[float]]) -> dict:
-    """Per-step medians (robust to a busy neighbour on a shared machine) and the rates they give."""
+             reward: list[float], stages: dict[str, list[float]], peak_rss: list[int] | None = None) -> dict:
+    """Per-step medians (robust to a busy neighbour on a shared machine) and the rates they give; with ``peak_rss``
+    (bytes, one per process) the largest and all of them in GiB."""
     step = statistics.median(step_s)
+    memory = {} if peak_rss is None else {
+        "peak_rss_gib_per_process": [peak / 2**30 for peak in peak_rss], "peak_rss_gib": max(peak_rss) / 2**30,
+    }
     return {
         "launch": launch, "measured_steps": len(step_s), "wall_s_with_startup": wall_s,
         "step_s": step, "step_s_mean": statistics.fmean(step_s), "steps_per_s": 1 / step,
         "samples_per_s": samples / step, "generated_tokens_per_step": statistics.fmean(generated),
         "generated_tokens_per_s": statistics.fmean(generated) / step, "reward_mean": statistics.fmean(reward),
-        "stage_s": {name: statistics.median(seconds) for name, seconds in stages.items()},
+        "stage_s": {name: statistics.median(seconds) for name, seconds in stages.items()}, **memory,
     }
 
 
 def _run(command: list[str], *, cwd: str, threads: int, log: Path) -> float:
     """Run ``command`` with ``threads`` OpenMP threads per process, output to ``log``; wall seconds. Fails loudly."""
+    return _run_measured(command, cwd=cwd, threads=threads, log=log)[0]
+
+
+def _run_measured(command: list[str], *, cwd: str, threads: int, log: Path) -> tuple[float, list[int]]:
+    """``_run``, also giving the peak resident set size in bytes of every process the command started
+    (``process_memory.run_with_peak_rss``); wall seconds and those peaks."""
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     with open(log, "w") as out:
-        finished = subprocess.run(command, cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT)
+        returncode, peaks = run_with_peak_rss(command, cwd=cwd, env=environment, stdout=out)
     seconds = time.perf_counter() - started
-    if finished.returncode:
+    if returncode:
         tail = log.read_text().splitlines()[-80:]
-        raise RuntimeError(f"{' '.join(command)} exited with {finished.returncode}; last lines of {log}:\n" + "\n".join(tail))
-    return seconds
+        raise RuntimeError(f"{' '.join(command)} exited with {returncode}; last lines of {log}:\n" + "\n".join(tail))
+    return seconds, peaks
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -99,16 +123,17 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
         "trainer.save_every=0", f"data.batch_size={spec['prompts']}", f"rollout.n={spec['n']}",
         f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.mini_batch_size={samples}",
         f"actor.micro_batch_size={spec['micro_batch_size']}", f"reference.micro_batch_size={spec['micro_batch_size']}",
+        f"actor.lr={spec['lr']}",
     ]
     command = _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
-    wall = _run(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
+    wall, peak_rss = _run_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
     with open(out_dir / "metrics.jsonl") as lines:
         steps = [json.loads(line) for line in lines][warmup:]
     scoring = ("reward", "old_log_probs", "ref_log_probs", "advantages")
     return _summary(
         launch=f"torchrun, {nproc} ranks x 1 thread", wall_s=wall, samples=samples,
         step_s=[row["time/step"] for row in steps], generated=[row["rollout/generated_tokens"] for row in steps],
-        reward=[row["reward/mean"] for row in steps],
+        reward=[row["reward/mean"] for row in steps], peak_rss=peak_rss,
         stages={
             "generate": [row["time/generate"] for row in steps],
             "score_and_log_probs": [sum(row.get(f"time/{stage}", 0.0) for stage in scoring) for row in steps],
@@ -211,8 +236,8 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int)
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
     launcher = [sys.executable] if nproc == 1 else _torchrun(nproc)
-    wall = _run(launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
-                cwd=str(workdir), threads=threads, log=workdir / "trl.log")
+    wall, peak_rss = _run_measured(launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
+                                   cwd=str(workdir), threads=threads, log=workdir / "trl.log")
     raw = json.loads(Path(spec["result"]).read_text())
     step_s, generate, generate_and_score = (raw[key][warmup:] for key in ("step_s", "generate_s", "generate_and_score_s"))
     logs = raw["logs"][warmup:]
@@ -224,7 +249,7 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int)
     return _summary(
         launch=launch, wall_s=wall, samples=samples, step_s=step_s,
         generated=[row["completions/mean_length"] * samples for row in logs], reward=[row["reward"] for row in logs],
-        stages={
+        peak_rss=peak_rss, stages={
             "generate": generate,
             "score_and_log_probs": [both - alone for both, alone in zip(generate_and_score, generate)],
             "update": [step - both for step, both in zip(step_s, generate_and_score)],
@@ -243,6 +268,7 @@ ROWS = (  # label, key, format, whether the ratio spmd_rlhf / TRL is printed
     ("generate (s/step)", "generate", ".3f", False),
     ("reward + log-probs + advantages (s/step)", "score_and_log_probs", ".3f", False),
     ("update (s/step)", "update", ".3f", False),
+    ("peak RSS of a process (GiB)", "peak_rss_gib", ".2f", True),
     ("wall time incl. start-up (s)", "wall_s_with_startup", ".1f", False),
     ("mean reward over measured steps", "reward_mean", ".3f", False),
 )
@@ -299,8 +325,8 @@ def main() -> None:
         raise ValueError(f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
                          "update the TRL arguments in this benchmark")
     spec = {
-        **CONFIGS[args.config], "steps": args.steps, "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
-        "lr": actor.lr, "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
+        "lr": actor.lr, **CONFIGS[args.config], "steps": args.steps, "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
+        "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
         "kl_coef": algorithm.kl_coef, "clip_low": algorithm.clip_ratio_low, "clip_high": algorithm.clip_ratio_high,
         "temperature": recipe.rollout.temperature, "top_k": recipe.rollout.top_k, "top_p": recipe.rollout.top_p,
     }
@@ -325,7 +351,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="e2e_cpu_") as directory:
         workdir = Path(directory)
         model_dir = workdir / "tiny" / "model"
-        make_tiny(family="qwen2", out_dir=str(model_dir), hidden_size=spec["hidden_size"], num_layers=spec["num_layers"], seed=0)
+        make_tiny(family="qwen2", out_dir=str(model_dir), seed=0, **{key: spec[key] for key in MODEL_FIELDS if key in spec})
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         for round_index in range(args.rounds):
             print(f"round {round_index + 1}/{args.rounds}: spmd_rlhf, {args.steps} steps on {args.nproc} ranks", flush=True)
@@ -344,7 +370,8 @@ def main() -> None:
     result = {
         "name": args.config, "config": spec, "vocab": vocab, "warmup": args.warmup, "spmd_rlhf": ours, "trl": trl,
         "ratios": {
-            name: {"step_time": ours["step_s"] / run["step_s"], "samples_per_s": ours["samples_per_s"] / run["samples_per_s"]}
+            name: {"step_time": ours["step_s"] / run["step_s"], "samples_per_s": ours["samples_per_s"] / run["samples_per_s"],
+                   "peak_rss": ours["peak_rss_gib"] / run["peak_rss_gib"]}
             for name, run in trl.items()
         },
         "trl_version": trl_version, "torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count(),

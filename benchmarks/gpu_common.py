@@ -27,9 +27,13 @@ import torch
 
 from spmd_rlhf.models.tiny import make_tiny
 
-SHAPES: dict[str, dict[str, int | None]] = {
-    # Qwen2.5-1.5B: tied embeddings (as every qwen2 make_tiny model), vocabulary padded past the tokenizer like the
-    # real checkpoint's.
+SHAPES: dict[str, dict[str, int | bool | None]] = {
+    # Qwen2.5 shapes, vocabulary padded past the tokenizer like the real checkpoints'; 0.5B and 1.5B tie the embedding
+    # and the LM head (qwen2's make_tiny default), 7B and 14B do not.
+    "14b": dict(hidden_size=5120, num_layers=48, num_heads=40, num_kv_heads=8, intermediate_size=13824,
+                model_vocab_size=152064, max_position_embeddings=32768, tie_word_embeddings=False),
+    "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944,
+               model_vocab_size=152064, max_position_embeddings=32768, tie_word_embeddings=False),
     "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
                  model_vocab_size=151936, max_position_embeddings=32768),
     "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
@@ -41,6 +45,7 @@ SHAPES: dict[str, dict[str, int | None]] = {
 _CONFIG_KEYS = {  # SHAPES key -> config.json key, for checking a reused --model-dir
     "hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size", "model_vocab_size": "vocab_size",
+    "tie_word_embeddings": "tie_word_embeddings",
 }
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, matched against torch.cuda.get_device_name in this order.
@@ -50,10 +55,19 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), 
 # ---- models ------------------------------------------------------------------------------------------------------
 
 
-def _check_shape(model_dir: str, shape: str) -> None:
+def shape_fields(shape: str, *, layers: int | None = None) -> dict[str, int | bool | None]:
+    """``make_tiny``'s arguments for ``shape``, with ``layers`` decoder layers instead of the shape's own if given
+    (real widths and vocabulary, fewer layers: what grows per layer and what per vocabulary row)."""
+    fields = dict(SHAPES[shape])
+    if layers is not None:
+        fields["num_layers"] = layers
+    return fields
+
+
+def _check_shape(model_dir: str, shape: str, fields: dict[str, int | bool | None]) -> None:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     for key, config_key in _CONFIG_KEYS.items():
-        wanted = SHAPES[shape][key]
+        wanted = fields.get(key)
         if wanted is not None and config.get(config_key) != wanted:
             raise ValueError(
                 f"--model-dir {model_dir} holds a model with {config_key}={config.get(config_key)}, not the {shape} "
@@ -62,18 +76,20 @@ def _check_shape(model_dir: str, shape: str) -> None:
 
 
 @contextmanager
-def shaped_model(shape: str, model_dir: str | None = None, *, seed: int = 0) -> Iterator[str]:
-    """The directory of a random-init qwen2 model of ``shape`` (``SHAPES``) with ``make_tiny``'s tokenizer: built in a
-    temporary directory removed afterwards, or in ``model_dir`` and kept there (a directory that already holds a
-    model of that shape is used as it is, so several benchmarks can share one build)."""
+def shaped_model(shape: str, model_dir: str | None = None, *, seed: int = 0, layers: int | None = None) -> Iterator[str]:
+    """The directory of a random-init qwen2 model of ``shape`` (``SHAPES``, with ``layers`` layers if given) with
+    ``make_tiny``'s tokenizer: built in a temporary directory removed afterwards, or in ``model_dir`` and kept there
+    (a directory that already holds a model of that shape is used as it is, so several benchmarks can share one
+    build). ``make_tiny`` builds the whole model in float32 in host memory once: 4 bytes per parameter."""
+    fields = shape_fields(shape, layers=layers)
     if model_dir is None:
         with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{shape}_") as scratch:
-            yield make_tiny(family="qwen2", out_dir=scratch, seed=seed, **SHAPES[shape])
+            yield make_tiny(family="qwen2", out_dir=scratch, seed=seed, **fields)
         return
     if (Path(model_dir) / "config.json").is_file():
-        _check_shape(model_dir, shape)
+        _check_shape(model_dir, shape, fields)
     else:
-        make_tiny(family="qwen2", out_dir=model_dir, seed=seed, **SHAPES[shape])
+        make_tiny(family="qwen2", out_dir=model_dir, seed=seed, **fields)
     yield model_dir
 
 

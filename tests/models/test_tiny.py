@@ -93,6 +93,15 @@ def test_model_vocabulary_and_positions_can_exceed_the_tokenizer(tmp_path):
     assert load_model(str(tmp_path)).args.vocab_size == 1000
 
 
+def test_tied_embeddings_follow_the_family_unless_given(tmp_path):
+    """qwen2 ties by default (Qwen2.5-0.5B); an untied one (Qwen2.5-7B's layout) writes its own LM head."""
+    make_tiny(family="qwen2", out_dir=str(tmp_path / "tied"))
+    make_tiny(family="qwen2", out_dir=str(tmp_path / "untied"), tie_word_embeddings=False)
+    tied, untied = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("tied", "untied"))
+    assert "lm_head.weight" not in tied and "lm_head.weight" in untied
+    assert json.loads((tmp_path / "untied" / "config.json").read_text())["tie_word_embeddings"] is False
+
+
 def test_bad_arguments_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="allowed families: llama, qwen2, qwen3, mistral"):
         make_tiny(family="gpt2", out_dir=str(tmp_path))

@@ -64,6 +64,7 @@ def make_tiny(
     model_vocab_size: int | None = None,
     max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
     head: str = "lm",
+    tie_word_embeddings: bool | None = None,
     seed: int = 0,
 ) -> str:
     """Train a tokenizer, build a random-init `family` model seeded by `seed`, save both to `out_dir`; return it.
@@ -72,7 +73,8 @@ def make_tiny(
     given (real checkpoints pad theirs past the tokenizer, e.g. Qwen2.5's 151936 rows for 151665 tokens, so a model
     of a real shape can be written with this small tokenizer). `head="lm"` gives a `*ForCausalLM`, `head="score"` a
     `*ForSequenceClassification` with one output (reward or value model). `intermediate_size` defaults to
-    4 x `hidden_size`.
+    4 x `hidden_size`. `tie_word_embeddings` overrides the family's default (qwen2 ties, like Qwen2.5-0.5B; its 7B
+    and larger do not).
     """
     if family not in _FAMILIES:
         raise ValueError(f"unknown family {family!r}; allowed families: {', '.join(_FAMILIES)}")
@@ -90,6 +92,8 @@ def make_tiny(
             f"{len(tokenizer)} or leave it out"
         )
     config_class, family_fields = _FAMILIES[family]
+    if tie_word_embeddings is not None:
+        family_fields = {**family_fields, "tie_word_embeddings": tie_word_embeddings}
     fields = dict(
         vocab_size=len(tokenizer) if model_vocab_size is None else model_vocab_size,
         hidden_size=hidden_size,

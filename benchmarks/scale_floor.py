@@ -1,0 +1,124 @@
+"""The analytical memory floor per rank of each stage of a recipe step, from the model shapes and the config, for
+``benchmarks/scale.py``. Not an entry point.
+
+Built on the device mapper's memory model (``spmd_rlhf.mapping``: the config's roles and batch from
+``config_dataflow``, 16 bytes per trained parameter, activations of one micro-batch from ``working_bytes``) and the
+log-prob path's chunk size, split by when each part must exist. On ``devices`` ranks with every role colocated and
+sharded over all of them (FSDP), per rank:
+
+- from the load on: each trained role's float32 weights (4 bytes per parameter) and each frozen role's weights in
+  the compute dtype, sharded;
+- from the first update on: Adam's two float32 moments of each trained role (8 bytes per parameter), sharded; during
+  an update also the role's float32 gradients (4 bytes per parameter), sharded, plus its micro-batch's activations
+  and logits and one float32 vocabulary chunk of the log-prob path;
+- while generating: the actor's generation copy (the whole model in the compute dtype, split ``rollout.tp`` ways)
+  and the KV cache of the replica's rows at full length;
+- while computing log-probs and values: one forward micro-batch's working set (a layer's activations and the
+  logits) of the largest such pass, and one vocabulary chunk.
+
+A stage that runs after the first update in the run (every stage of step 2 on, save, export, resume) has the Adam
+moments in its floor: the measured peak is the largest over all of a stage's occurrences, so the floor of its last
+occurrence is the tight lower bound. Not counted, so a peak above the floor is not by itself a defect: FSDP's
+gathered block (one at a time), communication buffers, the allocator's cache, the engine's working tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.mapping.cost import GRADIENT_BYTES, TRAINING_BYTES_PER_PARAMETER, Layout, working_bytes
+from spmd_rlhf.mapping.placement import config_dataflow
+from spmd_rlhf.mapping.workload import RoleSpec
+from spmd_rlhf.models.logprob import DEFAULT_CHUNK_BYTES
+
+WEIGHT_BYTES = 4
+"""A trained role's float32 master weights, per parameter."""
+ADAM_BYTES = TRAINING_BYTES_PER_PARAMETER - WEIGHT_BYTES - GRADIENT_BYTES
+"""Adam's two float32 moments, per parameter."""
+
+STAGES = ("load", "generate", "log_probs", "advantages", "update", "save", "export", "resume")
+"""The benchmark's stages, in the order a run meets them."""
+STAGE_OF_TIMER = {
+    "generate": "generate", "reward": "log_probs", "old_log_probs": "log_probs", "ref_log_probs": "log_probs",
+    "values": "log_probs", "advantages": "advantages", "update_actor": "update", "update_critic": "update",
+}
+"""The recipes' ``StageTimer`` names (``time/<name>`` metrics) -> the benchmark's stage; a name not listed is a
+stage of its own, with the resident state as its floor."""
+
+
+def vocabulary_chunk_bytes(spec: RoleSpec, tokens: int) -> int:
+    """One float32 chunk of ``[tokens, vocab]`` logits as ``spmd_rlhf.models.logprob`` takes it (rows per chunk =
+    DEFAULT_CHUNK_BYTES / (4 · vocab), at most the micro-batch's tokens); 0 for heads without a vocabulary."""
+    if spec.head != "lm":
+        return 0
+    rows = min(tokens, max(1, DEFAULT_CHUNK_BYTES // (4 * spec.shape.vocab)))
+    return rows * spec.shape.vocab * 4
+
+
+def full_model_bytes(config: FrameworkConfig) -> int:
+    """The actor as one whole float32 copy: what a rank that gathered the full model would hold on top."""
+    specs, _ = config_dataflow(config)
+    actor = next(spec for spec in specs if spec.name == "actor")
+    return actor.shape.parameters(actor.head) * 4
+
+
+def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str, float]]:
+    """Per stage of ``STAGES``, the floor's parts in bytes per rank (their sum is the floor), for ``config`` run for
+    ``config.trainer.total_steps`` steps on ``devices`` ranks with every role colocated (FSDP over all ranks)."""
+    specs, batch = config_dataflow(config)
+    layout = Layout(pp=1, dp=devices, tp=1)
+    b = batch.dtype_bytes
+
+    def parameters(spec: RoleSpec) -> int:
+        return spec.shape.parameters(spec.head)
+
+    def micro_tokens(spec: RoleSpec) -> int:
+        return (spec.micro_batch_size or batch.micro_batch_size) * batch.sequence_length
+
+    trained = [spec for spec in specs if spec.trained]
+    weights = {
+        f"{spec.name} weights ({'float32' if spec.trained else config.model.dtype} shard)":
+            parameters(spec) * (WEIGHT_BYTES if spec.trained else b) / devices
+        for spec in specs
+    }
+    adam = {f"{spec.name} Adam moments (shard)": parameters(spec) * ADAM_BYTES / devices for spec in trained}
+    after_update = config.trainer.total_steps > 1
+    in_step = {**weights, **(adam if after_update else {})}
+
+    actor = next(spec for spec in specs if spec.name == "actor")
+    tp_g = config.rollout.tp
+    replicas = devices // tp_g
+    rows = -(-batch.rows // replicas)
+    generation = {
+        f"actor generation copy ({config.model.dtype}, 1/{tp_g})": parameters(actor) * b / tp_g,
+        f"KV cache ({rows} rows x {batch.sequence_length} tokens)": rows * batch.sequence_length * actor.shape.kv_bytes_per_token(b) / tp_g,
+    }
+
+    forward = [dataclasses.replace(spec, trained=False) for spec in specs if spec.name != "actor" or config.rollout.recompute_log_probs]
+    forward_parts = {}
+    if forward:
+        largest = max(forward, key=lambda spec: working_bytes(spec, layout, batch))
+        forward_parts = {
+            f"{largest.name} forward micro-batch (a layer's activations + logits)": working_bytes(largest, layout, batch),
+            "vocabulary chunk (float32)": max(vocabulary_chunk_bytes(spec, micro_tokens(spec)) for spec in forward),
+        }
+
+    def update_parts(spec: RoleSpec) -> dict[str, float]:
+        return {
+            f"{spec.name} gradients (float32 shard)": parameters(spec) * GRADIENT_BYTES / devices,
+            f"{spec.name} micro-batch activations + logits": working_bytes(spec, layout, batch),
+            "vocabulary chunk (float32)": vocabulary_chunk_bytes(spec, micro_tokens(spec)),
+        }
+
+    update = max((update_parts(spec) for spec in trained), key=lambda parts: sum(parts.values()))
+    return {
+        "load": dict(weights),
+        "generate": {**in_step, **generation},
+        "log_probs": {**in_step, **forward_parts},
+        "advantages": dict(in_step),
+        "update": {**weights, **adam, **update},
+        "save": {**weights, **adam},
+        "export": {**weights, **adam},
+        "resume": {**weights, **adam},
+    }

@@ -1,0 +1,78 @@
+"""``benchmarks/scale.py --smoke``: GRPO on two CPU ranks at the smoke shape, every stage measured and given a floor
+(positive, finite, consistent with its parts), and the floor model's parts at a real shape checked by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from scale_floor import ADAM_BYTES, STAGES, stage_floors  # noqa: E402
+
+from spmd_rlhf.config import load_config  # noqa: E402
+from spmd_rlhf.mapping.workload import model_shape  # noqa: E402
+
+
+def test_smoke_run_reports_every_stage(tmp_path):
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "scale.py"), "--smoke", "--steps", "1", "--new-tokens", "4", "--out", str(tmp_path)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=240,
+    )
+    assert finished.returncode == 0, finished.stdout[-6000:]
+    (path,) = tmp_path.glob("scale_grpo_smoke_l2_*.json")
+    result = json.loads(path.read_text())
+    assert result["smoke"] is True and result["nproc"] == 2 and result["algo"] == "grpo"
+    names = [stage["stage"] for stage in result["stages"]]
+    assert names == [name for name in STAGES if name in names]
+    assert {"load", "generate", "log_probs", "update", "save", "export", "resume"} <= set(names)
+    for stage in result["stages"]:
+        assert len(stage["peak_bytes_per_rank"]) == 2
+        assert max(stage["peak_bytes_per_rank"]) == stage["peak_bytes"]
+        assert stage["floor_bytes"] == pytest.approx(sum(stage["floor_parts"].values()))
+        for key in ("floor_bytes", "peak_over_floor", "seconds"):
+            assert math.isfinite(stage[key]) and stage[key] > 0, (stage["stage"], key, stage[key])
+        assert stage["peak_over_floor"] == pytest.approx(stage["peak_bytes"] / stage["floor_bytes"])
+    # Building the model and the optimizer cannot leave a rank's memory where it was before the load.
+    assert all(peak > 0 for peak in result["stages"][0]["peak_bytes_per_rank"])
+    assert "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | whole-model copy? | rise in stage (GiB) | seconds |" in finished.stdout
+
+
+def test_floor_parts_at_a_real_shape(tmp_path):
+    """0.5B's widths, one layer, a smaller vocabulary: the parts are the shapes' bytes, sharded over two ranks."""
+    from spmd_rlhf.models.tiny import make_tiny
+
+    model_dir = make_tiny(family="qwen2", out_dir=str(tmp_path / "model"), hidden_size=896, num_layers=1, num_heads=14,
+                          num_kv_heads=2, intermediate_size=4864, model_vocab_size=32768)
+    config = load_config(ROOT / "recipes" / "configs" / "ppo.yaml", [
+        f"model.path={model_dir}", "data.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=16", "trainer.total_steps=1",
+        "actor.micro_batch_size=2", "critic.micro_batch_size=2", "reference.micro_batch_size=2",
+        "actor.mini_batch_size=4", "critic.mini_batch_size=4",
+    ])
+    floors = stage_floors(config, devices=2)
+    shape = model_shape(model_dir)
+    actor, critic = shape.parameters("lm"), shape.parameters("value")
+    assert floors["load"] == {
+        "actor weights (float32 shard)": actor * 4 / 2, "critic weights (float32 shard)": critic * 4 / 2,
+        "reference weights (float32 shard)": actor * 4 / 2,
+    }
+    # One step: no Adam moments before the update; from it on, both trained roles' moments.
+    assert not any("Adam" in part for part in floors["generate"])
+    assert floors["save"]["actor Adam moments (shard)"] == actor * ADAM_BYTES / 2
+    generation = {part: size for part, size in floors["generate"].items() if part not in floors["load"]}
+    tokens = 64 + 16  # max_prompt_length + max_new_tokens, 4 rows over 2 replicas
+    assert generation == {
+        "actor generation copy (float32, 1/1)": actor * 4,
+        f"KV cache (2 rows x {tokens} tokens)": 2 * tokens * shape.kv_bytes_per_token(4),
+    }
+    # A micro-batch of 2 rows x 80 tokens is under one 64 MiB chunk's 512 rows at this vocabulary.
+    assert floors["update"]["vocabulary chunk (float32)"] == 2 * tokens * 32768 * 4
