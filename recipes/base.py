@@ -239,7 +239,7 @@ class RLRecipe:
     def trained_roles(self) -> list[str]:
         return [name for name in ("actor", "critic", "cost_critic") if name in self.roles]
 
-    def save(self, out_dir: str, *, step: int, final: bool) -> str:
+    def save(self, out_dir: str, *, step: int, final: bool = False) -> str:
         """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume,
         and for ``spmd-rlhf export``), its weights as a Hugging Face directory (``<out_dir>/actor``) when
         ``trainer.save_hf`` asks for them (``final``: this is the save after the last step), and

@@ -216,7 +216,8 @@ def run_case(name: str, assets: Path, runs: Path) -> Run:
         program, arguments = "killed_mid_stage.py", [entry.kill, "1", str(workdir), *arguments]
     else:
         program = str(RECIPES / f"{entry.recipe}.py")
-    finished = torchrun(program, *arguments, nproc=entry.nproc, timeout=240, cwd=str(workdir))
+    finished = torchrun(program, *arguments, nproc=entry.nproc, timeout=240, cwd=str(workdir),
+                        monitor_interval_s=3.0 if entry.kill else None)
     return Run(finished, workdir, time.time())
 
 

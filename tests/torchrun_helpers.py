@@ -29,11 +29,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun_command(program: str, *args: str, nproc: int, nnodes: int = 1, port: int) -> list[str]:
+def torchrun_command(
+    program: str, *args: str, nproc: int, nnodes: int = 1, port: int, monitor_interval_s: float | None = None
+) -> list[str]:
+    """``monitor_interval_s``: how often the agent polls its ranks (torchrun's default 0.1 s). A test of how the job
+    itself reports a dead rank sets a few seconds, so on a loaded machine the agent does not SIGTERM the survivors
+    before their own report is out."""
+    monitor = [] if monitor_interval_s is None else [f"--monitor-interval={monitor_interval_s}"]
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", *monitor,
         str(program_path(program)), *args,
     ]
 
@@ -43,10 +49,11 @@ def environment() -> dict[str, str]:
 
 
 def torchrun(
-    program: str, *args: str, nproc: int = 4, timeout: float = 180, cwd: str | None = None
+    program: str, *args: str, nproc: int = 4, timeout: float = 180, cwd: str | None = None,
+    monitor_interval_s: float | None = None,
 ) -> subprocess.CompletedProcess:
     """One torchrun agent with ``nproc`` ranks; stdout and stderr together in ``.stdout``."""
-    command = torchrun_command(program, *args, nproc=nproc, port=free_port())
+    command = torchrun_command(program, *args, nproc=nproc, port=free_port(), monitor_interval_s=monitor_interval_s)
     return subprocess.run(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=environment(), cwd=cwd
     )
