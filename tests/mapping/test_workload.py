@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from spmd_rlhf.mapping.workload import NAMED_SHAPES, dataflow, model_shape
 from spmd_rlhf.metrics import matmul_parameters
-from spmd_rlhf.recipes.dry_run import parameter_count
+from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models.args import read_decoder_args
+
+
+def parameter_count(args, head: str) -> int:
+    """Parameters of the built model (on the meta device, nothing allocated; a tied head counted once)."""
+    with torch.device("meta"):
+        model = DecoderLM(args, head=head)
+    return sum(param.numel() for param in {id(p): p for p in model.parameters()}.values())
 
 
 @pytest.mark.parametrize("head", ["lm", "value", "score"])
