@@ -8,7 +8,7 @@ import torch
 
 from spmd_rlhf.runtime.device import check_thread, select_device, thread_device_mismatch
 from spmd_rlhf.runtime.worker import RoleContext, Worker
-from spmd_rlhf.runtime.layout import ParallelDims
+from spmd_rlhf.parallel_dims import ParallelDims
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spmd_rlhf.runtime.layout import ParallelDims
+from spmd_rlhf.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)

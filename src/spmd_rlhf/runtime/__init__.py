@@ -6,7 +6,8 @@ from .errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
 from .futures import wait_together
 from .handles import BatchRef, CallFuture, RoleHandle
 from .launch import RuntimeOptions, launch
-from .layout import ParallelDims, ResourcePool
+from ..parallel_dims import ParallelDims
+from .layout import ResourcePool
 from .payload import PayloadError
 from .worker import RoleContext, Worker
 

@@ -25,7 +25,8 @@ from .dispatch import Dispatch
 from .errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
 from .executor import Call, Envelope, Exchanges, Executor, InputSlot, Put, RemoteFailure, Spawn, Stop, Stored
 from .handles import BatchRef, CallFuture, RoleHandle, RoleRecord
-from .layout import ParallelDims, ResourcePool
+from ..parallel_dims import ParallelDims
+from .layout import ResourcePool
 from .payload import dumps
 from .transfer import Schema, ShardInfo, plan_exchanges
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..data.batch import Batch
 from .device import bind_thread
-from .layout import ParallelDims
+from ..parallel_dims import ParallelDims
 from .payload import dumps
 from .transfer import Exchange, Schema, run_exchanges
 from .worker import RoleContext

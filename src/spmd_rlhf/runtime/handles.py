@@ -17,7 +17,7 @@ import torch
 
 from ..data.batch import Batch
 from .dispatch import Dispatch, dispatch_mode
-from .layout import ParallelDims
+from ..parallel_dims import ParallelDims
 from .transfer import Schema, ShardInfo
 
 

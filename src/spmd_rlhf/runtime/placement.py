@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config_schema import FrameworkConfig
-from .layout import ParallelDims, ResourcePool
+from ..parallel_dims import ParallelDims
+from .layout import ResourcePool
 
 
 @dataclass(frozen=True)

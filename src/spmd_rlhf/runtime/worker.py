@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .device import check_thread
-from .layout import Coordinates, ParallelDims
+from ..parallel_dims import Coordinates, ParallelDims
 
 
 @dataclass(frozen=True)
