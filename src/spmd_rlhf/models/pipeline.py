@@ -8,7 +8,7 @@ the head. Each stage is then tensor- / data-parallelized like a whole model (``p
 Every stage of a pipeline sees the same rows. The first stage feeds ``input_ids``; every stage gets the
 ``attention_mask`` (as a keyword argument, split into the same micro-batches); the last stage turns each
 micro-batch's output into a result (a loss to back-propagate, or per-token values) with ``output_fn``, which
-receives the micro-batch's rows of the input batch alongside the output.
+receives the indices of the micro-batch's rows alongside the output (the caller knows what the rows hold).
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.models.decoder import DecoderLM
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
-OutputFunction = Callable[[torch.Tensor, Batch], torch.Tensor]
-"""(last stage's output for one micro-batch, that micro-batch's rows) -> a loss (training) or a result tensor."""
+OutputFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(last stage's output for one micro-batch, the indices of its rows) -> a loss (training) or a result tensor."""
 
 
 def stage_layers(num_layers: int, pp: int, *, role: str = "model") -> list[range]:
@@ -79,22 +78,27 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def run(self, batch: Batch, *, micro_batch_size: int, output_fn: OutputFunction, train: bool) -> list[torch.Tensor]:
-        """Run ``batch`` through the pipeline in micro-batches of ``micro_batch_size`` rows; with ``train``, back-
-        propagate each micro-batch's ``output_fn`` loss (gradients accumulate, unscaled). Returns the ``output_fn``
-        results in micro-batch order on the last stage, an empty list elsewhere."""
-        num_micro_batches = -(-len(batch) // micro_batch_size)
+    def run(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, micro_batch_size: int, output_fn: OutputFunction,
+        train: bool,
+    ) -> list[torch.Tensor]:
+        """Run the rows of ``input_ids`` / ``attention_mask`` ``[rows, length]`` through the pipeline in micro-batches
+        of ``micro_batch_size`` rows; with ``train``, back-propagate each micro-batch's ``output_fn`` loss (gradients
+        accumulate, unscaled). Returns the ``output_fn`` results in micro-batch order on the last stage, an empty list
+        elsewhere."""
+        rows = input_ids.shape[0]
+        num_micro_batches = -(-rows // micro_batch_size)
         # A fresh stage per call: PipelineStage infers activation shapes on first use, and they change with the
         # prompt length from one batch to the next.
         stage = PipelineStage(self.module, self.stage, self.num_stages, self.device, group=self.group)
         stage.stage_index_to_group_rank = dict(self.stage_to_group_rank)
         schedule = SCHEDULES[self.schedule](
-            stage, num_micro_batches, loss_fn=lambda output, rows: output_fn(output, batch.select(rows)), scale_grads=False
+            stage, num_micro_batches, loss_fn=output_fn, scale_grads=False
         )
-        args = (batch["input_ids"].to(self.device),) if self.stage == 0 else ()
+        args = (input_ids.to(self.device),) if self.stage == 0 else ()
         # The row indices ride along as the "target", so the last stage can find each micro-batch's rows.
-        target = torch.arange(len(batch)) if self.is_last else None
+        target = torch.arange(rows) if self.is_last else None
         results: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
-        run(*args, target=target, losses=results, attention_mask=batch["attention_mask"].to(self.device))
+        run(*args, target=target, losses=results, attention_mask=attention_mask.to(self.device))
         return results

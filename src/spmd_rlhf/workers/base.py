@@ -160,8 +160,8 @@ class ModelWorker(RoleWorker):
         compute dtype (a padded one: ``[rows, P + R, vocab / tp]``), plus the activations of its real tokens."""
         if self.pipeline is not None:
             results = self.pipeline.run(
-                batch, micro_batch_size=micro_batch_size, output_fn=lambda output, rows: output_fn(output, PaddedRows(rows)),
-                train=train,
+                batch["input_ids"], batch["attention_mask"], micro_batch_size=micro_batch_size, train=train,
+                output_fn=lambda output, rows: output_fn(output, PaddedRows(batch.select(rows))),
             )
             return [result.detach() for result in results], torch.arange(len(batch))
         per_token = self.model.head != "score"
