@@ -71,8 +71,21 @@ class RLRecipe:
     """Setup, fit loop, metrics and saving; subclasses define ``step``."""
 
     name = "rl"
+    algorithms: tuple[str, ...] = ()
+    """The ``algorithm.name`` values this recipe's ``step`` runs."""
+
+    @classmethod
+    def check_algorithm(cls, config: FrameworkConfig) -> None:
+        """A ``ConfigError`` naming both when ``algorithm.name`` is not one this recipe runs (a PPO config given to
+        the GRPO recipe would otherwise fail mid-setup, far from the cause)."""
+        if config.algorithm.name not in cls.algorithms:
+            raise ConfigError(
+                f"algorithm.name={config.algorithm.name}: the {cls.name} recipe runs {', '.join(cls.algorithms)}; run "
+                f"the recipe of that algorithm (recipes/<algorithm>.py) or set algorithm.name to one of these"
+            )
 
     def __init__(self, config: FrameworkConfig, coordinator: Coordinator) -> None:
+        self.check_algorithm(config)
         self.config = config
         self.coordinator = coordinator
         self.roles: dict[str, RoleHandle] = {}
@@ -309,6 +322,7 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
     options = parser.parse_args()
     try:
         config = load_config(options.config, options.overrides)
+        recipe_class.check_algorithm(config)
         if options.dry_run:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(describe(config, options.world_size), end="")

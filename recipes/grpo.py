@@ -18,6 +18,7 @@ from spmd_rlhf.recipes.base import RLRecipe, main
 
 class GRPORecipe(RLRecipe):
     name = "grpo"
+    algorithms = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()

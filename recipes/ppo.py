@@ -13,6 +13,7 @@ from spmd_rlhf.recipes.base import RLRecipe, main
 
 class PPORecipe(RLRecipe):
     name = "ppo"
+    algorithms = ("ppo",)
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()

@@ -15,6 +15,7 @@ from spmd_rlhf.recipes.base import RLRecipe, main
 
 class ReMaxRecipe(RLRecipe):
     name = "remax"
+    algorithms = ("remax",)
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()

@@ -12,6 +12,7 @@ from spmd_rlhf.recipes.grpo import GRPORecipe
 
 class RLOORecipe(GRPORecipe):
     name = "rloo"
+    algorithms = ("rloo",)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from spmd_rlhf.recipes.base import RLRecipe, main
 
 class SafeRLHFRecipe(RLRecipe):
     name = "safe_rlhf"
+    algorithms = ("safe_rlhf",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -51,3 +51,12 @@ def test_bad_key_is_one_line_and_exit_code_2(workdir):
     shown = run("grpo", "actor.tpp=2", cwd=workdir)
     assert shown.returncode == 2
     assert shown.stderr.strip().splitlines() == ["grpo: actor.tpp: unknown key; did you mean actor.tp?"]
+
+
+def test_a_recipe_refuses_an_algorithm_it_does_not_run(workdir):
+    shown = run("ppo", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", cwd=workdir)
+    assert shown.returncode == 2
+    assert shown.stderr.strip().splitlines() == [
+        "ppo: algorithm.name=grpo: the ppo recipe runs ppo; run the recipe of that algorithm (recipes/<algorithm>.py) "
+        "or set algorithm.name to one of these"
+    ]
