@@ -321,6 +321,7 @@ def test_device_and_timeouts_reach_the_launch(monkeypatch):
     """trainer.device, trainer.timeout_s (calls) and trainer.collective_timeout_s (collectives) each reach their own
     RuntimeOptions field."""
     from spmd_rlhf.recipes import base
+    from spmd_rlhf.recipes.ppo import PPORecipe
 
     seen = {}
     monkeypatch.setattr(base, "launch", lambda main, *, options: seen.setdefault("options", options))
@@ -328,7 +329,7 @@ def test_device_and_timeouts_reach_the_launch(monkeypatch):
     monkeypatch.setattr(
         sys, "argv", ["ppo", "trainer.device=cpu", "trainer.timeout_s=123", "trainer.collective_timeout_s=45"]
     )
-    base.main(base.RLRecipe, str(base.Path(base.__file__).parent / "configs" / "ppo.yaml"))
+    base.main(PPORecipe, str(base.Path(base.__file__).parent / "configs" / "ppo.yaml"))
     options = seen["options"]
     assert (options.device, options.call_timeout_s, options.collective_timeout_s) == ("cpu", 123, 45)
 
