@@ -25,8 +25,11 @@ values, issued together), advantages, update (the actor's, and for PPO the criti
 second run's setup plus checkpoint load). Every rank samples its memory every ~5 ms (``benchmarks/scale_worker.py``)
 and the coordinator stamps each stage's wall-clock window; a stage's peak on a rank is the largest sample in its
 windows (all steps) less the rank's memory just before the load began (Python, torch, the process groups). On CPU
-the samples are the resident set size, which counts what the allocator keeps after tensors are freed: an upper bound
-on live tensors. On CUDA they are ``torch.cuda.max_memory_allocated`` between samples: live tensors only.
+the samples are the resident set size. glibc's malloc keeps freed blocks below its mmap threshold (which grows up to
+32 MiB as large blocks are freed) in its heap, so by default RSS counts what the allocator keeps after tensors are
+freed; the ranks therefore run with ``MALLOC_MMAP_THRESHOLD_=65536`` and ``MALLOC_TRIM_THRESHOLD_=0``, which return
+every freed block of 64 KiB or more to the kernel at once, and RSS follows the live tensors (plus Python's small
+objects) — ``--keep-allocator-cache`` measures with glibc's defaults instead, an upper bound. On CUDA they are ``torch.cuda.max_memory_allocated`` between samples: live tensors only.
 
 Writes ``benchmarks/results/scale_<algo>_<shape>_l<layers>_<device>.json`` and prints, per stage: peak per rank (the
 larger rank), floor, peak / floor, whether the excess reaches one whole float32 copy of the model (a rank that
@@ -51,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_common import add_model_arguments, environment, parse_with_smoke, shaped_model, shape_fields, write_result  # noqa: E402
-from scale_floor import STAGE_OF_TIMER, STAGES, full_model_bytes, stage_floors  # noqa: E402
+from scale_floor import STAGE_OF_TIMER, STAGES, design_parts, full_model_bytes, stage_floors  # noqa: E402
 
 from spmd_rlhf.config import load_config  # noqa: E402
 from spmd_rlhf.data.tasks import make_task  # noqa: E402
@@ -59,6 +62,8 @@ from spmd_rlhf.data.tasks import make_task  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "scale_worker.py"
 GIB = 2**30
+RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+"""glibc malloc settings under which a freed block of 64 KiB or more goes back to the kernel at once (CPU only)."""
 
 
 def recipe_overrides(args: argparse.Namespace, *, model_dir: str, task_dir: str, run_dir: str) -> list[str]:
@@ -92,6 +97,8 @@ def run_phase(args: argparse.Namespace, phase: str, *, config_path: Path, overri
     log = scratch / f"{phase}.log"
     environment_variables = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                              "TOKENIZERS_PARALLELISM": "false", "SCALE_SAMPLE_INTERVAL": str(args.interval)}
+    if not args.keep_allocator_cache:
+        environment_variables.update(RETURN_FREED_MEMORY)
     print(f"{phase}: torchrun --nproc-per-node {args.nproc} {WORKER.name} ({log})", flush=True)
     with open(log, "w") as out:
         finished = subprocess.run(command, cwd=scratch, env=environment_variables, stdout=out, stderr=subprocess.STDOUT)
@@ -135,6 +142,14 @@ def stage_peaks(record: Path, nproc: int) -> tuple[dict[str, dict], list[int]]:
     return stages, baselines
 
 
+def measurement(device: str, *, keep_allocator_cache: bool) -> str:
+    if device == "cuda":
+        return "cuda max_memory_allocated"
+    if keep_allocator_cache:
+        return "RSS with glibc's allocator cache (upper bound on live tensors)"
+    return "RSS, freed blocks >= 64 KiB returned to the kernel (live tensors + small objects)"
+
+
 def _order(name: str) -> tuple[int, str]:
     return (STAGES.index(name) if name in STAGES else len(STAGES), name)
 
@@ -145,17 +160,20 @@ def table(result: dict) -> str:
         f"ranks, {result['dtype']}, {result['measurement']}; {result['steps']} steps of {result['prompts']} prompts x "
         f"{result['samples']} samples x {result['new_tokens']} new tokens",
         "",
-        "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | whole-model copy? | rise in stage (GiB) | seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | floor + design buffers (GiB) | peak / that "
+        "| whole-model copy? | rise in stage (GiB) | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for stage in result["stages"]:
         lines.append(f"| {stage['stage']} | {stage['peak_bytes'] / GIB:.3f} | {stage['floor_bytes'] / GIB:.3f} | "
-                     f"{stage['peak_over_floor']:.2f} | {'yes' if stage['whole_model_copy'] else 'no'} | "
+                     f"{stage['peak_over_floor']:.2f} | {stage['design_floor_bytes'] / GIB:.3f} | "
+                     f"{stage['peak_over_design_floor']:.2f} | {'yes' if stage['whole_model_copy'] else 'no'} | "
                      f"{max(stage['rise_bytes_per_rank']) / GIB:.3f} | {stage['seconds']:.1f} |")
     lines += ["", f"floors per rank (parts, MiB; one float32 model = {result['full_model_bytes'] / 2**20:,.1f} MiB):"]
     for stage in result["stages"]:
         parts = ", ".join(f"{part} {size / 2**20:,.1f}" for part, size in stage["floor_parts"].items())
-        lines.append(f"  {stage['stage']}: {parts}")
+        design = ", ".join(f"{part} {size / 2**20:,.1f}" for part, size in stage["design_parts"].items())
+        lines.append(f"  {stage['stage']}: {parts}" + (f"; design buffers: {design}" if design else ""))
     return "\n".join(lines)
 
 
@@ -171,6 +189,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--dtype", help="model.dtype (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--interval", type=float, default=0.005, help="seconds between memory samples")
+    parser.add_argument("--keep-allocator-cache", action="store_true",
+                        help="CPU: measure with glibc malloc's defaults (RSS keeps freed heap blocks: an upper bound)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, {"shape": "smoke"})
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,6 +206,7 @@ def main() -> None:
                                      run_dir=str(scratch / "run"))
         config = load_config(config_path, overrides)
         floors = stage_floors(config, devices=args.nproc)
+        buffers = design_parts(config, devices=args.nproc)
         whole_model = full_model_bytes(config)
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
         stages, baselines = stage_peaks(run_phase(args, "train", config_path=config_path, overrides=overrides, scratch=scratch), args.nproc)
@@ -195,25 +216,29 @@ def main() -> None:
     rows = []
     for name in sorted(stages, key=_order):
         parts = floors.get(name, floors["advantages"])  # a stage the floor model does not name: the resident state
+        extra = buffers.get(name, {})
         floor, peak = sum(parts.values()), max(stages[name]["peak_bytes_per_rank"])
+        design_floor = floor + sum(extra.values())
         rows.append({
             "stage": name, "seconds": stages[name]["seconds"], "peak_bytes_per_rank": stages[name]["peak_bytes_per_rank"],
             "rise_bytes_per_rank": stages[name]["rise_bytes_per_rank"],
             "peak_bytes": peak, "floor_bytes": floor, "floor_parts": parts, "peak_over_floor": peak / floor,
-            "whole_model_copy": peak - floor >= whole_model,
+            "design_parts": extra, "design_floor_bytes": design_floor, "peak_over_design_floor": peak / design_floor,
+            "whole_model_copy": peak - design_floor >= whole_model,
         })
     result = {
         "benchmark": "scale", "smoke": args.smoke, "algo": args.algo, "shape": args.shape,
         "layers": fields["num_layers"], "vocab": vocab, "nproc": args.nproc, "dtype": args.dtype, "steps": args.steps,
         "prompts": args.prompts, "samples": args.samples, "new_tokens": args.new_tokens,
-        "measurement": "cuda max_memory_allocated" if device == "cuda" else "RSS (upper bound on live tensors)",
+        "measurement": measurement(device, keep_allocator_cache=args.keep_allocator_cache),
         "sample_interval_s": args.interval, "baseline_bytes_per_rank": {"train": baselines, "resume": resume_baselines},
         "full_model_bytes": whole_model, "recipe_overrides": overrides, "stages": rows, "environment": environment(device),
     }
     print(table(result))
     if args.smoke:
         print("SMOKE RUN: not a figure at scale")
-    write_result(args.out, f"scale_{args.algo}_{args.shape}_l{fields['num_layers']}_{device}", result)
+    cache = "_allocator_cache" if args.keep_allocator_cache and device == "cpu" else ""
+    write_result(args.out, f"scale_{args.algo}_{args.shape}_l{fields['num_layers']}_{device}{cache}", result)
 
 
 if __name__ == "__main__":

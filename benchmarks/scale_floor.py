@@ -16,6 +16,17 @@ sharded over all of them (FSDP), per rank:
 - while computing log-probs and values: one forward micro-batch's working set (a layer's activations and the
   logits) of the largest such pass, and one vocabulary chunk.
 
+Beyond that strict floor, the design itself needs transient buffers that are not a whole-model copy;
+``design_parts`` adds them, for a second ratio:
+
+- FSDP's gathered unit: FSDP2 all-gathers one unit at a time (a decoder layer, or the root: embedding, final norm and
+  head), in the compute dtype. The root stays gathered from the forward to the end of the backward, and the backward
+  makes each unit's unsharded gradient before the reduce-scatter. With a tied embedding the root is the largest unit
+  (at Qwen2.5-0.5B's shape, 136 M of its 494 M parameters). The HybridEngine's reshard gathers the same units one at
+  a time beside the generation copy, and a forward-only pass of a sharded frozen role gathers its units one at a time.
+- The streamed Hugging Face save's writer: the band being assembled and one piece received or converted, each at most
+  ``BAND_BYTES`` (``spmd_rlhf.models.sharded_save``).
+
 A stage that runs after the first update in the run (every stage of step 2 on, save, export, resume) has the Adam
 moments in its floor: the measured peak is the largest over all of a stage's occurrences, so the floor of its last
 occurrence is the tight lower bound. Not counted, so a peak above the floor is not by itself a defect: FSDP's
@@ -26,11 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.mapping.cost import GRADIENT_BYTES, TRAINING_BYTES_PER_PARAMETER, Layout, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.workload import RoleSpec
 from spmd_rlhf.models.logprob import DEFAULT_CHUNK_BYTES
+from spmd_rlhf.models.sharded_save import DEFAULT_BAND_BYTES
 
 WEIGHT_BYTES = 4
 """A trained role's float32 master weights, per parameter."""
@@ -121,4 +135,48 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
         "save": {**weights, **adam},
         "export": {**weights, **adam},
         "resume": {**weights, **adam},
+    }
+
+
+def fsdp_unit_bytes(spec: RoleSpec, dtype_bytes: int) -> tuple[int, int]:
+    """(root unit, one decoder-layer unit) of ``spec`` gathered, in bytes of ``dtype_bytes`` per parameter: the root
+    holds the embedding, the final norm and the head (the embedding only, when tied)."""
+    shape = spec.shape
+    root = shape.parameters(spec.head) - shape.layers * shape.block_parameters
+    return root * dtype_bytes, shape.block_parameters * dtype_bytes
+
+
+def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str, float]]:
+    """Per stage, the transient buffers of the design that ``stage_floors`` leaves out (see the module docstring), in
+    bytes per rank; none when a role is not sharded (one rank)."""
+    if devices < 2:
+        return {stage: {} for stage in STAGES}
+    specs, batch = config_dataflow(config)
+    b = batch.dtype_bytes
+    actor = next(spec for spec in specs if spec.name == "actor")
+
+    def gathered(spec: RoleSpec) -> float:
+        return max(fsdp_unit_bytes(spec, b))
+
+    def training(spec: RoleSpec) -> dict[str, float]:
+        root, layer = fsdp_unit_bytes(spec, b)
+        return {
+            f"{spec.name} FSDP root gathered + its unsharded gradient": 2 * root,
+            f"{spec.name} FSDP layer gathered + its unsharded gradient": 2 * layer,
+        }
+
+    forward = [spec for spec in specs if not spec.trained or (spec.name == "actor" and config.rollout.recompute_log_probs)]
+    saved_bytes = getattr(torch, config.trainer.save_hf_dtype).itemsize if config.trainer.save_hf_dtype else b
+    largest_tensor = max(spec.shape.vocab * spec.shape.hidden for spec in specs if spec.trained) * saved_bytes
+    band = min(DEFAULT_BAND_BYTES, largest_tensor)
+    update = max((training(spec) for spec in specs if spec.trained), key=lambda parts: sum(parts.values()))
+    return {
+        "load": {},
+        "generate": {"actor FSDP unit gathered by the reshard": gathered(actor)},
+        "log_probs": {"FSDP unit gathered by a forward pass": max(gathered(spec) for spec in forward)} if forward else {},
+        "advantages": {},
+        "update": update,
+        "save": {},
+        "export": {"save band being assembled + one piece": 2 * band},
+        "resume": {},
     }

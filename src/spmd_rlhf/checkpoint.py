@@ -199,6 +199,7 @@ def load_role_state(
 ) -> None:
     """Restore what ``save_role_state`` wrote, resharded to this layout (any DP size). A rank restores its RNG state
     when the saving job had a rank of that index (and the same devices); otherwise it keeps its own."""
+    _create_optimizer_state(optimizer)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
     rng_key = _rng_key(process_group)
@@ -214,6 +215,28 @@ def load_role_state(
         torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
+
+
+@torch.no_grad()
+def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state (DCP loads into existing tensors), one parameter at a time: a step with a
+    zero gradient and the learning rate at 0 changes no weight. ``get_state_dict`` would do it with a zero gradient
+    for every parameter at once, one whole gradient shard of transient memory on top of the weights and moments."""
+    if optimizer.state:
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                    optimizer.step()
+                    param.grad = None
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
 
 
 def _check_model_shapes(state_dir: str | os.PathLike, model_state: dict[str, Any], saved: dict[str, Any]) -> None:

@@ -36,6 +36,10 @@ from spmd_rlhf.models.shard_pieces import Piece, local_piece
 from spmd_rlhf.models.weights import write_hf_metadata
 
 
+DEFAULT_BAND_BYTES = 256 * 2**20
+"""The most bytes of one tensor a writer assembles at a time (a band of whole rows; one row if a row is larger)."""
+
+
 def _point_to_point(op: Callable, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> None:
     """Send or receive one tensor (``op``: ``dist.isend`` / ``dist.irecv``; ``peer``: a global rank) and wait until
     it has arrived, so that one piece at a time is in flight. Device tensors go as a batch of one: NCCL runs batched
@@ -127,7 +131,7 @@ def save_sharded_pretrained(
     dtype: torch.dtype,
     device: torch.device,
     tokenizer=None,
-    band_bytes: int = 256 * 2**20,
+    band_bytes: int = DEFAULT_BAND_BYTES,
     max_shard_bytes: int = 5 * 2**30,
 ) -> list[str]:
     """Write the whole model, whose pipeline stage ``stage`` this rank holds (sharded over ``stage_ranks``, the
