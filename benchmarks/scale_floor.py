@@ -19,10 +19,11 @@ sharded over all of them (FSDP), per rank:
 Beyond that strict floor, the design itself needs transient buffers that are not a whole-model copy;
 ``design_parts`` adds them, for a second ratio:
 
-- FSDP's gathered unit: FSDP2 all-gathers one unit at a time (a decoder layer, or the root: embedding, final norm and
-  head), in the compute dtype. The root stays gathered from the forward to the end of the backward, and the backward
-  makes each unit's unsharded gradient before the reduce-scatter. With a tied embedding the root is the largest unit
-  (at Qwen2.5-0.5B's shape, 136 M of its 494 M parameters). The HybridEngine's reshard gathers the same units one at
+- FSDP's gathered unit: FSDP2 all-gathers one unit at a time (a decoder layer; an untied embedding or LM head; the
+  root: the final norm, a value or score head, and a tied embedding), in the compute dtype. The root stays gathered
+  from the forward to the end of the backward, and the backward makes each unit's unsharded gradient before the
+  reduce-scatter. With a tied embedding the root is the largest unit (at Qwen2.5-0.5B's shape, 136 M of its 494 M
+  parameters). The HybridEngine's reshard gathers the same units one at
   a time beside the generation copy, and a forward-only pass of a sharded frozen role gathers its units one at a time.
 - The streamed Hugging Face save's writer: the band being assembled and one piece received or converted, each at most
   ``BAND_BYTES`` (``spmd_rlhf.models.sharded_save``).
@@ -139,11 +140,17 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
 
 
 def fsdp_unit_bytes(spec: RoleSpec, dtype_bytes: int) -> tuple[int, int]:
-    """(root unit, one decoder-layer unit) of ``spec`` gathered, in bytes of ``dtype_bytes`` per parameter: the root
-    holds the embedding, the final norm and the head (the embedding only, when tied)."""
+    """(the root unit, the largest other unit) of ``spec`` gathered, in bytes of ``dtype_bytes`` per parameter, as
+    ``spmd_rlhf.models.parallelize.fsdp_units`` cuts the model: each decoder layer is a unit, and so are an untied
+    embedding and LM head; the root holds the rest (the final norm and a value or score head; a tied embedding)."""
     shape = spec.shape
-    root = shape.parameters(spec.head) - shape.layers * shape.block_parameters
-    return root * dtype_bytes, shape.block_parameters * dtype_bytes
+    vocabulary = shape.vocab * shape.hidden
+    rest = shape.parameters(spec.head) - shape.layers * shape.block_parameters - vocabulary
+    if spec.head == "lm" and not shape.tied:
+        rest -= vocabulary
+    if spec.head == "lm" and shape.tied:
+        return (vocabulary + rest) * dtype_bytes, shape.block_parameters * dtype_bytes
+    return rest * dtype_bytes, max(vocabulary, shape.block_parameters) * dtype_bytes
 
 
 def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str, float]]:
@@ -159,10 +166,10 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
         return max(fsdp_unit_bytes(spec, b))
 
     def training(spec: RoleSpec) -> dict[str, float]:
-        root, layer = fsdp_unit_bytes(spec, b)
+        root, unit = fsdp_unit_bytes(spec, b)
         return {
             f"{spec.name} FSDP root gathered + its unsharded gradient": 2 * root,
-            f"{spec.name} FSDP layer gathered + its unsharded gradient": 2 * layer,
+            f"{spec.name} largest other FSDP unit gathered + its unsharded gradient": 2 * unit,
         }
 
     forward = [spec for spec in specs if not spec.trained or (spec.name == "actor" and config.rollout.recompute_log_probs)]

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from scale_floor import ADAM_BYTES, STAGES, stage_floors  # noqa: E402
+from scale_floor import ADAM_BYTES, STAGES, design_parts, stage_floors  # noqa: E402
 
 from spmd_rlhf.config import load_config  # noqa: E402
 from spmd_rlhf.mapping.workload import model_shape  # noqa: E402
@@ -42,9 +42,13 @@ def test_smoke_run_reports_every_stage(tmp_path):
         for key in ("floor_bytes", "peak_over_floor", "seconds"):
             assert math.isfinite(stage[key]) and stage[key] > 0, (stage["stage"], key, stage[key])
         assert stage["peak_over_floor"] == pytest.approx(stage["peak_bytes"] / stage["floor_bytes"])
+        assert stage["design_floor_bytes"] == pytest.approx(stage["floor_bytes"] + sum(stage["design_parts"].values()))
+        assert stage["peak_over_design_floor"] == pytest.approx(stage["peak_bytes"] / stage["design_floor_bytes"])
     # Building the model and the optimizer cannot leave a rank's memory where it was before the load.
     assert all(peak > 0 for peak in result["stages"][0]["peak_bytes_per_rank"])
-    assert "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | whole-model copy? | rise in stage (GiB) | seconds |" in finished.stdout
+    assert result["measurement"].startswith("RSS, freed blocks >= 64 KiB returned to the kernel")
+    assert ("| stage | peak per rank (GiB) | floor (GiB) | peak / floor | floor + design buffers (GiB) | peak / that | "
+            "whole-model copy? | rise in stage (GiB) | seconds |") in finished.stdout
 
 
 def test_floor_parts_at_a_real_shape(tmp_path):
@@ -76,3 +80,17 @@ def test_floor_parts_at_a_real_shape(tmp_path):
     }
     # A micro-batch of 2 rows x 80 tokens is under one 64 MiB chunk's 512 rows at this vocabulary.
     assert floors["update"]["vocabulary chunk (float32)"] == 2 * tokens * 32768 * 4
+
+    # The design's transient buffers: the tied actor's root unit holds the embedding (and the final norm); the save's
+    # writer holds two bands of at most 256 MiB (here the whole 112 MiB embedding).
+    buffers = design_parts(config, devices=2)
+    vocabulary = 32768 * 896
+    assert buffers["generate"] == {"actor FSDP unit gathered by the reshard": (vocabulary + 896) * 4}
+    # The larger trained role's: the actor's (its root's embedding, and a layer) over the critic's (a tiny root and
+    # the embedding).
+    assert buffers["update"] == {
+        "actor FSDP root gathered + its unsharded gradient": 2 * (vocabulary + 896) * 4,
+        "actor largest other FSDP unit gathered + its unsharded gradient": 2 * shape.block_parameters * 4,
+    }
+    assert buffers["export"] == {"save band being assembled + one piece": 2 * vocabulary * 4}
+    assert buffers["load"] == buffers["save"] == buffers["resume"] == {}

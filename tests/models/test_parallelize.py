@@ -1,12 +1,15 @@
-"""``models.parallelize`` on one process: activation checkpointing keeps names and changes no gradient."""
+"""``models.parallelize`` on one process: activation checkpointing keeps names and changes no gradient; FSDP's units
+(an untied embedding and LM head each alone, a tied pair in the root)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models.args import DecoderArgs
-from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.models.parallelize import fsdp_units, parallelize
 
 
 def tiny_args() -> DecoderArgs:
@@ -31,3 +34,16 @@ def test_activation_checkpointing_keeps_names_and_gradients():
         model(ids).float().logsumexp(-1).sum().backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_fsdp_units_split_an_untied_vocabulary():
+    with torch.device("meta"):
+        untied = DecoderLM(tiny_args(), head="lm")
+        tied = DecoderLM(dataclasses.replace(tiny_args(), tie_word_embeddings=True), head="lm")
+        critic = DecoderLM(dataclasses.replace(tiny_args(), tie_word_embeddings=True), head="value")
+    layers = list(untied.model.layers.values())
+    assert fsdp_units(untied) == [*layers, untied.model.embed_tokens, untied.lm_head]
+    # One parameter belongs to one FSDP unit: a tied pair stays in the root, which serves both ends of the forward.
+    assert fsdp_units(tied) == list(tied.model.layers.values())
+    # A value head's model has no LM head to share the embedding with.
+    assert fsdp_units(critic) == [*critic.model.layers.values(), critic.model.embed_tokens]

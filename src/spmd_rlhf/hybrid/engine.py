@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.hybrid.layout import GenerationLayout
@@ -87,25 +88,29 @@ class HybridEngine:
         generation.reset_buffers()
         generation.requires_grad_(False)
         targets = {name: _local(param) for name, param in generation.named_parameters(remove_duplicate=False)}
-        for block, prefix in self._blocks():
-            self._gather_block(block, prefix, targets)
+        for block, prefix, inner in self._blocks():
+            self._gather_block(block, prefix, inner, targets)
         if self.pp_group is not None:
             self._exchange_stages(targets)
         return generation.eval()
 
     def _blocks(self):
-        """(FSDP module, prefix of its parameter names in the whole model): each decoder layer, then the root, which
-        manages the rest (embedding, final norm, head) of this pipeline stage."""
-        for index, layer in self.model.model.layers.items():
-            yield layer, f"model.layers.{index}."
-        yield self.model, ""
+        """(FSDP unit, prefix of its parameter names in the whole model, prefixes of its sub-units), one unit at a
+        time: the decoder layers (and an untied embedding and head, ``parallelize.fsdp_units``), then the root, which
+        manages the rest (the final norm; a tied embedding and head) of this pipeline stage."""
+        units = [(name, module) for name, module in self.model.named_modules() if isinstance(module, FSDPModule)]
+        units.sort(key=lambda unit: unit[0] == "")  # the root last
+        for name, module in units:
+            prefix = f"{name}." if name else ""
+            inner = tuple(f"{other[len(prefix):]}." for other, _ in units if other != name and other.startswith(prefix))
+            yield module, prefix, inner
 
-    def _gather_block(self, block: torch.nn.Module, prefix: str, targets: dict[str, torch.Tensor]) -> None:
+    def _gather_block(self, block: torch.nn.Module, prefix: str, inner: tuple[str, ...], targets: dict[str, torch.Tensor]) -> None:
         block.unshard()
         sharded, locals_ = [], []
         for name, param in block.named_parameters():
-            if not prefix and name.startswith("model.layers."):
-                continue  # the layers' own FSDP modules handle them
+            if name.startswith(inner):
+                continue  # a unit of its own
             if _split_dim(param) is None:
                 targets[prefix + name].copy_(param)
             elif self.micro_dp_group is None:

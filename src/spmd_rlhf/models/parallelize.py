@@ -1,6 +1,7 @@
 """Tensor and data parallelism for ``DecoderLM``, applied from outside the model in one fixed order: the TP plan
 (a dict of module name -> ``ColwiseParallel`` / ``RowwiseParallel``), activation checkpointing, ``torch.compile``
-(GPU), then FSDP2 ``fully_shard`` per decoder layer and on the root.
+(GPU), then FSDP2 ``fully_shard`` per decoder layer, on an untied embedding and LM head (each alone), and on the
+root.
 
 TP follows Megatron's split: q/k/v and gate/up are column-parallel (each TP rank owns whole heads / a slice of the
 MLP), o and down are row-parallel (their outputs all-reduced), the embedding is vocab-parallel (each rank owns a
@@ -13,6 +14,8 @@ heads are small and replicated over TP.
 from __future__ import annotations
 
 import functools
+
+import torch
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -56,6 +59,20 @@ def check_tensor_parallel(model: DecoderLM, tp: int, *, role: str) -> None:
             raise ValueError(f"{role}.tp={tp} does not divide the model's {name}={size}; choose a tp that divides it")
 
 
+def fsdp_units(model: DecoderLM) -> list[torch.nn.Module]:
+    """The modules that FSDP2 shards as units of their own, below the root: each decoder layer, and an untied
+    embedding and LM head, each alone. FSDP gathers one unit at a time, and the root stays gathered from the forward to
+    the end of the backward: with the embedding and head in the root, a 7B model's 1.1 B vocabulary parameters would
+    be gathered (and their gradient unsharded) together for the whole pass. A tied pair stays in the root, since one
+    parameter belongs to one unit and the embedding and the head use it at both ends of the forward."""
+    units: list[torch.nn.Module] = list(model.model.layers.values())
+    embedding, head = model.model.embed_tokens, getattr(model, "lm_head", None)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    if not tied:
+        units += [module for module in (embedding, head) if module is not None]
+    return units
+
+
 def parallelize(
     model: DecoderLM,
     *,
@@ -91,8 +108,8 @@ def parallelize(
     if dp_mesh is not None:
         policy = mp_policy or MixedPrecisionPolicy()
         offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-        for layer in model.model.layers.values():
-            fully_shard(layer, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
+        for module in fsdp_units(model):
+            fully_shard(module, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
     return model
 
