@@ -56,7 +56,6 @@ class ShardedModel:
         self, context: RoleContext, config: FrameworkConfig, role_config: RoleConfig, *, head: str, trainable: bool,
         reducer: DPReducer,
     ) -> None:
-        self.name = context.name
         self.config = config
         self.role_config = role_config
         self.reducer = reducer
