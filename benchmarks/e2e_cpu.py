@@ -317,7 +317,7 @@ def main() -> None:
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} leaves nothing after --warmup={args.warmup}; use more steps")
 
-    from spmd_rlhf.models.tiny import make_tiny
+    from spmd_rlhf.tiny.model import make_tiny
 
     recipe = load_config(RECIPE_CONFIG)
     actor, algorithm = recipe.actor, recipe.algorithm

@@ -23,7 +23,7 @@ import torch
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models import load_model
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 
 def mixed_prompts(

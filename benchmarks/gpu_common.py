@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 SHAPES: dict[str, dict[str, int | bool | None]] = {
     # Qwen2.5 shapes, vocabulary padded past the tokenizer like the real checkpoints'; 0.5B and 1.5B tie the embedding

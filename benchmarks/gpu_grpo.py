@@ -5,7 +5,7 @@ Qwen2.5-0.5B-shaped random model, prompts, batch, group size and lengths.
         [--micro-batch 16] [--steps 6] [--warmup 2] [--nproc 1] [--trl-weights float32] [--model-dir DIR]
     python benchmarks/gpu_grpo.py --smoke        # tiny model, CPU-sized: checks the script in seconds
 
-Prompts: the arithmetic task's rows (``spmd_rlhf.data.tasks``) with random digits put in front of each question so that
+Prompts: the arithmetic task's rows (``spmd_rlhf.tiny.task``) with random digits put in front of each question so that
 every prompt is exactly ``--prompt-tokens`` tokens once the chat template is applied (digits are single tokens); the
 reward is the package's rule. Each step: ``--prompts`` prompts x ``--n`` responses of at most ``--new-tokens`` tokens
 (a random-init model almost never samples EOS, so nearly all run to the limit), one optimizer step over all of them in
@@ -65,7 +65,7 @@ def write_prompts(path: Path, *, model_dir: str, rows: int, prompt_tokens: int) 
     from transformers import AutoTokenizer
 
     from spmd_rlhf.data.dataset import encode_prompt
-    from spmd_rlhf.data.tasks import make_rows
+    from spmd_rlhf.tiny.task import make_rows
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(0)

@@ -77,7 +77,7 @@ class TimedActor(ActorWorker):
         ``lengths``, each after one untimed warm-up call (allocator growth, compilation)."""
         seconds = []
         for length in lengths:
-            batch = synthetic_rollout(rows, length, self.model.args.vocab_size, seed=self.context.rank)
+            batch = synthetic_rollout(rows, length, self.model.module.args.vocab_size, seed=self.context.rank)
             self.update_actor(batch)
             times = []
             for _ in range(repeats):

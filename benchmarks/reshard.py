@@ -54,8 +54,8 @@ from spmd_rlhf.config import load_config
 from spmd_rlhf.hybrid.engine import _all_gather_flat
 from spmd_rlhf.hybrid.memory import PeakMemory
 from spmd_rlhf.models import DecoderLM, model_from_tensors
-from spmd_rlhf.models.tiny import make_tiny
 from spmd_rlhf.runtime import Coordinator, ParallelDims, ResourcePool, all_to_all, launch
+from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.workers import ActorWorker
 
 LAYOUTS = [
@@ -97,11 +97,11 @@ class ReshardingActor(ActorWorker):
     def _whole_model_sizes(self) -> tuple[int, int]:
         """(bytes of the whole model, bytes of its largest FSDP block) in the compute dtype."""
         with torch.device("meta"):
-            whole = DecoderLM(self.model.args, head="lm")
+            whole = DecoderLM(self.model.module.args, head="lm")
         numels = {name: p.numel() for name, p in whole.named_parameters()}
         layers = [
             sum(n for name, n in numels.items() if name.startswith(f"model.layers.{index}."))
-            for index in range(self.model.args.num_layers)
+            for index in range(self.model.module.args.num_layers)
         ]
         root = sum(n for name, n in numels.items() if not name.startswith("model.layers."))
         return sum(numels.values()) * self.compute_dtype.itemsize, max(*layers, root) * self.compute_dtype.itemsize
@@ -110,20 +110,20 @@ class ReshardingActor(ActorWorker):
         """The naive baseline: a plain ``DecoderLM`` with a copy of the full weights on every rank (every rank of the
         role must call it). FSDP's own unshard gathers each block's parameters in one all-gather and the copies
         outlive the reshard; with pp > 1 the stages are exchanged whole as pickled objects."""
-        fsdp_modules = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        fsdp_modules = [module for module in self.model.module.modules() if isinstance(module, FSDPModule)]
         for module in fsdp_modules:
             module.unshard()
         tensors = {}
-        for name, param in self.model.named_parameters():
+        for name, param in self.model.module.named_parameters():
             full = param.full_tensor() if isinstance(param, DTensor) else param
             tensors[name] = full.detach().to(dtype, copy=True)
         for module in fsdp_modules:
             module.reshard()
-        if self.pipeline is not None:
-            stages: list[dict[str, torch.Tensor] | None] = [None] * self.pipeline.num_stages
-            dist.all_gather_object(stages, {name: tensor.cpu() for name, tensor in tensors.items()}, group=self.pp_group)
+        if self.model.pipeline is not None:
+            stages: list[dict[str, torch.Tensor] | None] = [None] * self.model.pipeline.num_stages
+            dist.all_gather_object(stages, {name: tensor.cpu() for name, tensor in tensors.items()}, group=self.model.pp_group)
             tensors = {name: tensor.to(self.device) for stage in stages for name, tensor in stage.items()}
-        return model_from_tensors(self.model.args, tensors, head=self.model.head, attention_backend=self.config.model.attention)
+        return model_from_tensors(self.model.module.args, tensors, head=self.model.module.head, attention_backend=self.config.model.attention)
 
     @all_to_all
     def time_switches(self, repeats: int) -> dict:
@@ -137,16 +137,16 @@ class ReshardingActor(ActorWorker):
         gc.collect()  # what earlier layouts left behind, so that no collection falls into a timed stretch
         seconds: dict[str, list[float]] = {switch: [] for switch in SWITCHES}
         for _ in range(repeats + 1):
-            dist.barrier(group=self.role_group)
+            dist.barrier(group=self.model.role_group)
             start = self._clock()
             for _ in range(messages):
-                _all_gather_flat(probe.new_empty(ranks * probe.numel()), probe, group=self.role_group)
+                _all_gather_flat(probe.new_empty(ranks * probe.numel()), probe, group=self.model.role_group)
             seconds["all_gather"].append(self._clock() - start)
             for build, build_key, drop_key in (
                 (self.hybrid.generation_model, "to_generation", "to_training"),
                 (self.full_model, "naive", "naive_drop"),
             ):
-                dist.barrier(group=self.role_group)
+                dist.barrier(group=self.model.role_group)
                 start = self._clock()
                 model = build(dtype)
                 built = self._clock()
@@ -181,7 +181,7 @@ class ReshardingActor(ActorWorker):
         whole_bytes, block_bytes = self._whole_model_sizes()
         return {
             "peak_increase": ours.peak_increase, "naive_peak_increase": naive.peak_increase,
-            "generation_shard_bytes": shard_bytes, "held_bytes": local_bytes(self.model, dtype),
+            "generation_shard_bytes": shard_bytes, "held_bytes": local_bytes(self.model.module, dtype),
             "whole_model_bytes": whole_bytes, "block_bytes": block_bytes,
             "freed_by_refcount": freed_by_refcount, "gc_collect_s": gc_collect_s,
         }

@@ -57,7 +57,7 @@ from gpu_common import add_model_arguments, environment, parse_with_smoke, shape
 from scale_floor import STAGE_OF_TIMER, STAGES, design_parts, full_model_bytes, stage_floors  # noqa: E402
 
 from spmd_rlhf.config import load_config  # noqa: E402
-from spmd_rlhf.data.tasks import make_task  # noqa: E402
+from spmd_rlhf.tiny.task import make_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "scale_worker.py"

@@ -39,10 +39,8 @@ from spmd_rlhf.runtime import (
     BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, wait_together,
 )
 from spmd_rlhf.runtime.placement import place_roles
+from spmd_rlhf.tiny import ensure_tiny_assets
 from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
-
-TINY_MODEL_DIR = "tiny/model"
-TINY_TASK_DIR = "tiny/task"
 
 _WORKERS = {
     "actor": (ActorWorker, {}),
@@ -53,18 +51,6 @@ _WORKERS = {
     "cost_critic": (CriticWorker, {"role": "cost_critic"}),
 }
 """Role name -> (worker class, its keyword arguments besides the config)."""
-
-
-def ensure_tiny_assets(config: FrameworkConfig) -> None:
-    """Build the tiny model and task at their default paths on first use (no network needed)."""
-    if config.model.path == TINY_MODEL_DIR and not os.path.isdir(TINY_MODEL_DIR):
-        from spmd_rlhf.models.tiny import make_tiny
-
-        make_tiny(family="qwen2", out_dir=TINY_MODEL_DIR)
-    if any(path.startswith(TINY_TASK_DIR + "/") and not os.path.exists(path) for path in config.data.train_files):
-        from spmd_rlhf.data.tasks import make_task
-
-        make_task(task="arithmetic", out_dir=TINY_TASK_DIR)
 
 
 class RLRecipe:

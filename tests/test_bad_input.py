@@ -26,8 +26,8 @@ import pytest
 from torchrun_helpers import RECIPES, alive, environment, torchrun
 
 from spmd_rlhf import checkpoint
-from spmd_rlhf.data.tasks import make_task
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
+from spmd_rlhf.tiny.task import make_task
 
 TIMEOUT_S = 60
 """``trainer.timeout_s`` of every case: a lost rank must end its job within it."""

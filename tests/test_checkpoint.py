@@ -21,7 +21,7 @@ from spmd_rlhf import checkpoint
 from spmd_rlhf.checkpoint import CheckpointError
 from spmd_rlhf.cli import main as cli
 from spmd_rlhf.models import load_model
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 
 # ---- the directory protocol ------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "make-tiny":
-        from spmd_rlhf.models.tiny import make_tiny
+        from spmd_rlhf.tiny.model import make_tiny
 
         make_tiny(
             family=args.family,
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.family} model and tokenizer to {args.out}")
         return 0
     if args.command == "make-task":
-        from spmd_rlhf.data.tasks import make_task
+        from spmd_rlhf.tiny.task import make_task
 
         paths = make_task(task=args.task, out_dir=args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed)
         print("\n".join(f"wrote {path}" for path in paths))

@@ -53,7 +53,7 @@ def test_smoke_run_reports_every_stage(tmp_path):
 
 def test_floor_parts_at_a_real_shape(tmp_path):
     """0.5B's widths, one layer, a smaller vocabulary: the parts are the shapes' bytes, sharded over two ranks."""
-    from spmd_rlhf.models.tiny import make_tiny
+    from spmd_rlhf.tiny.model import make_tiny
 
     model_dir = make_tiny(family="qwen2", out_dir=str(tmp_path / "model"), hidden_size=896, num_layers=1, num_heads=14,
                           num_kv_heads=2, intermediate_size=4864, model_vocab_size=32768)

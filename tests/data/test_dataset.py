@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from spmd_rlhf.data.dataset import DatasetError, PromptDataset, PromptLoader
-from spmd_rlhf.data.tasks import make_task, task_corpus
-from spmd_rlhf.data.tokenizer import train_tokenizer
+from spmd_rlhf.tiny.task import make_task, task_corpus
+from spmd_rlhf.tiny.tokenizer import train_tokenizer
 
 
 @pytest.fixture(scope="module")

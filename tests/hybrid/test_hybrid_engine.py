@@ -12,8 +12,8 @@ import pytest
 from torchrun_helpers import hf_weights, torchrun
 
 from spmd_rlhf.hybrid import GenerationLayout
-from spmd_rlhf.models.tiny import make_tiny
 from spmd_rlhf.runtime import ParallelDims
+from spmd_rlhf.tiny.model import make_tiny
 
 # (dp, tp, pp): tp_g for every tp_g dividing tp; with FSDP (dp > 1) and without; pp = 2 gathered into one model.
 LAYOUTS = [

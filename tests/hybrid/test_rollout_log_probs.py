@@ -20,7 +20,7 @@ import json
 import pytest
 from torchrun_helpers import torchrun
 
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 LAYERS, TEMPERATURE = 4, 0.8
 

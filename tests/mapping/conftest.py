@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spmd_rlhf.models.demo import greedy_continue
-from spmd_rlhf.models.tiny import make_tiny
 from spmd_rlhf.models import load_model
+from spmd_rlhf.models.demo import greedy_continue
+from spmd_rlhf.tiny.model import make_tiny
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 

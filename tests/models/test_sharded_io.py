@@ -17,7 +17,7 @@ import pytest
 import torch
 from torchrun_helpers import torchrun
 
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 LAYOUTS = ["dp2tp2pp1", "dp4tp1pp1", "dp1tp2pp2"]
 WORLD = 4

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torchrun_helpers import torchrun
 
-from spmd_rlhf.data.tasks import task_corpus
-from spmd_rlhf.data.tokenizer import train_tokenizer
 from spmd_rlhf.rewards import RewardRow, RewardRunner
+from spmd_rlhf.tiny.task import task_corpus
+from spmd_rlhf.tiny.tokenizer import train_tokenizer
 
 USER_REWARD = """
 import os

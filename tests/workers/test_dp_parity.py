@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torchrun_helpers import torchrun
 
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 
 @pytest.fixture(scope="module")

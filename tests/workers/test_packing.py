@@ -11,7 +11,7 @@ import torch
 from spmd_rlhf.algos import Denominators, entropy_bonus, policy_loss
 from spmd_rlhf.data import Batch
 from spmd_rlhf.models import DecoderArgs, DecoderLM
-from spmd_rlhf.workers.base import ModelWorker
+from spmd_rlhf.workers.sharded_model import ShardedModel
 from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.workers.packing import PackedRows, PaddedRows
 
@@ -58,7 +58,7 @@ def groups_of(batch: Batch, budget: int | None) -> list[list[int]]:
     return token_balanced_micro_batches(batch["attention_mask"].sum(dim=1).tolist(), budget, agree=lambda count: count)
 
 
-# The worker's own method, with what it reads from a one-rank worker.
+# The sharded model's own method, with what it reads from a one-rank model.
 WORKER = types.SimpleNamespace(tp_group=None, vocab_start=0, device=torch.device("cpu"))
 
 
@@ -91,7 +91,7 @@ def test_packed_log_probs_entropy_values_and_scores_equal_padded(budget):
         model = tiny_model("lm")
 
         def log_probs_and_entropy(logits, micro):
-            return torch.stack(ModelWorker.response_log_probs(WORKER, logits, micro, 0.7, with_entropy=True), dim=1)
+            return torch.stack(ShardedModel.response_log_probs(WORKER, logits, micro, 0.7, with_entropy=True), dim=1)
 
         padded, packed = (per_row_outputs(model, batch, layout, log_probs_and_entropy) for layout in ("padded", budget))
         torch.testing.assert_close(packed, padded, atol=1e-6, rtol=0)
@@ -117,7 +117,7 @@ def test_packed_policy_loss_and_gradients_equal_padded(budget, aggregation):
     denominators = Denominators.local(batch["response_mask"], RESPONSE)
 
     def loss_of(logits, micro):
-        log_probs, entropy = ModelWorker.response_log_probs(WORKER, logits, micro, 0.7, with_entropy=True)
+        log_probs, entropy = ShardedModel.response_log_probs(WORKER, logits, micro, 0.7, with_entropy=True)
         mask = micro.rows["response_mask"]
         loss, _ = policy_loss(log_probs, micro.rows["old_log_probs"], micro.rows["advantages"], mask, clip_low=0.2,
                               clip_high=0.28, aggregation=aggregation, denominators=denominators)

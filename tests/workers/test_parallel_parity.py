@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torchrun_helpers import hf_weights, torchrun
 
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 LAYOUTS = ["dp4tp1pp1", "dp2tp2pp1", "dp1tp4pp1", "dp2tp1pp2", "dp1tp2pp2"]
 

@@ -7,7 +7,7 @@ import torch
 from torchrun_helpers import torchrun
 
 from spmd_rlhf.models import load_model, save_pretrained
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 
 @pytest.fixture(scope="module")

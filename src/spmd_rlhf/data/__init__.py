@@ -1,4 +1,4 @@
-"""Prompt data: synthetic tasks, tokenizers and chat templates, batches and datasets."""
+"""Prompt data: batches and datasets (the synthetic tasks and the offline tokenizer are the tiny fixture, ``spmd_rlhf.tiny``)."""
 
 from .batch import Batch
 

@@ -19,7 +19,7 @@ Registered rules:
   the last ``\\boxed{}`` against the ground truth after normalising both; ``format_score`` for a wrong answer;
 - ``format/think_answer``, ``format/boxed``: 1 when the response is laid out as ``<think>...</think>`` then an
   answer, or holds a ``\\boxed{}`` answer;
-- ``synthetic/arithmetic``, ``synthetic/arithmetic_cost``: the synthetic task of ``spmd_rlhf.data.tasks``, its score
+- ``synthetic/arithmetic``, ``synthetic/arithmetic_cost``: the synthetic task of ``spmd_rlhf.tiny.task``, its score
   and the Safe-RLHF demo's cost.
 
 Correctness and format combine in a user file (``reward.rule=my_reward.py:score``)::

@@ -24,15 +24,16 @@ class NonFiniteReward(ValueError):
 
 def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """The synthetic arithmetic task: 1 for the right sum, 0.1 for a wrong integer, 0 for no integer."""
-    # Imported here: spmd_rlhf.data imports torch, which reward worker processes scoring other rules never need.
-    from ..data.tasks import score_arithmetic
+    # Imported here: the tiny task module imports pyarrow (to write its files), which reward worker processes scoring
+    # other rules never need.
+    from ..tiny.task import score_arithmetic
 
     return score_arithmetic(solution_str, str(ground_truth))
 
 
 def arithmetic_cost(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """The synthetic arithmetic task's cost in the Safe-RLHF demo (``spmd_rlhf.data.tasks.cost_arithmetic``)."""
-    from ..data.tasks import cost_arithmetic
+    """The synthetic arithmetic task's cost in the Safe-RLHF demo (``spmd_rlhf.tiny.task.cost_arithmetic``)."""
+    from ..tiny.task import cost_arithmetic
 
     return cost_arithmetic(solution_str)
 

@@ -18,12 +18,13 @@ from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
 from ..engine import LLMEngine, SamplingParams
 from ..hybrid import GenerationLayout, HybridEngine
-from ..runtime import ParallelDims, RoleContext, data_parallel
+from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from ..runtime.device import check_thread
 from .advantages import old_log_probs, rollout_advantages
-from .base import union_all
+from .base import RoleWorker, union_all
 from .packing import MicroBatch
-from .training import TrainedWorker
+from .sharded_model import ShardedModel
+from .training import Trainer
 
 _SEED_STRIDE = 1_000_003
 
@@ -33,12 +34,20 @@ def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -
     return (run_seed * _SEED_STRIDE + uid * samples_per_prompt + sample) % (2**63)
 
 
-class ActorWorker(TrainedWorker):
+class ActorWorker(RoleWorker):
+    """The policy: a ``ShardedModel`` with an LM head, its ``Trainer``, and the ``HybridEngine`` that generates
+    with the same weights in the generation layout."""
+
     def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
-        super().__init__(context, config, config.actor, head="lm")
-        tokenizer_path = config.model.tokenizer_path or config.model.path
+        super().__init__(context, config, config.actor)
+        self.model = ShardedModel(context, config, config.actor, head="lm", trainable=True, reducer=self.reducer)
+        self.trainer = Trainer(
+            self.model, self.reducer, config.actor, total_steps=config.trainer.total_steps,
+            max_response_length=config.rollout.max_new_tokens,
+        )
+        tokenizer_path = self.model.tokenizer_path
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        vocab_size = self.model.args.vocab_size
+        vocab_size = self.model.module.args.vocab_size
         if len(self.tokenizer) > vocab_size:
             # Prompt ids past the embedding would fail mid-run; responses would be decoded into the wrong text.
             raise ValueError(
@@ -48,8 +57,8 @@ class ActorWorker(TrainedWorker):
             )
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.hybrid = HybridEngine(
-            self.model, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
-            groups=context.groups, pp_group=self.pp_group, stage_ranks=self.stage_ranks, device=self.device,
+            self.model.module, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
+            groups=context.groups, pp_group=self.model.pp_group, stage_ranks=self.model.stage_ranks, device=self.device,
             attention_backend=config.model.attention,
         )
 
@@ -136,8 +145,8 @@ class ActorWorker(TrainedWorker):
         lengths = response_mask.sum(dim=1).double()
         prompt_tokens = repeated["attention_mask"].sum().double()
         clipped = (response_mask[:, -1] == 1).double().sum()
-        totals = self.sum_over_dp(torch.stack([lengths.sum(), torch.tensor(float(rows), dtype=torch.float64), clipped, prompt_tokens]))
-        extremes = self.max_over_dp(torch.stack([lengths.max(), -lengths.min()]))
+        totals = self.reducer.sum(torch.stack([lengths.sum(), torch.tensor(float(rows), dtype=torch.float64), clipped, prompt_tokens]))
+        extremes = self.reducer.max(torch.stack([lengths.max(), -lengths.min()]))
         metrics = {
             "response_length/mean": float(totals[0] / totals[1]),
             "response_length/max": float(extremes[0]),
@@ -145,7 +154,7 @@ class ActorWorker(TrainedWorker):
             "response_length/clip_ratio": float(totals[2] / totals[1]),
             "rollout/generated_tokens": float(totals[0]),
             "rollout/prompt_tokens": float(totals[3]),
-            "rollout/preemptions": float(self.sum_over_dp(torch.tensor(float(preemptions)))),
+            "rollout/preemptions": float(self.reducer.sum(torch.tensor(float(preemptions)))),
         }
         return Batch(
             {
@@ -184,9 +193,9 @@ class ActorWorker(TrainedWorker):
     def compute_log_probs(self, batch: Batch) -> Batch:
         """``old_log_probs`` ``[rows, R]`` of the responses under the current policy (at the rollout temperature;
         0 past the response, like the engine's ``rollout_log_probs``)."""
-        return self.forward_rows(
+        return self.model.forward_rows(
             batch, "compute_log_probs", "old_log_probs",
-            lambda logits, micro: self.response_log_probs(logits, micro, self.temperature)[0],
+            lambda logits, micro: self.model.response_log_probs(logits, micro, self.temperature)[0],
         )
 
     # ---- advantages --------------------------------------------------------------------------------------------
@@ -207,7 +216,7 @@ class ActorWorker(TrainedWorker):
         """
         data = union_all(parts)
         tensors, metrics = rollout_advantages(
-            data, estimator=estimator, algorithm=self.config.algorithm, worker=self, source=source,
+            data, estimator=estimator, algorithm=self.config.algorithm, reducer=self.reducer, source=source,
             kl_coef=self.config.algorithm.kl_coef if kl_coef is None else kl_coef,
             max_response_length=self.config.rollout.max_new_tokens,
             baseline_scores=None if baseline is None else baseline["scores"],
@@ -215,7 +224,7 @@ class ActorWorker(TrainedWorker):
         if source == "reward" and "old_log_probs" in data.tensors:
             # Engine and trainer run the same model code: this stays at rounding level (1e-6 in float32).
             difference = ((data["old_log_probs"] - data["rollout_log_probs"]).abs() * data["response_mask"]).max()
-            metrics["rollout/log_prob_diff_max"] = float(self.max_over_dp(difference))
+            metrics["rollout/log_prob_diff_max"] = float(self.reducer.max(difference))
         return Batch(tensors, meta={"metrics": metrics}, group_size=data.group_size)
 
     # ---- training ----------------------------------------------------------------------------------------------
@@ -227,7 +236,7 @@ class ActorWorker(TrainedWorker):
         aggregation = algorithm.loss_aggregation
         rows = micro.rows
         mask = rows["response_mask"].to(self.device)
-        log_probs, entropy = self.response_log_probs(logits, micro, self.temperature, with_entropy=True)
+        log_probs, entropy = self.model.response_log_probs(logits, micro, self.temperature, with_entropy=True)
         advantages = rows["advantages"]
         if cost_multiplier is not None:
             advantages = combine_advantages(advantages, rows["cost_advantages"], cost_multiplier)
@@ -257,3 +266,22 @@ class ActorWorker(TrainedWorker):
         coef = self.config.algorithm.kl_coef if kl_coef is None else kl_coef
         loss = functools.partial(self._policy_loss, kl_coef=coef, cost_multiplier=cost_multiplier)
         return self.trainer.update(union_all(parts), loss, method="update_actor", prefix="actor")
+
+    # ---- checkpoints and the Hugging Face copy -----------------------------------------------------------------
+
+    @one_to_all
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """Sharded training state (weights, optimizer, LR schedule, RNG) for an exact resume, plus the model config
+        and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from it alone."""
+        self.trainer.save(checkpoint_dir)
+
+    @one_to_all
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Restore what ``save_checkpoint`` wrote, whatever the DP size that wrote it."""
+        self.trainer.load(checkpoint_dir)
+
+    @one_to_all
+    def save_pretrained(self, out_dir: str) -> str:
+        """The current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default ``model.dtype``),
+        streamed from the shards (``ShardedModel.save_pretrained``); returns ``out_dir``."""
+        return self.model.save_pretrained(out_dir)

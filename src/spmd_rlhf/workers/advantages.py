@@ -33,7 +33,7 @@ from ..algos import (
 )
 from ..config_schema import AlgorithmConfig
 from ..data.batch import Batch
-from .base import RoleWorker
+from .reducer import DPReducer
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline")
 SOURCES = {"reward": ("scores", "values", ""), "cost": ("costs", "cost_values", "cost_")}
@@ -51,7 +51,7 @@ def rollout_advantages(
     estimator: str,
     algorithm: AlgorithmConfig,
     kl_coef: float,
-    worker: RoleWorker,
+    reducer: DPReducer,
     max_response_length: int,
     source: str = "reward",
     baseline_scores: torch.Tensor | None = None,
@@ -72,7 +72,7 @@ def rollout_advantages(
             mask.sum(dim=1), max_length=max_response_length, buffer=algorithm.overlong_buffer, factor=algorithm.overlong_penalty
         )
         scores = scores + penalty
-        totals = worker.sum_over_dp(torch.stack([penalty.double().sum(), torch.tensor(float(len(scores)), dtype=torch.float64)]))
+        totals = reducer.sum(torch.stack([penalty.double().sum(), torch.tensor(float(len(scores)), dtype=torch.float64)]))
         metrics["reward/overlong_penalty"] = float(totals[0] / totals[1])
     if estimator == "reinforce_pp_baseline":
         scores = group_advantages(scores, data.group_size, normalize_std=False)
@@ -80,7 +80,7 @@ def rollout_advantages(
     if source == "reward" and "ref_log_probs" in data.tensors:
         kl = kl_estimate(old_log_probs(data), data["ref_log_probs"], algorithm.kl_estimator)
         per_sequence_kl = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        totals = worker.sum_over_dp(torch.stack([per_sequence_kl.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]))
+        totals = reducer.sum(torch.stack([per_sequence_kl.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]))
         metrics["kl/mean"] = float(totals[0] / totals[1])
         if algorithm.kl_penalty == "reward":
             token_rewards = apply_kl_penalty(token_rewards, kl, kl_coef, mask)
@@ -88,10 +88,10 @@ def rollout_advantages(
         advantages, returns = gae(token_rewards, data[value_key].float(), mask, gamma=algorithm.gamma, lam=algorithm.lam)
         tensors[f"{prefix}returns"] = returns
         if algorithm.normalize_advantages:
-            advantages = whiten(advantages, mask, sum_over_ranks=worker.sum_over_dp)
+            advantages = whiten(advantages, mask, sum_over_ranks=reducer.sum)
     elif estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         returns = discounted_returns(token_rewards, mask, gamma=algorithm.gamma)
-        advantages = whiten(returns, mask, sum_over_ranks=worker.sum_over_dp)
+        advantages = whiten(returns, mask, sum_over_ranks=reducer.sum)
     else:
         sequence_rewards = (token_rewards * mask).sum(dim=1)
         if estimator == "grpo":
@@ -104,5 +104,5 @@ def rollout_advantages(
             advantages = remax_advantages(sequence_rewards, baseline_scores.float(), data.group_size)
         advantages = broadcast_to_tokens(advantages, mask)
     tensors[f"{prefix}advantages"] = advantages
-    metrics[f"{prefix}advantages/mean"] = float(worker.masked_mean_over_dp(advantages, mask))
+    metrics[f"{prefix}advantages/mean"] = float(reducer.masked_mean(advantages, mask))
     return tensors, metrics

@@ -1,43 +1,15 @@
-"""What every model-holding role shares: loading its model sharded with FSDP2 over the role's DP mesh, collectives over
-that mesh, and micro-batched forward passes over the rollout layout (fed packed, ``workers.packing``).
-
-The rollout layout (made by ``ActorWorker.generate_sequences``): ``prompts`` ``[rows, P]`` left-padded, ``responses``
-``[rows, R]`` right-padded, ``input_ids = prompts ++ responses``, ``attention_mask`` over both, ``response_mask``
-``[rows, R]``. The model's output at position ``P - 1 + t`` predicts (or values) response token ``t``.
+"""What every role worker shares: the runtime's ``Worker`` (context, mesh, device) plus its config and a ``DPReducer``
+over its DP group. The rest of a role is composed, not inherited: a ``ShardedModel`` (``workers.sharded_model``) for
+the roles that hold a model, a ``Trainer`` (``workers.training``) for the ones that train it, and the role's own
+dispatched methods (one file per role).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from transformers import AutoTokenizer
-
 from ..config_schema import FrameworkConfig, RoleConfig
 from ..data.batch import Batch
-from ..models import (
-    DecoderLM,
-    log_probs_and_entropy_from_logits,
-    log_probs_from_logits,
-)
-from ..models.parallelize import parallelize
-from ..models.pipeline import Pipeline, split_stage
-from ..models.sharded_save import save_sharded_pretrained
-from ..models.weights import build_model, load_weights
-from ..runtime import RoleContext, Worker, one_to_all
-from .micro_batches import row_chunks, token_balanced_micro_batches
-from .packing import MicroBatch, PackedRows, PaddedRows
-
-MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
-"""(the model's output for one micro-batch, that micro-batch) -> a loss (training) or per-row results."""
-
-
-# The value and score heads return a view ([..., 1] squeezed); outputs are never modified in place here, which is the
-# only case in which that view would matter to FSDP's backward hooks.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+from ..runtime import RoleContext, Worker
+from .reducer import DPReducer
 
 
 def union_all(parts: tuple[Batch, ...]) -> Batch:
@@ -49,190 +21,10 @@ def union_all(parts: tuple[Batch, ...]) -> Batch:
 
 
 class RoleWorker(Worker):
-    """A role of the RL loop: its config and collectives over its DP group."""
+    """A role of the RL loop: its config, and ``reducer`` over its DP group."""
 
     def __init__(self, context: RoleContext, config: FrameworkConfig, role_config: RoleConfig) -> None:
         super().__init__(context)
         self.config = config
         self.role_config = role_config
-        self.dp_group = self.mesh["dp"].get_group()
-        self.dp_size = self.mesh["dp"].size()
-        self.role_group = context.groups["role"]
-        """All of the role's ranks (DP x TP x PP): sharded checkpoints are written and read over it."""
-
-    # ---- collectives over the role's DP group ------------------------------------------------------------------
-
-    def reduce_over_dp(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        """``tensor`` reduced elementwise over the DP ranks (a new tensor; gloo and NCCL alike)."""
-        total = tensor.detach().clone()
-        if self.dp_size > 1:
-            dist.all_reduce(total, op=op, group=self.dp_group)
-        return total
-
-    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.reduce_over_dp(tensor)
-
-    def max_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.reduce_over_dp(tensor, dist.ReduceOp.MAX)
-
-    def masked_mean_over_dp(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        mask = mask.to(torch.float64)
-        sums = self.sum_over_dp(torch.stack([(values.double() * mask).sum(), mask.sum()]))
-        return sums[0] / sums[1].clamp(min=1.0)
-
-    def check_equal_shards(self, batch: Batch, method: str) -> None:
-        """FSDP runs a collective per forward, so every DP rank must run the same number of micro-batches."""
-        rows = self.max_over_dp(torch.tensor([len(batch), -len(batch)], dtype=torch.float64))
-        if int(rows[0]) != -int(rows[1]):
-            raise ValueError(
-                f"{self.context.name}.{method}: DP ranks got between {-int(rows[1])} and {int(rows[0])} rows; make the "
-                f"batch (data.batch_size x rollout.n responses) divide evenly over {self.dp_size} DP ranks"
-            )
-
-
-
-class ModelWorker(RoleWorker):
-    """A role holding one ``DecoderLM`` (``self.model``): its pipeline stage (``mesh["pp"]``), tensor-parallel over
-    ``mesh["tp"]`` and FSDP2-sharded over ``mesh["dp"]`` (``models.parallelize``)."""
-
-    def __init__(
-        self, context: RoleContext, config: FrameworkConfig, role_config: RoleConfig, *, head: str, trainable: bool
-    ) -> None:
-        super().__init__(context, config, role_config)
-        path = role_config.model_path or config.model.path
-        torch.manual_seed(config.trainer.seed)
-        compute_dtype = getattr(torch, config.model.dtype)
-        # Trained roles keep float32 master weights and compute in model.dtype; frozen ones store model.dtype directly.
-        storage_dtype = torch.float32 if trainable else compute_dtype
-        # Built on the meta device and parallelized there; each rank then reads only its own pieces of the weights.
-        model = build_model(path, head=head, dtype=storage_dtype, attention_backend=config.model.attention)
-        dims, name = context.dims, context.name
-        model = split_stage(model, stage=self.pp_rank, pp=dims.pp, role=name)
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        on_gpu = self.device.type == "cuda"
-        parallelize(
-            model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name,
-            activation_checkpointing=config.model.activation_checkpointing and trainable,
-            compile_layers=config.model.compile and on_gpu, offload=role_config.offload and on_gpu,
-        )
-        load_weights(model, path, device=self.device)
-        if not trainable:
-            model.requires_grad_(False)
-        self.model: DecoderLM = model
-        self.tp_group = self.mesh["tp"].get_group() if dims.tp > 1 else None
-        """Set when the LM head's logits are sharded over the vocabulary across this group."""
-        self.vocab_start = self.tp_rank * (model.args.vocab_size // dims.tp)
-        self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
-        self.stage_ranks = dims.stage_ranks(context.ranks, context.role_rank)
-        """Global rank of each pipeline stage of this rank's pipeline, in stage order."""
-        self.pipeline = None
-        if dims.pp > 1:
-            self.pipeline = Pipeline(
-                model, stage=self.pp_rank, stage_ranks=self.stage_ranks, group=self.pp_group, device=self.device,
-                schedule=role_config.pp_schedule,
-            )
-
-    # ---- forward passes over the rollout layout ----------------------------------------------------------------
-
-    def micro_batch_rows(self, batch: Batch, rows_per_micro_batch: int) -> list[list[int]]:
-        """Row indices of each micro-batch of ``batch``: token-balanced groups within the role's
-        ``max_tokens_per_micro_batch`` (their count agreed over the DP group), else ``rows_per_micro_batch``
-        consecutive rows."""
-        max_tokens = self.role_config.max_tokens_per_micro_batch
-        if max_tokens is None:
-            return row_chunks(len(batch), rows_per_micro_batch)
-        lengths = batch["attention_mask"].sum(dim=1).tolist()
-        return token_balanced_micro_batches(lengths, max_tokens, lambda count: int(self.max_over_dp(torch.tensor(count))))
-
-    def run_model(
-        self, batch: Batch, *, micro_batch_size: int, output_fn: MicroBatchFunction, train: bool
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """``output_fn(model output, micro-batch)`` for each micro-batch of ``batch`` (``micro_batch_rows``), and
-        the rows of ``batch`` in the order the results cover them. With ``train``, each result is a loss to
-        back-propagate (gradients accumulate); the returned results are detached.
-
-        Without pipeline parallelism each micro-batch is fed packed (``PackedRows``: no padding, the head only at
-        response positions). Through a pipeline (then only its last stage returns results) micro-batches stay padded
-        rows (``PaddedRows``): ``torch.distributed.pipelining`` needs every micro-batch of a schedule to have the same
-        shape, which packed sequences of different total lengths do not.
-
-        Peak per packed micro-batch: the logits of its response tokens, ``[response_tokens, vocab / tp]`` in the
-        compute dtype (a padded one: ``[rows, P + R, vocab / tp]``), plus the activations of its real tokens."""
-        if self.pipeline is not None:
-            results = self.pipeline.run(
-                batch["input_ids"], batch["attention_mask"], micro_batch_size=micro_batch_size, train=train,
-                output_fn=lambda output, rows: output_fn(output, PaddedRows(batch.select(rows))),
-            )
-            return [result.detach() for result in results], torch.arange(len(batch))
-        per_token = self.model.head != "score"
-        groups = self.micro_batch_rows(batch, micro_batch_size)
-        results = []
-        for rows in groups:
-            micro = PackedRows(batch.select(rows))
-            result = output_fn(self.model(**micro.model_inputs(self.device, per_token=per_token)), micro)
-            if train:
-                result.backward()
-            results.append(result.detach())
-        return results, torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
-
-    def forward_rows(self, batch: Batch, method: str, key: str, output_fn: MicroBatchFunction) -> Batch:
-        """``Batch({key: output_fn results of every row})`` in ``batch``'s row order, forward only, on every rank of
-        the role (a pipeline's last stage sends its results to the other stages)."""
-        self.check_equal_shards(batch, method)
-        self.model.eval()
-        with torch.no_grad():
-            results, order = self.run_model(
-                batch, micro_batch_size=self.role_config.forward_micro_batch_size or self.role_config.micro_batch_size,
-                output_fn=output_fn, train=False,
-            )
-        values = None
-        if results:
-            grouped = torch.cat(results).cpu()
-            values = torch.empty_like(grouped)
-            values[order] = grouped
-        if self.pipeline is not None:
-            carrier = [values]
-            dist.broadcast_object_list(carrier, src=self.stage_ranks[-1], group=self.pp_group)
-            values = carrier[0]
-        return Batch({key: values}, group_size=batch.group_size)
-
-    def response_log_probs(
-        self, logits: torch.Tensor, micro: MicroBatch, temperature: float, *, with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs ``[rows, R]`` of the response tokens under softmax(logits / temperature), and optionally the
-        entropy of that distribution at each response position; zero where ``response_mask`` is 0. Under TP the
-        logits are this rank's vocabulary slice and the softmax statistics are reduced over the TP group."""
-        # The logits go in unscaled and in the model's dtype, at response positions only: the log-prob functions
-        # scale them in float32 chunk by chunk (or in the fused kernel's registers), never as a float32
-        # [tokens, vocab] copy.
-        logits = micro.response_outputs(logits)
-        labels = micro.response_labels(self.device)
-        options = dict(temperature=temperature, group=self.tp_group, vocab_start=self.vocab_start)
-        if with_entropy:
-            log_probs, entropy = log_probs_and_entropy_from_logits(logits, labels, **options)
-            return micro.scatter(log_probs), micro.scatter(entropy)
-        return micro.scatter(log_probs_from_logits(logits, labels, **options)), None
-
-    # ---- Hugging Face copy -------------------------------------------------------------------------------------
-
-    @one_to_all
-    def save_pretrained(self, out_dir: str) -> str:
-        """Write the current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default
-        ``model.dtype``), streamed from the shards: each pipeline stage's first rank writes that stage's files,
-        gathering one row band of one tensor at a time (``models.sharded_save``); returns ``out_dir``."""
-        dims, role_rank = self.context.dims, self.context.role_rank
-        per_stage = dims.dp * dims.tp
-        stage_start = role_rank // per_stage * per_stage
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                # The copy reads the sharded master weights, whatever gathered state the last forward left behind.
-                module.reshard()
-        tokenizer = None
-        if role_rank == 0:
-            tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path or self.config.model.path)
-        save_sharded_pretrained(
-            self.model, out_dir, stage=self.pp_rank, stage_ranks=list(self.context.ranks[stage_start : stage_start + per_stage]),
-            writers_group=self.pp_group, group=self.role_group, dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
-            device=self.device, tokenizer=tokenizer,
-        )
-        return out_dir
+        self.reducer = DPReducer(self.mesh["dp"].get_group(), role=context.name)

@@ -11,27 +11,36 @@ import torch
 from ..algos import Denominators, masked_mean, value_loss
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
-from ..runtime import RoleContext, data_parallel
-from .base import union_all
+from ..runtime import RoleContext, data_parallel, one_to_all
+from .base import RoleWorker, union_all
 from .packing import MicroBatch
-from .training import TrainedWorker
+from .sharded_model import ShardedModel
+from .training import Trainer
 
 CRITIC_ROLES = {"critic": "", "cost_critic": "cost_"}
 """Critic role -> prefix of the batch keys it reads and writes."""
 
 
-class CriticWorker(TrainedWorker):
+class CriticWorker(RoleWorker):
+    """A value model: a ``ShardedModel`` with a value head and its ``Trainer``."""
+
     def __init__(self, context: RoleContext, config: FrameworkConfig, *, role: str = "critic") -> None:
         if role not in CRITIC_ROLES:
             raise ValueError(f"critic role {role!r} is unknown; choose one of {', '.join(CRITIC_ROLES)}")
-        super().__init__(context, config, getattr(config, role), head="value")
+        role_config = getattr(config, role)
+        super().__init__(context, config, role_config)
+        self.model = ShardedModel(context, config, role_config, head="value", trainable=True, reducer=self.reducer)
+        self.trainer = Trainer(
+            self.model, self.reducer, role_config, total_steps=config.trainer.total_steps,
+            max_response_length=config.rollout.max_new_tokens,
+        )
         self.role, self.keys = role, CRITIC_ROLES[role]
 
     @data_parallel
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (``cost_values``) ``[rows, R]``: V of the state before each response token (0 past the
         response)."""
-        return self.forward_rows(
+        return self.model.forward_rows(
             batch, "compute_values", f"{self.keys}values",
             lambda values, micro: micro.scatter(micro.response_outputs(values).float()),
         )
@@ -56,3 +65,22 @@ class CriticWorker(TrainedWorker):
         """Epochs of clipped value-loss steps over the rows of ``parts`` (together: the rollout, ``values`` from
         before the update and ``returns``, or their ``cost_`` versions)."""
         return self.trainer.update(union_all(parts), self._value_loss, method="update_critic", prefix=self.role)
+
+    # ---- checkpoints and the Hugging Face copy -----------------------------------------------------------------
+
+    @one_to_all
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """Sharded training state (weights, optimizer, LR schedule, RNG) for an exact resume, plus the model config
+        and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from it alone."""
+        self.trainer.save(checkpoint_dir)
+
+    @one_to_all
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Restore what ``save_checkpoint`` wrote, whatever the DP size that wrote it."""
+        self.trainer.load(checkpoint_dir)
+
+    @one_to_all
+    def save_pretrained(self, out_dir: str) -> str:
+        """The current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default ``model.dtype``),
+        streamed from the shards (``ShardedModel.save_pretrained``); returns ``out_dir``."""
+        return self.model.save_pretrained(out_dir)

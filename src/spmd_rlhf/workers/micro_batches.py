@@ -4,7 +4,7 @@ dynamic batch size, ``ppo_max_token_len_per_gpu``).
 FSDP runs collectives in every forward (and backward), so every DP rank of a role must run the same number of
 micro-batches. Under a token budget each rank's rows may need a different number, so the count is agreed over the DP
 group (its maximum), and a rank that could do with fewer splits its rows into that many smaller groups: never an
-empty micro-batch, since every DP rank holds as many rows as any other (``RoleWorker.check_equal_shards``) and the
+empty micro-batch, since every DP rank holds as many rows as any other (``DPReducer.check_equal_shards``) and the
 agreed count never exceeds that.
 
 How the rows are grouped does not change a loss: each micro-batch's loss is its share of the mini-batch's loss,

@@ -19,18 +19,21 @@ from ..config_schema import FrameworkConfig, ScoringRoleConfig
 from ..data.batch import Batch
 from ..rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores
 from ..runtime import RoleContext, data_parallel
-from .base import ModelWorker, RoleWorker
+from .base import RoleWorker
+from .sharded_model import ShardedModel
 
 
 class RewardWorker(RoleWorker):
+    """A scorer: a frozen ``ShardedModel`` with a score head (``kind: model``), or a ``RewardRunner`` of a rule."""
+
     def __init__(self, context: RoleContext, config: FrameworkConfig, *, role: str = "reward") -> None:
         role_config: ScoringRoleConfig = getattr(config, role)
         super().__init__(context, config, role_config)
         self.output_key = "scores" if role == "reward" else "costs"
-        self.scorer: ModelWorker | None = None
+        self.scorer: ShardedModel | None = None
         self.runner: RewardRunner | None = None
         if role_config.kind == "model":
-            self.scorer = ModelWorker(context, config, role_config, head="score", trainable=False)
+            self.scorer = ShardedModel(context, config, role_config, head="score", trainable=False, reducer=self.reducer)
         else:
             self.runner = RewardRunner(
                 role_config.rule, rule_kwargs=role_config.rule_kwargs, num_workers=role_config.num_workers,
@@ -56,7 +59,7 @@ class RewardWorker(RoleWorker):
         for key in keys:
             sums += [sum(extras.get(key, ())), float(len(extras.get(key, ())))]
         sums += [float(count) for count in failures.values()]
-        totals = self.sum_over_dp(torch.tensor(sums, dtype=torch.float64)).tolist()
+        totals = self.reducer.sum(torch.tensor(sums, dtype=torch.float64)).tolist()
         name = self.context.name
         metrics = {f"{name}/mean": totals[0] / totals[1]}
         for index, key in enumerate(keys):
@@ -93,8 +96,4 @@ class RewardWorker(RoleWorker):
 
     def keys_over_dp(self, keys: list[str]) -> list[str]:
         """The extra metric names returned on any DP rank (rules may return different ones for different rows)."""
-        if self.dp_size == 1:
-            return keys
-        gathered: list[list[str] | None] = [None] * self.dp_size
-        dist.all_gather_object(gathered, keys, group=self.dp_group)
-        return sorted({key for rank_keys in gathered for key in rank_keys})
+        return sorted({key for rank_keys in self.reducer.gather_objects(keys) for key in rank_keys})

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..algos import Denominators
-from ..checkpoint import load_role_state, save_model_config, save_role_state
-from ..config_schema import FrameworkConfig, TrainableRoleConfig
+from ..checkpoint import load_role_state, save_role_state
+from ..config_schema import TrainableRoleConfig
 from ..data.batch import Batch
-from ..runtime import RoleContext, one_to_all
-from .base import ModelWorker
 from .packing import MicroBatch
+from .reducer import DPReducer
+from .sharded_model import ShardedModel
 
 LossFunction = Callable[[torch.Tensor, MicroBatch, Denominators], tuple[torch.Tensor, dict[str, float]]]
 """(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss, metrics)."""
@@ -74,15 +74,19 @@ def clip_gradients(
 
 
 class Trainer:
-    """Optimizer, schedule and update loop of one trained role (the actor or the critic)."""
+    """Optimizer, schedule and update loop of one trained role (the actor or the critic): it trains ``model`` and
+    takes the statistics of each mini-batch over the DP group with ``reducer``."""
 
-    def __init__(self, worker: ModelWorker, role_config: TrainableRoleConfig, *, total_steps: int, max_response_length: int) -> None:
-        self.worker = worker
+    def __init__(
+        self, model: ShardedModel, reducer: DPReducer, role_config: TrainableRoleConfig, *, total_steps: int,
+        max_response_length: int,
+    ) -> None:
+        self.model = model
+        self.reducer = reducer
         self.role_config = role_config
         self.max_response_length = max_response_length
-        model = worker.model
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=role_config.lr, betas=tuple(role_config.betas), weight_decay=role_config.weight_decay
+            model.module.parameters(), lr=role_config.lr, betas=tuple(role_config.betas), weight_decay=role_config.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -93,32 +97,31 @@ class Trainer:
         )
 
     def rows_per_mini_batch(self, batch: Batch, method: str) -> int:
-        dp_size = self.worker.dp_size
+        dp_size, role = self.reducer.size, self.reducer.role
         mini_batch_size = self.role_config.mini_batch_size
         if mini_batch_size % dp_size:
             raise ValueError(
-                f"{self.worker.context.name}.mini_batch_size={mini_batch_size} must divide over {dp_size} DP ranks "
-                f"({self.worker.context.name}.{method})"
+                f"{role}.mini_batch_size={mini_batch_size} must divide over {dp_size} DP ranks "
+                f"({role}.{method})"
             )
         rows = mini_batch_size // dp_size
         if len(batch) % rows:
             raise ValueError(
-                f"{self.worker.context.name}.{method}: {len(batch)} rows per DP rank do not split into mini-batches of "
-                f"{rows} ({self.worker.context.name}.mini_batch_size={mini_batch_size} over {dp_size} ranks)"
+                f"{role}.{method}: {len(batch)} rows per DP rank do not split into mini-batches of "
+                f"{rows} ({role}.mini_batch_size={mini_batch_size} over {dp_size} ranks)"
             )
         return rows
 
     def update(self, batch: Batch, loss_function: LossFunction, *, method: str, prefix: str) -> dict[str, float]:
         """PPO epochs over ``batch`` (this rank's rows), one optimizer step per mini-batch; returns mean metrics."""
-        self.worker.check_equal_shards(batch, method)
+        self.reducer.check_equal_shards(batch, method)
         rows = self.rows_per_mini_batch(batch, method)
-        model = self.worker.model
-        model.train()
+        self.model.module.train()
         metrics: dict[str, list[float]] = defaultdict(list)
         for _ in range(self.role_config.ppo_epochs):
             for mini in batch.chunk_rows(rows):
                 mask = mini["response_mask"]
-                counts = self.worker.sum_over_dp(torch.tensor([float(mask.sum()), float(len(mini))], dtype=torch.float64))
+                counts = self.reducer.sum(torch.tensor([float(mask.sum()), float(len(mini))], dtype=torch.float64))
                 denominators = Denominators(float(counts[0]), float(counts[1]), float(self.max_response_length))
                 records: list[tuple[float, dict[str, float]]] = []
 
@@ -127,9 +130,9 @@ class Trainer:
                     records.append((float(loss.detach()), micro_metrics))
                     # FSDP averages gradients over DP ranks; each rank's loss is already its share of the global
                     # mini-batch loss, so scale by the DP size to make the average a sum (gloo has no pre-scaled sum).
-                    return loss * self.worker.dp_size
+                    return loss * self.reducer.size
 
-                results, _ = self.worker.run_model(
+                results, _ = self.model.run_model(
                     mini, micro_batch_size=self.role_config.micro_batch_size, output_fn=micro_batch_loss, train=True
                 )
                 # A pipeline schedule may call the loss function on placeholder outputs first (torch >= 2.13 infers
@@ -139,57 +142,40 @@ class Trainer:
                     mini_batch_loss += loss
                     for key, value in micro_metrics.items():
                         metrics[key].append(value)
-                metrics[f"{prefix}/loss"].append(float(self.worker.sum_over_dp(mini_batch_loss)))
+                metrics[f"{prefix}/loss"].append(float(self.reducer.sum(mini_batch_loss)))
                 metrics[f"{prefix}/grad_norm"].append(self._step())
         metrics[f"{prefix}/lr"].append(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         return {key: sum(values) / len(values) for key, values in metrics.items()}
 
     def save(self, checkpoint_dir: str) -> None:
-        """Sharded model, optimizer, LR-schedule and RNG state with DCP: each rank writes its own shards."""
+        """Sharded model, optimizer, LR-schedule and RNG state with DCP (each rank writes its own shards) for an exact
+        resume, plus the model config and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from it
+        alone."""
         save_role_state(
-            checkpoint_dir, model=self.worker.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            process_group=self.worker.role_group,
+            checkpoint_dir, model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler,
+            process_group=self.model.role_group,
         )
+        self.model.save_config(checkpoint_dir)
 
     def load(self, checkpoint_dir: str) -> None:
         """Restore what ``save`` wrote (any DP size can load it: DCP reshards on load)."""
         load_role_state(
-            checkpoint_dir, model=self.worker.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            process_group=self.worker.role_group,
+            checkpoint_dir, model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler,
+            process_group=self.model.role_group,
         )
 
     def _step(self) -> float:
         """Clip, step and zero the gradients; a non-finite gradient norm skips the step (never applied; it shows as
         a non-finite ``grad_norm`` in the metrics)."""
-        gradients = [p.grad for p in self.worker.model.parameters() if p.grad is not None]
-        worker = self.worker
+        gradients = [p.grad for p in self.model.module.parameters() if p.grad is not None]
+        model = self.model
         norm = clip_gradients(
-            gradients, self.role_config.grad_clip, stage_groups=[worker.mesh["dp"].get_group(), worker.mesh["tp"].get_group()],
-            pipeline_group=worker.pp_group, device=worker.device,
+            gradients, self.role_config.grad_clip, stage_groups=[model.mesh["dp"].get_group(), model.mesh["tp"].get_group()],
+            pipeline_group=model.pp_group, device=model.device,
         )
         if math.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-
-class TrainedWorker(ModelWorker):
-    """A role that trains its model (actor, critic): a ``Trainer`` plus checkpointing of the training state."""
-
-    def __init__(self, context: RoleContext, config: FrameworkConfig, role_config: TrainableRoleConfig, *, head: str) -> None:
-        super().__init__(context, config, role_config, head=head, trainable=True)
-        self.trainer = Trainer(self, role_config, total_steps=config.trainer.total_steps, max_response_length=config.rollout.max_new_tokens)
-
-    @one_to_all
-    def save_checkpoint(self, checkpoint_dir: str) -> None:
-        """Sharded training state (weights, optimizer, LR schedule, RNG) for an exact resume, plus the model config
-        and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from it alone."""
-        self.trainer.save(checkpoint_dir)
-        if self.context.role_rank == 0:
-            save_model_config(checkpoint_dir, self.model, tokenizer_path=self.config.model.tokenizer_path or self.config.model.path)
-
-    @one_to_all
-    def load_checkpoint(self, checkpoint_dir: str) -> None:
-        """Restore what ``save_checkpoint`` wrote, whatever the DP size that wrote it."""
-        self.trainer.load(checkpoint_dir)

@@ -52,13 +52,13 @@ class MeasuredActor(ActorWorker):
 
     @all_to_all
     def measured_generation(self, _: object) -> dict:
-        prompts = prompts_batch(100).split(self.dp_size)[self.dp_rank]
+        prompts = prompts_batch(100).split(self.reducer.size)[self.dp_rank]
         self.generation_bytes = self.kv_bytes = 0
         # The largest FSDP block (a layer, or the root's embedding + norm + head) in the compute dtype: FSDP's gather
         # buffers and the micro-DP gather hold at most a few of these at a time.
         dtype = getattr(torch, self.config.model.dtype)
-        full = {name: p.numel() for name, p in meta_model(self.model.args).named_parameters()}
-        blocks = [sum(n for name, n in full.items() if name.startswith(f"model.layers.{i}.")) for i in range(self.model.args.num_layers)]
+        full = {name: p.numel() for name, p in meta_model(self.model.module.args).named_parameters()}
+        blocks = [sum(n for name, n in full.items() if name.startswith(f"model.layers.{i}.")) for i in range(self.model.module.args.num_layers)]
         largest_block = max(*blocks, sum(n for name, n in full.items() if not name.startswith("model.layers."))) * dtype.itemsize
         build = self.hybrid.generation_model
         reshard = PeakMemory(self.device)
@@ -72,7 +72,7 @@ class MeasuredActor(ActorWorker):
             batch = self.generate_sequences(prompts, greedy=True)
         del self.hybrid.generation_model
         return {
-            "loading_peak": self.loading_peak, "training_bytes": local_bytes(self.model),
+            "loading_peak": self.loading_peak, "training_bytes": local_bytes(self.model.module),
             "largest_tensor_bytes": max(full.values()) * 4,
             "peak_increase": memory.peak_increase, "reshard_peak_increase": reshard.peak_increase, "generation_bytes": self.generation_bytes, "kv_bytes": self.kv_bytes,
             "block_bytes": largest_block, "full_model_bytes": sum(full.values()) * dtype.itemsize,

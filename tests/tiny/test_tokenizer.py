@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from spmd_rlhf.data.tasks import task_corpus
-from spmd_rlhf.data.tokenizer import train_tokenizer
+from spmd_rlhf.tiny.task import task_corpus
+from spmd_rlhf.tiny.tokenizer import train_tokenizer
 
 CORPUS = task_corpus("arithmetic") + [
     "The quick brown fox jumps over the lazy dog.",

@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from spmd_rlhf.data.tasks import make_rows, make_task, score_arithmetic, task_corpus
+from spmd_rlhf.tiny.task import make_rows, make_task, score_arithmetic, task_corpus
 
 
 def _read_jsonl(path: Path) -> list[dict]:

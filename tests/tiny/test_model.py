@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.tiny.model import make_tiny
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "src"
 FAMILIES = {

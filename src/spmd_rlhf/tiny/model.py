@@ -24,8 +24,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from spmd_rlhf.data.tasks import task_corpus
-from spmd_rlhf.data.tokenizer import train_tokenizer
+from .task import task_corpus
+from .tokenizer import train_tokenizer
 
 HEADS = ("lm", "score")
 

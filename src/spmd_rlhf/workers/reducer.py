@@ -1,0 +1,59 @@
+"""Reductions over a role's DP group: the statistics of a whole batch from the DP shards that hold it.
+
+A ``DPReducer`` is what the parts of a role (its sharded model, its ``Trainer``, the advantage estimators) need of the
+role's data parallelism, and nothing else: sums, maxima and masked means over the DP ranks, and the check that every
+DP rank got as many rows as every other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..data.batch import Batch
+
+
+class DPReducer:
+    """Collectives over the DP group ``group`` of the role ``role`` (named in error messages)."""
+
+    def __init__(self, group: dist.ProcessGroup, *, role: str) -> None:
+        self.group = group
+        self.size = group.size()
+        self.role = role
+
+    def reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """``tensor`` reduced elementwise over the DP ranks (a new tensor; gloo and NCCL alike)."""
+        total = tensor.detach().clone()
+        if self.size > 1:
+            dist.all_reduce(total, op=op, group=self.group)
+        return total
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.reduce(tensor)
+
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.reduce(tensor, dist.ReduceOp.MAX)
+
+    def masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        mask = mask.to(torch.float64)
+        sums = self.sum(torch.stack([(values.double() * mask).sum(), mask.sum()]))
+        return sums[0] / sums[1].clamp(min=1.0)
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every DP rank's ``value`` (picklable), in DP-rank order."""
+        if self.size == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def check_equal_shards(self, batch: Batch, method: str) -> None:
+        """FSDP runs a collective per forward, so every DP rank must run the same number of micro-batches."""
+        rows = self.max(torch.tensor([len(batch), -len(batch)], dtype=torch.float64))
+        if int(rows[0]) != -int(rows[1]):
+            raise ValueError(
+                f"{self.role}.{method}: DP ranks got between {-int(rows[1])} and {int(rows[0])} rows; make the "
+                f"batch (data.batch_size x rollout.n responses) divide evenly over {self.size} DP ranks"
+            )

@@ -1,0 +1,215 @@
+"""A role's model, sharded over the role's mesh: built, parallelized, loaded, run in micro-batches, and exported.
+
+``ShardedModel`` is the part every model-holding role (actor, critic, reference, a reward or cost model) composes: it
+builds one ``DecoderLM`` on the meta device, keeps this rank's pipeline stage (``mesh["pp"]``), applies tensor
+parallelism over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]`` (``models.parallelize``), loads this rank's pieces of
+the weights, runs micro-batched forward passes over the rollout layout (fed packed, ``workers.packing``) and writes a
+Hugging Face copy streamed from the shards (``models.sharded_save``).
+
+The rollout layout (made by ``ActorWorker.generate_sequences``): ``prompts`` ``[rows, P]`` left-padded, ``responses``
+``[rows, R]`` right-padded, ``input_ids = prompts ++ responses``, ``attention_mask`` over both, ``response_mask``
+``[rows, R]``. The model's output at position ``P - 1 + t`` predicts (or values) response token ``t``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from transformers import AutoTokenizer
+
+from ..checkpoint import save_model_config
+from ..config_schema import FrameworkConfig, RoleConfig
+from ..data.batch import Batch
+from ..models import (
+    DecoderLM,
+    log_probs_and_entropy_from_logits,
+    log_probs_from_logits,
+)
+from ..models.parallelize import parallelize
+from ..models.pipeline import Pipeline, split_stage
+from ..models.sharded_save import save_sharded_pretrained
+from ..models.weights import build_model, load_weights
+from ..runtime import RoleContext
+from .micro_batches import row_chunks, token_balanced_micro_batches
+from .packing import MicroBatch, PackedRows, PaddedRows
+from .reducer import DPReducer
+
+MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+"""(the model's output for one micro-batch, that micro-batch) -> a loss (training) or per-row results."""
+
+
+# The value and score heads return a view ([..., 1] squeezed); outputs are never modified in place here, which is the
+# only case in which that view would matter to FSDP's backward hooks.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+class ShardedModel:
+    """One ``DecoderLM`` (``module``) of the role in ``context``: its pipeline stage, tensor-parallel over
+    ``mesh["tp"]`` and FSDP2-sharded over ``mesh["dp"]``. ``reducer`` (the role's DP group) agrees micro-batch counts
+    and checks that every DP rank got as many rows."""
+
+    def __init__(
+        self, context: RoleContext, config: FrameworkConfig, role_config: RoleConfig, *, head: str, trainable: bool,
+        reducer: DPReducer,
+    ) -> None:
+        self.config = config
+        self.role_config = role_config
+        self.reducer = reducer
+        self.context = context
+        self.mesh = context.mesh
+        self.device = context.device
+        coordinates = context.coordinates
+        path = role_config.model_path or config.model.path
+        torch.manual_seed(config.trainer.seed)
+        compute_dtype = getattr(torch, config.model.dtype)
+        # Trained roles keep float32 master weights and compute in model.dtype; frozen ones store model.dtype directly.
+        storage_dtype = torch.float32 if trainable else compute_dtype
+        # Built on the meta device and parallelized there; each rank then reads only its own pieces of the weights.
+        model = build_model(path, head=head, dtype=storage_dtype, attention_backend=config.model.attention)
+        dims, name = context.dims, context.name
+        model = split_stage(model, stage=coordinates.pp, pp=dims.pp, role=name)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        on_gpu = self.device.type == "cuda"
+        parallelize(
+            model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name,
+            activation_checkpointing=config.model.activation_checkpointing and trainable,
+            compile_layers=config.model.compile and on_gpu, offload=role_config.offload and on_gpu,
+        )
+        load_weights(model, path, device=self.device)
+        if not trainable:
+            model.requires_grad_(False)
+        self.module: DecoderLM = model
+        self.tp_group = self.mesh["tp"].get_group() if dims.tp > 1 else None
+        """Set when the LM head's logits are sharded over the vocabulary across this group."""
+        self.vocab_start = coordinates.tp * (model.args.vocab_size // dims.tp)
+        self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
+        self.stage_ranks = dims.stage_ranks(context.ranks, context.role_rank)
+        """Global rank of each pipeline stage of this rank's pipeline, in stage order."""
+        self.role_group = context.groups["role"]
+        """All of the role's ranks (DP x TP x PP): sharded checkpoints are written and read over it."""
+        self.pipeline = None
+        if dims.pp > 1:
+            self.pipeline = Pipeline(
+                model, stage=coordinates.pp, stage_ranks=self.stage_ranks, group=self.pp_group, device=self.device,
+                schedule=role_config.pp_schedule,
+            )
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.config.model.tokenizer_path or self.config.model.path
+
+    # ---- forward passes over the rollout layout ----------------------------------------------------------------
+
+    def micro_batch_rows(self, batch: Batch, rows_per_micro_batch: int) -> list[list[int]]:
+        """Row indices of each micro-batch of ``batch``: token-balanced groups within the role's
+        ``max_tokens_per_micro_batch`` (their count agreed over the DP group), else ``rows_per_micro_batch``
+        consecutive rows."""
+        max_tokens = self.role_config.max_tokens_per_micro_batch
+        if max_tokens is None:
+            return row_chunks(len(batch), rows_per_micro_batch)
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        return token_balanced_micro_batches(lengths, max_tokens, lambda count: int(self.reducer.max(torch.tensor(count))))
+
+    def run_model(
+        self, batch: Batch, *, micro_batch_size: int, output_fn: MicroBatchFunction, train: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``output_fn(model output, micro-batch)`` for each micro-batch of ``batch`` (``micro_batch_rows``), and
+        the rows of ``batch`` in the order the results cover them. With ``train``, each result is a loss to
+        back-propagate (gradients accumulate); the returned results are detached.
+
+        Without pipeline parallelism each micro-batch is fed packed (``PackedRows``: no padding, the head only at
+        response positions). Through a pipeline (then only its last stage returns results) micro-batches stay padded
+        rows (``PaddedRows``): ``torch.distributed.pipelining`` needs every micro-batch of a schedule to have the same
+        shape, which packed sequences of different total lengths do not.
+
+        Peak per packed micro-batch: the logits of its response tokens, ``[response_tokens, vocab / tp]`` in the
+        compute dtype (a padded one: ``[rows, P + R, vocab / tp]``), plus the activations of its real tokens."""
+        if self.pipeline is not None:
+            results = self.pipeline.run(
+                batch["input_ids"], batch["attention_mask"], micro_batch_size=micro_batch_size, train=train,
+                output_fn=lambda output, rows: output_fn(output, PaddedRows(batch.select(rows))),
+            )
+            return [result.detach() for result in results], torch.arange(len(batch))
+        per_token = self.module.head != "score"
+        groups = self.micro_batch_rows(batch, micro_batch_size)
+        results = []
+        for rows in groups:
+            micro = PackedRows(batch.select(rows))
+            result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
+            if train:
+                result.backward()
+            results.append(result.detach())
+        return results, torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
+
+    def forward_rows(self, batch: Batch, method: str, key: str, output_fn: MicroBatchFunction) -> Batch:
+        """``Batch({key: output_fn results of every row})`` in ``batch``'s row order, forward only, on every rank of
+        the role (a pipeline's last stage sends its results to the other stages)."""
+        self.reducer.check_equal_shards(batch, method)
+        self.module.eval()
+        with torch.no_grad():
+            results, order = self.run_model(
+                batch, micro_batch_size=self.role_config.forward_micro_batch_size or self.role_config.micro_batch_size,
+                output_fn=output_fn, train=False,
+            )
+        values = None
+        if results:
+            grouped = torch.cat(results).cpu()
+            values = torch.empty_like(grouped)
+            values[order] = grouped
+        if self.pipeline is not None:
+            carrier = [values]
+            dist.broadcast_object_list(carrier, src=self.stage_ranks[-1], group=self.pp_group)
+            values = carrier[0]
+        return Batch({key: values}, group_size=batch.group_size)
+
+    def response_log_probs(
+        self, logits: torch.Tensor, micro: MicroBatch, temperature: float, *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs ``[rows, R]`` of the response tokens under softmax(logits / temperature), and optionally the
+        entropy of that distribution at each response position; zero where ``response_mask`` is 0. Under TP the
+        logits are this rank's vocabulary slice and the softmax statistics are reduced over the TP group."""
+        # The logits go in unscaled and in the model's dtype, at response positions only: the log-prob functions
+        # scale them in float32 chunk by chunk (or in the fused kernel's registers), never as a float32
+        # [tokens, vocab] copy.
+        logits = micro.response_outputs(logits)
+        labels = micro.response_labels(self.device)
+        options = dict(temperature=temperature, group=self.tp_group, vocab_start=self.vocab_start)
+        if with_entropy:
+            log_probs, entropy = log_probs_and_entropy_from_logits(logits, labels, **options)
+            return micro.scatter(log_probs), micro.scatter(entropy)
+        return micro.scatter(log_probs_from_logits(logits, labels, **options)), None
+
+    # ---- export ------------------------------------------------------------------------------------------------
+
+    def save_config(self, checkpoint_dir: str) -> None:
+        """The model config and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from a checkpoint alone
+        (written by role rank 0)."""
+        if self.context.role_rank == 0:
+            save_model_config(checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path)
+
+    def save_pretrained(self, out_dir: str) -> str:
+        """Write the current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default
+        ``model.dtype``), streamed from the shards: each pipeline stage's first rank writes that stage's files,
+        gathering one row band of one tensor at a time (``models.sharded_save``); returns ``out_dir``. Every rank of
+        the role calls it."""
+        dims, role_rank = self.context.dims, self.context.role_rank
+        per_stage = dims.dp * dims.tp
+        stage_start = role_rank // per_stage * per_stage
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                # The copy reads the sharded master weights, whatever gathered state the last forward left behind.
+                module.reshard()
+        tokenizer = None
+        if role_rank == 0:
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        save_sharded_pretrained(
+            self.module, out_dir, stage=self.context.coordinates.pp,
+            stage_ranks=list(self.context.ranks[stage_start : stage_start + per_stage]),
+            writers_group=self.pp_group, group=self.role_group, dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
+            device=self.device, tokenizer=tokenizer,
+        )
+        return out_dir
