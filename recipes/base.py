@@ -47,7 +47,6 @@ TINY_MODEL_DIR = "tiny/model"
 TINY_TASK_DIR = "tiny/task"
 
 
-
 def ensure_tiny_assets(config: FrameworkConfig) -> None:
     """Build the tiny model and task at their default paths on first use (no network needed)."""
     if config.model.path == TINY_MODEL_DIR and not os.path.isdir(TINY_MODEL_DIR):
