@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from spmd_rlhf import checkpoint
@@ -31,42 +32,66 @@ from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from spmd_rlhf.config import ConfigError, config_reference, load_config
 from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.dataflow import ROLE_KINDS, Dataflow, algorithms_of
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.recipes.dry_run import describe
 from spmd_rlhf.recipes.dynamic_sampling import sample_with_signal
+from spmd_rlhf.recipes.roles import WORKERS, ActorHandle, CriticHandle, ReferenceHandle, RewardHandle
 from spmd_rlhf.runtime import (
     BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, wait_together,
 )
 from spmd_rlhf.runtime.placement import place_roles
 from spmd_rlhf.tiny import ensure_tiny_assets
-from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
 
-_WORKERS = {
-    "actor": (ActorWorker, {}),
-    "critic": (CriticWorker, {}),
-    "reference": (ReferenceWorker, {}),
-    "reward": (RewardWorker, {}),
-    "cost": (RewardWorker, {"role": "cost"}),
-    "cost_critic": (CriticWorker, {"role": "cost_critic"}),
-}
-"""Role name -> (worker class, its keyword arguments besides the config)."""
+
+@dataclass
+class Experience:
+    """What every algorithm's update starts from (``RLRecipe.experience``): the step's rollouts and what was computed
+    on them, each a ``BatchRef`` to rows that stay on the workers."""
+
+    rollout: BatchRef
+    """Prompts, responses and the engine's log-probs."""
+    scores: BatchRef
+    """The reward of each response (under dynamic sampling the rollout itself, whose rows carry their scores)."""
+    old_log_probs: BatchRef | None = None
+    """Log-probs recomputed under the current policy, with ``rollout.recompute_log_probs``."""
+    ref_log_probs: BatchRef | None = None
+    """The reference's log-probs, when the run has a reference."""
+    extras: dict[str, BatchRef] = field(default_factory=dict)
+    """The results of ``experience``'s further calls, by keyword (``values``, ``costs``, ...)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics no batch carries (dynamic sampling's rounds and signal fraction)."""
+
+    @property
+    def batches(self) -> list[BatchRef]:
+        """What the actor's advantages and update take: the rollout, its scores, and the log-probs there are."""
+        parts = [self.rollout, self.scores, self.old_log_probs, self.ref_log_probs]
+        return [part for index, part in enumerate(parts) if part is not None and part not in parts[:index]]
 
 
 class RLRecipe:
-    """Setup, fit loop, metrics and saving; subclasses define ``step``."""
+    """Setup, fit loop, metrics and saving; subclasses define ``step`` and declare its ``dataflow`` beside it."""
 
     name = "rl"
+    dataflow: Dataflow | None = None
+    """The roles the recipe's ``step`` uses and the work each does (``spmd_rlhf.dataflow``): config validation, the
+    roles ``setup`` spawns, the mapper's workload, MFU and the dry run all follow it."""
     algorithms: tuple[str, ...] = ()
-    """The ``algorithm.name`` values this recipe's ``step`` runs."""
+    """The ``algorithm.name`` values this recipe's ``step`` runs; empty: every one whose dataflow is ``dataflow``."""
+
+    @classmethod
+    def runs(cls) -> tuple[str, ...]:
+        """The ``algorithm.name`` values this recipe runs."""
+        return cls.algorithms or (algorithms_of(cls.dataflow) if cls.dataflow else ())
 
     @classmethod
     def check_algorithm(cls, config: FrameworkConfig) -> None:
         """A ``ConfigError`` naming both when ``algorithm.name`` is not one this recipe runs (a PPO config given to
         the GRPO recipe would otherwise fail mid-setup, far from the cause)."""
-        if config.algorithm.name not in cls.algorithms:
+        if config.algorithm.name not in cls.runs():
             raise ConfigError(
-                f"algorithm.name={config.algorithm.name}: the {cls.name} recipe runs {', '.join(cls.algorithms)}; run "
+                f"algorithm.name={config.algorithm.name}: the {cls.name} recipe runs {', '.join(cls.runs())}; run "
                 f"the recipe of that algorithm (recipes/<algorithm>.py) or set algorithm.name to one of these"
             )
 
@@ -81,8 +106,6 @@ class RLRecipe:
             if algorithm.kl_target is not None else FixedKLController(algorithm.kl_coef)
         )
         """The KL weight of each step (``kl_controller.coef``), updated from the step's ``kl/mean``; checkpointed."""
-        self.step_extras: dict[str, float] = {}
-        """Metrics of the step in flight that no worker reports (data counts, dynamic sampling rounds)."""
 
     # ---- building ----------------------------------------------------------------------------------------------
 
@@ -117,36 +140,71 @@ class RLRecipe:
         if config.data.val_files:
             val = prompts(config.data.val_files)
             self.val_prompts = PromptLoader(val, batch_size=len(val), pad_token_id=pad, shuffle=False).batch(0)
-        for name, (pool, dims) in placement.roles.items():
-            worker, arguments = _WORKERS[name]
-            self.roles[name] = self.coordinator.spawn(worker, config, **arguments, name=name, pool=pool, dims=dims)
-        for handle in self.roles.values():
-            handle.ready.result()
+        for name in self.dataflow.roles_of(config):
+            pool, dims = placement.roles[name]
+            kind = ROLE_KINDS[name].worker
+            worker, handle = WORKERS[kind]
+            arguments = {"role": name} if name != kind else {}
+            self.roles[name] = self.coordinator.spawn(
+                worker, config, **arguments, name=name, pool=pool, dims=dims, handle=handle
+            )
+        for role in self.roles.values():
+            role.ready.result()
 
-    def __getattr__(self, name: str) -> RoleHandle:
-        roles = self.__dict__.get("roles", {})
-        if name in roles:
-            return roles[name]
-        raise AttributeError(name)
+    # ---- the roles of this run ---------------------------------------------------------------------------------
+
+    @property
+    def actor(self) -> ActorHandle:
+        return self._role("actor")
+
+    @property
+    def critic(self) -> CriticHandle:
+        return self._role("critic")
+
+    @property
+    def reference(self) -> ReferenceHandle:
+        return self._role("reference")
+
+    @property
+    def reward(self) -> RewardHandle:
+        return self._role("reward")
+
+    @property
+    def cost(self) -> RewardHandle:
+        return self._role("cost")
+
+    @property
+    def cost_critic(self) -> CriticHandle:
+        return self._role("cost_critic")
+
+    def _role(self, name: str) -> Any:
+        if name not in self.roles:
+            if not self.roles:
+                raise RuntimeError(f"the {self.name} recipe has no roles yet: call setup() (or fit()) before its {name}")
+            raise RuntimeError(
+                f"the {name} is not in this run: the {self.name} recipe with algorithm.name="
+                f"{self.config.algorithm.name} uses {', '.join(self.roles)}"
+            )
+        return self.roles[name]
 
     # ---- one step ----------------------------------------------------------------------------------------------
 
     def step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
 
-    def experience(self, step: int, timer: StageTimer, **also: Callable[[BatchRef], CallFuture]) -> list[BatchRef]:
+    def experience(self, step: int, timer: StageTimer, **also: Callable[[BatchRef], CallFuture]) -> Experience:
         """What every algorithm's update starts from: the step's rollouts (with the engine's log-probs), their scores,
         their log-probs recomputed under the current policy if ``rollout.recompute_log_probs``, and under the
-        reference if there is one; then the results of ``also`` (further calls on the rollouts, such as a critic's
-        ``values=self.critic.compute_values``), in keyword order.
+        reference if there is one; and in ``extras`` the results of ``also`` (further calls on the rollouts, such as
+        a critic's ``values=self.critic.compute_values``).
 
         Every call after generation is issued at once (``run_together``): roles placed on different devices run
         at the same time, colocated ones one after another."""
+        sampling_metrics: dict[str, float] = {}
         if self.config.algorithm.dynamic_sampling:
             rollout, sampling_metrics = sample_with_signal(
                 self.config, actor=self.actor, reward=self.reward, loader=self.loader, step=step, timer=timer
             )
-            self.step_extras.update(sampling_metrics)
             calls = {}
         else:
             with timer("generate"):
@@ -157,7 +215,11 @@ class RLRecipe:
         if "reference" in self.roles:
             calls["ref_log_probs"] = self.reference.compute_log_probs(rollout)
         calls.update((name, call(rollout)) for name, call in also.items())
-        return [rollout, *self.run_together(timer, **calls)]
+        results = dict(zip(calls, self.run_together(timer, **calls)))
+        return Experience(
+            rollout, scores=results.pop("reward", rollout), old_log_probs=results.pop("old_log_probs", None),
+            ref_log_probs=results.pop("ref_log_probs", None), extras=results, metrics=sampling_metrics,
+        )
 
     def run_together(self, timer: StageTimer, **calls: CallFuture) -> list[Any]:
         """The results of calls already issued, in keyword order, each timed as ``time/<keyword>`` from now until
@@ -165,12 +227,17 @@ class RLRecipe:
         return wait_together(calls, timeout_s=self.config.trainer.timeout_s, on_done=timer.add)
 
     def step_metrics(self, started: float, timer: StageTimer, *results: Any) -> dict[str, float]:
-        """The step's metrics: those the workers put in batch meta or returned per DP rank, stage times, step time,
-        throughput (tokens per second in all and per device, generated tokens per second of generation) and model
-        TFLOP/s per device and MFU (``spmd_rlhf.metrics.throughput_metrics``)."""
+        """The step's metrics: those the workers put in batch meta or returned per DP rank (an ``Experience``
+        gives its ``batches``' and its own), stage times, step time, throughput (tokens per second in all and per
+        device, generated tokens per second of generation) and model TFLOP/s per device and MFU
+        (``spmd_rlhf.metrics.throughput_metrics``)."""
         metrics: dict[str, float] = {}
         for result in results:
-            if isinstance(result, list):
+            if isinstance(result, Experience):
+                for batch in result.batches:
+                    metrics.update(batch.meta.get("metrics", {}))
+                metrics.update(result.metrics)
+            elif isinstance(result, list):
                 metrics.update(mean_over_ranks(result))
             else:
                 metrics.update(result.meta.get("metrics", {}))
@@ -195,9 +262,8 @@ class RLRecipe:
         history = []
         for step in range(start, trainer.total_steps):
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
-            self.step_extras = dict(self.data_metrics)
             metrics = self.step(step)
-            metrics.update(self.step_extras)
+            metrics.update(self.data_metrics)
             metrics["kl/coef"] = self.kl_controller.coef
             if "kl/mean" in metrics:
                 self.kl_controller.update(metrics["kl/mean"], steps=self.config.data.batch_size * self.config.rollout.n)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from spmd_rlhf.config import to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.dataflow import dataflow_of
 from spmd_rlhf.mapping.cost import resident_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.workload import Batch, RoleSpec
@@ -38,8 +39,8 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
     lines.append(f"# placement: {config.placement}, world size {world_size}")
     lines.append(f"{'role':<12} {'ranks':<10} {'pp':>3} {'dp':>3} {'tp':>3} {'parameters':>14}  per-rank state")
     per_rank = [0.0] * world_size
-    for name, (pool, dims) in placement.roles.items():
-        role = getattr(config, name)
+    for name in dataflow_of(config.algorithm.name).roles_of(config):
+        (pool, dims), role = placement.roles[name], getattr(config, name)
         if name not in models:  # a rule reward or cost: no model
             lines.append(f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'rule':>14}  none (reward.rule={role.rule})")
             continue

@@ -10,7 +10,8 @@ from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.data.dataset import PromptLoader
 from spmd_rlhf.metrics import StageTimer
-from spmd_rlhf.runtime import BatchRef, RoleHandle
+from spmd_rlhf.recipes.roles import ActorHandle, RewardHandle
+from spmd_rlhf.runtime import BatchRef
 
 
 def left_pad(prompts: Batch, *, width: int, pad_token_id: int) -> Batch:
@@ -25,7 +26,7 @@ def left_pad(prompts: Batch, *, width: int, pad_token_id: int) -> Batch:
 
 
 def sample_with_signal(
-    config: FrameworkConfig, *, actor: RoleHandle, reward: RoleHandle, loader: PromptLoader, step: int, timer: StageTimer
+    config: FrameworkConfig, *, actor: ActorHandle, reward: RewardHandle, loader: PromptLoader, step: int, timer: StageTimer
 ) -> tuple[BatchRef, dict[str, float]]:
     """The step's rollouts and scores with signal-free prompts dropped and the batch refilled from further prompts,
     for at most ``algorithm.max_sampling_rounds`` generation rounds, and the ``sampling/rounds`` and

@@ -12,23 +12,25 @@ from __future__ import annotations
 
 import time
 
+from spmd_rlhf import dataflow
 from spmd_rlhf.metrics import StageTimer
 from spmd_rlhf.recipes.base import RLRecipe, main
 
 
 class GRPORecipe(RLRecipe):
     name = "grpo"
-    algorithms = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    dataflow = dataflow.GRPO
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
-        inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        experience = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        inputs = experience.batches
         estimator = self.config.algorithm.name
         with timer("advantages"):
             advantages = self.actor.compute_advantages(*inputs, estimator=estimator, kl_coef=self.kl_controller.coef).result()
         with timer("update_actor"):
             actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
-        return self.step_metrics(started, timer, *inputs, advantages, actor_metrics)
+        return self.step_metrics(started, timer, experience, advantages, actor_metrics)
 
 
 if __name__ == "__main__":

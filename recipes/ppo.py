@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import time
 
+from spmd_rlhf import dataflow
 from spmd_rlhf.metrics import StageTimer
 from spmd_rlhf.recipes.base import RLRecipe, main
 
 
 class PPORecipe(RLRecipe):
     name = "ppo"
-    algorithms = ("ppo",)
+    dataflow = dataflow.PPO
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
-        *inputs, values = self.experience(step, timer, values=self.critic.compute_values)
-        rollout = inputs[0]
+        experience = self.experience(step, timer, values=self.critic.compute_values)
+        inputs, rollout, values = experience.batches, experience.rollout, experience.extras["values"]
         with timer("advantages"):
             advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=self.kl_controller.coef).result()
         # The critics and the actor train at the same time when they are placed on different devices.
@@ -27,7 +28,7 @@ class PPORecipe(RLRecipe):
             update_critic=self.critic.update_critic(rollout, values, advantages),
             update_actor=self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef),
         )
-        return self.step_metrics(started, timer, *inputs, advantages, critic_metrics, actor_metrics)
+        return self.step_metrics(started, timer, experience, advantages, critic_metrics, actor_metrics)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import time
 
+from spmd_rlhf import dataflow
 from spmd_rlhf.metrics import StageTimer
 from spmd_rlhf.recipes.base import RLRecipe, main
 
 
 class ReMaxRecipe(RLRecipe):
     name = "remax"
-    algorithms = ("remax",)
+    dataflow = dataflow.REMAX
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
-        inputs = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        experience = self.experience(step, timer)  # rollout, scores, old and reference log-probs
+        inputs = experience.batches
         with timer("baseline"):
             greedy = self.actor.generate_sequences(self.loader.batch(step), greedy=True)
             baseline = self.reward.compute_rewards(greedy).result()
@@ -29,7 +31,7 @@ class ReMaxRecipe(RLRecipe):
             ).result()
         with timer("update_actor"):
             actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
-        metrics = self.step_metrics(started, timer, *inputs, advantages, actor_metrics)
+        metrics = self.step_metrics(started, timer, experience, advantages, actor_metrics)
         metrics["baseline/reward/mean"] = baseline.meta["metrics"]["reward/mean"]
         return metrics
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from spmd_rlhf import dataflow
 from spmd_rlhf.algos import LagrangeMultiplier
 from spmd_rlhf.metrics import StageTimer
 from spmd_rlhf.recipes.base import RLRecipe, main
@@ -19,7 +20,7 @@ from spmd_rlhf.recipes.base import RLRecipe, main
 
 class SafeRLHFRecipe(RLRecipe):
     name = "safe_rlhf"
-    algorithms = ("safe_rlhf",)
+    dataflow = dataflow.SAFE_RLHF
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -30,10 +31,11 @@ class SafeRLHFRecipe(RLRecipe):
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
-        *inputs, values, costs, cost_values = self.experience(
+        experience = self.experience(
             step, timer, values=self.critic.compute_values, costs=self.cost.compute_rewards, cost_values=self.cost_critic.compute_values
         )
-        rollout = inputs[0]
+        inputs, rollout, values = experience.batches, experience.rollout, experience.extras["values"]
+        costs, cost_values = experience.extras["costs"], experience.extras["cost_values"]
         with timer("advantages"):
             advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=self.kl_controller.coef).result()
             cost_advantages = self.actor.compute_advantages(rollout, costs, cost_values, estimator="gae", source="cost").result()
@@ -47,7 +49,7 @@ class SafeRLHFRecipe(RLRecipe):
             ),
         )
         metrics = self.step_metrics(
-            started, timer, *inputs, costs, advantages, cost_advantages, critic_metrics, cost_critic_metrics, actor_metrics
+            started, timer, experience, costs, advantages, cost_advantages, critic_metrics, cost_critic_metrics, actor_metrics
         )
         metrics["lambda"] = self.multiplier.value
         self.multiplier.update(metrics["cost/mean"])

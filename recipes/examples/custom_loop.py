@@ -21,12 +21,13 @@ class LeaveOneOutGRPO(GRPORecipe):
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
-        inputs = self.experience(step, timer)
+        experience = self.experience(step, timer)
+        inputs = experience.batches
         with timer("advantages"):
             advantages = self.actor.compute_advantages(*inputs, estimator="rloo", kl_coef=self.kl_controller.coef).result()
         with timer("update_actor"):
             actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
-        metrics = self.step_metrics(started, timer, *inputs, advantages, actor_metrics)
+        metrics = self.step_metrics(started, timer, experience, advantages, actor_metrics)
         metrics["custom/clipped_share"] = metrics["response_length/clip_ratio"]
         return metrics
 

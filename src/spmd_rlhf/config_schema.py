@@ -8,8 +8,10 @@ and adds the section prefix to a section's errors.
 import functools
 from dataclasses import dataclass, field
 
-ALGORITHMS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "safe_rlhf")
-ROLES = ("actor", "critic", "reference", "reward", "cost", "cost_critic")
+from spmd_rlhf import dataflow
+from spmd_rlhf.dataflow import GROUP_ALGORITHMS, ROLE_KINDS, ROLES
+
+ALGORITHMS = tuple(dataflow.ALGORITHMS)
 # The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 # spmd_rlhf.models.attention.DEFAULT_KV_BLOCK_SIZE (a test keeps them equal): the smaller of rollout.kv_block_size=null's
@@ -18,12 +20,6 @@ DEFAULT_KV_BLOCK_SIZE = 16
 PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
 DEVICE_SETTINGS = ("auto", "cuda", "cpu")
 """The values of trainer.device (runtime.device.select_device turns one into a device and a backend)."""
-# The other algorithms take their baseline from rollouts (group mean, greedy response, batch mean).
-_CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")
-# Baselines from the other responses to the same prompt: a group of one has none.
-_GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
-# Under placement=split, these roles share one pool and the rest share the other.
-_POLICY_POOL_ROLES = ("actor", "reference")
 
 
 class ConfigError(ValueError):
@@ -278,8 +274,8 @@ class AlgorithmConfig:
         _one_of(self, "policy_loss", ("ppo", "gspo"))
         _at_least(self, 1, "max_sampling_rounds")
         _at_least(self, 0, "overlong_buffer", "overlong_penalty")
-        rule = "dynamic sampling filters groups of samples; use grpo, rloo or reinforce_pp_baseline"
-        _require(self, "dynamic_sampling", not self.dynamic_sampling or self.name in _GROUP_ALGORITHMS, rule)
+        rule = f"dynamic sampling filters groups of samples; use {_listed(GROUP_ALGORITHMS)}"
+        _require(self, "dynamic_sampling", not self.dynamic_sampling or self.name in GROUP_ALGORITHMS, rule)
 
 
 @dataclass
@@ -429,7 +425,7 @@ class FrameworkConfig:
         self._check_pools()
         _require(self, "rollout.tp", self.actor.tp % self.rollout.tp == 0, f"must divide actor.tp={self.actor.tp}")
         self._check_kv_cache()
-        if self.algorithm.name in _GROUP_ALGORITHMS:
+        if self.algorithm.name in GROUP_ALGORITHMS:
             rule = f"algorithm.name={self.algorithm.name} needs >= 2 responses per prompt for its group baseline"
             _require(self, "rollout.n", self.rollout.n >= 2, rule)
         self._check_training_batches()
@@ -453,7 +449,8 @@ class FrameworkConfig:
             case "colocate":
                 return {"all": roles}
             case "split":
-                policy = [name for name in roles if name in _POLICY_POOL_ROLES]
+                # The policy models (actor, reference) on one pool, the models that score them on the other.
+                policy = [name for name in roles if ROLE_KINDS[name].head == "lm"]
                 return {"policy": policy, "scoring": [name for name in roles if name not in policy]}
             case "standalone":
                 return {name: [name] for name in roles}
@@ -466,16 +463,9 @@ class FrameworkConfig:
 
     def _check_roles_match_algorithm(self) -> None:
         # An enabled role the algorithm never calls would hold devices for nothing; say so rather than idle.
-        name, kl_penalty = self.algorithm.name, self.algorithm.kl_penalty
-        needs = {
-            "actor": (True, "every algorithm"),
-            "critic": (name in _CRITIC_ALGORITHMS, f"algorithm.name={name}"),
-            "reference": (kl_penalty != "none", f"algorithm.kl_penalty={kl_penalty}"),
-            "reward": (True, "every algorithm"),
-            "cost": (name == "safe_rlhf", f"algorithm.name={name}"),
-            "cost_critic": (name == "safe_rlhf", f"algorithm.name={name}"),
-        }
-        for role, (used, by) in needs.items():
+        flow = dataflow.dataflow_of(self.algorithm.name)
+        for role in ROLES:
+            used, by = flow.requirement(role, self)
             verb = "needs" if used else "never calls"
             rule = f"{by} {verb} the {role}; set {role}.enabled={format_value(used)}"
             _require(self, f"{role}.enabled", getattr(self, role).enabled == used, rule)
@@ -568,6 +558,11 @@ def _at_least(section: object, minimum: int, *names: str) -> None:
 
 def _one_of(section: object, name: str, choices: tuple[str, ...]) -> None:
     _require(section, name, getattr(section, name) in choices, "must be one of " + ", ".join(choices))
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    """``a, b or c``."""
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def format_value(value: object) -> str:

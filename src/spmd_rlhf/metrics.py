@@ -14,6 +14,7 @@ from typing import TextIO
 import torch
 
 from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.dataflow import ROLE_KINDS, dataflow_of
 from spmd_rlhf.models import DecoderLM, read_decoder_args
 from spmd_rlhf.sinks import build_sinks
 
@@ -91,28 +92,22 @@ def matmul_parameters(model_path: str, *, head: str) -> int:
 
 
 def step_passes(config: FrameworkConfig) -> ModelPasses:
-    """The model passes of one step of the recipes under ``config``: the actor trains ``actor.ppo_epochs`` times and
-    each critic its ``ppo_epochs``; forward-only passes are the reference, the actor's recomputed log-probs
-    (``rollout.recompute_log_probs``), each critic's values and each model-based reward or cost."""
-    roles = config.enabled_roles()
+    """The model passes of one step under ``config``, from its algorithm's declared dataflow: each ``train`` pass
+    ``<role>.ppo_epochs`` times, each ``forward`` pass (recomputed log-probs, the reference, values, reward and cost
+    models; a rule is no model) once, and the actor's generation. ReMax's ``greedy`` rollout is not counted."""
 
-    def parameters(name: str, head: str) -> int:
-        return matmul_parameters(roles[name].model_path or config.model.path, head=head)
+    def parameters(name: str) -> int:
+        role = getattr(config, name)
+        return matmul_parameters(role.model_path or config.model.path, head=ROLE_KINDS[name].head)
 
-    actor = parameters("actor", "lm")
-    train = [actor] * config.actor.ppo_epochs
-    forward = [actor] if config.rollout.recompute_log_probs else []
-    if "reference" in roles:
-        forward.append(parameters("reference", "lm"))
-    for name in ("critic", "cost_critic"):
-        if name in roles:
-            critic = parameters(name, "value")
-            train += [critic] * getattr(config, name).ppo_epochs
-            forward.append(critic)
-    for name in ("reward", "cost"):
-        if name in roles and getattr(config, name).kind == "model":
-            forward.append(parameters(name, "score"))
-    return ModelPasses(generate=actor, train=tuple(train), forward=tuple(forward))
+    train: list[int] = []
+    forward: list[int] = []
+    for work in dataflow_of(config.algorithm.name).passes(config):
+        if work.kind == "train":
+            train += [parameters(work.role)] * getattr(config, work.role).ppo_epochs
+        elif work.kind == "forward":
+            forward.append(parameters(work.role))
+    return ModelPasses(generate=parameters("actor"), train=tuple(train), forward=tuple(forward))
 
 
 def throughput_metrics(

@@ -8,35 +8,25 @@ import dataclasses
 import os
 
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
+from spmd_rlhf.dataflow import ROLE_KINDS, dataflow_of
 
 from .cost import Cluster
 from .calibrate import resolve_profile
 from .profile import DeviceProfile
 from .search import Mapping, Planner, PlanResult
-from .workload import Batch, ModelShape, RoleSpec, dataflow, model_shape
+from .workload import Batch, RoleSpec, model_shape
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
-    """The model roles and the step's batch of ``config`` (rule-based rewards and costs are not models)."""
-    roles = config.enabled_roles()
-
-    def shape(name: str) -> ModelShape | None:
-        if name not in roles:
-            return None
-        role = roles[name]
-        if name in ("reward", "cost") and role.kind != "model":
-            return None
-        return model_shape(role.model_path or config.model.path)
-
-    specs = dataflow(
-        config.algorithm.name, actor=shape("actor"), critic=shape("critic"), reference=shape("reference"),
-        reward=shape("reward"), cost=shape("cost"), recompute_log_probs=config.rollout.recompute_log_probs,
-    )
-    if "cost_critic" in roles:
-        specs = [dataclasses.replace(spec, shape=shape("cost_critic")) if spec.name == "cost_critic" else spec for spec in specs]
-    specs = [_with_batch_sizes(spec, roles[spec.name]) for spec in specs]
+    """The model roles of ``config``'s algorithm (its declared dataflow; rule-based rewards and costs are not models),
+    each with its own shape and batch sizes, and the step's batch."""
+    specs = []
+    for name, work in dataflow_of(config.algorithm.name).models_of(config).items():
+        role, kind = getattr(config, name), ROLE_KINDS[name]
+        shape = model_shape(role.model_path or config.model.path)
+        specs.append(_with_batch_sizes(RoleSpec(name, shape, kind.head, kind.trained, work), role))
     actor = config.actor
     batch = Batch(
         prompts=config.data.batch_size, samples=config.rollout.n, prompt_length=config.data.max_prompt_length,

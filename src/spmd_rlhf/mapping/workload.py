@@ -1,5 +1,6 @@
-"""What the mapper places: the models (shapes, by name or config), the step's batch, and each algorithm's dataflow as
-the paper's stages (generation, preparation, training) with the work each role does in each.
+"""What the mapper places: the models (shapes, by name or config), the step's batch, and each algorithm's model
+roles with the work each does in the paper's stages (generation, preparation, training), from the algorithm's
+declared dataflow (``spmd_rlhf.dataflow``).
 """
 
 from __future__ import annotations
@@ -7,8 +8,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-STAGES = ("generation", "preparation", "training")
-"""The paper's three stages of an RLHF step, run one after another; roles in different sets overlap within one."""
+from spmd_rlhf.dataflow import STAGES  # noqa: F401  (the mapper's stages are the dataflow's)
+from spmd_rlhf.dataflow import KL_TO_REFERENCE, RECOMPUTE_LOG_PROBS, ROLE_KINDS, dataflow_of
+
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,7 @@ class RoleSpec:
     """lm (actor, reference), value (critics) or score (reward and cost models)."""
     trained: bool
     work: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Stage -> the passes the role runs in it: ``generate``, ``greedy`` (ReMax's extra greedy rollout of one
-    response per prompt), ``forward`` (log-probs, values, scores) or ``train`` (forward + backward + step, per epoch)."""
+    """Stage -> the passes the role runs in it (``spmd_rlhf.dataflow.PASSES``)."""
     micro_batch_size: int = 0
     """This role's micro-batch; 0: the batch's."""
     mini_batch_size: int = 0
@@ -152,31 +153,25 @@ class RoleSpec:
 
 def dataflow(
     algorithm: str, *, actor: ModelShape, critic: ModelShape | None = None, reference: ModelShape | None = None,
-    reward: ModelShape | None = None, cost: ModelShape | None = None, recompute_log_probs: bool = False,
+    reward: ModelShape | None = None, cost: ModelShape | None = None, cost_critic: ModelShape | None = None,
+    recompute_log_probs: bool = False,
 ) -> list[RoleSpec]:
-    """The model roles of one step of ``algorithm`` (as the recipes run it), with their work per stage.
+    """The model roles of one step of ``algorithm`` (its recipe's declared dataflow), with their work per stage.
 
-    A role given None is not a model: a rule reward, or no reference (``kl_penalty: none``). Critics exist for ppo
-    and safe_rlhf only; the cost model and cost critic (the cost critic has the critic's shape) for safe_rlhf only.
+    A scorer given None is not a model (a rule reward or cost); no reference means no KL term
+    (``kl_penalty: none``). The cost critic has the critic's shape unless given its own.
     """
-    from spmd_rlhf.config_schema import ALGORITHMS
-
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm {algorithm!r}: must be one of {', '.join(ALGORITHMS)}")
-    has_critic = algorithm in ("ppo", "safe_rlhf")
-    if has_critic and critic is None:
-        raise ValueError(f"algorithm {algorithm} trains a critic: give its model (--critic)")
-    generation = ("generate", "greedy") if algorithm == "remax" else ("generate",)
-    actor_preparation = ("forward",) if recompute_log_probs else ()
-    roles = [RoleSpec("actor", actor, "lm", True, {"generation": generation, "preparation": actor_preparation, "training": ("train",)})]
-    if has_critic:
-        roles.append(RoleSpec("critic", critic, "value", True, {"preparation": ("forward",), "training": ("train",)}))
-    if reference is not None:
-        roles.append(RoleSpec("reference", reference, "lm", False, {"preparation": ("forward",)}))
-    if reward is not None:
-        roles.append(RoleSpec("reward", reward, "score", False, {"preparation": ("forward",)}))
-    if algorithm == "safe_rlhf":
-        if cost is not None:
-            roles.append(RoleSpec("cost", cost, "score", False, {"preparation": ("forward",)}))
-        roles.append(RoleSpec("cost_critic", critic, "value", True, {"preparation": ("forward",), "training": ("train",)}))
+    shapes = {
+        "actor": actor, "critic": critic, "reference": reference, "reward": reward, "cost": cost,
+        "cost_critic": cost_critic or critic,
+    }
+    conditions = {KL_TO_REFERENCE.name: reference is not None, RECOMPUTE_LOG_PROBS.name: recompute_log_probs}
+    roles = []
+    for name, work in dataflow_of(algorithm).roles(conditions).items():
+        kind = ROLE_KINDS[name]
+        if shapes[name] is None:
+            if kind.may_be_rule:
+                continue
+            raise ValueError(f"algorithm {algorithm} trains a {name}: give its model (--{name.replace('_', '-')})")
+        roles.append(RoleSpec(name, shapes[name], kind.head, kind.trained, work))
     return roles

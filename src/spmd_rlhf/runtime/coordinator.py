@@ -16,7 +16,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +29,8 @@ from ..parallel_dims import ParallelDims
 from .layout import ResourcePool
 from .payload import dumps
 from .transfer import Schema, ShardInfo, plan_exchanges
+
+Handle = TypeVar("Handle", bound=RoleHandle)
 
 Transport = Callable[[int, int, bytes], torch.futures.Future]
 """Sends (rank, sequence number, pickled envelope) to a remote rank's executor; the future completes with the pickled outcome."""
@@ -63,10 +65,12 @@ class Coordinator:
     # ---- roles -------------------------------------------------------------------------------------------------
 
     def spawn(
-        self, role_class: type, *args: Any, name: str, pool: ResourcePool, dims: ParallelDims | None = None, **kwargs: Any
-    ) -> RoleHandle:
+        self, role_class: type, *args: Any, name: str, pool: ResourcePool, dims: ParallelDims | None = None,
+        handle: type[Handle] = RoleHandle, **kwargs: Any,
+    ) -> Handle:
         """Build ``role_class(context, *args, **kwargs)`` on every rank of ``pool`` with layout ``dims`` (default:
-        all data-parallel). Roles on the same pool share processes; the call returns at once (``handle.ready``)."""
+        all data-parallel), and return a ``handle`` to it (a typed handle, or a plain ``RoleHandle``). Roles on the
+        same pool share processes; the call returns at once (``handle.ready``)."""
         dims = dims or ParallelDims(dp=len(pool))
         if name in self._roles:
             raise ValueError(f"a role named {name!r} already exists; give each role a unique name")
@@ -87,12 +91,12 @@ class Coordinator:
         self._roles[name] = record
         command = Spawn(name, role_class, dims, pool.ranks, dumps((args, kwargs), what=f"spawn of role {name!r}"))
         ready = CallFuture(self, f"spawn of role {name!r}", self._send_to_all(command), lambda values: None)
-        return RoleHandle(self, record, ready)
+        return handle(self, record, ready)
 
     # ---- calls -------------------------------------------------------------------------------------------------
 
     def submit(self, role: RoleRecord, method: str, mode: Dispatch, *args: Any, **kwargs: Any) -> CallFuture:
-        """Issue ``role.method`` under its dispatch mode (what ``RoleHandle`` attribute calls do); a future at once."""
+        """Issue ``role.method`` under its dispatch mode (what ``RoleHandle.call`` does); a future at once."""
         self._raise_if_failed()
         description = f"{role.name}.{method}"
         if mode is Dispatch.DATA_PARALLEL:

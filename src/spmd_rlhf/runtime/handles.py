@@ -124,7 +124,12 @@ class CallFuture:
 
 
 class RoleHandle:
-    """The coordinator's view of a spawned role: ``handle.method(...)`` calls ``method`` under its dispatch mode."""
+    """The coordinator's view of a spawned role: ``handle.call("method", ...)`` calls the role's ``method`` under
+    its dispatch mode and returns a future at once.
+
+    A typed handle (``spmd_rlhf.recipes.roles.ActorHandle``) subclasses this with one method per dispatched method of
+    its worker, each forwarding to ``call``; ``coordinator.spawn(..., handle=ActorHandle)`` returns one. A plain
+    ``RoleHandle`` also takes ``handle.method(...)`` for any method of a worker that has no typed handle."""
 
     def __init__(self, coordinator: Dispatcher, record: RoleRecord, ready: CallFuture) -> None:
         self._coordinator = coordinator
@@ -136,11 +141,16 @@ class RoleHandle:
     def name(self) -> str:
         return self.record.name
 
-    def __getattr__(self, method: str) -> Callable[..., CallFuture]:
-        if method.startswith("_"):
-            raise AttributeError(method)
+    def call(self, method: str, *args: Any, **kwargs: Any) -> CallFuture:
+        """Issue ``method(*args, **kwargs)`` on the role's ranks under the method's dispatch mode; a future at once."""
         mode = dispatch_mode(self.record.role_class, method)
-        return functools.partial(self._coordinator.submit, self.record, method, mode)
+        return self._coordinator.submit(self.record, method, mode, *args, **kwargs)
+
+    def __getattr__(self, method: str) -> Callable[..., CallFuture]:
+        if method.startswith("_") or type(self) is not RoleHandle:
+            # A typed handle names its methods; one it lacks is a mistake, not a remote call.
+            raise AttributeError(f"{type(self).__name__} has no method {method!r}")
+        return functools.partial(self.call, method)
 
     def __repr__(self) -> str:
-        return f"RoleHandle({self.record.name!r}, {self.record.dims}, ranks={list(self.record.ranks)})"
+        return f"{type(self).__name__}({self.record.name!r}, {self.record.dims}, ranks={list(self.record.ranks)})"

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from spmd_rlhf.recipes import base
+from spmd_rlhf.recipes import base, roles
 from spmd_rlhf.recipes.grpo import GRPORecipe
 from spmd_rlhf.runtime import data_parallel
 from spmd_rlhf.workers import ActorWorker
@@ -51,5 +51,5 @@ class DyingActor(ActorWorker):
 if __name__ == "__main__":
     (RUN_DIR / f"pid.{os.environ['RANK']}").write_text(str(os.getpid()))
     del sys.argv[1:4]  # the rest is the recipe's own command line
-    base._WORKERS["actor"] = (DyingActor, {})
+    roles.WORKERS["actor"] = (DyingActor, roles.ActorHandle)
     base.main(GRPORecipe, "recipes/configs/grpo.yaml")
