@@ -61,9 +61,9 @@ def run_layout(model_dir: str, out_dir: str, layout: str) -> tuple[dict, torch.n
     # What the rank holds: FSDP pads an uneven chunk's storage to the size of the largest chunk.
     storages = [local_piece(param)[0].untyped_storage() for param in model.parameters()]
     shard_bytes = sum({storage._cdata: storage.nbytes() for storage in storages}.values())
-    with ResidentRise() as control:
-        copies = [local_piece(param)[0].clone() for param in model.parameters()]  # the meter sees a copy of the shard
-    del copies
+    with ResidentRise() as control:  # the meter sees a copy of the shard, even one freed before it is read
+        copies = [local_piece(param)[0].clone() for param in model.parameters()]
+        del copies
     dist.barrier()
     started = time.perf_counter()
     with ResidentRise() as save:
