@@ -12,7 +12,8 @@ synthetic rollouts built on each rank: ``--rows`` rows per step (one optimizer s
 response; no padding). Per length: one warm-up update, then the median of ``--repeats`` timed updates.
 
 MFU = model FLOPs / (seconds x devices x peak FLOP/s), model FLOPs from ``spmd_rlhf.metrics.step_flops``:
-6 x N x tokens, N the matmul parameters (tied LM head included, embedding lookup not). ``mfu_with_attention`` adds
+6 x (B x tokens + H x response tokens), B the body's matmul parameters (embedding lookup not included), H the LM
+head's (tied or not), which runs at the response positions only. ``mfu_with_attention`` adds
 the causal attention products, 6 x L x S x (heads x head_dim) per token for sequences of S tokens (forward
 2 x S^2 x heads x head_dim per layer and sequence after causal masking, backward twice that). The peak is
 ``--peak-tflops``, else the dense bf16 peak of a known GPU by name (``gpu_common.PEAK_BF16_TFLOPS``); on CPU without
@@ -23,6 +24,7 @@ the causal attention products, 6 x L x S x (heads x head_dim) per token for sequ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -46,11 +48,16 @@ GROUP_SIZE = 2
 SMOKE = dict(shape="smoke", lengths=[16, 24], rows=4, micro_batch=2, repeats=1)
 
 
+def response_tokens(length: int) -> int:
+    """Response tokens of a synthetic row of ``length`` tokens: all but the quarter that is prompt."""
+    return length - length // 4
+
+
 def synthetic_rollout(rows: int, length: int, vocab: int, *, seed: int) -> Batch:
     """``rows`` rollout rows of ``length`` real tokens (a quarter prompt) with the fields ``update_actor`` reads."""
     generator = torch.Generator().manual_seed(seed)
-    prompt_length = length // 4
-    response_length = length - prompt_length
+    response_length = response_tokens(length)
+    prompt_length = length - response_length
     input_ids = torch.randint(0, vocab, (rows, length), generator=generator)
     response_mask = torch.ones(rows, response_length, dtype=torch.long)
     return Batch(
@@ -120,7 +127,10 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
     for length, times in zip(args.lengths, seconds):
         step_s = statistics.median(times)
         tokens = args.rows * length
-        flops = step_flops(ModelPasses(generate=parameters, train=(parameters,)), sequence_tokens=tokens, generated_tokens=0)
+        flops = step_flops(
+            ModelPasses(generate=parameters, train=(parameters,)), sequence_tokens=tokens,
+            response_tokens=args.rows * response_tokens(length), generated_tokens=0,
+        )
         attention_flops = 6 * model_args.num_layers * length * model_args.num_heads * model_args.head_dim * tokens
         per_device = flops / step_s / world
         with_attention = (flops + attention_flops) / step_s / world
@@ -134,12 +144,12 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
         })
     result = {
         "benchmark": "gpu_update", "smoke": args.smoke, "shape": args.shape, "dtype": dtype, "compile": args.compile,
-        "activation_checkpointing": args.activation_checkpointing, "matmul_parameters": parameters,
+        "activation_checkpointing": args.activation_checkpointing, "matmul_parameters": dataclasses.asdict(parameters),
         "peak_tflops": peak, "goal": f"mfu >= {MFU_GOAL}", "repeats": args.repeats, "per_length": rows,
         "environment": environment(device),
     }
     environment_row = result["environment"]
-    print(f"update_actor, qwen2 {args.shape} ({parameters / 1e9:.2f}B matmul parameters), {world} x "
+    print(f"update_actor, qwen2 {args.shape} ({parameters.total / 1e9:.2f}B matmul parameters), {world} x "
           f"{environment_row['device_name']}, {dtype}, peak {peak or 'unknown'} TFLOP/s"
           f"{', SMOKE RUN: not a GPU figure' if args.smoke else ''}")
     print("| length | rows x micro | step s | tokens/s | TFLOP/s per device | MFU | MFU with attention | goal |\n"

@@ -5,8 +5,10 @@ The memory estimate is the device mapper's (``spmd_rlhf.mapping.cost``): weights
 at scale and are exact given the layout. A trained role keeps float32 weights, float32 gradients and two Adam moments
 (``TRAINING_BYTES_PER_PARAMETER``), sharded over all its ranks (FSDP over dp, TP over tp, PP over pp); a frozen role
 keeps its weights in ``model.dtype``. While generating, each actor rank also holds its generation shard (the weights
-in ``model.dtype`` split ``rollout.tp`` ways) and its KV cache (sized here for the batch at full length).
-Activations, the engine's working buffers and FSDP's gathered blocks (one block at a time) are not counted.
+in ``model.dtype`` split ``rollout.tp`` ways) and its KV cache (sized here for the batch at full length). In a
+training or forward pass it also holds that pass's working set (``working_bytes``: one micro-batch's activations,
+its logits at the response positions and the log-prob path's float32 vocabulary chunks); the largest of its roles'
+is shown. The engine's working buffers and FSDP's gathered blocks (one block at a time) are not counted.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from spmd_rlhf.config import to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.dataflow import dataflow_of
-from spmd_rlhf.mapping.cost import resident_bytes
+from spmd_rlhf.mapping.cost import Layout, resident_bytes, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.workload import Batch, RoleSpec
 from spmd_rlhf.runtime.placement import place_roles
@@ -39,6 +41,7 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
     lines.append(f"# placement: {config.placement}, world size {world_size}")
     lines.append(f"{'role':<12} {'ranks':<10} {'pp':>3} {'dp':>3} {'tp':>3} {'parameters':>14}  per-rank state")
     per_rank = [0.0] * world_size
+    largest_pass = [0.0] * world_size
     for name in dataflow_of(config.algorithm.name).roles_of(config):
         (pool, dims), role = placement.roles[name], getattr(config, name)
         if name not in models:  # a rule reward or cost: no model
@@ -51,14 +54,16 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
         lines.append(
             f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  {_mib(state)} ({what})"
         )
+        working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp), batch)
         for rank in pool.ranks:
             per_rank[rank] += state
+            largest_pass[rank] = max(largest_pass[rank], working)
     actor_ranks = placement.roles["actor"][0].ranks
     generation = _generation_bytes(config, models["actor"], batch, len(actor_ranks))
-    lines += ["", "# memory per rank (weights and optimizer state; activations not counted)"]
+    lines += ["", "# memory per rank (weights and optimizer state, plus what generation or the largest pass adds)"]
     for rank, state in enumerate(per_rank):
         extra = f" + {_mib(generation)} while generating" if rank in actor_ranks else ""
-        lines.append(f"rank {rank}: {_mib(state)}{extra}")
+        lines.append(f"rank {rank}: {_mib(state)}{extra} + {_mib(largest_pass[rank])} in its largest pass")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ from transformers import Qwen2Config
 
 from spmd_rlhf.config_schema import ConfigError, FrameworkConfig, RolloutConfig, TrainerConfig
 from spmd_rlhf.metrics import (
+    MatmulParameters,
     MetricsLogger,
     ModelPasses,
     StageTimer,
@@ -138,9 +139,14 @@ def test_mean_over_ranks_and_timer():
 
 
 def test_step_flops_formula():
-    passes = ModelPasses(generate=10, train=(10, 10, 4), forward=(10, 4))
-    # 6 * 100 tokens * 24 trained params + 2 * 100 * 14 forward params + 2 * 30 generated tokens * 10.
-    assert step_flops(passes, sequence_tokens=100, generated_tokens=30) == 14_400 + 2_800 + 600
+    actor, critic = MatmulParameters(body=8, head=2), MatmulParameters(body=3, head=1)
+    passes = ModelPasses(generate=actor, train=(actor, actor, critic), forward=(actor, critic))
+    # Training and forward passes: bodies at all 100 tokens, heads at the 30 response tokens; generation: both at
+    # every generated token. 6 * (100 * 19 + 30 * 5) + 2 * (100 * 11 + 30 * 3) + 2 * 30 * 10.
+    assert step_flops(passes, sequence_tokens=100, response_tokens=30, generated_tokens=30) == 12_300 + 2_380 + 600
+    # The head at every token would overstate the step: that is where the logits are not computed.
+    everywhere = step_flops(passes, sequence_tokens=100, response_tokens=100, generated_tokens=30)
+    assert everywhere - 12_300 - 2_380 - 600 == 6 * 70 * 5 + 2 * 70 * 3
 
 
 def write_model_config(path, *, tied: bool) -> None:
@@ -156,8 +162,8 @@ def test_matmul_parameters_leave_out_the_embedding_lookup(tmp_path, tied):
     # Per layer: q 16x16 + k, v 8x16 each (GQA: 2 of 4 heads of 4 dims) with biases, o 16x16, MLP 3 x 16x32, 2 norms.
     layer = (16 * 16 + 16) + 2 * (8 * 16 + 8) + 16 * 16 + 3 * 16 * 32 + 2 * 16
     lm_head = 100 * 16  # a matmul even when tied to the embedding
-    assert matmul_parameters(str(tmp_path), head="lm") == 2 * layer + 16 + lm_head
-    assert matmul_parameters(str(tmp_path), head="value") == 2 * layer + 16 + 16 + 1
+    assert matmul_parameters(str(tmp_path), head="lm") == MatmulParameters(body=2 * layer + 16, head=lm_head)
+    assert matmul_parameters(str(tmp_path), head="value") == MatmulParameters(body=2 * layer + 16, head=16 + 1)
 
 
 def test_step_passes_follow_the_config(tmp_path):
@@ -173,10 +179,13 @@ def test_step_passes_follow_the_config(tmp_path):
 
 
 def test_throughput_metrics():
-    passes = ModelPasses(generate=1_000, train=(1_000,), forward=(1_000,))
+    model = MatmulParameters(body=900, head=100)
+    passes = ModelPasses(generate=model, train=(model,), forward=(model,))
     metrics = {"time/step": 2.0, "time/generate": 0.5, "rollout/prompt_tokens": 300.0, "rollout/generated_tokens": 100.0}
     result = throughput_metrics(metrics, world_size=4, passes=passes, peak_flops_per_device=1e6)
-    flops = step_flops(passes, sequence_tokens=400, generated_tokens=100)  # 3.4e6
+    # 8 * (400 tokens * 900 + 100 response tokens * 100) + 2 * 100 generated tokens * 1000.
+    flops = 3.16e6
+    assert step_flops(passes, sequence_tokens=400, response_tokens=100, generated_tokens=100) == flops
     assert result == pytest.approx({
         "throughput/tokens_per_s": 200.0,
         "throughput/tokens_per_s_per_device": 50.0,

@@ -51,44 +51,73 @@ def mean_over_ranks(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class MatmulParameters:
+    """A model's parameters that multiply activations (N of the 2·N FLOPs per token), split where its passes differ:
+    the body (decoder blocks and final norm) runs at every token of a sequence, the head (LM, value or score
+    projection) only at the positions whose outputs a pass needs."""
+
+    body: int
+    head: int
+
+    @property
+    def total(self) -> int:
+        return self.body + self.head
+
+
+@dataclass(frozen=True)
 class ModelPasses:
-    """The model passes of one training step, each given as the matmul parameter count N of the model that runs it
+    """The model passes of one training step, each given as the matmul parameters of the model that runs it
     (``matmul_parameters``)."""
 
-    generate: int
+    generate: MatmulParameters
     """The generating model (the actor): one forward per generated token."""
-    train: tuple[int, ...] = ()
+    train: tuple[MatmulParameters, ...] = ()
     """One entry per forward + backward pass over the step's sequences: the actor and each critic, ppo_epochs times."""
-    forward: tuple[int, ...] = ()
+    forward: tuple[MatmulParameters, ...] = ()
     """One entry per forward-only pass over the step's sequences: reference, recomputed log-probs, values, reward and
     cost models."""
 
 
-def step_flops(passes: ModelPasses, *, sequence_tokens: float, generated_tokens: float) -> float:
+def step_flops(passes: ModelPasses, *, sequence_tokens: float, response_tokens: float, generated_tokens: float) -> float:
     """Model FLOPs of one step, by the dense-transformer estimate of Kaplan et al. (2020):
 
-        FLOPs = 6 · T · Σ N_train  +  2 · T · Σ N_forward  +  2 · G · N_generate
+        FLOPs = 6 · (T · Σ B_train + R · Σ H_train)  +  2 · (T · Σ B_forward + R · Σ H_forward)  +  2 · G · (B + H)_generate
 
-    with T the step's prompt + response tokens, G its generated tokens and N a model's matmul parameters: a forward
-    pass costs 2 FLOPs per parameter per token, a backward pass twice that.
+    with T the step's prompt + response tokens, R its response tokens, G its generated tokens (R in an RL step, where
+    every response token was generated) and B, H a model's body and head matmul parameters: a forward pass costs 2
+    FLOPs per parameter per token, a backward pass twice that. Training and forward-only passes run the body at
+    every token and the head only at the response positions (``models.decoder``'s ``output_positions``: the logits
+    or values a log-prob, value or loss needs); generation runs both at every generated token.
 
     Not counted, so MFU from this errs low: attention's score and value products (the term quadratic in
     sequence length: small next to 2N for short sequences, not for long ones), prompt prefill during generation,
     norms, softmax and the optimizer step, ReMax's greedy baseline rollout and DAPO's extra sampling rounds. Counted
-    only once: activation checkpointing's recomputed forward (these are model FLOPs, not hardware FLOPs).
+    at R positions though it needs one per sequence: a reward model's score head (hidden parameters, nothing next to
+    its body). Counted only once: activation checkpointing's recomputed forward (these are model FLOPs, not
+    hardware FLOPs; likewise padding, which the pipeline-parallel path feeds, is not counted).
     """
-    return 6 * sequence_tokens * sum(passes.train) + 2 * sequence_tokens * sum(passes.forward) + 2 * generated_tokens * passes.generate
+
+    def tokens_times_parameters(models: tuple[MatmulParameters, ...]) -> float:
+        return sequence_tokens * sum(model.body for model in models) + response_tokens * sum(model.head for model in models)
+
+    return (
+        6 * tokens_times_parameters(passes.train) + 2 * tokens_times_parameters(passes.forward)
+        + 2 * generated_tokens * passes.generate.total
+    )
 
 
 @functools.cache
-def matmul_parameters(model_path: str, *, head: str) -> int:
-    """Parameters of the model at ``model_path`` (with ``head``) that multiply activations: all but the token
-    embedding, which is a lookup; a tied LM head is counted, since it is a matmul. Built on the meta device, so no
-    memory is allocated."""
+def matmul_parameters(model_path: str, *, head: str) -> MatmulParameters:
+    """Parameters of the model at ``model_path`` (with ``head``) that multiply activations, body and head: all but
+    the token embedding, which is a lookup; a tied LM head is counted, since it is a matmul. Built on the meta
+    device, so no memory is allocated."""
     with torch.device("meta"):
         model = DecoderLM(read_decoder_args(model_path), head=head)
-    parameters = model.named_parameters(remove_duplicate=False)
-    return sum(parameter.numel() for name, parameter in parameters if not name.startswith("model.embed_tokens."))
+    counts = {"body": 0, "head": 0}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if not name.startswith("model.embed_tokens."):
+            counts["head" if name.startswith(("lm_head.", "score.")) else "body"] += parameter.numel()
+    return MatmulParameters(**counts)
 
 
 def step_passes(config: FrameworkConfig) -> ModelPasses:
@@ -125,7 +154,8 @@ def throughput_metrics(
     }
     if metrics.get("time/generate"):
         result["throughput/generated_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/generate"]
-    flops_per_device = step_flops(passes, sequence_tokens=tokens, generated_tokens=metrics["rollout/generated_tokens"]) / seconds / world_size
+    generated = metrics["rollout/generated_tokens"]
+    flops_per_device = step_flops(passes, sequence_tokens=tokens, response_tokens=generated, generated_tokens=generated) / seconds / world_size
     result["throughput/tflops_per_device"] = flops_per_device / 1e12
     if peak_flops_per_device > 0:
         result["perf/mfu"] = flops_per_device / peak_flops_per_device

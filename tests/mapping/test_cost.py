@@ -8,7 +8,9 @@ import math
 
 import pytest
 
-from spmd_rlhf.mapping.cost import OPS_PER_LAYER, Cluster, Layout, generation_seconds, pass_seconds, resident_bytes, working_bytes
+from spmd_rlhf.mapping.cost import (
+    OPS_PER_LAYER, Cluster, Layout, generation_seconds, head_output_bytes, pass_seconds, resident_bytes, working_bytes,
+)
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
 from spmd_rlhf.mapping.workload import NAMED_SHAPES, Batch, dataflow
 
@@ -60,3 +62,30 @@ def test_the_kv_cache_gets_what_memory_is_left():
     roomy = generation_seconds(ACTOR, Layout(1, 1, 1, 1), cluster, BATCH, rows=64, free_bytes=shard + 40e9)
     tight = generation_seconds(ACTOR, Layout(1, 1, 1, 1), cluster, BATCH, rows=64, free_bytes=shard + 2e9)
     assert tight > 2 * roomy  # fewer sequences at once: more waves, each re-reading the weights every step
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_head_outputs_are_what_the_log_prob_path_allocates(trained):
+    """An LM head's share of a pass: logits at the response positions only, in bf16, read in float32 chunks (here
+    1,200 positions of a 32,000-token vocabulary: three chunks). The estimate is within 10% of the bytes the
+    log-prob and entropy path allocates (tensor storages counted after every op), forward only and with backward."""
+    import torch
+
+    from spmd_rlhf.hybrid.memory import PeakMemory
+    from spmd_rlhf.models.logprob import log_probs_and_entropy_from_logits
+
+    shape = dataclasses.replace(NAMED_SHAPES["7b"], hidden=64, vocab=32_000)
+    batch = Batch(prompts=2, prompt_length=300, response_length=600, micro_batch_size=2)
+    role = dataflow("grpo", actor=shape)[0]
+    role = dataclasses.replace(role, trained=trained)
+    positions = batch.micro_batch_size * batch.response_length
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(positions, shape.hidden, generator=generator, dtype=torch.bfloat16).requires_grad_(trained)
+    lm_head = torch.randn(shape.vocab, shape.hidden, generator=generator, dtype=torch.bfloat16)
+    labels = torch.randint(0, shape.vocab, (positions,), generator=generator)
+    with PeakMemory(torch.device("cpu")) as memory, torch.set_grad_enabled(trained):
+        log_probs, entropy = log_probs_and_entropy_from_logits(hidden @ lm_head.T, labels)
+        if trained:
+            (log_probs.sum() + entropy.sum()).backward()
+    estimate = head_output_bytes(role, Layout(1, 1, 1), batch, trained=trained)
+    assert 0.9 * estimate < memory.peak_increase < 1.1 * estimate, (memory.peak_increase, estimate)

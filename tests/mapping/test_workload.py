@@ -22,7 +22,9 @@ def parameter_count(args, head: str) -> int:
 def test_shape_counts_equal_the_built_model(tiny_model_dir, head):
     shape = model_shape(str(tiny_model_dir))
     assert shape.parameters(head) == parameter_count(read_decoder_args(str(tiny_model_dir)), head)
-    assert shape.matmul_parameters(head) == matmul_parameters(str(tiny_model_dir), head=head)
+    built = matmul_parameters(str(tiny_model_dir), head=head)
+    assert (shape.body_matmul_parameters, shape.head_parameters(head)) == (built.body, built.head)
+    assert shape.matmul_parameters(head) == built.total
 
 
 def test_named_shapes_have_their_advertised_sizes():

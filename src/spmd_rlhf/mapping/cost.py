@@ -4,7 +4,8 @@ Per pass over the step's rows, with N a model's matmul parameters, P all its par
 tokens of one micro-batch and n = pp·dp·tp devices:
 
 - **Compute** is 2·N FLOPs per token forward (plus attention's 2·L²·heads·head_dim per layer and row), three times
-  that for forward + backward, four with activation checkpointing, at the profile's attained FLOP/s.
+  that for forward + backward, four with activation checkpointing, at the profile's attained FLOP/s; in training
+  and forward-only passes the LM or value head's part of N runs at the response positions only.
 - **FSDP** gathers each block's weights per micro-batch (P·b/(tp·pp) bytes over dp; FSDP2 reshards after forward),
   again in backward, and reduce-scatters float32 gradients; on GPUs prefetching overlaps this with compute, so a
   micro-batch costs the larger of the two (on CPU ranks the sum: ``DeviceProfile.overlaps_communication``).
@@ -17,13 +18,17 @@ tokens of one micro-batch and n = pp·dp·tp devices:
   ranks that form one generation shard).
 
 Memory per device: a trained role keeps 16 bytes per parameter (float32 weight, gradient and two Adam moments)
-sharded n ways; a frozen role its weights in the compute dtype; activations of one micro-batch in flight per stage.
+sharded n ways; a frozen role its weights in the compute dtype; activations of one micro-batch in flight per stage,
+and its head's outputs at the response positions only (logits in the compute dtype, read by the log-prob path in
+float32 vocabulary chunks).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from spmd_rlhf.models.logprob import rows_per_chunk
 
 from .profile import DeviceProfile
 from .workload import Batch, RoleSpec
@@ -37,6 +42,12 @@ ACTIVATION_BYTES_PER_HIDDEN = 17
 memory-efficient attention: 34·h bytes at b = 2)."""
 GRADIENT_BYTES = 4
 """FSDP reduce-scatters gradients in float32."""
+FORWARD_LOGPROB_CHUNKS = 3
+"""Float32 vocabulary chunks the torch log-prob and entropy path (``models.logprob``) holds at once without
+gradients: a chunk of scaled logits and logsumexp's shifted copy and exponentials of it."""
+TRAINING_LOGPROB_CHUNKS = 4
+"""The same with gradients: the backward pass adds the chunk of the logits' gradient being written. (The fused CUDA
+kernels, which serve logits not split over TP, need none; the estimate keeps the torch path's.)"""
 MAX_DECODE_BATCH = 256
 """Sequences decoded together at most (``rollout.max_num_seqs``)."""
 
@@ -98,24 +109,46 @@ def _micro_batch(role: RoleSpec, batch: Batch) -> int:
     return role.micro_batch_size or batch.micro_batch_size
 
 
+def head_output_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, trained: bool) -> float:
+    """Bytes per device of one micro-batch's head outputs and what the log-prob path makes of them.
+
+    LM and value heads run at the response positions only (``output_positions``: every response at full length),
+    a score head at every token. An LM head's logits ``[positions, vocab / tp]`` stay in the compute dtype, kept for
+    backward with their gradient beside them when ``trained``; log-probs and entropy read them in float32 chunks of
+    ``rows_per_chunk`` rows of the rank's vocabulary slice (``models.logprob``), a few at a time
+    (``FORWARD_LOGPROB_CHUNKS``, ``TRAINING_LOGPROB_CHUNKS``): no float32 ``[positions, vocab]`` tensor is counted
+    because none exists."""
+    micro = _micro_batch(role, batch)
+    if role.head != "lm":
+        positions = micro * (batch.sequence_length if role.head == "score" else batch.response_length)
+        return positions * batch.dtype_bytes * (2 if trained else 1)
+    positions = micro * batch.response_length
+    local_vocab = math.ceil(role.shape.vocab / layout.tp)
+    logits = positions * local_vocab * batch.dtype_bytes
+    chunk = min(positions, rows_per_chunk(local_vocab)) * local_vocab * 4
+    if trained:
+        return 2 * logits + TRAINING_LOGPROB_CHUNKS * chunk
+    return logits + FORWARD_LOGPROB_CHUNKS * chunk
+
+
 def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     """Bytes per device a pass needs on top of the resident state: activations of the micro-batches in flight and
-    their logits (training); one layer's activations and the logits (forward only). Generation is accounted for
-    in ``generation_seconds`` (its shard and KV cache take what is left)."""
+    their head outputs (training); one layer's activations and the head outputs (forward only), with the log-prob
+    path's float32 chunks (``head_output_bytes``). Generation is accounted for in ``generation_seconds`` (its shard
+    and KV cache take what is left)."""
     shape, b = role.shape, batch.dtype_bytes
     tokens = _micro_batch(role, batch) * batch.sequence_length
-    vocab = shape.vocab if role.head == "lm" else 1
-    logits = tokens * vocab * b / layout.tp
     layer = ACTIVATION_BYTES_PER_HIDDEN * shape.hidden * b * tokens / layout.tp
+    outputs = head_output_bytes(role, layout, batch, trained=role.trained)
     if not role.trained:
-        return layer + logits
+        return layer + outputs
     # 1F1B keeps pp micro-batches in flight on the first stage, each through layers/pp layers: ~ all layers' worth.
     in_flight = shape.layers / layout.pp * min(layout.pp, batch.rows)
     if batch.activation_checkpointing:
         kept = 2 * shape.hidden * b * tokens * in_flight + layer
     else:
         kept = layer * in_flight
-    return kept + 2 * logits
+    return kept + outputs
 
 
 def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, train: bool) -> float:
@@ -127,7 +160,10 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     micro_batches = math.ceil(rows_per_dp / micro)
     tokens = micro * batch.sequence_length
     passes = (4 if batch.activation_checkpointing else 3) if train else 1
-    flops = 2 * shape.matmul_parameters(role.head) * tokens + 2 * shape.layers * micro * batch.sequence_length**2 * shape.heads * shape.head_dim
+    # The body runs at every token, the head at the response positions only (a score head at every token).
+    head_positions = tokens if role.head == "score" else micro * batch.response_length
+    matmul = shape.body_matmul_parameters * tokens + shape.head_parameters(role.head) * head_positions
+    flops = 2 * matmul + 2 * shape.layers * micro * batch.sequence_length**2 * shape.heads * shape.head_dim
     compute = passes * flops / (tp * pp) / profile.flops
     layers = shape.layers / pp
     # FSDP gathers (and in backward reduce-scatters) one unit at a time: each layer, and the root's embedding,

@@ -47,18 +47,25 @@ class ModelShape:
         norms = 2 * self.hidden + self.qk_norm * 2 * self.head_dim
         return attention + mlp + norms
 
-    def _head_parameters(self, head: str) -> int:
-        # lm: the vocabulary projection; value: one output with a bias; score: one output, no bias.
+    def head_parameters(self, head: str) -> int:
+        """Parameters of the output head: lm, the vocabulary projection (a matmul even when tied to the embedding);
+        value, one output with a bias; score, one output, no bias."""
         return {"lm": self.vocab * self.hidden, "value": self.hidden + 1, "score": self.hidden}[head]
 
+    @property
+    def body_matmul_parameters(self) -> int:
+        """Parameters the body multiplies activations with at every token: the blocks and the final norm (the
+        embedding is a lookup)."""
+        return self.layers * self.block_parameters + self.hidden
+
     def matmul_parameters(self, head: str) -> int:
-        """Parameters that multiply activations (all but the embedding lookup; a tied LM head counts, as it is a
-        matmul): N of the 2·N FLOPs per token."""
-        return self.layers * self.block_parameters + self.hidden + self._head_parameters(head)
+        """Parameters that multiply activations (all but the embedding lookup): N of the 2·N FLOPs per token of a
+        pass that runs the head at every token, as generation does."""
+        return self.body_matmul_parameters + self.head_parameters(head)
 
     def parameters(self, head: str) -> int:
         """All parameters (a tied LM head counted once)."""
-        head_parameters = 0 if (head == "lm" and self.tied) else self._head_parameters(head)
+        head_parameters = 0 if (head == "lm" and self.tied) else self.head_parameters(head)
         return self.vocab * self.hidden + self.layers * self.block_parameters + self.hidden + head_parameters
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

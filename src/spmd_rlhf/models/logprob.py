@@ -135,8 +135,13 @@ def _flatten(logits: torch.Tensor) -> torch.Tensor:
     return logits.reshape(-1, logits.shape[-1])
 
 
+def rows_per_chunk(local_vocab: int) -> int:
+    """Rows per float32 chunk of logits over ``local_vocab`` entries (this rank's vocabulary slice) by default."""
+    return max(1, DEFAULT_CHUNK_BYTES // (4 * local_vocab))
+
+
 def _rows_per_chunk(logits: torch.Tensor, chunk_tokens: int | None) -> int:
-    return chunk_tokens or max(1, DEFAULT_CHUNK_BYTES // (4 * logits.shape[-1]))
+    return chunk_tokens or rows_per_chunk(logits.shape[-1])
 
 
 def _fused_applies(logits: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
