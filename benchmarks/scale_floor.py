@@ -2,19 +2,19 @@
 ``benchmarks/scale.py``. Not an entry point.
 
 Built on the device mapper's memory model (``spmd_rlhf.mapping``: the config's roles and batch from
-``config_dataflow``, 16 bytes per trained parameter, activations of one micro-batch from ``working_bytes``) and the
-log-prob path's chunk size, split by when each part must exist. On ``devices`` ranks with every role colocated and
+``config_dataflow``, 16 bytes per trained parameter, activations, response logits and log-prob chunks of one micro-batch from
+``working_bytes``), split by when each part must exist. On ``devices`` ranks with every role colocated and
 sharded over all of them (FSDP), per rank:
 
 - from the load on: each trained role's float32 weights (4 bytes per parameter) and each frozen role's weights in
   the compute dtype, sharded;
 - from the first update on: Adam's two float32 moments of each trained role (8 bytes per parameter), sharded; during
   an update also the role's float32 gradients (4 bytes per parameter), sharded, plus its micro-batch's activations
-  and logits and one float32 vocabulary chunk of the log-prob path;
+  and response logits and the log-prob path's float32 chunks (``mapping.cost.working_bytes``);
 - while generating: the actor's generation copy (the whole model in the compute dtype, split ``rollout.tp`` ways)
   and the KV cache of the replica's rows at full length;
 - while computing log-probs and values: one forward micro-batch's working set (a layer's activations and the
-  logits) of the largest such pass, and one vocabulary chunk.
+  response logits and float32 chunks) of the largest such pass.
 
 Beyond that strict floor, the design itself needs transient buffers that are not a whole-model copy;
 ``design_parts`` adds them, for a second ratio:
@@ -44,7 +44,6 @@ from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.mapping.cost import GRADIENT_BYTES, TRAINING_BYTES_PER_PARAMETER, Layout, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.workload import RoleSpec
-from spmd_rlhf.models.logprob import DEFAULT_CHUNK_BYTES
 from spmd_rlhf.models.sharded_save import DEFAULT_BAND_BYTES
 
 WEIGHT_BYTES = 4
@@ -60,15 +59,6 @@ STAGE_OF_TIMER = {
 }
 """The recipes' ``StageTimer`` names (``time/<name>`` metrics) -> the benchmark's stage; a name not listed is a
 stage of its own, with the resident state as its floor."""
-
-
-def vocabulary_chunk_bytes(spec: RoleSpec, tokens: int) -> int:
-    """One float32 chunk of ``[tokens, vocab]`` logits as ``spmd_rlhf.models.logprob`` takes it (rows per chunk =
-    DEFAULT_CHUNK_BYTES / (4 · vocab), at most the micro-batch's tokens); 0 for heads without a vocabulary."""
-    if spec.head != "lm":
-        return 0
-    rows = min(tokens, max(1, DEFAULT_CHUNK_BYTES // (4 * spec.shape.vocab)))
-    return rows * spec.shape.vocab * 4
 
 
 def full_model_bytes(config: FrameworkConfig) -> int:
@@ -87,9 +77,6 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
 
     def parameters(spec: RoleSpec) -> int:
         return spec.shape.parameters(spec.head)
-
-    def micro_tokens(spec: RoleSpec) -> int:
-        return (spec.micro_batch_size or batch.micro_batch_size) * batch.sequence_length
 
     trained = [spec for spec in specs if spec.trained]
     weights = {
@@ -115,15 +102,15 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     if forward:
         largest = max(forward, key=lambda spec: working_bytes(spec, layout, batch))
         forward_parts = {
-            f"{largest.name} forward micro-batch (a layer's activations + logits)": working_bytes(largest, layout, batch),
-            "vocabulary chunk (float32)": max(vocabulary_chunk_bytes(spec, micro_tokens(spec)) for spec in forward),
+            f"{largest.name} forward micro-batch (a layer's activations, response logits, float32 log-prob chunks)":
+                working_bytes(largest, layout, batch),
         }
 
     def update_parts(spec: RoleSpec) -> dict[str, float]:
         return {
             f"{spec.name} gradients (float32 shard)": parameters(spec) * GRADIENT_BYTES / devices,
-            f"{spec.name} micro-batch activations + logits": working_bytes(spec, layout, batch),
-            "vocabulary chunk (float32)": vocabulary_chunk_bytes(spec, micro_tokens(spec)),
+            f"{spec.name} micro-batch (activations, response logits and their gradient, float32 log-prob chunks)":
+                working_bytes(spec, layout, batch),
         }
 
     update = max((update_parts(spec) for spec in trained), key=lambda parts: sum(parts.values()))

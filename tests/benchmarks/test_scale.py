@@ -19,6 +19,8 @@ sys.path.insert(0, str(BENCHMARKS))
 from scale_floor import ADAM_BYTES, STAGES, design_parts, stage_floors  # noqa: E402
 
 from spmd_rlhf.config import load_config  # noqa: E402
+from spmd_rlhf.mapping.cost import Layout, working_bytes  # noqa: E402
+from spmd_rlhf.mapping.placement import config_dataflow  # noqa: E402
 from spmd_rlhf.mapping.workload import model_shape  # noqa: E402
 
 
@@ -51,6 +53,10 @@ def test_smoke_run_reports_every_stage(tmp_path):
             "whole-model copy? | rise in stage (GiB) | seconds |") in finished.stdout
 
 
+def actor_spec(config):
+    return next(spec for spec in config_dataflow(config)[0] if spec.name == "actor")
+
+
 def test_floor_parts_at_a_real_shape(tmp_path):
     """0.5B's widths, one layer, a smaller vocabulary: the parts are the shapes' bytes, sharded over two ranks."""
     from spmd_rlhf.tiny.model import make_tiny
@@ -78,8 +84,9 @@ def test_floor_parts_at_a_real_shape(tmp_path):
         "actor generation copy (float32, 1/1)": actor * 4,
         f"KV cache (2 rows x {tokens} tokens)": 2 * tokens * shape.kv_bytes_per_token(4),
     }
-    # A micro-batch of 2 rows x 80 tokens is under one 64 MiB chunk's 512 rows at this vocabulary.
-    assert floors["update"]["vocabulary chunk (float32)"] == 2 * tokens * 32768 * 4
+    # The micro-batch's working set is the mapper's (activations, response logits, float32 log-prob chunks).
+    (name, size), = ((part, size) for part, size in floors["update"].items() if part.startswith("actor micro-batch"))
+    assert size == pytest.approx(working_bytes(actor_spec(config), Layout(pp=1, dp=2, tp=1), config_dataflow(config)[1]))
 
     # The design's transient buffers: the tied actor's root unit holds the embedding (and the final norm); the save's
     # writer holds two bands of at most 256 MiB (here the whole 112 MiB embedding).
