@@ -97,7 +97,7 @@ def run_phase(args: argparse.Namespace, phase: str, *, config_path: Path, overri
     log = scratch / f"{phase}.log"
     environment_variables = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                              "TOKENIZERS_PARALLELISM": "false", "SCALE_SAMPLE_INTERVAL": str(args.interval)}
-    if not args.keep_allocator_cache:
+    if not args.keep_allocator_cache and not torch.cuda.is_available():
         environment_variables.update(RETURN_FREED_MEMORY)
     print(f"{phase}: torchrun --nproc-per-node {args.nproc} {WORKER.name} ({log})", flush=True)
     with open(log, "w") as out:
