@@ -46,6 +46,37 @@ def test_checkpoints_are_renamed_whole_and_latest_names_the_newest(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_keep_last_deletes_the_oldest_but_never_the_one_latest_names(tmp_path):
+    for step in (1, 2, 3):
+        write_step(tmp_path, step)
+    assert checkpoint.prune_checkpoints(tmp_path, 2) == [tmp_path / "step_1"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_2", "step_3"]
+    (tmp_path / "latest").write_text("step_2")  # a resume from an older step: latest is not the highest
+    assert checkpoint.prune_checkpoints(tmp_path, 1) == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_2", "step_3"]
+    # Through write_checkpoint: the save, then the retention, in one call; nothing left under a staging name.
+    state = {"step": 4, "recipe": "test"}
+    checkpoint.write_checkpoint(tmp_path / "step_4", lambda staging: None, trainer_state=state, keep_last=1)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_4"]
+
+
+def test_small_files_and_the_directory_are_fsynced(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = checkpoint.os.fsync
+
+    def recording_fsync(descriptor: int) -> None:
+        synced.append(Path(f"/proc/self/fd/{descriptor}").resolve().name)
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    state = {"step": 1, "recipe": "test"}
+    checkpoint.write_checkpoint(tmp_path / "step_1", lambda staging: None, trainer_state=state, config_yaml="a: 1\n")
+    # Each small file through its staging name, then its directory; the run directory after the rename and latest.
+    assert synced.count(f"{checkpoint.CONFIG_FILE}.tmp") == 1 and synced.count(f"{checkpoint.TRAINER_STATE}.tmp") == 1
+    assert synced.count("latest.tmp") == 1 and synced.count(tmp_path.name) >= 2
+    assert (tmp_path / "step_1" / checkpoint.CONFIG_FILE).read_text() == "a: 1\n"
+
+
 def test_resume_resolution(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
