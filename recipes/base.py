@@ -233,9 +233,9 @@ class RLRecipe:
         steps_between_saves = trainer.steps_between_saves()
         saved_at = time.monotonic()
         history = []
+        done = saved = start  # steps finished, and the step of the last checkpoint
         for step in range(start, trainer.total_steps):
-            if stop_requested():  # before the first step (a signal during setup): the checkpoint loaded stands
-                self.stopped_by = stop_requested()
+            if stop_requested():
                 break
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
             self.step_extras = dict(self.data_metrics)
@@ -244,8 +244,9 @@ class RLRecipe:
             metrics["kl/coef"] = self.kl_controller.coef
             if "kl/mean" in metrics:
                 self.kl_controller.update(metrics["kl/mean"], steps=self.config.data.batch_size * self.config.rollout.n)
-            last = step == trainer.total_steps - 1
-            if trainer.val_every and ((step + 1) % trainer.val_every == 0 or last):
+            done = step + 1
+            last = done == trainer.total_steps
+            if trainer.val_every and (done % trainer.val_every == 0 or last):
                 metrics.update(self.validate())
             # Control-plane bytes of the step: O(batch) (prompts, handles, metrics), never per-token tensors.
             metrics["coordinator/bytes_sent"] = self.coordinator.bytes_sent - sent
@@ -253,17 +254,19 @@ class RLRecipe:
             history.append(metrics)
             if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
-            stopping = stop_requested()
             minutes = (time.monotonic() - saved_at) / 60
-            if (last or stopping or (steps_between_saves and (step + 1) % steps_between_saves == 0)
+            if (last or (steps_between_saves and done % steps_between_saves == 0)
                     or (trainer.save_every_minutes and minutes >= trainer.save_every_minutes)):
-                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1, final=last)
-                saved_at = time.monotonic()
-            if stopping and not last:
-                self.stopped_by = stopping
-                run_directory.mark_stopped(trainer.output_dir, reason=stopping, step=step + 1)
-                print(f"{stopping}: saved step_{step + 1} and stopped; a relaunch continues from it", flush=True)
-                break
+                self.save(os.path.join(trainer.output_dir, f"step_{done}"), step=done, final=last)
+                saved, saved_at = done, time.monotonic()
+        if done < trainer.total_steps and stop_requested():
+            self.stopped_by = stop_requested()
+            if saved < done:
+                self.save(os.path.join(trainer.output_dir, f"step_{done}"), step=done)
+            run_directory.mark_stopped(trainer.output_dir, reason=self.stopped_by, step=done)
+            resumable = f"step_{done}" if done else "the start"
+            print(f"{self.stopped_by}: stopped after step {done} of {trainer.total_steps}; a relaunch continues from "
+                  f"{resumable}", flush=True)
         self.metrics_logger.close()
         return history
 
