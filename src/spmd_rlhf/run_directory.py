@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from spmd_rlhf.checkpoint import CONFIG_FILE, CheckpointError, write_small_file
+from spmd_rlhf.checkpoint import CONFIG_FILE, CheckpointError, writable_dir, write_small_file
 
 LOCK_FILE = ".lock"
 STOPPED_FILE = "stopped.json"
@@ -49,7 +49,10 @@ class RunLock:
         self._file: TextIO | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # the run directory is created here, first thing: say at once if it cannot be
+            writable_dir(self.path.parent)
+        except CheckpointError as error:
+            raise CheckpointError(f"trainer.output_dir: {error}") from None
         handle = self.path.open("a+", encoding="utf-8")
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
