@@ -44,12 +44,14 @@ def rank_pids(agent: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def stop_mid_run(workdir: Path, send: Callable[[subprocess.Popen], None]) -> subprocess.CompletedProcess:
+def stop_mid_run(
+    workdir: Path, send: Callable[[subprocess.Popen], None], *overrides: str
+) -> subprocess.CompletedProcess:
     """Start the run, wait until its first step is logged, ``send(agent)`` a signal, and wait for the job to end."""
     metrics = workdir / "out" / "metrics.jsonl"
     command = torchrun_command(
         str(RECIPES / "grpo.py"), "--config", str(RECIPES / "configs" / "grpo.yaml"), "trainer.output_dir=out", *RUN,
-        nproc=2, port=free_port(),
+        *overrides, nproc=2, port=free_port(),
     )
     with (workdir / "stopped.log").open("w") as log:
         agent = subprocess.Popen(command, cwd=workdir, env=environment(), stdout=log, stderr=subprocess.STDOUT)
@@ -93,3 +95,15 @@ def test_sigusr1_to_one_worker_rank_stops_the_job_with_the_requeue_code(tmp_path
     stopped = stop_mid_run(tmp_path, lambda agent: os.kill(rank_pids(agent)[1], signal.SIGUSR1))
     stopped_step(stopped, tmp_path / "out", ("SIGUSR1 on rank 1",))
     assert f"exitcode  : {REQUEUE_EXIT_CODE}" in stopped.stdout, stopped.stdout[-4000:]
+
+
+def test_a_stop_that_outlasts_stop_timeout_s_exits_at_once_with_the_requeue_code(tmp_path):
+    """The wait for the step in flight is bounded: past trainer.stop_timeout_s the job ends without that save."""
+    stopped = stop_mid_run(
+        tmp_path, lambda agent: os.kill(rank_pids(agent)[1], signal.SIGUSR1), "trainer.stop_timeout_s=0.01"
+    )
+    assert "did not end within 0.01 s of SIGUSR1 on rank 1 (trainer.stop_timeout_s)" in stopped.stdout, stopped.stdout[-4000:]
+    assert f"exitcode  : {REQUEUE_EXIT_CODE}" in stopped.stdout
+    assert not (tmp_path / "out" / "stopped.json").exists()
+    latest = tmp_path / "out" / "latest"
+    assert not latest.exists() or (tmp_path / "out" / latest.read_text() / "trainer_state.json").is_file()
