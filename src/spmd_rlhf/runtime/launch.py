@@ -76,7 +76,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _state: dict[str, object] = {
     "executor": None, "last_heard": time.monotonic(), "rank": 0, "world_size": 1, "stop_reason": None, "stop_timer": None,
 }
-_stop_lock = threading.RLock()  # re-entered when a second signal interrupts the first handler
+_stop_lock = threading.Lock()
 
 
 def stop_requested() -> str | None:
@@ -112,21 +112,19 @@ def _rpc_request_stop(reason: str, timeout_s: float) -> None:
 
 
 def _install_stop_handlers(rank: int, options: RuntimeOptions) -> None:
-    """SIGTERM/SIGUSR1 ask the coordinator to stop; another rank tells it over RPC (from a thread: a signal handler
-    must not block)."""
+    """SIGTERM/SIGUSR1 ask the coordinator to stop; another rank tells it over RPC. The handler only starts a thread:
+    it runs on the main thread between two bytecodes, perhaps inside a print or a lock the request needs."""
 
-    def tell_coordinator(reason: str) -> None:
+    def tell_coordinator(reason: str, timeout_s: float) -> None:
         try:
-            rpc.rpc_sync("rank0", _rpc_request_stop, args=(reason, options.stop_timeout_s), timeout=10)
+            rpc.rpc_sync("rank0", _rpc_request_stop, args=(reason, timeout_s), timeout=10)
         except Exception as error:
             _say(f"could not tell the coordinator about {reason}: {error}")
 
     def on_signal(number: int, frame: object) -> None:
         reason = f"{signal.Signals(number).name} on rank {rank}"
-        if rank == 0:
-            _request_stop(reason, options.stop_timeout_s)
-        else:
-            threading.Thread(target=tell_coordinator, args=(reason,), daemon=True).start()
+        request = _request_stop if rank == 0 else tell_coordinator
+        threading.Thread(target=request, args=(reason, options.stop_timeout_s), daemon=True).start()
 
     for number in STOP_SIGNALS:
         signal.signal(number, on_signal)
