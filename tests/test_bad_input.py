@@ -13,6 +13,7 @@ checkpoint it resumes.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ from torchrun_helpers import RECIPES, alive, environment, torchrun
 from spmd_rlhf import checkpoint
 from spmd_rlhf.data.tasks import make_task
 from spmd_rlhf.models.tiny import make_tiny
+from spmd_rlhf.run_directory import RunLock
 
 TIMEOUT_S = 60
 """``trainer.timeout_s`` of every case: a lost rank must end its job within it."""
@@ -351,3 +353,23 @@ def test_cli_config_check_names_the_bad_key(config_error):
     )
     assert finished.returncode == 2, finished.stdout + finished.stderr
     assert re.search(entry.expected, finished.stderr), finished.stderr
+
+
+def test_a_second_job_on_a_locked_output_dir_fails_naming_the_holder_and_touches_nothing(tmp_path):
+    """The first job (here this test process) holds the lock and is mid-save; the second stops before any model loads,
+    and its cleanup of staging leftovers never runs."""
+    holder = RunLock(tmp_path / "out")
+    holder.acquire()
+    saving = tmp_path / "out" / "step_3.tmp"
+    saving.mkdir()
+    try:
+        finished = torchrun(
+            str(RECIPES / "grpo.py"), "--config", str(RECIPES / "configs" / "grpo.yaml"), "trainer.output_dir=out",
+            "trainer.total_steps=1", nproc=1, timeout=120, cwd=str(tmp_path),
+        )
+    finally:
+        holder.release()
+    assert finished.returncode != 0, finished.stdout[-4000:]
+    expected = rf"trainer\.output_dir=out is in use by host \S+, pid {os.getpid()}; wait for that run to end"
+    assert re.search(expected, finished.stdout), finished.stdout[-4000:]
+    assert saving.is_dir() and not (tmp_path / "tiny").exists()  # nothing touched, nothing built

@@ -64,6 +64,12 @@ class RunLock:
                 f"trainer.output_dir={self.path.parent} is in use by {holder}; wait for that run to end, stop it, or "
                 f"use another trainer.output_dir"
             ) from None
+        except OSError as error:  # e.g. Lustre mounted without -o flock
+            handle.close()
+            raise RunDirectoryError(
+                f"cannot lock {self.path} ({error.strerror or error}): the filesystem of trainer.output_dir does not "
+                f"support flock; mount it with flock support or use another trainer.output_dir"
+            ) from None
         handle.seek(0)
         handle.truncate()
         job = os.environ.get("SLURM_JOB_ID")
