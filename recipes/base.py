@@ -254,9 +254,10 @@ class RLRecipe:
             history.append(metrics)
             if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
-            minutes = (time.monotonic() - saved_at) / 60
-            if (last or (steps_between_saves and done % steps_between_saves == 0)
-                    or (trainer.save_every_minutes and minutes >= trainer.save_every_minutes)):
+            if checkpoint.save_due(
+                done, total_steps=trainer.total_steps, save_every=steps_between_saves,
+                minutes_since_save=(time.monotonic() - saved_at) / 60, save_every_minutes=trainer.save_every_minutes,
+            ):
                 self.save(os.path.join(trainer.output_dir, f"step_{done}"), step=done, final=last)
                 saved, saved_at = done, time.monotonic()
         if done < trainer.total_steps and stop_requested():

@@ -20,6 +20,7 @@ from torchrun_helpers import run_recipe, torchrun
 from spmd_rlhf import checkpoint
 from spmd_rlhf.checkpoint import CheckpointError
 from spmd_rlhf.cli import main as cli
+from spmd_rlhf.config_schema import TrainerConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.tiny import make_tiny
 
@@ -58,6 +59,22 @@ def test_keep_last_deletes_the_oldest_but_never_the_one_latest_names(tmp_path):
     state = {"step": 4, "recipe": "test"}
     checkpoint.write_checkpoint(tmp_path / "step_4", lambda staging: None, trainer_state=state, keep_last=1)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_4"]
+
+
+def test_save_cadence_by_steps_by_minutes_and_after_the_last():
+    def due(done: int, *, every: int = 0, minutes: float = 0.0, every_minutes: float = 0.0) -> bool:
+        return checkpoint.save_due(
+            done, total_steps=10, save_every=every, minutes_since_save=minutes, save_every_minutes=every_minutes
+        )
+
+    assert [done for done in range(1, 11) if due(done, every=4)] == [4, 8, 10]
+    assert [done for done in range(1, 11) if due(done)] == [10]  # save_every=0: only the last
+    assert due(3, minutes=30.5, every_minutes=30) and not due(3, minutes=29.9, every_minutes=30)
+    assert not due(3, minutes=1e9, every_minutes=0)  # 0: no time-based saves
+    # null save_every: a tenth of the run, at least every step.
+    assert TrainerConfig(total_steps=150).steps_between_saves() == 15
+    assert TrainerConfig(total_steps=4).steps_between_saves() == 1
+    assert TrainerConfig(total_steps=150, save_every=0).steps_between_saves() == 0
 
 
 def test_small_files_and_the_directory_are_fsynced(tmp_path, monkeypatch):
@@ -308,6 +325,18 @@ def test_save_hf_every_in_bfloat16(tmp_path):
         exported = checkpoint.export_hf(tmp_path / "out" / step, tmp_path / "export" / step)["actor"]
         for name, tensor in load_file(str(exported / "model.safetensors")).items():
             assert live[name].dtype == torch.bfloat16 and torch.equal(live[name], tensor.to(torch.bfloat16)), name
+
+
+def test_time_based_saves_and_the_resolved_config_in_a_real_run(tmp_path):
+    """save_every=0 with a tiny save_every_minutes saves after every step; each checkpoint and the run directory hold
+    the resolved config."""
+    overrides = ("trainer.total_steps=2", "trainer.save_every=0", "trainer.save_every_minutes=1e-9",
+                 "trainer.val_every=0", "actor.lr=0.0015")
+    run_recipe("grpo", tmp_path, *overrides)
+    out = tmp_path / "out"
+    assert sorted(path.name for path in out.glob("step_*")) == ["step_1", "step_2"]
+    for config_file in (out / "config.yaml", out / "step_1" / "config.yaml"):
+        assert "lr: 0.0015" in config_file.read_text() and "save_every: 0" in config_file.read_text()
 
 
 def test_save_hf_never(tmp_path):

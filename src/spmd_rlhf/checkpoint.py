@@ -156,6 +156,18 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     return deleted
 
 
+def save_due(
+    steps_done: int, *, total_steps: int, save_every: int, minutes_since_save: float, save_every_minutes: float
+) -> bool:
+    """Whether the run saves after ``steps_done`` steps: after the last, every ``save_every`` steps (0: never by
+    count), and once ``save_every_minutes`` have passed since the previous save (0: never by time)."""
+    return (
+        steps_done == total_steps
+        or (save_every > 0 and steps_done % save_every == 0)
+        or (save_every_minutes > 0 and minutes_since_save >= save_every_minutes)
+    )
+
+
 def hf_copy_due(save_hf: str, *, last: bool) -> bool:
     """Whether a checkpoint also gets the trained roles' Hugging Face copies under ``trainer.save_hf``: ``every``
     save, only the ``final`` one (after the last step), or ``never``."""
