@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from spmd_rlhf.checkpoint import CONFIG_FILE, CheckpointError, writable_dir, write_small_file
+from spmd_rlhf.checkpoint import CONFIG_FILE, CheckpointError, read_trainer_state, writable_dir, write_small_file
 
 LOCK_FILE = ".lock"
 STOPPED_FILE = "stopped.json"
@@ -112,7 +112,7 @@ def check_resume(
     ``allow_changes``) or when the checkpoint already reached ``total_steps``; returns every changed key (for the
     notice a resume prints). A checkpoint saved without its config is only checked for its step."""
     checkpoint_dir = Path(checkpoint_dir)
-    step = int(json.loads((checkpoint_dir / "trainer_state.json").read_text())["step"])
+    step = int(read_trainer_state(checkpoint_dir)["step"])
     saved = checkpoint_dir / CONFIG_FILE
     changes = config_changes(saved.read_text(), config_yaml) if saved.is_file() else {}
     fixed = {key: values for key, values in changes.items() if key in RESUME_FIXED_KEYS}
