@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmd_rlhf import checkpoint
+from spmd_rlhf import checkpoint, run_directory
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
-from spmd_rlhf.config import ConfigError, config_reference, load_config
+from spmd_rlhf.config import ConfigError, config_reference, load_config, to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.dataflow import ROLE_KINDS, Dataflow, algorithms_of
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
@@ -39,9 +39,11 @@ from spmd_rlhf.recipes.dry_run import describe
 from spmd_rlhf.recipes.dynamic_sampling import sample_with_signal
 from spmd_rlhf.recipes.roles import WORKERS, ActorHandle, CriticHandle, ReferenceHandle, RewardHandle
 from spmd_rlhf.runtime import (
-    BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, wait_together,
+    REQUEUE_EXIT_CODE, BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, stop_requested,
+    wait_together,
 )
 from spmd_rlhf.runtime.placement import place_roles
+from spmd_rlhf.sinks import truncate_metrics
 from spmd_rlhf.tiny import ensure_tiny_assets
 
 
@@ -106,6 +108,11 @@ class RLRecipe:
             if algorithm.kl_target is not None else FixedKLController(algorithm.kl_coef)
         )
         """The KL weight of each step (``kl_controller.coef``), updated from the step's ``kl/mean``; checkpointed."""
+        self.config_yaml = to_yaml(config)
+        """The resolved config as given (before placement fills in layouts): saved at the run's start and in every
+        checkpoint, and compared with a checkpoint's on resume."""
+        self.stopped_by: str | None = None
+        """Why ``fit`` ended before ``trainer.total_steps`` (``"SIGTERM on rank 1"``); None when it ran them all."""
 
     # ---- building ----------------------------------------------------------------------------------------------
 
@@ -253,22 +260,45 @@ class RLRecipe:
 
     def fit(self) -> list[dict[str, float]]:
         """Run up to ``trainer.total_steps`` steps (resuming as ``trainer.resume`` says), logging each and saving as
-        configured; returns the metrics of the steps run."""
-        if not self.roles:
-            self.setup()
+        configured; returns the metrics of the steps run. The run directory is locked for the whole run
+        (``run_directory.RunLock``); the resolved config goes into it, and ``metrics.jsonl`` keeps only the steps
+        before the one resumed from. On SIGTERM/SIGUSR1 (``runtime.stop_requested``) it saves after the step in
+        flight and ends early, naming the cause in ``stopped_by``."""
+        output_dir = self.config.trainer.output_dir
+        lock = run_directory.RunLock(output_dir)
+        lock.acquire()  # before any model loads: a second job on this directory fails at once, naming the holder
+        try:
+            checkpoint_dir = self.resume_checkpoint()
+            if not self.roles:
+                self.setup()
+            run_directory.clear_stopped(output_dir)
+            start = self.load(checkpoint_dir) if checkpoint_dir else 0
+            run_directory.write_run_config(output_dir, self.config_yaml)
+            truncate_metrics(output_dir, start)
+            return self.train_steps(start)
+        finally:
+            lock.release()
+
+    def train_steps(self, start: int) -> list[dict[str, float]]:
+        """Steps ``start`` .. ``total_steps - 1``, each logged, with saves every ``trainer.save_every`` steps (null:
+        a tenth of the run), after ``trainer.save_every_minutes``, after the last step, and when a stop is requested."""
         trainer = self.config.trainer
-        checkpoint = self.resume_checkpoint()
-        start = self.load(checkpoint) if checkpoint else 0
+        steps_between_saves = trainer.steps_between_saves()
+        saved_at = time.monotonic()
         history = []
+        done = saved = start  # steps finished, and the step of the last checkpoint
         for step in range(start, trainer.total_steps):
+            if stop_requested():
+                break
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
             metrics = self.step(step)
             metrics.update(self.data_metrics)
             metrics["kl/coef"] = self.kl_controller.coef
             if "kl/mean" in metrics:
                 self.kl_controller.update(metrics["kl/mean"], steps=self.config.data.batch_size * self.config.rollout.n)
-            last = step == trainer.total_steps - 1
-            if trainer.val_every and ((step + 1) % trainer.val_every == 0 or last):
+            done = step + 1
+            last = done == trainer.total_steps
+            if trainer.val_every and (done % trainer.val_every == 0 or last):
                 metrics.update(self.validate())
             # Control-plane bytes of the step: O(batch) (prompts, handles, metrics), never per-token tensors.
             metrics["coordinator/bytes_sent"] = self.coordinator.bytes_sent - sent
@@ -276,8 +306,20 @@ class RLRecipe:
             history.append(metrics)
             if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
-            if last or (trainer.save_every and (step + 1) % trainer.save_every == 0):
-                self.save(os.path.join(trainer.output_dir, f"step_{step + 1}"), step=step + 1, final=last)
+            if checkpoint.save_due(
+                done, total_steps=trainer.total_steps, save_every=steps_between_saves,
+                minutes_since_save=(time.monotonic() - saved_at) / 60, save_every_minutes=trainer.save_every_minutes,
+            ):
+                self.save(os.path.join(trainer.output_dir, f"step_{done}"), step=done, final=last)
+                saved, saved_at = done, time.monotonic()
+        if done < trainer.total_steps and stop_requested():
+            self.stopped_by = stop_requested()
+            if saved < done:
+                self.save(os.path.join(trainer.output_dir, f"step_{done}"), step=done)
+            run_directory.mark_stopped(trainer.output_dir, reason=self.stopped_by, step=done)
+            resumable = f"step_{done}" if done else "the start"
+            print(f"{self.stopped_by}: stopped after step {done} of {trainer.total_steps}; a relaunch continues from "
+                  f"{resumable}", flush=True)
         self.metrics_logger.close()
         return history
 
@@ -319,7 +361,10 @@ class RLRecipe:
                     self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
 
         trainer_state = {"step": step, "recipe": self.name, "algorithm": self.algorithm_state()}
-        return str(checkpoint.write_checkpoint(out_dir, write_roles, trainer_state=trainer_state))
+        return str(checkpoint.write_checkpoint(
+            out_dir, write_roles, trainer_state=trainer_state, config_yaml=self.config_yaml,
+            keep_last=self.config.trainer.keep_last,
+        ))
 
     def algorithm_state(self) -> dict[str, Any]:
         """The controller's state between steps (JSON-able), saved in checkpoints: the KL weight. Recipes with more
@@ -333,30 +378,49 @@ class RLRecipe:
         """Restore the trained roles from a checkpoint written by ``save`` (by any number of ranks); returns the step
         to continue from."""
         state = checkpoint.read_trainer_state(checkpoint_dir)
-        if state["recipe"] != self.name:
-            raise checkpoint.CheckpointError(
-                f"{checkpoint_dir} was written by the {state['recipe']} recipe, not {self.name}; resume it with that "
-                f"recipe, or start fresh with trainer.resume=null or another trainer.output_dir"
-            )
+        self.check_recipe(checkpoint_dir, state)
         state_dirs = {name: checkpoint.require_role_state(checkpoint_dir, name) for name in self.trained_roles()}
         for name, state_dir in state_dirs.items():
             self.roles[name].load_checkpoint(str(state_dir)).result()
         self.load_algorithm_state(state.get("algorithm", self.algorithm_state()))
         return int(state["step"])
 
+    def check_recipe(self, checkpoint_dir: str | os.PathLike, state: dict[str, Any]) -> None:
+        """A ``CheckpointError`` when ``checkpoint_dir`` (whose ``trainer_state.json`` is ``state``) was written by
+        another recipe."""
+        if state["recipe"] != self.name:
+            raise checkpoint.CheckpointError(
+                f"{checkpoint_dir} was written by the {state['recipe']} recipe, not {self.name}; resume it with that "
+                f"recipe, or start fresh with trainer.resume=null or another trainer.output_dir"
+            )
+
     def resume_checkpoint(self) -> str | None:
-        """The checkpoint ``trainer.resume`` points at: auto = ``<output_dir>``'s latest if it has one, null = none,
-        else a checkpoint directory or a run directory (meaning its latest)."""
-        resume = self.config.trainer.resume
+        """The checkpoint ``trainer.resume`` points at: auto = ``<output_dir>``'s latest if it has one, null = none
+        (refused when ``<output_dir>`` holds checkpoints), else a checkpoint directory or a run directory (meaning its
+        latest). A checkpoint of another recipe, data order or model, or one that already reached
+        ``trainer.total_steps``, is refused (``run_directory.check_resume``); other config changes are printed."""
+        trainer = self.config.trainer
+        resume = trainer.resume
         if resume is None:
+            run_directory.check_fresh_start(trainer.output_dir, checkpoint.latest_checkpoint(trainer.output_dir))
             return None
         if resume == "auto":
-            found = checkpoint.latest_checkpoint(self.config.trainer.output_dir)
-            return str(found) if found else None
-        try:
-            return str(checkpoint.resolve_checkpoint(resume))
-        except checkpoint.CheckpointError as error:
-            raise checkpoint.CheckpointError(f"trainer.resume={resume}: {error}") from error
+            found = checkpoint.latest_checkpoint(trainer.output_dir)
+            if found is None:
+                return None
+        else:
+            try:
+                found = checkpoint.resolve_checkpoint(resume)
+            except checkpoint.CheckpointError as error:
+                raise checkpoint.CheckpointError(f"trainer.resume={resume}: {error}") from error
+        self.check_recipe(found, checkpoint.read_trainer_state(found))
+        changes = run_directory.check_resume(
+            found, config_yaml=self.config_yaml, total_steps=trainer.total_steps,
+            allow_changes=trainer.resume_allow_changes,
+        )
+        shown = ", ".join(f"{key} ({saved!r} -> {now!r})" for key, (saved, now) in changes.items())
+        print(f"resuming from {found}" + (f"; config changed since it was saved: {shown}" if shown else ""), flush=True)
+        return str(found)
 
 
 def main(recipe_class: type[RLRecipe], default_config: str) -> None:
@@ -383,12 +447,18 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
         parser.exit(2, f"{recipe_class.name}: {error}\n")
     trainer = config.trainer
     runtime = RuntimeOptions(
-        call_timeout_s=trainer.timeout_s, collective_timeout_s=trainer.collective_timeout_s, device=trainer.device
+        call_timeout_s=trainer.timeout_s, collective_timeout_s=trainer.collective_timeout_s, device=trainer.device,
+        stop_timeout_s=trainer.stop_timeout_s,
     )
-    launch(lambda coordinator: recipe_class(config, coordinator).fit(), options=runtime)
+    def run(coordinator: Coordinator) -> str | None:
+        recipe = recipe_class(config, coordinator)
+        recipe.fit()
+        return recipe.stopped_by
+
+    stopped_by = launch(run, options=runtime)
     # RPC and the process groups are shut down and the sinks closed; skip interpreter teardown, where a C++ thread
     # of the distributed stack left joinable can abort the process ("terminate called without an active exception",
     # seen once in ~600 recipe runs) and turn a finished run into a failed one.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(REQUEUE_EXIT_CODE if stopped_by else 0)

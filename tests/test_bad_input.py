@@ -13,6 +13,7 @@ checkpoint it resumes.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ import pytest
 from torchrun_helpers import RECIPES, alive, environment, torchrun
 
 from spmd_rlhf import checkpoint
+from spmd_rlhf.run_directory import RunLock
 from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.tiny.task import make_task
 
@@ -144,10 +146,32 @@ CASES = {
         r"fresh with trainer\.resume=null",
         "trainer.resume={runs}/ppo_checkpoint/out",
     ),
-    "resume_another_model_size": case(
+    "resume_another_model_size": case(  # past the config check (resume_allow_changes): the shapes are checked too
         r"step_1/actor_state holds another model \(model\.embed_tokens\.weight \[\d+, 64\] saved, \[\d+, 128\] here.*"
         r"; resume with the model it was trained from \(model\.path\)",
-        "trainer.resume={runs}/ppo_checkpoint/out", "model.path={assets}/wide", recipe="ppo",
+        "trainer.resume={runs}/ppo_checkpoint/out", "model.path={assets}/wide", "trainer.resume_allow_changes=true",
+        "trainer.total_steps=2", recipe="ppo",
+    ),
+    "resume_another_model_path": case(
+        r"ppo_checkpoint/out/step_1 was trained with another data order or model \(model\.path: 'tiny/model' saved, "
+        r"'\S+/wide' now\); resume with the saved values, start a new run with another trainer\.output_dir, or set "
+        r"trainer\.resume_allow_changes=true",
+        "trainer.resume={runs}/ppo_checkpoint/out", "model.path={assets}/wide", "trainer.total_steps=2", recipe="ppo",
+    ),
+    "resume_another_data_order": case(
+        r"step_1 was trained with another data order or model \(data\.seed: 0 saved, 5 now\)",
+        "trainer.resume={runs}/ppo_checkpoint/out", "data.seed=5", "trainer.total_steps=2", recipe="ppo",
+    ),
+    # A new experiment in a finished run's directory: said, not zero steps and exit 0, nor the old weights resumed.
+    "output_dir_of_a_finished_run": case(
+        r"ppo_checkpoint/out/step_1 already reached step 1 and trainer\.total_steps=1: nothing to run\. To train on "
+        r"from it raise trainer\.total_steps above 1; to start a new run use another trainer\.output_dir",
+        "trainer.output_dir={runs}/ppo_checkpoint/out", recipe="ppo",
+    ),
+    "fresh_start_in_a_used_output_dir": case(  # another case's directory than above: each locks the one it is given
+        r"trainer\.resume=null, but trainer\.output_dir=\S+/reward_nan_zero/out holds an earlier run's checkpoints "
+        r"\(latest step_1\); use another trainer\.output_dir",
+        "trainer.output_dir={runs}/reward_nan_zero/out", "trainer.resume=null",
     ),
 }
 FAILING = [name for name, entry in CASES.items() if entry.expected is not None]
@@ -329,3 +353,23 @@ def test_cli_config_check_names_the_bad_key(config_error):
     )
     assert finished.returncode == 2, finished.stdout + finished.stderr
     assert re.search(entry.expected, finished.stderr), finished.stderr
+
+
+def test_a_second_job_on_a_locked_output_dir_fails_naming_the_holder_and_touches_nothing(tmp_path):
+    """The first job (here this test process) holds the lock and is mid-save; the second stops before any model loads,
+    and its cleanup of staging leftovers never runs."""
+    holder = RunLock(tmp_path / "out")
+    holder.acquire()
+    saving = tmp_path / "out" / "step_3.tmp"
+    saving.mkdir()
+    try:
+        finished = torchrun(
+            str(RECIPES / "grpo.py"), "--config", str(RECIPES / "configs" / "grpo.yaml"), "trainer.output_dir=out",
+            "trainer.total_steps=1", nproc=1, timeout=120, cwd=str(tmp_path),
+        )
+    finally:
+        holder.release()
+    assert finished.returncode != 0, finished.stdout[-4000:]
+    expected = rf"trainer\.output_dir=out is in use by host \S+, pid {os.getpid()}; wait for that run to end"
+    assert re.search(expected, finished.stdout), finished.stdout[-4000:]
+    assert saving.is_dir() and not (tmp_path / "tiny").exists()  # nothing touched, nothing built

@@ -20,6 +20,7 @@ from torchrun_helpers import run_recipe, torchrun
 from spmd_rlhf import checkpoint
 from spmd_rlhf.checkpoint import CheckpointError
 from spmd_rlhf.cli import main as cli
+from spmd_rlhf.config_schema import TrainerConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.tiny.model import make_tiny
 
@@ -44,6 +45,53 @@ def test_checkpoints_are_renamed_whole_and_latest_names_the_newest(tmp_path):
     write_step(tmp_path, 2, "again")  # saving a step that exists replaces it
     assert (tmp_path / "step_2" / "contents.txt").read_text() == "again"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_keep_last_deletes_the_oldest_but_never_the_one_latest_names(tmp_path):
+    for step in (1, 2, 3):
+        write_step(tmp_path, step)
+    assert checkpoint.prune_checkpoints(tmp_path, 2) == [tmp_path / "step_1"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_2", "step_3"]
+    (tmp_path / "latest").write_text("step_2")  # a resume from an older step: latest is not the highest
+    assert checkpoint.prune_checkpoints(tmp_path, 1) == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_2", "step_3"]
+    # Through write_checkpoint: the save, then the retention, in one call; nothing left under a staging name.
+    state = {"step": 4, "recipe": "test"}
+    checkpoint.write_checkpoint(tmp_path / "step_4", lambda staging: None, trainer_state=state, keep_last=1)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_4"]
+
+
+def test_save_cadence_by_steps_by_minutes_and_after_the_last():
+    def due(done: int, *, every: int = 0, minutes: float = 0.0, every_minutes: float = 0.0) -> bool:
+        return checkpoint.save_due(
+            done, total_steps=10, save_every=every, minutes_since_save=minutes, save_every_minutes=every_minutes
+        )
+
+    assert [done for done in range(1, 11) if due(done, every=4)] == [4, 8, 10]
+    assert [done for done in range(1, 11) if due(done)] == [10]  # save_every=0: only the last
+    assert due(3, minutes=30.5, every_minutes=30) and not due(3, minutes=29.9, every_minutes=30)
+    assert not due(3, minutes=1e9, every_minutes=0)  # 0: no time-based saves
+    # null save_every: a tenth of the run, at least every step.
+    assert TrainerConfig(total_steps=150).steps_between_saves() == 15
+    assert TrainerConfig(total_steps=4).steps_between_saves() == 1
+    assert TrainerConfig(total_steps=150, save_every=0).steps_between_saves() == 0
+
+
+def test_small_files_and_the_directory_are_fsynced(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = checkpoint.os.fsync
+
+    def recording_fsync(descriptor: int) -> None:
+        synced.append(Path(f"/proc/self/fd/{descriptor}").resolve().name)
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    state = {"step": 1, "recipe": "test"}
+    checkpoint.write_checkpoint(tmp_path / "step_1", lambda staging: None, trainer_state=state, config_yaml="a: 1\n")
+    # Each small file through its staging name, then its directory; the run directory after the rename and latest.
+    assert synced.count(f"{checkpoint.CONFIG_FILE}.tmp") == 1 and synced.count(f"{checkpoint.TRAINER_STATE}.tmp") == 1
+    assert synced.count("latest.tmp") == 1 and synced.count(tmp_path.name) >= 2
+    assert (tmp_path / "step_1" / checkpoint.CONFIG_FILE).read_text() == "a: 1\n"
 
 
 def test_resume_resolution(tmp_path):
@@ -277,6 +325,18 @@ def test_save_hf_every_in_bfloat16(tmp_path):
         exported = checkpoint.export_hf(tmp_path / "out" / step, tmp_path / "export" / step)["actor"]
         for name, tensor in load_file(str(exported / "model.safetensors")).items():
             assert live[name].dtype == torch.bfloat16 and torch.equal(live[name], tensor.to(torch.bfloat16)), name
+
+
+def test_time_based_saves_and_the_resolved_config_in_a_real_run(tmp_path):
+    """save_every=0 with a tiny save_every_minutes saves after every step; each checkpoint and the run directory hold
+    the resolved config."""
+    overrides = ("trainer.total_steps=2", "trainer.save_every=0", "trainer.save_every_minutes=1e-9",
+                 "trainer.val_every=0", "actor.lr=0.0015")
+    run_recipe("grpo", tmp_path, *overrides)
+    out = tmp_path / "out"
+    assert sorted(path.name for path in out.glob("step_*")) == ["step_1", "step_2"]
+    for config_file in (out / "config.yaml", out / "step_1" / "config.yaml"):
+        assert "lr: 0.0015" in config_file.read_text() and "save_every: 0" in config_file.read_text()
 
 
 def test_save_hf_never(tmp_path):

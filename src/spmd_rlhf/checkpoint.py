@@ -8,11 +8,14 @@ A run directory (``trainer.output_dir``) holds checkpoints and a pointer to the 
     <run>/step_4/actor_state/hf_config/   config.json, tokenizer files, role.json: what export needs besides weights
     <run>/step_4/actor/               the same weights as a Hugging Face directory (trainer.save_hf: by default
                                       only in the final checkpoint), streamed from the shards
+    <run>/step_4/config.yaml          the resolved config the run had when it saved
     <run>/latest                      "step_4"
 
 A checkpoint is written under ``step_4.tmp`` and renamed when whole; ``latest`` is replaced last. A crash at any point
 leaves the previous checkpoint and ``latest`` as they were; ``*.tmp`` leftovers are never resumed from and are removed
-by the next save. Export runs in one process, with no process group, whatever layout wrote the shards, a bucket of
+by the next save. The small files and the run directory are fsynced, so a power loss cannot leave ``latest`` naming a
+checkpoint whose rename was lost. Retention (``keep_last``) renames an old checkpoint to a ``*.tmp`` name before
+deleting it, so a crash mid-delete leaves a leftover, never a half-deleted checkpoint that looks finished. Export runs in one process, with no process group, whatever layout wrote the shards, a bucket of
 tensors at a time:
 
     spmd-rlhf export outputs/grpo hf_out --roles actor critic
@@ -40,6 +43,8 @@ from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, 
 from spmd_rlhf.models.weights import write_hf_metadata
 
 TRAINER_STATE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+"""The resolved config, in each checkpoint and at the top of the run directory."""
 LATEST = "latest"
 STAGING_SUFFIX = ".tmp"
 ROLE_STATE_SUFFIX = "_state"
@@ -72,12 +77,37 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def write_small_file(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a ``*.tmp`` sibling that is fsynced and renamed over it, then fsync the
+    directory: after a crash ``path`` holds the old text or the new, never a part."""
+    path = Path(path)
+    staging = path.with_name(path.name + STAGING_SUFFIX)
+    with staging.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    staging.replace(path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make the renames and deletions in ``directory`` durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def write_checkpoint(
-    checkpoint_dir: str | os.PathLike, write_contents: Callable[[Path], None], *, trainer_state: dict[str, Any]
+    checkpoint_dir: str | os.PathLike, write_contents: Callable[[Path], None], *, trainer_state: dict[str, Any],
+    config_yaml: str | None = None, keep_last: int = 0,
 ) -> Path:
     """Write a checkpoint atomically: ``write_contents(staging_dir)`` fills ``<checkpoint_dir>.tmp``, then
-    ``trainer_state.json`` goes in, the directory is renamed to ``checkpoint_dir``, and ``<parent>/latest`` is
-    replaced to name it. Leftover ``*.tmp`` entries of crashed saves in the run directory are removed first."""
+    ``config.yaml`` (the resolved config, when given) and ``trainer_state.json`` go in, the directory is renamed to
+    ``checkpoint_dir``, and ``<parent>/latest`` is replaced to name it. Leftover ``*.tmp`` entries of crashed saves in
+    the run directory are removed first (only the job holding the run directory's lock saves into it:
+    ``spmd_rlhf.run_directory``). Then at most ``keep_last`` finished checkpoints stay (0: all; ``prune_checkpoints``)."""
     final = Path(checkpoint_dir)
     run_dir = final.parent
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -86,19 +116,56 @@ def write_checkpoint(
     staging = final.with_name(final.name + STAGING_SUFFIX)
     staging.mkdir()
     write_contents(staging)
-    (staging / TRAINER_STATE).write_text(json.dumps(trainer_state))
+    if config_yaml is not None:
+        write_small_file(staging / CONFIG_FILE, config_yaml)
+    write_small_file(staging / TRAINER_STATE, json.dumps(trainer_state))
     # A directory cannot be renamed over a non-empty one: an older checkpoint of the same name is moved aside (to a
     # *.tmp name, so it is never resumed from) and deleted once the new one is in place and named by latest.
     replaced = final.with_name(final.name + ".replaced" + STAGING_SUFFIX)
     if final.exists():
         final.rename(replaced)
     staging.rename(final)
-    pointer = run_dir / (LATEST + STAGING_SUFFIX)
-    pointer.write_text(final.name)
-    pointer.replace(run_dir / LATEST)
+    fsync_dir(run_dir)
+    write_small_file(run_dir / LATEST, final.name)
     if replaced.exists():
         shutil.rmtree(replaced)
+    if keep_last:
+        prune_checkpoints(run_dir, keep_last)
     return final
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` finished checkpoints of highest step, never the one ``latest`` names; returns
+    the deleted ones. Each is first renamed to a ``*.tmp`` name (so a crash mid-delete leaves a leftover the next save
+    removes, not a damaged checkpoint), then removed."""
+    run_dir = Path(run_dir)
+    named = latest_checkpoint(run_dir)
+    finished = sorted(
+        (path for path in run_dir.glob("*") if is_checkpoint(path)),
+        key=lambda path: read_trainer_state(path)["step"], reverse=True,
+    )
+    deleted = []
+    for path in finished[keep_last:]:
+        if named is not None and path.resolve() == named.resolve():
+            continue
+        doomed = path.with_name(path.name + ".deleted" + STAGING_SUFFIX)
+        path.rename(doomed)
+        fsync_dir(run_dir)
+        shutil.rmtree(doomed)
+        deleted.append(path)
+    return deleted
+
+
+def save_due(
+    steps_done: int, *, total_steps: int, save_every: int, minutes_since_save: float, save_every_minutes: float
+) -> bool:
+    """Whether the run saves after ``steps_done`` steps: after the last, every ``save_every`` steps (0: never by
+    count), and once ``save_every_minutes`` have passed since the previous save (0: never by time)."""
+    return (
+        steps_done == total_steps
+        or (save_every > 0 and steps_done % save_every == 0)
+        or (save_every_minutes > 0 and minutes_since_save >= save_every_minutes)
+    )
 
 
 def hf_copy_due(save_hf: str, *, last: bool) -> bool:

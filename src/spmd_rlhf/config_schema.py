@@ -313,8 +313,19 @@ class TrainerConfig:
     """Directory for checkpoints, metrics and the resolved config."""
     seed: int = 0
     """Seed of initialization and sampling."""
-    save_every: int = 0
-    """Save a checkpoint every this many steps; 0: only after the last step."""
+    save_every: int | None = None
+    """Save a checkpoint every this many steps and after the last; null: every tenth of total_steps (at least every
+    step); 0: only after the last step (and on save_every_minutes and signals)."""
+    save_every_minutes: float = 30.0
+    """Also save after the first step that ends this many minutes after the previous save (or the run's start), so a
+    crash loses at most about this much work; 0: no time-based saves."""
+    keep_last: int = 3
+    """Keep this many checkpoints of highest step in output_dir, deleting older ones after each save (never the one
+    latest names); 0: keep every checkpoint."""
+    stop_timeout_s: float = 100.0
+    """On SIGTERM or SIGUSR1 the run finishes the step in flight, saves and exits with code 75 (recipes/slurm requeues
+    on it); a stop that takes longer than this exits with code 75 without saving (the last checkpoint stands). Keep it
+    below the grace the launcher gives (torchrun --shutdown-timeout, SLURM --signal=B:USR1@SECONDS)."""
     save_hf: str = "final"
     """Which checkpoints also hold each trained role's weights as a Hugging Face directory (<step>/<role>, streamed
     from the shards; resume only needs the sharded state): final (the save after the last step), every or never
@@ -332,7 +343,11 @@ class TrainerConfig:
     val_pass_score: float = 1.0
     """A sampled validation response passes (for pass@k) when its score is at least this."""
     resume: str | None = "auto"
-    """auto: continue from output_dir's latest checkpoint if there is one; null: start fresh; else a checkpoint dir."""
+    """auto: continue from output_dir's latest checkpoint if there is one; null: start fresh (refused when output_dir
+    holds checkpoints); else a checkpoint dir. A checkpoint that already reached total_steps is refused."""
+    resume_allow_changes: bool = False
+    """Resume even when the config changes the data order (data.train_files, shuffle, seed, batch_size, prompt_key) or
+    the models (model.path, tokenizer_path, critic/cost_critic.model_path) from the checkpoint's saved config."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Metric sinks, any of: console (progress line), jsonl (<output_dir>/metrics.jsonl, read by spmd-rlhf plot;
     written whether listed or not), tensorboard (<output_dir>/tensorboard; pip install tensorboard) and wandb
@@ -359,7 +374,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _at_least(self, 1, "total_steps", "log_every")
         _at_least(self, 0, "val_samples")
-        _at_least(self, 0, "save_every", "val_every", "timing_every", "peak_flops_per_device")
+        _at_least(self, 0, "val_every", "timing_every", "peak_flops_per_device", "save_every_minutes", "keep_last")
+        _require(self, "save_every", self.save_every is None or self.save_every >= 0, "must be >= 0 or null")
+        _require(self, "stop_timeout_s", self.stop_timeout_s > 0, "must be > 0")
         _require(self, "output_dir", self.output_dir != "", "must name a directory")
         _require(self, "wandb_project", self.wandb_project != "", "must name a wandb project")
         _require(self, "resume", self.resume != "", "must be auto, null or a checkpoint directory")
@@ -371,6 +388,10 @@ class TrainerConfig:
                  "must be null (model.dtype), float32, bfloat16 or float16")
         _require(self, "timeout_s", self.timeout_s > 0, "must be > 0")
         _require(self, "collective_timeout_s", self.collective_timeout_s > 0, "must be > 0")
+
+    def steps_between_saves(self) -> int:
+        """``save_every`` resolved: null becomes a tenth of ``total_steps`` (at least 1); 0 stays 0."""
+        return max(1, self.total_steps // 10) if self.save_every is None else self.save_every
 
 
 @dataclass

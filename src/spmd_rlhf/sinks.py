@@ -123,6 +123,24 @@ class JsonlSink:
         pass
 
 
+def truncate_metrics(output_dir: str, start_step: int) -> None:
+    """Keep only the records of steps before ``start_step`` in ``<output_dir>/metrics.jsonl`` (a resumed run logs the
+    steps after its checkpoint again; 0 empties it). Rewritten through a temporary file, so a crash keeps the old one."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] < start_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line torn by a crash mid-write
+            continue
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text("".join(kept), encoding="utf-8")
+    staging.replace(path)
+
+
 def _missing_package(logger: str, package: str, error: ImportError) -> ImportError:
     return ImportError(
         f"trainer.loggers has {logger}, which needs the {package} package ({error}); install it with "

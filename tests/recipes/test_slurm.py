@@ -1,5 +1,6 @@
 """The SLURM template (recipes/slurm/*.sbatch) without SLURM: it parses, it renders the launch line from a job's
-SLURM_* variables, it requeues itself on SIGUSR1, and the line it renders trains: two torchrun agents ("nodes") of two
+SLURM_* variables, it passes SIGUSR1 and SIGTERM to the run and requeues the job when the run stopped on one (exit
+code 75 or stopped.json), and the line it renders trains: two torchrun agents ("nodes") of two
 CPU ranks each run GRPO steps, and the same job run again (as a requeue runs it) resumes from ``latest``.
 
 ``scontrol`` and ``srun`` are stubs written into tmp_path and put first on PATH. The srun stub records its arguments
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import RECIPES, free_port
+from torchrun_helpers import RECIPES, alive, free_port
 
 TEMPLATES = sorted((RECIPES / "slurm").glob("*.sbatch"))
 TRAIN = RECIPES / "slurm" / "train.sbatch"
@@ -35,7 +36,7 @@ esac
 """
 
 SRUN = f"""#!{sys.executable}
-import itertools, json, os, subprocess, sys, time
+import itertools, json, os, signal, subprocess, sys, time
 from pathlib import Path
 
 out = Path(os.environ["FAKE_SLURM_DIR"])
@@ -43,9 +44,19 @@ arguments = sys.argv[1:]
 exported = {{key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}}
 (out / "srun.json").write_text(json.dumps({{"argv": arguments, "env": exported}}))
 mode = os.environ.get("FAKE_SRUN", "record")
-if mode == "sleep":
+if mode == "sleep":  # a run that, told to stop, saves and stops as the ranks do (stopped.json; torchrun exits 1)
+    def stop(number, frame):
+        (out / "srun_signal.txt").write_text(signal.Signals(number).name)
+        output_dir = Path(next(argument.split("=", 1)[1] for argument in arguments if argument.startswith("trainer.output_dir=")))
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "stopped.json").write_text("{{}}")
+        sys.exit(1)
+    signal.signal(signal.SIGUSR1, stop)
+    signal.signal(signal.SIGTERM, stop)
     (out / "srun.pid").write_text(str(os.getpid()))
     time.sleep(120)
+if mode.startswith("exit:"):
+    sys.exit(int(mode[5:]))
 if mode == "run":
     options = list(itertools.takewhile(lambda argument: argument.startswith("--"), arguments))
     nodes = int(dict(option[2:].split("=", 1) for option in options)["nodes"])
@@ -107,6 +118,7 @@ def test_launch_line(tmp_path):
         "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=32", "--kill-on-bad-exit=1",
         "python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=gpu-a17:{29500 + JOB_ID % 1000}", f"--rdzv-id={JOB_ID}",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=115",
         f"{REPO}/recipes/ppo.py", "--config", f"{REPO}/recipes/configs/ppo.yaml",
         "trainer.output_dir=/shared/runs/ppo1", "actor.lr=1e-6", "trainer.save_every=50",
     ]
@@ -134,7 +146,8 @@ def test_unknown_recipe_is_refused_before_srun(tmp_path):
     assert not (tmp_path / "srun.json").exists()
 
 
-def test_sigusr1_requeues_the_job(tmp_path):
+@pytest.mark.parametrize("signal_name", ["SIGUSR1", "SIGTERM"])
+def test_a_signal_is_passed_to_the_run_and_its_stop_requeues_the_job(tmp_path, signal_name):
     log, pid_file = tmp_path / "job.log", tmp_path / "srun.pid"
     with log.open("w") as output:  # a file, not a pipe: the sleeping srun stub outlives the batch shell
         job = subprocess.Popen(
@@ -145,15 +158,27 @@ def test_sigusr1_requeues_the_job(tmp_path):
         deadline = time.monotonic() + 20
         while not pid_file.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends the batch shell
+        job.send_signal(getattr(signal, signal_name))  # SIGUSR1: what --signal=B:USR1@120 sends the batch shell
         job.wait(timeout=20)
     finally:
         job.kill()
-        if pid_file.exists():
+        if pid_file.exists() and alive(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
     assert job.returncode == 0, log.read_text()
+    assert (tmp_path / "srun_signal.txt").read_text() == signal_name  # passed on to srun, and so to the ranks
     assert (tmp_path / "scontrol.log").read_text() == f"requeue {JOB_ID}\n"
     assert "resumes from outputs/grpo/latest" in log.read_text()
+
+
+@pytest.mark.parametrize(("srun_exit", "requeued"), [(75, True), (1, False), (0, False)])
+def test_only_the_requeue_exit_code_or_a_stop_marker_requeues(tmp_path, srun_exit, requeued):
+    """A one-rank run's 75 requeues; a failure (1 without stopped.json) or a finished run (0) ends the job with it.
+    A stopped.json left by an earlier run does not count: the script removes it before the launch."""
+    (tmp_path / "outputs" / "grpo").mkdir(parents=True)
+    (tmp_path / "outputs" / "grpo" / "stopped.json").write_text("{}")
+    finished = submit(tmp_path, FAKE_SRUN=f"exit:{srun_exit}", REPO_DIR=str(REPO))
+    assert finished.returncode == (0 if requeued else srun_exit), finished.stdout
+    assert (tmp_path / "scontrol.log").exists() == requeued, finished.stdout
 
 
 def test_two_nodes_train_and_the_job_run_again_resumes(tmp_path):

@@ -5,13 +5,14 @@ from .dispatch import Dispatch, all_to_all, data_parallel, dispatch_mode, one_to
 from .errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
 from .futures import wait_together
 from .handles import BatchRef, CallFuture, RoleHandle
-from .launch import RuntimeOptions, launch
+from .launch import REQUEUE_EXIT_CODE, RuntimeOptions, launch, stop_requested
 from ..parallel_dims import ParallelDims
 from .layout import ResourcePool
 from .payload import PayloadError
 from .worker import RoleContext, Worker
 
 __all__ = [
+    "REQUEUE_EXIT_CODE",
     "BatchRef",
     "CallFuture",
     "CallTimeout",
@@ -33,5 +34,6 @@ __all__ = [
     "launch",
     "one_to_all",
     "rank_zero",
+    "stop_requested",
     "wait_together",
 ]

@@ -14,11 +14,17 @@ Failure handling: the coordinator pings every rank; a worker exception, a lost r
 prints one error naming the rank, then every reachable rank exits with code 1 (``os._exit``: a rank stuck in a
 collective cannot be unwound politely). A worker that hears nothing from the coordinator for
 ``failure_timeout_s`` exits on its own, so no process outlives the job.
+
+Stopping on a signal: SIGTERM or SIGUSR1 on any rank (torchrun forwards SIGTERM to its ranks, and SIGUSR1 with
+``--signals-to-handle``; SLURM can signal every task) reaches the coordinator, where ``stop_requested()`` tells the
+recipe's loop to save after the step in flight and end; the process then exits with ``REQUEUE_EXIT_CODE``. A stop that
+takes longer than ``RuntimeOptions.stop_timeout_s`` ends the job with that code at once, without the save.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -57,9 +63,71 @@ class RuntimeOptions:
     shutdown_timeout_s: float = 60.0
     """Limit for draining the executors and shutting RPC down at the end."""
     rpc_threads: int = 16
+    stop_timeout_s: float = 100.0
+    """After SIGTERM/SIGUSR1, the job exits with ``REQUEUE_EXIT_CODE`` this many seconds later at the latest."""
 
 
-_state: dict[str, object] = {"executor": None, "last_heard": time.monotonic(), "rank": 0}
+REQUEUE_EXIT_CODE = 75
+"""The exit code of a run stopped by SIGTERM/SIGUSR1 (EX_TEMPFAIL): it saved, or kept its last checkpoint, and a
+relaunch continues it. recipes/slurm/train.sbatch requeues the job on it."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+_state: dict[str, object] = {
+    "executor": None, "last_heard": time.monotonic(), "rank": 0, "world_size": 1, "stop_reason": None, "stop_timer": None,
+}
+_stop_lock = threading.Lock()
+
+
+def stop_requested() -> str | None:
+    """On the coordinator: why the job was asked to stop (``"SIGTERM on rank 1"``), or None. The recipe's loop reads
+    it between steps, saves, and ends."""
+    return _state["stop_reason"]
+
+
+def _request_stop(reason: str, timeout_s: float) -> None:
+    """Record the first stop request on the coordinator and start the clock that bounds it."""
+    with _stop_lock:
+        if _state["stop_reason"] is not None:
+            return
+        _state["stop_reason"] = reason
+        _say(f"{reason}: saving after the step in flight, then exiting with code {REQUEUE_EXIT_CODE} "
+             f"(within {timeout_s:g} s)")
+        timer = threading.Timer(timeout_s, _stop_overdue, args=(reason, timeout_s))
+        timer.daemon = True
+        _state["stop_timer"] = timer
+        timer.start()
+
+
+def _stop_overdue(reason: str, timeout_s: float) -> None:
+    failure = RuntimeFailure(
+        f"the step in flight and its save did not end within {timeout_s:g} s of {reason} (trainer.stop_timeout_s); "
+        f"exiting without that save: a relaunch resumes from the last checkpoint"
+    )
+    _abort_job(int(_state["world_size"]), failure, code=REQUEUE_EXIT_CODE)
+
+
+def _rpc_request_stop(reason: str, timeout_s: float) -> None:
+    _request_stop(reason, timeout_s)
+
+
+def _install_stop_handlers(rank: int, options: RuntimeOptions) -> None:
+    """SIGTERM/SIGUSR1 ask the coordinator to stop; another rank tells it over RPC. The handler only starts a thread:
+    it runs on the main thread between two bytecodes, perhaps inside a print or a lock the request needs."""
+
+    def tell_coordinator(reason: str, timeout_s: float) -> None:
+        try:
+            rpc.rpc_sync("rank0", _rpc_request_stop, args=(reason, timeout_s), timeout=10)
+        except Exception as error:
+            _say(f"could not tell the coordinator about {reason}: {error}")
+
+    def on_signal(number: int, frame: object) -> None:
+        reason = f"{signal.Signals(number).name} on rank {rank}"
+        request = _request_stop if rank == 0 else tell_coordinator
+        threading.Thread(target=request, args=(reason, options.stop_timeout_s), daemon=True).start()
+
+    for number in STOP_SIGNALS:
+        signal.signal(number, on_signal)
 
 
 @rpc.functions.async_execution
@@ -142,6 +210,9 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
                 _transports=["uv"],
             ),
         )
+    _state["world_size"] = world_size
+    if threading.current_thread() is threading.main_thread():
+        _install_stop_handlers(rank, options)
     if rank == 0:
         return _run_coordinator(main, executor, world_size, options)
     _serve(executor, options)
@@ -182,6 +253,8 @@ def _run_coordinator(
             _say("the coordinator failed:\n" + traceback.format_exc().rstrip())
         _abort_job(world_size, error)
     stop_heartbeat.set()
+    if _state["stop_timer"] is not None:
+        _state["stop_timer"].cancel()  # main has returned: the stop it bounded is done
     _shutdown(options)
     return result
 

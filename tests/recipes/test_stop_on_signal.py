@@ -1,0 +1,109 @@
+"""A run stopped by a signal loses nothing: SIGTERM to the torchrun agent (which forwards it to every rank) or SIGUSR1
+to one worker rank mid-run makes the coordinator save after the step in flight and exit with the requeue code; the
+same command run again resumes from that save and ends with the metrics of an uninterrupted run. Two CPU ranks, the
+tiny GRPO recipe: four short runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from torchrun_helpers import RECIPES, environment, free_port, run_recipe, torchrun_command
+
+from spmd_rlhf.runtime import REQUEUE_EXIT_CODE
+
+RUN = ("trainer.total_steps=4", "trainer.val_every=0", "trainer.save_every=0", "algorithm.kl_target=0.001")
+"""No periodic saves: the only checkpoint before the last step is the one the signal asks for."""
+TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
+
+
+def without_timings(records: list[dict]) -> list[dict]:
+    return [{key: value for key, value in record.items() if not key.startswith(TIMING_PREFIXES)} for record in records]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    return run_recipe("grpo", tmp_path_factory.mktemp("uninterrupted"), *RUN)
+
+
+def rank_pids(agent: subprocess.Popen) -> dict[int, int]:
+    """{global rank: pid} of the agent's rank processes."""
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+    ranks = {}
+    for pid in map(int, children):
+        variables = dict(
+            entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in entry
+        )
+        ranks[int(variables["RANK"])] = pid
+    return ranks
+
+
+def stop_mid_run(
+    workdir: Path, send: Callable[[subprocess.Popen], None], *overrides: str
+) -> subprocess.CompletedProcess:
+    """Start the run, wait until its first step is logged, ``send(agent)`` a signal, and wait for the job to end."""
+    metrics = workdir / "out" / "metrics.jsonl"
+    command = torchrun_command(
+        str(RECIPES / "grpo.py"), "--config", str(RECIPES / "configs" / "grpo.yaml"), "trainer.output_dir=out", *RUN,
+        *overrides, nproc=2, port=free_port(),
+    )
+    with (workdir / "stopped.log").open("w") as log:
+        agent = subprocess.Popen(command, cwd=workdir, env=environment(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+                assert agent.poll() is None, (workdir / "stopped.log").read_text()[-4000:]
+                time.sleep(0.05)
+            send(agent)
+            agent.wait(timeout=120)
+        finally:
+            agent.kill()
+    return subprocess.CompletedProcess(command, agent.returncode, (workdir / "stopped.log").read_text())
+
+
+def stopped_step(stopped: subprocess.CompletedProcess, run_dir: Path, reasons: tuple[str, ...]) -> int:
+    """The step the stopped run saved, after checking its marker, ``latest`` and what it printed."""
+    assert stopped.returncode != 0, stopped.stdout[-4000:]
+    marker = json.loads((run_dir / "stopped.json").read_text())
+    step = marker["step"]
+    assert 1 <= step < 4 and marker["reason"] in reasons, marker
+    assert (run_dir / "latest").read_text() == f"step_{step}"
+    assert f"stopped after step {step} of 4; a relaunch continues from step_{step}" in stopped.stdout
+    return step
+
+
+def test_sigterm_mid_run_saves_and_a_relaunch_ends_as_an_uninterrupted_run(tmp_path, uninterrupted):
+    """SIGTERM to the torchrun agent, as SLURM, Kubernetes or a user's kill sends it; torchrun forwards it to both
+    ranks."""
+    stopped = stop_mid_run(tmp_path, lambda agent: agent.send_signal(signal.SIGTERM))
+    stopped_step(stopped, tmp_path / "out", ("SIGTERM on rank 0", "SIGTERM on rank 1"))
+    resumed = run_recipe("grpo", tmp_path, *RUN)  # the same command again, as a requeued job runs it
+    assert [record["step"] for record in resumed] == list(range(4))  # cut back to the save: no step twice
+    assert without_timings(resumed) == without_timings(uninterrupted)
+    assert not (tmp_path / "out" / "stopped.json").exists()
+
+
+def test_sigusr1_to_one_worker_rank_stops_the_job_with_the_requeue_code(tmp_path):
+    """SLURM's --signal=USR1@N reaches every task; a worker's signal reaches the coordinator over RPC. The agent was
+    not signalled, so it reports rank 0's exit code."""
+    stopped = stop_mid_run(tmp_path, lambda agent: os.kill(rank_pids(agent)[1], signal.SIGUSR1))
+    stopped_step(stopped, tmp_path / "out", ("SIGUSR1 on rank 1",))
+    assert f"exitcode  : {REQUEUE_EXIT_CODE}" in stopped.stdout, stopped.stdout[-4000:]
+
+
+def test_a_stop_that_outlasts_stop_timeout_s_exits_at_once_with_the_requeue_code(tmp_path):
+    """The wait for the step in flight is bounded: past trainer.stop_timeout_s the job ends without that save."""
+    stopped = stop_mid_run(
+        tmp_path, lambda agent: os.kill(rank_pids(agent)[1], signal.SIGUSR1), "trainer.stop_timeout_s=0.01"
+    )
+    assert "did not end within 0.01 s of SIGUSR1 on rank 1 (trainer.stop_timeout_s)" in stopped.stdout, stopped.stdout[-4000:]
+    assert f"exitcode  : {REQUEUE_EXIT_CODE}" in stopped.stdout
+    assert not (tmp_path / "out" / "stopped.json").exists()
+    latest = tmp_path / "out" / "latest"
+    assert not latest.exists() or (tmp_path / "out" / latest.read_text() / "trainer_state.json").is_file()
