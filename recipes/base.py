@@ -344,7 +344,8 @@ class RLRecipe:
         return {**metrics, **timer.metrics()}
 
     def trained_roles(self) -> list[str]:
-        return [name for name in ("actor", "critic", "cost_critic") if name in self.roles]
+        """The run's roles whose training state a checkpoint holds (``ROLE_KINDS``' trained roles)."""
+        return [name for name in self.roles if ROLE_KINDS[name].trained]
 
     def save(self, out_dir: str, *, step: int, final: bool = False) -> str:
         """A checkpoint after ``step`` steps: each trained role's sharded training state (DCP, for an exact resume,
