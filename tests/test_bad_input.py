@@ -373,3 +373,19 @@ def test_a_second_job_on_a_locked_output_dir_fails_naming_the_holder_and_touches
     expected = rf"trainer\.output_dir=out is in use by host \S+, pid {os.getpid()}; wait for that run to end"
     assert re.search(expected, finished.stdout), finished.stdout[-4000:]
     assert saving.is_dir() and not (tmp_path / "tiny").exists()  # nothing touched, nothing built
+
+
+def test_a_command_a_rank_cannot_decode_fails_at_once_naming_the_rank_and_the_cause(tmp_path):
+    (tmp_path / "only_on_rank_zero.py").write_text(
+        "from spmd_rlhf.runtime import Worker\n\n\nclass Greeter(Worker):\n    pass\n"
+    )
+    start = time.monotonic()
+    finished = torchrun("rank_zero_only_module.py", str(tmp_path), nproc=2, timeout=120)
+    output = finished.stdout
+    assert finished.returncode != 0, output[-4000:]
+    assert "NOT REACHED" not in output
+    assert re.search(
+        r"runtime\.decode failed on rank 1: could not decode the command from the coordinator \(ModuleNotFoundError: "
+        r"No module named 'only_on_rank_zero'\); every node must import the same code", output
+    ), output[-4000:]
+    assert time.monotonic() - start < 60  # failure_timeout_s is 120: the heartbeat did not end it

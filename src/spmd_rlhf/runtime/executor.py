@@ -140,17 +140,41 @@ class Executor:
                     continue
                 envelope, future, local = self._queue.pop(self._next_seq)
                 self._next_seq += 1
-            if isinstance(envelope, bytes):
-                envelope = pickle.loads(envelope)
-            outcome = self._run(envelope)
+            # Nothing a command does may end this thread: the rank would keep answering heartbeats while its
+            # queue never moved, and the job would wait out its full timeout before naming the wrong cause.
+            command: Any = None
+            try:
+                if isinstance(envelope, bytes):
+                    envelope = self._decode(envelope)
+                if isinstance(envelope, Envelope):
+                    command = envelope.command
+                    outcome = self._run(envelope)
+                else:
+                    outcome = envelope
+            except BaseException as error:
+                outcome = _failure(command, self.rank, error)
             if not local:
                 try:
                     outcome = dumps(outcome, what="the result")
                 except Exception as error:
-                    outcome = dumps(_failure(envelope.command, self.rank, error), what="a failure report")
+                    outcome = dumps(_failure(command, self.rank, error), what="a failure report")
             future.set_result(outcome)
-            if isinstance(envelope.command, Stop):
+            if isinstance(command, Stop):
                 self.stopped.set()
+
+    def _decode(self, payload: bytes) -> Envelope | RemoteFailure:
+        """The envelope, or a failure naming this rank and why it could not be read (a class or module that only
+        the coordinator's rank can import, or another version of a package on this node)."""
+        try:
+            return pickle.loads(payload)
+        except BaseException as error:
+            cause = f"{type(error).__name__}: {error}"
+            return RemoteFailure(
+                "runtime", "decode", self.rank,
+                f"could not decode the command from the coordinator ({cause}); every node must import "
+                f"the same code: install the same packages and versions, and put role classes in modules every "
+                f"rank can import", traceback.format_exc(),
+            )
 
     def _run(self, envelope: Envelope) -> Any:
         for batch_id in envelope.free:
