@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -140,6 +141,11 @@ CASES = {
         checkpoints=("step_1",),
     ),
     # Resuming a checkpoint that does not fit the run.
+    "resume_crafted_metadata": case(
+        r"crafted/step_1/actor_state/\.metadata references (posix|os)\.system, which DCP checkpoint metadata never "
+        r"holds; .* Resume or export only checkpoints your own jobs wrote",
+        "trainer.resume={assets}/crafted",
+    ),
     "ppo_checkpoint": case(None, recipe="ppo", checkpoints=("step_1",)),
     "resume_another_recipe": case(
         r"ppo_checkpoint/out/step_1 was written by the ppo recipe, not grpo; resume it with that recipe, or start "
@@ -208,7 +214,32 @@ def build_assets(root: Path) -> Path:
     for name, source in USER_REWARDS.items():
         (root / name).write_text(source)
     (root / "a_file").write_text("a regular file, not a directory\n")
+    write_crafted_checkpoint(root / "crafted", model_dir=root / "tiny" / "model", marker=root / CRAFTED_MARKER)
     return root
+
+
+CRAFTED_MARKER = "the_crafted_checkpoint_ran_a_command"
+
+
+class _RunsCommand:
+    """Pickles as a call of ``os.system``: what a crafted ``.metadata`` would run under full pickle."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def write_crafted_checkpoint(run_dir: Path, *, model_dir: Path, marker: Path) -> None:
+    """A GRPO checkpoint whose actor's DCP ``.metadata`` would create ``marker`` when unpickled."""
+    state_dir = checkpoint.role_state_dir(run_dir / "step_1", "actor")
+    (state_dir / checkpoint.HF_CONFIG).mkdir(parents=True)
+    shutil.copy(model_dir / "config.json", state_dir / checkpoint.HF_CONFIG / "config.json")
+    (state_dir / checkpoint.HF_CONFIG / checkpoint.ROLE_FILE).write_text(json.dumps({"head": "lm"}))
+    (state_dir / ".metadata").write_bytes(pickle.dumps(_RunsCommand(f"touch {marker}")))
+    (run_dir / "step_1" / checkpoint.TRAINER_STATE).write_text(json.dumps({"step": 1, "recipe": "grpo"}))
+    (run_dir / checkpoint.LATEST).write_text("step_1")
 
 
 @dataclass(frozen=True)
@@ -250,7 +281,12 @@ def dependencies(name: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory) -> dict[str, Run]:
+def assets(tmp_path_factory) -> Path:
+    return build_assets(tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, assets) -> dict[str, Run]:
     """The cases this session selected (and the runs they resume), run two at a time, by name."""
     selected = {
         item.callspec.params["name"]
@@ -258,7 +294,6 @@ def runs(request, tmp_path_factory) -> dict[str, Run]:
         if item.module.__name__ == __name__ and "name" in getattr(getattr(item, "callspec", None), "params", {})
     }
     selected |= {dependency for name in selected for dependency in dependencies(name)}
-    assets = build_assets(tmp_path_factory.mktemp("assets"))
     root = tmp_path_factory.mktemp("runs")
     results: dict[str, Run] = {}
     with ThreadPoolExecutor(PARALLEL_JOBS) as pool:
@@ -389,3 +424,23 @@ def test_a_command_a_rank_cannot_decode_fails_at_once_naming_the_rank_and_the_ca
         r"No module named 'only_on_rank_zero'\); every node must import the same code", output
     ), output[-4000:]
     assert time.monotonic() - start < 60  # failure_timeout_s is 120: the heartbeat did not end it
+
+
+def test_export_refuses_a_crafted_metadata_file_without_running_it(tmp_path):
+    assets = tmp_path / "assets"
+    make_tiny(family="qwen2", out_dir=str(assets / "model"))
+    marker = tmp_path / CRAFTED_MARKER
+    write_crafted_checkpoint(tmp_path / "crafted", model_dir=assets / "model", marker=marker)
+    finished = subprocess.run(
+        [sys.executable, "-m", "spmd_rlhf.cli", "export", str(tmp_path / "crafted"), str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=120, env=environment(),
+    )
+    assert finished.returncode == 2, finished.stdout + finished.stderr
+    assert re.search(r"export error: \S+/crafted/step_1/actor_state/\.metadata references (posix|os)\.system",
+                     finished.stderr), finished.stderr
+    assert not marker.exists()
+
+
+def test_resume_refuses_a_crafted_metadata_file_without_running_it(runs, assets):
+    assert runs["resume_crafted_metadata"].finished.returncode != 0
+    assert not (assets / CRAFTED_MARKER).exists()

@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from spmd_rlhf.models import DecoderArgs, DecoderLM, read_decoder_args
 from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, split_by_bytes, write_index
 from spmd_rlhf.models.weights import write_hf_metadata
+from spmd_rlhf import safe_dcp
+from spmd_rlhf.safe_dcp import CheckpointError
 
 TRAINER_STATE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -51,10 +53,6 @@ ROLE_STATE_SUFFIX = "_state"
 HF_CONFIG = "hf_config"
 """Subdirectory of a role's state holding its model config, tokenizer and ``role.json`` (the model head)."""
 ROLE_FILE = "role.json"
-
-
-class CheckpointError(ValueError):
-    """A path is not a usable checkpoint, or a checkpoint lacks what was asked of it."""
 
 
 # ---- the directory protocol ------------------------------------------------------------------------------------------
@@ -270,12 +268,12 @@ def load_role_state(
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
     rng_key = _rng_key(process_group)
-    saved = dcp.FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    saved = safe_dcp.read_metadata(state_dir).state_dict_metadata
     _check_model_shapes(state_dir, model_state, saved)
     rng = {device: tensor for device, tensor in _rng_state().items() if f"{rng_key}.{device}" in saved}
     if rng:
         state[rng_key] = rng
-    dcp.load(state, checkpoint_id=str(state_dir), process_group=process_group)
+    safe_dcp.load(state, state_dir, process_group=process_group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if "cpu" in rng:
@@ -358,7 +356,7 @@ def _role_model_entries(checkpoint_dir: str | os.PathLike, role: str) -> tuple[P
     args = read_decoder_args(str(config_dir))
     with torch.device("meta"):
         names = [name for name, _ in DecoderLM(args, head=head).named_parameters()]
-    saved = dcp.FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    saved = safe_dcp.read_metadata(state_dir).state_dict_metadata
     entries = {name: saved.get(f"model.{name}") for name in names}
     missing = [name for name, entry in entries.items() if not isinstance(entry, TensorStorageMetadata)]
     if missing:
@@ -379,7 +377,7 @@ def read_role_tensors(
         with warnings.catch_warnings():
             # DCP warns that it loads in a single process even when asked to with no_dist: that is the intent here.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": tensors}, checkpoint_id=str(state_dir), no_dist=True)
+            safe_dcp.load({"model": tensors}, state_dir, no_dist=True)
         yield tensors
         del tensors
 
