@@ -116,6 +116,20 @@ CASES = {
         r"reward\.on_error=zero",
         "reward.rule={assets}/raises.py:score", "reward.on_error=abort", nproc=2,
     ),
+    "reward_beyond_float32_abort": case(
+        r"reward: \S+/beyond_float32\.py:score returned 1e\+39 as 'score', beyond float32's range \(±3\.403e\+38\)",
+        "reward.rule={assets}/beyond_float32.py:score", "reward.on_error=abort",
+    ),
+    "reward_unknown_data_source_every_call_fails": case(
+        r"reward: 128 of 128 calls failed at this step \(errors 128, timeouts 0, non_finite 0\), more than "
+        r"reward\.max_failure_fraction=0\.99; .*Fix the reward function \(or the rows' data_source",
+        "data.train_files=[{assets}/unknown_source.jsonl]", nproc=2,
+    ),
+    "non_finite_gradients_abort": case(
+        r"actor: non-finite gradient norm \(nan\) at training step 1 in actor\.update_actor, 1 consecutive optimizer "
+        r"step\(s\) skipped, more than trainer\.max_skipped_steps=0; .*or raise trainer\.max_skipped_steps",
+        "reward.rule={assets}/overflowing.py:score", "trainer.max_skipped_steps=0",
+    ),
     "reward_nan_abort": case(
         r"reward: \S+/nan\.py:score returned nan as 'score' .*Fix the reward function, or set reward\.on_error=zero",
         "reward.rule={assets}/nan.py:score", "reward.on_error=abort",
@@ -128,10 +142,16 @@ CASES = {
         "trainer.total_steps=2", "trainer.save_every=1", kill="update@2", nproc=2, checkpoints=("step_1",),
     ),
     # Counted and carried on.
+    # Every call fails: counted only because max_failure_fraction=1 says so (the default stops the run).
     "reward_raises_zero": case(
-        None, "reward.rule={assets}/raises.py:score", "reward.on_error=zero", checkpoints=("step_1",)
+        None, "reward.rule={assets}/raises.py:score", "reward.on_error=zero", "reward.max_failure_fraction=1",
+        checkpoints=("step_1",),
     ),
-    "reward_nan_zero": case(None, "reward.rule={assets}/nan.py:score", "reward.on_error=zero", checkpoints=("step_1",)),
+    "reward_nan_zero": case(
+        None, "reward.rule={assets}/nan.py:score", "reward.on_error=zero", "reward.max_failure_fraction=1",
+        checkpoints=("step_1",),
+    ),
+    "non_finite_gradients_skipped": case(None, "reward.rule={assets}/overflowing.py:score", checkpoints=("step_1",)),
     "some_prompts_overlong_skipped": case(
         None, "data.train_files=[{assets}/some_long.jsonl]", "data.max_prompt_length=32", "data.overlong_prompts=skip",
         checkpoints=("step_1",),
@@ -185,6 +205,11 @@ CONFIG_ERRORS = {
     **{name: CASES[name] for name in ("unknown_key", "wrong_type", "kv_cache_too_small_for_one_sequence")},
     # Known before the ranks meet only when the role's size is given; tp_not_dividing_the_ranks is the usual case.
     "tp_not_dividing_n_ranks": case(r"actor\.tp=3: must divide actor\.n_ranks=2", "actor.n_ranks=2", "actor.tp=3"),
+    "group_baseline_with_greedy_decoding": case(
+        r"rollout\.temperature=0(\.0)?: algorithm\.name=grpo compares a prompt's responses with each other, and greedy "
+        r"decoding makes them all the same \(every advantage 0\); set a sampling temperature > 0",
+        "rollout.temperature=0",
+    ),
 }
 """Cases the ``spmd-rlhf config`` check catches too, with the same line."""
 
@@ -192,6 +217,9 @@ SIGNATURE = "def score(data_source, solution_str, ground_truth, extra_info):\n"
 USER_REWARDS = {
     "raises.py": SIGNATURE + "    raise RuntimeError('no score today')\n",
     "nan.py": SIGNATURE + "    return float('nan')\n",
+    "beyond_float32.py": SIGNATURE + "    return 1e39\n",
+    # Within float32's range, but a group's sum is not: NaN advantages, so a non-finite loss and gradient.
+    "overflowing.py": SIGNATURE + "    return 3e38\n",
 }
 """User reward files (verl's signature) that fail on every call."""
 
@@ -211,6 +239,8 @@ def build_assets(root: Path) -> Path:
     (root / "no_prompt.jsonl").write_text("".join(json.dumps(row) + "\n" for row in renamed))
     overlong = [{**row, "prompt": [{"role": "user", "content": "1+" * 40 + "1="}]} for row in rows[:3]]
     (root / "some_long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows + overlong))
+    unknown = [{**row, "data_source": "my_task"} for row in rows]
+    (root / "unknown_source.jsonl").write_text("".join(json.dumps(row) + "\n" for row in unknown))
     for name, source in USER_REWARDS.items():
         (root / name).write_text(source)
     (root / "a_file").write_text("a regular file, not a directory\n")
@@ -361,6 +391,15 @@ def test_reward_failures_under_on_error_zero_score_zero_and_are_counted(runs, na
     assert finished_checkpoints(run.workdir / "out") == list(CASES[name].checkpoints)
 
 
+@pytest.mark.parametrize("name", ["non_finite_gradients_skipped"])
+def test_a_non_finite_gradient_skips_the_step_and_counts_it(runs, name):
+    run = runs[name]
+    assert run.finished.returncode == 0, run.output[-4000:]
+    (record,) = run.metrics()
+    assert record["actor/skipped_steps"] == 1
+    assert finished_checkpoints(run.workdir / "out") == list(CASES[name].checkpoints)
+
+
 @pytest.mark.parametrize("name", ["some_prompts_overlong_skipped"])
 def test_overlong_prompts_under_skip_are_dropped_and_counted(runs, name):
     run = runs[name]
@@ -444,3 +483,21 @@ def test_export_refuses_a_crafted_metadata_file_without_running_it(tmp_path):
 def test_resume_refuses_a_crafted_metadata_file_without_running_it(runs, assets):
     assert runs["resume_crafted_metadata"].finished.returncode != 0
     assert not (assets / CRAFTED_MARKER).exists()
+
+
+@pytest.mark.parametrize("name", ["ppo_checkpoint"])
+def test_export_refuses_a_non_empty_target_and_overwrite_empties_it_first(runs, name, tmp_path):
+    target = tmp_path / "hf"
+    stale = target / "actor" / "model-00002-of-00002.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("a shard of an earlier export")
+    command = [sys.executable, "-m", "spmd_rlhf.cli", "export", str(runs[name].workdir / "out"), str(target)]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment())
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert re.search(r"export error: \S+/hf is not empty; export into a new or empty directory, or pass --overwrite",
+                     refused.stderr), refused.stderr
+    assert stale.is_file()
+    written = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, timeout=120, env=environment())
+    assert written.returncode == 0, written.stdout + written.stderr
+    assert not stale.exists() and (target / "actor" / "model.safetensors").is_file()
+    assert finished_checkpoints(runs[name].workdir / "out") == ["step_1"]

@@ -394,13 +394,30 @@ def writable_dir(out_dir: str | os.PathLike) -> Path:
     return out
 
 
+def _empty_export_target(out: Path, checkpoint_dir: Path, *, overwrite: bool) -> None:
+    """Refuse a non-empty export target, or empty it under ``overwrite`` (never one holding the checkpoint)."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"{out} is not empty; export into a new or empty directory, or pass --overwrite to empty it first"
+        )
+    if out.resolve() in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents):
+        raise CheckpointError(f"{out} holds the checkpoint {checkpoint_dir} being exported; export somewhere else")
+    for entry in out.iterdir():
+        _remove(entry)
+
+
 def export_hf(
     checkpoint_or_run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Iterable[str] = ("actor",), *,
     dtype: torch.dtype = torch.float32, bucket_bytes: int = 1024**3, max_shard_bytes: int = 5 * 1024**3,
+    overwrite: bool = False,
 ) -> dict[str, Path]:
     """Write each role's weights from a checkpoint (or a run directory's latest) as a Hugging Face directory
     ``<out_dir>/<role>`` with its tokenizer, in ``dtype`` (float32: the master weights as trained); returns
-    ``{role: directory}``. Every role is checked before any is written.
+    ``{role: directory}``. Every role is checked before any is written. A non-empty ``out_dir`` is refused unless
+    ``overwrite``, which empties it first: shards or an index left from an earlier export would be loaded with the
+    new ones.
 
     Streams: at peak this holds one bucket of ``bucket_bytes`` of saved tensors (or one tensor when it is larger),
     one saved chunk being read and one tensor converted to ``dtype``; never the whole model."""
@@ -408,6 +425,7 @@ def export_hf(
 
     checkpoint_dir = resolve_checkpoint(checkpoint_or_run_dir)
     config_dirs = {role: role_config_dir(checkpoint_dir, role) for role in roles}
+    _empty_export_target(Path(out_dir), checkpoint_dir, overwrite=overwrite)
     out = writable_dir(out_dir)
     written = {}
     for role, config_dir in config_dirs.items():

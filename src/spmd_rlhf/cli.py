@@ -71,6 +71,10 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
         help="dtype of the written weights (default: float32, the trained master weights unrounded)",
     )
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="empty a non-empty OUT_DIR first (without it, a non-empty OUT_DIR is refused: stale shards would be loaded)",
+    )
 
 
 def _add_plot(subparsers: argparse._SubParsersAction) -> None:
@@ -139,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         from spmd_rlhf.checkpoint import CheckpointError, export_hf
 
         try:
-            written = export_hf(args.checkpoint, args.out, roles=args.roles, dtype=getattr(torch, args.dtype))
+            written = export_hf(
+                args.checkpoint, args.out, roles=args.roles, dtype=getattr(torch, args.dtype), overwrite=args.overwrite
+            )
         except CheckpointError as error:
             print(f"export error: {error}", file=sys.stderr)
             return 2

@@ -153,10 +153,15 @@ class ScoringRoleConfig(RoleConfig):
     """With kind=rule, a call that raises, times out or returns a non-finite number: zero (score 0, logged, counted
     in the <role>/errors, /timeouts and /non_finite metrics) or abort (stop with an error naming the function, the
     row's data source and the cause)."""
+    max_failure_fraction: float = 0.99
+    """With kind=rule and on_error=zero, a step where more than this fraction of the calls failed stops the run,
+    naming the counts (a reward that never works, e.g. rule=auto on a data_source it does not know, would train on
+    zeros); the default stops only when (nearly) every call fails; 1.0: never."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _one_of(self, "kind", ("rule", "model"))
+        _require(self, "max_failure_fraction", 0.0 <= self.max_failure_fraction <= 1.0, "must be in [0, 1]")
         _require(self, "rule", self.rule != "", "must name a registered function or be auto")
         _at_least(self, 0, "num_workers")
         _require(self, "timeout_s", self.timeout_s is None or self.timeout_s > 0, "must be > 0 or null")
@@ -335,6 +340,9 @@ class TrainerConfig:
     unrounded, at twice the bytes of bfloat16), bfloat16 or float16."""
     log_every: int = 1
     """Log metrics every this many steps."""
+    max_skipped_steps: int = 10
+    """A trained role skips an optimizer step whose gradient norm is not finite (counted in <role>/skipped_steps);
+    more than this many consecutive skipped steps stop the run, naming the step and the role's update."""
     val_every: int = 0
     """Validate every this many steps (needs data.val_files): a greedy response per prompt; 0: never."""
     val_samples: int = 0
@@ -373,7 +381,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "total_steps", "log_every")
-        _at_least(self, 0, "val_samples")
+        _at_least(self, 0, "val_samples", "max_skipped_steps")
         _at_least(self, 0, "val_every", "timing_every", "peak_flops_per_device", "save_every_minutes", "keep_last")
         _require(self, "save_every", self.save_every is None or self.save_every >= 0, "must be >= 0 or null")
         _require(self, "stop_timeout_s", self.stop_timeout_s > 0, "must be > 0")
@@ -449,6 +457,9 @@ class FrameworkConfig:
         if self.algorithm.name in GROUP_ALGORITHMS:
             rule = f"algorithm.name={self.algorithm.name} needs >= 2 responses per prompt for its group baseline"
             _require(self, "rollout.n", self.rollout.n >= 2, rule)
+            rule = (f"algorithm.name={self.algorithm.name} compares a prompt's responses with each other, and greedy "
+                    f"decoding makes them all the same (every advantage 0); set a sampling temperature > 0, e.g. 1.0")
+            _require(self, "rollout.temperature", self.rollout.temperature > 0, rule)
         self._check_training_batches()
         self._check_token_budgets()
         for name in ("reward", "cost"):

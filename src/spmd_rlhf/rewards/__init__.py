@@ -40,7 +40,7 @@ from .format import boxed_format, think_answer_format
 from .gsm8k import extract_gsm8k_answer, gsm8k_score
 from .math_answers import MATH_DATA_SOURCES, math_equal, math_score, normalize_math_answer
 from .registry import RULES, NonFiniteReward, RewardFunction, RuleReward, arithmetic, arithmetic_cost, load_function
-from .runner import RewardError, RewardOutcome, RewardRow, RewardRunner, RewardScores
+from .runner import RewardError, RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
 
 __all__ = [
     "MATH_DATA_SOURCES",
@@ -54,6 +54,7 @@ __all__ = [
     "RewardScores",
     "RuleReward",
     "arithmetic",
+    "check_failure_fraction",
     "arithmetic_cost",
     "boxed_format",
     "extract_gsm8k_answer",

@@ -18,8 +18,13 @@ RewardFunction = Callable[..., "float | dict[str, float]"]
 """verl's signature: ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs) -> float | dict``."""
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Scores are kept as float32 tensors: a larger finite score would become an infinity there, then NaN advantages."""
+
+
 class NonFiniteReward(ValueError):
-    """A reward function returned NaN or an infinity (as the score or as an extra number)."""
+    """A reward function returned NaN or an infinity (as the score or as an extra number), or a score beyond
+    float32's range."""
 
 
 def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
@@ -116,8 +121,8 @@ class RuleReward:
         self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict
     ) -> tuple[float, dict[str, float]]:
         """(score, extra metrics) of one response. A dict result needs a ``"score"`` entry; its other numeric entries
-        are the extras (others, such as a predicted answer string, are left out). A non-finite score or extra raises
-        ``NonFiniteReward``."""
+        are the extras (others, such as a predicted answer string, are left out). A non-finite score or extra, or a
+        score beyond float32's range, raises ``NonFiniteReward``."""
         result = self.function_for(data_source)(data_source, solution_str, ground_truth, extra_info, **self.kwargs)
         extras: dict[str, float] = {}
         if isinstance(result, dict):
@@ -130,4 +135,9 @@ class RuleReward:
         for key, value in {"score": score, **extras}.items():
             if not math.isfinite(value):
                 raise NonFiniteReward(f"returned {value} as {key!r}")
+        if abs(score) > FLOAT32_MAX:
+            raise NonFiniteReward(
+                f"returned {score} as 'score', beyond float32's range (±{FLOAT32_MAX:.4g}) in which scores are kept; "
+                f"scale it down"
+            )
         return score, extras

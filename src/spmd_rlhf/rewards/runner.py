@@ -10,7 +10,9 @@ counted, logged and handled as ``on_error`` says.
 gather the outcomes and summarize them everywhere (``RewardWorker``): under ``on_error=abort`` every rank then raises
 the same error, and no rank waits in a collective for one that failed.
 
-A call fails when it raises, returns a non-finite number (score or extra), or runs longer than ``timeout_s``. Worker
+A call fails when it raises, returns a non-finite number (score or extra) or a score beyond float32's range, or runs
+longer than ``timeout_s``. Under ``on_error=zero`` a step where more than ``max_failure_fraction`` of the calls failed
+still stops (``check_failure_fraction``): a reward that never works must not train a model on zeros. Worker
 processes stop an over-long call with a ``SIGALRM`` timer, which interrupts Python code, sleeps and regular
 expressions. If the whole batch still overruns its worst-case time by ``STUCK_GRACE_S`` (a call stuck in C code
 that ignores signals), the pool is killed and replaced, and the rows it had not returned count as timeouts. Inline
@@ -87,6 +89,19 @@ class RewardScores:
 
 class RewardError(RuntimeError):
     """A reward call failed under ``on_error=abort``."""
+
+
+def check_failure_fraction(failures: dict[str, int], calls: int, *, max_failure_fraction: float, name: str) -> None:
+    """Raise a ``RewardError`` when more than ``max_failure_fraction`` of ``calls`` failed (``failures``: the counts by
+    metric name, as in ``RewardScores.failures``, summed over every rank that scored part of the step)."""
+    failed = sum(failures.values())
+    if calls and failed / calls > max_failure_fraction:
+        counts = ", ".join(f"{metric} {count}" for metric, count in failures.items())
+        raise RewardError(
+            f"{name}: {failed} of {calls} calls failed at this step ({counts}), more than "
+            f"{name}.max_failure_fraction={max_failure_fraction:g}; the logged failures say why. Fix the reward "
+            f"function (or the rows' data_source, under {name}.rule=auto), or raise {name}.max_failure_fraction"
+        )
 
 
 class _CallTimeout(BaseException):

@@ -43,7 +43,7 @@ class ActorWorker(RoleWorker):
         self.model = ShardedModel(context, config, config.actor, head="lm", trainable=True, reducer=self.reducer)
         self.trainer = Trainer(
             self.model, self.reducer, config.actor, total_steps=config.trainer.total_steps,
-            max_response_length=config.rollout.max_new_tokens,
+            max_response_length=config.rollout.max_new_tokens, max_skipped_steps=config.trainer.max_skipped_steps,
         )
         tokenizer_path = self.model.tokenizer_path
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from ..config_schema import FrameworkConfig, ScoringRoleConfig
 from ..data.batch import Batch
-from ..rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores
+from ..rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
 from ..runtime import RoleContext, data_parallel
 from .base import RoleWorker
 from .sharded_model import ShardedModel
@@ -45,7 +45,7 @@ class RewardWorker(RoleWorker):
     def compute_rewards(self, batch: Batch) -> Batch:
         """One score per response. The batch meta carries their mean, the mean of each extra number a rule returned
         and, for a rule, the rows whose call failed (``<role>/errors``, ``/timeouts``, ``/non_finite``), over all
-        DP ranks."""
+        DP ranks. Under a rule, more than ``<role>.max_failure_fraction`` of the step's calls failing is an error."""
         scored: RewardScores | None = None
         if self.scorer is not None:
             scores = self.scorer.forward_rows(batch, "compute_rewards", "scores", lambda outputs, micro: outputs.float())["scores"]
@@ -64,7 +64,12 @@ class RewardWorker(RoleWorker):
         metrics = {f"{name}/mean": totals[0] / totals[1]}
         for index, key in enumerate(keys):
             metrics[f"{name}/{key}/mean"] = totals[2 + 2 * index] / max(totals[3 + 2 * index], 1.0)
-        metrics.update({f"{name}/{metric}": total for metric, total in zip(failures, totals[2 + 2 * len(keys) :])})
+        failed = {metric: int(total) for metric, total in zip(failures, totals[2 + 2 * len(keys) :])}
+        metrics.update({f"{name}/{metric}": float(count) for metric, count in failed.items()})
+        if self.runner is not None:  # every DP rank holds the same totals, so every rank raises or none does
+            check_failure_fraction(
+                failed, int(totals[1]), max_failure_fraction=self.role_config.max_failure_fraction, name=name
+            )
         return Batch({self.output_key: scores}, meta={"metrics": metrics}, group_size=batch.group_size)
 
     def score_with_rule(self, batch: Batch) -> RewardScores:

@@ -24,6 +24,7 @@ from ..data.batch import Batch
 from .packing import MicroBatch
 from .reducer import DPReducer
 from .sharded_model import ShardedModel
+from .skipped_steps import SkippedSteps
 
 LossFunction = Callable[[torch.Tensor, MicroBatch, Denominators], tuple[torch.Tensor, dict[str, float]]]
 """(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss, metrics)."""
@@ -79,10 +80,11 @@ class Trainer:
 
     def __init__(
         self, model: ShardedModel, reducer: DPReducer, role_config: TrainableRoleConfig, *, total_steps: int,
-        max_response_length: int,
+        max_response_length: int, max_skipped_steps: int,
     ) -> None:
         self.model = model
         self.reducer = reducer
+        self.skipped = SkippedSteps(max_skipped_steps, role=model.context.name)
         self.role_config = role_config
         self.max_response_length = max_response_length
         self.optimizer = torch.optim.AdamW(
@@ -118,6 +120,7 @@ class Trainer:
         rows = self.rows_per_mini_batch(batch, method)
         self.model.module.train()
         metrics: dict[str, list[float]] = defaultdict(list)
+        skipped_before = self.skipped.total
         for _ in range(self.role_config.ppo_epochs):
             for mini in batch.chunk_rows(rows):
                 mask = mini["response_mask"]
@@ -143,10 +146,11 @@ class Trainer:
                     for key, value in micro_metrics.items():
                         metrics[key].append(value)
                 metrics[f"{prefix}/loss"].append(float(self.reducer.sum(mini_batch_loss)))
-                metrics[f"{prefix}/grad_norm"].append(self._step())
+                metrics[f"{prefix}/grad_norm"].append(self._step(f"{self.model.context.name}.{method}"))
         metrics[f"{prefix}/lr"].append(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
-        return {key: sum(values) / len(values) for key, values in metrics.items()}
+        means = {key: sum(values) / len(values) for key, values in metrics.items()}
+        return {**means, f"{prefix}/skipped_steps": float(self.skipped.total - skipped_before)}
 
     def save(self, checkpoint_dir: str) -> None:
         """Sharded model, optimizer, LR-schedule and RNG state with DCP (each rank writes its own shards) for an exact
@@ -165,17 +169,17 @@ class Trainer:
             process_group=self.model.role_group,
         )
 
-    def _step(self) -> float:
-        """Clip, step and zero the gradients; a non-finite gradient norm skips the step (never applied; it shows as
-        a non-finite ``grad_norm`` in the metrics)."""
+    def _step(self, stage: str) -> float:
+        """Clip, step and zero the gradients; a non-finite gradient norm skips the step (never applied; counted in
+        ``<prefix>/skipped_steps``, and more than ``trainer.max_skipped_steps`` in a row stop the run)."""
         gradients = [p.grad for p in self.model.module.parameters() if p.grad is not None]
         model = self.model
         norm = clip_gradients(
             gradients, self.role_config.grad_clip, stage_groups=[model.mesh["dp"].get_group(), model.mesh["tp"].get_group()],
             pipeline_group=model.pp_group, device=model.device,
         )
-        if math.isfinite(norm):
+        # The scheduler steps once per update, so its count is the training step being run (resumed with it).
+        if self.skipped.allows(norm, step=self.scheduler.last_epoch + 1, stage=stage):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
-
