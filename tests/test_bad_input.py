@@ -501,3 +501,33 @@ def test_export_refuses_a_non_empty_target_and_overwrite_empties_it_first(runs, 
     assert written.returncode == 0, written.stdout + written.stderr
     assert not stale.exists() and (target / "actor" / "model.safetensors").is_file()
     assert finished_checkpoints(runs[name].workdir / "out") == ["step_1"]
+
+
+POOL_OWNER = """
+import os, sys, time
+from spmd_rlhf.rewards import RewardRow, RewardRunner
+
+if __name__ == "__main__":
+    runner = RewardRunner(sys.argv[2], num_workers=2, timeout_s=60)
+    runner.score([RewardRow("synthetic/arithmetic", "1", "1", {})] * 4)
+    workers = list(runner._pool._processes)
+    servers = {int(open(f"/proc/{pid}/stat").read().split(")")[-1].split()[1]) for pid in workers}
+    runner._pool.submit(time.sleep, 600)  # a call still running when the rank ends
+    time.sleep(1)
+    open(sys.argv[1], "w").write(" ".join(map(str, [*workers, *servers - {os.getpid()}])))
+    os._exit(1)  # how a failed job ends its ranks: no cleanup runs
+"""
+
+
+def test_reward_pool_processes_and_their_forkserver_end_with_the_rank(tmp_path):
+    program, pids = tmp_path / "pool_owner.py", tmp_path / "pids"
+    program.write_text(POOL_OWNER)
+    finished = subprocess.run([sys.executable, str(program), str(pids), "synthetic/arithmetic"], capture_output=True,
+                              text=True, timeout=120, env=environment())
+    assert finished.returncode == 1, finished.stderr[-4000:]
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert len(started) == 3  # two workers and the forkserver
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [pid for pid in started if alive(pid)] == []

@@ -18,7 +18,8 @@ expressions. If the whole batch still overruns its worst-case time by ``STUCK_GR
 that ignores signals), the pool is killed and replaced, and the rows it had not returned count as timeouts. Inline
 calls (``num_workers=0``) run in the caller's thread, where no timer can interrupt them: they have no timeout.
 
-Worker processes start at the first ``score`` (forkserver where there is one, else spawn). Like any such pool they
+Worker processes start at the first ``score`` (forkserver where there is one, else spawn) and end, with the
+forkserver, within ``OWNER_POLL_S`` of the rank that made them, however it ended. Like any such pool they
 import the caller's main script first (a few seconds for a recipe, once per run), which must therefore keep its
 entry point under ``if __name__ == "__main__":``, as the recipes do.
 """
@@ -28,7 +29,10 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import os
 import signal
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, wait
@@ -48,6 +52,8 @@ SHOWN_CHARS = 200
 """Characters of a failed row's response, and of an exception's message, shown in messages."""
 CHUNKS_PER_WORKER = 4
 """Rows go to the pool in about this many chunks per worker: few inter-process messages, still balanced."""
+OWNER_POLL_S = 1.0
+"""How often a worker process checks that the rank that made its pool is still alive."""
 STUCK_GRACE_S = 30.0
 """Seconds past a batch's worst-case time (every call taking timeout_s) before its pool counts as stuck."""
 
@@ -159,13 +165,42 @@ _worker_reward: RuleReward | None = None
 """The worker process's rule, loaded once by ``_load_rule`` when the pool starts the process."""
 
 
-def _load_rule(rule: str, kwargs: dict[str, Any], name: str) -> None:
+def _load_rule(rule: str, kwargs: dict[str, Any], name: str, owner_pid: int, forked_by_server: bool) -> None:
     global _worker_reward
     _worker_reward = RuleReward(rule, kwargs, name=name)
+    threading.Thread(
+        target=_end_with_owner, args=(owner_pid, forked_by_server), name="spmd-reward-watchdog", daemon=True
+    ).start()
+
+
+def _end_with_owner(owner_pid: int, forked_by_server: bool) -> None:
+    """End this worker process, and the forkserver it was forked from, once the process that made the pool is gone:
+    a rank ended with ``os._exit`` (a failed job) or killed runs no cleanup, and the pool would outlive it."""
+    while _alive(owner_pid):
+        time.sleep(OWNER_POLL_S)
+    server = os.getppid()
+    if forked_by_server and server not in (1, owner_pid):
+        os.kill(server, signal.SIGKILL)  # the rank's own forkserver: it serves no one else
+    os._exit(1)
 
 
 def _score_chunk(rows: list[RewardRow], timeout_s: float | None) -> list[RewardOutcome]:
     return [score_row(_worker_reward, row, timeout_s=timeout_s) for row in rows]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (ended, not yet reaped by its parent) counts as ended."""
+    if not os.path.isdir("/proc/self"):  # no procfs (macOS): a zombie counts as running
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 # ---- in the caller ------------------------------------------------------------------------------------------------
@@ -234,11 +269,10 @@ class RewardRunner:
 
     def _score_in_pool(self, rows: list[RewardRow]) -> list[RewardOutcome]:
         if self._pool is None:
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
             self._pool = ProcessPoolExecutor(
-                self.num_workers, mp_context=context, initializer=_load_rule,
-                initargs=(self.reward.rule, self.reward.kwargs, self.name),
+                self.num_workers, mp_context=multiprocessing.get_context(method), initializer=_load_rule,
+                initargs=(self.reward.rule, self.reward.kwargs, self.name, os.getpid(), method == "forkserver"),
             )
         size = math.ceil(len(rows) / (self.num_workers * CHUNKS_PER_WORKER))
         chunks = {self._pool.submit(_score_chunk, rows[start : start + size], self.timeout_s): start
