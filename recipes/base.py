@@ -35,6 +35,7 @@ from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.dataflow import ROLE_KINDS, Dataflow, algorithms_of
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
+from spmd_rlhf.models.vocabulary import check_role_vocabularies
 from spmd_rlhf.recipes.dry_run import describe
 from spmd_rlhf.recipes.dynamic_sampling import sample_with_signal
 from spmd_rlhf.recipes.roles import WORKERS, ActorHandle, CriticHandle, ReferenceHandle, RewardHandle
@@ -133,6 +134,8 @@ class RLRecipe:
         self.metrics_logger = MetricsLogger(config)
         self.model_passes = step_passes(config)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
+        check_role_vocabularies(config, tokenizer)
+
         def prompts(files: list[str]) -> PromptDataset:
             return PromptDataset(
                 files, tokenizer, prompt_key=config.data.prompt_key,

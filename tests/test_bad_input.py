@@ -28,6 +28,7 @@ import pytest
 from torchrun_helpers import RECIPES, alive, environment, torchrun
 
 from spmd_rlhf import checkpoint
+from spmd_rlhf.data.dataset import DatasetError, PromptDataset
 from spmd_rlhf.run_directory import RunLock
 from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.tiny.task import make_task
@@ -160,6 +161,26 @@ CASES = {
         None, "rollout.kv_cache_blocks=5", "rollout.kv_block_size=4", "data.max_prompt_length=16",
         checkpoints=("step_1",),
     ),
+    "chat_prompts_without_a_chat_template": case(
+        r"train\.parquet row 0: the prompt is chat messages but the tokenizer \(\S+/no_template\) has no chat template; "
+        r"point model\.tokenizer_path at a tokenizer with one",
+        "model.tokenizer_path={assets}/no_template",
+    ),
+    "empty_prompt": case(
+        r"empty_prompt\.jsonl row 1: the prompt is empty; give it text or remove the row",
+        "data.train_files=[{assets}/empty_prompt.jsonl]", "data.prompt_key=question",
+    ),
+    "reference_of_another_vocabulary": case(
+        r"reference\.model_path=\S+/small_vocab has vocab_size=300, fewer than the \d+ tokens of the policy's "
+        r"tokenizer \(tiny/model\); reference reads the actor's token ids, so it must be a model of the same tokenizer",
+        "reference.model_path={assets}/small_vocab",
+    ),
+    "reward_model_of_another_vocabulary": case(
+        r"reward\.model_path=\S+/small_vocab has vocab_size=300, fewer than the \d+ tokens of the policy's tokenizer",
+        "reward.kind=model", "reward.model_path={assets}/small_vocab", recipe="ppo",
+    ),
+    # verl rows in the shapes other exporters write, read as documented in docs/recipes.md.
+    "verl_row_variants": case(None, "data.train_files=[{assets}/variants.json]", checkpoints=("step_1",)),
     # Resuming a checkpoint that does not fit the run.
     "resume_crafted_metadata": case(
         r"crafted/step_1/actor_state/\.metadata references (posix|os)\.system, which DCP checkpoint metadata never "
@@ -239,6 +260,13 @@ def build_assets(root: Path) -> Path:
     (root / "no_prompt.jsonl").write_text("".join(json.dumps(row) + "\n" for row in renamed))
     overlong = [{**row, "prompt": [{"role": "user", "content": "1+" * 40 + "1="}]} for row in rows[:3]]
     (root / "some_long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows + overlong))
+    (root / "empty_prompt.jsonl").write_text(json.dumps({"question": "1+1="}) + "\n" + json.dumps({"question": ""}) + "\n")
+    (root / "variants.json").write_text(json.dumps(verl_row_variants(rows)))
+    shutil.copytree(root / "tiny" / "model", root / "no_template")
+    settings = json.loads((root / "no_template" / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (root / "no_template" / "tokenizer_config.json").write_text(json.dumps(settings))
+    (root / "no_template" / "chat_template.jinja").unlink(missing_ok=True)
     unknown = [{**row, "data_source": "my_task"} for row in rows]
     (root / "unknown_source.jsonl").write_text("".join(json.dumps(row) + "\n" for row in unknown))
     for name, source in USER_REWARDS.items():
@@ -246,6 +274,15 @@ def build_assets(root: Path) -> Path:
     (root / "a_file").write_text("a regular file, not a directory\n")
     write_crafted_checkpoint(root / "crafted", model_dir=root / "tiny" / "model", marker=root / CRAFTED_MARKER)
     return root
+
+
+def verl_row_variants(rows: list[dict]) -> list[dict]:
+    """``rows`` as one JSON array with ``reward_model`` as a JSON string and each message's content as text parts."""
+    return [
+        {**row, "reward_model": json.dumps(row["reward_model"]),
+         "prompt": [{**message, "content": [{"type": "text", "text": message["content"]}]} for message in row["prompt"]]}
+        for row in rows
+    ]
 
 
 CRAFTED_MARKER = "the_crafted_checkpoint_ran_a_command"
@@ -531,3 +568,39 @@ def test_reward_pool_processes_and_their_forkserver_end_with_the_rank(tmp_path):
     while any(alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [pid for pid in started if alive(pid)] == []
+
+
+def test_verl_row_variants_read_as_the_plain_rows(assets):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(assets / "tiny" / "model"))
+    plain = PromptDataset([str(assets / "no_prompt.jsonl")], tokenizer, prompt_key="question", max_prompt_length=64)
+    variants = PromptDataset([str(assets / "variants.json")], tokenizer, max_prompt_length=64)
+    assert variants.prompts == plain.prompts and len(plain.prompts) == 16
+
+
+@pytest.mark.parametrize(("row", "expected"), [
+    ({"prompt": "1+1=", "reward_model": "42"}, r"row 0: reward_model is 42; it must be an object such as"),
+    ({"prompt": [{"role": "user", "content": [{"type": "image", "image": "x.png"}]}]},
+     r"row 0: a message's content must be text or a list of \{type: text, text\} parts"),
+    ({"prompt": [{"role": "user", "content": "1+1="}]}, None),
+])
+def test_row_fields_in_unusable_shapes_name_the_file_and_row(tmp_path, assets, row, expected):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(str(assets / "tiny" / "model"))
+    if expected is None:
+        assert len(PromptDataset([str(tmp_path / "rows.jsonl")], tokenizer, max_prompt_length=64)) == 1
+        return
+    with pytest.raises(DatasetError, match=r"\S+/rows\.jsonl " + expected):
+        PromptDataset([str(tmp_path / "rows.jsonl")], tokenizer, max_prompt_length=64)
+
+
+@pytest.mark.parametrize("name", ["verl_row_variants"])
+def test_a_json_array_of_verl_row_variants_trains(runs, name):
+    run = runs[name]
+    assert run.finished.returncode == 0, run.output[-4000:]
+    (record,) = run.metrics()
+    assert record["reward/errors"] == 0  # every row's ground truth was read from its reward_model string
+    assert finished_checkpoints(run.workdir / "out") == list(CASES[name].checkpoints)

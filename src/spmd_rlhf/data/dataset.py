@@ -29,12 +29,22 @@ class DatasetError(ValueError):
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
-    """Rows of one parquet (``.parquet``) or JSON-lines (``.jsonl`` / ``.json``) file."""
+    """Rows of one parquet (``.parquet``) or JSON-lines (``.jsonl`` / ``.json``) file; a ``.json`` file may also hold
+    one JSON array of rows."""
     file = Path(path)
     if not file.is_file():
         raise DatasetError(f"prompt file {path} does not exist; check data.train_files / data.val_files")
     if file.suffix == ".parquet":
         return pq.read_table(file).to_pylist()
+    if file.suffix == ".json" and file.read_text(encoding="utf-8").lstrip().startswith("["):
+        try:
+            rows = json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise DatasetError(f"{path} is not valid JSON: {error}") from None
+        for index, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path} row {index} is a {type(row).__name__}, not an object of fields")
+        return rows
     if file.suffix in (".jsonl", ".json"):
         rows = []
         for line_number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
@@ -89,7 +99,7 @@ class PromptDataset:
                             f"{where} has {len(token_ids)} prompt tokens, over data.max_prompt_length={max_prompt_length}; "
                             f"raise it or set data.overlong_prompts=skip or truncate"
                         )
-                reward_model = row.get("reward_model") or {}
+                reward_model = _reward_model(row.get("reward_model"), where=where)
                 self.prompts.append(
                     Prompt(token_ids, str(row.get("data_source", "")), reward_model.get("ground_truth"), row.get("extra_info") or {})
                 )
@@ -105,14 +115,53 @@ class PromptDataset:
         return len(self.prompts)
 
 
+def _reward_model(value: Any, *, where: str) -> dict[str, Any]:
+    """A row's ``reward_model`` field as a dict: missing is empty, and a string holding a JSON object (a column some
+    exporters write as text) is parsed."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(value, dict):
+        raise DatasetError(
+            f"{where}: reward_model is {value!r:.60}; it must be an object such as {{\"ground_truth\": \"42\"}} (or "
+            f"a string holding one as JSON)"
+        )
+    return value
+
+
 def encode_prompt(tokenizer, prompt: Any, *, where: str) -> list[int]:
-    """Token ids of a chat prompt (rendered with the chat template and the assistant turn opened) or of plain text."""
+    """Token ids of a chat prompt (rendered with the chat template and the assistant turn opened) or of plain text.
+    A message's content may be a list of text parts (``[{"type": "text", "text": ...}]``): they are joined."""
     if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DatasetError(f"{where}: the prompt is empty; give it text or remove the row")
         return tokenizer.encode(prompt, add_special_tokens=False)
-    if isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise DatasetError(
+                f"{where}: the prompt is chat messages but the tokenizer ({tokenizer.name_or_path}) has no chat "
+                f"template; point model.tokenizer_path at a tokenizer with one (an instruct model's), or give prompts "
+                f"as plain text"
+            )
+        messages = [{**message, "content": _message_text(message["content"], where=where)} for message in prompt]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer.encode(text, add_special_tokens=False)
     raise DatasetError(f"{where}: a prompt must be text or a list of {{role, content}} messages, got {prompt!r:.100}")
+
+
+def _message_text(content: Any, *, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+        return "".join(str(part.get("text", "")) for part in content)
+    raise DatasetError(
+        f"{where}: a message's content must be text or a list of {{type: text, text}} parts (images and other "
+        f"parts are not supported), got {content!r:.100}"
+    )
 
 
 class PromptLoader:
