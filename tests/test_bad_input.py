@@ -604,3 +604,26 @@ def test_a_json_array_of_verl_row_variants_trains(runs, name):
     (record,) = run.metrics()
     assert record["reward/errors"] == 0  # every row's ground truth was read from its reward_model string
     assert finished_checkpoints(run.workdir / "out") == list(CASES[name].checkpoints)
+
+
+def test_a_role_model_with_another_tokenizer_of_the_same_size_is_refused(tmp_path, assets):
+    from transformers import AutoTokenizer
+
+    from spmd_rlhf.config import load_config
+    from spmd_rlhf.models.vocabulary import check_role_vocabularies
+
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(assets / "tiny" / "model", other)
+    settings = json.loads((other / "tokenizer.json").read_text())
+    vocabulary = settings["model"]["vocab"]
+    first, second = list(vocabulary)[-2:]  # the same tokens, two of them swapped: every id no longer means the same
+    vocabulary[first], vocabulary[second] = vocabulary[second], vocabulary[first]
+    (other / "tokenizer.json").write_text(json.dumps(settings))
+    model = str(assets / "tiny" / "model")
+    config = load_config(str(RECIPES / "configs" / "grpo.yaml"), [f"model.path={model}", f"reference.model_path={other}"])
+    with pytest.raises(ValueError, match=r"reference\.model_path=\S+/other_tokenizer has a tokenizer with another "
+                                         r"vocabulary than the policy's"):
+        check_role_vocabularies(config, AutoTokenizer.from_pretrained(model))
+    shutil.copytree(assets / "tiny" / "model", tmp_path / "copy")
+    same = load_config(str(RECIPES / "configs" / "grpo.yaml"), [f"model.path={model}", f"reference.model_path={tmp_path / 'copy'}"])
+    check_role_vocabularies(same, AutoTokenizer.from_pretrained(model))  # the same tokenizer elsewhere is fine
