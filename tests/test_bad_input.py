@@ -185,7 +185,7 @@ CASES = {
     "resume_crafted_metadata": case(
         r"crafted/step_1/actor_state/\.metadata references (posix|os)\.system, which DCP checkpoint metadata never "
         r"holds; .* Resume or export only checkpoints your own jobs wrote",
-        "trainer.resume={assets}/crafted",
+        "trainer.resume={assets}/crafted", "trainer.total_steps=2",
     ),
     "ppo_checkpoint": case(None, recipe="ppo", checkpoints=("step_1",)),
     "resume_another_recipe": case(
