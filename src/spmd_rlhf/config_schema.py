@@ -153,15 +153,16 @@ class ScoringRoleConfig(RoleConfig):
     """With kind=rule, a call that raises, times out or returns a non-finite number: zero (score 0, logged, counted
     in the <role>/errors, /timeouts and /non_finite metrics) or abort (stop with an error naming the function, the
     row's data source and the cause)."""
-    max_failure_fraction: float = 0.99
+    max_failure_fraction: float | None = None
     """With kind=rule and on_error=zero, a step where more than this fraction of the calls failed stops the run,
     naming the counts (a reward that never works, e.g. rule=auto on a data_source it does not know, would train on
-    zeros); the default stops only when (nearly) every call fails; 1.0: never."""
+    zeros); null: stop only when every call of the step failed; 1.0: never."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _one_of(self, "kind", ("rule", "model"))
-        _require(self, "max_failure_fraction", 0.0 <= self.max_failure_fraction <= 1.0, "must be in [0, 1]")
+        fraction = self.max_failure_fraction
+        _require(self, "max_failure_fraction", fraction is None or 0.0 <= fraction <= 1.0, "must be null or in [0, 1]")
         _require(self, "rule", self.rule != "", "must name a registered function or be auto")
         _at_least(self, 0, "num_workers")
         _require(self, "timeout_s", self.timeout_s is None or self.timeout_s > 0, "must be > 0 or null")

@@ -97,17 +97,27 @@ class RewardError(RuntimeError):
     """A reward call failed under ``on_error=abort``."""
 
 
-def check_failure_fraction(failures: dict[str, int], calls: int, *, max_failure_fraction: float, name: str) -> None:
-    """Raise a ``RewardError`` when more than ``max_failure_fraction`` of ``calls`` failed (``failures``: the counts by
-    metric name, as in ``RewardScores.failures``, summed over every rank that scored part of the step)."""
+def check_failure_fraction(failures: dict[str, int], calls: int, *, max_failure_fraction: float | None, name: str) -> None:
+    """Raise a ``RewardError`` when more than ``max_failure_fraction`` of ``calls`` failed, or with None when every
+    call failed (``failures``: the counts by metric name, as in ``RewardScores.failures``, summed over every rank
+    that scored part of the step)."""
     failed = sum(failures.values())
-    if calls and failed / calls > max_failure_fraction:
-        counts = ", ".join(f"{metric} {count}" for metric, count in failures.items())
-        raise RewardError(
-            f"{name}: {failed} of {calls} calls failed at this step ({counts}), more than "
-            f"{name}.max_failure_fraction={max_failure_fraction:g}; the logged failures say why. Fix the reward "
-            f"function (or the rows' data_source, under {name}.rule=auto), or raise {name}.max_failure_fraction"
-        )
+    if not calls:
+        return
+    if max_failure_fraction is None:
+        if failed < calls:
+            return
+        limit = f"every call failed ({name}.max_failure_fraction=null stops only then)"
+    elif failed / calls > max_failure_fraction:
+        limit = f"more than {name}.max_failure_fraction={max_failure_fraction:g}"
+    else:
+        return
+    counts = ", ".join(f"{metric} {count}" for metric, count in failures.items())
+    raise RewardError(
+        f"{name}: {failed} of {calls} calls failed at this step ({counts}), {limit}; the logged failures say why. "
+        f"Fix the reward function (or the rows' data_source, under {name}.rule=auto), or set "
+        f"{name}.max_failure_fraction=1 to train on zeros anyway"
+    )
 
 
 class _CallTimeout(BaseException):
