@@ -76,9 +76,9 @@ class RoleConfig:
     """Token budget of one micro-batch on each data-parallel rank, for training and forward-only passes alike (verl's
     ppo_max_token_len_per_gpu): rows are grouped into as few micro-batches of nearly equal token counts as fit it, so
     short responses share a pass and long ones get their own; every DP rank runs the same number. Must hold the
-    longest row (data.max_prompt_length + rollout.max_new_tokens); pp must be 1. null: micro_batch_size /
+    longest row (data.max_prompt_length + rollout.max_new_tokens). null: micro_batch_size /
     forward_micro_batch_size rows per micro-batch. Either way a micro-batch is fed as one packed sequence of its
-    rows' real tokens (no padding)."""
+    rows' real tokens (no padding rows; with pp > 1, a few padding tokens give every micro-batch the same shapes)."""
     offload: bool = False
     """GPU: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy), each block
     copied to the device for its forward and backward, so colocated roles leave the device to each other."""
@@ -90,8 +90,6 @@ class RoleConfig:
         _require(self, "pp_schedule", self.pp_schedule in ("1f1b", "gpipe"), "must be 1f1b or gpipe")
         budget = self.max_tokens_per_micro_batch
         _require(self, "max_tokens_per_micro_batch", budget is None or budget >= 1, "must be >= 1 or null")
-        rule = "token-balanced micro-batches need pp=1 (a pipeline schedule splits rows evenly); set it to null"
-        _require(self, "max_tokens_per_micro_batch", budget is None or self.pp == 1, rule)
 
     def dp_size(self) -> int | None:
         """The data-parallel degree: ``dp``, else derived from ``n_ranks``; None while the pool size is unknown."""

@@ -1,5 +1,6 @@
 """Packed micro-batches equal the padded batch: log-probs, entropy, values, scores, and the loss and gradients of a
-policy step, in float32 within 1e-6, whatever the token budget groups the rows into."""
+policy step, in float32 within 1e-6, whatever the token budget groups the rows into, also when the packed
+micro-batches are padded to common shapes for a pipeline schedule (``stack_packed``)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from spmd_rlhf.data import Batch
 from spmd_rlhf.models import DecoderArgs, DecoderLM
 from spmd_rlhf.workers.sharded_model import ShardedModel
 from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_batches
-from spmd_rlhf.workers.packing import PackedRows, PaddedRows
+from spmd_rlhf.workers.packing import PackedRows, PaddedRows, stack_packed
 
 PROMPT, RESPONSE, VOCAB = 7, 12, 97
 BUDGETS = [None, 19, 25, 40, 1000]
-"""Token budgets of one micro-batch (None: one row per micro-batch); the longest row has 19 tokens."""
+"""Token budgets of one micro-batch (None: one row per micro-batch); the longest row has 19 tokens. ("stacked",
+budget): the same groups padded to common shapes by ``stack_packed``, each run as a pipeline schedule slices it."""
+BUDGETS += [("stacked", None), ("stacked", 19), ("stacked", 40)]
 
 
 def rollout_batch() -> Batch:
@@ -52,7 +55,9 @@ def tiny_model(head: str) -> DecoderLM:
     return model
 
 
-def groups_of(batch: Batch, budget: int | None) -> list[list[int]]:
+def groups_of(batch: Batch, budget: int | None | tuple) -> list[list[int]]:
+    if isinstance(budget, tuple):
+        budget = budget[1]
     if budget is None:
         return row_chunks(len(batch), 1)
     return token_balanced_micro_batches(batch["attention_mask"].sum(dim=1).tolist(), budget, agree=lambda count: count)
@@ -69,6 +74,16 @@ def run_micro_batches(model: DecoderLM, batch: Batch, budget: int | None | str, 
         return [output_fn(model(**micro.model_inputs(torch.device("cpu"), per_token=True)), micro)]
     per_token = model.head != "score"
     results = []
+    if isinstance(budget, tuple):
+        micros = [PackedRows(batch.select(rows)) for rows in groups_of(batch, budget)]
+        input_ids, kwargs = stack_packed(micros, per_token=per_token)
+        assert len({micro.total_tokens for micro in micros} | {input_ids.shape[1]}) > 1  # really padded
+        for index, micro in enumerate(micros):
+            # Micro-batch ``index`` as the schedule slices it; the model takes cu_seqlens and output positions flat.
+            inputs = {key: value[index : index + 1] if key == "position_ids" else value[index] for key, value in kwargs.items()}
+            outputs = model(input_ids[index : index + 1], **inputs)
+            results.append(output_fn(outputs[: micro.output_count(per_token=per_token)], micro))
+        return results
     for rows in groups_of(batch, budget):
         micro = PackedRows(batch.select(rows))
         results.append(output_fn(model(**micro.model_inputs(torch.device("cpu"), per_token=per_token)), micro))

@@ -1,7 +1,8 @@
 """3D-parallel parity: every role (actor, critic, reward model) under (dp, tp, pp) in {(4,1,1), (2,2,1), (1,4,1),
 (2,1,2), (1,2,2)} computes the same log-probs, values and scores as one rank, and one update leaves the same loss,
 gradient norm and weights. TP shards heads, MLP and the vocabulary (log-probs without gathering the logits); PP runs
-1F1B for the actor and GPipe for the critic."""
+1F1B for the actor and GPipe for the critic. Rows have different lengths and every layout feeds packed micro-batches
+(under PP padded to common shapes); the critic groups its rows by a token budget."""
 
 from __future__ import annotations
 

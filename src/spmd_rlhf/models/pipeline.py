@@ -5,10 +5,12 @@ A stage is the same ``DecoderLM`` with the layers of other stages removed (layer
 checkpoints and Hugging Face names are unchanged); the first stage keeps the embedding, the last the final norm and
 the head. Each stage is then tensor- / data-parallelized like a whole model (``parallelize.parallelize``).
 
-Every stage of a pipeline sees the same rows. The first stage feeds ``input_ids``; every stage gets the
-``attention_mask`` (as a keyword argument, split into the same micro-batches); the last stage turns each
-micro-batch's output into a result (a loss to back-propagate, or per-token values) with ``output_fn``, which
-receives the indices of the micro-batch's rows alongside the output (the caller knows what the rows hold).
+Every stage of a pipeline sees the same micro-batches, stacked along dim 0 at common shapes (a schedule needs every
+micro-batch to have the same shapes; ``workers.packing.stack_packed`` pads packed ones so). The first stage feeds
+``input_ids``; every stage gets the keyword inputs (position ids, ``cu_seqlens``, output positions), which the
+schedule splits into the same ``[1, ...]`` micro-batches; the last stage turns each micro-batch's output into a
+result (a loss to back-propagate, or per-token values) with ``output_fn``, which receives the micro-batch's index
+alongside the output (the caller knows what its rows hold).
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from spmd_rlhf.models.decoder import DecoderLM
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
-OutputFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(last stage's output for one micro-batch, the indices of its rows) -> a loss (training) or a result tensor."""
+OutputFunction = Callable[[torch.Tensor, int], torch.Tensor]
+"""(last stage's output for one micro-batch, that micro-batch's index) -> a loss (training) or a result tensor."""
+
+PER_SEQUENCE_KWARGS = ("cu_seqlens", "output_positions")
+"""Keyword inputs the model takes without a batch dimension: the schedule hands each micro-batch ``[1, n]`` slices."""
 
 
 def stage_layers(num_layers: int, pp: int, *, role: str = "model") -> list[range]:
@@ -79,26 +84,38 @@ class Pipeline:
         return self.stage == self.num_stages - 1
 
     def run(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, micro_batch_size: int, output_fn: OutputFunction,
-        train: bool,
+        self, input_ids: torch.Tensor, model_kwargs: dict[str, torch.Tensor], *, output_fn: OutputFunction, train: bool
     ) -> list[torch.Tensor]:
-        """Run the rows of ``input_ids`` / ``attention_mask`` ``[rows, length]`` through the pipeline in micro-batches
-        of ``micro_batch_size`` rows; with ``train``, back-propagate each micro-batch's ``output_fn`` loss (gradients
-        accumulate, unscaled). Returns the ``output_fn`` results in micro-batch order on the last stage, an empty list
-        elsewhere."""
-        rows = input_ids.shape[0]
-        num_micro_batches = -(-rows // micro_batch_size)
+        """Run micro-batches ``input_ids`` ``[micro_batches, tokens]`` (read by the first stage) with ``model_kwargs``
+        (``[micro_batches, ...]`` each, every stage) through the pipeline, one micro-batch per row; with ``train``,
+        back-propagate each micro-batch's ``output_fn`` loss (gradients accumulate, unscaled). Returns the
+        ``output_fn`` results in micro-batch order on the last stage, an empty list elsewhere."""
+        num_micro_batches = input_ids.shape[0]
         # A fresh stage per call: PipelineStage infers activation shapes on first use, and they change with the
-        # prompt length from one batch to the next.
+        # micro-batch sizes from one call to the next.
         stage = PipelineStage(self.module, self.stage, self.num_stages, self.device, group=self.group)
         stage.stage_index_to_group_rank = dict(self.stage_to_group_rank)
         schedule = SCHEDULES[self.schedule](
-            stage, num_micro_batches, loss_fn=output_fn, scale_grads=False
+            stage, num_micro_batches, loss_fn=lambda output, index: output_fn(output, int(index)), scale_grads=False
         )
         args = (input_ids.to(self.device),) if self.stage == 0 else ()
-        # The row indices ride along as the "target", so the last stage can find each micro-batch's rows.
-        target = torch.arange(rows) if self.is_last else None
+        # Each micro-batch's index rides along as the "target", so the last stage knows which micro-batch it holds.
+        target = torch.arange(num_micro_batches)[:, None] if self.is_last else None
+        kwargs = {key: value.to(self.device) for key, value in model_kwargs.items()}
         results: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
-        run(*args, target=target, losses=results, attention_mask=attention_mask.to(self.device))
+        # The hook (not a wrapper module) keeps the stage's module the FSDP module the schedule syncs gradients of.
+        hook = self.module.register_forward_pre_hook(_drop_micro_batch_dim, with_kwargs=True)
+        try:
+            run(*args, target=target, losses=results, **kwargs)
+        finally:
+            hook.remove()
         return results
+
+
+def _drop_micro_batch_dim(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``[1, n]`` micro-batch slices of ``PER_SEQUENCE_KWARGS`` as the ``[n]`` the model takes."""
+    for key in PER_SEQUENCE_KWARGS:
+        if kwargs.get(key) is not None and kwargs[key].dim() == 2:
+            kwargs[key] = kwargs[key][0]
+    return args, kwargs

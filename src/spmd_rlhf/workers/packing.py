@@ -2,12 +2,14 @@
 
 Two layouts of the same rows (the rollout layout of ``workers.sharded_model``):
 
-- ``PackedRows`` (every pass without pipeline parallelism): the attended tokens of all rows laid end to end in one
+- ``PackedRows`` (every training and log-prob pass): the attended tokens of all rows laid end to end in one
   ``[1, total_tokens]`` sequence, with ``cu_seqlens`` and position ids restarting at 0 for each row, so no padding
   token is fed; the LM / value head runs only at the positions that predict a response token (the model's
-  ``output_positions``).
-- ``PaddedRows`` (pipeline parallelism, whose schedules need fixed micro-batch shapes): the ``[rows, P + R]`` padded
-  rows with their attention mask; the head runs at every position and the response positions are picked after.
+  ``output_positions``). A pipeline schedule needs every micro-batch of a call to have the same shapes:
+  ``stack_packed`` pads the packed micro-batches to common sizes (a few padding tokens as extra sequences, and
+  repeated output positions) and the caller trims each output to ``output_count``.
+- ``PaddedRows``: the ``[rows, P + R]`` padded rows with their attention mask; the head runs at every position and
+  the response positions are picked after.
 
 Either way ``response_outputs`` gives the model's outputs at the positions predicting (or valuing) the response
 tokens flat, ``[response_tokens, ...]`` in row-major order of ``response_mask``, and ``scatter`` puts per-token
@@ -103,6 +105,40 @@ class PackedRows(MicroBatch):
     def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
         # The model already ran its head at the output positions only.
         return outputs
+
+    def output_count(self, *, per_token: bool) -> int:
+        """How many outputs the model returns for these rows: one per response token, else one per row (score)."""
+        return self.response_tokens if per_token else len(self)
+
+
+def stack_packed(micros: list[PackedRows], *, per_token: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model inputs of ``micros`` stacked along a new dim 0 at common sizes, for a pipeline schedule: ``input_ids``
+    ``[M, T]`` and the keyword inputs ``position_ids`` ``[M, T]``, ``cu_seqlens`` ``[M, S]`` and (``per_token``)
+    ``output_positions`` ``[M, R]``.
+
+    Each micro-batch is padded at its end with at least one padding sequence of at least one token (token 0,
+    position 0), so every sequence is non-empty whatever the attention backend, and each real sequence attends
+    only to itself as before: its outputs are unchanged. Output positions are padded with position 0; micro-batch
+    ``i``'s first ``micros[i].output_count(per_token=...)`` outputs are its own (scores included: the padding
+    sequences come after the rows)."""
+    num_offsets = max(len(micro.cu_seqlens) for micro in micros) + 1
+    total = max(micro.total_tokens + num_offsets - len(micro.cu_seqlens) for micro in micros)
+    input_ids, position_ids, cu_seqlens, output_positions = [], [], [], []
+    for micro in micros:
+        padding_sequences = num_offsets - len(micro.cu_seqlens)
+        # All padding sequences but the last hold one token; the last holds the rest.
+        ends = micro.total_tokens + torch.arange(1, padding_sequences + 1, dtype=torch.int32)
+        ends[-1] = total
+        cu_seqlens.append(torch.cat([micro.cu_seqlens, ends]))
+        padding = total - micro.total_tokens
+        input_ids.append(F.pad(micro.input_ids[0], (0, padding)))
+        position_ids.append(F.pad(micro.position_ids[0], (0, padding)))
+        output_positions.append(micro.output_positions)
+    kwargs = {"position_ids": torch.stack(position_ids), "cu_seqlens": torch.stack(cu_seqlens)}
+    if per_token:
+        count = max(len(positions) for positions in output_positions)
+        kwargs["output_positions"] = torch.stack([F.pad(positions, (0, count - len(positions))) for positions in output_positions])
+    return torch.stack(input_ids), kwargs
 
 
 class PaddedRows(MicroBatch):

@@ -3,8 +3,8 @@
 ``ShardedModel`` is the part every model-holding role (actor, critic, reference, a reward or cost model) composes: it
 builds one ``DecoderLM`` on the meta device, keeps this rank's pipeline stage (``mesh["pp"]``), applies tensor
 parallelism over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]`` (``models.parallelize``), loads this rank's pieces of
-the weights, runs micro-batched forward passes over the rollout layout (fed packed, ``workers.packing``) and writes a
-Hugging Face copy streamed from the shards (``models.sharded_save``).
+the weights, runs micro-batched forward passes over the rollout layout (fed packed, ``workers.packing``, with or
+without a pipeline) and writes a Hugging Face copy streamed from the shards (``models.sharded_save``).
 
 The rollout layout (made by ``ActorWorker.generate_sequences``): ``prompts`` ``[rows, P]`` left-padded, ``responses``
 ``[rows, R]`` right-padded, ``input_ids = prompts ++ responses``, ``attention_mask`` over both, ``response_mask``
@@ -35,7 +35,7 @@ from ..models.sharded_save import save_sharded_pretrained
 from ..models.weights import build_model, load_weights
 from ..runtime import RoleContext
 from .micro_batches import row_chunks, token_balanced_micro_batches
-from .packing import MicroBatch, PackedRows, PaddedRows
+from .packing import MicroBatch, PackedRows, stack_packed
 from .reducer import DPReducer
 
 MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
@@ -121,29 +121,33 @@ class ShardedModel:
         the rows of ``batch`` in the order the results cover them. With ``train``, each result is a loss to
         back-propagate (gradients accumulate); the returned results are detached.
 
-        Without pipeline parallelism each micro-batch is fed packed (``PackedRows``: no padding, the head only at
-        response positions). Through a pipeline (then only its last stage returns results) micro-batches stay padded
-        rows (``PaddedRows``): ``torch.distributed.pipelining`` needs every micro-batch of a schedule to have the same
-        shape, which packed sequences of different total lengths do not.
+        Each micro-batch is fed packed (``PackedRows``: no padding, the head only at response positions). Through a
+        pipeline (then only its last stage returns results) every stage forms the same micro-batches, and they are
+        padded to common shapes (``stack_packed``: a few padding tokens per micro-batch, never whole padded rows), as
+        ``torch.distributed.pipelining`` needs; ``output_fn`` sees each micro-batch's own outputs only.
 
-        Peak per packed micro-batch: the logits of its response tokens, ``[response_tokens, vocab / tp]`` in the
-        compute dtype (a padded one: ``[rows, P + R, vocab / tp]``), plus the activations of its real tokens."""
-        if self.pipeline is not None:
-            results = self.pipeline.run(
-                batch["input_ids"], batch["attention_mask"], micro_batch_size=micro_batch_size, train=train,
-                output_fn=lambda output, rows: output_fn(output, PaddedRows(batch.select(rows))),
-            )
-            return [result.detach() for result in results], torch.arange(len(batch))
+        Peak per micro-batch: the logits of its response tokens, ``[response_tokens, vocab / tp]`` in the compute
+        dtype, plus the activations of its tokens."""
         per_token = self.module.head != "score"
         groups = self.micro_batch_rows(batch, micro_batch_size)
+        order = torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
+        micros = [PackedRows(batch.select(rows)) for rows in groups]
+        if self.pipeline is not None and micros:
+            input_ids, model_kwargs = stack_packed(micros, per_token=per_token)
+
+            def stage_output(output: torch.Tensor, index: int) -> torch.Tensor:
+                micro = micros[index]
+                return output_fn(output[: micro.output_count(per_token=per_token)], micro)
+
+            results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
+            return [result.detach() for result in results], order
         results = []
-        for rows in groups:
-            micro = PackedRows(batch.select(rows))
+        for micro in micros:
             result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
             if train:
                 result.backward()
             results.append(result.detach())
-        return results, torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
+        return results, order
 
     def forward_rows(self, batch: Batch, method: str, key: str, output_fn: MicroBatchFunction) -> Batch:
         """``Batch({key: output_fn results of every row})`` in ``batch``'s row order, forward only, on every rank of
