@@ -64,3 +64,13 @@ def test_dp_ranks_with_uneven_lengths_agree_on_the_micro_batch_count():
 
 def test_row_chunks_are_consecutive():
     assert row_chunks(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_a_pipeline_minimum_splits_rows_that_would_fit_one_micro_batch():
+    """A 1F1B pipeline of 3 stages needs 3 micro-batches even when the budget holds every row at once; with fewer
+    rows than that there is one per row."""
+    lengths = [5, 7, 3, 4]
+    assert len(token_balanced_micro_batches(lengths, 100, agree=lambda count: count)) == 1
+    groups = token_balanced_micro_batches(lengths, 100, agree=lambda count: count, at_least=3)
+    assert len(groups) == 3 and sorted(row for group in groups for row in group) == [0, 1, 2, 3]
+    assert len(token_balanced_micro_batches(lengths[:2], 100, agree=lambda count: count, at_least=3)) == 2

@@ -2,7 +2,8 @@
 (2,1,2), (1,2,2)} computes the same log-probs, values and scores as one rank, and one update leaves the same loss,
 gradient norm and weights. TP shards heads, MLP and the vocabulary (log-probs without gathering the logits); PP runs
 1F1B for the actor and GPipe for the critic. Rows have different lengths and every layout feeds packed micro-batches
-(under PP padded to common shapes); the critic groups its rows by a token budget."""
+(under PP padded to common shapes); the critic groups its rows by a token budget, the actor by one that holds all
+its rows (so 1F1B splits them into one micro-batch per stage) and the reward model by row count."""
 
 from __future__ import annotations
 

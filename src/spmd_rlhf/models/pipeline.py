@@ -80,6 +80,11 @@ class Pipeline:
         self.stage_to_group_rank = {index: dist.get_group_rank(group, rank) for index, rank in enumerate(stage_ranks)}
 
     @property
+    def min_micro_batches(self) -> int:
+        """The fewest micro-batches the schedule runs: 1F1B needs one per stage."""
+        return self.num_stages if self.schedule == "1f1b" else 1
+
+    @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 

@@ -49,14 +49,15 @@ def fitting_parts(lengths: Sequence[int], max_tokens: int, at_least: int = 1) ->
 
 
 def token_balanced_micro_batches(
-    lengths: Sequence[int], max_tokens: int, agree: Callable[[int], int]
+    lengths: Sequence[int], max_tokens: int, agree: Callable[[int], int], *, at_least: int = 1
 ) -> list[list[int]]:
-    """Row indices of each micro-batch, every one within ``max_tokens`` tokens and as many as on every other rank.
+    """Row indices of each micro-batch, every one within ``max_tokens`` tokens and as many as on every other rank,
+    and at least ``at_least`` of them where there are that many rows (a 1F1B pipeline needs one per stage).
 
     ``agree(count)`` returns the maximum of ``count`` over the DP group (every rank calls it the same number of
     times). Each round, every rank proposes the fewest groups at least the agreed count that fit its rows; the
     rounds end when no rank needs more (usually the second round, which confirms the first)."""
-    parts = 1
+    parts = max(1, min(at_least, len(lengths)))
     while True:
         agreed = agree(fitting_parts(lengths, max_tokens, at_least=parts))
         if agreed == parts:

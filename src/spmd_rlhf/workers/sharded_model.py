@@ -106,13 +106,16 @@ class ShardedModel:
 
     def micro_batch_rows(self, batch: Batch, rows_per_micro_batch: int) -> list[list[int]]:
         """Row indices of each micro-batch of ``batch``: token-balanced groups within the role's
-        ``max_tokens_per_micro_batch`` (their count agreed over the DP group), else ``rows_per_micro_batch``
-        consecutive rows."""
+        ``max_tokens_per_micro_batch`` (their count agreed over the DP group, and at least what the pipeline
+        schedule needs), else ``rows_per_micro_batch`` consecutive rows."""
         max_tokens = self.role_config.max_tokens_per_micro_batch
         if max_tokens is None:
             return row_chunks(len(batch), rows_per_micro_batch)
         lengths = batch["attention_mask"].sum(dim=1).tolist()
-        return token_balanced_micro_batches(lengths, max_tokens, lambda count: int(self.reducer.max(torch.tensor(count))))
+        return token_balanced_micro_batches(
+            lengths, max_tokens, lambda count: int(self.reducer.max(torch.tensor(count))),
+            at_least=self.pipeline.min_micro_batches if self.pipeline is not None else 1,
+        )
 
     def run_model(
         self, batch: Batch, *, micro_batch_size: int, output_fn: MicroBatchFunction, train: bool

@@ -30,7 +30,7 @@ def main(coordinator):
         "actor.lr=1e-3", "actor.mini_batch_size=16", "actor.micro_batch_size=2", "actor.ppo_epochs=2",
         "actor.forward_micro_batch_size=4", f"critic.model_path={critic_dir}", "critic.lr=1e-3",
         "critic.mini_batch_size=16", "critic.micro_batch_size=4", "critic.pp_schedule=gpipe",
-        "critic.max_tokens_per_micro_batch=24", "data.max_prompt_length=5",
+        "critic.max_tokens_per_micro_batch=24", "data.max_prompt_length=5", "actor.max_tokens_per_micro_batch=200",
         "reward.kind=model", f"reward.model_path={reward_dir}", "reward.micro_batch_size=2",
     ])
     batch = rollout_batch(16, 5, 6, vocab=100)
