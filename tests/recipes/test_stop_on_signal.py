@@ -72,8 +72,11 @@ def stopped_step(stopped: subprocess.CompletedProcess, run_dir: Path, reasons: t
     assert stopped.returncode != 0, stopped.stdout[-4000:]
     marker = json.loads((run_dir / "stopped.json").read_text())
     step = marker["step"]
-    assert 1 <= step < 4 and marker["reason"] in reasons, marker
+    assert marker["reason"] in reasons, marker
+    assert step in (1, 2, 3), marker  # stopped mid-run: after the first logged step, before the last
     assert (run_dir / "latest").read_text() == f"step_{step}"
+    # The checkpoint the marker names holds that step's state, not an earlier save's.
+    assert json.loads((run_dir / f"step_{step}" / "trainer_state.json").read_text())["step"] == step
     assert f"stopped after step {step} of 4; a relaunch continues from step_{step}" in stopped.stdout
     return step
 
