@@ -19,8 +19,9 @@ sharded over all of them (FSDP), per rank:
 Beyond that strict floor, the design itself needs transient buffers that are not a whole-model copy;
 ``design_parts`` adds them, for a second ratio:
 
-- FSDP's gathered unit: FSDP2 all-gathers one unit at a time (a decoder layer; an untied embedding or LM head; the
-  root: the final norm, a value or score head, and a tied embedding), in the compute dtype. The root stays gathered
+- FSDP's gathered unit: FSDP2 all-gathers one unit at a time (a run of decoder layers of at least the role's
+  ``fsdp_unit_mb``, one layer at these shapes; an untied embedding or LM head; the root: the final norm, a value or
+  score head, and a tied embedding), in the compute dtype. The root stays gathered
   from the forward to the end of the backward, and the backward makes each unit's unsharded gradient before the
   reduce-scatter. With a tied embedding the root is the largest unit (at Qwen2.5-0.5B's shape, 136 M of its 494 M
   parameters). The HybridEngine's reshard gathers the same units one at
@@ -44,6 +45,7 @@ from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.mapping.cost import GRADIENT_BYTES, TRAINING_BYTES_PER_PARAMETER, Layout, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.workload import RoleSpec
+from spmd_rlhf.models.parallelize import group_layers
 from spmd_rlhf.models.sharded_save import DEFAULT_BAND_BYTES
 
 WEIGHT_BYTES = 4
@@ -126,18 +128,24 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     }
 
 
-def fsdp_unit_bytes(spec: RoleSpec, dtype_bytes: int) -> tuple[int, int]:
+def fsdp_unit_bytes(spec: RoleSpec, dtype_bytes: int, *, min_unit_bytes: int) -> tuple[int, int]:
     """(the root unit, the largest other unit) of ``spec`` gathered, in bytes of ``dtype_bytes`` per parameter, as
-    ``spmd_rlhf.models.parallelize.fsdp_units`` cuts the model: each decoder layer is a unit, and so are an untied
-    embedding and LM head; the root holds the rest (the final norm and a value or score head; a tied embedding)."""
+    ``spmd_rlhf.models.parallelize.fsdp_units`` cuts the model (on the parameters as stored: float32 for a trained
+    role, else ``dtype_bytes``): runs of decoder layers of at least ``min_unit_bytes`` (``group_layers``), and an
+    untied embedding and LM head each alone when that large; the root holds the rest (the final norm, a value or score
+    head, a tied or small embedding, the layers after the last full run)."""
     shape = spec.shape
+    stored = WEIGHT_BYTES if spec.trained else dtype_bytes
     vocabulary = shape.vocab * shape.hidden
-    rest = shape.parameters(spec.head) - shape.layers * shape.block_parameters - vocabulary
-    if spec.head == "lm" and not shape.tied:
-        rest -= vocabulary
-    if spec.head == "lm" and shape.tied:
-        return (vocabulary + rest) * dtype_bytes, shape.block_parameters * dtype_bytes
-    return rest * dtype_bytes, max(vocabulary, shape.block_parameters) * dtype_bytes
+    runs = group_layers([shape.block_parameters * stored] * shape.layers, min_unit_bytes)
+    grouped = sum(len(run) for run in runs)
+    vocabulary_modules = 1 if spec.head != "lm" or shape.tied else 2
+    vocabulary_alone = not (spec.head == "lm" and shape.tied) and vocabulary * stored >= min_unit_bytes
+    root = shape.parameters(spec.head) - grouped * shape.block_parameters
+    if vocabulary_alone:
+        root -= vocabulary_modules * vocabulary
+    largest = max([len(run) * shape.block_parameters for run in runs] + ([vocabulary] if vocabulary_alone else []), default=0)
+    return root * dtype_bytes, largest * dtype_bytes
 
 
 def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str, float]]:
@@ -149,11 +157,14 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     b = batch.dtype_bytes
     actor = next(spec for spec in specs if spec.name == "actor")
 
+    def units(spec: RoleSpec) -> tuple[int, int]:
+        return fsdp_unit_bytes(spec, b, min_unit_bytes=int(getattr(config, spec.name).fsdp_unit_mb * 2**20))
+
     def gathered(spec: RoleSpec) -> float:
-        return max(fsdp_unit_bytes(spec, b))
+        return max(units(spec))
 
     def training(spec: RoleSpec) -> dict[str, float]:
-        root, unit = fsdp_unit_bytes(spec, b)
+        root, unit = units(spec)
         return {
             f"{spec.name} FSDP root gathered + its unsharded gradient": 2 * root,
             f"{spec.name} largest other FSDP unit gathered + its unsharded gradient": 2 * unit,

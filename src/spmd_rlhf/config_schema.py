@@ -79,12 +79,17 @@ class RoleConfig:
     longest row (data.max_prompt_length + rollout.max_new_tokens). null: micro_batch_size /
     forward_micro_batch_size rows per micro-batch. Either way a micro-batch is fed as one packed sequence of its
     rows' real tokens (no padding rows; with pp > 1, a few padding tokens give every micro-batch the same shapes)."""
+    fsdp_unit_mb: float = 32.0
+    """FSDP gathers (and reduce-scatters gradients of) one unit at a time, each at a fixed latency: consecutive decoder
+    layers share a unit until it holds at least this many MiB of this rank's TP shard, so real shapes (a 0.5B layer is
+    about 60 MB in float32) keep one layer per unit, and a model smaller than this is one unit with no per-layer
+    collectives. Gathered memory grows to about this size per unit. 0: one unit per layer."""
     offload: bool = False
     """GPU: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy), each block
     copied to the device for its forward and backward, so colocated roles leave the device to each other."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size")
+        _at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size", "fsdp_unit_mb")
         _at_least(self, 1, "pp", "tp", "micro_batch_size")
         _require(self, "pool", self.pool != "", "must be a name or null")
         _require(self, "pp_schedule", self.pp_schedule in ("1f1b", "gpipe"), "must be 1f1b or gpipe")

@@ -1,5 +1,6 @@
 """``models.parallelize`` on one process: activation checkpointing keeps names and changes no gradient; FSDP's units
-(an untied embedding and LM head each alone, a tied pair in the root)."""
+(an untied embedding and LM head each alone, a tied pair in the root; small layers grouped, trailing ones in the
+root)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models.args import DecoderArgs
-from spmd_rlhf.models.parallelize import fsdp_units, parallelize
+from spmd_rlhf.models.parallelize import fsdp_units, group_layers, parallelize
 
 
 def tiny_args() -> DecoderArgs:
@@ -47,3 +48,24 @@ def test_fsdp_units_split_an_untied_vocabulary():
     assert fsdp_units(tied) == list(tied.model.layers.values())
     # A value head's model has no LM head to share the embedding with.
     assert fsdp_units(critic) == [*critic.model.layers.values(), critic.model.embed_tokens]
+
+
+def test_group_layers_reach_the_bound_and_leave_the_rest_to_the_root():
+    assert group_layers([5, 5, 5], 0) == [[0], [1], [2]]
+    assert group_layers([5, 5, 5, 5, 5], 10) == [[0, 1], [2, 3]]  # layer 4 joins the root
+    assert group_layers([20, 5, 5, 20], 10) == [[0], [1, 2], [3]]
+    assert group_layers([5, 5], 100) == []
+
+
+def test_fsdp_units_group_small_layers():
+    args = dataclasses.replace(tiny_args(), num_layers=3)
+    with torch.device("meta"):
+        untied = DecoderLM(args, head="lm")
+    layers = list(untied.model.layers.values())
+    layer_bytes = sum(param.numel() * 4 for param in layers[0].parameters())
+    embedding_bytes = untied.model.embed_tokens.weight.numel() * 4
+    assert embedding_bytes < layer_bytes
+    # Runs of two layers; the third and the small vocabulary modules join the root.
+    assert fsdp_units(untied, 2 * layer_bytes) == [layers[:2]]
+    assert fsdp_units(untied, embedding_bytes) == [*layers, untied.model.embed_tokens, untied.lm_head]
+    assert fsdp_units(untied, 10 * layer_bytes) == []

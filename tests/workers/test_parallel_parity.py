@@ -3,7 +3,8 @@
 gradient norm and weights. TP shards heads, MLP and the vocabulary (log-probs without gathering the logits); PP runs
 1F1B for the actor and GPipe for the critic. Rows have different lengths and every layout feeds packed micro-batches
 (under PP padded to common shapes); the critic groups its rows by a token budget, the actor by one that holds all
-its rows (so 1F1B splits them into one micro-batch per stage) and the reward model by row count."""
+its rows (so 1F1B splits them into one micro-batch per stage) and the reward model by row count. FSDP's units differ
+by role: one per layer (actor), runs of layers (critic), the root alone (reward model)."""
 
 from __future__ import annotations
 

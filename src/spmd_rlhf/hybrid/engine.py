@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.hybrid.layout import GenerationLayout
@@ -88,39 +88,44 @@ class HybridEngine:
         generation.reset_buffers()
         generation.requires_grad_(False)
         targets = {name: _local(param) for name, param in generation.named_parameters(remove_duplicate=False)}
-        for block, prefix, inner in self._blocks():
-            self._gather_block(block, prefix, inner, targets)
+        for unit in self._blocks():
+            self._gather_block(unit, targets)
         if self.pp_group is not None:
             self._exchange_stages(targets)
         return generation.eval()
 
     def _blocks(self):
-        """(FSDP unit, prefix of its parameter names in the whole model, prefixes of its sub-units), one unit at a
-        time: the decoder layers (and an untied embedding and head, ``parallelize.fsdp_units``), then the root, which
-        manages the rest (the final norm; a tied embedding and head) of this pipeline stage."""
-        units = [(name, module) for name, module in self.model.named_modules() if isinstance(module, FSDPModule)]
-        units.sort(key=lambda unit: unit[0] == "")  # the root last
-        for name, module in units:
+        """The FSDP units, one at a time, each as its modules' (module, prefix of its parameter names in the whole
+        model, prefixes of its sub-units): runs of decoder layers (and an untied embedding and head,
+        ``parallelize.fsdp_units``), then the root, which manages the rest (the final norm; a tied embedding and head;
+        small trailing layers) of this pipeline stage. The modules of one run share one FSDP state and are gathered
+        together."""
+        named = [(name, module) for name, module in self.model.named_modules() if isinstance(module, FSDPModule)]
+        named.sort(key=lambda unit: unit[0] == "")  # the root last
+        units: dict[int, list] = {}
+        for name, module in named:
             prefix = f"{name}." if name else ""
-            inner = tuple(f"{other[len(prefix):]}." for other, _ in units if other != name and other.startswith(prefix))
-            yield module, prefix, inner
+            inner = tuple(f"{other[len(prefix):]}." for other, _ in named if other != name and other.startswith(prefix))
+            units.setdefault(id(fully_shard.state(module)), []).append((module, prefix, inner))
+        yield from units.values()
 
-    def _gather_block(self, block: torch.nn.Module, prefix: str, inner: tuple[str, ...], targets: dict[str, torch.Tensor]) -> None:
-        block.unshard()
+    def _gather_block(self, unit: list[tuple[torch.nn.Module, str, tuple[str, ...]]], targets: dict[str, torch.Tensor]) -> None:
+        unit[0][0].unshard()  # the whole unit: every module of a run of layers at once
         sharded, locals_ = [], []
-        for name, param in block.named_parameters():
-            if name.startswith(inner):
-                continue  # a unit of its own
-            if _split_dim(param) is None:
-                targets[prefix + name].copy_(param)
-            elif self.micro_dp_group is None:
-                targets[prefix + name].copy_(_local(param))
-            else:
-                sharded.append((prefix + name, _local(param).shape, _split_dim(param)))
-                locals_.append(_local(param).reshape(-1))
+        for block, prefix, inner in unit:
+            for name, param in block.named_parameters():
+                if name.startswith(inner):
+                    continue  # a unit of its own
+                if _split_dim(param) is None:
+                    targets[prefix + name].copy_(param)
+                elif self.micro_dp_group is None:
+                    targets[prefix + name].copy_(_local(param))
+                else:
+                    sharded.append((prefix + name, _local(param).shape, _split_dim(param)))
+                    locals_.append(_local(param).reshape(-1))
         flat = torch.cat(locals_) if locals_ else None
         del locals_
-        block.reshard()  # FSDP's gathered buffers go before the micro-DP gather allocates its own
+        unit[0][0].reshard()  # FSDP's gathered buffers go before the micro-DP gather allocates its own
         if flat is not None:
             self._gather_sharded(sharded, flat, targets)
 

@@ -1,7 +1,7 @@
 """Tensor and data parallelism for ``DecoderLM``, applied from outside the model in one fixed order: the TP plan
 (a dict of module name -> ``ColwiseParallel`` / ``RowwiseParallel``), activation checkpointing, ``torch.compile``
-(GPU), then FSDP2 ``fully_shard`` per decoder layer, on an untied embedding and LM head (each alone), and on the
-root.
+(GPU), then FSDP2 ``fully_shard`` per run of decoder layers (one layer each at real sizes; ``fsdp_units``), on an
+untied embedding and LM head (each alone), and on the root.
 
 TP follows Megatron's split: q/k/v and gate/up are column-parallel (each TP rank owns whole heads / a slice of the
 MLP), o and down are row-parallel (their outputs all-reduced), the embedding is vocab-parallel (each rank owns a
@@ -19,7 +19,7 @@ import torch
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
@@ -59,17 +59,49 @@ def check_tensor_parallel(model: DecoderLM, tp: int, *, role: str) -> None:
             raise ValueError(f"{role}.tp={tp} does not divide the model's {name}={size}; choose a tp that divides it")
 
 
-def fsdp_units(model: DecoderLM) -> list[torch.nn.Module]:
-    """The modules that FSDP2 shards as units of their own, below the root: each decoder layer, and an untied
-    embedding and LM head, each alone. FSDP gathers one unit at a time, and the root stays gathered from the forward to
+def group_layers(layer_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
+    """Consecutive layer indices grouped so that each group holds at least ``min_unit_bytes`` (a layer that large is
+    a group of its own); the layers after the last full group are left out: they join the root unit, which is no
+    larger than ``min_unit_bytes`` plus the parameters the root already has. ``min_unit_bytes`` 0: one group per
+    layer. One rule for ``fsdp_units`` and for the memory floors that size its gathered buffers."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for index, size in enumerate(layer_bytes):
+        current.append(index)
+        held += size
+        if held >= min_unit_bytes:
+            groups.append(current)
+            current, held = [], 0
+    return groups
+
+
+def _local_bytes(module: torch.nn.Module) -> int:
+    """Bytes of this rank's TP shard of ``module``'s parameters (before FSDP, which gathers exactly that)."""
+    return sum(
+        (param.to_local() if isinstance(param, DTensor) else param).numel() * param.element_size()
+        for param in module.parameters()
+    )
+
+
+def fsdp_units(model: DecoderLM, min_unit_bytes: int = 0) -> list[torch.nn.Module | list[torch.nn.Module]]:
+    """What FSDP2 shards as units of their own, below the root: runs of consecutive decoder layers of at least
+    ``min_unit_bytes`` each (``group_layers``; one layer per unit at 0), and an untied embedding and LM head, each
+    alone when it reaches ``min_unit_bytes``. FSDP gathers one unit at a time and runs one all-gather (and in the
+    backward one reduce-scatter) per unit, whose fixed latency dominates when units are small, so small layers share a
+    unit and a model smaller than ``min_unit_bytes`` is the root alone. The root stays gathered from the forward to
     the end of the backward: with the embedding and head in the root, a 7B model's 1.1 B vocabulary parameters would
     be gathered (and their gradient unsharded) together for the whole pass. A tied pair stays in the root, since one
     parameter belongs to one unit and the embedding and the head use it at both ends of the forward."""
-    units: list[torch.nn.Module] = list(model.model.layers.values())
+    layers = list(model.model.layers.values())
+    units: list[torch.nn.Module | list[torch.nn.Module]] = [
+        layers[group[0]] if len(group) == 1 else [layers[index] for index in group]
+        for group in group_layers([_local_bytes(layer) for layer in layers], min_unit_bytes)
+    ]
     embedding, head = model.model.embed_tokens, getattr(model, "lm_head", None)
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     if not tied:
-        units += [module for module in (embedding, head) if module is not None]
+        units += [module for module in (embedding, head) if module is not None and _local_bytes(module) >= min_unit_bytes]
     return units
 
 
@@ -83,12 +115,13 @@ def parallelize(
     activation_checkpointing: bool = False,
     compile_layers: bool = False,
     offload: bool = False,
+    min_unit_bytes: int = 0,
     role: str = "model",
 ) -> DecoderLM:
     """Apply TP over ``tp_mesh`` (skipped when None or of size 1), activation checkpointing and ``torch.compile`` of
     each decoder layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None); ``offload``: FSDP2's
     ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, each block copied to the device
-    for its forward and backward).
+    for its forward and backward); ``min_unit_bytes``: how ``fsdp_units`` groups layers.
 
     Works on a whole model or on a pipeline stage of one. Tied embedding / LM-head weights stay tied: both are
     vocab-sharded the same way, so the head reuses the embedding's sharded parameter. Neither checkpointing nor
@@ -108,7 +141,7 @@ def parallelize(
     if dp_mesh is not None:
         policy = mp_policy or MixedPrecisionPolicy()
         offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-        for module in fsdp_units(model):
+        for module in fsdp_units(model, min_unit_bytes):
             fully_shard(module, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
     return model

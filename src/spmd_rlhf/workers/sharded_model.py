@@ -78,6 +78,7 @@ class ShardedModel:
             model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name,
             activation_checkpointing=config.model.activation_checkpointing and trainable,
             compile_layers=config.model.compile and on_gpu, offload=role_config.offload and on_gpu,
+            min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )
         load_weights(model, path, device=self.device)
         if not trainable:

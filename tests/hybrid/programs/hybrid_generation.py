@@ -103,6 +103,8 @@ def main(coordinator):
             f"model.path={policy_dir}", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "rollout.max_new_tokens=8",
             f"rollout.tp={tp_g}", f"actor.tp={tp}", f"actor.pp={pp}", "data.batch_size=8", "actor.lr=1e-2",
             "actor.mini_batch_size=16", "actor.micro_batch_size=4",
+            # One FSDP unit per layer, as at real sizes, so the reshard's peak is bounded by one layer's buffers.
+            "actor.fsdp_unit_mb=0",
         ])
         ranks = list(range(dp * tp * pp))
         if reversed_pool:  # the pool's TP blocks in descending order: stage 0 on the highest ranks

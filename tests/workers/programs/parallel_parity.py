@@ -32,6 +32,9 @@ def main(coordinator):
         "critic.mini_batch_size=16", "critic.micro_batch_size=4", "critic.pp_schedule=gpipe",
         "critic.max_tokens_per_micro_batch=24", "data.max_prompt_length=5", "actor.max_tokens_per_micro_batch=200",
         "reward.kind=model", f"reward.model_path={reward_dir}", "reward.micro_batch_size=2",
+        # FSDP units: the actor one per layer; the critic's layers (0.06 MiB each, less under TP) in runs of 2 or 4,
+        # or all in the root when they fall short; the reward model (default bound) the root alone.
+        "actor.fsdp_unit_mb=0", "critic.fsdp_unit_mb=0.1",
     ])
     batch = rollout_batch(16, 5, 6, vocab=100)
     generator = torch.Generator().manual_seed(1)
