@@ -4,6 +4,7 @@
     python benchmarks/e2e_cpu.py [--config tiny|tiny_gen32|small_gen32|qwen05b] [--nproc 2] [--trl-launch both]
                                  [--steps 12] [--warmup 2] [--rounds 1]
     python benchmarks/e2e_cpu.py --config qwen05b --steps 4 --warmup 1   # Qwen2.5-0.5B's shape: minutes per step
+    python benchmarks/e2e_cpu.py --summary     # one table of every config's ratios, from benchmarks/results
 
 Each named config fixes the model shape (qwen2 family from ``make_tiny``, random init), prompts per step, responses
 per prompt, and new tokens; everything else (learning rate unless the config sets one, KL coefficient and estimator,
@@ -63,6 +64,10 @@ CONFIGS = {
     "tiny_gen32": dict(hidden_size=64, num_layers=2, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
     # A wider, deeper model, so that kernels rather than per-call overheads take the time.
     "small_gen32": dict(hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
+    # 64 new tokens ended early by stop ids (3% of the vocabulary, given to both), so responses vary in length as
+    # EOS-terminated ones do: continuous batching drops finished rows, packed training skips their padding.
+    "small_gen64": dict(hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=64, micro_batch_size=16,
+                        stop_fraction=0.03),
     # Qwen2.5-0.5B's shape (151,936-row tied vocabulary), random init, a small batch: where memory and the vocabulary
     # projection, not per-call overheads, decide. grpo.yaml's learning rate is sized for the tiny model and would
     # blow this one up (as in benchmarks/gpu_grpo.py).
@@ -112,6 +117,17 @@ def _torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
+def stop_ids(model_dir: Path, fraction: float) -> tuple[int, list[int]]:
+    """The tokenizer's EOS id, and a fixed random ``fraction`` of its ordinary tokens as extra stop ids (none at 0)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ordinary = sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids))
+    count = int(fraction * len(ordinary))
+    chosen = torch.randperm(len(ordinary), generator=torch.Generator().manual_seed(0))[:count].tolist()
+    return tokenizer.eos_token_id, sorted(ordinary[index] for index in chosen)
+
+
 # ---- spmd_rlhf ---------------------------------------------------------------------------------------------------
 
 
@@ -123,7 +139,7 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
         "trainer.save_every=0", f"data.batch_size={spec['prompts']}", f"rollout.n={spec['n']}",
         f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.mini_batch_size={samples}",
         f"actor.micro_batch_size={spec['micro_batch_size']}", f"reference.micro_batch_size={spec['micro_batch_size']}",
-        f"actor.lr={spec['lr']}",
+        f"actor.lr={spec['lr']}", f"rollout.stop_token_ids=[{','.join(map(str, spec['stop_ids']))}]",
     ]
     command = _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
     wall, peak_rss = _run_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
@@ -212,6 +228,8 @@ def trl_worker(spec_path: str) -> None:
         beta=spec["kl_coef"], epsilon=spec["clip_low"], epsilon_high=spec["clip_high"], num_iterations=1,
         loss_type="dapo", scale_rewards="group", bf16=spec.get("dtype") == "bfloat16", fp16=False,
         gradient_checkpointing=False, use_vllm=False,
+        # transformers' generate stops a row at any of these (its EOS and the config's stop ids, if any).
+        generation_kwargs={"eos_token_id": [spec["eos_token_id"], *spec["stop_ids"]]} if spec.get("stop_ids") else None,
         model_init_kwargs={"dtype": spec.get("trl_weights", "float32"), "attn_implementation": "sdpa"},
     )
     dataset = Dataset.from_parquet(spec["train_file"])
@@ -280,10 +298,11 @@ def _value(run: dict, key: str) -> float:
 
 def _table(result: dict) -> str:
     spec, ours, trl = result["config"], result["spmd_rlhf"], result["trl"]
+    stops = f", responses also end at {len(spec['stop_ids'])} stop ids" if spec.get("stop_ids") else ""
     header = (
         f"GRPO `{result['name']}`: qwen2 hidden {spec['hidden_size']} x {spec['num_layers']} layers, vocab "
         f"{result['vocab']}; {spec['prompts']} prompts x {spec['n']} responses, {spec['max_new_tokens']} new tokens, "
-        f"micro-batch {spec['micro_batch_size']}; {spec['steps']} steps, first {result['warmup']} left out, medians per "
+        f"micro-batch {spec['micro_batch_size']}{stops}; {spec['steps']} steps, first {result['warmup']} left out, medians per "
         f"step, best of {result['rounds']} alternating round(s); CPU fp32, {result['cpus']} cores, "
         f"TRL {result['trl_version'] or 'not installed'}\n\n"
     )
@@ -299,9 +318,34 @@ def _table(result: dict) -> str:
     return header + "\n".join(lines) + f"\n\nspmd_rlhf scoring stages (s/step): {stages}"
 
 
+SUMMARY_STAGES = (("step", "step_s"), ("generate", "generate"), ("reward + log-probs", "score_and_log_probs"),
+                  ("update", "update"))
+
+
+def summary_table(results_dir: str) -> str:
+    """One row per ``e2e_cpu_<config>.json`` in ``results_dir``: samples/s against TRL in one process, and each
+    stage's time ratio (TRL / spmd_rlhf: above 1 is faster here)."""
+    lines = [
+        "| config | samples/s spmd_rlhf | samples/s TRL | speedup | " + " | ".join(f"{name} speedup" for name, _ in SUMMARY_STAGES[1:])
+        + " | peak RSS / TRL's |",
+        "| --- | ---: | ---: | ---: |" + " ---: |" * len(SUMMARY_STAGES[1:]) + " ---: |",
+    ]
+    for path in sorted(Path(results_dir).glob("e2e_cpu_*.json")):
+        result = json.loads(path.read_text())
+        ours, trl = result["spmd_rlhf"], result["trl"].get("process")
+        if trl is None:
+            continue
+        stages = " | ".join(f"{_value(trl, key) / _value(ours, key):.2f}x" for _, key in SUMMARY_STAGES[1:])
+        memory = f"{ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}" if "peak_rss_gib" in ours and "peak_rss_gib" in trl else ""
+        lines.append(f"| {result['name']} | {ours['samples_per_s']:.1f} | {trl['samples_per_s']:.1f} | "
+                     f"{ours['samples_per_s'] / trl['samples_per_s']:.2f}x | {stages} | {memory} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    parser.add_argument("--summary", action="store_true", help="print one table of every config's ratios from --out")
     parser.add_argument("--nproc", type=int, default=2, help="spmd_rlhf ranks (one thread each); TRL gets as many cores")
     parser.add_argument("--trl-launch", default="both", choices=["process", "torchrun", "both"],
                         help="TRL in one process with --nproc threads, under torchrun with --nproc processes, or both")
@@ -313,6 +357,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(args.trl_worker)
+        return
+    if args.summary:
+        print(summary_table(args.out))
         return
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} leaves nothing after --warmup={args.warmup}; use more steps")
@@ -353,6 +400,7 @@ def main() -> None:
         model_dir = workdir / "tiny" / "model"
         make_tiny(family="qwen2", out_dir=str(model_dir), seed=0, **{key: spec[key] for key in MODEL_FIELDS if key in spec})
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        spec["eos_token_id"], spec["stop_ids"] = stop_ids(model_dir, spec.get("stop_fraction", 0.0))
         for round_index in range(args.rounds):
             print(f"round {round_index + 1}/{args.rounds}: spmd_rlhf, {args.steps} steps on {args.nproc} ranks", flush=True)
             runs["spmd_rlhf"].append(run_spmd(spec, workdir=workdir, out_dir=workdir / f"spmd_{round_index}",

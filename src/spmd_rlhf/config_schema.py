@@ -184,6 +184,10 @@ class RolloutConfig:
     """Sample among the most likely tokens whose probabilities sum to top_p; 1.0: all tokens."""
     max_new_tokens: int = 32
     """Most tokens generated per response; generation also stops at EOS."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that also end a response (kept in it, like EOS), besides the tokenizer's EOS and any ids the model's
+    generation_config.json lists as eos_token_id (as transformers' generate and vLLM stop on them): e.g. an
+    end-of-turn id."""
     tp: int = 1
     """Tensor-parallel degree while generating (tp_g); must divide actor.tp: the other actor.tp / tp become replicas."""
     kv_block_size: int | None = None
@@ -202,6 +206,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs")
+        _require(self, "stop_token_ids", all(token >= 0 for token in self.stop_token_ids), "must be token ids >= 0")
         _require(self, "kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, "must be >= 1 or null")
         _at_least(self, 0, "temperature", "top_k", "kv_cache_blocks")
         _require(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")

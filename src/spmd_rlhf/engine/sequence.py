@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -21,13 +22,15 @@ class SamplingParams:
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability reaches top_p; 1 keeps all."""
     max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    """Besides EOS, tokens that end the response (kept in it, like EOS)."""
+    stop_token_ids: Collection[int] = frozenset()
+    """Besides EOS, tokens that end the response (kept in it, like EOS); held as a frozenset, so that checking each
+    new token costs the same for a handful of ids or thousands."""
     seed: int | None = None
     """Per-request seed (taken modulo 2^64): the same request samples the same tokens whatever else is in the batch;
     None: one derived from the engine's seed and the request's number."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))  # a frozenset is kept as it is
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
         if self.top_k < 0:

@@ -9,6 +9,8 @@ The engine runs the same model code as training, so rollout log-probs equal ``co
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -27,6 +29,23 @@ from .sharded_model import ShardedModel
 from .training import Trainer
 
 _SEED_STRIDE = 1_000_003
+
+
+def stop_token_ids(configured: list[int], model_path: str, vocab_size: int) -> frozenset[int]:
+    """``rollout.stop_token_ids`` and the eos_token_id(s) of the model's generation_config.json, if it has one: the
+    ids besides the tokenizer's EOS that end a response. An id past the vocabulary is a config error."""
+    ids = set(configured)
+    generation_config = Path(model_path) / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    outside = sorted(token for token in ids if token >= vocab_size)
+    if outside:
+        raise ValueError(
+            f"stop token ids {outside} (rollout.stop_token_ids, or eos_token_id in {generation_config}) are outside "
+            f"the model's vocabulary of {vocab_size}; remove them"
+        )
+    return frozenset(ids)
 
 
 def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -> int:
@@ -56,6 +75,7 @@ class ActorWorker(RoleWorker):
                 f"model.tokenizer_path at the model's own tokenizer (null: model.path)"
             )
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.stop_token_ids = stop_token_ids(config.rollout.stop_token_ids, self.model.model_path, vocab_size)
         self.hybrid = HybridEngine(
             self.model.module, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
             groups=context.groups, pp_group=self.model.pp_group, stage_ranks=self.model.stage_ranks, device=self.device,
@@ -115,7 +135,8 @@ class ActorWorker(RoleWorker):
                 params.append(
                     SamplingParams(
                         temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p,
-                        max_new_tokens=response_length, seed=sample_seed(self.config.trainer.seed, uid, sample, n),
+                        max_new_tokens=response_length, stop_token_ids=self.stop_token_ids,
+                        seed=sample_seed(self.config.trainer.seed, uid, sample, n),
                     )
                 )
         model = self.hybrid.generation_model(getattr(torch, self.config.model.dtype))
@@ -143,18 +164,19 @@ class ActorWorker(RoleWorker):
         repeated = prompts.repeat(n)
         attention_mask = torch.cat([repeated["attention_mask"], response_mask], dim=1)
         lengths = response_mask.sum(dim=1).double()
-        prompt_tokens = repeated["attention_mask"].sum().double()
-        clipped = (response_mask[:, -1] == 1).double().sum()
-        totals = self.reducer.sum(torch.stack([lengths.sum(), torch.tensor(float(rows), dtype=torch.float64), clipped, prompt_tokens]))
-        extremes = self.reducer.max(torch.stack([lengths.max(), -lengths.min()]))
+        (length_sum, row_count, clipped, prompt_tokens, preemptions), (longest, negated_shortest) = self.reducer.totals(
+            [float(lengths.sum()), float(rows), float((response_mask[:, -1] == 1).sum()),
+             float(repeated["attention_mask"].sum()), float(preemptions)],
+            [float(lengths.max()), -float(lengths.min())],
+        )
         metrics = {
-            "response_length/mean": float(totals[0] / totals[1]),
-            "response_length/max": float(extremes[0]),
-            "response_length/min": float(-extremes[1]),
-            "response_length/clip_ratio": float(totals[2] / totals[1]),
-            "rollout/generated_tokens": float(totals[0]),
-            "rollout/prompt_tokens": float(totals[3]),
-            "rollout/preemptions": float(self.reducer.sum(torch.tensor(float(preemptions)))),
+            "response_length/mean": length_sum / row_count,
+            "response_length/max": longest,
+            "response_length/min": -negated_shortest,
+            "response_length/clip_ratio": clipped / row_count,
+            "rollout/generated_tokens": length_sum,
+            "rollout/prompt_tokens": prompt_tokens,
+            "rollout/preemptions": preemptions,
         }
         return Batch(
             {

@@ -66,22 +66,21 @@ def rollout_advantages(
     mask = data["response_mask"]
     scores = data[score_key].float()
     tensors: dict[str, torch.Tensor] = {}
-    metrics: dict[str, float] = {}
+    means: dict[str, tuple[float, float]] = {}
+    """Metric -> (this shard's sum, count), averaged over DP in one collective at the end."""
     if source == "reward" and algorithm.overlong_buffer:
         penalty = overlong_penalty(
             mask.sum(dim=1), max_length=max_response_length, buffer=algorithm.overlong_buffer, factor=algorithm.overlong_penalty
         )
         scores = scores + penalty
-        totals = reducer.sum(torch.stack([penalty.double().sum(), torch.tensor(float(len(scores)), dtype=torch.float64)]))
-        metrics["reward/overlong_penalty"] = float(totals[0] / totals[1])
+        means["reward/overlong_penalty"] = (float(penalty.double().sum()), float(len(scores)))
     if estimator == "reinforce_pp_baseline":
         scores = group_advantages(scores, data.group_size, normalize_std=False)
     token_rewards = scores_to_token_rewards(scores, mask)
     if source == "reward" and "ref_log_probs" in data.tensors:
         kl = kl_estimate(old_log_probs(data), data["ref_log_probs"], algorithm.kl_estimator)
         per_sequence_kl = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        totals = reducer.sum(torch.stack([per_sequence_kl.sum().double(), torch.tensor(float(len(data)), dtype=torch.float64)]))
-        metrics["kl/mean"] = float(totals[0] / totals[1])
+        means["kl/mean"] = (float(per_sequence_kl.double().sum()), float(len(data)))
         if algorithm.kl_penalty == "reward":
             token_rewards = apply_kl_penalty(token_rewards, kl, kl_coef, mask)
     if estimator == "gae":
@@ -104,5 +103,8 @@ def rollout_advantages(
             advantages = remax_advantages(sequence_rewards, baseline_scores.float(), data.group_size)
         advantages = broadcast_to_tokens(advantages, mask)
     tensors[f"{prefix}advantages"] = advantages
-    metrics[f"{prefix}advantages/mean"] = float(reducer.masked_mean(advantages, mask))
+    mask_f = mask.double()
+    means[f"{prefix}advantages/mean"] = (float((advantages.double() * mask_f).sum()), float(mask_f.sum()))
+    totals, _ = reducer.totals([value for pair in means.values() for value in pair])
+    metrics = {name: totals[2 * index] / max(totals[2 * index + 1], 1.0) for index, name in enumerate(means)}
     return tensors, metrics

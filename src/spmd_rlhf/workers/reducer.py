@@ -1,7 +1,7 @@
 """Reductions over a role's DP group: the statistics of a whole batch from the DP shards that hold it.
 
 A ``DPReducer`` is what the parts of a role (its sharded model, its ``Trainer``, the advantage estimators) need of the
-role's data parallelism, and nothing else: sums, maxima and masked means over the DP ranks, and the check that every
+role's data parallelism, and nothing else: sums and maxima over the DP ranks, and the check that every
 DP rank got as many rows as every other.
 """
 
@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 
 from ..data.batch import Batch
+
+# torch 2.13 renames all_gather_into_tensor (kept, deprecated); 2.11 has only the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DPReducer:
@@ -36,10 +39,18 @@ class DPReducer:
     def max(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.reduce(tensor, dist.ReduceOp.MAX)
 
-    def masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        mask = mask.to(torch.float64)
-        sums = self.sum(torch.stack([(values.double() * mask).sum(), mask.sum()]))
-        return sums[0] / sums[1].clamp(min=1.0)
+    def totals(self, sums: list[float], maxima: list[float] = ()) -> tuple[list[float], list[float]]:
+        """``sums`` summed and ``maxima`` maximized over the DP ranks in one collective (every rank gives the same
+        number of each): a call's metrics cost one latency, not one per statistic. A minimum is the maximum of the
+        negated value."""
+        local = torch.tensor([*sums, *maxima], dtype=torch.float64)
+        if self.size > 1:
+            gathered = local.new_empty(self.size * len(local))
+            _all_gather_flat(gathered, local, group=self.group)
+            by_rank = gathered.view(self.size, len(local))
+            local = torch.cat([by_rank[:, : len(sums)].sum(dim=0), by_rank[:, len(sums) :].amax(dim=0)])
+        values = local.tolist()
+        return values[: len(sums)], values[len(sums) :]
 
     def gather_objects(self, value: Any) -> list[Any]:
         """Every DP rank's ``value`` (picklable), in DP-rank order."""

@@ -63,7 +63,7 @@ class ShardedModel:
         self.mesh = context.mesh
         self.device = context.device
         coordinates = context.coordinates
-        path = role_config.model_path or config.model.path
+        path = self.model_path = role_config.model_path or config.model.path
         torch.manual_seed(config.trainer.seed)
         compute_dtype = getattr(torch, config.model.dtype)
         # Trained roles keep float32 master weights and compute in model.dtype; frozen ones store model.dtype directly.

@@ -121,11 +121,13 @@ class Trainer:
         self.model.module.train()
         metrics: dict[str, list[float]] = defaultdict(list)
         skipped_before = self.skipped.total
+        minis = batch.chunk_rows(rows)
+        # Every mini-batch's response tokens and rows over all DP ranks, in one collective for the whole update.
+        counts, _ = self.reducer.totals([float(value) for mini in minis for value in (mini["response_mask"].sum(), len(mini))])
+        local_losses: list[float] = []
         for _ in range(self.role_config.ppo_epochs):
-            for mini in batch.chunk_rows(rows):
-                mask = mini["response_mask"]
-                counts = self.reducer.sum(torch.tensor([float(mask.sum()), float(len(mini))], dtype=torch.float64))
-                denominators = Denominators(float(counts[0]), float(counts[1]), float(self.max_response_length))
+            for index, mini in enumerate(minis):
+                denominators = Denominators(counts[2 * index], counts[2 * index + 1], float(self.max_response_length))
                 records: list[tuple[float, dict[str, float]]] = []
 
                 def micro_batch_loss(outputs: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
@@ -140,13 +142,15 @@ class Trainer:
                 )
                 # A pipeline schedule may call the loss function on placeholder outputs first (torch >= 2.13 infers
                 # gradient shapes that way); the real micro-batches are the last len(results) calls.
-                mini_batch_loss = torch.zeros((), dtype=torch.float64)
+                mini_batch_loss = 0.0
                 for loss, micro_metrics in records[len(records) - len(results):]:
                     mini_batch_loss += loss
                     for key, value in micro_metrics.items():
                         metrics[key].append(value)
-                metrics[f"{prefix}/loss"].append(float(self.reducer.sum(mini_batch_loss)))
+                local_losses.append(mini_batch_loss)
                 metrics[f"{prefix}/grad_norm"].append(self._step(f"{self.model.context.name}.{method}"))
+        # Each mini-batch's loss summed over DP ranks, all of them in one collective.
+        metrics[f"{prefix}/loss"] = self.reducer.totals(local_losses)[0]
         metrics[f"{prefix}/lr"].append(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         means = {key: sum(values) / len(values) for key, values in metrics.items()}
