@@ -131,8 +131,8 @@ def stop_ids(model_dir: Path, fraction: float) -> tuple[int, list[int]]:
 # ---- spmd_rlhf ---------------------------------------------------------------------------------------------------
 
 
-def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: int) -> dict:
-    """The GRPO recipe for ``spec['steps']`` steps in ``workdir``; per-step medians over the steps after ``warmup``."""
+def spmd_command(spec: dict, *, out_dir: Path, nproc: int) -> list[str]:
+    """The torchrun command line of the GRPO recipe run that ``spec`` describes, writing to ``out_dir``."""
     samples = spec["prompts"] * spec["n"]
     overrides = [
         f"trainer.total_steps={spec['steps']}", f"trainer.output_dir={out_dir}", "trainer.loggers=[jsonl]",
@@ -141,7 +141,13 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
         f"actor.micro_batch_size={spec['micro_batch_size']}", f"reference.micro_batch_size={spec['micro_batch_size']}",
         f"actor.lr={spec['lr']}", f"rollout.stop_token_ids=[{','.join(map(str, spec['stop_ids']))}]",
     ]
-    command = _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
+    return _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
+
+
+def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: int) -> dict:
+    """The GRPO recipe for ``spec['steps']`` steps in ``workdir``; per-step medians over the steps after ``warmup``."""
+    samples = spec["prompts"] * spec["n"]
+    command = spmd_command(spec, out_dir=out_dir, nproc=nproc)
     wall, peak_rss = _run_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
     with open(out_dir / "metrics.jsonl") as lines:
         steps = [json.loads(line) for line in lines][warmup:]
@@ -342,6 +348,32 @@ def summary_table(results_dir: str) -> str:
     return "\n".join(lines)
 
 
+def benchmark_spec(config: str, *, steps: int) -> dict:
+    """The named ``CONFIGS`` entry completed with everything else from ``recipes/configs/grpo.yaml``."""
+    recipe = load_config(RECIPE_CONFIG)
+    actor, algorithm = recipe.actor, recipe.algorithm
+    if (algorithm.kl_penalty, algorithm.kl_estimator, algorithm.loss_aggregation) != ("loss", "k3", "token_mean"):
+        raise ValueError(f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
+                         "update the TRL arguments in this benchmark")
+    return {
+        "lr": actor.lr, **CONFIGS[config], "steps": steps, "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
+        "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
+        "kl_coef": algorithm.kl_coef, "clip_low": algorithm.clip_ratio_low, "clip_high": algorithm.clip_ratio_high,
+        "temperature": recipe.rollout.temperature, "top_k": recipe.rollout.top_k, "top_p": recipe.rollout.top_p,
+    }
+
+
+def build_model(spec: dict, workdir: Path) -> tuple[Path, int]:
+    """The config's model (``make_tiny``, random init) in ``workdir/tiny/model``, where the recipe looks for it (it
+    builds the task beside it on first use), and ``spec``'s stop ids set; the model directory and its vocabulary."""
+    from spmd_rlhf.tiny.model import make_tiny
+
+    model_dir = workdir / "tiny" / "model"
+    make_tiny(family="qwen2", out_dir=str(model_dir), seed=0, **{key: spec[key] for key in MODEL_FIELDS if key in spec})
+    spec["eos_token_id"], spec["stop_ids"] = stop_ids(model_dir, spec.get("stop_fraction", 0.0))
+    return model_dir, json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
@@ -364,19 +396,7 @@ def main() -> None:
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} leaves nothing after --warmup={args.warmup}; use more steps")
 
-    from spmd_rlhf.tiny.model import make_tiny
-
-    recipe = load_config(RECIPE_CONFIG)
-    actor, algorithm = recipe.actor, recipe.algorithm
-    if (algorithm.kl_penalty, algorithm.kl_estimator, algorithm.loss_aggregation) != ("loss", "k3", "token_mean"):
-        raise ValueError(f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
-                         "update the TRL arguments in this benchmark")
-    spec = {
-        "lr": actor.lr, **CONFIGS[args.config], "steps": args.steps, "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
-        "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
-        "kl_coef": algorithm.kl_coef, "clip_low": algorithm.clip_ratio_low, "clip_high": algorithm.clip_ratio_high,
-        "temperature": recipe.rollout.temperature, "top_k": recipe.rollout.top_k, "top_p": recipe.rollout.top_p,
-    }
+    spec = benchmark_spec(args.config, steps=args.steps)
     try:
         trl_version = version("trl")
     except PackageNotFoundError:
@@ -397,10 +417,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"spmd_rlhf": [], **{name: [] for name in trl_launches}}
     with tempfile.TemporaryDirectory(prefix="e2e_cpu_") as directory:
         workdir = Path(directory)
-        model_dir = workdir / "tiny" / "model"
-        make_tiny(family="qwen2", out_dir=str(model_dir), seed=0, **{key: spec[key] for key in MODEL_FIELDS if key in spec})
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        spec["eos_token_id"], spec["stop_ids"] = stop_ids(model_dir, spec.get("stop_fraction", 0.0))
+        model_dir, vocab = build_model(spec, workdir)
         for round_index in range(args.rounds):
             print(f"round {round_index + 1}/{args.rounds}: spmd_rlhf, {args.steps} steps on {args.nproc} ranks", flush=True)
             runs["spmd_rlhf"].append(run_spmd(spec, workdir=workdir, out_dir=workdir / f"spmd_{round_index}",

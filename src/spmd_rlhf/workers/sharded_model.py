@@ -81,6 +81,10 @@ class ShardedModel:
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )
         load_weights(model, path, device=self.device)
+        self.one_fsdp_unit = dims.dp > 1 and dims.pp == 1 and not any(
+            isinstance(module, FSDPModule) for module in model.modules() if module is not model
+        )
+        """FSDP shards the whole model as one unit (a model smaller than the role's fsdp_unit_mb, not pipelined)."""
         if not trainable:
             model.requires_grad_(False)
         self.module: DecoderLM = model
@@ -146,7 +150,15 @@ class ShardedModel:
             results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
             return [result.detach() for result in results], order
         results = []
-        for micro in micros:
+        accumulate = train and self.one_fsdp_unit and len(micros) > 1
+        for index, micro in enumerate(micros):
+            if accumulate:
+                # The whole model is one FSDP unit (smaller than fsdp_unit_mb): keep it gathered and its gradient
+                # unsharded across the micro-batches, and reduce-scatter once after the last, so a mini-batch costs
+                # one all-gather and one reduce-scatter whatever its micro-batch count. Bounded by fsdp_unit_mb.
+                last = index == len(micros) - 1
+                self.module.set_requires_gradient_sync(last)
+                self.module.set_reshard_after_backward(last)
             result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
             if train:
                 result.backward()

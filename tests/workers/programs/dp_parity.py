@@ -55,7 +55,10 @@ def main(coordinator):
             "dp1_micro8": (1, dataclasses.replace(config, actor=dataclasses.replace(config.actor, micro_batch_size=8))),
             # Rows of 4 to 11 tokens under budgets of 11 (the longest row) and 30 tokens per micro-batch.
             "dp2_tokens11": (2, dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=11))),
-            "dp1_tokens30": (1, dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=30)))}
+            "dp1_tokens30": (1, dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=30))),
+            # The tiny model is one FSDP unit by default (gradients reduce-scattered once per mini-batch); here one
+            # unit per layer (reduce-scattered after every micro-batch).
+            "dp2_unit_per_layer": (2, dataclasses.replace(config, actor=dataclasses.replace(config.actor, fsdp_unit_mb=0)))}
     for name, (dp, run_config) in runs.items():
         actor = coordinator.spawn(ActorWorker, run_config, name=f"actor_{name}", pool=ResourcePool(range(dp)), dims=ParallelDims(dp=dp))
         # Forward rows come back in the batch's row order however the micro-batches grouped them.
