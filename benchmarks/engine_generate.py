@@ -56,14 +56,14 @@ def mixed_prompts(
 
 
 class StepClock:
-    """Wall time of the engine's prefill and decode steps and of the model forward inside them, by wrapping the
-    runner's ``run`` and the model's ``hidden_states`` (CPU: synchronous, so host time is compute time; CUDA: each
-    timed call synchronizes)."""
+    """Wall time of the engine's prefill and decode steps and of the model inside them (the decoder's
+    ``hidden_states`` and the LM head), by wrapping the runner's ``run`` and those two calls (CPU: synchronous, so
+    host time is compute time; CUDA: each timed call synchronizes)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         runner, model = engine.runner, engine.runner.model
-        run, hidden_states = runner.run, model.hidden_states
+        run, hidden_states, lm_head = runner.run, model.hidden_states, model.lm_head.forward
         cuda = runner.device.type == "cuda"
 
         def timed(key: str, function, *args, **kwargs):
@@ -82,6 +82,7 @@ class StepClock:
 
         runner.run = run_step
         model.hidden_states = lambda *args, **kwargs: timed(f"{self._kind}_model", hidden_states, *args, **kwargs)
+        model.lm_head.forward = lambda *args, **kwargs: timed(f"{self._kind}_model", lm_head, *args, **kwargs)
 
     def reset(self) -> None:
         self.seconds.clear()

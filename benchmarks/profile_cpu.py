@@ -4,7 +4,8 @@
     python benchmarks/profile_cpu.py [--config tiny|tiny_gen32|small_gen32|small_gen64|qwen05b] [--steps 40]
 
 Runs the GRPO recipe of ``e2e_cpu.py``'s named config (same model, task and sizes) on ``--nproc`` ranks under
-``py-spy record --subprocesses`` (``--rate`` samples per second per thread, idle threads left out), then attributes
+``py-spy record --subprocesses --nonblocking`` (``--rate`` samples per second per thread, idle threads left out; the
+processes are never paused, so the ranks' collectives are not held up by the sampling), then attributes
 each sample of each rank's executor thread (where every role method runs) to the worker method it is in (the stage)
 and to what the innermost frames are doing:
 
@@ -114,7 +115,9 @@ def main() -> None:
         workdir = Path(directory)
         build_model(spec, workdir)
         out_dir, raw_path = workdir / "run", workdir / "py-spy.txt"
-        command = [py_spy, "record", "--subprocesses", "--threads", "--rate", str(args.rate), "--format", "raw",
+        # --nonblocking: py-spy reads the stacks without pausing the processes, which would otherwise hold up
+        # their peers inside every collective.
+        command = [py_spy, "record", "--subprocesses", "--threads", "--nonblocking", "--rate", str(args.rate), "--format", "raw",
                    "--output", str(raw_path), "--", *spmd_command(spec, out_dir=out_dir, nproc=args.nproc)]
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(workdir / "run.log", "w") as log:
