@@ -136,7 +136,7 @@ def spmd_command(spec: dict, *, out_dir: Path, nproc: int) -> list[str]:
     samples = spec["prompts"] * spec["n"]
     overrides = [
         f"trainer.total_steps={spec['steps']}", f"trainer.output_dir={out_dir}", "trainer.loggers=[jsonl]",
-        "trainer.save_every=0", f"data.batch_size={spec['prompts']}", f"rollout.n={spec['n']}",
+        "trainer.save_every=0", "trainer.val_every=0", f"data.batch_size={spec['prompts']}", f"rollout.n={spec['n']}",
         f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.mini_batch_size={samples}",
         f"actor.micro_batch_size={spec['micro_batch_size']}", f"reference.micro_batch_size={spec['micro_batch_size']}",
         f"actor.lr={spec['lr']}", f"rollout.stop_token_ids=[{','.join(map(str, spec['stop_ids']))}]",
