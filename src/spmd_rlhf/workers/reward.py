@@ -54,21 +54,27 @@ class RewardWorker(RoleWorker):
             scores = torch.tensor(scored.scores, dtype=torch.float32)
         extras = scored.extras if scored else {}
         failures = scored.failures if scored else {}
-        keys = self.keys_over_dp(sorted(extras))
-        sums = [float(scores.double().sum()), float(len(scores))]
-        for key in keys:
-            sums += [sum(extras.get(key, ())), float(len(extras.get(key, ())))]
-        sums += [float(count) for count in failures.values()]
-        totals = self.reducer.sum(torch.tensor(sums, dtype=torch.float64)).tolist()
+        # One object all-gather for every statistic: rules may return different extra numbers on different ranks.
+        partial = {
+            "scores": (float(scores.double().sum()), float(len(scores))),
+            **{f"extra/{key}": (float(sum(values)), float(len(values))) for key, values in extras.items()},
+            **{f"failed/{metric}": (float(count), 0.0) for metric, count in failures.items()},
+        }
+        totals: dict[str, list[float]] = {}
+        for rank_partial in self.reducer.gather_objects(partial):
+            for key, (total, count) in rank_partial.items():
+                sums = totals.setdefault(key, [0.0, 0.0])
+                sums[0] += total
+                sums[1] += count
         name = self.context.name
-        metrics = {f"{name}/mean": totals[0] / totals[1]}
-        for index, key in enumerate(keys):
-            metrics[f"{name}/{key}/mean"] = totals[2 + 2 * index] / max(totals[3 + 2 * index], 1.0)
-        failed = {metric: int(total) for metric, total in zip(failures, totals[2 + 2 * len(keys) :])}
+        metrics = {f"{name}/mean": totals["scores"][0] / totals["scores"][1]}
+        for key in sorted(key for key in totals if key.startswith("extra/")):
+            metrics[f"{name}/{key[len('extra/'):]}/mean"] = totals[key][0] / max(totals[key][1], 1.0)
+        failed = {key[len("failed/"):]: int(total) for key, (total, _) in totals.items() if key.startswith("failed/")}
         metrics.update({f"{name}/{metric}": float(count) for metric, count in failed.items()})
         if self.runner is not None:  # every DP rank holds the same totals, so every rank raises or none does
             check_failure_fraction(
-                failed, int(totals[1]), max_failure_fraction=self.role_config.max_failure_fraction, name=name
+                failed, int(totals["scores"][1]), max_failure_fraction=self.role_config.max_failure_fraction, name=name
             )
         return Batch({self.output_key: scores}, meta={"metrics": metrics}, group_size=batch.group_size)
 
@@ -98,7 +104,3 @@ class RewardWorker(RoleWorker):
                 dist.all_gather_object(gathered, parts, group=self.mesh[dim].get_group())
                 parts = [part for rank_parts in gathered for part in rank_parts]
         return [outcome for _, part in sorted(parts, key=lambda part: part[0]) for outcome in part]
-
-    def keys_over_dp(self, keys: list[str]) -> list[str]:
-        """The extra metric names returned on any DP rank (rules may return different ones for different rows)."""
-        return sorted({key for rank_keys in self.reducer.gather_objects(keys) for key in rank_keys})
