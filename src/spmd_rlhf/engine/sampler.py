@@ -1,11 +1,14 @@
 """Next-token choice from last-position logits, for every row at once on the logits' device: greedy, temperature,
 top-k, top-p, per-request seeds.
 
-Sampling is Gumbel-max: the token is argmax(logits / T + G) over the top-k / top-p support, with G = -log(-log U) and
-U a counter-based uniform, a hash of (request seed, response position, vocabulary index). The noise is a function of
-its key, not a generator's stream, so a request's tokens depend only on its seed, its positions and its own logits:
-never on the other rows of the batch, their order, preemption, or how many steps ran before. Only the chosen ids and
-their log-probs (two [rows] vectors) reach the host, in one copy per step.
+Sampling is by inverse CDF: the token is the first whose cumulative probability (softmax(logits / T) over the top-k /
+top-p support, summed in float64) exceeds u times the support's mass, with u a counter-based uniform: a hash of
+(request seed, response position), one per row. The draw is a function of its key, not a generator's stream, so a
+request's tokens depend only on its seed, its positions and its own logits: never on the other rows of the batch,
+their order, preemption, or how many steps ran before. One uniform per row (where Gumbel-max needs one per
+vocabulary entry) keeps the step to a softmax, a cumulative sum and a search, which at a 151,936-token vocabulary
+is what decides the sampler's time. Only the chosen ids and their log-probs (two [rows] vectors) reach the host, in
+one copy per step.
 
 The returned log-prob of a token is log softmax(logits / T) at that token (T = 1 for greedy), before top-k / top-p
 filtering: the same quantity the trainer's ``compute_log_probs`` computes at that temperature, so rollout and
@@ -21,10 +24,8 @@ import torch
 from .sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-_MASK31 = (1 << 31) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
-_LARGEST_BELOW_ONE = 1.0 - 2.0**-24
-"""The largest float32 below 1."""
+_LARGEST_UNIFORM = 1.0 - 2.0**-30
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -48,36 +49,14 @@ def derive_seed(seed: int, counter: int) -> int:
     return _mix64((_mix64(seed & _MASK64) + counter * _GOLDEN_GAMMA) & _MASK64)
 
 
-def _mix31_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer carried out modulo 2^31, in place on an int64 tensor of values in [0, 2^31): a
-    bijection of [0, 2^31). Every product is below 2^31 * 2^32 = 2^63 and every shifted value is non-negative, so no
-    int64 operation overflows and arithmetic and logical shifts agree: the result is exact, the same bits on every
-    device, with no reliance on how a backend wraps signed overflow. ``scratch`` (same shape) takes the shifted copies:
-    in-place updates keep the allocator out of the loop, which on the host costs more than the arithmetic."""
-    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
-        x.mul_(multiplier).bitwise_and_(_MASK31)
-    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
-
-
-def hash_uniforms(
-    seeds: Sequence[int], positions: Sequence[int], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
-    """[rows, vocab_size] float32 uniforms strictly inside (0, 1): entry (r, i) is a hash of (``seeds[r]``,
-    ``positions[r]``, i), the same whatever the other rows are.
-
-    The row key ``derive_seed(seed, position)`` (62 of its bits) enters as two 31-bit lanes, each followed by a
-    ``_mix31_`` round over the vocabulary index, giving 31 random bits v per entry; the uniform is (v + 1/2) / 2^31 in
-    float32, clamped below 1 where rounding would reach it. Holds two int64 [rows, vocab_size] tensors at peak."""
-    keys = [derive_seed(seed, position) for seed, position in zip(seeds, positions, strict=True)]
-    lanes = _to_device([[key & _MASK31, (key >> 31) & _MASK31] for key in keys], torch.int64, device)
-    x = torch.arange(vocab_size, dtype=torch.int64, device=device).bitwise_xor(lanes[:, :1])
-    scratch = torch.empty_like(x)
-    _mix31_(x, scratch).bitwise_xor_(lanes[:, 1:])
-    _mix31_(x, scratch)
-    del scratch
-    # (2v + 1) / 2^32 rounds once, in the int-to-float conversion, the same way on every device.
-    return x.mul_(2).add_(1).to(torch.float32).mul_(2.0**-32).clamp_(max=_LARGEST_BELOW_ONE)
+def row_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> list[float]:
+    """One float64 uniform per row in (0, 1 - 2^-30]: the top 53 bits v of ``derive_seed(seeds[r], positions[r])`` as
+    (v + 1/2) / 2^53, computed on the host from Python integers (the same on every device). The cap keeps u times a
+    row's mass below that mass after rounding, so the search in ``sample`` always lands inside the support."""
+    return [
+        min(((derive_seed(seed, position) >> 11) + 0.5) * 2.0**-53, _LARGEST_UNIFORM)
+        for seed, position in zip(seeds, positions, strict=True)
+    ]
 
 
 def _support_floor(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor | None:
@@ -123,12 +102,12 @@ def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], *, seeds: Sequence[int], positions: Sequence[int]
 ) -> tuple[list[int], list[float]]:
     """One token and its log-prob per row of ``logits`` [rows, vocab] (any float dtype, any device), row r under
-    ``params[r]``, its noise keyed by ``seeds[r]`` and ``positions[r]`` (the index of the token in its response).
+    ``params[r]``, its draw keyed by ``seeds[r]`` and ``positions[r]`` (the index of the token in its response).
     Greedy and sampled rows, and rows with different temperatures, top-k and top-p, mix freely in one batch.
 
-    Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T and, while the
-    noise is hashed, two int64 tensors of the same shape (20 bytes per [rows, vocab] element); greedy-only batches
-    hold the float32 copy alone."""
+    Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T, the float32
+    probabilities over the support and their float64 cumulative sum (16 bytes per [rows, vocab] element); greedy-only
+    batches hold the float32 copy alone."""
     vocab_size = logits.shape[-1]
     assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
     device = logits.device
@@ -144,13 +123,15 @@ def sample(
             [0 if row_params.greedy else row_params.top_k for row_params in params],
             [1.0 if row_params.greedy else row_params.top_p for row_params in params],
         )
-        scores = hash_uniforms(seeds, positions, vocab_size, device)
-        # Gumbel noise -log(-log U) with U = 1 - u: log1p keeps u's precision near 0, where the noise's upper tail is.
-        scores.neg_().log1p_().neg_().log_().neg_().add_(scaled)
+        probs = (scaled - log_normaliser[:, None]).exp_()
         if floor is not None:
-            scores.masked_fill_(scaled < floor[:, None], float("-inf"))
-        tokens = scores.argmax(dim=-1)
-        del scores
+            probs.masked_fill_(scaled < floor[:, None], 0.0)
+        cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
+        del probs
+        targets = _to_device(row_uniforms(seeds, positions), torch.float64, device) * cumulative[:, -1]
+        # The first token whose cumulative mass passes the target: its own mass is positive, so it is in the support.
+        tokens = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1).clamp_(max=vocab_size - 1)
+        del cumulative
         if any(greedy):
             tokens = torch.where(_to_device(greedy, torch.bool, device), scaled.argmax(dim=-1), tokens)
     # The chosen token is always in the support, so its unfiltered log-prob is finite.

@@ -71,6 +71,8 @@ def main() -> None:
         }
         with open(sys.argv[1], "w") as out:
             json.dump(results, out)
+    # Both ranks leave together: a gloo group torn down on one rank while the other is still busy can abort it.
+    dist.barrier()
     dist.destroy_process_group()
 
 
