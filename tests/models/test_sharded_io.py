@@ -21,6 +21,9 @@ from spmd_rlhf.tiny.model import make_tiny
 
 LAYOUTS = ["dp2tp2pp1", "dp4tp1pp1", "dp1tp2pp2"]
 WORLD = 4
+TENSOR_SLACK = 64 * 2**10
+"""Small tensors besides the bands: 0-d bookkeeping and the pieces' JSON metadata exchanged as uint8 tensors before
+the bands (a few KB; CI once saw 6.7 KB above the bands). A band is 256 KiB, a model copy ~40 MB."""
 RESIDENT_SLACK = 12 * 2**20
 """Growth of the resident set allowed besides the bands: pickled metadata, the file's write buffer, allocator
 arenas. A copy of the model in bfloat16 (~40 MB) or of one rank's float32 shard (~20 MB) would not fit."""
@@ -74,8 +77,8 @@ def test_save_holds_shard_plus_bands(run, layout):
     writers = {0, 2} if layout.endswith("pp2") else {0}
     for figures in result["ranks"]:
         bands = 3 if figures["rank"] in writers else 1
-        # Tensor storages touched: the shard itself, plus the bands in flight (+ a few bytes of 0-d bookkeeping).
-        assert figures["save_tensor_peak"] <= figures["shard_bytes"] + bands * band + 1024, figures
+        # Tensor storages touched: the shard itself, plus the bands in flight, plus TENSOR_SLACK of small tensors.
+        assert figures["save_tensor_peak"] <= figures["shard_bytes"] + bands * band + TENSOR_SLACK, figures
         assert figures["save_resident_peak"] < 3 * band + RESIDENT_SLACK, figures
 
 
