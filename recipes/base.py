@@ -37,8 +37,9 @@ from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.models.vocabulary import check_role_vocabularies
 from spmd_rlhf.recipes.dry_run import describe
+from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
 from spmd_rlhf.recipes.dynamic_sampling import sample_with_signal
-from spmd_rlhf.recipes.roles import WORKERS, ActorHandle, CriticHandle, ReferenceHandle, RewardHandle
+from spmd_rlhf.recipes.roles import WORKERS, ActorHandle, CriticHandle, ReferenceHandle, RewardHandle, RolloutHandle
 from spmd_rlhf.runtime import (
     REQUEUE_EXIT_CODE, BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, stop_requested,
     wait_together,
@@ -112,6 +113,8 @@ class RLRecipe:
         self.config_yaml = to_yaml(config)
         """The resolved config as given (before placement fills in layouts): saved at the run's start and in every
         checkpoint, and compared with a checkpoint's on resume."""
+        self.pipeline: RolloutPipeline | None = None
+        """With a rollout role: the batches generated ahead (``recipes.async_rollouts``), made at the first step."""
         self.stopped_by: str | None = None
         """Why ``fit`` ended before ``trainer.total_steps`` (``"SIGTERM on rank 1"``); None when it ran them all."""
 
@@ -180,6 +183,10 @@ class RLRecipe:
         return self._role("reward")
 
     @property
+    def rollout(self) -> RolloutHandle:
+        return self._role("rollout")
+
+    @property
     def cost(self) -> RewardHandle:
         return self._role("cost")
 
@@ -211,7 +218,16 @@ class RLRecipe:
         Every call after generation is issued at once (``run_together``): roles placed on different devices run
         at the same time, colocated ones one after another."""
         sampling_metrics: dict[str, float] = {}
-        if self.config.algorithm.dynamic_sampling:
+        if "rollout" in self.roles:
+            if self.pipeline is None:
+                self.pipeline = RolloutPipeline(
+                    actor=self.actor, rollout=self.rollout, reward=self.reward, loader=self.loader,
+                    max_staleness=self.config.algorithm.max_staleness, total_steps=self.config.trainer.total_steps,
+                    start=step, timeout_s=self.config.trainer.timeout_s,
+                )
+            rollout, scores, sampling_metrics = self.pipeline.take(step, timer)
+            calls = {"reward": scores}
+        elif self.config.algorithm.dynamic_sampling:
             rollout, sampling_metrics = sample_with_signal(
                 self.config, actor=self.actor, reward=self.reward, loader=self.loader, step=step, timer=timer
             )
@@ -230,6 +246,11 @@ class RLRecipe:
             rollout, scores=results.pop("reward", rollout), old_log_probs=results.pop("old_log_probs", None),
             ref_log_probs=results.pop("ref_log_probs", None), extras=results, metrics=sampling_metrics,
         )
+
+    def policy_version(self, step: int) -> int | None:
+        """The updates the actor has taken before step ``step``, which its update compares with the samples' token
+        versions; None without a rollout role (the actor's own samples are always current)."""
+        return step if "rollout" in self.roles else None
 
     def run_together(self, timer: StageTimer, **calls: CallFuture) -> list[Any]:
         """The results of calls already issued, in keyword order, each timed as ``time/<keyword>`` from now until
