@@ -6,12 +6,20 @@ generates each batch in its own step (synchronous, on the rollout's devices); k 
 trains (one-step-off); larger k keeps k batches in flight. Each batch's reward call is issued right behind its
 generation, so scoring never waits behind the next batch's generation on the rollout's ranks.
 
+A checkpoint keeps the batches in flight (``save``: each replica writes the rows it generated, and the trainer state
+their versions), so a resumed run trains on exactly the samples the uninterrupted run would have (``restore``): no
+batch is dropped or replayed, and none is regenerated under other weights. (A run resumed with a larger
+``trainer.total_steps`` than the one that saved it has no batches in flight beyond the old end, and generates them at
+the resumed version: exact up to the old end only.)
+
 The weights reach the rollout by ``actor.send_weights`` and ``rollout.receive_weights`` issued together
 (``hybrid.weight_sync``); the rollout's executor runs commands in issue order, so a sync lands after the generations
 issued before it and before those issued after it: a batch's version is exactly the one it was issued with.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from spmd_rlhf.data.dataset import PromptLoader
 from spmd_rlhf.metrics import StageTimer
@@ -76,3 +84,28 @@ class RolloutPipeline:
             )
         metrics["off_policy/batch_staleness"] = float(staleness)
         return rollout, scores, metrics
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+
+    def save(self, checkpoint_dir: str) -> dict:
+        """Write the batches in flight under ``<checkpoint_dir>/rollouts`` (each replica its rows); returns the
+        state for ``trainer_state.json``: each batch's policy version, and the staleness bound they were made for."""
+        for batch, (_, generated, _) in sorted(self.pending.items()):
+            self.rollout.save_rows(generated, _batch_dir(checkpoint_dir, batch)).result(timeout=self.timeout_s)
+        return {"max_staleness": self.max_staleness, "pending": {str(batch): version for batch, (version, _, _) in self.pending.items()}}
+
+    def restore(self, checkpoint_dir: str, state: dict) -> None:
+        """Take back the batches ``save`` wrote (and issue their scoring), as batches issued by this pipeline."""
+        if state["max_staleness"] != self.max_staleness:
+            raise ValueError(
+                f"the checkpoint {checkpoint_dir} holds rollouts in flight for algorithm.max_staleness="
+                f"{state['max_staleness']}; resume it with that value (this run has {self.max_staleness})"
+            )
+        for batch, version in sorted((int(batch), version) for batch, version in state["pending"].items()):
+            restored = self.rollout.restore_rows(self.loader.batch(batch), _batch_dir(checkpoint_dir, batch))
+            self.pending[batch] = (version, restored, self.reward.compute_rewards(restored))
+            self.issued = batch + 1
+
+
+def _batch_dir(checkpoint_dir: str, batch: int) -> str:
+    return str(Path(checkpoint_dir) / "rollouts" / f"batch_{batch}")

@@ -220,11 +220,7 @@ class RLRecipe:
         sampling_metrics: dict[str, float] = {}
         if "rollout" in self.roles:
             if self.pipeline is None:
-                self.pipeline = RolloutPipeline(
-                    actor=self.actor, rollout=self.rollout, reward=self.reward, loader=self.loader,
-                    max_staleness=self.config.algorithm.max_staleness, total_steps=self.config.trainer.total_steps,
-                    start=step, timeout_s=self.config.trainer.timeout_s,
-                )
+                self.pipeline = self.rollout_pipeline(start=step)
             rollout, scores, sampling_metrics = self.pipeline.take(step, timer)
             calls = {"reward": scores}
         elif self.config.algorithm.dynamic_sampling:
@@ -245,6 +241,14 @@ class RLRecipe:
         return Experience(
             rollout, scores=results.pop("reward", rollout), old_log_probs=results.pop("old_log_probs", None),
             ref_log_probs=results.pop("ref_log_probs", None), extras=results, metrics=sampling_metrics,
+        )
+
+    def rollout_pipeline(self, *, start: int) -> RolloutPipeline:
+        """The rollout role's batches generated ahead, for a run starting (or resuming) at step ``start``."""
+        return RolloutPipeline(
+            actor=self.actor, rollout=self.rollout, reward=self.reward, loader=self.loader,
+            max_staleness=self.config.algorithm.max_staleness, total_steps=self.config.trainer.total_steps,
+            start=start, timeout_s=self.config.trainer.timeout_s,
         )
 
     def policy_version(self, step: int) -> int | None:
@@ -379,13 +383,16 @@ class RLRecipe:
         previous checkpoint and ``latest`` as they were."""
         with_hf = checkpoint.hf_copy_due(self.config.trainer.save_hf, last=final)
 
+        trainer_state = {"step": step, "recipe": self.name, "algorithm": self.algorithm_state()}
+
         def write_roles(staging: Path) -> None:
             for name in self.trained_roles():
                 self.roles[name].save_checkpoint(str(checkpoint.role_state_dir(staging, name))).result()
                 if with_hf:
                     self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
+            if self.pipeline is not None:  # before trainer_state.json, which write_checkpoint writes after this
+                trainer_state["rollouts"] = self.pipeline.save(str(staging))
 
-        trainer_state = {"step": step, "recipe": self.name, "algorithm": self.algorithm_state()}
         return str(checkpoint.write_checkpoint(
             out_dir, write_roles, trainer_state=trainer_state, config_yaml=self.config_yaml,
             keep_last=self.config.trainer.keep_last,
@@ -408,6 +415,9 @@ class RLRecipe:
         for name, state_dir in state_dirs.items():
             self.roles[name].load_checkpoint(str(state_dir)).result()
         self.load_algorithm_state(state.get("algorithm", self.algorithm_state()))
+        if "rollouts" in state:
+            self.pipeline = self.rollout_pipeline(start=int(state["step"]))
+            self.pipeline.restore(checkpoint_dir, state["rollouts"])
         return int(state["step"])
 
     def check_recipe(self, checkpoint_dir: str | os.PathLike, state: dict[str, Any]) -> None:

@@ -97,6 +97,12 @@ class RolloutHandle(RoleHandle):
     def receive_weights(self, version: int) -> CallFuture:
         return self.call("receive_weights", version)
 
+    def save_rows(self, batch: Rows, directory: str) -> CallFuture:
+        return self.call("save_rows", batch, directory)
+
+    def restore_rows(self, prompts: Rows, directory: str) -> CallFuture:
+        return self.call("restore_rows", prompts, directory)
+
 
 WORKERS: dict[str, tuple[type, type[RoleHandle]]] = {
     "actor": (ActorWorker, ActorHandle),

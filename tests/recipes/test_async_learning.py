@@ -5,6 +5,7 @@ every token, and the importance weights are reported."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from torchrun_helpers import run_recipe
@@ -44,3 +45,19 @@ def test_one_step_off_learns_within_the_staleness_bound(tmp_path: Path):
     assert abs(records[0]["off_policy/importance_weight_min"] - 1) < 1e-5
     assert any(record["off_policy/importance_weight_max"] > 1.0 for record in records[1:])
     assert [record["rollout/policy_version"] for record in records] == [0.0] + list(map(float, range(39)))
+
+
+def test_resume_takes_back_the_batches_in_flight(tmp_path: Path):
+    """k = 2, 4 steps saving every 2: at step 2's checkpoint, batches 2 and 3 are in flight (versions 0 and 1).
+    Resumed from it, the run's steps 2 and 3 equal the uninterrupted run's, bit for bit."""
+    overrides = ("trainer.total_steps=4", "trainer.save_every=2", "trainer.val_every=0", *SPLIT,
+                 "algorithm.max_staleness=2", "rollout.recompute_log_probs=true")
+    whole = run_recipe("grpo", tmp_path / "whole", *overrides, nproc=4)
+    checkpoint = tmp_path / "whole" / "out" / "step_2"
+    assert sorted(path.name for path in (checkpoint / "rollouts").iterdir()) == ["batch_2", "batch_3"]
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "out" / "step_4")
+    (tmp_path / "resumed" / "out" / "latest").write_text("step_2")
+    resumed = run_recipe("grpo", tmp_path / "resumed", *overrides, nproc=4)
+    assert [without_timings(record) for record in resumed] == [without_timings(record) for record in whole]
+    assert [record["rollout/policy_version"] for record in whole] == [0.0, 0.0, 0.0, 1.0]

@@ -153,19 +153,21 @@ class Generator:
         gathered = replicas.gather_rows(
             {"responses": responses, "response_mask": response_mask, "rollout_log_probs": rollout_log_probs}
         )
-        responses, response_mask, rollout_log_probs = gathered["responses"], gathered["response_mask"], gathered["rollout_log_probs"]
         # Each replica counted its own preemptions; the other DP groups' replicas add theirs below.
         preemptions = replicas.sum_over_replicas(preemptions)
-        rows = len(responses)
         repeated = prompts.repeat(n)
-        attention_mask = torch.cat([repeated["attention_mask"], response_mask], dim=1)
+        metrics = self._metrics(repeated, gathered["response_mask"], preemptions)
+        return self.rollout_batch(repeated, gathered, metrics, group_size=n)
+
+    def _metrics(self, repeated: Batch, response_mask: torch.Tensor, preemptions: float) -> dict[str, float]:
+        rows = len(response_mask)
         lengths = response_mask.sum(dim=1).double()
         (length_sum, row_count, clipped, prompt_tokens, preemptions), (longest, negated_shortest) = self.reducer.totals(
             [float(lengths.sum()), float(rows), float((response_mask[:, -1] == 1).sum()),
              float(repeated["attention_mask"].sum()), float(preemptions)],
             [float(lengths.max()), -float(lengths.min())],
         )
-        metrics = {
+        return {
             "response_length/mean": length_sum / row_count,
             "response_length/max": longest,
             "response_length/min": -negated_shortest,
@@ -174,17 +176,26 @@ class Generator:
             "rollout/prompt_tokens": prompt_tokens,
             "rollout/preemptions": preemptions,
         }
+
+    @staticmethod
+    def rollout_batch(
+        repeated: Batch, generated: dict[str, torch.Tensor], metrics: dict[str, float], *, group_size: int
+    ) -> Batch:
+        """The rollout layout from the prompts (each repeated once per sample) and the generated tensors
+        (``responses``, ``response_mask``, ``rollout_log_probs``, and any more, such as ``token_versions``)."""
+        responses, response_mask = generated["responses"], generated["response_mask"]
         return Batch(
             {
                 "prompts": repeated["input_ids"],
                 "responses": responses,
                 "response_mask": response_mask,
                 "input_ids": torch.cat([repeated["input_ids"], responses], dim=1),
-                "attention_mask": attention_mask,
-                "rollout_log_probs": rollout_log_probs,
+                "attention_mask": torch.cat([repeated["attention_mask"], response_mask], dim=1),
+                "rollout_log_probs": generated["rollout_log_probs"],
                 "uid": repeated["uid"],
+                **{key: value for key, value in generated.items() if key not in ("responses", "response_mask")},
             },
             dict(repeated.non_tensors),
             {"metrics": metrics},
-            group_size=n,
+            group_size=group_size,
         )

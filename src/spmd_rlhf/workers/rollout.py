@@ -10,8 +10,13 @@ version that produced it (``token_versions``), which is how the trainer measures
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config_schema import FrameworkConfig
@@ -24,6 +29,10 @@ from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from ..runtime.placement import role_pools
 from .base import RoleWorker
 from .generation import Generator, OneReplica
+
+
+GENERATED = ("responses", "response_mask", "rollout_log_probs", "token_versions")
+"""What generation adds to the prompts of a batch: what a checkpoint keeps of a batch in flight."""
 
 
 def weight_sync_groups(config: FrameworkConfig) -> dict[str, list[list[int]]]:
@@ -94,3 +103,40 @@ class RolloutWorker(RoleWorker):
         batch.meta["metrics"]["rollout/policy_version"] = float(self.version)
         tensors = {**batch.tensors, "token_versions": batch["response_mask"] * self.version}
         return Batch(tensors, batch.non_tensors, batch.meta, group_size=batch.group_size)
+
+    # ---- in-flight batches in a checkpoint (an exact resume) --------------------------------------------------
+
+    def _rows_file(self, directory: str) -> Path:
+        return Path(directory) / f"dp{self.dp_rank}_of_{self.reducer.size}.safetensors"
+
+    @data_parallel
+    def save_rows(self, batch: Batch, directory: str) -> None:
+        """Write this replica's rows of a generated batch still in flight (what generation made: responses, masks,
+        engine log-probs, token versions; and its metrics) into ``directory``, one file per replica."""
+        if self.tp_rank != 0:
+            return  # the replica's TP ranks hold the same rows
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tensors = {key: batch[key].contiguous() for key in GENERATED}
+        metadata = {"metrics": json.dumps(batch.meta["metrics"]), "group_size": str(batch.group_size)}
+        save_file(tensors, str(self._rows_file(directory)), metadata=metadata)
+
+    @data_parallel
+    def restore_rows(self, prompts: Batch, directory: str) -> Batch:
+        """The batch ``save_rows`` wrote for ``prompts`` (the same prompts, split the same way), as generation
+        returned it."""
+        path = self._rows_file(directory)
+        if not path.is_file():
+            saved = sorted(file.name for file in Path(directory).glob("dp*_of_*.safetensors"))
+            raise FileNotFoundError(
+                f"{path} is missing: the in-flight rollouts in {directory} were saved by {saved} (replicas of that "
+                f"run); resume with the rollout layout that saved them (rollout.n_ranks and rollout.tp)"
+            )
+        with safe_open(str(path), framework="pt") as file:
+            metadata = file.metadata()
+            generated = {key: file.get_tensor(key) for key in GENERATED}
+        group_size = int(metadata["group_size"])
+        repeated = prompts.repeat(group_size)
+        if len(repeated) != len(generated["responses"]):
+            raise ValueError(f"{path} holds {len(generated['responses'])} rows, not the {len(repeated)} of its prompts")
+        metrics = json.loads(metadata["metrics"])
+        return self.generator.rollout_batch(repeated, generated, metrics, group_size=group_size)
