@@ -466,10 +466,11 @@ class FrameworkConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm and its loss and advantage settings."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Response generation by the actor."""
+    """Response generation: sampling and the engine; with rollout.enabled, the rollout role that generates on ranks
+    of its own (asynchronous RL)."""
     placement: str = "colocate"
-    """Roles on devices: colocate (one pool), split (actor+reference | rest), standalone, manual (by pool), or auto
-    (the device mapper picks the pools and every role's pp/tp and rollout.tp; see mapping)."""
+    """Roles on devices: colocate (one pool), split (actor+reference | rest, a rollout role included), standalone,
+    manual (by pool), or auto (the device mapper picks the pools and every role's pp/tp and rollout.tp; see mapping)."""
     mapping: MappingConfig = field(default_factory=MappingConfig)
     """How placement=auto models the devices."""
     actor: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)
