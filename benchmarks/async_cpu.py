@@ -11,7 +11,9 @@ split runs put the actor and reference on ``nproc - rollout_ranks`` ranks and th
 reward on the others.
 
 Per run: the median step time after ``--warmup`` steps, steps/s and samples/s (responses trained per second), the
-median weight sync (seconds, bytes) against its bandwidth bound (bytes / the gloo broadcast rate measured here between
+median weight sync (``time/weight_sync``: the controller's view, from issuing the sync until both sides are done,
+so it includes any wait for the rollout to finish the generation queued before it; and bytes) against its bandwidth
+bound (bytes / the gloo broadcast rate measured here between
 two processes with the same bytes), and reward against samples seen (the mean reward of each quarter of the run).
 Speed-ups are against the colocated synchronous run of the same invocation. Writes ``benchmarks/results/async_cpu.json``
 and prints a markdown table. On a shared machine the figures are indicative only.
@@ -99,7 +101,7 @@ def summarise(records: list[dict], *, warmup: int, link_rate: float | None) -> d
     measured = records[warmup:]
     step = statistics.median(record["time/step"] for record in measured)
     summary = {"step_s": step, "steps_per_s": 1 / step}
-    syncs = [record["weight_sync/seconds"] for record in measured if "weight_sync/seconds" in record]
+    syncs = [record["time/weight_sync"] for record in measured if "time/weight_sync" in record]
     if syncs:
         sync_bytes = next(record["weight_sync/bytes"] for record in measured if "weight_sync/bytes" in record)
         summary.update({"weight_sync_s": statistics.median(syncs), "weight_sync_bytes": sync_bytes})

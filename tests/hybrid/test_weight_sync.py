@@ -48,7 +48,7 @@ def test_rollout_weights_equal_the_trainers_bitwise_after_each_sync(synced, scen
     assert any(not torch.equal(first[name], tensor) for name, tensor in trainer.items())  # the update moved them
     metrics = json.loads((synced / "metrics.json").read_text())[f"{scenario}_v1"]
     assert metrics["weight_sync/bytes"] == sum(t.numel() * 2 for t in trainer.values())
-    assert metrics["weight_sync/buckets"] > 2 and metrics["weight_sync/seconds"] > 0
+    assert metrics["weight_sync/buckets"] > 2
 
 
 def test_a_rollout_of_another_model_fails_on_both_sides_naming_both(synced):

@@ -22,7 +22,6 @@ plus one bucket.
 from __future__ import annotations
 
 import json
-import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -116,9 +115,8 @@ def send_weights(
     bucket_bytes: int, version: int,
 ) -> dict[str, float]:
     """Send ``model``'s current weights (every actor rank calls it; the FSDP x TP shards are gathered one parameter at
-    a time over ``trainer_group``, all the actor's ranks) in ``dtype``; returns ``weight_sync/seconds``, ``/bytes``
+    a time over ``trainer_group``, all the actor's ranks) in ``dtype``; returns ``weight_sync/bytes``
     and ``/buckets`` (on every actor rank)."""
-    started = time.perf_counter()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()  # read the sharded master weights, whatever gathered state the last forward left
@@ -146,17 +144,15 @@ def send_weights(
             what = f"bucket {number + 1} of {len(buckets)} ({flat.numel() * element_bytes} bytes)"
             _wait(dist.broadcast(flat, src=sides.source, group=sides.group, async_op=True), sides, version, what)
     moved = sum(element_bytes * _numel(shape) for _, shape in shapes)
-    return {"weight_sync/seconds": time.perf_counter() - started, "weight_sync/bytes": float(moved),
-            "weight_sync/buckets": float(len(buckets))}
+    return {"weight_sync/bytes": float(moved), "weight_sync/buckets": float(len(buckets))}
 
 
 @torch.no_grad()
 def receive_weights(
     model: torch.nn.Module, *, sides: SyncSides, bucket_bytes: int, version: int, device: torch.device,
-) -> dict[str, float]:
+) -> None:
     """Fill the rollout's generation ``model`` (TP DTensors over the replica's mesh, or plain tensors) with the
-    weights ``send_weights`` broadcasts; every rollout rank calls it. Returns the seconds it waited and received."""
-    started = time.perf_counter()
+    weights ``send_weights`` broadcasts; every rollout rank calls it."""
     named = list(model.named_parameters())
     dtype = named[0][1].dtype
     shapes = _global_shapes(named)
@@ -174,7 +170,6 @@ def receive_weights(
             full = flat[offset : offset + _numel(shapes[index][1])].view(shapes[index][1])
             offset += full.numel()
             _local_target(param).copy_(_local_shard(param, full))
-    return {"weight_sync/receive_seconds": time.perf_counter() - started}
 
 
 def _local_target(param: torch.Tensor) -> torch.Tensor:

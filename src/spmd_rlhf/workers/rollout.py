@@ -86,12 +86,11 @@ class RolloutWorker(RoleWorker):
         return weight_sync_groups(config)
 
     @one_to_all
-    def receive_weights(self, version: int) -> dict[str, float]:
+    def receive_weights(self, version: int) -> None:
         """Take the actor's weights of policy ``version`` (the actor's ``send_weights`` runs beside it)."""
         bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)
-        metrics = receive_weights(self.model, sides=self.sides, bucket_bytes=bucket_bytes, version=version, device=self.device)
+        receive_weights(self.model, sides=self.sides, bucket_bytes=bucket_bytes, version=version, device=self.device)
         self.version = version
-        return metrics
 
     @data_parallel
     def generate_sequences(self, prompts: Batch, *, greedy: bool = False, samples: int | None = None) -> Batch:
