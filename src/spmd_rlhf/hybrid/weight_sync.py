@@ -112,11 +112,12 @@ def _global_shapes(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tup
 @torch.no_grad()
 def send_weights(
     model: torch.nn.Module, *, sides: SyncSides, rank: int, trainer_group: dist.ProcessGroup, dtype: torch.dtype,
-    bucket_bytes: int, version: int,
+    bucket_bytes: int, version: int, device: torch.device,
 ) -> dict[str, float]:
     """Send ``model``'s current weights (every actor rank calls it; the FSDP x TP shards are gathered one parameter at
     a time over ``trainer_group``, all the actor's ranks) in ``dtype``; returns ``weight_sync/bytes``
-    and ``/buckets`` (on every actor rank)."""
+    and ``/buckets`` (on every actor rank). Buckets go from ``device`` (the rank's own, even for weights offloaded
+    to host memory: both sides of a broadcast must use the same backend)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()  # read the sharded master weights, whatever gathered state the last forward left
@@ -137,7 +138,7 @@ def send_weights(
             param = named[index][1]
             full = param.full_tensor() if isinstance(param, DTensor) else param
             if sender:
-                pieces.append(full.detach().to(dtype).reshape(-1))
+                pieces.append(full.detach().to(device=device, dtype=dtype).reshape(-1))
         if sender:
             flat = torch.cat(pieces)
             del pieces

@@ -80,7 +80,7 @@ class ActorWorker(RoleWorker):
         return send_weights(
             self.model.module, sides=sync_sides(self.config, self.context.groups), rank=self.context.rank,
             trainer_group=self.context.groups["role"], dtype=getattr(torch, self.config.model.dtype),
-            bucket_bytes=int(self.config.rollout.sync_bucket_mb * 2**20), version=version,
+            bucket_bytes=int(self.config.rollout.sync_bucket_mb * 2**20), version=version, device=self.device,
         )
 
     # ---- selecting and merging rows in place (dynamic sampling) --------------------------------------------------

@@ -61,7 +61,7 @@ def main() -> None:
                             local = param.to_local() if isinstance(param, DTensor) else param
                             local.add_(torch.randn(local.shape, generator=generator) * 1e-2)
                 metrics = send_weights(model, sides=sides, rank=rank, trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
-                                       bucket_bytes=BUCKET_BYTES, version=version)
+                                       bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
                 tensors = {name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()}
                 if rank == ACTOR[0]:
                     torch.save(tensors, out / f"{scenario}_v{version}_trainer.pt")
@@ -82,7 +82,7 @@ def main() -> None:
             parallelize(model, tp_mesh=actor_mesh["tp"], dp_mesh=actor_mesh["dp"])
             load_weights(model, policy, device="cpu")
             send_weights(model, sides=sides, rank=rank, trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
-                         bucket_bytes=BUCKET_BYTES, version=7)
+                         bucket_bytes=BUCKET_BYTES, version=7, device=torch.device("cpu"))
         else:
             model = generation_replica(other, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu"))
             receive_weights(model, sides=sides, bucket_bytes=BUCKET_BYTES, version=7, device=torch.device("cpu"))
