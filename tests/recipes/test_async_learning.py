@@ -2,7 +2,7 @@
 with algorithm.max_staleness=0 the split run's metrics equal the colocated synchronous run's exactly; with
 max_staleness=1 it learns the tiny task, every batch is exactly one update old after the first, the bound holds for
 every token, and the importance weights are reported; resumed from a checkpoint with a batch in flight, it continues
-exactly as the uninterrupted run."""
+exactly as the uninterrupted run. PPO takes the same switches, its critic placed beside the rollout."""
 
 from __future__ import annotations
 
@@ -72,3 +72,12 @@ def test_resume_takes_back_the_batch_in_flight(one_step_off: Path, tmp_path: Pat
     (resumed_dir / "out" / "latest").write_text("step_20")
     resumed = run_recipe("grpo", resumed_dir, *ONE_STEP_OFF, nproc=4)
     assert [without_timings(record) for record in resumed] == [without_timings(record) for record in metrics(one_step_off)]
+
+
+def test_ppo_runs_two_steps_off_with_its_critic_beside_the_rollout(tmp_path: Path):
+    records = run_recipe(
+        "ppo", tmp_path / "ppo", "trainer.total_steps=3", *SHORT, *SPLIT, "algorithm.max_staleness=2",
+        "rollout.recompute_log_probs=true", nproc=4,
+    )
+    assert [record["off_policy/batch_staleness"] for record in records] == [0.0, 1.0, 2.0]
+    assert all(record["off_policy/staleness_max"] <= 2 and "critic/loss" in record for record in records)

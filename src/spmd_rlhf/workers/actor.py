@@ -41,8 +41,8 @@ class ActorWorker(RoleWorker):
             max_response_length=config.rollout.max_new_tokens, max_skipped_steps=config.trainer.max_skipped_steps,
         )
         self.generator = Generator(
-            config, model_path=self.model.model_path, vocab_size=self.model.module.args.vocab_size, device=self.device,
-            reducer=self.reducer,
+            config, role=context.name, model_path=self.model.model_path, vocab_size=self.model.module.args.vocab_size,
+            device=self.device, reducer=self.reducer,
         )
         self.hybrid = HybridEngine(
             self.model.module, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,

@@ -73,10 +73,12 @@ class OneReplica:
 
 class Generator:
     """The tokenizer, stop ids and engine settings of a policy's generation, and ``generate`` over any generation
-    model of it. ``model_path`` / ``vocab_size``: the policy model's; ``reducer``: the role's DP group."""
+    model of it. ``role``: the generating role's name (for messages); ``model_path`` / ``vocab_size``: the policy
+    model's; ``reducer``: the role's DP group."""
 
     def __init__(
-        self, config: FrameworkConfig, *, model_path: str, vocab_size: int, device: torch.device, reducer: DPReducer,
+        self, config: FrameworkConfig, *, role: str, model_path: str, vocab_size: int, device: torch.device,
+        reducer: DPReducer,
     ) -> None:
         self.config, self.device, self.reducer = config, device, reducer
         tokenizer_path = config.model.tokenizer_path or config.model.path
@@ -84,7 +86,7 @@ class Generator:
         if len(self.tokenizer) > vocab_size:
             # Prompt ids past the embedding would fail mid-run; responses would be decoded into the wrong text.
             raise ValueError(
-                f"the tokenizer at {tokenizer_path} has {len(self.tokenizer)} tokens but the policy's model at "
+                f"the tokenizer at {tokenizer_path} has {len(self.tokenizer)} tokens but the {role}'s model at "
                 f"{model_path} has vocab_size={vocab_size}; point model.tokenizer_path at the model's own tokenizer "
                 f"(null: model.path)"
             )

@@ -70,12 +70,13 @@ class RolloutWorker(RoleWorker):
     def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
         super().__init__(context, config, config.rollout)
         path = config.actor.model_path or config.model.path
-        self.model = model = generation_replica(
+        self.model = generation_replica(
             path, dtype=getattr(torch, config.model.dtype), tp_mesh=self.mesh["tp"], device=self.device,
             attention_backend=config.model.attention,
         )
         self.generator = Generator(
-            config, model_path=path, vocab_size=model.args.vocab_size, device=self.device, reducer=self.reducer
+            config, role=context.name, model_path=path, vocab_size=self.model.args.vocab_size, device=self.device,
+            reducer=self.reducer,
         )
         self.sides = sync_sides(config, context.groups)
         self.version: int | None = None
@@ -97,7 +98,10 @@ class RolloutWorker(RoleWorker):
         """``Generator.generate`` on this replica's weights, plus ``token_versions`` ``[rows, R]``: the policy
         version of each response token (0 past the response)."""
         if self.version is None:
-            raise RuntimeError("the rollout role has no weights yet: the coordinator must sync them (receive_weights) before the first generate_sequences")
+            raise RuntimeError(
+                "the rollout role has no weights yet: the coordinator must sync them (receive_weights) before its "
+                "first generate_sequences"
+            )
         batch = self.generator.generate(prompts, self.model, OneReplica(), greedy=greedy, samples=samples)
         batch.meta["metrics"]["rollout/policy_version"] = float(self.version)
         tensors = {**batch.tensors, "token_versions": batch["response_mask"] * self.version}
