@@ -92,7 +92,8 @@ class RolloutPipeline:
         state for ``trainer_state.json``: each batch's policy version, and the staleness bound they were made for."""
         for batch, (_, generated, _) in sorted(self.pending.items()):
             self.rollout.save_rows(generated, _batch_dir(checkpoint_dir, batch)).result(timeout=self.timeout_s)
-        return {"max_staleness": self.max_staleness, "pending": {str(batch): version for batch, (version, _, _) in self.pending.items()}}
+        pending = {str(batch): version for batch, (version, _, _) in self.pending.items()}
+        return {"max_staleness": self.max_staleness, "pending": pending}
 
     def restore(self, checkpoint_dir: str, state: dict) -> None:
         """Take back the batches ``save`` wrote (and issue their scoring), as batches issued by this pipeline."""

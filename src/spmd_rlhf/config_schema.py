@@ -526,7 +526,9 @@ class FrameworkConfig:
             case "split":
                 # The policy models (actor, reference) on one pool, the models that score them on the other; a
                 # rollout role generates beside the scorers, so its samples are scored where they are.
-                policy = [name for name in roles if ROLE_KINDS[name].head == "lm" and ROLE_KINDS[name].worker != "rollout"]
+                policy = [
+                    name for name in roles if ROLE_KINDS[name].head == "lm" and ROLE_KINDS[name].worker != "rollout"
+                ]
                 return {"policy": policy, "scoring": [name for name in roles if name not in policy]}
             case "standalone":
                 return {name: [name] for name in roles}
@@ -567,17 +569,19 @@ class FrameworkConfig:
         rollout, staleness = self.rollout, self.algorithm.max_staleness
         if rollout.enabled:
             rule = (f"the rollout role generates on ranks of its own; use placement=split (actor and reference | "
-                    f"rollout and scorers), standalone or manual, or set rollout.enabled=false (placement={self.placement})")
+                    f"rollout and scorers), standalone or manual, or set rollout.enabled=false "
+                    f"(placement={self.placement})")
             _require(self, "placement", self.placement in ("split", "standalone", "manual"), rule)
             rule = "the rollout receives the actor's weights from one pipeline; set actor.pp=1 with rollout.enabled"
             _require(self, "actor.pp", self.actor.pp == 1, rule)
             rule = "draws extra batches on the actor's devices, synchronously; set it false with rollout.enabled=true"
             _require(self, "algorithm.dynamic_sampling", not self.algorithm.dynamic_sampling, rule)
         if staleness:
-            rule = f"algorithm.max_staleness={staleness} generates on a rollout role of its own; set rollout.enabled=true"
+            rule = (f"algorithm.max_staleness={staleness} generates on a rollout role of its own; set "
+                    f"rollout.enabled=true")
             _require(self, "rollout.enabled", rollout.enabled, rule)
-            rule = (f"algorithm.max_staleness={staleness} corrects stale samples with pi_old / pi_behaviour, which needs "
-                    f"the log-probs recomputed under the current policy; set rollout.recompute_log_probs=true")
+            rule = (f"algorithm.max_staleness={staleness} corrects stale samples with pi_old / pi_behaviour, which "
+                    f"needs the log-probs recomputed under the current policy; set rollout.recompute_log_probs=true")
             _require(self, "rollout.recompute_log_probs", rollout.recompute_log_probs, rule)
 
     def _check_kv_cache(self) -> None:

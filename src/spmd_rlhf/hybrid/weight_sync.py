@@ -44,7 +44,8 @@ class SyncSides:
     timeout_s: float
 
     def describe(self, version: int) -> str:
-        return f"weight sync of policy version {version} from actor rank {self.source} to rollout ranks {list(self.rollout_ranks)}"
+        return (f"weight sync of policy version {version} from actor rank {self.source} to rollout ranks "
+                f"{list(self.rollout_ranks)}")
 
 
 def sync_group_ranks(actor_ranks: tuple[int, ...], rollout_ranks: tuple[int, ...]) -> list[int]:
@@ -94,7 +95,8 @@ def _plans_differ(fingerprint: int, sides: SyncSides, version: int, *, sender: b
     theirs = torch.tensor([fingerprint], dtype=torch.int64)
     _wait(dist.broadcast(theirs, src=sides.source, group=sides.group, async_op=True), sides, version, "the plan check")
     mismatch = torch.tensor([0 if sender else int(int(theirs) != fingerprint)], dtype=torch.int64)
-    _wait(dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=sides.group, async_op=True), sides, version, "the plan check")
+    work = dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=sides.group, async_op=True)
+    _wait(work, sides, version, "the plan check")
     return bool(int(mismatch))
 
 
@@ -128,7 +130,8 @@ def send_weights(
     # The sender tells the other actor ranks the plan check's outcome, so a mismatch fails every rank at once
     # instead of leaving them in the first gather.
     differ = torch.tensor([int(sender and _plans_differ(_fingerprint(shapes, dtype), sides, version, sender=True))])
-    _wait(dist.broadcast(differ, src=sides.source, group=trainer_group, async_op=True), sides, version, "the plan check")
+    work = dist.broadcast(differ, src=sides.source, group=trainer_group, async_op=True)
+    _wait(work, sides, version, "the plan check")
     if int(differ):
         raise _mismatch(sides, version)
     buckets = bucket_plan(shapes, element_bytes=element_bytes, bucket_bytes=bucket_bytes)

@@ -83,7 +83,9 @@ class RolloutWorker(RoleWorker):
         """The policy version of the weights held (the actor's update count at the sync); None before the first."""
 
     @staticmethod
-    def process_groups(dims: ParallelDims, ranks: tuple[int, ...], config: FrameworkConfig) -> dict[str, list[list[int]]]:
+    def process_groups(
+        dims: ParallelDims, ranks: tuple[int, ...], config: FrameworkConfig
+    ) -> dict[str, list[list[int]]]:
         return weight_sync_groups(config)
 
     @one_to_all
