@@ -1,5 +1,5 @@
 """The asynchronous rollout schedule (``recipes.async_rollouts``) keeps every batch within the staleness bound, and
-asynchronous configs are checked at load."""
+asynchronous configs are checked at load, and in-flight batches saved for another staleness are refused on resume."""
 
 from __future__ import annotations
 
@@ -50,3 +50,12 @@ def test_split_places_the_rollout_beside_the_scorers():
     assert roles["actor"][0].ranks == roles["reference"][0].ranks == (0, 1)
     assert roles["rollout"][0].ranks == roles["reward"][0].ranks == (2, 3)
     assert roles["rollout"][1].dp == 2  # two replicas of rollout.tp=1
+
+
+def test_a_checkpoint_in_flight_for_another_staleness_is_refused_naming_the_key():
+    from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
+
+    pipeline = RolloutPipeline(actor=None, rollout=None, reward=None, loader=None, max_staleness=1, total_steps=10,
+                               start=4, timeout_s=1.0)
+    with pytest.raises(ValueError, match="resume it with that value"):
+        pipeline.restore("out/step_4", {"max_staleness": 2, "pending": {"4": 2, "5": 3}})
