@@ -251,10 +251,13 @@ class RLRecipe:
             start=start, timeout_s=self.config.trainer.timeout_s,
         )
 
-    def policy_version(self, step: int) -> int | None:
-        """The updates the actor has taken before step ``step``, which its update compares with the samples' token
-        versions; None without a rollout role (the actor's own samples are always current)."""
-        return step if "rollout" in self.roles else None
+    def update_options(self, step: int) -> dict[str, Any]:
+        """The actor update's keywords at step ``step``: this step's KL weight and, with a rollout role, the policy
+        version (updates taken so far) that the samples' token versions are measured against."""
+        options: dict[str, Any] = {"kl_coef": self.kl_controller.coef}
+        if "rollout" in self.roles:
+            options["policy_version"] = step
+        return options
 
     def run_together(self, timer: StageTimer, **calls: CallFuture) -> list[Any]:
         """The results of calls already issued, in keyword order, each timed as ``time/<keyword>`` from now until
