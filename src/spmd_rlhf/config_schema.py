@@ -19,6 +19,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 DEFAULT_KV_BLOCK_SIZE = 16
 PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
 DEVICE_SETTINGS = ("auto", "cuda", "cpu")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder's linear layers LoRA can adapt, by PEFT's names: the layers of spmd_rlhf.models.parallelize's TP plan (a
+test keeps them equal); all-linear means every one of them (never the LM head, as in PEFT)."""
 """The values of trainer.device (runtime.device.select_device turns one into a device and a backend)."""
 
 
@@ -104,6 +107,46 @@ class RoleConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int | None = None
+    """Rank r of the LoRA adapters (Hu et al. 2021) on the decoder's linear layers: the base weights are frozen and only
+    the adapters (and a critic's value head) train; null or 0: off, the whole model trains."""
+    alpha: float = 16.0
+    """Scaling numerator: an adapter adds (alpha / rank) * B A x to its layer's output (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training (PEFT's lora_dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Which linear layers of every decoder layer get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj, or [all-linear] for all of them."""
+    adapter_path: str | None = None
+    """Start from an existing PEFT adapter directory (adapter_config.json + adapter_model.safetensors) instead of fresh
+    adapters (B = 0); its rank, alpha and target modules must match these keys."""
+
+    def __post_init__(self) -> None:
+        _require(self, "rank", self.rank is None or self.rank >= 0, "must be >= 0 or null (0 and null: LoRA off)")
+        _require(self, "alpha", self.alpha > 0, "must be > 0")
+        _require(self, "dropout", 0 <= self.dropout < 1, "must be in [0, 1)")
+        targets = self.target_modules
+        allowed = targets == ["all-linear"] or (bool(targets) and set(targets) <= set(LORA_TARGETS))
+        _require(self, "target_modules", allowed, "must be [all-linear] or a non-empty list of " + ", ".join(LORA_TARGETS))
+        _require(self, "adapter_path", self.adapter_path != "", "must be a PEFT adapter directory or null")
+        _require(self, "adapter_path", self.adapter_path is None or self.enabled, "needs rank >= 1 (LoRA on)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rank)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The adapted layers' names, all-linear expanded."""
+        return LORA_TARGETS if self.target_modules == ["all-linear"] else tuple(self.target_modules)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank or 1)
+
+
+@dataclass
 class TrainableRoleConfig(RoleConfig):
     lr: float = 1e-5
     """Peak learning rate (AdamW)."""
@@ -123,6 +166,8 @@ class TrainableRoleConfig(RoleConfig):
     """Rows (responses) per optimizer step over all data-parallel ranks; must divide data.batch_size * rollout.n."""
     ppo_epochs: int = 1
     """Passes over each step's rollout batch, each taking one optimizer step per mini-batch."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

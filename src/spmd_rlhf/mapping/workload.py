@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from spmd_rlhf.dataflow import STAGES  # noqa: F401  (the mapper's stages are the dataflow's)
-from spmd_rlhf.dataflow import KL_TO_REFERENCE, RECOMPUTE_LOG_PROBS, ROLE_KINDS, dataflow_of
+from spmd_rlhf.dataflow import KL_TO_ACTOR_BASE, KL_TO_REFERENCE, RECOMPUTE_LOG_PROBS, ROLE_KINDS, dataflow_of
 
 
 
@@ -172,7 +172,11 @@ def dataflow(
         "actor": actor, "critic": critic, "reference": reference, "reward": reward, "cost": cost,
         "cost_critic": cost_critic or critic,
     }
-    conditions = {KL_TO_REFERENCE.name: reference is not None, RECOMPUTE_LOG_PROBS.name: recompute_log_probs}
+    # The mapper models a separate reference model (a LoRA actor serving its own reference is not modelled).
+    conditions = {
+        KL_TO_REFERENCE.name: reference is not None, KL_TO_ACTOR_BASE.name: False,
+        RECOMPUTE_LOG_PROBS.name: recompute_log_probs,
+    }
     roles = []
     for name, work in dataflow_of(algorithm).roles(conditions).items():
         kind = ROLE_KINDS[name]

@@ -66,21 +66,27 @@ class ShardedModel:
         path = self.model_path = role_config.model_path or config.model.path
         torch.manual_seed(config.trainer.seed)
         compute_dtype = getattr(torch, config.model.dtype)
-        # Trained roles keep float32 master weights and compute in model.dtype; frozen ones store model.dtype directly.
-        storage_dtype = torch.float32 if trainable else compute_dtype
+        lora = getattr(role_config, "lora", None) if trainable else None
+        self.lora = lora if lora is not None and lora.enabled else None
+        """The role's LoRA settings when it trains adapters (its base weights then stay frozen in model.dtype)."""
+        # Trained roles keep float32 master weights and compute in model.dtype; frozen ones (a LoRA base too) store
+        # model.dtype directly.
+        storage_dtype = torch.float32 if trainable and self.lora is None else compute_dtype
         # Built on the meta device and parallelized there; each rank then reads only its own pieces of the weights.
         model = build_model(path, head=head, dtype=storage_dtype, attention_backend=config.model.attention)
         dims, name = context.dims, context.name
         model = split_stage(model, stage=coordinates.pp, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         on_gpu = self.device.type == "cuda"
-        parallelize(
-            model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name,
+        self.adapters = parallelize(
+            model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name, lora=self.lora,
             activation_checkpointing=config.model.activation_checkpointing and trainable,
             compile_layers=config.model.compile and on_gpu, offload=role_config.offload and on_gpu,
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )
         load_weights(model, path, device=self.device)
+        if self.adapters is not None:
+            self.adapters.initialize(model, seed=config.trainer.seed)
         self.one_fsdp_unit = dims.dp > 1 and dims.pp == 1 and not any(
             isinstance(module, FSDPModule) for module in model.modules() if module is not model
         )
