@@ -32,7 +32,7 @@ from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from spmd_rlhf.config import ConfigError, config_reference, load_config, to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
-from spmd_rlhf.dataflow import ROLE_KINDS, Dataflow, algorithms_of
+from spmd_rlhf.dataflow import KL_TO_ACTOR_BASE, ROLE_KINDS, Dataflow, algorithms_of, conditions
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.models.vocabulary import check_role_vocabularies
@@ -224,6 +224,9 @@ class RLRecipe:
             calls["old_log_probs"] = self.actor.compute_log_probs(rollout)
         if "reference" in self.roles:
             calls["ref_log_probs"] = self.reference.compute_log_probs(rollout)
+        elif conditions(self.config)[KL_TO_ACTOR_BASE.name]:
+            # LoRA: the reference is the actor's base, its adapters switched off (no reference role exists).
+            calls["ref_log_probs"] = self.actor.compute_ref_log_probs(rollout)
         calls.update((name, call(rollout)) for name, call in also.items())
         results = dict(zip(calls, self.run_together(timer, **calls)))
         return Experience(

@@ -163,14 +163,16 @@ class LoRAAdapters:
                 f"for ({', '.join(sorted(stored)[:3])}); set target_modules to the adapter's"
             )
 
-    def peft_config(self, base_model: str) -> dict:
-        """adapter_config.json for PEFT (``PeftModel.from_pretrained`` reads it)."""
+    def peft_config(self, base_model: str, *, head: str = "lm") -> dict:
+        """adapter_config.json for PEFT (``PeftModel.from_pretrained`` reads it); a value or score head trains in
+        full beside the adapters (PEFT's ``modules_to_save``)."""
+        task = {"lm": "CAUSAL_LM", "value": "TOKEN_CLS", "score": "SEQ_CLS"}[head]
         return {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "peft_type": "LORA", "task_type": task, "base_model_name_or_path": base_model,
             "r": self.config.rank, "lora_alpha": self.config.alpha, "lora_dropout": self.config.dropout,
             "target_modules": sorted(self.config.modules), "bias": "none", "fan_in_fan_out": False,
             "inference_mode": True, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-            "modules_to_save": None,
+            "modules_to_save": None if head == "lm" else ["score"],
         }
 
 

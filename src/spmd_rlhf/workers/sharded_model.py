@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from ..checkpoint import save_model_config
@@ -29,6 +30,7 @@ from ..models import (
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
 )
+from ..models.lora import write_peft_adapter
 from ..models.parallelize import parallelize
 from ..models.pipeline import Pipeline, split_stage
 from ..models.sharded_save import save_sharded_pretrained
@@ -218,17 +220,20 @@ class ShardedModel:
             save_model_config(checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path)
 
     def save_pretrained(self, out_dir: str) -> str:
-        """Write the current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default
+        """With LoRA, the trained adapters as a PEFT adapter directory (``_save_adapter``). Otherwise write the
+        current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default
         ``model.dtype``), streamed from the shards: each pipeline stage's first rank writes that stage's files,
         gathering one row band of one tensor at a time (``models.sharded_save``); returns ``out_dir``. Every rank of
         the role calls it."""
-        dims, role_rank = self.context.dims, self.context.role_rank
-        per_stage = dims.dp * dims.tp
-        stage_start = role_rank // per_stage * per_stage
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
                 # The copy reads the sharded master weights, whatever gathered state the last forward left behind.
                 module.reshard()
+        if self.adapters is not None:
+            return self._save_adapter(out_dir)
+        dims, role_rank = self.context.dims, self.context.role_rank
+        per_stage = dims.dp * dims.tp
+        stage_start = role_rank // per_stage * per_stage
         tokenizer = None
         if role_rank == 0:
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
@@ -238,4 +243,22 @@ class ShardedModel:
             writers_group=self.pp_group, group=self.role_group, dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
             device=self.device, tokenizer=tokenizer,
         )
+        return out_dir
+
+    def _save_adapter(self, out_dir: str) -> str:
+        """The trained parameters (LoRA adapters, and a critic's head) as a PEFT adapter directory with the tokenizer,
+        which ``peft.PeftModel.from_pretrained`` loads onto the base model (``model_path``). Each adapter is
+        gathered whole (``r x (in + out)`` values: small beside the model) on every rank of its stage; the stages'
+        adapters meet on role rank 0, which writes."""
+        tensors = {
+            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().float().cpu()
+            for name, param in self.module.named_parameters() if param.requires_grad
+        }
+        if self.pp_group is not None:
+            stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(self.pp_group))]
+            dist.all_gather_object(stages, tensors, group=self.pp_group)
+            tensors = {name: tensor for stage in stages for name, tensor in stage.items()}
+        if self.context.role_rank == 0:
+            write_peft_adapter(out_dir, tensors, self.adapters.peft_config(self.model_path, head=self.module.head))
+            AutoTokenizer.from_pretrained(self.tokenizer_path).save_pretrained(out_dir)
         return out_dir
