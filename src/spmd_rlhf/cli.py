@@ -75,6 +75,11 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true",
         help="empty a non-empty OUT_DIR first (without it, a non-empty OUT_DIR is refused: stale shards would be loaded)",
     )
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="a role trained with LoRA: write a full model with the adapters merged into its base (default: a PEFT "
+             "adapter directory for peft.PeftModel.from_pretrained); other roles are always full models",
+    )
 
 
 def _add_plot(subparsers: argparse._SubParsersAction) -> None:
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             written = export_hf(
-                args.checkpoint, args.out, roles=args.roles, dtype=getattr(torch, args.dtype), overwrite=args.overwrite
+                args.checkpoint, args.out, roles=args.roles, dtype=getattr(torch, args.dtype), overwrite=args.overwrite,
+                merge=args.merge,
             )
         except CheckpointError as error:
             print(f"export error: {error}", file=sys.stderr)

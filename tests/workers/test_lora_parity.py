@@ -62,7 +62,7 @@ def test_layout_matches_one_rank(run, layout):
 def test_generation_with_merged_adapters_gives_the_training_log_probs(run, layout):
     results = torch.load(run / f"{layout}.pt")
     assert results["rollout_tokens"] > 0
-    assert results["rollout_difference"] <= 1e-5
+    assert results["rollout_difference"] <= 1e-6  # float32: the engine and the trainer agree to rounding
 
 
 def test_checkpoint_resumes_adapters_and_optimizer_into_another_layout(run):

@@ -168,7 +168,7 @@ class LoRAAdapters:
         full beside the adapters (PEFT's ``modules_to_save``)."""
         task = {"lm": "CAUSAL_LM", "value": "TOKEN_CLS", "score": "SEQ_CLS"}[head]
         return {
-            "peft_type": "LORA", "task_type": task, "base_model_name_or_path": base_model,
+            "peft_type": "LORA", "task_type": task, "base_model_name_or_path": os.path.abspath(base_model),
             "r": self.config.rank, "lora_alpha": self.config.alpha, "lora_dropout": self.config.dropout,
             "target_modules": sorted(self.config.modules), "bias": "none", "fan_in_fan_out": False,
             "inference_mode": True, "use_rslora": False, "use_dora": False, "init_lora_weights": True,

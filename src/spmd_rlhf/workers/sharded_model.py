@@ -217,7 +217,8 @@ class ShardedModel:
         """The model config and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from a checkpoint alone
         (written by role rank 0)."""
         if self.context.role_rank == 0:
-            save_model_config(checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path)
+            adapter_config = None if self.adapters is None else self.adapters.peft_config(self.model_path, head=self.module.head)
+            save_model_config(checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path, adapter_config=adapter_config)
 
     def save_pretrained(self, out_dir: str) -> str:
         """With LoRA, the trained adapters as a PEFT adapter directory (``_save_adapter``). Otherwise write the
