@@ -132,3 +132,16 @@ def test_lora_off_by_default_and_adapters_are_not_applied():
     assert not LoRAConfig().enabled and not LoRAConfig(rank=0).enabled
     assert LoRAConfig(rank=8, alpha=16).scale == 2.0
     assert LoRAAdapters(LoRAConfig(rank=2), {}).enabled
+
+
+def test_a_critic_trains_its_adapters_and_its_value_head_in_float32(tmp_path):
+    path = str(tmp_path / "critic")
+    write_hf_model("llama3", path, kind="value")
+    model = build_model(path, head="value", dtype=torch.bfloat16, attention_backend="torch")
+    parallelize(model, tp_mesh=None, dp_mesh=None, lora=LoRAConfig(rank=2, target_modules=["q_proj"]))
+    trained = {name: param.dtype for name, param in model.named_parameters() if param.requires_grad}
+    assert set(trained) == {"score.weight", "score.bias"} | {
+        f"model.layers.{index}.self_attn.q_proj.lora_{piece}.weight" for index in range(2) for piece in "AB"
+    }
+    assert set(trained.values()) == {torch.float32}
+    assert model.model.layers["0"].mlp.up_proj.weight.dtype == torch.bfloat16  # the frozen base stays in bf16
