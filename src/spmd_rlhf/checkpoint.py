@@ -58,6 +58,9 @@ LORA_FILE = "lora.json"
 TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 """A role's saved model state: its trained parameters (all of them, or with LoRA the adapters and a critic's head;
 the frozen base is read again from its model directory)."""
+LOAD_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Loading that state leaves the frozen parameters as loaded from the model directory (``_check_model_shapes``
+has checked that every trained one is in the checkpoint)."""
 
 
 # ---- the directory protocol ------------------------------------------------------------------------------------------
@@ -280,7 +283,8 @@ def load_role_state(
         state[rng_key] = rng
     safe_dcp.load(state, state_dir, process_group=process_group)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=TRAINED_ONLY
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        options=LOAD_TRAINED_ONLY,
     )
     scheduler.load_state_dict(state["scheduler"])
     if "cpu" in rng:

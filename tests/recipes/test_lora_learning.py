@@ -5,6 +5,7 @@ model that ``transformers`` loads, both giving the same logits."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.tiny.task import make_task
 
 LORA = ("actor.lora.rank=16", "actor.lora.alpha=32", "actor.lr=1e-3", "reference.enabled=false",
-        "trainer.total_steps=60", "trainer.val_every=0")
+        "trainer.val_every=0", "trainer.total_steps=60")
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +75,14 @@ def test_export_round_trips_through_peft_and_transformers(run, tmp_path):
         merged_logits = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged" / "actor")).eval()(input_ids).logits
     assert (peft_logits - base_logits).abs().max() > 1e-2  # trained adapters
     torch.testing.assert_close(merged_logits, peft_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_loads_the_adapters_and_continues(run, tmp_path):
+    """The default tiny sizes make the whole model one FSDP unit: the adapters load into it, the base stays as read."""
+    workdir, records = run
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(workdir, resumed_dir)
+    resumed = run_recipe("grpo", resumed_dir, *LORA[:-1], "trainer.total_steps=62")
+    assert [record["step"] for record in resumed] == list(range(62))
+    assert resumed[:60] == records
+    assert abs(resumed[60]["kl/mean"] - records[-1]["kl/mean"]) < 0.5 * records[-1]["kl/mean"]  # not restarted at 0
