@@ -22,10 +22,12 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from spmd_rlhf import checkpoint, run_directory
 from spmd_rlhf.algos.evaluation import pass_at_k
@@ -43,6 +45,7 @@ from spmd_rlhf.runtime import (
     REQUEUE_EXIT_CODE, BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, stop_requested,
     wait_together,
 )
+from spmd_rlhf.runtime.host_memory import restart_with_huge_pages
 from spmd_rlhf.runtime.placement import place_roles
 from spmd_rlhf.sinks import truncate_metrics
 from spmd_rlhf.tiny import ensure_tiny_assets
@@ -453,6 +456,8 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
     except (ConfigError, ValueError) as error:
         parser.exit(2, f"{recipe_class.name}: {error}\n")
     trainer = config.trainer
+    if trainer.host_huge_pages and (trainer.device == "cpu" or (trainer.device == "auto" and not torch.cuda.is_available())):
+        restart_with_huge_pages()
     runtime = RuntimeOptions(
         call_timeout_s=trainer.timeout_s, collective_timeout_s=trainer.collective_timeout_s, device=trainer.device,
         stop_timeout_s=trainer.stop_timeout_s,

@@ -427,6 +427,10 @@ class TrainerConfig:
     device: str = "auto"
     """auto (cuda when a GPU is visible, else cpu), cuda (one GPU per rank, NCCL; an error without CUDA) or cpu
     (gloo only, even on a GPU machine)."""
+    host_huge_pages: bool = True
+    """On CPU, each rank restarts itself once at start with glibc's glibc.malloc.hugetlb=1 tunable where the kernel's
+    transparent huge pages are in madvise mode (runtime/host_memory.py): large transient tensors are then faulted in
+    2 MiB pages instead of 4 KiB ones (docs/benchmarks.md measures the gain). No effect on GPU ranks."""
     timeout_s: float = 600.0
     """Seconds the controller waits for a remote call (and for a step's calls together) before the job fails, naming
     the call still running; collectives have their own collective_timeout_s."""
