@@ -159,8 +159,8 @@ class LoRAAdapters:
             local.copy_(full[piece.slices()])
         if stored:
             raise ValueError(
-                f"actor/critic lora.adapter_path={self.config.adapter_path} holds adapters this model has no layer "
-                f"for ({', '.join(sorted(stored)[:3])}); set target_modules to the adapter's"
+                f"lora.adapter_path={self.config.adapter_path} holds adapters this model has no layer for "
+                f"({', '.join(sorted(stored)[:3])}); use an adapter trained on this base model"
             )
 
     def peft_config(self, base_model: str, *, head: str = "lm") -> dict:
@@ -216,11 +216,6 @@ def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
     return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
 
 
-def adapted_layer(name: str) -> str | None:
-    """The layer whose weight ``name`` is, when ``name`` is a linear layer's ``.weight`` (adapted or not)."""
-    return name[: -len(".weight")] if name.endswith(".weight") and not is_adapter(name) else None
-
-
 def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
     """The adapter tensors of the PEFT directory ``config.adapter_path``, under this model's names; an error naming
     what to change when its rank, alpha or target modules differ from ``config``."""
@@ -230,7 +225,8 @@ def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
     config_file, weights_file = os.path.join(path, PEFT_CONFIG), os.path.join(path, PEFT_WEIGHTS)
     if not (os.path.isfile(config_file) and os.path.isfile(weights_file)):
         raise FileNotFoundError(f"lora.adapter_path={path}: no {PEFT_CONFIG} and {PEFT_WEIGHTS} there (a PEFT save_pretrained directory)")
-    saved = json.loads(open(config_file, encoding="utf-8").read())
+    with open(config_file, encoding="utf-8") as handle:
+        saved = json.load(handle)
     targets = saved.get("target_modules")
     # PEFT writes all-linear, short names, or (after expanding all-linear) full module names.
     targets = sorted(layer_splits()) if targets == "all-linear" else sorted({name.rsplit(".", 1)[-1] for name in targets or []})
@@ -240,10 +236,7 @@ def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
     for key, value in expected.items():
         if found[key] != value:
             raise ValueError(f"lora.adapter_path={path} has {key}={found[key]}; set lora.{keys[key]} to match (now {value})")
-    return {
-        name.removeprefix(PEFT_PREFIX).replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): tensor.float()
-        for name, tensor in load_file(weights_file).items()
-    }
+    return {name.removeprefix(PEFT_PREFIX): tensor.float() for name, tensor in load_file(weights_file).items()}
 
 
 def write_peft_adapter(out_dir: str, tensors: dict[str, torch.Tensor], adapters_config: dict) -> list[str]:
