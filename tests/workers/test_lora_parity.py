@@ -1,4 +1,4 @@
-"""LoRA under FSDP and TP against one rank (``programs/lora_parity.py``): the same log-probs before and after two
+"""LoRA under FSDP, TP and PP against one rank (``programs/lora_parity.py``): the same log-probs before and after two
 updates, the same losses, gradient norms and trained adapters; the reference (adapters off) equals the base model;
 generation with merged adapters gives the training log-probs; a checkpoint resumes into another layout."""
 
@@ -13,7 +13,7 @@ from torchrun_helpers import torchrun
 
 from spmd_rlhf.tiny.model import make_tiny
 
-LAYOUTS = ["dp2tp2", "dp4tp1"]
+LAYOUTS = ["dp2tp2", "dp4tp1", "dp1tp2pp2"]
 
 
 @pytest.fixture(scope="module")

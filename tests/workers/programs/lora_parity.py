@@ -1,9 +1,9 @@
-"""A LoRA actor under several (dp, tp) layouts on the same ranks, against the single-rank layout: log-probs with the
+"""A LoRA actor under several (dp, tp[, pp]) layouts on the same ranks, against the single-rank layout: log-probs with the
 adapters on and off (the reference), two updates, the trained adapters, generation with the adapters merged into the
 generation weights (rollout log-probs against training log-probs), and a checkpoint saved by (dp, tp) = (2, 2)
 resumed by (4, 1).
 
-    torchrun --nproc-per-node 4 lora_parity.py POLICY_DIR OUT_DIR dp1tp1 dp2tp2 dp4tp1
+    torchrun --nproc-per-node 4 lora_parity.py POLICY_DIR OUT_DIR dp1tp1 dp2tp2 dp4tp1 dp1tp2pp2
 """
 
 import json
@@ -42,9 +42,9 @@ def main(coordinator):
     torch.save(base, f"{out_dir}/base.pt")
     actors = {}
     for layout in layouts:
-        dp, tp = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)", layout).groups())
-        actor = coordinator.spawn(ActorWorker, config, name=f"actor_{layout}", pool=ResourcePool(range(dp * tp)),
-                                  dims=ParallelDims(dp=dp, tp=tp))
+        dp, tp, pp = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)(?:pp(\d+))?", layout).groups(default="1"))
+        actor = coordinator.spawn(ActorWorker, config, name=f"actor_{layout}", pool=ResourcePool(range(dp * tp * pp)),
+                                  dims=ParallelDims(pp=pp, dp=dp, tp=tp))
         results = {"initial": actor.compute_log_probs(batch).result().fetch()["old_log_probs"]}
         metrics = [actor.update_actor(batch).result() for _ in range(2)]
         results["trained"] = actor.compute_log_probs(batch).result().fetch()["old_log_probs"]
