@@ -145,3 +145,26 @@ def test_a_critic_trains_its_adapters_and_its_value_head_in_float32(tmp_path):
     }
     assert set(trained.values()) == {torch.float32}
     assert model.model.layers["0"].mlp.up_proj.weight.dtype == torch.bfloat16  # the frozen base stays in bf16
+
+
+def test_a_critic_adapter_with_its_head_loads_in_peft(tmp_path):
+    from peft import PeftModel
+
+    path = str(tmp_path / "critic")
+    hf_model = write_hf_model("qwen2_untied", path, kind="value")
+    model = build_model(path, head="value", attention_backend="torch")
+    adapters = parallelize(model, tp_mesh=None, dp_mesh=None, lora=LoRAConfig(rank=2, alpha=4.0))
+    load_weights(model, path, device="cpu")
+    adapters.initialize(model, seed=0)
+    randomize_adapters(model)
+    with torch.no_grad():
+        model.score.weight.mul_(3.0)  # a trained head differs from the base's
+    trained = {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+    write_peft_adapter(str(tmp_path / "adapter"), trained, adapters.peft_config(path, head="value"))
+    input_ids, attention_mask, position_ids = padded_batch(batch=2, seq=9, side="left")
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[..., 0]
+        ours = model.eval()(input_ids, attention_mask=attention_mask)
+    real = attention_mask.bool()
+    assert (ours[real] - expected[real]).abs().max().item() <= 1e-5
