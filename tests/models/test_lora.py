@@ -168,3 +168,24 @@ def test_a_critic_adapter_with_its_head_loads_in_peft(tmp_path):
         ours = model.eval()(input_ids, attention_mask=attention_mask)
     real = attention_mask.bool()
     assert (ours[real] - expected[real]).abs().max().item() <= 1e-5
+
+
+def test_adapter_gradients_are_the_same_under_activation_checkpointing(tmp_path):
+    path = str(tmp_path / "base")
+    write_hf_model("qwen3", path)
+    gradients = []
+    for checkpointing in (False, True):
+        model = build_model(path, attention_backend="torch")
+        adapters = parallelize(model, tp_mesh=None, dp_mesh=None, activation_checkpointing=checkpointing,
+                               lora=LoRAConfig(rank=2, dropout=0.1))
+        load_weights(model, path, device="cpu")
+        adapters.initialize(model, seed=0)
+        randomize_adapters(model)
+        input_ids, attention_mask, _ = padded_batch(batch=2, seq=8, side="right")
+        torch.manual_seed(0)  # the same dropout masks; checkpointing replays them in the recomputation
+        model.train()(input_ids, attention_mask=attention_mask).float().logsumexp(-1).mean().backward()
+        gradients.append({name: param.grad for name, param in model.named_parameters() if param.requires_grad})
+    assert gradients[0].keys() == gradients[1].keys()
+    assert all(gradients[0][name].abs().max() > 0 for name in gradients[0])
+    for name in gradients[0]:
+        torch.testing.assert_close(gradients[1][name], gradients[0][name], rtol=1e-5, atol=1e-7, msg=name)
