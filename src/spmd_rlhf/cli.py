@@ -6,6 +6,7 @@
     spmd-rlhf config --keys
     spmd-rlhf forward --model tiny/model --prompt "2+3="
     spmd-rlhf export outputs/grpo hf_out --roles actor
+    spmd-rlhf export outputs/grpo hf_out --merge        # a LoRA actor as a full model (default: a PEFT adapter)
     spmd-rlhf plot outputs/grpo
     spmd-rlhf plan --algo ppo --actor 7b --critic 7b --reward 7b --gpus 128 --gpus-per-node 8
     spmd-rlhf calibrate

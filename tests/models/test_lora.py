@@ -128,10 +128,13 @@ def test_config_rejects(settings, message):
         LoRAConfig(**settings)
 
 
-def test_lora_off_by_default_and_adapters_are_not_applied():
+def test_lora_is_off_by_default_and_scales_by_alpha_over_rank():
     assert not LoRAConfig().enabled and not LoRAConfig(rank=0).enabled
     assert LoRAConfig(rank=8, alpha=16).scale == 2.0
-    assert LoRAAdapters(LoRAConfig(rank=2), {}).enabled
+    adapters = LoRAAdapters(LoRAConfig(rank=2), {})
+    with adapters.disabled():
+        assert not adapters.enabled
+    assert adapters.enabled
 
 
 def test_a_critic_trains_its_adapters_and_its_value_head_in_float32(tmp_path):
