@@ -24,9 +24,10 @@ setup(
     extras_require={
         # triton: the kernels run under its CPU interpreter in the tests (3.7-3.9 checked; with numpy >= 2.4 older
         # interpreters are broken and those tests skip), and >= 3.5 leaves a GPU image's torch-pinned triton alone;
-        # trl: the GPU benchmarks' TRL baseline is smoke-tested on CPU.
+        # trl: the GPU benchmarks' TRL baseline is smoke-tested on CPU; peft: LoRA parity and export round trips.
         "test": [
             "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "tensorboard>=2.16", "wandb>=0.17", "trl>=1.16,<2",
+            "peft>=0.17",
             "triton>=3.5,<3.10; platform_system == 'Linux' and platform_machine == 'x86_64'",
         ],
         "gpu": ["flash-attn>=2.6"],

@@ -51,6 +51,7 @@ from transformers import TrainerCallback
 from gpu_common import SHAPES
 from process_memory import run_with_peak_rss
 from spmd_rlhf.config import load_config
+from spmd_rlhf.runtime.host_memory import TUNABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo.py"
@@ -99,10 +100,13 @@ def _run(command: list[str], *, cwd: str, threads: int, log: Path) -> float:
     return _run_measured(command, cwd=cwd, threads=threads, log=log)[0]
 
 
-def _run_measured(command: list[str], *, cwd: str, threads: int, log: Path) -> tuple[float, list[int]]:
+def _run_measured(command: list[str], *, cwd: str, threads: int, log: Path, huge_pages: bool = False) -> tuple[float, list[int]]:
     """``_run``, also giving the peak resident set size in bytes of every process the command started
-    (``process_memory.run_with_peak_rss``); wall seconds and those peaks."""
+    (``process_memory.run_with_peak_rss``); wall seconds and those peaks. ``huge_pages``: start the processes with
+    glibc's huge-page tunable, as spmd_rlhf's CPU ranks give themselves (``runtime.host_memory``)."""
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if huge_pages:
+        environment["GLIBC_TUNABLES"] = f"{TUNABLE}=1"
     started = time.perf_counter()
     with open(log, "w") as out:
         returncode, peaks = run_with_peak_rss(command, cwd=cwd, env=environment, stdout=out)
@@ -144,16 +148,17 @@ def spmd_command(spec: dict, *, out_dir: Path, nproc: int) -> list[str]:
     return _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
 
 
-def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: int) -> dict:
-    """The GRPO recipe for ``spec['steps']`` steps in ``workdir``; per-step medians over the steps after ``warmup``."""
+def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: int, huge_pages: bool = True) -> dict:
+    """The GRPO recipe for ``spec['steps']`` steps in ``workdir`` (``huge_pages``: trainer.host_huge_pages); per-step
+    medians over the steps after ``warmup``."""
     samples = spec["prompts"] * spec["n"]
-    command = spmd_command(spec, out_dir=out_dir, nproc=nproc)
+    command = spmd_command(spec, out_dir=out_dir, nproc=nproc) + [f"trainer.host_huge_pages={str(huge_pages).lower()}"]
     wall, peak_rss = _run_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
     with open(out_dir / "metrics.jsonl") as lines:
         steps = [json.loads(line) for line in lines][warmup:]
     scoring = ("reward", "old_log_probs", "ref_log_probs", "advantages")
     return _summary(
-        launch=f"torchrun, {nproc} ranks x 1 thread", wall_s=wall, samples=samples,
+        launch=f"torchrun, {nproc} ranks x 1 thread" + ("" if huge_pages else ", 4 KiB pages"), wall_s=wall, samples=samples,
         step_s=[row["time/step"] for row in steps], generated=[row["rollout/generated_tokens"] for row in steps],
         reward=[row["reward/mean"] for row in steps], peak_rss=peak_rss,
         stages={
@@ -253,15 +258,16 @@ def trl_worker(spec_path: str) -> None:
         }))
 
 
-def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int) -> dict:
-    """TRL's GRPO in a subprocess (one process, or ``nproc`` under torchrun); per-step medians after ``warmup``."""
+def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int, huge_pages: bool = False) -> dict:
+    """TRL's GRPO in a subprocess (one process, or ``nproc`` under torchrun), with glibc's huge pages if asked;
+    per-step medians after ``warmup``."""
     workdir.mkdir()
     spec = {**spec, "threads": threads, "output_dir": str(workdir / "trl_out"), "result": str(workdir / "trl_result.json")}
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
     launcher = [sys.executable] if nproc == 1 else _torchrun(nproc)
     wall, peak_rss = _run_measured(launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
-                                   cwd=str(workdir), threads=threads, log=workdir / "trl.log")
+                                   cwd=str(workdir), threads=threads, log=workdir / "trl.log", huge_pages=huge_pages)
     raw = json.loads(Path(spec["result"]).read_text())
     step_s, generate, generate_and_score = (raw[key][warmup:] for key in ("step_s", "generate_s", "generate_and_score_s"))
     logs = raw["logs"][warmup:]
@@ -270,6 +276,7 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int)
     samples = spec["prompts"] * spec["n"]
     per_process = f"{threads} thread" + ("s" if threads > 1 else "")
     launch = f"1 process x {per_process}" if nproc == 1 else f"torchrun, {nproc} processes x {per_process}"
+    launch += ", huge pages" if huge_pages else ""
     return _summary(
         launch=launch, wall_s=wall, samples=samples, step_s=step_s,
         generated=[row["completions/mean_length"] * samples for row in logs], reward=[row["reward"] for row in logs],
@@ -384,6 +391,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="alternate the runs this often; each keeps its best round")
+    parser.add_argument("--no-host-huge-pages", action="store_true",
+                        help="run spmd_rlhf with trainer.host_huge_pages=false (glibc's default 4 KiB pages)")
+    parser.add_argument("--trl-huge-pages", action="store_true",
+                        help="also run TRL in one process with glibc's huge-page tunable, as our CPU ranks give themselves")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -405,8 +416,9 @@ def main() -> None:
     if load_before > 0.5:
         print(f"note: 1-minute load average {load_before:.1f} before starting (an earlier run counts too); "
               "other work on these cores skews the numbers")
-    launches = {"process": (1, args.nproc), "torchrun": (args.nproc, 1)}
-    trl_launches = [] if trl_version is None else list(launches) if args.trl_launch == "both" else [args.trl_launch]
+    launches = {"process": (1, args.nproc, False), "torchrun": (args.nproc, 1, False), "process_huge_pages": (1, args.nproc, True)}
+    trl_launches = [] if trl_version is None else ["process", "torchrun"] if args.trl_launch == "both" else [args.trl_launch]
+    trl_launches += ["process_huge_pages"] if args.trl_huge_pages and trl_version else []
     for name in trl_launches:
         samples, processes = spec["prompts"] * spec["n"], launches[name][0]
         if samples % (spec["micro_batch_size"] * processes):
@@ -421,13 +433,13 @@ def main() -> None:
         for round_index in range(args.rounds):
             print(f"round {round_index + 1}/{args.rounds}: spmd_rlhf, {args.steps} steps on {args.nproc} ranks", flush=True)
             runs["spmd_rlhf"].append(run_spmd(spec, workdir=workdir, out_dir=workdir / f"spmd_{round_index}",
-                                              nproc=args.nproc, warmup=args.warmup))
+                                              nproc=args.nproc, warmup=args.warmup, huge_pages=not args.no_host_huge_pages))
             for name in trl_launches:
-                nproc, threads = launches[name]
+                nproc, threads, huge_pages = launches[name]
                 print(f"round {round_index + 1}/{args.rounds}: TRL {trl_version} ({name}), same model and task", flush=True)
                 runs[name].append(run_trl({**spec, "model_dir": str(model_dir), "train_file": str(workdir / TRAIN_FILE)},
                                           workdir=workdir / f"trl_{name}_{round_index}", nproc=nproc, threads=threads,
-                                          warmup=args.warmup))
+                                          warmup=args.warmup, huge_pages=huge_pages))
     trl = {name: {**min(each, key=lambda run: run["step_s"]), "rounds_step_s": [run["step_s"] for run in each]}
            for name, each in runs.items()}
     ours = trl.pop("spmd_rlhf")
@@ -442,7 +454,8 @@ def main() -> None:
         "trl_version": trl_version, "torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count(),
         "rounds": args.rounds, "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
         "command": f"python benchmarks/e2e_cpu.py --config {args.config} --nproc {args.nproc} --trl-launch {args.trl_launch} "
-                   f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}",
+                   f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}"
+                   + (" --no-host-huge-pages" if args.no_host_huge_pages else "") + (" --trl-huge-pages" if args.trl_huge_pages else ""),
     }
     print()
     print(_table(result))

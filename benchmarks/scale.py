@@ -5,6 +5,7 @@ the analytical floor of that stage (``benchmarks/scale_floor.py``) and their rat
     python benchmarks/scale.py --algo ppo --shape 1.5b                   # the whole 1.5B shape
     python benchmarks/scale.py --algo grpo --shape 7b --nproc 8 --prompts 4   # on 8 GPUs
     python benchmarks/scale.py --smoke                                   # tiny model, seconds: checks the script
+    python benchmarks/scale.py --algo grpo --shape 0.5b --lora 16        # LoRA adapters instead of the whole model
 
 Size the machine from the floor (printed, and in ``scale_floor``): on 2 ranks the largest stage's floor per rank is
 about 5.5 GiB for GRPO at 0.5B in float32 (8.3 for PPO), 64 GiB for GRPO at 7B in bfloat16 (103 for PPO), 124 GiB
@@ -83,6 +84,10 @@ def recipe_overrides(args: argparse.Namespace, *, model_dir: str, task_dir: str,
     ]
     if args.algo == "ppo":
         overrides += ["critic.tp=1", f"critic.mini_batch_size={rows}", f"critic.micro_batch_size={micro}"]
+    if args.lora:
+        # The actor's base serves as the reference: no reference role.
+        overrides += [f"actor.lora.rank={args.lora}", "reference.enabled=false"]
+        overrides += [f"critic.lora.rank={args.lora}"] if args.algo == "ppo" else []
     return overrides
 
 
@@ -155,8 +160,9 @@ def _order(name: str) -> tuple[int, str]:
 
 
 def table(result: dict) -> str:
+    lora = f", LoRA rank {result['lora_rank']} (floors: full fine-tuning's)" if result["lora_rank"] else ""
     lines = [
-        f"{result['algo']} at {result['shape']} ({result['layers']} layers, vocab {result['vocab']}), {result['nproc']} "
+        f"{result['algo']}{lora} at {result['shape']} ({result['layers']} layers, vocab {result['vocab']}), {result['nproc']} "
         f"ranks, {result['dtype']}, {result['measurement']}; {result['steps']} steps of {result['prompts']} prompts x "
         f"{result['samples']} samples x {result['new_tokens']} new tokens",
         "",
@@ -191,6 +197,9 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.005, help="seconds between memory samples")
     parser.add_argument("--keep-allocator-cache", action="store_true",
                         help="CPU: measure with glibc malloc's defaults (RSS keeps freed heap blocks: an upper bound)")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train LoRA adapters of this rank on every linear layer (all-linear) instead of the whole "
+                             "model; the floors stay full fine-tuning's, so peak / floor compares LoRA with them")
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, {"shape": "smoke"})
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -227,7 +236,7 @@ def main() -> None:
             "whole_model_copy": peak - design_floor >= whole_model,
         })
     result = {
-        "benchmark": "scale", "smoke": args.smoke, "algo": args.algo, "shape": args.shape,
+        "benchmark": "scale", "smoke": args.smoke, "algo": args.algo, "shape": args.shape, "lora_rank": args.lora,
         "layers": fields["num_layers"], "vocab": vocab, "nproc": args.nproc, "dtype": args.dtype, "steps": args.steps,
         "prompts": args.prompts, "samples": args.samples, "new_tokens": args.new_tokens,
         "measurement": measurement(device, keep_allocator_cache=args.keep_allocator_cache),
@@ -238,7 +247,8 @@ def main() -> None:
     if args.smoke:
         print("SMOKE RUN: not a figure at scale")
     cache = "_allocator_cache" if args.keep_allocator_cache and device == "cpu" else ""
-    write_result(args.out, f"scale_{args.algo}_{args.shape}_l{fields['num_layers']}_{device}{cache}", result)
+    lora = f"_lora{args.lora}" if args.lora else ""
+    write_result(args.out, f"scale_{args.algo}_{args.shape}_l{fields['num_layers']}_{device}{lora}{cache}", result)
 
 
 if __name__ == "__main__":

@@ -22,17 +22,19 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from spmd_rlhf import checkpoint, run_directory
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from spmd_rlhf.config import ConfigError, config_reference, load_config, to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
-from spmd_rlhf.dataflow import ROLE_KINDS, Dataflow, algorithms_of
+from spmd_rlhf.dataflow import KL_TO_ACTOR_BASE, ROLE_KINDS, Dataflow, algorithms_of, conditions
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.models.vocabulary import check_role_vocabularies
@@ -44,6 +46,7 @@ from spmd_rlhf.runtime import (
     REQUEUE_EXIT_CODE, BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, stop_requested,
     wait_together,
 )
+from spmd_rlhf.runtime.host_memory import restart_with_huge_pages
 from spmd_rlhf.runtime.placement import place_roles
 from spmd_rlhf.sinks import truncate_metrics
 from spmd_rlhf.tiny import ensure_tiny_assets
@@ -236,6 +239,9 @@ class RLRecipe:
             calls["old_log_probs"] = self.actor.compute_log_probs(rollout)
         if "reference" in self.roles:
             calls["ref_log_probs"] = self.reference.compute_log_probs(rollout)
+        elif conditions(self.config)[KL_TO_ACTOR_BASE.name]:
+            # LoRA: the reference is the actor's base, its adapters switched off (no reference role exists).
+            calls["ref_log_probs"] = self.actor.compute_ref_log_probs(rollout)
         calls.update((name, call(rollout)) for name, call in also.items())
         results = dict(zip(calls, self.run_together(timer, **calls)))
         return Experience(
@@ -484,6 +490,8 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
     except (ConfigError, ValueError) as error:
         parser.exit(2, f"{recipe_class.name}: {error}\n")
     trainer = config.trainer
+    if trainer.host_huge_pages and (trainer.device == "cpu" or (trainer.device == "auto" and not torch.cuda.is_available())):
+        restart_with_huge_pages()
     runtime = RuntimeOptions(
         call_timeout_s=trainer.timeout_s, collective_timeout_s=trainer.collective_timeout_s, device=trainer.device,
         stop_timeout_s=trainer.stop_timeout_s,

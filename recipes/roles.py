@@ -44,6 +44,9 @@ class ActorHandle(TrainedHandle):
     def compute_log_probs(self, batch: Rows) -> CallFuture:
         return self.call("compute_log_probs", batch)
 
+    def compute_ref_log_probs(self, batch: Rows) -> CallFuture:
+        return self.call("compute_ref_log_probs", batch)
+
     def compute_advantages(
         self, *parts: Rows, estimator: str, kl_coef: float | None = None, source: str = "reward",
         baseline: Rows | None = None,

@@ -352,3 +352,24 @@ def test_overrides_apply_to_a_built_config_and_are_validated():
     assert config.actor.tp == 1  # the original is untouched
     with pytest.raises(ConfigError, match="rollout.tp=3: must divide actor.tp=2"):
         with_overrides(changed, ["rollout.tp=3"])
+
+
+def test_lora_actor_serves_the_reference_from_its_base():
+    from spmd_rlhf.config import load_config
+    from spmd_rlhf.dataflow import GRPO, conditions
+
+    with pytest.raises(ConfigError, match=r"reference\.enabled=true: .*actor\.lora\.rank=8 .* set reference\.enabled=false"):
+        load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8"])
+    config = load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8",
+                                "reference.enabled=false"])
+    assert conditions(config) == {
+        "kl_to_reference": False, "kl_to_actor_base": True, "recompute_log_probs": False, "rollout_role": False,
+        "generate_on_actor": True,
+    }
+    assert "reference" not in GRPO.roles_of(config) and GRPO.roles_of(config)["actor"]["preparation"] == ("forward",)
+    # Another reference model named: a reference role as before.
+    config = load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8",
+                                "reference.model_path=other"])
+    assert conditions(config)["kl_to_reference"] and not conditions(config)["kl_to_actor_base"]
+    with pytest.raises(ConfigError, match=r"actor\.lora\.target_modules=\[lm_head\]"):
+        load_config(None, ["actor.lora.rank=8", "actor.lora.target_modules=[lm_head]"])

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from spmd_rlhf.models import DecoderArgs, DecoderLM, read_decoder_args
 from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, split_by_bytes, write_index
@@ -53,6 +53,14 @@ ROLE_STATE_SUFFIX = "_state"
 HF_CONFIG = "hf_config"
 """Subdirectory of a role's state holding its model config, tokenizer and ``role.json`` (the model head)."""
 ROLE_FILE = "role.json"
+LORA_FILE = "lora.json"
+"""In ``HF_CONFIG`` of a role that trains LoRA adapters: their PEFT adapter config, naming the base model."""
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+"""A role's saved model state: its trained parameters (all of them, or with LoRA the adapters and a critic's head;
+the frozen base is read again from its model directory)."""
+LOAD_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Loading that state leaves the frozen parameters as loaded from the model directory (``_check_model_shapes``
+has checked that every trained one is in the checkpoint)."""
 
 
 # ---- the directory protocol ------------------------------------------------------------------------------------------
@@ -250,7 +258,7 @@ def save_role_state(
 ) -> None:
     """Save model, optimizer, LR schedule and this rank's RNG state with DCP (collective over ``process_group``, which
     must span every rank of the role): each rank writes its own shards."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
     state = {
         "model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
         _rng_key(process_group): _rng_state(),
@@ -265,7 +273,7 @@ def load_role_state(
     """Restore what ``save_role_state`` wrote, resharded to this layout (any DP size). A rank restores its RNG state
     when the saving job had a rank of that index (and the same devices); otherwise it keeps its own."""
     _create_optimizer_state(optimizer)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
     rng_key = _rng_key(process_group)
     saved = safe_dcp.read_metadata(state_dir).state_dict_metadata
@@ -274,7 +282,10 @@ def load_role_state(
     if rng:
         state[rng_key] = rng
     safe_dcp.load(state, state_dir, process_group=process_group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        options=LOAD_TRAINED_ONLY,
+    )
     scheduler.load_state_dict(state["scheduler"])
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"])
@@ -322,9 +333,12 @@ def _check_model_shapes(state_dir: str | os.PathLike, model_state: dict[str, Any
         )
 
 
-def save_model_config(state_dir: str | os.PathLike, model: DecoderLM, *, tokenizer_path: str) -> None:
-    """Write what rebuilds ``model`` without its original directory (HF config, tokenizer, head) into the role's
-    state; one rank of the role calls it."""
+def save_model_config(
+    state_dir: str | os.PathLike, model: DecoderLM, *, tokenizer_path: str, adapter_config: dict | None = None
+) -> None:
+    """Write what rebuilds ``model`` without its original directory (HF config, tokenizer, head; with LoRA the
+    adapter config naming the base model, whose weights the checkpoint does not hold) into the role's state; one
+    rank of the role calls it."""
     from transformers import AutoTokenizer
 
     config_dir = Path(state_dir, HF_CONFIG)
@@ -332,6 +346,8 @@ def save_model_config(state_dir: str | os.PathLike, model: DecoderLM, *, tokeniz
     model.args.hf_config.save_pretrained(config_dir)
     AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(config_dir)
     (config_dir / ROLE_FILE).write_text(json.dumps({"head": model.head}))
+    if adapter_config is not None:
+        (config_dir / LORA_FILE).write_text(json.dumps(adapter_config, indent=2))
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------
@@ -411,7 +427,7 @@ def _empty_export_target(out: Path, checkpoint_dir: Path, *, overwrite: bool) ->
 def export_hf(
     checkpoint_or_run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Iterable[str] = ("actor",), *,
     dtype: torch.dtype = torch.float32, bucket_bytes: int = 1024**3, max_shard_bytes: int = 5 * 1024**3,
-    overwrite: bool = False,
+    overwrite: bool = False, merge: bool = False,
 ) -> dict[str, Path]:
     """Write each role's weights from a checkpoint (or a run directory's latest) as a Hugging Face directory
     ``<out_dir>/<role>`` with its tokenizer, in ``dtype`` (float32: the master weights as trained); returns
@@ -420,7 +436,10 @@ def export_hf(
     new ones.
 
     Streams: at peak this holds one bucket of ``bucket_bytes`` of saved tensors (or one tensor when it is larger),
-    one saved chunk being read and one tensor converted to ``dtype``; never the whole model."""
+    one saved chunk being read and one tensor converted to ``dtype``; never the whole model.
+
+    A role that trained LoRA adapters is written as a PEFT adapter directory, or with ``merge`` as a full model with
+    the adapters merged into the base read from its model directory (``lora_export``)."""
     from transformers import AutoTokenizer
 
     checkpoint_dir = resolve_checkpoint(checkpoint_or_run_dir)
@@ -429,9 +448,15 @@ def export_hf(
     out = writable_dir(out_dir)
     written = {}
     for role, config_dir in config_dirs.items():
-        _, args, head, saved = _role_model_entries(checkpoint_dir, role)
         role_dir = out / role
         role_dir.mkdir(exist_ok=True)
+        written[role] = role_dir
+        if (config_dir / LORA_FILE).is_file():
+            from spmd_rlhf.lora_export import export_lora
+
+            export_lora(config_dir, role_dir, merge=merge, dtype=dtype, max_shard_bytes=max_shard_bytes)
+            continue
+        _, args, head, saved = _role_model_entries(checkpoint_dir, role)
         entries = [TensorEntry(name, tuple(entry.size), dtype) for name, entry in saved.items()]
         files = plan_files([entries], max_shard_bytes=max_shard_bytes)
         buckets = read_role_tensors(checkpoint_dir, role, bucket_bytes=bucket_bytes)
@@ -446,5 +471,4 @@ def export_hf(
                     file.write(bucket.pop(entry.name).to(dtype))
         write_index(role_dir, files)
         write_hf_metadata(role_dir, args, head=head, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(str(config_dir)))
-        written[role] = role_dir
     return written

@@ -6,6 +6,7 @@
     spmd-rlhf config --keys
     spmd-rlhf forward --model tiny/model --prompt "2+3="
     spmd-rlhf export outputs/grpo hf_out --roles actor
+    spmd-rlhf export outputs/grpo hf_out --merge        # a LoRA actor as a full model (default: a PEFT adapter)
     spmd-rlhf plot outputs/grpo
     spmd-rlhf plan --algo ppo --actor 7b --critic 7b --reward 7b --gpus 128 --gpus-per-node 8
     spmd-rlhf calibrate
@@ -74,6 +75,11 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--overwrite", action="store_true",
         help="empty a non-empty OUT_DIR first (without it, a non-empty OUT_DIR is refused: stale shards would be loaded)",
+    )
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="a role trained with LoRA: write a full model with the adapters merged into its base (default: a PEFT "
+             "adapter directory for peft.PeftModel.from_pretrained); other roles are always full models",
     )
 
 
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             written = export_hf(
-                args.checkpoint, args.out, roles=args.roles, dtype=getattr(torch, args.dtype), overwrite=args.overwrite
+                args.checkpoint, args.out, roles=args.roles, dtype=getattr(torch, args.dtype), overwrite=args.overwrite,
+                merge=args.merge,
             )
         except CheckpointError as error:
             print(f"export error: {error}", file=sys.stderr)

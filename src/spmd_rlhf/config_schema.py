@@ -19,6 +19,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 DEFAULT_KV_BLOCK_SIZE = 16
 PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
 DEVICE_SETTINGS = ("auto", "cuda", "cpu")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder's linear layers LoRA can adapt, by PEFT's names: the layers of spmd_rlhf.models.parallelize's TP plan (a
+test keeps them equal); all-linear means every one of them (never the LM head, as in PEFT)."""
 """The values of trainer.device (runtime.device.select_device turns one into a device and a backend)."""
 
 
@@ -104,6 +107,46 @@ class RoleConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int | None = None
+    """Rank r of the LoRA adapters (Hu et al. 2021) on the decoder's linear layers: the base weights are frozen and only
+    the adapters (and a critic's value head) train; null or 0: off, the whole model trains."""
+    alpha: float = 16.0
+    """Scaling numerator: an adapter adds (alpha / rank) * B A x to its layer's output (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training (PEFT's lora_dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Which linear layers of every decoder layer get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj, or [all-linear] for all of them."""
+    adapter_path: str | None = None
+    """Start from an existing PEFT adapter directory (adapter_config.json + adapter_model.safetensors) instead of fresh
+    adapters (B = 0); its rank, alpha and target modules must match these keys."""
+
+    def __post_init__(self) -> None:
+        _require(self, "rank", self.rank is None or self.rank >= 0, "must be >= 0 or null (0 and null: LoRA off)")
+        _require(self, "alpha", self.alpha > 0, "must be > 0")
+        _require(self, "dropout", 0 <= self.dropout < 1, "must be in [0, 1)")
+        targets = self.target_modules
+        allowed = targets == ["all-linear"] or (bool(targets) and set(targets) <= set(LORA_TARGETS))
+        _require(self, "target_modules", allowed, "must be [all-linear] or a non-empty list of " + ", ".join(LORA_TARGETS))
+        _require(self, "adapter_path", self.adapter_path != "", "must be a PEFT adapter directory or null")
+        _require(self, "adapter_path", self.adapter_path is None or self.enabled, "needs rank >= 1 (LoRA on)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rank)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The adapted layers' names, all-linear expanded."""
+        return LORA_TARGETS if self.target_modules == ["all-linear"] else tuple(self.target_modules)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank or 1)
+
+
+@dataclass
 class TrainableRoleConfig(RoleConfig):
     lr: float = 1e-5
     """Peak learning rate (AdamW)."""
@@ -123,6 +166,8 @@ class TrainableRoleConfig(RoleConfig):
     """Rows (responses) per optimizer step over all data-parallel ranks; must divide data.batch_size * rollout.n."""
     ppo_epochs: int = 1
     """Passes over each step's rollout batch, each taking one optimizer step per mini-batch."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -414,6 +459,10 @@ class TrainerConfig:
     device: str = "auto"
     """auto (cuda when a GPU is visible, else cpu), cuda (one GPU per rank, NCCL; an error without CUDA) or cpu
     (gloo only, even on a GPU machine)."""
+    host_huge_pages: bool = True
+    """On CPU, each rank restarts itself once at start with glibc's glibc.malloc.hugetlb=1 tunable where the kernel's
+    transparent huge pages are in madvise mode (runtime/host_memory.py): large transient tensors are then faulted in
+    2 MiB pages instead of 4 KiB ones (docs/benchmarks.md measures the gain). No effect on GPU ranks."""
     timeout_s: float = 600.0
     """Seconds the controller waits for a remote call (and for a step's calls together) before the job fails, naming
     the call still running; collectives have their own collective_timeout_s."""
@@ -574,6 +623,9 @@ class FrameworkConfig:
             _require(self, "placement", self.placement in ("split", "standalone", "manual"), rule)
             rule = "the rollout receives the actor's weights from one pipeline; set actor.pp=1 with rollout.enabled"
             _require(self, "actor.pp", self.actor.pp == 1, rule)
+            rule = ("the weight sync sends the trained weights, not LoRA adapters merged into them; set "
+                    "actor.lora.rank=0 or rollout.enabled=false")
+            _require(self, "actor.lora.rank", not self.actor.lora.enabled, rule)
             rule = "draws extra batches on the actor's devices, synchronously; set it false with rollout.enabled=true"
             _require(self, "algorithm.dynamic_sampling", not self.algorithm.dynamic_sampling, rule)
         if staleness:

@@ -67,9 +67,27 @@ class Condition:
     """The key and value that decide it, as a message names them (``algorithm.kl_penalty=reward``)."""
 
 
+def reference_is_actor_base(config: FrameworkConfig) -> bool:
+    """The actor trains LoRA adapters and no other reference model is named: the reference policy is the actor's
+    frozen base with its adapters switched off, so the actor computes the reference log-probs and no reference role
+    (no second copy of the model) exists."""
+    return config.actor.lora.enabled and config.reference.model_path is None
+
+
+def _kl_setting(config: FrameworkConfig) -> str:
+    setting = f"algorithm.kl_penalty={config.algorithm.kl_penalty}"
+    if reference_is_actor_base(config):
+        setting += f" with actor.lora.rank={config.actor.lora.rank} (the reference is the actor's base, adapters off)"
+    return setting
+
+
 KL_TO_REFERENCE = Condition(
-    "kl_to_reference", lambda config: config.algorithm.kl_penalty != "none",
-    lambda config: f"algorithm.kl_penalty={config.algorithm.kl_penalty}",
+    "kl_to_reference",
+    lambda config: config.algorithm.kl_penalty != "none" and not reference_is_actor_base(config), _kl_setting,
+)
+KL_TO_ACTOR_BASE = Condition(
+    "kl_to_actor_base",
+    lambda config: config.algorithm.kl_penalty != "none" and reference_is_actor_base(config), _kl_setting,
 )
 RECOMPUTE_LOG_PROBS = Condition(
     "recompute_log_probs", lambda config: config.rollout.recompute_log_probs,
@@ -168,7 +186,7 @@ ON_ACTOR = Condition(
     "generate_on_actor", lambda config: not config.rollout.enabled,
     lambda config: f"rollout.enabled={str(config.rollout.enabled).lower()}",
 )
-CONDITIONS = (KL_TO_REFERENCE, RECOMPUTE_LOG_PROBS, ROLLOUT_ROLE, ON_ACTOR)
+CONDITIONS = (KL_TO_REFERENCE, KL_TO_ACTOR_BASE, RECOMPUTE_LOG_PROBS, ROLLOUT_ROLE, ON_ACTOR)
 
 
 def is_model(role: str, config: FrameworkConfig) -> bool:
@@ -189,6 +207,7 @@ GRPO = Dataflow("grpo", (
     forward("reward"),
     forward("actor", when=RECOMPUTE_LOG_PROBS),
     forward("reference", when=KL_TO_REFERENCE),
+    forward("actor", when=KL_TO_ACTOR_BASE),
     train("actor"),
 ))
 """GRPO and its critic-free family (recipes/grpo.py, rloo.py): sample, score, log-probs, one policy update."""
@@ -198,6 +217,7 @@ REMAX = Dataflow("remax", (
     forward("reward"),
     forward("actor", when=RECOMPUTE_LOG_PROBS),
     forward("reference", when=KL_TO_REFERENCE),
+    forward("actor", when=KL_TO_ACTOR_BASE),
     greedy("actor"),
     train("actor"),
 ))
@@ -209,6 +229,7 @@ PPO = Dataflow("ppo", (
     forward("reward"),
     forward("actor", when=RECOMPUTE_LOG_PROBS),
     forward("reference", when=KL_TO_REFERENCE),
+    forward("actor", when=KL_TO_ACTOR_BASE),
     forward("critic"),
     train("actor"),
     train("critic"),
@@ -220,6 +241,7 @@ SAFE_RLHF = Dataflow("safe_rlhf", (
     forward("reward"),
     forward("actor", when=RECOMPUTE_LOG_PROBS),
     forward("reference", when=KL_TO_REFERENCE),
+    forward("actor", when=KL_TO_ACTOR_BASE),
     forward("critic"),
     forward("cost"),
     forward("cost_critic"),

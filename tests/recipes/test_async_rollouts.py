@@ -35,6 +35,7 @@ def test_every_batch_is_within_the_bound_and_issued_at_its_own_version(max_stale
     ([*ASYNC, "algorithm.dynamic_sampling=true"], "set it false with rollout.enabled=true"),
     ([*ASYNC, "algorithm.off_policy_correction=clip"], "algorithm.off_policy_correction"),
     ([*ASYNC, "algorithm.importance_cap=1.0"], "must be > 1"),
+    ([*ASYNC, "actor.lora.rank=4", "reference.enabled=false"], "not LoRA adapters merged into them"),
     (["algorithm.name=remax", "rollout.n=1", "critic.enabled=false", *ASYNC], "never calls the rollout"),
 ])
 def test_asynchronous_settings_are_checked(overrides, message):

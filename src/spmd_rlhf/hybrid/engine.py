@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.hybrid.layout import GenerationLayout
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.lora import ADAPTER_SUFFIXES, LoRAAdapters, is_adapter, merged_weight
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.pipeline import stage_layers
 
@@ -58,10 +59,12 @@ class HybridEngine:
     def __init__(
         self, model: torch.nn.Module, *, layout: GenerationLayout, rank: int, groups: dict[str, dist.ProcessGroup],
         pp_group: dist.ProcessGroup | None, stage_ranks: list[int], device: torch.device, attention_backend: str,
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         """``groups``: this rank's ``generation_tp``, ``micro_dp`` and ``rollout_rows`` groups, made by the runtime
-        from ``layout.process_groups()``; ``stage_ranks``: the global rank of each stage of this rank's pipeline."""
-        self.model, self.layout, self.rank = model, layout, rank
+        from ``layout.process_groups()``; ``stage_ranks``: the global rank of each stage of this rank's pipeline;
+        ``adapters``: the training model's LoRA adapters, merged into the generation weights as they are gathered."""
+        self.model, self.layout, self.rank, self.adapters = model, layout, rank, adapters
         self.pp_group, self.stage_ranks = pp_group, stage_ranks
         self.device, self.attention_backend = device, attention_backend
         self.tp_group = groups["generation_tp"] if layout.tp > 1 else None
@@ -112,22 +115,42 @@ class HybridEngine:
     def _gather_block(self, unit: list[tuple[torch.nn.Module, str, tuple[str, ...]]], targets: dict[str, torch.Tensor]) -> None:
         unit[0][0].unshard()  # the whole unit: every module of a run of layers at once
         sharded, locals_ = [], []
+        # Where each of the unit's tensors goes: its generation parameter, or for a LoRA adapter a buffer of its
+        # generation shape (split like its layer), merged below into the generation copy of its layer's weight; the
+        # training weights are never touched.
+        destinations: dict[str, torch.Tensor] = {}
+        adapters: list[str] = []
         for block, prefix, inner in unit:
             for name, param in block.named_parameters():
                 if name.startswith(inner):
                     continue  # a unit of its own
-                if _split_dim(param) is None:
-                    targets[prefix + name].copy_(param)
-                elif self.micro_dp_group is None:
-                    targets[prefix + name].copy_(_local(param))
+                full, dim = prefix + name, _split_dim(param)
+                if is_adapter(name):
+                    shape = list(_local(param).shape)
+                    if dim is not None and self.micro_dp_group is not None:
+                        shape[dim] *= self.layout.micro_dp
+                    destinations[full] = _local(param).new_empty(shape)
+                    adapters.append(full)
                 else:
-                    sharded.append((prefix + name, _local(param).shape, _split_dim(param)))
+                    destinations[full] = targets[full]
+                if dim is None:
+                    destinations[full].copy_(_local(param))
+                elif self.micro_dp_group is None:
+                    destinations[full].copy_(_local(param))
+                else:
+                    sharded.append((full, _local(param).shape, dim))
                     locals_.append(_local(param).reshape(-1))
         flat = torch.cat(locals_) if locals_ else None
         del locals_
         unit[0][0].reshard()  # FSDP's gathered buffers go before the micro-DP gather allocates its own
         if flat is not None:
-            self._gather_sharded(sharded, flat, targets)
+            self._gather_sharded(sharded, flat, destinations)
+        for name in adapters:
+            if name.endswith(ADAPTER_SUFFIXES[0]):
+                layer = name.removesuffix(ADAPTER_SUFFIXES[0])
+                weight = targets[f"{layer}.weight"]
+                lora_a, lora_b = destinations[name], destinations[layer + ADAPTER_SUFFIXES[1]]
+                weight.copy_(merged_weight(weight, lora_a, lora_b, self.adapters.config.scale))
 
     def _gather_sharded(self, sharded: list[tuple[str, torch.Size, int]], flat: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
         """All-gather the flattened TP shards of one block over the micro-DP group; each tensor's generation shard is

@@ -23,21 +23,27 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
+from spmd_rlhf.config_schema import LoRAConfig
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
+
+
+DECODER_LAYER_PLAN: dict[str, ParallelStyle] = {
+    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+    "model.layers.*.mlp.up_proj": ColwiseParallel(),
+    "model.layers.*.mlp.down_proj": RowwiseParallel(),
+}
+"""The linear layers of every decoder layer and their TP split (LoRA adapters split the same way, ``models.lora``)."""
 
 
 def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, ParallelStyle]:
     """Module name (``*`` = any layer) -> parallel style, for the parts ``model`` has (a pipeline stage may lack the
     embedding or the head)."""
-    plan: dict[str, ParallelStyle] = {
-        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-        "model.layers.*.mlp.up_proj": ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": RowwiseParallel(),
-    }
+    plan: dict[str, ParallelStyle] = dict(DECODER_LAYER_PLAN)
     if model.model.embed_tokens is not None:
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if getattr(model, "lm_head", None) is not None:
@@ -117,8 +123,10 @@ def parallelize(
     offload: bool = False,
     min_unit_bytes: int = 0,
     role: str = "model",
-) -> DecoderLM:
-    """Apply TP over ``tp_mesh`` (skipped when None or of size 1), activation checkpointing and ``torch.compile`` of
+    lora: LoRAConfig | None = None,
+) -> LoRAAdapters | None:
+    """Apply TP over ``tp_mesh`` (skipped when None or of size 1), LoRA adapters split like their layers when
+    ``lora`` is on (returned; None otherwise), activation checkpointing and ``torch.compile`` of
     each decoder layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None); ``offload``: FSDP2's
     ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, each block copied to the device
     for its forward and backward); ``min_unit_bytes``: how ``fsdp_units`` groups layers.
@@ -132,6 +140,7 @@ def parallelize(
         parallelize_module(model, tp_mesh, tensor_parallel_plan(model, gather_logits=gather_logits))
         if model.model.embed_tokens is not None and getattr(model, "lm_head", None) is not None:
             model.tie_weights()
+    adapters = apply_lora(model, lora, tp_mesh=tp_mesh) if lora is not None and lora.enabled else None
     for layer in model.model.layers.values():
         if activation_checkpointing:
             # The layer's own forward, recomputed in the backward pass; hooks (FSDP's) stay on the module's call.
@@ -144,5 +153,5 @@ def parallelize(
         for module in fsdp_units(model, min_unit_bytes):
             fully_shard(module, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
-    return model
+    return adapters
 

@@ -149,10 +149,12 @@ def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> 
     """Materialise a model built by ``build_model`` (maybe cut to a pipeline stage and parallelized since) on
     ``device`` and fill each parameter from the checkpoint. Each rank reads only its own piece of each tensor (the
     rectangle its TP, FSDP and PP shard covers, with safetensors' ``get_slice``; a plain tensor whole) and casts it
-    to the parameter's dtype: at peak it holds its shard plus one piece as stored. Returns the bytes read."""
+    to the parameter's dtype: at peak it holds its shard plus one piece as stored. Parameters the architecture does
+    not have (LoRA adapters) are left to whoever added them. Returns the bytes read."""
     device = torch.device(device)
     files = checkpoint_files(path)
-    _, to_initialise = _plan_load(_meta_copy(model), _tensor_shapes(files))
+    in_checkpoint, to_initialise = _plan_load(_meta_copy(model), _tensor_shapes(files))
+    in_checkpoint = set(in_checkpoint)
     model.to_empty(device=device)
     model.tie_weights()
     model.reset_buffers()
@@ -162,6 +164,8 @@ def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> 
         if name in to_initialise:
             local.zero_()
             continue
+        if name not in in_checkpoint:
+            continue  # added from outside the architecture (LoRA adapters): their owner fills them
         if not local.numel():
             continue
         # One open per tensor: the file's pages touched through the memory map are released with it.

@@ -47,7 +47,7 @@ class ActorWorker(RoleWorker):
         self.hybrid = HybridEngine(
             self.model.module, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
             groups=context.groups, pp_group=self.model.pp_group, stage_ranks=self.model.stage_ranks, device=self.device,
-            attention_backend=config.model.attention,
+            attention_backend=config.model.attention, adapters=self.model.adapters,
         )
 
     @staticmethod
@@ -105,9 +105,24 @@ class ActorWorker(RoleWorker):
     def compute_log_probs(self, batch: Batch) -> Batch:
         """``old_log_probs`` ``[rows, R]`` of the responses under the current policy (at the rollout temperature;
         0 past the response, like the engine's ``rollout_log_probs``)."""
+        return self._response_log_probs(batch, "compute_log_probs", "old_log_probs")
+
+    @data_parallel
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """``ref_log_probs`` ``[rows, R]`` under the reference policy when that is this actor's base
+        (``dataflow.reference_is_actor_base``): the same forward pass with the LoRA adapters switched off, so the
+        reference needs no second copy of the model."""
+        if self.model.adapters is None:
+            raise ValueError(
+                "actor.compute_ref_log_probs needs LoRA adapters (actor.lora.rank >= 1); without them the reference is "
+                "a role of its own (reference.enabled=true)"
+            )
+        with self.model.adapters.disabled():
+            return self._response_log_probs(batch, "compute_ref_log_probs", "ref_log_probs")
+
+    def _response_log_probs(self, batch: Batch, method: str, key: str) -> Batch:
         return self.model.forward_rows(
-            batch, "compute_log_probs", "old_log_probs",
-            lambda logits, micro: self.model.response_log_probs(logits, micro, self.temperature)[0],
+            batch, method, key, lambda logits, micro: self.model.response_log_probs(logits, micro, self.temperature)[0]
         )
 
     # ---- advantages --------------------------------------------------------------------------------------------

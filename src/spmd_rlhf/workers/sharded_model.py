@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from ..checkpoint import save_model_config
@@ -29,6 +30,7 @@ from ..models import (
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
 )
+from ..models.lora import write_peft_adapter
 from ..models.parallelize import parallelize
 from ..models.pipeline import Pipeline, split_stage
 from ..models.sharded_save import save_sharded_pretrained
@@ -66,21 +68,27 @@ class ShardedModel:
         path = self.model_path = role_config.model_path or config.model.path
         torch.manual_seed(config.trainer.seed)
         compute_dtype = getattr(torch, config.model.dtype)
-        # Trained roles keep float32 master weights and compute in model.dtype; frozen ones store model.dtype directly.
-        storage_dtype = torch.float32 if trainable else compute_dtype
+        lora = getattr(role_config, "lora", None) if trainable else None
+        self.lora = lora if lora is not None and lora.enabled else None
+        """The role's LoRA settings when it trains adapters (its base weights then stay frozen in model.dtype)."""
+        # Trained roles keep float32 master weights and compute in model.dtype; frozen ones (a LoRA base too) store
+        # model.dtype directly.
+        storage_dtype = torch.float32 if trainable and self.lora is None else compute_dtype
         # Built on the meta device and parallelized there; each rank then reads only its own pieces of the weights.
         model = build_model(path, head=head, dtype=storage_dtype, attention_backend=config.model.attention)
         dims, name = context.dims, context.name
         model = split_stage(model, stage=coordinates.pp, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         on_gpu = self.device.type == "cuda"
-        parallelize(
-            model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name,
+        self.adapters = parallelize(
+            model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name, lora=self.lora,
             activation_checkpointing=config.model.activation_checkpointing and trainable,
             compile_layers=config.model.compile and on_gpu, offload=role_config.offload and on_gpu,
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )
         load_weights(model, path, device=self.device)
+        if self.adapters is not None:
+            self.adapters.initialize(model, seed=config.trainer.seed)
         self.one_fsdp_unit = dims.dp > 1 and dims.pp == 1 and not any(
             isinstance(module, FSDPModule) for module in model.modules() if module is not model
         )
@@ -209,20 +217,24 @@ class ShardedModel:
         """The model config and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from a checkpoint alone
         (written by role rank 0)."""
         if self.context.role_rank == 0:
-            save_model_config(checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path)
+            adapter_config = None if self.adapters is None else self.adapters.peft_config(self.model_path, head=self.module.head)
+            save_model_config(checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path, adapter_config=adapter_config)
 
     def save_pretrained(self, out_dir: str) -> str:
-        """Write the current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default
+        """With LoRA, the trained adapters as a PEFT adapter directory (``_save_adapter``). Otherwise write the
+        current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default
         ``model.dtype``), streamed from the shards: each pipeline stage's first rank writes that stage's files,
         gathering one row band of one tensor at a time (``models.sharded_save``); returns ``out_dir``. Every rank of
         the role calls it."""
-        dims, role_rank = self.context.dims, self.context.role_rank
-        per_stage = dims.dp * dims.tp
-        stage_start = role_rank // per_stage * per_stage
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
                 # The copy reads the sharded master weights, whatever gathered state the last forward left behind.
                 module.reshard()
+        if self.adapters is not None:
+            return self._save_adapter(out_dir)
+        dims, role_rank = self.context.dims, self.context.role_rank
+        per_stage = dims.dp * dims.tp
+        stage_start = role_rank // per_stage * per_stage
         tokenizer = None
         if role_rank == 0:
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
@@ -232,4 +244,22 @@ class ShardedModel:
             writers_group=self.pp_group, group=self.role_group, dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
             device=self.device, tokenizer=tokenizer,
         )
+        return out_dir
+
+    def _save_adapter(self, out_dir: str) -> str:
+        """The trained parameters (LoRA adapters, and a critic's head) as a PEFT adapter directory with the tokenizer,
+        which ``peft.PeftModel.from_pretrained`` loads onto the base model (``model_path``). Each adapter is
+        gathered whole (``r x (in + out)`` values: small beside the model) on every rank of its stage; the stages'
+        adapters meet on role rank 0, which writes."""
+        tensors = {
+            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().float().cpu()
+            for name, param in self.module.named_parameters() if param.requires_grad
+        }
+        if self.pp_group is not None:
+            stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(self.pp_group))]
+            dist.all_gather_object(stages, tensors, group=self.pp_group)
+            tensors = {name: tensor for stage in stages for name, tensor in stage.items()}
+        if self.context.role_rank == 0:
+            write_peft_adapter(out_dir, tensors, self.adapters.peft_config(self.model_path, head=self.module.head))
+            AutoTokenizer.from_pretrained(self.tokenizer_path).save_pretrained(out_dir)
         return out_dir

@@ -89,8 +89,9 @@ class Trainer:
         self.max_response_length = max_response_length
         # Fused: one pass over each parameter's state (CPU and CUDA kernels, DTensor shards included) where the
         # default loops over the parameters in Python, six passes each: 8x faster on CPU for 0.5B-sized layers.
+        # Only trained parameters get optimizer state: with LoRA, the adapters (and a critic's head), not the base.
         self.optimizer = torch.optim.AdamW(
-            model.module.parameters(), lr=role_config.lr, betas=tuple(role_config.betas),
+            [param for param in model.module.parameters() if param.requires_grad], lr=role_config.lr, betas=tuple(role_config.betas),
             weight_decay=role_config.weight_decay, fused=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -1,0 +1,252 @@
+"""LoRA adapters (Hu et al. 2021) on a ``DecoderLM``'s linear layers, applied from outside the model like the TP plan.
+
+An adapted layer ``y = W x`` becomes ``y = W x + (alpha / r) * B A dropout(x)`` with ``A: [r, in]`` and ``B: [out, r]``
+held as ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight`` (PEFT's names, so a PEFT adapter file maps onto them by
+dropping its ``base_model.model.`` prefix). The base weights are frozen and may stay in the model's dtype; the adapters
+are float32 and are the only parameters that get gradients (a critic's value head trains too).
+
+Under tensor parallelism each adapter is split like its base layer (the split read from the TP plan):
+
+- column-parallel (q/k/v, gate/up): ``A`` replicated, ``B`` sharded over its output rows (``Shard(0)``) like ``W``;
+  ``h = A x`` is computed whole on every rank, and the gradient of ``h`` is summed over the TP group in the backward
+  pass (each rank's ``B`` rows see only their slice of the output), so ``A``'s gradient is the same everywhere.
+- row-parallel (o, down): ``A`` sharded over its input columns (``Shard(1)``) like ``W``, ``B`` replicated; each rank's
+  partial ``A x`` is summed over the TP group in the forward pass (as ``W x`` is).
+
+FSDP2 then shards adapters and base weights of a decoder layer in the layer's unit: one all-gather per unit for both,
+and a reduce-scatter of the adapters' gradients only (FSDP2 reduces the parameters that have gradients), so frozen
+weights cost no gradient or optimizer memory while adding no collective of their own.
+
+The reference policy is the base with the adapters switched off (``LoRAAdapters.disabled``); generation and export
+merge ``W + (alpha / r) B A`` into a copy of the weights (``merged_weight``), never into the training weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from spmd_rlhf.config_schema import LoRAConfig
+from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.shard_pieces import local_piece
+
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before a base model's parameter name in adapter_model.safetensors."""
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def is_adapter(name: str) -> bool:
+    """The parameter ``name`` is a LoRA adapter's."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+def layer_splits() -> dict[str, str]:
+    """Adaptable layer name -> ``column`` or ``row``, read from the TP plan (one fact, one place)."""
+    from spmd_rlhf.models.parallelize import DECODER_LAYER_PLAN
+
+    return {
+        key.rsplit(".", 1)[1]: "column" if isinstance(style, ColwiseParallel) else "row"
+        for key, style in DECODER_LAYER_PLAN.items()
+    }
+
+
+class _SumGradientOverGroup(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group`` (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Sum over ``group`` forward; identity backward, the gradient being the same on every rank (Megatron's ``g``)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = tensor.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class _AdapterHook:
+    """The forward hook that adds an adapter's output to its base layer's (after TP's own hooks: the output is this
+    rank's local tensor, the input as the base layer saw it)."""
+
+    adapters: LoRAAdapters
+    split: str
+    group: dist.ProcessGroup | None
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if not self.adapters.enabled:
+            return output
+        lora_a, lora_b = _local(module.lora_A.weight), _local(module.lora_B.weight)
+        x = _local(args[0]).to(lora_a.dtype)
+        x = F.dropout(x, self.adapters.config.dropout, training=module.training)
+        hidden = F.linear(x, lora_a)
+        if self.group is not None:
+            hidden = (_SumGradientOverGroup if self.split == "column" else _SumOverGroup).apply(hidden, self.group)
+        return output + (F.linear(hidden, lora_b) * self.adapters.config.scale).to(output.dtype)
+
+
+class LoRAAdapters:
+    """The adapters of one model: which layers have them, the switch that turns them all off (the reference policy),
+    their initialisation and their PEFT file format."""
+
+    def __init__(self, config: LoRAConfig, layers: dict[str, str]) -> None:
+        self.config = config
+        self.layers = layers
+        """Adapted layer (full module name) -> its TP split, column or row."""
+        self.enabled = True
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The base model: every adapter's output left out while inside."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    @torch.no_grad()
+    def initialize(self, model: nn.Module, *, seed: int) -> None:
+        """Fill this rank's pieces of every adapter: from ``config.adapter_path`` (a PEFT adapter) if given, else
+        ``A`` uniform in +-1/sqrt(in) (PEFT's Kaiming init) from a generator seeded by ``seed`` and the parameter's
+        name (the same full tensor on every rank, whatever the layout) and ``B`` zero, so training starts at the
+        base model. Holds one full adapter tensor at a time."""
+        stored = read_peft_adapter(self.config) if self.config.adapter_path else None
+        for name, param in model.named_parameters():
+            if not is_adapter(name):
+                continue
+            local, piece = local_piece(param)
+            if stored is not None:
+                full = stored.pop(name)
+            elif name.endswith(".lora_B.weight"):
+                full = torch.zeros(param.shape)
+            else:
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                bound = param.shape[1] ** -0.5
+                full = torch.rand(param.shape, generator=generator) * (2 * bound) - bound
+            local.copy_(full[piece.slices()])
+        if stored:
+            raise ValueError(
+                f"lora.adapter_path={self.config.adapter_path} holds adapters this model has no layer for "
+                f"({', '.join(sorted(stored)[:3])}); use an adapter trained on this base model"
+            )
+
+    def peft_config(self, base_model: str, *, head: str = "lm") -> dict:
+        """adapter_config.json for PEFT (``PeftModel.from_pretrained`` reads it); a value or score head trains in
+        full beside the adapters (PEFT's ``modules_to_save``)."""
+        task = {"lm": "CAUSAL_LM", "value": "TOKEN_CLS", "score": "SEQ_CLS"}[head]
+        return {
+            "peft_type": "LORA", "task_type": task, "base_model_name_or_path": os.path.abspath(base_model),
+            "r": self.config.rank, "lora_alpha": self.config.alpha, "lora_dropout": self.config.dropout,
+            "target_modules": sorted(self.config.modules), "bias": "none", "fan_in_fan_out": False,
+            "inference_mode": True, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "modules_to_save": None if head == "lm" else ["score"],
+        }
+
+
+def apply_lora(model: DecoderLM, config: LoRAConfig, *, tp_mesh: DeviceMesh | None) -> LoRAAdapters:
+    """Add float32 adapters to ``config.modules`` of every decoder layer of ``model`` (after TP, before FSDP; on the
+    meta device like the model), split like their base layers over ``tp_mesh``; freeze everything else but a value
+    or score head, which trains in float32 beside the adapters."""
+    splits = layer_splits()
+    tensor_parallel = tp_mesh is not None and tp_mesh.size() > 1
+    group = tp_mesh.get_group() if tensor_parallel else None
+    model.requires_grad_(False)
+    adapters = LoRAAdapters(config, {})
+    rank = config.rank
+    for layer_name, layer in model.model.layers.items():
+        for module_name, module in layer.named_modules():
+            short = module_name.rsplit(".", 1)[-1]
+            if short not in config.modules:
+                continue
+            split = splits[short]
+            out_features, in_features = module.weight.shape  # global shape, also of a TP DTensor
+            device = module.weight.device
+            pieces = {"lora_A": ((rank, in_features), Shard(1) if split == "row" else Replicate()),
+                      "lora_B": ((out_features, rank), Shard(0) if split == "column" else Replicate())}
+            for piece_name, (shape, placement) in pieces.items():
+                weight = torch.empty(shape, dtype=torch.float32, device=device)
+                if tensor_parallel:
+                    weight = distribute_tensor(weight, tp_mesh, [placement])
+                holder = nn.Module()
+                holder.weight = nn.Parameter(weight)
+                module.add_module(piece_name, holder)
+            module.register_forward_hook(_AdapterHook(adapters, split, group))
+            adapters.layers[f"model.layers.{layer_name}.{module_name}"] = split
+    head = getattr(model, "score", None)
+    if head is not None:
+        head.to(torch.float32).requires_grad_(True)
+    return adapters
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale * B A`` in float32, returned in ``weight``'s dtype (a new tensor: ``weight`` is left as it is)."""
+    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
+
+def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
+    """The adapter tensors of the PEFT directory ``config.adapter_path``, under this model's names; an error naming
+    what to change when its rank, alpha or target modules differ from ``config``."""
+    from safetensors.torch import load_file
+
+    path = config.adapter_path
+    config_file, weights_file = os.path.join(path, PEFT_CONFIG), os.path.join(path, PEFT_WEIGHTS)
+    if not (os.path.isfile(config_file) and os.path.isfile(weights_file)):
+        raise FileNotFoundError(f"lora.adapter_path={path}: no {PEFT_CONFIG} and {PEFT_WEIGHTS} there (a PEFT save_pretrained directory)")
+    with open(config_file, encoding="utf-8") as handle:
+        saved = json.load(handle)
+    targets = saved.get("target_modules")
+    # PEFT writes all-linear, short names, or (after expanding all-linear) full module names.
+    targets = sorted(layer_splits()) if targets == "all-linear" else sorted({name.rsplit(".", 1)[-1] for name in targets or []})
+    expected = {"r": config.rank, "lora_alpha": config.alpha, "target_modules": sorted(config.modules)}
+    found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"), "target_modules": targets}
+    keys = {"r": "rank", "lora_alpha": "alpha", "target_modules": "target_modules"}
+    for key, value in expected.items():
+        if found[key] != value:
+            raise ValueError(f"lora.adapter_path={path} has {key}={found[key]}; set lora.{keys[key]} to match (now {value})")
+    return {name.removeprefix(PEFT_PREFIX): tensor.float() for name, tensor in load_file(weights_file).items()}
+
+
+def write_peft_adapter(out_dir: str, tensors: dict[str, torch.Tensor], adapters_config: dict) -> list[str]:
+    """A PEFT adapter directory: ``adapter_model.safetensors`` (``tensors`` under PEFT's names) and its config."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, PEFT_WEIGHTS)
+    save_file({PEFT_PREFIX + name: tensor.contiguous() for name, tensor in tensors.items()}, weights)
+    config_file = os.path.join(out_dir, PEFT_CONFIG)
+    with open(config_file, "w", encoding="utf-8") as handle:
+        json.dump(adapters_config, handle, indent=2)
+    return [weights, config_file]

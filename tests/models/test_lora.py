@@ -1,0 +1,194 @@
+"""LoRA adapters against PEFT on the same weights, for every family: the adapted forward, the base with adapters off,
+a PEFT adapter as the starting point, and the merged weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fixtures import FAMILIES, padded_batch, write_hf_model
+from spmd_rlhf.config_schema import LORA_TARGETS, ConfigError, LoRAConfig
+from spmd_rlhf.models.lora import LoRAAdapters, is_adapter, layer_splits, merged_weight, write_peft_adapter
+from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.models.weights import build_model, load_weights
+
+
+def lora_model(path: str, config: LoRAConfig, *, seed: int = 0):
+    model = build_model(path, attention_backend="torch")
+    adapters = parallelize(model, tp_mesh=None, dp_mesh=None, lora=config)
+    load_weights(model, path, device="cpu")
+    adapters.initialize(model, seed=seed)
+    return model.eval(), adapters
+
+
+def randomize_adapters(model: torch.nn.Module, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Non-zero B (fresh adapters are the base model exactly); returns every adapter tensor by name."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter(name):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return {name: param.detach().clone() for name, param in model.named_parameters() if is_adapter(name)}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return str(path), write_hf_model(request.param, str(path))
+
+
+def test_targets_are_the_tensor_parallel_layers():
+    assert sorted(LORA_TARGETS) == sorted(layer_splits())
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj", "down_proj"]])
+def test_forward_equals_peft_and_base_with_adapters_off(family, targets, tmp_path):
+    from peft import PeftModel
+
+    path, hf_model = family
+    config = LoRAConfig(rank=4, alpha=8.0, target_modules=targets)
+    model, adapters = lora_model(path, config)
+    trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert trained and all(is_adapter(name) for name in trained)
+    assert all(param.dtype == torch.float32 for name, param in model.named_parameters() if is_adapter(name))
+    tensors = randomize_adapters(model)
+    write_peft_adapter(str(tmp_path / "adapter"), tensors, adapters.peft_config(path))
+    input_ids, attention_mask, position_ids = padded_batch(batch=3, seq=12, side="left")
+    real = attention_mask.bool()
+    with torch.no_grad():
+        base = hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        peft_model = PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()
+        expected = peft_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        ours = model(input_ids, attention_mask=attention_mask)
+        with adapters.disabled():
+            ours_base = model(input_ids, attention_mask=attention_mask)
+        peft_model.unload()  # hands hf_model back without adapters for the next test
+    assert (expected[real] - base[real]).abs().max() > 1e-3  # the adapters change the output
+    assert (ours[real] - expected[real]).abs().max().item() <= 1e-5
+    assert (ours_base[real] - base[real]).abs().max().item() <= 1e-5
+
+
+def test_peft_adapter_is_a_starting_point_and_merges_like_peft(tmp_path):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    path = str(tmp_path / "base")
+    hf_model = write_hf_model("qwen2_untied", path)
+    peft_model = get_peft_model(hf_model, PeftLoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    config = LoRAConfig(rank=4, alpha=16.0, adapter_path=str(tmp_path / "adapter"))
+    model, adapters = lora_model(path, config)
+    input_ids, attention_mask, position_ids = padded_batch(batch=2, seq=10, side="left")
+    with torch.no_grad():
+        expected = peft_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        ours = model(input_ids, attention_mask=attention_mask)
+        merged = peft_model.merge_and_unload().state_dict()
+    real = attention_mask.bool()
+    assert (ours[real] - expected[real]).abs().max().item() <= 1e-5
+    params = dict(model.named_parameters())
+    for layer in adapters.layers:
+        ours_merged = merged_weight(
+            params[f"{layer}.weight"], params[f"{layer}.lora_A.weight"], params[f"{layer}.lora_B.weight"], config.scale
+        )
+        torch.testing.assert_close(ours_merged, merged[f"{layer}.weight"], atol=1e-6, rtol=1e-6)
+
+
+def test_mismatched_peft_adapter_names_the_key(tmp_path):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    path = str(tmp_path / "base")
+    get_peft_model(write_hf_model("llama3", path), PeftLoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match="set lora.rank"):
+        lora_model(path, LoRAConfig(rank=4, target_modules=["q_proj"], adapter_path=str(tmp_path / "adapter")))
+
+
+def test_fresh_adapters_start_at_the_base_model(family):
+    path, hf_model = family
+    model, _ = lora_model(path, LoRAConfig(rank=2))
+    input_ids, attention_mask, position_ids = padded_batch(batch=2, seq=8, side="right")
+    with torch.no_grad():
+        expected = hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        ours = model(input_ids, attention_mask=attention_mask)
+    real = attention_mask.bool()
+    assert (ours[real] - expected[real]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(rank=-1), "rank=-1"),
+        (dict(rank=4, target_modules=["lm_head"]), "target_modules"),
+        (dict(rank=4, dropout=1.0), "dropout"),
+        (dict(rank=None, adapter_path="x"), "adapter_path"),
+    ],
+)
+def test_config_rejects(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        LoRAConfig(**settings)
+
+
+def test_lora_is_off_by_default_and_scales_by_alpha_over_rank():
+    assert not LoRAConfig().enabled and not LoRAConfig(rank=0).enabled
+    assert LoRAConfig(rank=8, alpha=16).scale == 2.0
+    adapters = LoRAAdapters(LoRAConfig(rank=2), {})
+    with adapters.disabled():
+        assert not adapters.enabled
+    assert adapters.enabled
+
+
+def test_a_critic_trains_its_adapters_and_its_value_head_in_float32(tmp_path):
+    path = str(tmp_path / "critic")
+    write_hf_model("llama3", path, kind="value")
+    model = build_model(path, head="value", dtype=torch.bfloat16, attention_backend="torch")
+    parallelize(model, tp_mesh=None, dp_mesh=None, lora=LoRAConfig(rank=2, target_modules=["q_proj"]))
+    trained = {name: param.dtype for name, param in model.named_parameters() if param.requires_grad}
+    assert set(trained) == {"score.weight", "score.bias"} | {
+        f"model.layers.{index}.self_attn.q_proj.lora_{piece}.weight" for index in range(2) for piece in "AB"
+    }
+    assert set(trained.values()) == {torch.float32}
+    assert model.model.layers["0"].mlp.up_proj.weight.dtype == torch.bfloat16  # the frozen base stays in bf16
+
+
+def test_a_critic_adapter_with_its_head_loads_in_peft(tmp_path):
+    from peft import PeftModel
+
+    path = str(tmp_path / "critic")
+    hf_model = write_hf_model("qwen2_untied", path, kind="value")
+    model = build_model(path, head="value", attention_backend="torch")
+    adapters = parallelize(model, tp_mesh=None, dp_mesh=None, lora=LoRAConfig(rank=2, alpha=4.0))
+    load_weights(model, path, device="cpu")
+    adapters.initialize(model, seed=0)
+    randomize_adapters(model)
+    with torch.no_grad():
+        model.score.weight.mul_(3.0)  # a trained head differs from the base's
+    trained = {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+    write_peft_adapter(str(tmp_path / "adapter"), trained, adapters.peft_config(path, head="value"))
+    input_ids, attention_mask, position_ids = padded_batch(batch=2, seq=9, side="left")
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[..., 0]
+        ours = model.eval()(input_ids, attention_mask=attention_mask)
+    real = attention_mask.bool()
+    assert (ours[real] - expected[real]).abs().max().item() <= 1e-5
+
+
+def test_adapter_gradients_are_the_same_under_activation_checkpointing(tmp_path):
+    path = str(tmp_path / "base")
+    write_hf_model("qwen3", path)
+    gradients = []
+    for checkpointing in (False, True):
+        model = build_model(path, attention_backend="torch")
+        adapters = parallelize(model, tp_mesh=None, dp_mesh=None, activation_checkpointing=checkpointing,
+                               lora=LoRAConfig(rank=2, dropout=0.1))
+        load_weights(model, path, device="cpu")
+        adapters.initialize(model, seed=0)
+        randomize_adapters(model)
+        input_ids, attention_mask, _ = padded_batch(batch=2, seq=8, side="right")
+        torch.manual_seed(0)  # the same dropout masks; checkpointing replays them in the recomputation
+        model.train()(input_ids, attention_mask=attention_mask).float().logsumexp(-1).mean().backward()
+        gradients.append({name: param.grad for name, param in model.named_parameters() if param.requires_grad})
+    assert gradients[0].keys() == gradients[1].keys()
+    assert all(gradients[0][name].abs().max() > 0 for name in gradients[0])
+    for name in gradients[0]:
+        torch.testing.assert_close(gradients[1][name], gradients[0][name], rtol=1e-5, atol=1e-7, msg=name)
