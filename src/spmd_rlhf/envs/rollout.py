@@ -1,0 +1,161 @@
+"""Multi-turn rollouts on the generation engine: generate a turn for every live trajectory, let each environment
+answer, append the answer's tokens, repeat.
+
+Per trajectory, after the prompt: the policy's tokens of each turn exactly as sampled (with their log-probs, mask 1),
+then the observations' tokens from the chat template's delta (``chat_delta.ChatDelta``; mask 0, log-prob 0), and so
+on. Every turn's engine output must extend the trajectory's tokens (``check_prefix_extension``), and all turns run in
+one ``prefix_cache_session``, so each turn's prefill reuses the K/V blocks of the turns before it.
+
+A trajectory ends when its environment says so, after ``max_turns`` turns, when a turn ends without the template's
+end-of-turn token (cut at ``max_new_tokens``, or another stop token: there is no token-exact way to append an
+observation after an unfinished turn), or when the next observation would leave no room in the budget of
+``max_response_tokens`` tokens after the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..engine import LLMEngine, SamplingParams
+from ..engine.sampler import derive_seed
+from .base import Environment
+from .chat_delta import ChatDelta, check_prefix_extension
+
+
+@dataclass
+class MultiTurnStats:
+    """Engine counters summed over a rollout's turns."""
+
+    turns: int = 0
+    """Engine calls (the longest trajectory's turns)."""
+    prefill_tokens: int = 0
+    cached_prefill_tokens: int = 0
+    """Prompt tokens whose K/V an earlier turn had computed (or another sample of the prompt shared)."""
+    preemptions: int = 0
+
+
+@dataclass
+class Trajectory:
+    prompt_token_ids: list[int]
+    messages: list[dict[str, Any]]
+    """The conversation as text: the initial messages, then each assistant turn and its observations."""
+    response_token_ids: list[int] = field(default_factory=list)
+    """Everything after the prompt: generated and observation tokens, in order."""
+    generated_mask: list[int] = field(default_factory=list)
+    """1 where the policy sampled the token of ``response_token_ids``, 0 on observation (template) tokens."""
+    log_probs: list[float] = field(default_factory=list)
+    """The engine's log-prob of each generated token; 0 on observation tokens."""
+    env_reward: float = 0.0
+    num_turns: int = 0
+    finish_reason: str | None = None
+    """done (the environment ended it), max_turns, unfinished_turn or budget."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.response_token_ids
+
+    def extend(self, token_ids: list[int], *, generated: bool, log_probs: Sequence_[float] | None = None) -> None:
+        self.response_token_ids += token_ids
+        self.generated_mask += [int(generated)] * len(token_ids)
+        self.log_probs += list(log_probs) if generated else [0.0] * len(token_ids)
+
+
+def run_multi_turn(
+    engine: LLMEngine,
+    prompt_token_ids: list[list[int]],
+    environments: list[Environment],
+    rows: list[dict[str, Any]],
+    params: list[SamplingParams],
+    *,
+    delta: ChatDelta,
+    max_turns: int,
+    max_response_tokens: int,
+) -> tuple[list[Trajectory], MultiTurnStats]:
+    """One trajectory per prompt, ``environments[i]`` (fresh) answering trajectory i started from ``rows[i]``, turns
+    sampled with ``params[i]`` (its ``max_new_tokens`` per turn; turn t > 0 draws with seed ``derive_seed(seed, t)``
+    so turns never repeat one another's noise)."""
+    trajectories = [
+        Trajectory(list(tokens), environment.reset(row))
+        for tokens, environment, row in zip(prompt_token_ids, environments, rows, strict=True)
+    ]
+    stats = MultiTurnStats()
+    with engine.prefix_cache_session([len(tokens) + max_response_tokens for tokens in prompt_token_ids]):
+        live = list(range(len(trajectories)))
+        for turn in range(max_turns):
+            if not live:
+                break
+            requests = [trajectories[index].token_ids for index in live]
+            turn_params = [_turn_params(params[index], turn, max_response_tokens - len(trajectories[index].response_token_ids)) for index in live]
+            outputs = engine.generate(requests, turn_params)
+            stats.turns += 1
+            stats.prefill_tokens += engine.stats.prefill_tokens
+            stats.cached_prefill_tokens += engine.stats.cached_prefill_tokens
+            stats.preemptions += engine.stats.preemptions
+            still_live = []
+            for index, request, output in zip(live, requests, outputs):
+                trajectory, environment = trajectories[index], environments[index]
+                check_prefix_extension(request, output.token_ids, where=f"trajectory {index} turn {turn}")
+                trajectory.extend(output.generated_token_ids, generated=True, log_probs=output.log_probs)
+                trajectory.num_turns += 1
+                text = delta.tokenizer.decode(output.generated_token_ids, skip_special_tokens=True)
+                result = environment.step(trajectory.messages, text)
+                trajectory.messages.append({"role": "assistant", "content": text})
+                trajectory.env_reward += result.reward
+                reason = _end_reason(output.generated_token_ids, result.done, turn, max_turns, delta)
+                if reason is None:
+                    observation = delta.observation_ids(result.observations)
+                    # The next turn needs room for at least one token after the observation.
+                    if len(trajectory.response_token_ids) + len(observation) >= max_response_tokens:
+                        reason = "budget"
+                    else:
+                        trajectory.messages += result.observations
+                        trajectory.extend(observation, generated=False)
+                if reason is None:
+                    still_live.append(index)
+                else:
+                    trajectory.finish_reason = reason
+                    trajectory.env_reward += environment.trajectory_reward(trajectory.messages)
+            live = still_live
+    return trajectories, stats
+
+
+def _turn_params(params: SamplingParams, turn: int, room: int) -> SamplingParams:
+    seed = params.seed if turn == 0 or params.seed is None else derive_seed(params.seed, turn)
+    return replace(params, max_new_tokens=min(params.max_new_tokens, room), seed=seed)
+
+
+def _end_reason(generated: list[int], done: bool, turn: int, max_turns: int, delta: ChatDelta) -> str | None:
+    if done:
+        return "done"
+    if turn + 1 >= max_turns:
+        return "max_turns"
+    if not generated or generated[-1] != delta.turn_end_id:
+        return "unfinished_turn"
+    return None
+
+
+def response_tensors(
+    responses: list[tuple[list[int], list[int], list[float]]], *, width: int, pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """Rows of (token ids after the prompt, generated mask, log-probs) as right-padded ``[rows, width]`` tensors:
+    ``responses``, ``response_mask`` (the generated tokens: what the loss and the KL see), ``trajectory_mask`` (every
+    token after the prompt, observations included: what attention sees) and ``rollout_log_probs`` (0 elsewhere)."""
+    rows = len(responses)
+    tensors = {
+        "responses": torch.full((rows, width), pad_token_id, dtype=torch.long),
+        "response_mask": torch.zeros((rows, width), dtype=torch.long),
+        "trajectory_mask": torch.zeros((rows, width), dtype=torch.long),
+        "rollout_log_probs": torch.zeros((rows, width), dtype=torch.float32),
+    }
+    for row, (token_ids, generated_mask, log_probs) in enumerate(responses):
+        length = len(token_ids)
+        assert length <= width, f"a response of {length} tokens is over the {width} budget"
+        tensors["responses"][row, :length] = torch.tensor(token_ids, dtype=torch.long)
+        tensors["response_mask"][row, :length] = torch.tensor(generated_mask, dtype=torch.long)
+        tensors["trajectory_mask"][row, :length] = 1
+        tensors["rollout_log_probs"][row, :length] = torch.tensor(log_probs, dtype=torch.float32)
+    return tensors
