@@ -1,0 +1,60 @@
+"""Multi-turn GRPO through the recipe on 2 CPU ranks: trajectories of several turns reach the actor's update, the
+engine's log-probs equal the training forward's on them, later turns reuse earlier turns' KV blocks, and the tool
+task runs with the sandboxed calculator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torchrun_helpers import run_recipe
+
+from spmd_rlhf.tiny.model import make_tiny
+from spmd_rlhf.tiny.task import make_task
+
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+def _model_that_ends_turns(path: Path) -> str:
+    """The tiny llama with its end-of-turn logit raised along the hidden states' common direction (its embedding
+    rows' mean stands in for it), so a random-init policy ends turns after a few tokens and trajectories have several."""
+    make_tiny(family="llama", out_dir=str(path))
+    weights = load_file(path / "model.safetensors")
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    from spmd_rlhf.models import load_model
+
+    model = load_model(str(path), head="lm", dtype=torch.float32, attention_backend="torch")
+    captured = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0].detach()))
+    with torch.no_grad():
+        model(torch.randint(5, 300, (4, 32), generator=torch.Generator().manual_seed(0)))
+    hook.remove()
+    mean = captured[0].reshape(-1, captured[0].shape[-1]).mean(dim=0)
+    weights["lm_head.weight"][eos] = 10.0 * mean / mean.dot(mean)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+def test_multi_turn_grpo_steps(tmp_path):
+    model = _model_that_ends_turns(tmp_path / "model")
+    make_task(task="tool_products", out_dir=str(tmp_path / "task"), train_size=64, val_size=8)
+    common = (
+        f"model.path={model}", f"data.train_files=[{tmp_path}/task/train.parquet]", "data.val_files=[]",
+        "trainer.val_every=0", "trainer.total_steps=2", "trainer.save_every=0", "data.batch_size=4", "rollout.n=4",
+        "rollout.max_new_tokens=12", "rollout.max_turns=3", "rollout.max_response_tokens=48",
+        "rollout.recompute_log_probs=true", "rollout.kv_block_size=4", "actor.mini_batch_size=16",
+        "actor.micro_batch_size=8", "reference.micro_batch_size=8",
+    )
+    records = run_recipe("grpo", tmp_path / "scripted", *common, f"rollout.environment={PROGRAMS}/always_observe.py:AlwaysObserve")
+    assert [record["step"] for record in records] == [0, 1]
+    for record in records:
+        assert record["rollout/turns/mean"] > 1.0, record  # some trajectories had several turns
+        assert record["rollout/observation_tokens"] > 0 and record["rollout/cached_prefill_tokens"] > 0
+        assert record["rollout/log_prob_diff_max"] <= 1e-5, record
+        # 0.25 per turn from the environment on top of the rule's score.
+        assert record["rollout/env_reward/mean"] == 0.25 * record["rollout/turns/mean"]
+    tool = run_recipe("grpo", tmp_path / "tool", *common, "rollout.environment=tool")
+    assert "rollout/env/tool_calls/mean" in tool[-1] and tool[-1]["rollout/turns/mean"] >= 1.0
