@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
 from torchrun_helpers import run_recipe
 
 TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
 
-from spmd_rlhf.tiny.model import make_tiny
+from spmd_rlhf.tiny.model import make_tiny, raise_eos_logit
 from spmd_rlhf.tiny.task import make_task
 
 PROGRAMS = Path(__file__).parent / "programs"
@@ -22,30 +20,9 @@ def without_timings(records: list[dict]) -> list[dict]:
     return [{key: value for key, value in record.items() if not key.startswith(TIMING_PREFIXES)} for record in records]
 
 
-def _model_that_ends_turns(path: Path) -> str:
-    """The tiny llama with its end-of-turn logit raised along the hidden states' common direction (its embedding
-    rows' mean stands in for it), so a random-init policy ends turns after a few tokens and trajectories have several."""
-    make_tiny(family="llama", out_dir=str(path))
-    weights = load_file(path / "model.safetensors")
-    from transformers import AutoTokenizer
-
-    eos = AutoTokenizer.from_pretrained(path).eos_token_id
-    from spmd_rlhf.models import load_model
-
-    model = load_model(str(path), head="lm", dtype=torch.float32, attention_backend="torch")
-    captured = []
-    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0].detach()))
-    with torch.no_grad():
-        model(torch.randint(5, 300, (4, 32), generator=torch.Generator().manual_seed(0)))
-    hook.remove()
-    mean = captured[0].reshape(-1, captured[0].shape[-1]).mean(dim=0)
-    weights["lm_head.weight"][eos] = 10.0 * mean / mean.dot(mean)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return str(path)
-
-
 def test_multi_turn_grpo_steps_and_exact_resume(tmp_path):
-    model = _model_that_ends_turns(tmp_path / "model")
+    model = make_tiny(family="llama", out_dir=str(tmp_path / "model"))
+    raise_eos_logit(model)  # a random-init policy then ends turns after a few tokens
     make_task(task="tool_products", out_dir=str(tmp_path / "task"), train_size=64, val_size=8)
     common = (
         f"model.path={model}", f"data.train_files=[{tmp_path}/task/train.parquet]", "data.val_files=[]",

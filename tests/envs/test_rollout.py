@@ -4,8 +4,6 @@ K/V blocks without changing a token, limits hold, and a drifted prefix fails lou
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -14,7 +12,7 @@ from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.envs import ChatDelta, Environment, StepResult, TrajectoryDriftError
 from spmd_rlhf.envs.rollout import response_tensors, run_multi_turn
 from spmd_rlhf.models import load_model, log_probs_from_logits
-from spmd_rlhf.tiny.model import make_tiny
+from spmd_rlhf.tiny.model import make_tiny, raise_eos_logit
 
 OBSERVATION = [{"role": "tool", "content": "408"}]
 TEMPERATURE, MAX_TURNS, PER_TURN, BUDGET = 0.9, 4, 10, 64
@@ -37,31 +35,22 @@ class Scripted(Environment):
 def setup(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("multiturn"))
     make_tiny(family="llama", out_dir=path)
+    raise_eos_logit(path, scale=7.0)  # a random-init model almost never ends a turn; this one does after a few tokens
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = load_model(path, head="lm", dtype=torch.float32, attention_backend="torch")
-    # A random-init model almost never ends a turn; point the end-of-turn row along the hidden states' mean direction
-    # so turns end after a few tokens and trajectories get several turns.
-    captured = []
-    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0].detach()))
-    with torch.no_grad():
-        model(torch.randint(5, len(tokenizer), (4, 32), generator=torch.Generator().manual_seed(0)))
-    hook.remove()
-    mean = captured[0].reshape(-1, captured[0].shape[-1]).mean(dim=0)
-    with torch.no_grad():
-        model.lm_head.weight[tokenizer.eos_token_id] = 7.0 * mean / mean.dot(mean)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{a}*{b}="}], tokenize=False, add_generation_prompt=True)
                for a, b in ((12, 34), (56, 78), (9, 87))]
     return model, tokenizer, [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
 
 
-def _rollout(model, tokenizer, prompts, *, samples=2, engine=None):
+def _rollout(model, tokenizer, prompts, *, samples=2, engine=None, reuse_prefix=True):
     engine = engine or LLMEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=4)
     requests = [tokens for tokens in prompts for _ in range(samples)]
     params = [SamplingParams(temperature=TEMPERATURE, max_new_tokens=PER_TURN, seed=1000 + index) for index in range(len(requests))]
     rows = [{"prompt": "q"} for _ in requests]
     trajectories, stats = run_multi_turn(
         engine, requests, [Scripted() for _ in requests], rows, params, delta=ChatDelta(tokenizer),
-        max_turns=MAX_TURNS, max_response_tokens=BUDGET,
+        max_turns=MAX_TURNS, max_response_tokens=BUDGET, reuse_prefix=reuse_prefix,
     )
     return trajectories, stats
 
@@ -104,12 +93,10 @@ def test_masks_log_probs_limits_and_rewards(setup):
     assert tensors["trajectory_mask"].sum() == sum(len(t.response_token_ids) for t in trajectories)
 
 
-def test_prefix_reuse_across_turns_changes_no_token(setup, monkeypatch):
+def test_prefix_reuse_across_turns_changes_no_token(setup):
     model, tokenizer, prompts = setup
     reused, reused_stats = _rollout(model, tokenizer, prompts)
-    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=4)
-    monkeypatch.setattr(engine, "prefix_cache_session", lambda lengths: contextlib.nullcontext())
-    fresh, fresh_stats = _rollout(model, tokenizer, prompts, engine=engine)
+    fresh, fresh_stats = _rollout(model, tokenizer, prompts, reuse_prefix=False)
     assert [t.token_ids for t in reused] == [t.token_ids for t in fresh]
     for a, b in zip(reused, fresh):
         torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=2e-5, rtol=0)

@@ -14,6 +14,7 @@ observation after an unfinished turn), or when the next observation would leave 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,7 +35,7 @@ class MultiTurnStats:
     """Engine calls (the longest trajectory's turns)."""
     prefill_tokens: int = 0
     cached_prefill_tokens: int = 0
-    """Prompt tokens whose K/V an earlier turn had computed (or another sample of the prompt shared)."""
+    """Prompt tokens whose K/V were already in the cache (an earlier turn's, or another sample's of the prompt)."""
     preemptions: int = 0
 
 
@@ -74,22 +75,28 @@ def run_multi_turn(
     delta: ChatDelta,
     max_turns: int,
     max_response_tokens: int,
+    reuse_prefix: bool = True,
 ) -> tuple[list[Trajectory], MultiTurnStats]:
     """One trajectory per prompt, ``environments[i]`` (fresh) answering trajectory i started from ``rows[i]``, turns
     sampled with ``params[i]`` (its ``max_new_tokens`` per turn; turn t > 0 draws with seed ``derive_seed(seed, t)``
-    so turns never repeat one another's noise)."""
+    so turns never repeat one another's noise). ``reuse_prefix=False`` gives each turn a fresh cache, as a
+    single-turn engine would (for measuring what cross-turn reuse saves)."""
     trajectories = [
         Trajectory(list(tokens), environment.reset(row))
         for tokens, environment, row in zip(prompt_token_ids, environments, rows, strict=True)
     ]
     stats = MultiTurnStats()
-    with engine.prefix_cache_session([len(tokens) + max_response_tokens for tokens in prompt_token_ids]):
+    longest = [len(tokens) + max_response_tokens for tokens in prompt_token_ids]
+    with engine.prefix_cache_session(longest) if reuse_prefix else contextlib.nullcontext():
         live = list(range(len(trajectories)))
         for turn in range(max_turns):
             if not live:
                 break
             requests = [trajectories[index].token_ids for index in live]
-            turn_params = [_turn_params(params[index], turn, max_response_tokens - len(trajectories[index].response_token_ids)) for index in live]
+            turn_params = [
+                _turn_params(params[index], turn, max_response_tokens - len(trajectories[index].response_token_ids))
+                for index in live
+            ]
             outputs = engine.generate(requests, turn_params)
             stats.turns += 1
             stats.prefill_tokens += engine.stats.prefill_tokens

@@ -38,7 +38,8 @@ class Tool:
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI function-tool schema, as ``apply_chat_template(tools=...)`` and verl's tool lists take it."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
 
 
 @dataclass(frozen=True)

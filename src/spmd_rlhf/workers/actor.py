@@ -161,7 +161,8 @@ class ActorWorker(RoleWorker):
             responses = [(out.generated_token_ids, [1] * out.num_generated, out.log_probs) for out in outputs]
             counters = [engine.num_preemptions]
         else:
-            rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in ("data_source", "ground_truth", "extra_info")}} for i in sources]
+            fields = ("data_source", "ground_truth", "extra_info")
+            rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in fields}} for i in sources]
             environments = [self.environment() for _ in requests]
             trajectories, stats = run_multi_turn(
                 engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=rollout.max_turns,
@@ -169,9 +170,13 @@ class ActorWorker(RoleWorker):
             )
             responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
             counters = [stats.preemptions, stats.prefill_tokens, stats.cached_prefill_tokens]
-            per_row = {"env_reward": torch.tensor([t.env_reward for t in trajectories]), "turns": torch.tensor([float(t.num_turns) for t in trajectories])}
-            for key in environments[0].metrics() if environments else ():
-                per_row[f"env/{key}"] = torch.tensor([environment.metrics()[key] for environment in environments])
+            per_row = {
+                "env_reward": torch.tensor([t.env_reward for t in trajectories]),
+                "turns": torch.tensor([float(t.num_turns) for t in trajectories]),
+            }
+            environment_metrics = [environment.metrics() for environment in environments]
+            for key in environment_metrics[0] if environment_metrics else ():
+                per_row[f"env/{key}"] = torch.tensor([float(numbers[key]) for numbers in environment_metrics])
         del engine, model  # the KV cache and the generation shard go before training resumes
 
         gathered = self.hybrid.gather_rows(
@@ -202,7 +207,8 @@ class ActorWorker(RoleWorker):
         }
         if self.environment is not None:
             metrics["rollout/observation_tokens"] = length_sum - generated
-            metrics["rollout/prefill_tokens"], metrics["rollout/cached_prefill_tokens"] = engine_sums[1:]
+            for key, total in zip(("prefill_tokens", "cached_prefill_tokens"), engine_sums[1:]):
+                metrics[f"rollout/{key}"] = total
             metrics.update({f"rollout/{key}/mean": total / row_count for key, total in zip(per_row, row_sums)})
         tensors = {
             "prompts": repeated["input_ids"],
