@@ -1,10 +1,10 @@
 """Multi-turn tool rollouts on CPU: trajectories/s of GRPO on 2 ranks, and the prefill that cross-turn prefix reuse
 saves, on the tool_products task.
 
-    python benchmarks/multiturn_cpu.py [--nproc 2] [--steps 6] [--warmup 2] [--max-turns 3]
+    python benchmarks/multiturn_cpu.py [--nproc 2] [--steps 6] [--warmup 2] [--max-turns 3] [--block-size 16]
 
-The policy is the tiny llama (random init) with its EOS logit raised (``tiny.model.raise_eos_logit``) so turns end
-after a few tokens; a random-init policy never writes a tool call, so the environment here (``CalculatorEveryTurn``)
+The policy is the tiny llama (random init) with its EOS logit raised (``tiny.model.raise_eos_logit``, scale 3) so
+turns end after about a dozen tokens; a random-init policy never writes a tool call, so the environment here (``CalculatorEveryTurn``)
 answers every turn by running the sandboxed calculator on the row's operands, as a policy that always calls it would
 be answered: every observation costs a real sandboxed call and real observation tokens.
 
@@ -12,9 +12,10 @@ be answered: every observation costs a real sandboxed call and real observation 
    environment: trajectories/s is rows per step / ``time/generate`` (median over the steps after ``--warmup``);
    the share of prompt tokens whose prefill was skipped comes from ``rollout/cached_prefill_tokens``.
 2. One process, the engine alone: the same rollout with and without the cross-turn prefix cache
-   (``run_multi_turn(reuse_prefix=...)``), each the fastest of 3: prefill tokens computed and rollout time. Without
-   the session the n samples of a prompt still share the prompt's blocks within each turn, so the difference is what
-   reuse across turns saves.
+   (``run_multi_turn(reuse_prefix=...)``), each the fastest of 3: prefill tokens computed, and the time spent in the
+   engine (the sandboxed calls, a process start each, are the same in both and left out). Without the session the n
+   samples of a prompt still share the prompt's blocks within each turn, so the difference is what reuse across
+   turns saves. Only whole KV blocks are shared: ``--block-size`` matters.
 
 On a shared, loaded machine the times are indicative only; token counts are exact. Writes
 ``benchmarks/results/multiturn_cpu.json`` and prints a markdown table.
@@ -38,6 +39,9 @@ from spmd_rlhf.envs.sandbox import sandboxed_tool
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES = 8, 8
 """Prompts per step and trajectories per prompt, in both parts."""
+MAX_NEW_TOKENS, TURN_BUDGET = 32, 48
+"""Tokens per turn; tokens per turn and its observation in the trajectory budget."""
+
 
 
 class CalculatorEveryTurn(Environment):
@@ -56,8 +60,8 @@ def _recipe(workdir: Path, model: str, task: str, args) -> list[dict]:
     overrides = [
         f"model.path={model}", f"data.train_files=[{task}/train.parquet]", "data.val_files=[]", "trainer.val_every=0",
         f"trainer.total_steps={args.steps}", "trainer.save_every=0", "trainer.output_dir=out", f"data.batch_size={PROMPTS}",
-        f"rollout.n={SAMPLES}", f"actor.mini_batch_size={PROMPTS * SAMPLES}", "rollout.max_new_tokens=16", f"rollout.max_turns={args.max_turns}",
-        f"rollout.max_response_tokens={args.max_turns * 32}", "rollout.kv_block_size=16",
+        f"rollout.n={SAMPLES}", f"actor.mini_batch_size={PROMPTS * SAMPLES}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.max_turns={args.max_turns}",
+        f"rollout.max_response_tokens={args.max_turns * TURN_BUDGET}", f"rollout.kv_block_size={args.block_size}",
         f"rollout.environment={Path(__file__).resolve()}:CalculatorEveryTurn",
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
@@ -79,6 +83,17 @@ def _engine_ablation(model_dir: str, task: str, args) -> dict[str, dict[str, flo
     from spmd_rlhf.models import load_model
 
     torch.set_num_threads(1)
+
+    class TimedEngine(LLMEngine):
+        seconds = 0.0
+
+        def generate(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return super().generate(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir, head="lm", dtype=torch.float32)
     rows = read_rows(f"{task}/train.parquet")[:PROMPTS]
@@ -90,17 +105,17 @@ def _engine_ablation(model_dir: str, task: str, args) -> dict[str, dict[str, flo
     for reuse in (True, False):
         best = None
         for _ in range(3):
-            engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=16)
-            params = [SamplingParams(max_new_tokens=16, seed=index) for index in range(len(requests))]
-            started = time.perf_counter()
+            engine = TimedEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=args.block_size)
+            params = [SamplingParams(max_new_tokens=MAX_NEW_TOKENS, seed=index) for index in range(len(requests))]
             trajectories, stats = run_multi_turn(
                 engine, requests, [CalculatorEveryTurn() for _ in requests], samples, params, delta=ChatDelta(tokenizer),
-                max_turns=args.max_turns, max_response_tokens=args.max_turns * 32, reuse_prefix=reuse,
+                max_turns=args.max_turns, max_response_tokens=args.max_turns * TURN_BUDGET, reuse_prefix=reuse,
             )
-            seconds = time.perf_counter() - started
+            seconds = engine.seconds
             if best is None or seconds < best["seconds"]:
                 best = {"seconds": seconds, "trajectories": len(trajectories), "turns": stats.turns,
                         "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
+                        "generated_tokens": sum(sum(t.generated_mask) for t in trajectories),
                         "prefill_tokens": stats.prefill_tokens, "cached_prefill_tokens": stats.cached_prefill_tokens}
         results["reuse" if reuse else "fresh_cache_per_turn"] = best
     return results
@@ -112,6 +127,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size: only whole blocks are reused")
     args = parser.parse_args()
 
     from spmd_rlhf.tiny.model import make_tiny, raise_eos_logit
@@ -120,7 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         model = make_tiny(family="llama", out_dir=str(root / "model"))
-        raise_eos_logit(model)
+        raise_eos_logit(model, scale=3.0)
         make_task(task="tool_products", out_dir=str(root / "task"), train_size=256, val_size=8)
         records = _recipe(root, model, str(root / "task"), args)[args.warmup :]
         ablation = _engine_ablation(model, str(root / "task"), args)
@@ -136,9 +152,10 @@ def main() -> None:
                    "cached_share_of_prompt_tokens": cached / offered},
         "engine_ablation": ablation,
         "prefill_saved_by_cross_turn_reuse": 1 - reuse["prefill_tokens"] / fresh["prefill_tokens"],
-        "rollout_time_ratio_reuse_over_fresh": reuse["seconds"] / fresh["seconds"],
+        "engine_time_ratio_reuse_over_fresh": reuse["seconds"] / fresh["seconds"],
     }
-    out = ROOT / "benchmarks" / "results" / "multiturn_cpu.json"
+    result["block_size"] = args.block_size
+    out = ROOT / "benchmarks" / "results" / f"multiturn_cpu_block{args.block_size}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print("| measure | value |\n| --- | --- |")
     print(f"| GRPO on {args.nproc} CPU ranks: trajectories/s (generation stage) | {rows / generate:.1f} |")
@@ -146,7 +163,7 @@ def main() -> None:
     print(f"| prompt tokens whose prefill was skipped (recipe) | {cached / offered:.1%} |")
     print(f"| prefill tokens, engine with cross-turn reuse / fresh cache per turn | {reuse['prefill_tokens']} / {fresh['prefill_tokens']} |")
     print(f"| prefill saved by cross-turn reuse | {result['prefill_saved_by_cross_turn_reuse']:.1%} |")
-    print(f"| rollout time, reuse / fresh (one process) | {result['rollout_time_ratio_reuse_over_fresh']:.2f} |")
+    print(f"| engine time, reuse / fresh (one process) | {result['engine_time_ratio_reuse_over_fresh']:.2f} |")
     print(f"wrote {out.relative_to(ROOT)}")
 
 

@@ -1,4 +1,4 @@
-"""Multi-turn GRPO through the recipe on 2 CPU ranks: trajectories of several turns reach the actor's update, the
+"""Multi-turn GRPO through the recipe on 2 CPU ranks, one tensor-parallel generation replica: trajectories of several turns reach the actor's update, the
 engine's log-probs equal the training forward's on them, later turns reuse earlier turns' KV blocks, environment
 rewards reach the scores, and a resumed run repeats a step exactly."""
 
@@ -29,7 +29,7 @@ def test_multi_turn_grpo_steps_and_exact_resume(tmp_path):
         "trainer.val_every=0", "trainer.total_steps=2", "trainer.save_every=1", "data.batch_size=4", "rollout.n=4",
         "rollout.max_new_tokens=12", "rollout.max_turns=3", "rollout.max_response_tokens=48",
         "rollout.recompute_log_probs=true", "rollout.kv_block_size=4", "actor.mini_batch_size=16",
-        "actor.micro_batch_size=8", "reference.micro_batch_size=8",
+        "actor.micro_batch_size=8", "reference.micro_batch_size=8", "actor.tp=2", "rollout.tp=2",
         f"rollout.environment={PROGRAMS}/always_observe.py:AlwaysObserve",
     )
     records = run_recipe("grpo", tmp_path / "run", *common)

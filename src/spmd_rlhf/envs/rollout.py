@@ -15,9 +15,10 @@ observation after an unfinished turn), or when the next observation would leave 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +26,13 @@ from ..engine import LLMEngine, SamplingParams
 from ..engine.sampler import derive_seed
 from .base import Environment
 from .chat_delta import ChatDelta, check_prefix_extension
+
+
+T = TypeVar("T")
+
+
+def _run_here(compute: Callable[[], T]) -> T:
+    return compute()
 
 
 @dataclass
@@ -51,6 +59,8 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     """The engine's log-prob of each generated token; 0 on observation tokens."""
     env_reward: float = 0.0
+    env_metrics: dict[str, float] = field(default_factory=dict)
+    """The environment's ``metrics()`` once the rollout has ended."""
     num_turns: int = 0
     finish_reason: str | None = None
     """done (the environment ended it), max_turns, unfinished_turn or budget."""
@@ -76,11 +86,17 @@ def run_multi_turn(
     max_turns: int,
     max_response_tokens: int,
     reuse_prefix: bool = True,
+    share: Callable[[Callable[[], T]], T] = _run_here,
 ) -> tuple[list[Trajectory], MultiTurnStats]:
     """One trajectory per prompt, ``environments[i]`` (fresh) answering trajectory i started from ``rows[i]``, turns
     sampled with ``params[i]`` (its ``max_new_tokens`` per turn; turn t > 0 draws with seed ``derive_seed(seed, t)``
     so turns never repeat one another's noise). ``reuse_prefix=False`` gives each turn a fresh cache, as a
-    single-turn engine would (for measuring what cross-turn reuse saves)."""
+    single-turn engine would (for measuring what cross-turn reuse saves).
+
+    ``share(compute)`` runs the environments' side of a turn: a tensor-parallel replica's ranks generate the same
+    tokens but must also append the same observations, so the actor passes a ``share`` that computes on the
+    replica's first rank and broadcasts the result (tools then run once per replica, and a nondeterministic tool
+    cannot split the replica's schedules). The default computes here."""
     trajectories = [
         Trajectory(list(tokens), environment.reset(row))
         for tokens, environment, row in zip(prompt_token_ids, environments, rows, strict=True)
@@ -102,32 +118,64 @@ def run_multi_turn(
             stats.prefill_tokens += engine.stats.prefill_tokens
             stats.cached_prefill_tokens += engine.stats.cached_prefill_tokens
             stats.preemptions += engine.stats.preemptions
-            still_live = []
+            texts = [delta.tokenizer.decode(output.generated_token_ids, skip_special_tokens=True) for output in outputs]
             for index, request, output in zip(live, requests, outputs):
-                trajectory, environment = trajectories[index], environments[index]
                 check_prefix_extension(request, output.token_ids, where=f"trajectory {index} turn {turn}")
-                trajectory.extend(output.generated_token_ids, generated=True, log_probs=output.log_probs)
-                trajectory.num_turns += 1
-                text = delta.tokenizer.decode(output.generated_token_ids, skip_special_tokens=True)
-                result = environment.step(trajectory.messages, text)
+                trajectories[index].extend(output.generated_token_ids, generated=True, log_probs=output.log_probs)
+                trajectories[index].num_turns += 1
+
+            def answer_turn() -> list[_Answer]:
+                return [
+                    _answer(environments[index], trajectories[index], text, output.generated_token_ids, delta,
+                            last_turn=turn + 1 >= max_turns, max_response_tokens=max_response_tokens)
+                    for index, text, output in zip(live, texts, outputs)
+                ]
+
+            still_live = []
+            for index, text, answer in zip(live, texts, share(answer_turn)):
+                trajectory = trajectories[index]
                 trajectory.messages.append({"role": "assistant", "content": text})
-                trajectory.env_reward += result.reward
-                reason = _end_reason(output.generated_token_ids, result.done, turn, max_turns, delta)
-                if reason is None:
-                    observation = delta.observation_ids(result.observations)
-                    # The next turn needs room for at least one token after the observation.
-                    if len(trajectory.response_token_ids) + len(observation) >= max_response_tokens:
-                        reason = "budget"
-                    else:
-                        trajectory.messages += result.observations
-                        trajectory.extend(observation, generated=False)
-                if reason is None:
+                trajectory.env_reward += answer.reward
+                if answer.reason is None:
+                    trajectory.messages += answer.observations
+                    trajectory.extend(answer.observation_ids, generated=False)
                     still_live.append(index)
                 else:
-                    trajectory.finish_reason = reason
-                    trajectory.env_reward += environment.trajectory_reward(trajectory.messages)
+                    trajectory.finish_reason = answer.reason
             live = still_live
+    for trajectory, numbers in zip(trajectories, share(lambda: [environment.metrics() for environment in environments])):
+        trajectory.env_metrics = numbers
     return trajectories, stats
+
+
+@dataclass
+class _Answer:
+    """An environment's answer to one turn, as every rank of a generation replica applies it."""
+
+    reward: float
+    """The turn's reward, plus the trajectory reward when the trajectory ends here."""
+    reason: str | None
+    """Why the trajectory ends here, or None."""
+    observations: list[dict[str, Any]]
+    observation_ids: list[int]
+
+
+def _answer(
+    environment: Environment, trajectory: Trajectory, text: str, generated: list[int], delta: ChatDelta, *,
+    last_turn: bool, max_response_tokens: int,
+) -> _Answer:
+    result = environment.step(trajectory.messages, text)
+    messages = trajectory.messages + [{"role": "assistant", "content": text}]
+    reason = _end_reason(generated, result.done, last_turn, delta)
+    observation_ids: list[int] = []
+    if reason is None:
+        observation_ids = delta.observation_ids(result.observations)
+        # The next turn needs room for at least one token after the observation.
+        if len(trajectory.response_token_ids) + len(observation_ids) >= max_response_tokens:
+            reason = "budget"
+    if reason is None:
+        return _Answer(result.reward, None, result.observations, observation_ids)
+    return _Answer(result.reward + environment.trajectory_reward(messages), reason, [], [])
 
 
 def _turn_params(params: SamplingParams, turn: int, room: int) -> SamplingParams:
@@ -135,10 +183,10 @@ def _turn_params(params: SamplingParams, turn: int, room: int) -> SamplingParams
     return replace(params, max_new_tokens=min(params.max_new_tokens, room), seed=seed)
 
 
-def _end_reason(generated: list[int], done: bool, turn: int, max_turns: int, delta: ChatDelta) -> str | None:
+def _end_reason(generated: list[int], done: bool, last_turn: bool, delta: ChatDelta) -> str | None:
     if done:
         return "done"
-    if turn + 1 >= max_turns:
+    if last_turn:
         return "max_turns"
     if not generated or generated[-1] != delta.turn_end_id:
         return "unfinished_turn"

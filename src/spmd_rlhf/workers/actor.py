@@ -166,7 +166,7 @@ class ActorWorker(RoleWorker):
             environments = [self.environment() for _ in requests]
             trajectories, stats = run_multi_turn(
                 engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=rollout.max_turns,
-                max_response_tokens=response_length,
+                max_response_tokens=response_length, share=self.hybrid.on_replica_leader,
             )
             responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
             counters = [stats.preemptions, stats.prefill_tokens, stats.cached_prefill_tokens]
@@ -174,9 +174,8 @@ class ActorWorker(RoleWorker):
                 "env_reward": torch.tensor([t.env_reward for t in trajectories]),
                 "turns": torch.tensor([float(t.num_turns) for t in trajectories]),
             }
-            environment_metrics = [environment.metrics() for environment in environments]
-            for key in environment_metrics[0] if environment_metrics else ():
-                per_row[f"env/{key}"] = torch.tensor([float(numbers[key]) for numbers in environment_metrics])
+            for key in trajectories[0].env_metrics if trajectories else ():
+                per_row[f"env/{key}"] = torch.tensor([float(t.env_metrics[key]) for t in trajectories])
         del engine, model  # the KV cache and the generation shard go before training resumes
 
         gathered = self.hybrid.gather_rows(
