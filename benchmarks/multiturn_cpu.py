@@ -4,13 +4,15 @@ saves, on the tool_products task.
     python benchmarks/multiturn_cpu.py [--nproc 2] [--steps 6] [--warmup 2] [--max-turns 3] [--block-size 16]
 
 The policy is the tiny llama (random init) with its EOS logit raised (``tiny.model.raise_eos_logit``, scale 3) so
-turns end after about a dozen tokens; a random-init policy never writes a tool call, so the environment here (``CalculatorEveryTurn``)
-answers every turn by running the sandboxed calculator on the row's operands, as a policy that always calls it would
+turns end after about a dozen tokens; a random-init policy never writes a tool call, so the environment here
+(``CalculatorEveryTurn``) answers every turn by running the sandboxed calculator on the row's operands, as a policy that always calls it would
 be answered: every observation costs a real sandboxed call and real observation tokens.
 
 1. ``recipes/grpo.py`` under ``torch.distributed.run --nproc-per-node N`` with ``rollout.environment`` set to that
-   environment: trajectories/s is rows per step / ``time/generate`` (median over the steps after ``--warmup``);
-   the share of prompt tokens whose prefill was skipped comes from ``rollout/cached_prefill_tokens``.
+   environment and a learning rate small enough that every step samples the same kind of trajectories (grpo.yaml's
+   would teach the tiny policy within two steps to stop ending turns): trajectories/s is rows per step /
+   ``time/generate`` (median over the steps after ``--warmup``); the share of prompt tokens whose prefill was
+   skipped comes from ``rollout/cached_prefill_tokens``.
 2. One process, the engine alone: the same rollout with and without the cross-turn prefix cache
    (``run_multi_turn(reuse_prefix=...)``), each the fastest of 3: prefill tokens computed, and the time spent in the
    engine (the sandboxed calls, a process start each, are the same in both and left out). Without the session the n
@@ -18,7 +20,7 @@ be answered: every observation costs a real sandboxed call and real observation 
    turns saves. Only whole KV blocks are shared: ``--block-size`` matters.
 
 On a shared, loaded machine the times are indicative only; token counts are exact. Writes
-``benchmarks/results/multiturn_cpu.json`` and prints a markdown table.
+``benchmarks/results/multiturn_cpu_block<B>.json`` and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _recipe(workdir: Path, model: str, task: str, args) -> list[dict]:
     overrides = [
         f"model.path={model}", f"data.train_files=[{task}/train.parquet]", "data.val_files=[]", "trainer.val_every=0",
         f"trainer.total_steps={args.steps}", "trainer.save_every=0", "trainer.output_dir=out", f"data.batch_size={PROMPTS}",
-        f"rollout.n={SAMPLES}", f"actor.mini_batch_size={PROMPTS * SAMPLES}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.max_turns={args.max_turns}",
+        f"rollout.n={SAMPLES}", f"actor.mini_batch_size={PROMPTS * SAMPLES}", "actor.lr=1e-7", f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.max_turns={args.max_turns}",
         f"rollout.max_response_tokens={args.max_turns * TURN_BUDGET}", f"rollout.kv_block_size={args.block_size}",
         f"rollout.environment={Path(__file__).resolve()}:CalculatorEveryTurn",
     ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from spmd_rlhf import dataflow
 from spmd_rlhf.dataflow import GROUP_ALGORITHMS, ROLE_KINDS, ROLES
+from spmd_rlhf.envs import ENVIRONMENTS
 
 ALGORITHMS = tuple(dataflow.ALGORITHMS)
 # The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
@@ -215,6 +216,10 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns")
+        _require(
+            self, "environment", self.environment is None or self.environment in ENVIRONMENTS or ".py:" in self.environment,
+            f"must be null, {', '.join(ENVIRONMENTS)}, or path/to/file.py:name (a class or function making an Environment)",
+        )
         _require(self, "max_turns", self.max_turns == 1 or self.environment is not None, "needs rollout.environment (a second turn answers an environment's observation)")
         _require(
             self, "max_response_tokens", self.max_response_tokens is None or self.max_response_tokens >= self.max_new_tokens,

@@ -99,3 +99,19 @@ def test_tool_environment_runs_the_calls_of_a_turn():
     assert environment.step(row["prompt"], "408").done
     with pytest.raises(ValueError, match="does not have"):
         environment.reset({"prompt": "x", "extra_info": {"tools": ["search"]}})
+
+
+def test_rollout_config_keys_are_checked():
+    from spmd_rlhf.config_schema import ConfigError, RolloutConfig
+
+    assert RolloutConfig(environment="tool", max_turns=3, max_new_tokens=8).response_length == 24
+    assert RolloutConfig(environment="tool", max_turns=3, max_response_tokens=100).response_length == 100
+    assert RolloutConfig(max_new_tokens=8).response_length == 8
+    for fields, message in [
+        ({"max_turns": 2}, "max_turns=2: needs rollout.environment"),
+        ({"environment": "search"}, "environment=search: must be null, tool, or path/to/file.py:name"),
+        ({"environment": "tool", "max_response_tokens": 4, "max_new_tokens": 8}, "max_response_tokens=4: must be null or at least"),
+        ({"environment": "tool", "max_turns": 0}, "max_turns=0"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            RolloutConfig(**fields)
