@@ -239,6 +239,15 @@ class RolloutConfig:
             return self.max_new_tokens
         return self.max_response_tokens or self.max_turns * self.max_new_tokens
 
+    @property
+    def response_length_keys(self) -> str:
+        """The keys that set ``response_length``, as error messages name them."""
+        if self.environment is None:
+            return "rollout.max_new_tokens"
+        if self.max_response_tokens is not None:
+            return "rollout.max_response_tokens"
+        return "rollout.max_turns x rollout.max_new_tokens"
+
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 """The modes of ``spmd_rlhf.algos.aggregate`` (a test keeps the two lists equal)."""
@@ -564,7 +573,7 @@ class FrameworkConfig:
         needed = -(-longest // block_size)
         rule = (
             f"holds {rollout.kv_cache_blocks * block_size} tokens, fewer than one sequence of "
-            f"data.max_prompt_length + rollout.response_length = {longest}; set it to at least {needed} "
+            f"data.max_prompt_length + {rollout.response_length_keys} = {longest}; set it to at least {needed} "
             f"(blocks of {block_size} tokens: rollout.kv_block_size={format_value(rollout.kv_block_size)}) or 0 to "
             f"size the cache for every request"
         )
@@ -575,7 +584,7 @@ class FrameworkConfig:
         for name, role in self.enabled_roles().items():
             budget = role.max_tokens_per_micro_batch
             rule = (
-                f"must hold the longest row, data.max_prompt_length + rollout.response_length = {longest}; "
+                f"must hold the longest row, data.max_prompt_length + {self.rollout.response_length_keys} = {longest}; "
                 f"set it to at least {longest} or null"
             )
             _require(self, f"{name}.max_tokens_per_micro_batch", budget is None or budget >= longest, rule)
