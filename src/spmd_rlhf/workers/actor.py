@@ -19,6 +19,8 @@ from ..algos import aggregate, combine_advantages, entropy_bonus, kl_estimate, m
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
 from ..engine import LLMEngine, SamplingParams
+from ..envs import ChatDelta, environment_factory
+from ..envs.rollout import response_tensors, run_multi_turn
 from ..hybrid import GenerationLayout, HybridEngine
 from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from ..runtime.device import check_thread
@@ -62,7 +64,7 @@ class ActorWorker(RoleWorker):
         self.model = ShardedModel(context, config, config.actor, head="lm", trainable=True, reducer=self.reducer)
         self.trainer = Trainer(
             self.model, self.reducer, config.actor, total_steps=config.trainer.total_steps,
-            max_response_length=config.rollout.max_new_tokens, max_skipped_steps=config.trainer.max_skipped_steps,
+            max_response_length=config.rollout.response_length, max_skipped_steps=config.trainer.max_skipped_steps,
         )
         tokenizer_path = self.model.tokenizer_path
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -76,6 +78,12 @@ class ActorWorker(RoleWorker):
             )
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.stop_token_ids = stop_token_ids(config.rollout.stop_token_ids, self.model.model_path, vocab_size)
+        self.environment = self.chat_delta = None
+        if config.rollout.environment is not None:
+            self.environment = environment_factory(config.rollout.environment)
+            self.chat_delta = ChatDelta(self.tokenizer)
+            # A turn must be able to end where the template ends an assistant turn, or no observation can follow.
+            self.stop_token_ids |= {self.chat_delta.turn_end_id}
         self.hybrid = HybridEngine(
             self.model.module, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
             groups=context.groups, pp_group=self.model.pp_group, stage_ranks=self.model.stage_ranks, device=self.device,
@@ -119,75 +127,101 @@ class ActorWorker(RoleWorker):
     @data_parallel
     def generate_sequences(self, prompts: Batch, *, greedy: bool = False, samples: int | None = None) -> Batch:
         """``rollout.n`` responses per prompt (``samples`` if given; rows of one prompt consecutive, ``group_size =
-        n``) in the rollout layout, responses padded to ``rollout.max_new_tokens`` so every DP shard has the same
-        shape. ``greedy`` (validation, ReMax's baseline): one greedy response per prompt."""
+        n``) in the rollout layout, responses padded to ``rollout.response_length`` so every DP shard has the same
+        shape. ``greedy`` (validation, ReMax's baseline): one greedy response per prompt.
+
+        With ``rollout.environment``, each response is a multi-turn trajectory (``envs.rollout``): ``response_mask``
+        marks the tokens the policy generated (loss, KL, log-probs), ``attention_mask`` every token after the prompt
+        too, and ``env_reward`` is each trajectory's environment reward; a GRPO group is the n trajectories of a
+        prompt."""
         check_thread(self.device)
         rollout = self.config.rollout
-        n, response_length = (1 if greedy else samples or rollout.n), rollout.max_new_tokens
+        n, response_length = (1 if greedy else samples or rollout.n), rollout.response_length
         temperature = 0.0 if greedy else rollout.temperature
         # This rank's generation replica answers a share of the DP group's prompts; the rows are gathered back below.
         mine = prompts.select(self.hybrid.replica_rows(len(prompts)))
         prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(mine["input_ids"], mine["attention_mask"])]
-        requests, params = [], []
-        for tokens, uid in zip(prompt_tokens, mine["uid"].tolist()):
+        requests, params, sources = [], [], []
+        for index, (tokens, uid) in enumerate(zip(prompt_tokens, mine["uid"].tolist())):
             for sample in range(n):
                 requests.append(tokens)
+                sources.append(index)
                 params.append(
                     SamplingParams(
                         temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p,
-                        max_new_tokens=response_length, stop_token_ids=self.stop_token_ids,
+                        max_new_tokens=rollout.max_new_tokens, stop_token_ids=self.stop_token_ids,
                         seed=sample_seed(self.config.trainer.seed, uid, sample, n),
                     )
                 )
         model = self.hybrid.generation_model(getattr(torch, self.config.model.dtype))
         engine = self._engine(model)
-        outputs = engine.generate(requests, params)
-        preemptions = engine.num_preemptions
+        per_row: dict[str, torch.Tensor] = {}
+        if self.environment is None:
+            outputs = engine.generate(requests, params)
+            responses = [(out.generated_token_ids, [1] * out.num_generated, out.log_probs) for out in outputs]
+            counters = [engine.num_preemptions]
+        else:
+            fields = ("data_source", "ground_truth", "extra_info")
+            rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in fields}} for i in sources]
+            environments = [self.environment() for _ in requests]
+            trajectories, stats = run_multi_turn(
+                engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=rollout.max_turns,
+                max_response_tokens=response_length, share=self.hybrid.on_replica_leader,
+            )
+            responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
+            counters = [stats.preemptions, stats.prefill_tokens, stats.cached_prefill_tokens]
+            per_row = {
+                "env_reward": torch.tensor([t.env_reward for t in trajectories]),
+                "turns": torch.tensor([float(t.num_turns) for t in trajectories]),
+            }
+            for key in trajectories[0].env_metrics if trajectories else ():
+                per_row[f"env/{key}"] = torch.tensor([float(t.env_metrics[key]) for t in trajectories])
         del engine, model  # the KV cache and the generation shard go before training resumes
 
-        rows = len(requests)
-        responses = torch.full((rows, response_length), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros((rows, response_length), dtype=torch.long)
-        rollout_log_probs = torch.zeros((rows, response_length), dtype=torch.float32)
-        for row, output in enumerate(outputs):
-            length = len(output.generated_token_ids)
-            responses[row, :length] = torch.tensor(output.generated_token_ids)
-            response_mask[row, :length] = 1
-            rollout_log_probs[row, :length] = torch.tensor(output.log_probs)
         gathered = self.hybrid.gather_rows(
-            {"responses": responses, "response_mask": response_mask, "rollout_log_probs": rollout_log_probs}
+            {**response_tensors(responses, width=response_length, pad_token_id=self.pad_token_id), **per_row}
         )
-        responses, response_mask, rollout_log_probs = gathered["responses"], gathered["response_mask"], gathered["rollout_log_probs"]
-        # Each replica counted its own preemptions; the other DP groups' replicas add theirs below.
-        preemptions = self.hybrid.sum_over_replicas(preemptions)
-        rows = len(responses)
+        # Each replica counted its own engine work; the other DP groups' replicas add theirs below.
+        counters = [self.hybrid.sum_over_replicas(value) for value in counters]
         repeated = prompts.repeat(n)
-        attention_mask = torch.cat([repeated["attention_mask"], response_mask], dim=1)
-        lengths = response_mask.sum(dim=1).double()
-        (length_sum, row_count, clipped, prompt_tokens, preemptions), (longest, negated_shortest) = self.reducer.totals(
-            [float(lengths.sum()), float(rows), float((response_mask[:, -1] == 1).sum()),
-             float(repeated["attention_mask"].sum()), float(preemptions)],
+        rows = len(repeated)
+        response_mask, trajectory_mask = gathered["response_mask"], gathered["trajectory_mask"]
+        lengths = trajectory_mask.sum(dim=1).double()
+        per_row_sums = [float(gathered[key].double().sum()) for key in per_row]
+        sums, (longest, negated_shortest) = self.reducer.totals(
+            [float(lengths.sum()), float(rows), float((trajectory_mask[:, -1] == 1).sum()),
+             float(repeated["attention_mask"].sum()), float(response_mask.sum()), *counters, *per_row_sums],
             [float(lengths.max()), -float(lengths.min())],
         )
+        (length_sum, row_count, clipped, prompt_tokens, generated), sums = sums[:5], sums[5:]
+        engine_sums, row_sums = sums[: len(counters)], sums[len(counters) :]
         metrics = {
             "response_length/mean": length_sum / row_count,
             "response_length/max": longest,
             "response_length/min": -negated_shortest,
             "response_length/clip_ratio": clipped / row_count,
-            "rollout/generated_tokens": length_sum,
+            "rollout/generated_tokens": generated,
             "rollout/prompt_tokens": prompt_tokens,
-            "rollout/preemptions": preemptions,
+            "rollout/preemptions": engine_sums[0],
         }
+        if self.environment is not None:
+            metrics["rollout/observation_tokens"] = length_sum - generated
+            for key, total in zip(("prefill_tokens", "cached_prefill_tokens"), engine_sums[1:]):
+                metrics[f"rollout/{key}"] = total
+            metrics.update({f"rollout/{key}/mean": total / row_count for key, total in zip(per_row, row_sums)})
+        tensors = {
+            "prompts": repeated["input_ids"],
+            "responses": gathered["responses"],
+            "response_mask": response_mask,
+            "input_ids": torch.cat([repeated["input_ids"], gathered["responses"]], dim=1),
+            "attention_mask": torch.cat([repeated["attention_mask"], trajectory_mask], dim=1),
+            "rollout_log_probs": gathered["rollout_log_probs"],
+            "uid": repeated["uid"],
+        }
+        if self.environment is not None:
+            tensors["env_reward"] = gathered["env_reward"]
         return Batch(
-            {
-                "prompts": repeated["input_ids"],
-                "responses": responses,
-                "response_mask": response_mask,
-                "input_ids": torch.cat([repeated["input_ids"], responses], dim=1),
-                "attention_mask": attention_mask,
-                "rollout_log_probs": rollout_log_probs,
-                "uid": repeated["uid"],
-            },
+            tensors,
             dict(repeated.non_tensors),
             {"metrics": metrics},
             group_size=n,
@@ -255,7 +289,7 @@ class ActorWorker(RoleWorker):
         tensors, metrics = rollout_advantages(
             data, estimator=estimator, algorithm=self.config.algorithm, reducer=self.reducer, source=source,
             kl_coef=self.config.algorithm.kl_coef if kl_coef is None else kl_coef,
-            max_response_length=self.config.rollout.max_new_tokens,
+            max_response_length=self.config.rollout.response_length,
             baseline_scores=None if baseline is None else baseline["scores"],
         )
         if source == "reward" and "old_log_probs" in data.tensors:
