@@ -38,7 +38,7 @@ def _add_make_tiny(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_make_task(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("make-task", help="write a synthetic prompt dataset in verl's row schema")
-    parser.add_argument("--task", required=True, choices=["arithmetic"])
+    parser.add_argument("--task", required=True, choices=["arithmetic", "tool_products"])
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument("--train-size", type=int, default=2048)
     parser.add_argument("--val-size", type=int, default=256)

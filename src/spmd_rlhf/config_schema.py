@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from spmd_rlhf import dataflow
 from spmd_rlhf.dataflow import GROUP_ALGORITHMS, ROLE_KINDS, ROLES
+from spmd_rlhf.envs import ENVIRONMENTS
 
 ALGORITHMS = tuple(dataflow.ALGORITHMS)
 # The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
@@ -228,7 +229,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Sample among the most likely tokens whose probabilities sum to top_p; 1.0: all tokens."""
     max_new_tokens: int = 32
-    """Most tokens generated per response; generation also stops at EOS."""
+    """Most tokens generated per response (per turn of a multi-turn trajectory); generation also stops at EOS."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that also end a response (kept in it, like EOS), besides the tokenizer's EOS and any ids the model's
     generation_config.json lists as eos_token_id (as transformers' generate and vLLM stop on them): e.g. an
@@ -245,6 +246,15 @@ class RolloutConfig:
     0: on GPU what memory_fraction leaves, elsewhere enough to run every request to full length at once."""
     max_num_seqs: int = 256
     """Most sequences decoded together by continuous batching."""
+    environment: str | None = None
+    """Multi-turn rollouts (docs/multiturn.md): the environment that answers each turn, ``tool`` (tool calls in the
+    Hermes / Qwen format run on the sandboxed calculator and Python tools) or path/to/file.py:name (a class or
+    function making a fresh Environment); null: single-turn responses."""
+    max_turns: int = 1
+    """With an environment: most policy turns per trajectory."""
+    max_response_tokens: int | None = None
+    """With an environment: most tokens per trajectory after the prompt, generated and observation tokens together
+    (the width of the response rows); null: max_turns x max_new_tokens."""
     recompute_log_probs: bool = False
     """Recompute the rollouts' log-probs with a training forward pass; false uses the engine's, which are the same
     numbers (same model code; equal within 1e-6 in float32) and saves that pass."""
@@ -260,7 +270,17 @@ class RolloutConfig:
     """With enabled: MiB of weights (in model.dtype) per broadcast of the trainer-to-rollout weight sync."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs")
+        _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns")
+        _require(
+            self, "environment", self.environment is None or self.environment in ENVIRONMENTS or ".py:" in self.environment,
+            f"must be null, {', '.join(ENVIRONMENTS)}, or path/to/file.py:name (a class or function making an Environment)",
+        )
+        _require(self, "max_turns", self.max_turns == 1 or self.environment is not None, "needs rollout.environment (a second turn answers an environment's observation)")
+        _require(
+            self, "max_response_tokens", self.max_response_tokens is None or self.max_response_tokens >= self.max_new_tokens,
+            f"must be null or at least rollout.max_new_tokens={self.max_new_tokens} (one whole turn)",
+        )
+        _require(self, "max_response_tokens", self.max_response_tokens is None or self.environment is not None, "needs rollout.environment (single-turn responses are max_new_tokens long)")
         _require(self, "stop_token_ids", all(token >= 0 for token in self.stop_token_ids), "must be token ids >= 0")
         _require(self, "kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, "must be >= 1 or null")
         _at_least(self, 0, "temperature", "top_k", "kv_cache_blocks")
@@ -277,6 +297,22 @@ class RolloutConfig:
     dp = 0
     model_path = None
     max_tokens_per_micro_batch = None
+
+    @property
+    def response_length(self) -> int:
+        """Width of the response rows: max_new_tokens, or a multi-turn trajectory's budget after its prompt."""
+        if self.environment is None:
+            return self.max_new_tokens
+        return self.max_response_tokens or self.max_turns * self.max_new_tokens
+
+    @property
+    def response_length_keys(self) -> str:
+        """The keys that set ``response_length``, as error messages name them."""
+        if self.environment is None:
+            return "rollout.max_new_tokens"
+        if self.max_response_tokens is not None:
+            return "rollout.max_response_tokens"
+        return "rollout.max_turns x rollout.max_new_tokens"
 
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -626,6 +662,8 @@ class FrameworkConfig:
             rule = ("the weight sync sends the trained weights, not LoRA adapters merged into them; set "
                     "actor.lora.rank=0 or rollout.enabled=false")
             _require(self, "actor.lora.rank", not self.actor.lora.enabled, rule)
+            rule = "multi-turn environments run on the actor's generation only; set rollout.enabled=false with them"
+            _require(self, "rollout.environment", rollout.environment is None, rule)
             rule = "draws extra batches on the actor's devices, synchronously; set it false with rollout.enabled=true"
             _require(self, "algorithm.dynamic_sampling", not self.algorithm.dynamic_sampling, rule)
         if staleness:
@@ -640,23 +678,23 @@ class FrameworkConfig:
         rollout = self.rollout
         if not rollout.kv_cache_blocks:
             return
-        longest = self.data.max_prompt_length + rollout.max_new_tokens
+        longest = self.data.max_prompt_length + rollout.response_length
         block_size = rollout.kv_block_size or DEFAULT_KV_BLOCK_SIZE
         needed = -(-longest // block_size)
         rule = (
             f"holds {rollout.kv_cache_blocks * block_size} tokens, fewer than one sequence of "
-            f"data.max_prompt_length + rollout.max_new_tokens = {longest}; set it to at least {needed} "
+            f"data.max_prompt_length + {rollout.response_length_keys} = {longest}; set it to at least {needed} "
             f"(blocks of {block_size} tokens: rollout.kv_block_size={format_value(rollout.kv_block_size)}) or 0 to "
             f"size the cache for every request"
         )
         _require(self, "rollout.kv_cache_blocks", rollout.kv_cache_blocks >= needed, rule)
 
     def _check_token_budgets(self) -> None:
-        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        longest = self.data.max_prompt_length + self.rollout.response_length
         for name, role in self.enabled_roles().items():
             budget = role.max_tokens_per_micro_batch
             rule = (
-                f"must hold the longest row, data.max_prompt_length + rollout.max_new_tokens = {longest}; "
+                f"must hold the longest row, data.max_prompt_length + {self.rollout.response_length_keys} = {longest}; "
                 f"set it to at least {longest} or null"
             )
             _require(self, f"{name}.max_tokens_per_micro_batch", budget is None or budget >= longest, rule)

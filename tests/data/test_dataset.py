@@ -76,4 +76,4 @@ def test_loader_is_a_pure_function_of_the_step_visiting_every_prompt_once_per_ep
     batch = batches[0]
     assert batch["input_ids"].shape[0] == 8 and batch.meta == {"step": 0}
     assert bool((batch["attention_mask"][:, -1] == 1).all())  # left padding
-    assert set(batch.non_tensors) == {"data_source", "ground_truth", "extra_info"}
+    assert set(batch.non_tensors) == {"data_source", "ground_truth", "extra_info", "raw_prompt"}

@@ -96,3 +96,19 @@ def test_task_corpus_holds_every_prompt_and_answer_as_chat_turns():
 )
 def test_score_arithmetic(response, ground_truth, reward):
     assert score_arithmetic(response, ground_truth) == reward
+
+
+def test_tool_products_rows_list_the_calculator_and_score_the_final_answer():
+    from spmd_rlhf.rewards import RULES
+    from spmd_rlhf.tiny.task import score_tool_product
+
+    rows = make_rows(task="tool_products", train_size=4, val_size=2, seed=0)
+    row = rows["train"][0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert 10 <= a < 100 and 10 <= b < 100 and row["reward_model"]["ground_truth"] == str(a * b)
+    assert row["extra_info"]["tools"][0]["function"]["name"] == "calculator"
+    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}*{b}"}}}}</tool_call>'
+    assert score_tool_product(f"{call}{a * b}", str(a * b)) == 1.0
+    assert score_tool_product(call, str(a * b)) == 0.0  # the operands inside the call are no answer
+    assert score_tool_product(f"{call}{a * b + 1}", str(a * b)) == 0.1
+    assert RULES["synthetic/tool_products"]("synthetic/tool_products", f"{a * b}", str(a * b)) == 1.0

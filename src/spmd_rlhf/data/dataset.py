@@ -63,6 +63,8 @@ class Prompt:
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any]
+    raw_prompt: str | list[dict[str, Any]] | None = None
+    """The row's prompt, ``normalize_prompt``-ed: where a multi-turn environment starts from."""
 
 
 class PromptDataset:
@@ -86,7 +88,9 @@ class PromptDataset:
                 where = f"{path} row {index}"
                 if prompt_key not in row:
                     raise DatasetError(f"{where} has no {prompt_key!r} field (data.prompt_key); fields: {sorted(row)}")
-                token_ids = encode_prompt(tokenizer, row[prompt_key], where=where)
+                extra_info = row.get("extra_info") or {}
+                prompt = normalize_prompt(row[prompt_key], where=where)
+                token_ids = encode_prompt(tokenizer, prompt, where=where, tools=extra_info.get("tools"))
                 if len(token_ids) > max_prompt_length:
                     if overlong_prompts == "skip":
                         self.num_skipped += 1
@@ -101,7 +105,7 @@ class PromptDataset:
                         )
                 reward_model = _reward_model(row.get("reward_model"), where=where)
                 self.prompts.append(
-                    Prompt(token_ids, str(row.get("data_source", "")), reward_model.get("ground_truth"), row.get("extra_info") or {})
+                    Prompt(token_ids, str(row.get("data_source", "")), reward_model.get("ground_truth"), extra_info, prompt)
                 )
         if not self.prompts:
             why = (
@@ -133,24 +137,33 @@ def _reward_model(value: Any, *, where: str) -> dict[str, Any]:
     return value
 
 
-def encode_prompt(tokenizer, prompt: Any, *, where: str) -> list[int]:
-    """Token ids of a chat prompt (rendered with the chat template and the assistant turn opened) or of plain text.
-    A message's content may be a list of text parts (``[{"type": "text", "text": ...}]``): they are joined."""
+def normalize_prompt(prompt: Any, *, where: str) -> str | list[dict[str, Any]]:
+    """A row's prompt as non-empty text, or as chat messages whose contents are text (a content given as a list of
+    text parts, ``[{"type": "text", "text": ...}]``, is joined)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt is empty; give it text or remove the row")
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
-        if not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(
-                f"{where}: the prompt is chat messages but the tokenizer ({tokenizer.name_or_path}) has no chat "
-                f"template; point model.tokenizer_path at a tokenizer with one (an instruct model's), or give prompts "
-                f"as plain text"
-            )
-        messages = [{**message, "content": _message_text(message["content"], where=where)} for message in prompt]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return [{**message, "content": _message_text(message["content"], where=where)} for message in prompt]
     raise DatasetError(f"{where}: a prompt must be text or a list of {{role, content}} messages, got {prompt!r:.100}")
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict[str, Any]], *, where: str, tools: list | None = None) -> list[int]:
+    """Token ids of a ``normalize_prompt``-ed prompt: chat messages rendered with the chat template and the assistant
+    turn opened, or plain text. ``tools``: the row's ``extra_info.tools``; its OpenAI schemas go to the chat template,
+    which lays them out as the model's family expects (tool names alone are left to the prompt's text)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(
+            f"{where}: the prompt is chat messages but the tokenizer ({tokenizer.name_or_path}) has no chat "
+            f"template; point model.tokenizer_path at a tokenizer with one (an instruct model's), or give prompts "
+            f"as plain text"
+        )
+    schemas = [tool for tool in tools or [] if isinstance(tool, dict)]
+    text = tokenizer.apply_chat_template(prompt, tools=schemas or None, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _message_text(content: Any, *, where: str) -> str:
@@ -201,6 +214,7 @@ class PromptLoader:
                 "data_source": [prompt.data_source for prompt in prompts],
                 "ground_truth": [prompt.ground_truth for prompt in prompts],
                 "extra_info": [prompt.extra_info for prompt in prompts],
+                "raw_prompt": [prompt.raw_prompt for prompt in prompts],
             },
             {"step": step},
         )

@@ -2,7 +2,10 @@
 
 Full blocks made only of prompt tokens are keyed by a hash of (previous block's key, block tokens); a sequence
 whose prompt starts with blocks already in the cache shares them (reference count + 1) and prefill skips those
-tokens. The n samples of one prompt thus hold one copy of the prompt's full blocks. Pure Python, no tensors.
+tokens. The n samples of one prompt thus hold one copy of the prompt's full blocks. When a sequence lets its blocks
+go, its full blocks of generated tokens whose K/V were computed are keyed the same way: a later request whose prompt
+is that sequence's tokens plus more (the next turn of a multi-turn trajectory) shares them too. Pure Python, no
+tensors.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def _prompt_block_keys(self, seq: Sequence) -> list[int]:
+    def _block_keys(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Keys of the full blocks among ``seq``'s first ``num_tokens`` tokens: each hashes its tokens and, through
+        the previous key, every token before it (a block's K/V depend on the whole prefix)."""
         keys, previous = [], 0
-        for index in range(seq.num_prompt_tokens // self.block_size):
+        for index in range(num_tokens // self.block_size):
             previous = hash((previous, tuple(seq.block_tokens(index, self.block_size))))
             keys.append(previous)
         return keys
@@ -45,7 +50,7 @@ class BlockManager:
     def try_allocate(self, seq: Sequence) -> bool:
         """Give ``seq`` blocks for all its tokens, sharing cached prompt blocks; False (nothing taken) if they don't fit."""
         assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
-        keys = self._prompt_block_keys(seq)
+        keys = self._block_keys(seq, seq.num_prompt_tokens)
         cached = self._cached_prefix(keys)
         # A cached block nobody holds sits in the free list: sharing it takes it from there too.
         reused_from_free = sum(1 for block in cached if self.ref_counts[block] == 0)
@@ -60,7 +65,7 @@ class BlockManager:
         for index in range(len(cached), seq.num_blocks(self.block_size)):
             block = self._take_free()
             seq.block_table.append(block)
-            if index < len(keys):
+            if index < len(keys) and keys[index] not in self._block_of_key:
                 self._key_of_block[block] = keys[index]
                 self._block_of_key[keys[index]] = block
         if seq.num_cached_tokens == len(seq):
@@ -79,7 +84,9 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody holds go back to the free list (keeping their prefix key, so a
-        re-run of the same prompt can still hit them until they are reused)."""
+        re-run of the same prompt, or a prompt that extends this sequence, can still hit them until they are
+        reused)."""
+        self._key_computed_blocks(seq)
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} released more often than taken"
@@ -87,6 +94,15 @@ class BlockManager:
                 self._free[block] = None
         seq.block_table = []
         seq.num_cached_tokens = 0
+
+    def _key_computed_blocks(self, seq: Sequence) -> None:
+        """Key ``seq``'s full blocks whose every token's K/V is in the cache: all its tokens but the last sampled one,
+        whose K/V no step has written yet. A block already keyed, or whose key another block holds, stays as it is."""
+        keys = self._block_keys(seq, len(seq) - 1)
+        for block, key in zip(seq.block_table, keys):
+            if block not in self._key_of_block and key not in self._block_of_key:
+                self._key_of_block[block] = key
+                self._block_of_key[key] = block
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the next decode step of ``seq`` (its last token's K/V) fits."""

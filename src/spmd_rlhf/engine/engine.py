@@ -5,8 +5,10 @@
     engine.free_cache()  # give the KV memory back to training
 
 Each ``generate`` call starts a fresh block manager: prefix blocks are shared within a call (the n samples of a
-prompt, re-prefills after preemption) but never across calls, because the actor's weights change between them and
-cached K/V of the old weights would be wrong.
+prompt, re-prefills after preemption) but not across calls, because the actor's weights change between them and
+cached K/V of the old weights would be wrong. Inside ``prefix_cache_session`` (one multi-turn rollout, one set of
+weights) the calls share one cache and block manager, so each turn's prompt (the trajectory so far) reuses the K/V
+blocks of the turns before it.
 
 With a tensor-parallel model, the block size, cache blocks and batch limits are agreed (the minimum) across the
 model's mesh when the engine is built (``agreement.py``), so every rank of a replica runs the same schedule.
@@ -14,6 +16,8 @@ model's mesh when the engine is built (``agreement.py``), so every rank of a rep
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
@@ -36,6 +40,8 @@ class GenerationStats:
     decode_steps: int = 0
     prefill_tokens: int = 0
     """Tokens whose K/V prefill computed; shared prefix blocks are not counted."""
+    cached_prefill_tokens: int = 0
+    """Prompt tokens prefill skipped because their K/V blocks were already in the cache (shared prefixes)."""
     generated_tokens: int = 0
     max_blocks_in_use: int = 0
     """Peak KV blocks held at once: how big the cache needed to be."""
@@ -96,6 +102,7 @@ class LLMEngine:
         self.num_requests = 0
         """Requests received so far, across calls: numbers the unseeded ones' seeds."""
         self.stats = GenerationStats()
+        self._session: BlockManager | None = None
 
     @property
     def num_preemptions(self) -> int:
@@ -106,14 +113,31 @@ class LLMEngine:
         """Release the KV cache memory; the next ``generate`` allocates it again."""
         self.runner.free_cache()
 
+    @contextmanager
+    def prefix_cache_session(self, longest_requests: list[int]) -> Iterator[None]:
+        """``generate`` calls inside share one KV cache and block manager: a prompt that extends an earlier call's
+        prompt and response reuses their K/V blocks. Only while the weights stay the same. ``longest_requests``: the
+        most tokens (prompt + everything generated or appended later) each request may reach, which sizes a cache
+        without a fixed budget."""
+        assert self._session is None, "prefix cache sessions do not nest"
+        blocks = sum(-(-length // self.block_size) for length in longest_requests)
+        self.runner.allocate_cache(self.fixed_num_blocks or max(blocks, 1))
+        self._session = BlockManager(self.runner.num_blocks, self.block_size)
+        try:
+            yield
+        finally:
+            self._session = None
+
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Generate a response to every prompt; outputs in input order, with ``generated_token_ids``, ``log_probs``
         (log softmax(logits / T) of each generated token) and ``finish_reason`` ("stop" or "length")."""
         seqs = self._requests(prompt_token_ids, params)
         if not seqs:
             return []
-        self.runner.allocate_cache(self.fixed_num_blocks or self._blocks_to_finish_at_once(seqs))
-        manager = BlockManager(self.runner.num_blocks, self.block_size)
+        manager = self._session
+        if manager is None:
+            self.runner.allocate_cache(self.fixed_num_blocks or self._blocks_to_finish_at_once(seqs))
+            manager = BlockManager(self.runner.num_blocks, self.block_size)
         scheduler = Scheduler(manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
         for seq in seqs:
             scheduler.add(seq)
@@ -130,6 +154,7 @@ class LLMEngine:
             if is_prefill:
                 stats.prefill_steps += 1
                 stats.prefill_tokens += sum(len(seq) - seq.num_cached_tokens for seq in batch)
+                stats.cached_prefill_tokens += sum(seq.num_cached_tokens for seq in batch)
             else:
                 stats.decode_steps += 1
             logits = self.runner.run(batch, is_prefill=is_prefill)

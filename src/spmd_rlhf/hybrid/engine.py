@@ -16,6 +16,9 @@ Per rank the peak is the training state + the generation shard + the KV cache + 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,6 +31,8 @@ from spmd_rlhf.models.lora import ADAPTER_SUFFIXES, LoRAAdapters, is_adapter, me
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.pipeline import stage_layers
 
+
+T = TypeVar("T")
 
 # torch 2.13 renames all_gather_into_tensor (kept, deprecated); 2.11 has only the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -192,6 +197,16 @@ class HybridEngine:
     def replica_rows(self, num_rows: int) -> torch.Tensor:
         """Indices of the rows (of a DP group's batch) this rank's generation replica answers."""
         return torch.arange(num_rows).tensor_split(self.layout.replicas_per_dp_group)[self.layout.replica_index(self.rank)]
+
+    def on_replica_leader(self, compute: Callable[[], T]) -> T:
+        """``compute()`` run on the first rank of this rank's generation replica, its result on every rank of the
+        replica (host work the replica's ranks must agree on, such as a multi-turn environment's answers)."""
+        if self.tp_group is None:
+            return compute()
+        leader = self.layout.generation_tp_group(self.rank)[0]
+        box = [compute() if self.rank == leader else None]
+        dist.broadcast_object_list(box, src=leader, group=self.tp_group)
+        return box[0]
 
     def sum_over_replicas(self, value: float) -> float:
         """``value`` summed over the generation replicas of this rank's DP group."""

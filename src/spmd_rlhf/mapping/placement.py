@@ -32,7 +32,7 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
     actor = config.actor
     batch = Batch(
         prompts=config.data.batch_size, samples=config.rollout.n, prompt_length=config.data.max_prompt_length,
-        response_length=config.rollout.max_new_tokens, micro_batch_size=actor.micro_batch_size,
+        response_length=config.rollout.response_length, micro_batch_size=actor.micro_batch_size,
         mini_batch_size=actor.mini_batch_size, ppo_epochs=actor.ppo_epochs, dtype_bytes=_DTYPE_BYTES[config.model.dtype],
         activation_checkpointing=config.model.activation_checkpointing, memory_fraction=config.rollout.memory_fraction,
     )

@@ -20,7 +20,8 @@ Registered rules:
 - ``format/think_answer``, ``format/boxed``: 1 when the response is laid out as ``<think>...</think>`` then an
   answer, or holds a ``\\boxed{}`` answer;
 - ``synthetic/arithmetic``, ``synthetic/arithmetic_cost``: the synthetic task of ``spmd_rlhf.tiny.task``, its score
-  and the Safe-RLHF demo's cost.
+  and the Safe-RLHF demo's cost;
+- ``synthetic/tool_products``: the multi-turn tool task's score of the answer after the last tool call.
 
 Correctness and format combine in a user file (``reward.rule=my_reward.py:score``)::
 

@@ -36,6 +36,13 @@ def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     return score_arithmetic(solution_str, str(ground_truth))
 
 
+def tool_products(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """The synthetic tool task: ``arithmetic``'s score of the answer after the last tool call."""
+    from ..tiny.task import score_tool_product
+
+    return score_tool_product(solution_str, str(ground_truth))
+
+
 def arithmetic_cost(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """The synthetic arithmetic task's cost in the Safe-RLHF demo (``spmd_rlhf.tiny.task.cost_arithmetic``)."""
     from ..tiny.task import cost_arithmetic
@@ -46,6 +53,7 @@ def arithmetic_cost(data_source: str, solution_str: str, ground_truth: Any, extr
 RULES: dict[str, RewardFunction] = {
     "synthetic/arithmetic": arithmetic,
     "synthetic/arithmetic_cost": arithmetic_cost,
+    "synthetic/tool_products": tool_products,
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
     **dict.fromkeys(MATH_DATA_SOURCES, math_score),

@@ -129,3 +129,27 @@ def make_tiny(
             pad_token_id=tokenizer.pad_token_id,
         ).save_pretrained(out)
     return out_dir
+
+
+def raise_eos_logit(model_dir: str, *, scale: float = 10.0) -> None:
+    """Rewrite ``model_dir``'s untied LM head so its EOS row points along the mean of the final hidden states (on
+    random tokens), ``scale`` / |mean| long: a random-init model then ends a response after a few tokens instead of
+    almost never. Multi-turn tests and benchmarks need turns that end, as a trained model's do."""
+    from safetensors.torch import load_file, save_file
+
+    from ..models import load_model
+
+    model = load_model(model_dir, head="lm", dtype=torch.float32, attention_backend="torch")
+    if model.args.tie_word_embeddings:
+        raise ValueError(f"{model_dir} ties its LM head to the embedding; make it with tie_word_embeddings=False")
+    captured: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0].detach()))
+    with torch.no_grad():
+        model(torch.randint(0, model.args.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0)))
+    hook.remove()
+    mean = captured[0].reshape(-1, captured[0].shape[-1]).mean(dim=0)
+    path = Path(model_dir) / "model.safetensors"
+    weights = load_file(path)
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    weights["lm_head.weight"][eos] = scale * mean / mean.dot(mean)
+    save_file(weights, path, metadata={"format": "pt"})

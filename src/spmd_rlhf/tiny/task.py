@@ -10,6 +10,15 @@ Each row is what verl's RL datasets hold, so the same loader serves these files 
      "reward_model": {"style": "rule", "ground_truth": "7"},
      "extra_info": {"split": "train", "index": 0, "a": 3, "b": 4}}
 
+Task "tool_products" is products of two-digit numbers, which the tiny model cannot compute but the sandboxed
+calculator can: multi-turn rollouts with ``rollout.environment=tool`` (docs/multiturn.md). Its rows list the calculator
+in ``extra_info.tools`` (an OpenAI tool schema, which the chat template lays out where the model's family expects):
+
+    {"data_source": "synthetic/tool_products",
+     "prompt": [{"role": "user", "content": "37*58="}],
+     "reward_model": {"style": "rule", "ground_truth": "2146"},
+     "extra_info": {"split": "train", "index": 0, "a": 37, "b": 58, "tools": [{"type": "function", ...}]}}
+
 Task "arithmetic" is single-digit addition: 100 distinct prompts of four tokens each, answers 0-18 of one or two digit
 tokens followed by eos. A policy only has to map (a, b) to at most two tokens, and `score_arithmetic` gives partial
 credit for any integer, so even a random-init model sees non-zero rewards from the first step and reward rises quickly.
@@ -25,7 +34,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-TASKS = ("arithmetic",)
+TASKS = ("arithmetic", "tool_products")
 
 CORRECT_REWARD = 1.0
 WRONG_INTEGER_REWARD = 0.1
@@ -33,6 +42,8 @@ NO_INTEGER_REWARD = 0.0
 
 _INTEGER = re.compile(r"-?\d+")
 _ARITHMETIC_PAIRS = [(a, b) for a in range(10) for b in range(10)]
+_PRODUCT_PAIRS = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+_TOOL_CALL_END = "</tool_call>"
 
 
 def _check_task(task: str) -> None:
@@ -50,22 +61,38 @@ def _arithmetic_row(a: int, b: int, *, split: str, index: int) -> dict:
     }
 
 
+def _tool_products_row(a: int, b: int, *, split: str, index: int) -> dict:
+    from ..envs.sandbox import sandboxed_tool
+
+    return {
+        "data_source": "synthetic/tool_products",
+        "prompt": [{"role": "user", "content": f"{a}*{b}="}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+        "extra_info": {"split": split, "index": index, "a": a, "b": b, "tools": [sandboxed_tool("calculator").schema()]},
+    }
+
+
+_ROWS = {"arithmetic": (_ARITHMETIC_PAIRS, _arithmetic_row), "tool_products": (_PRODUCT_PAIRS, _tool_products_row)}
+
+
 def make_rows(*, task: str, train_size: int, val_size: int, seed: int) -> dict[str, list[dict]]:
     """Rows of the train and val splits, drawn with a generator seeded by `seed` alone.
 
-    The arithmetic task has only 100 distinct prompts, fewer than a useful train split, so both splits are drawn
-    uniformly with replacement from all of them and val is not disjoint from train: it measures how well the policy
-    learned the task, not generalisation to unseen sums.
+    Both splits are drawn uniformly with replacement from all of a task's prompts (the arithmetic task has only 100,
+    fewer than a useful train split), so val is not disjoint from train: it measures how well the policy learned the
+    task, not generalisation to unseen prompts.
     """
     _check_task(task)
     for name, size in (("train_size", train_size), ("val_size", val_size)):
         if size < 1:
             raise ValueError(f"{name}={size}: each split needs at least one row")
     rng = random.Random(seed)
+    all_pairs, make_row = _ROWS[task]
     rows: dict[str, list[dict]] = {}
     for split, size in (("train", train_size), ("val", val_size)):
-        pairs = [rng.choice(_ARITHMETIC_PAIRS) for _ in range(size)]
-        rows[split] = [_arithmetic_row(a, b, split=split, index=index) for index, (a, b) in enumerate(pairs)]
+        pairs = [rng.choice(all_pairs) for _ in range(size)]
+        rows[split] = [make_row(a, b, split=split, index=index) for index, (a, b) in enumerate(pairs)]
     return rows
 
 
@@ -95,6 +122,8 @@ def task_corpus(task: str) -> list[str]:
     "assistant\\n7"), plus the newline the template puts between turns.
     """
     _check_task(task)
+    if task != "arithmetic":
+        raise ValueError(f"the tiny tokenizer's corpus is the arithmetic task's; {task!r} has none")
     corpus = ["\n"]
     for a, b in _ARITHMETIC_PAIRS:
         corpus += [f"user\n{a}+{b}=", f"assistant\n{a + b}"]
@@ -116,6 +145,13 @@ def score_arithmetic(solution_str: str, ground_truth: str) -> float:
     if match is None:
         return NO_INTEGER_REWARD
     return CORRECT_REWARD if int(match.group()) == int(ground_truth) else WRONG_INTEGER_REWARD
+
+
+def score_tool_product(solution_str: str, ground_truth: str) -> float:
+    """Rule reward for the tool_products task: ``score_arithmetic`` of the final answer, the text after the last
+    ``</tool_call>`` (the whole response when it called no tool). The policy's text is all it generated, tool calls
+    included, but never the tool's output (observation tokens are not the policy's): the product must be restated."""
+    return score_arithmetic(solution_str.rpartition(_TOOL_CALL_END)[2], ground_truth)
 
 
 _LETTER = re.compile(r"[A-Za-z]")

@@ -38,7 +38,7 @@ class ActorWorker(RoleWorker):
         self.model = ShardedModel(context, config, config.actor, head="lm", trainable=True, reducer=self.reducer)
         self.trainer = Trainer(
             self.model, self.reducer, config.actor, total_steps=config.trainer.total_steps,
-            max_response_length=config.rollout.max_new_tokens, max_skipped_steps=config.trainer.max_skipped_steps,
+            max_response_length=config.rollout.response_length, max_skipped_steps=config.trainer.max_skipped_steps,
         )
         self.generator = Generator(
             config, role=context.name, model_path=self.model.model_path, vocab_size=self.model.module.args.vocab_size,
@@ -145,7 +145,7 @@ class ActorWorker(RoleWorker):
         tensors, metrics = rollout_advantages(
             data, estimator=estimator, algorithm=self.config.algorithm, reducer=self.reducer, source=source,
             kl_coef=self.config.algorithm.kl_coef if kl_coef is None else kl_coef,
-            max_response_length=self.config.rollout.max_new_tokens,
+            max_response_length=self.config.rollout.response_length,
             baseline_scores=None if baseline is None else baseline["scores"],
         )
         if source == "reward" and "old_log_probs" in data.tensors:

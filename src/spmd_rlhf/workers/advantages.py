@@ -65,6 +65,8 @@ def rollout_advantages(
     score_key, value_key, prefix = SOURCES[source]
     mask = data["response_mask"]
     scores = data[score_key].float()
+    if source == "reward" and "env_reward" in data.tensors:
+        scores = scores + data["env_reward"].float()  # a multi-turn environment's own rewards (rollout.environment)
     tensors: dict[str, torch.Tensor] = {}
     means: dict[str, tuple[float, float]] = {}
     """Metric -> (this shard's sum, count), averaged over DP in one collective at the end."""

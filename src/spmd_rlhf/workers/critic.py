@@ -32,7 +32,7 @@ class CriticWorker(RoleWorker):
         self.model = ShardedModel(context, config, role_config, head="value", trainable=True, reducer=self.reducer)
         self.trainer = Trainer(
             self.model, self.reducer, role_config, total_steps=config.trainer.total_steps,
-            max_response_length=config.rollout.max_new_tokens, max_skipped_steps=config.trainer.max_skipped_steps,
+            max_response_length=config.rollout.response_length, max_skipped_steps=config.trainer.max_skipped_steps,
         )
         self.role, self.keys = role, CRITIC_ROLES[role]
 

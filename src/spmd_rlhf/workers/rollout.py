@@ -31,7 +31,7 @@ from .base import RoleWorker
 from .generation import Generator, OneReplica
 
 
-GENERATED = ("responses", "response_mask", "rollout_log_probs", "token_versions")
+GENERATED = ("responses", "response_mask", "trajectory_mask", "rollout_log_probs", "token_versions")
 """What generation adds to the prompts of a batch: what a checkpoint keeps of a batch in flight."""
 
 
@@ -121,7 +121,8 @@ class RolloutWorker(RoleWorker):
         if self.tp_rank != 0:
             return  # the replica's TP ranks hold the same rows
         Path(directory).mkdir(parents=True, exist_ok=True)
-        tensors = {key: batch[key].contiguous() for key in GENERATED}
+        tensors = {key: batch[key].contiguous() for key in GENERATED if key != "trajectory_mask"}
+        tensors["trajectory_mask"] = batch["attention_mask"][:, -batch["responses"].shape[1] :].contiguous()
         metadata = {"metrics": json.dumps(batch.meta["metrics"]), "group_size": str(batch.group_size)}
         save_file(tensors, str(self._rows_file(directory)), metadata=metadata)
 
@@ -144,4 +145,6 @@ class RolloutWorker(RoleWorker):
         if len(repeated) != len(generated["responses"]):
             raise ValueError(f"{path} holds {len(generated['responses'])} rows, not the {len(repeated)} of its prompts")
         metrics = json.loads(metadata["metrics"])
-        return self.generator.rollout_batch(repeated, generated, metrics, group_size=group_size)
+        return self.generator.rollout_batch(
+            repeated, generated, metrics, group_size=group_size, extra=("token_versions",)
+        )
