@@ -39,8 +39,9 @@ from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.models.vocabulary import check_role_vocabularies
 from spmd_rlhf.recipes.dry_run import describe
+from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
 from spmd_rlhf.recipes.dynamic_sampling import sample_with_signal
-from spmd_rlhf.recipes.roles import WORKERS, ActorHandle, CriticHandle, ReferenceHandle, RewardHandle
+from spmd_rlhf.recipes.roles import WORKERS, ActorHandle, CriticHandle, ReferenceHandle, RewardHandle, RolloutHandle
 from spmd_rlhf.runtime import (
     REQUEUE_EXIT_CODE, BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, stop_requested,
     wait_together,
@@ -115,6 +116,8 @@ class RLRecipe:
         self.config_yaml = to_yaml(config)
         """The resolved config as given (before placement fills in layouts): saved at the run's start and in every
         checkpoint, and compared with a checkpoint's on resume."""
+        self.pipeline: RolloutPipeline | None = None
+        """With a rollout role: the batches generated ahead (``recipes.async_rollouts``), made at the first step."""
         self.stopped_by: str | None = None
         """Why ``fit`` ended before ``trainer.total_steps`` (``"SIGTERM on rank 1"``); None when it ran them all."""
 
@@ -183,6 +186,10 @@ class RLRecipe:
         return self._role("reward")
 
     @property
+    def rollout(self) -> RolloutHandle:
+        return self._role("rollout")
+
+    @property
     def cost(self) -> RewardHandle:
         return self._role("cost")
 
@@ -214,7 +221,12 @@ class RLRecipe:
         Every call after generation is issued at once (``run_together``): roles placed on different devices run
         at the same time, colocated ones one after another."""
         sampling_metrics: dict[str, float] = {}
-        if self.config.algorithm.dynamic_sampling:
+        if "rollout" in self.roles:
+            if self.pipeline is None:
+                self.pipeline = self.rollout_pipeline(start=step)
+            rollout, scores, sampling_metrics = self.pipeline.take(step, timer)
+            calls = {"reward": scores}
+        elif self.config.algorithm.dynamic_sampling:
             rollout, sampling_metrics = sample_with_signal(
                 self.config, actor=self.actor, reward=self.reward, loader=self.loader, step=step, timer=timer
             )
@@ -236,6 +248,22 @@ class RLRecipe:
             rollout, scores=results.pop("reward", rollout), old_log_probs=results.pop("old_log_probs", None),
             ref_log_probs=results.pop("ref_log_probs", None), extras=results, metrics=sampling_metrics,
         )
+
+    def rollout_pipeline(self, *, start: int) -> RolloutPipeline:
+        """The rollout role's batches generated ahead, for a run starting (or resuming) at step ``start``."""
+        return RolloutPipeline(
+            actor=self.actor, rollout=self.rollout, reward=self.reward, loader=self.loader,
+            max_staleness=self.config.algorithm.max_staleness, total_steps=self.config.trainer.total_steps,
+            start=start, timeout_s=self.config.trainer.timeout_s,
+        )
+
+    def update_options(self, step: int) -> dict[str, Any]:
+        """The actor update's keywords at step ``step``: this step's KL weight and, with a rollout role, the policy
+        version (updates taken so far) that the samples' token versions are measured against."""
+        options: dict[str, Any] = {"kl_coef": self.kl_controller.coef}
+        if "rollout" in self.roles:
+            options["policy_version"] = step
+        return options
 
     def run_together(self, timer: StageTimer, **calls: CallFuture) -> list[Any]:
         """The results of calls already issued, in keyword order, each timed as ``time/<keyword>`` from now until
@@ -364,13 +392,16 @@ class RLRecipe:
         previous checkpoint and ``latest`` as they were."""
         with_hf = checkpoint.hf_copy_due(self.config.trainer.save_hf, last=final)
 
+        trainer_state = {"step": step, "recipe": self.name, "algorithm": self.algorithm_state()}
+
         def write_roles(staging: Path) -> None:
             for name in self.trained_roles():
                 self.roles[name].save_checkpoint(str(checkpoint.role_state_dir(staging, name))).result()
                 if with_hf:
                     self.roles[name].save_pretrained(str(checkpoint.role_hf_dir(staging, name))).result()
+            if self.pipeline is not None:  # before trainer_state.json, which write_checkpoint writes after this
+                trainer_state["rollouts"] = self.pipeline.save(str(staging))
 
-        trainer_state = {"step": step, "recipe": self.name, "algorithm": self.algorithm_state()}
         return str(checkpoint.write_checkpoint(
             out_dir, write_roles, trainer_state=trainer_state, config_yaml=self.config_yaml,
             keep_last=self.config.trainer.keep_last,
@@ -393,6 +424,9 @@ class RLRecipe:
         for name, state_dir in state_dirs.items():
             self.roles[name].load_checkpoint(str(state_dir)).result()
         self.load_algorithm_state(state.get("algorithm", self.algorithm_state()))
+        if "rollouts" in state:
+            self.pipeline = self.rollout_pipeline(start=int(state["step"]))
+            self.pipeline.restore(checkpoint_dir, state["rollouts"])
         return int(state["step"])
 
     def check_recipe(self, checkpoint_dir: str | os.PathLike, state: dict[str, Any]) -> None:

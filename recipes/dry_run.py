@@ -4,7 +4,7 @@ memory estimate per rank (``<recipe>.py --dry-run --world-size N``; no torchrun,
 The memory estimate is the device mapper's (``spmd_rlhf.mapping.cost``): weights and optimizer state, which dominate
 at scale and are exact given the layout. A trained role keeps float32 weights, float32 gradients and two Adam moments
 (``TRAINING_BYTES_PER_PARAMETER``), sharded over all its ranks (FSDP over dp, TP over tp, PP over pp); a frozen role
-keeps its weights in ``model.dtype``. While generating, each actor rank also holds its generation shard (the weights
+keeps its weights in ``model.dtype``. While generating, each actor rank (each rollout rank, with a rollout role) holds its generation shard (the weights
 in ``model.dtype`` split ``rollout.tp`` ways) and its KV cache (sized here for the batch at full length). In a
 training or forward pass it also holds that pass's working set (``working_bytes``: one micro-batch's activations,
 its logits at the response positions and the log-prob path's float32 vocabulary chunks); the largest of its roles'
@@ -44,6 +44,11 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
     largest_pass = [0.0] * world_size
     for name in dataflow_of(config.algorithm.name).roles_of(config):
         (pool, dims), role = placement.roles[name], getattr(config, name)
+        if name == "rollout":  # counted below with generation: its shard and KV cache
+            count = models["actor"].shape.parameters("lm")
+            lines.append(f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  "
+                         f"generation shard + KV cache only (the actor's weights, {config.model.dtype})")
+            continue
         if name not in models:  # a rule reward or cost: no model
             lines.append(f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'rule':>14}  none (reward.rule={role.rule})")
             continue
@@ -58,20 +63,22 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
         for rank in pool.ranks:
             per_rank[rank] += state
             largest_pass[rank] = max(largest_pass[rank], working)
-    actor_ranks = placement.roles["actor"][0].ranks
-    generation = _generation_bytes(config, models["actor"], batch, len(actor_ranks))
+    # The rollout role generates on its own ranks when there is one; the actor on its own otherwise.
+    generating = placement.roles["rollout" if "rollout" in placement.roles else "actor"][0].ranks
+    generation = _generation_bytes(config, models["actor"], batch, len(generating))
     lines += ["", "# memory per rank (weights and optimizer state, plus what generation or the largest pass adds)"]
     for rank, state in enumerate(per_rank):
-        extra = f" + {_mib(generation)} while generating" if rank in actor_ranks else ""
+        extra = f" + {_mib(generation)} while generating" if rank in generating else ""
         lines.append(f"rank {rank}: {_mib(state)}{extra} + {_mib(largest_pass[rank])} in its largest pass")
     return "\n".join(lines) + "\n"
 
 
-def _generation_bytes(config: FrameworkConfig, actor: RoleSpec, batch: Batch, actor_ranks: int) -> float:
-    """One actor rank's generation shard plus its KV cache with its replica's share of the batch at full length."""
+def _generation_bytes(config: FrameworkConfig, actor: RoleSpec, batch: Batch, generating_ranks: int) -> float:
+    """One generating rank's generation shard plus its KV cache with its replica's share of the batch at full
+    length (``generating_ranks``: the actor's, or the rollout role's)."""
     tp = config.rollout.tp
     shard = actor.shape.parameters("lm") * batch.dtype_bytes / tp
-    rows = -(-batch.prompts * batch.samples // (actor_ranks // tp))
+    rows = -(-batch.prompts * batch.samples // (generating_ranks // tp))
     tokens = rows * (batch.prompt_length + batch.response_length)
     return shard + tokens * actor.shape.kv_bytes_per_token(batch.dtype_bytes) / tp
 

@@ -29,7 +29,7 @@ class GRPORecipe(RLRecipe):
         with timer("advantages"):
             advantages = self.actor.compute_advantages(*inputs, estimator=estimator, kl_coef=self.kl_controller.coef).result()
         with timer("update_actor"):
-            actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
+            actor_metrics = self.actor.update_actor(*inputs, advantages, **self.update_options(step)).result()
         return self.step_metrics(started, timer, experience, advantages, actor_metrics)
 
 

@@ -26,7 +26,7 @@ class PPORecipe(RLRecipe):
         critic_metrics, actor_metrics = self.run_together(
             timer,
             update_critic=self.critic.update_critic(rollout, values, advantages),
-            update_actor=self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef),
+            update_actor=self.actor.update_actor(*inputs, advantages, **self.update_options(step)),
         )
         return self.step_metrics(started, timer, experience, advantages, critic_metrics, actor_metrics)
 

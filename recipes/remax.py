@@ -30,7 +30,7 @@ class ReMaxRecipe(RLRecipe):
                 *inputs, estimator="remax", baseline=baseline, kl_coef=self.kl_controller.coef
             ).result()
         with timer("update_actor"):
-            actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
+            actor_metrics = self.actor.update_actor(*inputs, advantages, **self.update_options(step)).result()
         metrics = self.step_metrics(started, timer, experience, advantages, actor_metrics)
         metrics["baseline/reward/mean"] = baseline.meta["metrics"]["reward/mean"]
         return metrics

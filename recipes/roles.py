@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.runtime import BatchRef, CallFuture, RoleHandle
-from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
+from spmd_rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
 Rows = BatchRef | CallFuture | Batch
 """What a data-parallel method takes: rows on the workers (or a future of them), or a batch from the coordinator."""
@@ -55,8 +55,16 @@ class ActorHandle(TrainedHandle):
             "compute_advantages", *parts, estimator=estimator, kl_coef=kl_coef, source=source, baseline=baseline
         )
 
-    def update_actor(self, *parts: Rows, kl_coef: float | None = None, cost_multiplier: float | None = None) -> CallFuture:
-        return self.call("update_actor", *parts, kl_coef=kl_coef, cost_multiplier=cost_multiplier)
+    def update_actor(
+        self, *parts: Rows, kl_coef: float | None = None, cost_multiplier: float | None = None,
+        policy_version: int | None = None,
+    ) -> CallFuture:
+        return self.call(
+            "update_actor", *parts, kl_coef=kl_coef, cost_multiplier=cost_multiplier, policy_version=policy_version
+        )
+
+    def send_weights(self, version: int) -> CallFuture:
+        return self.call("send_weights", version)
 
 
 class CriticHandle(TrainedHandle):
@@ -83,11 +91,28 @@ class RewardHandle(RoleHandle):
         return self.call("compute_rewards", batch)
 
 
+class RolloutHandle(RoleHandle):
+    """``RolloutWorker``: generation replicas on their own ranks, fed the actor's weights."""
+
+    def generate_sequences(self, prompts: Rows, *, greedy: bool = False, samples: int | None = None) -> CallFuture:
+        return self.call("generate_sequences", prompts, greedy=greedy, samples=samples)
+
+    def receive_weights(self, version: int) -> CallFuture:
+        return self.call("receive_weights", version)
+
+    def save_rows(self, batch: Rows, directory: str) -> CallFuture:
+        return self.call("save_rows", batch, directory)
+
+    def restore_rows(self, prompts: Rows, directory: str) -> CallFuture:
+        return self.call("restore_rows", prompts, directory)
+
+
 WORKERS: dict[str, tuple[type, type[RoleHandle]]] = {
     "actor": (ActorWorker, ActorHandle),
     "critic": (CriticWorker, CriticHandle),
     "reference": (ReferenceWorker, ReferenceHandle),
     "reward": (RewardWorker, RewardHandle),
+    "rollout": (RolloutWorker, RolloutHandle),
 }
 """A worker kind (``RoleKind.worker``) -> its worker class and typed handle. A role whose name is not its kind
 (cost, cost_critic) is built with ``role=<name>``."""

@@ -49,7 +49,8 @@ class Case:
     nproc: int = 1
     recipe: str = "grpo"
     kill: str | None = None
-    """Run through ``killed_mid_stage.py``, whose rank 1 kills itself at this ``STAGE@CALL``."""
+    """Run through ``killed_mid_stage.py``, whose rank ``victim`` kills itself at this ``STAGE@CALL``."""
+    victim: int = 1
     checkpoints: tuple[str, ...] = ()
     """The finished checkpoints the run leaves."""
 
@@ -141,6 +142,14 @@ CASES = {
     "rank_killed_in_update": case(
         r"rank 1 \(.*\) was lost: no answer to actor\.update_actor",
         "trainer.total_steps=2", "trainer.save_every=1", kill="update@2", nproc=2, checkpoints=("step_1",),
+    ),
+    # A rollout replica (ranks 2-3 beside the reward; the actor on 0-1) dies generating the second batch, ahead of
+    # the step that trains on it (max_staleness=1): the job ends naming it (the call the coordinator is waiting for
+    # on it then is the generation or the moving of its rows, whichever the timing makes first).
+    "rollout_rank_killed": case(
+        r"rank 3 \(.*\) was lost: no answer to (rollout\.generate_sequences|runtime\.Exchanges)",
+        "trainer.total_steps=2", "placement=split", "rollout.enabled=true", "rollout.n_ranks=2",
+        "algorithm.max_staleness=1", "rollout.recompute_log_probs=true", kill="rollout@2", victim=3, nproc=4,
     ),
     # Counted and carried on.
     # Every call fails: counted only because max_failure_fraction=1 says so (the default stops the run).
@@ -335,7 +344,7 @@ def run_case(name: str, assets: Path, runs: Path) -> Run:
         *(override.format(assets=assets, runs=runs) for override in entry.overrides),
     ]
     if entry.kill:
-        program, arguments = "killed_mid_stage.py", [entry.kill, "1", str(workdir), *arguments]
+        program, arguments = "killed_mid_stage.py", [entry.kill, str(entry.victim), str(workdir), *arguments]
     else:
         program = str(RECIPES / f"{entry.recipe}.py")
     finished = torchrun(program, *arguments, nproc=entry.nproc, timeout=240, cwd=str(workdir),
@@ -398,13 +407,13 @@ def test_bad_input_fails_with_one_line_naming_the_fix(runs, name):
         assert finished_checkpoints(runs[dependency].workdir / "out") == list(CASES[dependency].checkpoints)
 
 
-@pytest.mark.parametrize("name", ["rank_killed_in_generation", "rank_killed_in_update"])
+@pytest.mark.parametrize("name", ["rank_killed_in_generation", "rank_killed_in_update", "rollout_rank_killed"])
 def test_a_killed_rank_ends_the_job_within_the_timeout_and_no_process_is_left(runs, name):
     run = runs[name]
     killed_at = float((run.workdir / "killed_at").read_text())
     assert run.ended_at - killed_at < TIMEOUT_S
     pids = [int(path.read_text()) for path in run.workdir.glob("pid.*")]
-    assert len(pids) == 2
+    assert len(pids) == CASES[name].nproc
     deadline = time.monotonic() + 5
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

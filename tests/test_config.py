@@ -362,7 +362,10 @@ def test_lora_actor_serves_the_reference_from_its_base():
         load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8"])
     config = load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8",
                                 "reference.enabled=false"])
-    assert conditions(config) == {"kl_to_reference": False, "kl_to_actor_base": True, "recompute_log_probs": False}
+    assert conditions(config) == {
+        "kl_to_reference": False, "kl_to_actor_base": True, "recompute_log_probs": False, "rollout_role": False,
+        "generate_on_actor": True,
+    }
     assert "reference" not in GRPO.roles_of(config) and GRPO.roles_of(config)["actor"]["preparation"] == ("forward",)
     # Another reference model named: a reference role as before.
     config = load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8",

@@ -72,13 +72,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def run_recipe(name: str, workdir: Path, *overrides: str) -> list[dict]:
-    """Run recipes/<name>.py with its default config on 2 ranks in ``workdir`` (tiny assets are built there on first
+def run_recipe(name: str, workdir: Path, *overrides: str, nproc: int = 2) -> list[dict]:
+    """Run recipes/<name>.py with its default config on ``nproc`` ranks in ``workdir`` (tiny assets are built there on first
     use) and ``trainer.output_dir=out``; returns the metrics records of ``workdir/out/metrics.jsonl``."""
     workdir.mkdir(parents=True, exist_ok=True)
     finished = torchrun(
         str(RECIPES / f"{name}.py"), "--config", str(RECIPES / "configs" / f"{name}.yaml"), "trainer.output_dir=out",
-        *overrides, nproc=2, timeout=300, cwd=str(workdir),
+        *overrides, nproc=nproc, timeout=300, cwd=str(workdir),
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     return [json.loads(line) for line in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]

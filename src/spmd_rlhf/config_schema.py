@@ -258,6 +258,16 @@ class RolloutConfig:
     recompute_log_probs: bool = False
     """Recompute the rollouts' log-probs with a training forward pass; false uses the engine's, which are the same
     numbers (same model code; equal within 1e-6 in float32) and saves that pass."""
+    enabled: bool = False
+    """Generate on a rollout role of its own (generation-only replicas on their own ranks, fed the actor's weights
+    by a mesh-to-mesh sync) instead of on the actor's devices; needs placement split, standalone or manual, and is
+    what algorithm.max_staleness > 0 runs on. false: the actor generates (the synchronous HybridEngine path)."""
+    pool: str | None = None
+    """With enabled and placement=manual: the rollout role's resource pool."""
+    n_ranks: int = 0
+    """With enabled: ranks of the rollout role (replicas x tp); 0: all ranks of its pool."""
+    sync_bucket_mb: float = 64.0
+    """With enabled: MiB of weights (in model.dtype) per broadcast of the trainer-to-rollout weight sync."""
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns")
@@ -276,6 +286,17 @@ class RolloutConfig:
         _at_least(self, 0, "temperature", "top_k", "kv_cache_blocks")
         _require(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
         _require(self, "memory_fraction", 0 < self.memory_fraction <= 1, "must be in (0, 1]")
+        _at_least(self, 0, "n_ranks")
+        _require(self, "pool", self.pool != "", "must be a name or null")
+        _require(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "must be > 0")
+
+    # The rollout role's layout as placement and the checks read any role's (not keys: fixed for a rollout role):
+    # one pipeline stage, its replicas are its DP degree, the actor's model (weights from the sync, never from
+    # disk), and no training micro-batches.
+    pp = 1
+    dp = 0
+    model_path = None
+    max_tokens_per_micro_batch = None
 
     @property
     def response_length(self) -> int:
@@ -350,6 +371,15 @@ class AlgorithmConfig:
     """safe_rlhf: learning rate of the Lagrange multiplier."""
     lambda_max: float | None = None
     """safe_rlhf: upper bound of the Lagrange multiplier; null: none."""
+    max_staleness: int = 0
+    """Asynchronous RL: how many policy updates a step's samples may lag the policy they train (k). 0: every step
+    trains on samples of its own weights (synchronous); 1: one-step-off (the next batch is generated while this one
+    trains); k: a k-deep pipeline. k > 0 needs rollout.enabled and rollout.recompute_log_probs."""
+    off_policy_correction: str = "truncated"
+    """With max_staleness > 0, the importance weight w = pi_old / pi_behaviour (recomputed over engine log-probs) of
+    each token: truncated (min(w, importance_cap)) or masked (tokens with w > importance_cap leave the loss)."""
+    importance_cap: float = 2.0
+    """With max_staleness > 0: the cap of the importance weights (> 1)."""
 
     def __post_init__(self) -> None:
         _one_of(self, "name", ALGORITHMS)
@@ -368,7 +398,9 @@ class AlgorithmConfig:
         _require(self, "lambda_init", self.lambda_init > 0, "must be > 0 (the multiplier is log-parameterised)")
         _one_of(self, "policy_loss", ("ppo", "gspo"))
         _at_least(self, 1, "max_sampling_rounds")
-        _at_least(self, 0, "overlong_buffer", "overlong_penalty")
+        _at_least(self, 0, "overlong_buffer", "overlong_penalty", "max_staleness")
+        _one_of(self, "off_policy_correction", ("truncated", "masked"))
+        _require(self, "importance_cap", self.importance_cap > 1, "must be > 1")
         rule = f"dynamic sampling filters groups of samples; use {_listed(GROUP_ALGORITHMS)}"
         _require(self, "dynamic_sampling", not self.dynamic_sampling or self.name in GROUP_ALGORITHMS, rule)
 
@@ -519,10 +551,11 @@ class FrameworkConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm and its loss and advantage settings."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Response generation by the actor."""
+    """Response generation: sampling and the engine; with rollout.enabled, the rollout role that generates on ranks
+    of its own (asynchronous RL)."""
     placement: str = "colocate"
-    """Roles on devices: colocate (one pool), split (actor+reference | rest), standalone, manual (by pool), or auto
-    (the device mapper picks the pools and every role's pp/tp and rollout.tp; see mapping)."""
+    """Roles on devices: colocate (one pool), split (actor+reference | rest, a rollout role included), standalone,
+    manual (by pool), or auto (the device mapper picks the pools and every role's pp/tp and rollout.tp; see mapping)."""
     mapping: MappingConfig = field(default_factory=MappingConfig)
     """How placement=auto models the devices."""
     actor: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)
@@ -556,6 +589,7 @@ class FrameworkConfig:
             _require(self, "rollout.temperature", self.rollout.temperature > 0, rule)
         self._check_training_batches()
         self._check_token_budgets()
+        self._check_asynchronous()
         for name in ("reward", "cost"):
             role = getattr(self, name)
             if role.enabled and role.kind == "model":
@@ -575,8 +609,11 @@ class FrameworkConfig:
             case "colocate":
                 return {"all": roles}
             case "split":
-                # The policy models (actor, reference) on one pool, the models that score them on the other.
-                policy = [name for name in roles if ROLE_KINDS[name].head == "lm"]
+                # The policy models (actor, reference) on one pool, the models that score them on the other; a
+                # rollout role generates beside the scorers, so its samples are scored where they are.
+                policy = [
+                    name for name in roles if ROLE_KINDS[name].head == "lm" and ROLE_KINDS[name].worker != "rollout"
+                ]
                 return {"policy": policy, "scoring": [name for name in roles if name not in policy]}
             case "standalone":
                 return {name: [name] for name in roles}
@@ -612,6 +649,30 @@ class FrameworkConfig:
                     f"roles sharing a pool (here {pool}, placement={self.placement}) span all of its ranks"
                 )
                 _require(self, f"{name}.n_ranks", getattr(self, name).n_ranks == first_n_ranks, rule)
+
+    def _check_asynchronous(self) -> None:
+        rollout, staleness = self.rollout, self.algorithm.max_staleness
+        if rollout.enabled:
+            rule = (f"the rollout role generates on ranks of its own; use placement=split (actor and reference | "
+                    f"rollout and scorers), standalone or manual, or set rollout.enabled=false "
+                    f"(placement={self.placement})")
+            _require(self, "placement", self.placement in ("split", "standalone", "manual"), rule)
+            rule = "the rollout receives the actor's weights from one pipeline; set actor.pp=1 with rollout.enabled"
+            _require(self, "actor.pp", self.actor.pp == 1, rule)
+            rule = ("the weight sync sends the trained weights, not LoRA adapters merged into them; set "
+                    "actor.lora.rank=0 or rollout.enabled=false")
+            _require(self, "actor.lora.rank", not self.actor.lora.enabled, rule)
+            rule = "multi-turn environments run on the actor's generation only; set rollout.enabled=false with them"
+            _require(self, "rollout.environment", rollout.environment is None, rule)
+            rule = "draws extra batches on the actor's devices, synchronously; set it false with rollout.enabled=true"
+            _require(self, "algorithm.dynamic_sampling", not self.algorithm.dynamic_sampling, rule)
+        if staleness:
+            rule = (f"algorithm.max_staleness={staleness} generates on a rollout role of its own; set "
+                    f"rollout.enabled=true")
+            _require(self, "rollout.enabled", rollout.enabled, rule)
+            rule = (f"algorithm.max_staleness={staleness} corrects stale samples with pi_old / pi_behaviour, which "
+                    f"needs the log-probs recomputed under the current policy; set rollout.recompute_log_probs=true")
+            _require(self, "rollout.recompute_log_probs", rollout.recompute_log_probs, rule)
 
     def _check_kv_cache(self) -> None:
         rollout = self.rollout

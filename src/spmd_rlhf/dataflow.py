@@ -34,7 +34,8 @@ class RoleKind:
     """What a role is, whatever the algorithm."""
 
     worker: str
-    """The worker that runs it: actor, critic, reference or reward (reward and cost models and rules)."""
+    """The worker that runs it: actor, critic, reference, reward (reward and cost models and rules) or rollout
+    (generation-only replicas fed the actor's weights, for asynchronous RL)."""
     head: str
     """The model's output: lm (a policy: actor, reference), value (critics) or score (reward and cost models)."""
     trained: bool
@@ -49,6 +50,7 @@ ROLE_KINDS: dict[str, RoleKind] = {
     "reward": RoleKind("reward", "score", trained=False, may_be_rule=True),
     "cost": RoleKind("reward", "score", trained=False, may_be_rule=True),
     "cost_critic": RoleKind("critic", "value", trained=True),
+    "rollout": RoleKind("rollout", "lm", trained=False),
 }
 """Every role a run may have, in the order roles are listed, built and placed."""
 
@@ -107,8 +109,8 @@ class Work:
         return PASSES[self.kind]
 
 
-def generate(role: str) -> Work:
-    return Work(role, "generate")
+def generate(role: str, *, when: Condition | None = None) -> Work:
+    return Work(role, "generate", when)
 
 
 def greedy(role: str) -> Work:
@@ -176,7 +178,15 @@ class Dataflow:
         return False, f"algorithm.name={config.algorithm.name}"
 
 
-CONDITIONS = (KL_TO_REFERENCE, KL_TO_ACTOR_BASE, RECOMPUTE_LOG_PROBS)
+ROLLOUT_ROLE = Condition(
+    "rollout_role", lambda config: config.rollout.enabled,
+    lambda config: f"rollout.enabled={str(config.rollout.enabled).lower()}",
+)
+ON_ACTOR = Condition(
+    "generate_on_actor", lambda config: not config.rollout.enabled,
+    lambda config: f"rollout.enabled={str(config.rollout.enabled).lower()}",
+)
+CONDITIONS = (KL_TO_REFERENCE, KL_TO_ACTOR_BASE, RECOMPUTE_LOG_PROBS, ROLLOUT_ROLE, ON_ACTOR)
 
 
 def is_model(role: str, config: FrameworkConfig) -> bool:
@@ -192,7 +202,8 @@ def conditions(config: FrameworkConfig) -> dict[str, bool]:
 # ---- the declarations ----------------------------------------------------------------------------------------------
 
 GRPO = Dataflow("grpo", (
-    generate("actor"),
+    generate("actor", when=ON_ACTOR),
+    generate("rollout", when=ROLLOUT_ROLE),
     forward("reward"),
     forward("actor", when=RECOMPUTE_LOG_PROBS),
     forward("reference", when=KL_TO_REFERENCE),
@@ -213,7 +224,8 @@ REMAX = Dataflow("remax", (
 """ReMax (recipes/remax.py): GRPO's step plus a greedy response per prompt as the baseline, scored by the reward."""
 
 PPO = Dataflow("ppo", (
-    generate("actor"),
+    generate("actor", when=ON_ACTOR),
+    generate("rollout", when=ROLLOUT_ROLE),
     forward("reward"),
     forward("actor", when=RECOMPUTE_LOG_PROBS),
     forward("reference", when=KL_TO_REFERENCE),

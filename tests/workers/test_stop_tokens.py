@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from spmd_rlhf.workers.actor import stop_token_ids
+from spmd_rlhf.workers.generation import stop_token_ids
 
 
 def test_configured_ids_join_the_generation_config_eos_list(tmp_path):

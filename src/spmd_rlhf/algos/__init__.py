@@ -16,11 +16,13 @@ from .advantages import (
 from .aggregation import AGGREGATIONS, Denominators, aggregate, masked_mean
 from .evaluation import pass_at_k
 from .kl import ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
+from .off_policy import CORRECTIONS, importance_metrics, importance_weights
 from .losses import RATIO_LEVELS, entropy_bonus, policy_loss, value_loss
 from .safe_rlhf import LagrangeMultiplier, combine_advantages
 
 __all__ = [
     "AGGREGATIONS",
+    "CORRECTIONS",
     "ESTIMATORS",
     "AdaptiveKLController",
     "LagrangeMultiplier",
@@ -36,6 +38,8 @@ __all__ = [
     "gae",
     "group_advantages",
     "groups_with_signal",
+    "importance_metrics",
+    "importance_weights",
     "kl_estimate",
     "masked_mean",
     "overlong_penalty",

@@ -34,9 +34,11 @@ def policy_loss(
     aggregation: str = "token_mean",
     denominators: Denominators | None = None,
     ratio_level: str = "token",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The aggregated PPO policy loss and its metrics (clip fractions, approximate KL to π_old).
-    ``ratio_level``: ``token`` (PPO) or ``sequence`` (GSPO)."""
+    ``ratio_level``: ``token`` (PPO) or ``sequence`` (GSPO). ``token_weights``: constants multiplying each token's
+    loss before aggregation (the off-policy importance weights, ``off_policy.importance_weights``); None: 1."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None)")
     if ratio_level not in RATIO_LEVELS:
@@ -55,6 +57,8 @@ def policy_loss(
         bound = -advantages * dual_clip
         dual_clipped = (advantages < 0) & (loss > bound)
         loss = torch.where(dual_clipped, bound, loss)
+    if token_weights is not None:
+        loss = loss * token_weights
     with torch.no_grad():
         metrics = {
             "actor/clip_fraction": float(masked_mean((clipped > unclipped).float(), mask)),

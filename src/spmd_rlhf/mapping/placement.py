@@ -25,6 +25,8 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
     specs = []
     for name, work in dataflow_of(config.algorithm.name).models_of(config).items():
         role, kind = getattr(config, name), ROLE_KINDS[name]
+        if kind.worker == "rollout":
+            continue  # the mapper models the synchronous HybridEngine; a rollout role holds a generation shard only
         shape = model_shape(role.model_path or config.model.path)
         specs.append(_with_batch_sizes(RoleSpec(name, shape, kind.head, kind.trained, work), role))
     actor = config.actor

@@ -9,7 +9,9 @@ import os
 from dataclasses import dataclass, field
 
 from spmd_rlhf.dataflow import STAGES  # noqa: F401  (the mapper's stages are the dataflow's)
-from spmd_rlhf.dataflow import KL_TO_ACTOR_BASE, KL_TO_REFERENCE, RECOMPUTE_LOG_PROBS, ROLE_KINDS, dataflow_of
+from spmd_rlhf.dataflow import (
+    KL_TO_ACTOR_BASE, KL_TO_REFERENCE, ON_ACTOR, RECOMPUTE_LOG_PROBS, ROLE_KINDS, ROLLOUT_ROLE, dataflow_of,
+)
 
 
 
@@ -172,10 +174,11 @@ def dataflow(
         "actor": actor, "critic": critic, "reference": reference, "reward": reward, "cost": cost,
         "cost_critic": cost_critic or critic,
     }
-    # The mapper models a separate reference model (a LoRA actor serving its own reference is not modelled).
+    # The mapper models a separate reference model (a LoRA actor serving its own reference is not modelled) and the
+    # synchronous HybridEngine: the actor generates (no rollout role of its own).
     conditions = {
         KL_TO_REFERENCE.name: reference is not None, KL_TO_ACTOR_BASE.name: False,
-        RECOMPUTE_LOG_PROBS.name: recompute_log_probs,
+        RECOMPUTE_LOG_PROBS.name: recompute_log_probs, ON_ACTOR.name: True, ROLLOUT_ROLE.name: False,
     }
     roles = []
     for name, work in dataflow_of(algorithm).roles(conditions).items():

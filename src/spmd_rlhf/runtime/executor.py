@@ -112,6 +112,9 @@ class Executor:
         self.rank = rank
         self.device = device
         self.roles: dict[str, Any] = {}
+        self.declared_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+        """Groups roles declared, by (name, ranks): two roles declaring the same one (the actor and the rollout
+        both declare ``weight_sync``) share one group, so a collective issued by each side meets on it."""
         self.store: dict[int, Batch] = {}
         self.stopped = threading.Event()
         self._poll_seconds = poll_seconds
@@ -201,7 +204,10 @@ class Executor:
         declare = getattr(command.role_class, "process_groups", None)
         for name, partition in (declare(command.dims, command.ranks, *args, **kwargs) if declare else {}).items():
             for ranks in partition:
-                group = dist.new_group(sorted(ranks))
+                key = (name, tuple(sorted(ranks)))
+                if key not in self.declared_groups:  # every rank runs the same spawns, so all agree on reuse
+                    self.declared_groups[key] = dist.new_group(list(key[1]))
+                group = self.declared_groups[key]
                 if self.rank in ranks:
                     groups[name] = group
         if self.rank not in command.ranks:

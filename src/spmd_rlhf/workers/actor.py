@@ -9,51 +9,25 @@ The engine runs the same model code as training, so rollout log-probs equal ``co
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
-from ..algos import aggregate, combine_advantages, entropy_bonus, kl_estimate, masked_mean, policy_loss
+from ..algos import (
+    aggregate, combine_advantages, entropy_bonus, importance_metrics, importance_weights, kl_estimate, masked_mean,
+    policy_loss,
+)
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
-from ..engine import LLMEngine, SamplingParams
-from ..envs import ChatDelta, environment_factory
-from ..envs.rollout import response_tensors, run_multi_turn
 from ..hybrid import GenerationLayout, HybridEngine
+from ..hybrid.weight_sync import send_weights
 from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
-from ..runtime.device import check_thread
 from .advantages import old_log_probs, rollout_advantages
 from .base import RoleWorker, union_all
+from .generation import Generator
+from .rollout import sync_sides, weight_sync_groups
 from .packing import MicroBatch
 from .sharded_model import ShardedModel
 from .training import Trainer
-
-_SEED_STRIDE = 1_000_003
-
-
-def stop_token_ids(configured: list[int], model_path: str, vocab_size: int) -> frozenset[int]:
-    """``rollout.stop_token_ids`` and the eos_token_id(s) of the model's generation_config.json, if it has one: the
-    ids besides the tokenizer's EOS that end a response. An id past the vocabulary is a config error."""
-    ids = set(configured)
-    generation_config = Path(model_path) / "generation_config.json"
-    if generation_config.is_file():
-        eos = json.loads(generation_config.read_text()).get("eos_token_id")
-        ids.update([] if eos is None else [eos] if isinstance(eos, int) else eos)
-    outside = sorted(token for token in ids if token >= vocab_size)
-    if outside:
-        raise ValueError(
-            f"stop token ids {outside} (rollout.stop_token_ids, or eos_token_id in {generation_config}) are outside "
-            f"the model's vocabulary of {vocab_size}; remove them"
-        )
-    return frozenset(ids)
-
-
-def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -> int:
-    """The sampling seed of sample ``sample`` of the prompt with run-unique ``uid``: the same whatever the DP split."""
-    return (run_seed * _SEED_STRIDE + uid * samples_per_prompt + sample) % (2**63)
-
 
 class ActorWorker(RoleWorker):
     """The policy: a ``ShardedModel`` with an LM head, its ``Trainer``, and the ``HybridEngine`` that generates
@@ -66,24 +40,10 @@ class ActorWorker(RoleWorker):
             self.model, self.reducer, config.actor, total_steps=config.trainer.total_steps,
             max_response_length=config.rollout.response_length, max_skipped_steps=config.trainer.max_skipped_steps,
         )
-        tokenizer_path = self.model.tokenizer_path
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        vocab_size = self.model.module.args.vocab_size
-        if len(self.tokenizer) > vocab_size:
-            # Prompt ids past the embedding would fail mid-run; responses would be decoded into the wrong text.
-            raise ValueError(
-                f"the tokenizer at {tokenizer_path} has {len(self.tokenizer)} tokens but the actor's model at "
-                f"{config.actor.model_path or config.model.path} has vocab_size={vocab_size}; point "
-                f"model.tokenizer_path at the model's own tokenizer (null: model.path)"
-            )
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.stop_token_ids = stop_token_ids(config.rollout.stop_token_ids, self.model.model_path, vocab_size)
-        self.environment = self.chat_delta = None
-        if config.rollout.environment is not None:
-            self.environment = environment_factory(config.rollout.environment)
-            self.chat_delta = ChatDelta(self.tokenizer)
-            # A turn must be able to end where the template ends an assistant turn, or no observation can follow.
-            self.stop_token_ids |= {self.chat_delta.turn_end_id}
+        self.generator = Generator(
+            config, role=context.name, model_path=self.model.model_path, vocab_size=self.model.module.args.vocab_size,
+            device=self.device, reducer=self.reducer,
+        )
         self.hybrid = HybridEngine(
             self.model.module, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
             groups=context.groups, pp_group=self.model.pp_group, stage_ranks=self.model.stage_ranks, device=self.device,
@@ -92,8 +52,9 @@ class ActorWorker(RoleWorker):
 
     @staticmethod
     def process_groups(dims: ParallelDims, ranks: tuple[int, ...], config: FrameworkConfig) -> dict[str, list[list[int]]]:
-        """The 3D-HybridEngine's groups, created by the runtime on every rank when the actor is spawned."""
-        return GenerationLayout(dims, ranks, config.rollout.tp).process_groups()
+        """The 3D-HybridEngine's groups, and with a rollout role the ``weight_sync`` group, created by the runtime on
+        every rank when the actor is spawned."""
+        return {**GenerationLayout(dims, ranks, config.rollout.tp).process_groups(), **weight_sync_groups(config)}
 
     @property
     def temperature(self) -> float:
@@ -102,129 +63,24 @@ class ActorWorker(RoleWorker):
 
     # ---- generation --------------------------------------------------------------------------------------------
 
-    def _engine(self, model) -> LLMEngine:
-        rollout = self.config.rollout
-        sizing = {}
-        if rollout.kv_cache_blocks:
-            sizing["num_blocks"] = rollout.kv_cache_blocks
-        elif self.device.type == "cuda":
-            # Each rank measures its own free memory; the engine takes the minimum over the generation TP group, so
-            # the replica's ranks run one schedule.
-            free, total = torch.cuda.mem_get_info(self.device)
-            sizing["kv_cache_bytes"] = int(max(0, rollout.memory_fraction * total - (total - free)))
-        # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
-        # relative to the caches of CPU-sized models), so nothing is ever preempted. A null kv_block_size lets the
-        # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).
-        return LLMEngine(
-            model,
-            eos_token_id=self.tokenizer.eos_token_id,
-            block_size=rollout.kv_block_size,
-            max_num_seqs=rollout.max_num_seqs,
-            seed=self.config.trainer.seed,
-            **sizing,
-        )
-
     @data_parallel
     def generate_sequences(self, prompts: Batch, *, greedy: bool = False, samples: int | None = None) -> Batch:
-        """``rollout.n`` responses per prompt (``samples`` if given; rows of one prompt consecutive, ``group_size =
-        n``) in the rollout layout, responses padded to ``rollout.response_length`` so every DP shard has the same
-        shape. ``greedy`` (validation, ReMax's baseline): one greedy response per prompt.
-
-        With ``rollout.environment``, each response is a multi-turn trajectory (``envs.rollout``): ``response_mask``
-        marks the tokens the policy generated (loss, KL, log-probs), ``attention_mask`` every token after the prompt
-        too, and ``env_reward`` is each trajectory's environment reward; a GRPO group is the n trajectories of a
-        prompt."""
-        check_thread(self.device)
-        rollout = self.config.rollout
-        n, response_length = (1 if greedy else samples or rollout.n), rollout.response_length
-        temperature = 0.0 if greedy else rollout.temperature
-        # This rank's generation replica answers a share of the DP group's prompts; the rows are gathered back below.
-        mine = prompts.select(self.hybrid.replica_rows(len(prompts)))
-        prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(mine["input_ids"], mine["attention_mask"])]
-        requests, params, sources = [], [], []
-        for index, (tokens, uid) in enumerate(zip(prompt_tokens, mine["uid"].tolist())):
-            for sample in range(n):
-                requests.append(tokens)
-                sources.append(index)
-                params.append(
-                    SamplingParams(
-                        temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p,
-                        max_new_tokens=rollout.max_new_tokens, stop_token_ids=self.stop_token_ids,
-                        seed=sample_seed(self.config.trainer.seed, uid, sample, n),
-                    )
-                )
+        """``Generator.generate`` in the HybridEngine's generation layout, built from the training shards for this
+        call and dropped before it returns (``rollout.n`` responses per prompt, ``samples`` if given; ``greedy``:
+        one greedy response per prompt)."""
         model = self.hybrid.generation_model(getattr(torch, self.config.model.dtype))
-        engine = self._engine(model)
-        per_row: dict[str, torch.Tensor] = {}
-        if self.environment is None:
-            outputs = engine.generate(requests, params)
-            responses = [(out.generated_token_ids, [1] * out.num_generated, out.log_probs) for out in outputs]
-            counters = [engine.num_preemptions]
-        else:
-            fields = ("data_source", "ground_truth", "extra_info")
-            rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in fields}} for i in sources]
-            environments = [self.environment() for _ in requests]
-            trajectories, stats = run_multi_turn(
-                engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=rollout.max_turns,
-                max_response_tokens=response_length, share=self.hybrid.on_replica_leader,
-            )
-            responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
-            counters = [stats.preemptions, stats.prefill_tokens, stats.cached_prefill_tokens]
-            per_row = {
-                "env_reward": torch.tensor([t.env_reward for t in trajectories]),
-                "turns": torch.tensor([float(t.num_turns) for t in trajectories]),
-            }
-            for key in trajectories[0].env_metrics if trajectories else ():
-                per_row[f"env/{key}"] = torch.tensor([float(t.env_metrics[key]) for t in trajectories])
-        del engine, model  # the KV cache and the generation shard go before training resumes
+        batch = self.generator.generate(prompts, model, self.hybrid, greedy=greedy, samples=samples)
+        del model  # the generation shard goes before training resumes
+        return batch
 
-        gathered = self.hybrid.gather_rows(
-            {**response_tensors(responses, width=response_length, pad_token_id=self.pad_token_id), **per_row}
-        )
-        # Each replica counted its own engine work; the other DP groups' replicas add theirs below.
-        counters = [self.hybrid.sum_over_replicas(value) for value in counters]
-        repeated = prompts.repeat(n)
-        rows = len(repeated)
-        response_mask, trajectory_mask = gathered["response_mask"], gathered["trajectory_mask"]
-        lengths = trajectory_mask.sum(dim=1).double()
-        per_row_sums = [float(gathered[key].double().sum()) for key in per_row]
-        sums, (longest, negated_shortest) = self.reducer.totals(
-            [float(lengths.sum()), float(rows), float((trajectory_mask[:, -1] == 1).sum()),
-             float(repeated["attention_mask"].sum()), float(response_mask.sum()), *counters, *per_row_sums],
-            [float(lengths.max()), -float(lengths.min())],
-        )
-        (length_sum, row_count, clipped, prompt_tokens, generated), sums = sums[:5], sums[5:]
-        engine_sums, row_sums = sums[: len(counters)], sums[len(counters) :]
-        metrics = {
-            "response_length/mean": length_sum / row_count,
-            "response_length/max": longest,
-            "response_length/min": -negated_shortest,
-            "response_length/clip_ratio": clipped / row_count,
-            "rollout/generated_tokens": generated,
-            "rollout/prompt_tokens": prompt_tokens,
-            "rollout/preemptions": engine_sums[0],
-        }
-        if self.environment is not None:
-            metrics["rollout/observation_tokens"] = length_sum - generated
-            for key, total in zip(("prefill_tokens", "cached_prefill_tokens"), engine_sums[1:]):
-                metrics[f"rollout/{key}"] = total
-            metrics.update({f"rollout/{key}/mean": total / row_count for key, total in zip(per_row, row_sums)})
-        tensors = {
-            "prompts": repeated["input_ids"],
-            "responses": gathered["responses"],
-            "response_mask": response_mask,
-            "input_ids": torch.cat([repeated["input_ids"], gathered["responses"]], dim=1),
-            "attention_mask": torch.cat([repeated["attention_mask"], trajectory_mask], dim=1),
-            "rollout_log_probs": gathered["rollout_log_probs"],
-            "uid": repeated["uid"],
-        }
-        if self.environment is not None:
-            tensors["env_reward"] = gathered["env_reward"]
-        return Batch(
-            tensors,
-            dict(repeated.non_tensors),
-            {"metrics": metrics},
-            group_size=n,
+    @one_to_all
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Send the current weights, as policy ``version``, to the rollout role (its ``receive_weights`` runs
+        beside this, ``hybrid.weight_sync``); every actor rank takes part."""
+        return send_weights(
+            self.model.module, sides=sync_sides(self.config, self.context.groups), rank=self.context.rank,
+            trainer_group=self.context.groups["role"], dtype=getattr(torch, self.config.model.dtype),
+            bucket_bytes=int(self.config.rollout.sync_bucket_mb * 2**20), version=version, device=self.device,
         )
 
     # ---- selecting and merging rows in place (dynamic sampling) --------------------------------------------------
@@ -311,8 +167,16 @@ class ActorWorker(RoleWorker):
         advantages = rows["advantages"]
         if cost_multiplier is not None:
             advantages = combine_advantages(advantages, rows["cost_advantages"], cost_multiplier)
+        token_weights = None
+        if algorithm.max_staleness:
+            token_weights, _ = importance_weights(
+                old_log_probs(rows), rows["rollout_log_probs"], mode=algorithm.off_policy_correction,
+                cap=algorithm.importance_cap,
+            )
+            token_weights = token_weights.to(self.device)
         loss, metrics = policy_loss(
             log_probs, old_log_probs(rows).to(self.device), advantages.to(self.device), mask,
+            token_weights=token_weights,
             clip_low=algorithm.clip_ratio_low, clip_high=algorithm.clip_ratio_high,
             aggregation=aggregation, denominators=denominators,
             ratio_level="sequence" if algorithm.policy_loss == "gspo" else "token",
@@ -327,16 +191,55 @@ class ActorWorker(RoleWorker):
         # FSDP sums gradients over DP ranks; the loss is this micro-batch's share of the global mini-batch loss.
         return loss, metrics
 
+    def _staleness_metrics(self, data: Batch, policy_version: int) -> dict[str, float]:
+        """How many updates behind the policy that trains them the response tokens are, over the whole batch, and the
+        importance weights' range; a token beyond ``algorithm.max_staleness`` is a scheduling bug and stops the run."""
+        algorithm = self.config.algorithm
+        mask = data["response_mask"].bool()
+        staleness = (policy_version - data["token_versions"])[mask].double()
+        (total, count), (largest,) = self.reducer.totals(
+            [float(staleness.sum()), float(staleness.numel())], [float(staleness.max()) if staleness.numel() else 0.0]
+        )
+        if largest > algorithm.max_staleness:
+            raise RuntimeError(
+                f"update_actor at policy version {policy_version} got tokens {largest:g} versions old, beyond "
+                f"algorithm.max_staleness={algorithm.max_staleness}: the coordinator's rollout schedule is wrong"
+            )
+        metrics = {"off_policy/staleness_max": largest, "off_policy/staleness_mean": total / max(count, 1.0)}
+        if algorithm.max_staleness:
+            _, raw = importance_weights(
+                old_log_probs(data), data["rollout_log_probs"], mode=algorithm.off_policy_correction,
+                cap=algorithm.importance_cap,
+            )
+            local = importance_metrics(raw, data["response_mask"], cap=algorithm.importance_cap)
+            (beyond, tokens), (largest_weight, negated_smallest) = self.reducer.totals(
+                [local["off_policy/beyond_cap_fraction"] * float(mask.sum()), float(mask.sum())],
+                [local["off_policy/importance_weight_max"], -local["off_policy/importance_weight_min"]],
+            )
+            metrics.update({
+                "off_policy/importance_weight_max": largest_weight,
+                "off_policy/importance_weight_min": -negated_smallest,
+                "off_policy/beyond_cap_fraction": beyond / max(tokens, 1.0),
+            })
+        return metrics
+
     @data_parallel
-    def update_actor(self, *parts: Batch, kl_coef: float | None = None, cost_multiplier: float | None = None) -> dict[str, float]:
+    def update_actor(
+        self, *parts: Batch, kl_coef: float | None = None, cost_multiplier: float | None = None,
+        policy_version: int | None = None,
+    ) -> dict[str, float]:
         """PPO epochs over the rows of ``parts`` (together: the rollout, ``advantages``, ``old_log_probs`` if
         recomputed, and ``ref_log_probs`` when the KL is a loss term); returns this rank's mean metrics.
         ``kl_coef``: the KL loss weight of this step (an adaptive controller's), else ``algorithm.kl_coef``.
         ``cost_multiplier`` (Safe-RLHF's λ): the policy follows (A_reward − λ·A_cost) / (1 + λ), with
-        ``cost_advantages`` among ``parts``."""
+        ``cost_advantages`` among ``parts``. ``policy_version`` (with a rollout role: the updates taken so far):
+        the rows' ``token_versions`` give their staleness; with ``algorithm.max_staleness`` > 0 each token's loss
+        is weighted by its importance weight (``algos.off_policy``)."""
         coef = self.config.algorithm.kl_coef if kl_coef is None else kl_coef
         loss = functools.partial(self._policy_loss, kl_coef=coef, cost_multiplier=cost_multiplier)
-        return self.trainer.update(union_all(parts), loss, method="update_actor", prefix="actor")
+        data = union_all(parts)
+        staleness = {} if policy_version is None else self._staleness_metrics(data, policy_version)
+        return {**self.trainer.update(data, loss, method="update_actor", prefix="actor"), **staleness}
 
     # ---- checkpoints and the Hugging Face copy -----------------------------------------------------------------
 

@@ -36,9 +36,10 @@ class MeasuredActor(ActorWorker):
         with PeakMemory(context.device) as loading:
             super().__init__(context, config)
         self.loading_peak = loading.peak_increase
+        self.generator._engine = self._engine
 
     def _engine(self, model):
-        engine = super()._engine(model)
+        engine = type(self.generator)._engine(self.generator, model)
         self.generation_bytes = local_bytes(model)
         generate = engine.generate
 

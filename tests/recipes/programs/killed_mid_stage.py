@@ -4,7 +4,8 @@ that stage and about to wait for it in the stage's collectives: the job must end
     torchrun --nproc-per-node 2 tests/recipes/programs/killed_mid_stage.py generate@1 1 RUN_DIR \
         --config recipes/configs/grpo.yaml key=value ...
 
-STAGE@CALL is ``generate`` or ``update`` and which call of it (1: the first step's) kills. Every rank writes its pid
+STAGE@CALL is ``generate`` or ``update`` (the actor's) or ``rollout`` (the rollout role's generation, with
+rollout.enabled) and which call of it (1: the first step's) kills. Every rank writes its pid
 to ``RUN_DIR/pid.<rank>`` at start, and the victim the time of its death to ``RUN_DIR/killed_at``, so the test can
 check how long the job outlived it and that no process is left.
 """
@@ -21,21 +22,26 @@ from pathlib import Path
 from spmd_rlhf.recipes import base, roles
 from spmd_rlhf.recipes.grpo import GRPORecipe
 from spmd_rlhf.runtime import data_parallel
-from spmd_rlhf.workers import ActorWorker
+from spmd_rlhf.workers import ActorWorker, RolloutWorker
 
 STAGE, _, CALL = sys.argv[1].partition("@")
 VICTIM, RUN_DIR = int(sys.argv[2]), Path(sys.argv[3])
 CALLS: Counter[str] = Counter()
 
 
+def enter(stage: str, rank: int) -> None:
+    """Rank VICTIM kills itself on the CALL-th entry into STAGE."""
+    CALLS[stage] += 1
+    if stage == STAGE and CALLS[stage] == int(CALL) and rank == VICTIM:
+        (RUN_DIR / "killed_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class DyingActor(ActorWorker):
     """The actor, except that rank VICTIM kills itself on the CALL-th entry into STAGE."""
 
     def _enter(self, stage: str) -> None:
-        CALLS[stage] += 1
-        if stage == STAGE and CALLS[stage] == int(CALL) and self.context.rank == VICTIM:
-            (RUN_DIR / "killed_at").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        enter(stage, self.context.rank)
 
     @data_parallel
     def generate_sequences(self, *args, **kwargs):
@@ -48,8 +54,18 @@ class DyingActor(ActorWorker):
         return super().update_actor(*args, **kwargs)
 
 
+class DyingRollout(RolloutWorker):
+    """The rollout role, except that rank VICTIM kills itself on the CALL-th generation when STAGE is rollout."""
+
+    @data_parallel
+    def generate_sequences(self, *args, **kwargs):
+        enter("rollout", self.context.rank)
+        return super().generate_sequences(*args, **kwargs)
+
+
 if __name__ == "__main__":
     (RUN_DIR / f"pid.{os.environ['RANK']}").write_text(str(os.getpid()))
     del sys.argv[1:4]  # the rest is the recipe's own command line
     roles.WORKERS["actor"] = (DyingActor, roles.ActorHandle)
+    roles.WORKERS["rollout"] = (DyingRollout, roles.RolloutHandle)
     base.main(GRPORecipe, "recipes/configs/grpo.yaml")

@@ -1,0 +1,242 @@
+"""Generating a batch of rollouts with the built-in engine: the part the actor (on its HybridEngine's generation
+layout) and the rollout role (on replicas of its own) share.
+
+``Generator.generate`` turns a DP shard of prompts into the rollout layout (``workers.sharded_model``): it builds the
+engine's requests (``rollout.n`` samples per prompt, each with a seed of its own that no DP split changes), runs them
+on the model it is given, and pads the responses and the engine's log-probs to ``rollout.max_new_tokens``. Where the
+rows of a DP shard are split over several generation replicas (the actor's micro-DP), ``Replicas`` says which rows
+this rank answers and gathers the others'.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import torch
+from transformers import AutoTokenizer
+
+from ..config_schema import FrameworkConfig
+from ..data.batch import Batch
+from ..engine import LLMEngine, SamplingParams
+from ..envs import ChatDelta, environment_factory
+from ..envs.rollout import response_tensors, run_multi_turn
+from ..runtime.device import check_thread
+from .reducer import DPReducer
+
+_SEED_STRIDE = 1_000_003
+
+
+def stop_token_ids(configured: list[int], model_path: str, vocab_size: int) -> frozenset[int]:
+    """``rollout.stop_token_ids`` and the eos_token_id(s) of the model's generation_config.json, if it has one: the
+    ids besides the tokenizer's EOS that end a response. An id past the vocabulary is a config error."""
+    ids = set(configured)
+    generation_config = Path(model_path) / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    outside = sorted(token for token in ids if token >= vocab_size)
+    if outside:
+        raise ValueError(
+            f"stop token ids {outside} (rollout.stop_token_ids, or eos_token_id in {generation_config}) are outside "
+            f"the model's vocabulary of {vocab_size}; remove them"
+        )
+    return frozenset(ids)
+
+
+def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -> int:
+    """The sampling seed of sample ``sample`` of the prompt with run-unique ``uid``: the same whatever the DP split."""
+    return (run_seed * _SEED_STRIDE + uid * samples_per_prompt + sample) % (2**63)
+
+
+T = TypeVar("T")
+
+
+class Replicas(Protocol):
+    """How the rows of one DP shard are spread over generation replicas (``hybrid.HybridEngine`` implements it)."""
+
+    def replica_rows(self, num_rows: int) -> torch.Tensor: ...
+
+    def gather_rows(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def sum_over_replicas(self, value: float) -> float: ...
+
+    def on_replica_leader(self, compute: Callable[[], T]) -> T: ...
+
+
+class OneReplica:
+    """A DP shard answered by one replica (the rollout role: each DP rank is a replica of its own)."""
+
+    def replica_rows(self, num_rows: int) -> torch.Tensor:
+        return torch.arange(num_rows)
+
+    def gather_rows(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tensors
+
+    def sum_over_replicas(self, value: float) -> float:
+        return float(value)
+
+    def on_replica_leader(self, compute: Callable[[], T]) -> T:
+        # Only multi-turn environments share answers across a replica's ranks, and a rollout role has none.
+        return compute()
+
+
+class Generator:
+    """The tokenizer, stop ids and engine settings of a policy's generation, and ``generate`` over any generation
+    model of it. ``role``: the generating role's name (for messages); ``model_path`` / ``vocab_size``: the policy
+    model's; ``reducer``: the role's DP group."""
+
+    def __init__(
+        self, config: FrameworkConfig, *, role: str, model_path: str, vocab_size: int, device: torch.device,
+        reducer: DPReducer,
+    ) -> None:
+        self.config, self.device, self.reducer = config, device, reducer
+        tokenizer_path = config.model.tokenizer_path or config.model.path
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        if len(self.tokenizer) > vocab_size:
+            # Prompt ids past the embedding would fail mid-run; responses would be decoded into the wrong text.
+            raise ValueError(
+                f"the tokenizer at {tokenizer_path} has {len(self.tokenizer)} tokens but the {role}'s model at "
+                f"{model_path} has vocab_size={vocab_size}; point model.tokenizer_path at the model's own tokenizer "
+                f"(null: model.path)"
+            )
+        tokenizer = self.tokenizer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.stop_token_ids = stop_token_ids(config.rollout.stop_token_ids, model_path, vocab_size)
+        self.environment = self.chat_delta = None
+        if config.rollout.environment is not None:
+            self.environment = environment_factory(config.rollout.environment)
+            self.chat_delta = ChatDelta(self.tokenizer)
+            # A turn must be able to end where the template ends an assistant turn, or no observation can follow.
+            self.stop_token_ids |= {self.chat_delta.turn_end_id}
+
+    def _engine(self, model: torch.nn.Module) -> LLMEngine:
+        rollout = self.config.rollout
+        sizing = {}
+        if rollout.kv_cache_blocks:
+            sizing["num_blocks"] = rollout.kv_cache_blocks
+        elif self.device.type == "cuda":
+            # Each rank measures its own free memory; the engine takes the minimum over the generation TP group, so
+            # the replica's ranks run one schedule.
+            free, total = torch.cuda.mem_get_info(self.device)
+            sizing["kv_cache_bytes"] = int(max(0, rollout.memory_fraction * total - (total - free)))
+        # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
+        # relative to the caches of CPU-sized models), so nothing is ever preempted. A null kv_block_size lets the
+        # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).
+        return LLMEngine(
+            model, eos_token_id=self.tokenizer.eos_token_id, block_size=rollout.kv_block_size,
+            max_num_seqs=rollout.max_num_seqs, seed=self.config.trainer.seed, **sizing,
+        )
+
+    def generate(
+        self, prompts: Batch, model: torch.nn.Module, replicas: Replicas, *, greedy: bool = False,
+        samples: int | None = None,
+    ) -> Batch:
+        """``rollout.n`` responses per prompt (``samples`` if given; rows of one prompt consecutive, ``group_size =
+        n``) from ``model``, responses padded to ``rollout.response_length`` so every DP shard has the same shape.
+        ``greedy`` (validation, ReMax's baseline): one greedy response per prompt. The engine and its KV cache are
+        dropped before this returns.
+
+        With ``rollout.environment``, each response is a multi-turn trajectory (``envs.rollout``): ``response_mask``
+        marks the tokens the policy generated (loss, KL, log-probs), ``attention_mask`` every token after the prompt
+        too, and ``env_reward`` is each trajectory's environment reward; a GRPO group is the n trajectories of a
+        prompt."""
+        check_thread(self.device)
+        rollout = self.config.rollout
+        n, response_length = (1 if greedy else samples or rollout.n), rollout.response_length
+        temperature = 0.0 if greedy else rollout.temperature
+        # This rank's generation replica answers a share of the DP group's prompts; the rows are gathered back below.
+        mine = prompts.select(replicas.replica_rows(len(prompts)))
+        prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(mine["input_ids"], mine["attention_mask"])]
+        requests, params, sources = [], [], []
+        for index, (tokens, uid) in enumerate(zip(prompt_tokens, mine["uid"].tolist())):
+            for sample in range(n):
+                requests.append(tokens)
+                sources.append(index)
+                params.append(
+                    SamplingParams(
+                        temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p,
+                        max_new_tokens=rollout.max_new_tokens, stop_token_ids=self.stop_token_ids,
+                        seed=sample_seed(self.config.trainer.seed, uid, sample, n),
+                    )
+                )
+        engine = self._engine(model)
+        per_row: dict[str, torch.Tensor] = {}
+        if self.environment is None:
+            outputs = engine.generate(requests, params)
+            responses = [(out.generated_token_ids, [1] * out.num_generated, out.log_probs) for out in outputs]
+            counters = [engine.num_preemptions]
+        else:
+            fields = ("data_source", "ground_truth", "extra_info")
+            rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in fields}} for i in sources]
+            environments = [self.environment() for _ in requests]
+            trajectories, stats = run_multi_turn(
+                engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=rollout.max_turns,
+                max_response_tokens=response_length, share=replicas.on_replica_leader,
+            )
+            responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
+            counters = [stats.preemptions, stats.prefill_tokens, stats.cached_prefill_tokens]
+            per_row = {
+                "env_reward": torch.tensor([t.env_reward for t in trajectories]),
+                "turns": torch.tensor([float(t.num_turns) for t in trajectories]),
+            }
+            for key in trajectories[0].env_metrics if trajectories else ():
+                per_row[f"env/{key}"] = torch.tensor([float(t.env_metrics[key]) for t in trajectories])
+        del engine  # the KV cache goes before training resumes
+
+        gathered = replicas.gather_rows(
+            {**response_tensors(responses, width=response_length, pad_token_id=self.pad_token_id), **per_row}
+        )
+        # Each replica counted its own engine work; the other DP groups' replicas add theirs below.
+        counters = [replicas.sum_over_replicas(value) for value in counters]
+        repeated = prompts.repeat(n)
+        rows = len(repeated)
+        response_mask, trajectory_mask = gathered["response_mask"], gathered["trajectory_mask"]
+        lengths = trajectory_mask.sum(dim=1).double()
+        per_row_sums = [float(gathered[key].double().sum()) for key in per_row]
+        sums, (longest, negated_shortest) = self.reducer.totals(
+            [float(lengths.sum()), float(rows), float((trajectory_mask[:, -1] == 1).sum()),
+             float(repeated["attention_mask"].sum()), float(response_mask.sum()), *counters, *per_row_sums],
+            [float(lengths.max()), -float(lengths.min())],
+        )
+        (length_sum, row_count, clipped, prompt_tokens, generated), sums = sums[:5], sums[5:]
+        engine_sums, row_sums = sums[: len(counters)], sums[len(counters) :]
+        metrics = {
+            "response_length/mean": length_sum / row_count,
+            "response_length/max": longest,
+            "response_length/min": -negated_shortest,
+            "response_length/clip_ratio": clipped / row_count,
+            "rollout/generated_tokens": generated,
+            "rollout/prompt_tokens": prompt_tokens,
+            "rollout/preemptions": engine_sums[0],
+        }
+        if self.environment is not None:
+            metrics["rollout/observation_tokens"] = length_sum - generated
+            for key, total in zip(("prefill_tokens", "cached_prefill_tokens"), engine_sums[1:]):
+                metrics[f"rollout/{key}"] = total
+            metrics.update({f"rollout/{key}/mean": total / row_count for key, total in zip(per_row, row_sums)})
+        extra = {"env_reward": gathered["env_reward"]} if self.environment is not None else {}
+        return self.rollout_batch(repeated, {**gathered, **extra}, metrics, group_size=n, extra=tuple(extra))
+
+    @staticmethod
+    def rollout_batch(
+        repeated: Batch, generated: dict[str, torch.Tensor], metrics: dict[str, float], *, group_size: int,
+        extra: tuple[str, ...] = (),
+    ) -> Batch:
+        """The rollout layout from the prompts (each repeated once per sample) and the generated tensors
+        (``responses``, ``response_mask``, ``trajectory_mask``, ``rollout_log_probs``), with the ``extra`` keys of
+        ``generated`` carried along (``env_reward``, ``token_versions``)."""
+        responses = generated["responses"]
+        tensors = {
+            "prompts": repeated["input_ids"],
+            "responses": responses,
+            "response_mask": generated["response_mask"],
+            "input_ids": torch.cat([repeated["input_ids"], responses], dim=1),
+            "attention_mask": torch.cat([repeated["attention_mask"], generated["trajectory_mask"]], dim=1),
+            "rollout_log_probs": generated["rollout_log_probs"],
+            "uid": repeated["uid"],
+            **{key: generated[key] for key in extra},
+        }
+        return Batch(tensors, dict(repeated.non_tensors), {"metrics": metrics}, group_size=group_size)

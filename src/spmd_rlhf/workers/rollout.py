@@ -1,0 +1,150 @@
+"""The rollout role: generation-only replicas of the policy on ranks of their own, for asynchronous RL.
+
+Each DP rank of the role's mesh is a replica; its ranks hold the policy TP-sharded over ``mesh["tp"]``
+(``rollout.tp``) in ``model.dtype``, built once and never trained. It runs the actor's model code and the same
+engine (``workers.generation``), so its samples and log-probs are the actor's on the same weights. The weights come
+from the actor by ``receive_weights`` (``hybrid.weight_sync``, over the ``weight_sync`` group both roles declare);
+each sync carries the policy version (updates the actor had taken), and every generated token is tagged with the
+version that produced it (``token_versions``), which is how the trainer measures and bounds staleness.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..config_schema import FrameworkConfig
+from ..data.batch import Batch
+from ..hybrid.weight_sync import SyncSides, receive_weights, sync_group_ranks
+from ..models.decoder import DecoderLM
+from ..models.parallelize import parallelize
+from ..models.weights import build_model
+from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
+from ..runtime.placement import role_pools
+from .base import RoleWorker
+from .generation import Generator, OneReplica
+
+
+GENERATED = ("responses", "response_mask", "trajectory_mask", "rollout_log_probs", "token_versions")
+"""What generation adds to the prompts of a batch: what a checkpoint keeps of a batch in flight."""
+
+
+def weight_sync_groups(config: FrameworkConfig) -> dict[str, list[list[int]]]:
+    """The ``weight_sync`` group (the actor's first rank and every rollout rank), declared alike by both roles so the
+    runtime makes it once; none without a rollout role."""
+    if not config.rollout.enabled:
+        return {}
+    pools = role_pools(config, dist.get_world_size())
+    return {"weight_sync": [sync_group_ranks(pools["actor"].ranks, pools["rollout"].ranks)]}
+
+
+def generation_replica(
+    path: str, *, dtype: torch.dtype, tp_mesh: DeviceMesh, device: torch.device, attention_backend: str = "auto"
+) -> DecoderLM:
+    """The model at ``path`` TP-sharded over ``tp_mesh`` in ``dtype`` for generation (the LM head gathers the
+    logits), its parameters allocated but not filled: the weight sync fills them before any generation."""
+    model = build_model(path, head="lm", dtype=dtype, attention_backend=attention_backend)
+    parallelize(model, tp_mesh=tp_mesh, dp_mesh=None, gather_logits=True, role="rollout")
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.reset_buffers()
+    return model.requires_grad_(False).eval()
+
+
+def sync_sides(config: FrameworkConfig, groups: dict[str, dist.ProcessGroup]) -> SyncSides:
+    """The sides of the weight sync as this rank sees them (``group`` None on actor ranks outside it: they only
+    take part in gathering the trainer's shards)."""
+    ranks = weight_sync_groups(config)["weight_sync"][0]
+    return SyncSides(ranks[0], tuple(ranks[1:]), groups.get("weight_sync"), config.trainer.collective_timeout_s)
+
+
+class RolloutWorker(RoleWorker):
+    """Generation replicas fed the actor's weights: ``receive_weights`` then ``generate_sequences``."""
+
+    def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
+        super().__init__(context, config, config.rollout)
+        path = config.actor.model_path or config.model.path
+        self.model = generation_replica(
+            path, dtype=getattr(torch, config.model.dtype), tp_mesh=self.mesh["tp"], device=self.device,
+            attention_backend=config.model.attention,
+        )
+        self.generator = Generator(
+            config, role=context.name, model_path=path, vocab_size=self.model.args.vocab_size, device=self.device,
+            reducer=self.reducer,
+        )
+        self.sides = sync_sides(config, context.groups)
+        self.version: int | None = None
+        """The policy version of the weights held (the actor's update count at the sync); None before the first."""
+
+    @staticmethod
+    def process_groups(
+        dims: ParallelDims, ranks: tuple[int, ...], config: FrameworkConfig
+    ) -> dict[str, list[list[int]]]:
+        return weight_sync_groups(config)
+
+    @one_to_all
+    def receive_weights(self, version: int) -> None:
+        """Take the actor's weights of policy ``version`` (the actor's ``send_weights`` runs beside it)."""
+        bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)
+        receive_weights(self.model, sides=self.sides, bucket_bytes=bucket_bytes, version=version, device=self.device)
+        self.version = version
+
+    @data_parallel
+    def generate_sequences(self, prompts: Batch, *, greedy: bool = False, samples: int | None = None) -> Batch:
+        """``Generator.generate`` on this replica's weights, plus ``token_versions`` ``[rows, R]``: the policy
+        version of each response token (0 past the response)."""
+        if self.version is None:
+            raise RuntimeError(
+                "the rollout role has no weights yet: the coordinator must sync them (receive_weights) before its "
+                "first generate_sequences"
+            )
+        batch = self.generator.generate(prompts, self.model, OneReplica(), greedy=greedy, samples=samples)
+        batch.meta["metrics"]["rollout/policy_version"] = float(self.version)
+        tensors = {**batch.tensors, "token_versions": batch["response_mask"] * self.version}
+        return Batch(tensors, batch.non_tensors, batch.meta, group_size=batch.group_size)
+
+    # ---- in-flight batches in a checkpoint (an exact resume) --------------------------------------------------
+
+    def _rows_file(self, directory: str) -> Path:
+        return Path(directory) / f"dp{self.dp_rank}_of_{self.reducer.size}.safetensors"
+
+    @data_parallel
+    def save_rows(self, batch: Batch, directory: str) -> None:
+        """Write this replica's rows of a generated batch still in flight (what generation made: responses, masks,
+        engine log-probs, token versions; and its metrics) into ``directory``, one file per replica."""
+        if self.tp_rank != 0:
+            return  # the replica's TP ranks hold the same rows
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tensors = {key: batch[key].contiguous() for key in GENERATED if key != "trajectory_mask"}
+        tensors["trajectory_mask"] = batch["attention_mask"][:, -batch["responses"].shape[1] :].contiguous()
+        metadata = {"metrics": json.dumps(batch.meta["metrics"]), "group_size": str(batch.group_size)}
+        save_file(tensors, str(self._rows_file(directory)), metadata=metadata)
+
+    @data_parallel
+    def restore_rows(self, prompts: Batch, directory: str) -> Batch:
+        """The batch ``save_rows`` wrote for ``prompts`` (the same prompts, split the same way), as generation
+        returned it."""
+        path = self._rows_file(directory)
+        if not path.is_file():
+            saved = sorted(file.name for file in Path(directory).glob("dp*_of_*.safetensors"))
+            raise FileNotFoundError(
+                f"{path} is missing: the in-flight rollouts in {directory} were saved by {saved} (replicas of that "
+                f"run); resume with the rollout layout that saved them (rollout.n_ranks and rollout.tp)"
+            )
+        with safe_open(str(path), framework="pt") as file:
+            metadata = file.metadata()
+            generated = {key: file.get_tensor(key) for key in GENERATED}
+        group_size = int(metadata["group_size"])
+        repeated = prompts.repeat(group_size)
+        if len(repeated) != len(generated["responses"]):
+            raise ValueError(f"{path} holds {len(generated['responses'])} rows, not the {len(repeated)} of its prompts")
+        metrics = json.loads(metadata["metrics"])
+        return self.generator.rollout_batch(
+            repeated, generated, metrics, group_size=group_size, extra=("token_versions",)
+        )

@@ -1,0 +1,100 @@
+"""The trainer-to-rollout weight sync on 4 ranks: ranks 0-1 train, ranks 2-3 generate. For each pair of layouts,
+two syncs (the second after the trainer's weights change), then every side writes the full tensors it holds: the
+trainer's masters cast to the rollout dtype (rank 0) and what each rollout rank reassembles from its shards. Last, a
+rollout built from another model: both sides fail, naming both.
+
+    torchrun --nproc-per-node 4 weight_sync.py POLICY_DIR OTHER_MODEL_DIR OUT_DIR
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, send_weights, sync_group_ranks
+from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.models.weights import build_model, load_weights
+from spmd_rlhf.parallel_dims import ParallelDims
+from spmd_rlhf.workers.rollout import generation_replica
+
+ACTOR, ROLLOUT = (0, 1), (2, 3)
+SCENARIOS = {
+    "fsdp_to_tp": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
+    "tp_to_replicas": (ParallelDims(dp=1, tp=2), ParallelDims(dp=2, tp=1)),
+}
+ROLLOUT_DTYPE = torch.bfloat16
+BUCKET_BYTES = 16_384  # a few parameters per bucket, so the plan has many buckets and a tensor larger than one
+
+
+def full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def main() -> None:
+    policy, other, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    report = {}
+    for scenario, (actor_dims, rollout_dims) in SCENARIOS.items():
+        actor_mesh = actor_dims.build_mesh(ACTOR, "cpu")
+        rollout_mesh = rollout_dims.build_mesh(ROLLOUT, "cpu")
+        sync_group = dist.new_group(sync_group_ranks(ACTOR, ROLLOUT))
+        actor_group = dist.new_group(list(ACTOR))
+        sides = SyncSides(ACTOR[0], ROLLOUT, sync_group if rank in (ACTOR[0], *ROLLOUT) else None, timeout_s=120.0)
+        if rank in ACTOR:
+            model = build_model(policy, dtype=torch.float32)
+            parallelize(model, tp_mesh=actor_mesh["tp"], dp_mesh=actor_mesh["dp"],
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+            load_weights(model, policy, device="cpu")
+        else:
+            model = generation_replica(policy, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu"))
+        for version in (0, 1):
+            if rank in ACTOR:
+                if version:  # an update: every shard moves by a different amount
+                    generator = torch.Generator().manual_seed(rank)
+                    with torch.no_grad():
+                        for param in model.parameters():
+                            local = param.to_local() if isinstance(param, DTensor) else param
+                            local.add_(torch.randn(local.shape, generator=generator) * 1e-2)
+                metrics = send_weights(model, sides=sides, rank=rank, trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
+                                       bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
+                tensors = {name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()}
+                if rank == ACTOR[0]:
+                    torch.save(tensors, out / f"{scenario}_v{version}_trainer.pt")
+                    report[f"{scenario}_v{version}"] = metrics
+            else:
+                receive_weights(model, sides=sides, bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
+                tensors = {name: full(param).detach() for name, param in model.named_parameters()}
+                torch.save(tensors, out / f"{scenario}_v{version}_rollout{rank}.pt")
+    # A rollout of another model: the plan check fails on every rank of both sides.
+    actor_mesh = ParallelDims(dp=2, tp=1).build_mesh(ACTOR, "cpu")
+    rollout_mesh = ParallelDims(dp=2, tp=1).build_mesh(ROLLOUT, "cpu")
+    sync_group = dist.new_group(sync_group_ranks(ACTOR, ROLLOUT))
+    actor_group = dist.new_group(list(ACTOR))
+    sides = SyncSides(ACTOR[0], ROLLOUT, sync_group if rank in (ACTOR[0], *ROLLOUT) else None, timeout_s=120.0)
+    try:
+        if rank in ACTOR:
+            model = build_model(policy, dtype=torch.float32)
+            parallelize(model, tp_mesh=actor_mesh["tp"], dp_mesh=actor_mesh["dp"])
+            load_weights(model, policy, device="cpu")
+            send_weights(model, sides=sides, rank=rank, trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
+                         bucket_bytes=BUCKET_BYTES, version=7, device=torch.device("cpu"))
+        else:
+            model = generation_replica(other, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu"))
+            receive_weights(model, sides=sides, bucket_bytes=BUCKET_BYTES, version=7, device=torch.device("cpu"))
+        error = None
+    except RuntimeError as caught:
+        error = str(caught)
+    (out / f"mismatch_rank{rank}.txt").write_text(error or "no error")
+    if rank == 0:
+        (out / "metrics.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The asynchronous rollout schedule (``recipes.async_rollouts``) keeps every batch within the staleness bound, and
+asynchronous configs are checked at load, and in-flight batches saved for another staleness are refused on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spmd_rlhf.config import ConfigError, load_config
+from spmd_rlhf.recipes.async_rollouts import generation_version
+
+GRPO = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "grpo.yaml"
+ASYNC = ["placement=split", "rollout.enabled=true", "rollout.n_ranks=2"]
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2, 5])
+@pytest.mark.parametrize("start", [0, 3])
+def test_every_batch_is_within_the_bound_and_issued_at_its_own_version(max_staleness, start):
+    for batch in range(start, start + 30):
+        version = generation_version(batch, max_staleness, start)
+        assert 0 <= batch - version <= max_staleness
+        # The pipeline issues batch j once step j - k starts (all of the first k + 1 at the start), when the actor
+        # holds exactly this version: it never needs a policy newer than the one it is issued under.
+        issued_at = max(start, batch - max_staleness)
+        assert version == issued_at
+    if max_staleness == 0:
+        assert [generation_version(b, 0, start) for b in range(start, start + 5)] == list(range(start, start + 5))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm.max_staleness=1"], "set rollout.enabled=true"),
+    ([*ASYNC, "algorithm.max_staleness=1"], "set rollout.recompute_log_probs=true"),
+    (["rollout.enabled=true"], "use placement=split"),
+    ([*ASYNC, "algorithm.dynamic_sampling=true"], "set it false with rollout.enabled=true"),
+    ([*ASYNC, "algorithm.off_policy_correction=clip"], "algorithm.off_policy_correction"),
+    ([*ASYNC, "algorithm.importance_cap=1.0"], "must be > 1"),
+    ([*ASYNC, "actor.lora.rank=4", "reference.enabled=false"], "not LoRA adapters merged into them"),
+    (["algorithm.name=remax", "rollout.n=1", "critic.enabled=false", *ASYNC], "never calls the rollout"),
+])
+def test_asynchronous_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPO, overrides)
+
+
+def test_split_places_the_rollout_beside_the_scorers():
+    from spmd_rlhf.runtime.placement import place_roles
+
+    config = load_config(GRPO, [*ASYNC, "algorithm.max_staleness=2", "rollout.recompute_log_probs=true"])
+    roles = place_roles(config, 4).roles
+    assert roles["actor"][0].ranks == roles["reference"][0].ranks == (0, 1)
+    assert roles["rollout"][0].ranks == roles["reward"][0].ranks == (2, 3)
+    assert roles["rollout"][1].dp == 2  # two replicas of rollout.tp=1
+
+
+def test_a_checkpoint_in_flight_for_another_staleness_is_refused_naming_the_key():
+    from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
+
+    pipeline = RolloutPipeline(actor=None, rollout=None, reward=None, loader=None, max_staleness=1, total_steps=10,
+                               start=4, timeout_s=1.0)
+    with pytest.raises(ValueError, match="resume it with that value"):
+        pipeline.restore("out/step_4", {"max_staleness": 2, "pending": {"4": 2, "5": 3}})
