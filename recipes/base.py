@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from spmd_rlhf import checkpoint, run_directory
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
@@ -46,6 +44,7 @@ from spmd_rlhf.runtime import (
     REQUEUE_EXIT_CODE, BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, stop_requested,
     wait_together,
 )
+from spmd_rlhf.runtime.device import select_device, visible_cuda_devices
 from spmd_rlhf.runtime.host_memory import restart_with_huge_pages
 from spmd_rlhf.runtime.placement import place_roles
 from spmd_rlhf.sinks import truncate_metrics
@@ -487,11 +486,13 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(describe(config, options.world_size), end="")
             return
+        # Which device the launch will pick, by the launch's own rule (any rank's: they all see the same devices).
+        on_cpu = select_device(config.trainer.device, local_rank=0, cuda_devices=visible_cuda_devices())[0].type == "cpu"
     except (ConfigError, ValueError) as error:
         parser.exit(2, f"{recipe_class.name}: {error}\n")
-    trainer = config.trainer
-    if trainer.host_huge_pages and (trainer.device == "cpu" or (trainer.device == "auto" and not torch.cuda.is_available())):
+    if config.trainer.host_huge_pages and on_cpu:
         restart_with_huge_pages()
+    trainer = config.trainer
     runtime = RuntimeOptions(
         call_timeout_s=trainer.timeout_s, collective_timeout_s=trainer.collective_timeout_s, device=trainer.device,
         stop_timeout_s=trainer.stop_timeout_s,

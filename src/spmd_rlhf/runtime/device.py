@@ -47,6 +47,11 @@ def select_device(setting: str, *, local_rank: int, cuda_devices: int) -> tuple[
     return torch.device("cuda", local_rank), "cpu:gloo,cuda:nccl"
 
 
+def visible_cuda_devices() -> int:
+    """CUDA devices this process can use (0 without a usable CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def bind_thread(device: torch.device) -> None:
     """Make ``device`` the calling thread's current CUDA device (nothing to do for a CPU device). Call it first in
     every thread that touches the device."""

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from .coordinator import Coordinator
-from .device import bind_thread, select_device
+from .device import bind_thread, select_device, visible_cuda_devices
 from .errors import RankLostError, RuntimeFailure
 from .executor import Executor
 
@@ -184,8 +184,7 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
     options = options or RuntimeOptions()
     rank, world_size, local_rank = _environment()
     _state["rank"] = rank
-    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device, backend = select_device(options.device, local_rank=local_rank, cuda_devices=cuda_devices)
+    device, backend = select_device(options.device, local_rank=local_rank, cuda_devices=visible_cuda_devices())
     bind_thread(device)
     executor = Executor(rank, device)
     _state["executor"] = executor
