@@ -28,7 +28,7 @@ import torch
 from engine_generate import _best_times, mixed_prompts
 from gpu_common import (
     add_model_arguments, copy_bandwidth, default_device, default_dtype, environment, meets_goal, parameter_bytes, parse_with_smoke,
-    shaped_model, write_result,
+    profiled, shaped_model, synchronize, write_result,
 )
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models import load_model
@@ -58,6 +58,9 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, *, real_run
     if decode_s <= 0:
         raise RuntimeError(f"{args.decode_tokens} new tokens took no longer than 1 ({times}); the machine is too noisy "
                            "for this measurement, or --decode-tokens is too small: raise it or --repeats")
+    with profiled(args.profile):
+        runs["to_last_token"]()
+        synchronize(args.device)
     tokens_per_s = (args.decode_tokens - 1) / decode_s
     bandwidth = copy_bandwidth(args.device, nbytes=args.copy_mib * 2**20)
     weight_bytes = parameter_bytes(model)
@@ -124,6 +127,7 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=128)
     parser.add_argument("--block-size", type=int, help="KV block size; default: the engine's (256 under flash-attn, else 16)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", help="write a profile of one more batch-1 decode run (G1) to this file")
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's copy")
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, SMOKE)

@@ -31,7 +31,7 @@ import time
 import torch
 
 from gpu_common import (
-    add_model_arguments, default_dtype, environment, meets_goal, parse_with_smoke, peak_tflops, shaped_model,
+    add_model_arguments, default_dtype, environment, meets_goal, parse_with_smoke, peak_tflops, profiled, shaped_model,
     write_result,
 )
 from spmd_rlhf.config import load_config
@@ -79,9 +79,10 @@ class TimedActor(ActorWorker):
     """The actor, with its own ``update_actor`` timed on synthetic rollouts made where they are used."""
 
     @one_to_all
-    def time_updates(self, lengths: list[int], rows: int, repeats: int) -> list[list[float]]:
+    def time_updates(self, lengths: list[int], rows: int, repeats: int, profile: str | None = None) -> list[list[float]]:
         """Seconds of each of ``repeats`` ``update_actor`` calls on this rank's ``rows`` rows, per length in
-        ``lengths``, each after one untimed warm-up call (allocator growth, compilation)."""
+        ``lengths``, each after one untimed warm-up call (allocator growth, compilation). With ``profile``, rank 0
+        runs one more call of the first length under the profiler and writes its table there."""
         seconds = []
         for length in lengths:
             batch = synthetic_rollout(rows, length, self.model.module.args.vocab_size, seed=self.context.rank)
@@ -94,6 +95,10 @@ class TimedActor(ActorWorker):
                 self._synchronize()
                 times.append(time.perf_counter() - start)
             seconds.append(times)
+            if profile and len(seconds) == 1:
+                with profiled(profile if self.context.rank == 0 else None):
+                    self.update_actor(batch)
+                    self._synchronize()
         return seconds
 
     def _synchronize(self) -> None:
@@ -119,7 +124,7 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
             f"actor.mini_batch_size={args.rows}", f"actor.micro_batch_size={args.micro_batch}", "actor.lr=1e-6",
         ])
         actor = coordinator.spawn(TimedActor, config, name="actor", pool=ResourcePool(range(world)), dims=ParallelDims(dp=world))
-        seconds = actor.time_updates(args.lengths, args.rows // world, args.repeats).result()
+        seconds = actor.time_updates(args.lengths, args.rows // world, args.repeats, args.profile).result()
         parameters = matmul_parameters(model_dir, head="lm")
         model_args = read_decoder_args(model_dir)
 
@@ -173,6 +178,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="peak FLOP/s of one device, TFLOP/s; default by GPU name")
     parser.add_argument("--compile", action="store_true", help="model.compile: torch.compile each decoder block")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--profile", help="write a profile of one more update (first length, rank 0) to this file")
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, SMOKE)
     launch(lambda coordinator: run(coordinator, args))

@@ -54,8 +54,9 @@ def test_layout_matches_one_rank(run, layout):
     assert expected.keys() == adapters.keys() and len(expected) == 2 * 7 * 2
     for name in expected:
         # Adam's first steps move an element by about lr (2e-2) whatever its gradient's size; a gradient at rounding
-        # level (B starts at zero) can leave a difference far above float32 epsilon while staying well below lr.
-        torch.testing.assert_close(adapters[name], expected[name], rtol=1e-4, atol=1e-4, msg=name)
+        # level (B starts at zero) can leave a difference far above float32 epsilon while staying well below lr
+        # (1.07e-4 seen under dp2tp2 with transformers 5.24); a wrong layout moves elements by about lr.
+        torch.testing.assert_close(adapters[name], expected[name], rtol=1e-4, atol=5e-4, msg=name)
 
 
 @pytest.mark.parametrize("layout", ["dp1tp1", *LAYOUTS])

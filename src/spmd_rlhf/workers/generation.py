@@ -83,6 +83,24 @@ class OneReplica:
         return compute()
 
 
+def kv_cache_budget(*, fraction: float, total: int, free: int, cached: int, role: str) -> int:
+    """Bytes the KV cache may take so that the device holds at most ``fraction`` of its ``total`` bytes. What is in
+    use (``total - free``, other processes included) counts against it, except this process's allocator cache
+    (``cached`` = reserved - allocated bytes), which the KV cache reuses. An error naming the figures when nothing
+    is left."""
+    in_use = total - free - cached
+    budget = int(fraction * total - in_use)
+    if budget <= 0:
+        gib = 2**30
+        raise ValueError(
+            f"{role} generation may fill rollout.memory_fraction={fraction} of the device's {total / gib:.1f} GiB, but "
+            f"{in_use / gib:.1f} GiB are in use before the KV cache (this process's tensors and other processes'), "
+            "so no KV cache fits: raise rollout.memory_fraction, set rollout.kv_cache_blocks, or offload the roles "
+            "that share the device (<role>.offload=true)"
+        )
+    return budget
+
+
 class Generator:
     """The tokenizer, stop ids and engine settings of a policy's generation, and ``generate`` over any generation
     model of it. ``role``: the generating role's name (for messages); ``model_path`` / ``vocab_size``: the policy
@@ -92,7 +110,7 @@ class Generator:
         self, config: FrameworkConfig, *, role: str, model_path: str, vocab_size: int, device: torch.device,
         reducer: DPReducer,
     ) -> None:
-        self.config, self.device, self.reducer = config, device, reducer
+        self.config, self.device, self.reducer, self.role = config, device, reducer, role
         tokenizer_path = config.model.tokenizer_path or config.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         if len(self.tokenizer) > vocab_size:
@@ -121,7 +139,10 @@ class Generator:
             # Each rank measures its own free memory; the engine takes the minimum over the generation TP group, so
             # the replica's ranks run one schedule.
             free, total = torch.cuda.mem_get_info(self.device)
-            sizing["kv_cache_bytes"] = int(max(0, rollout.memory_fraction * total - (total - free)))
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            sizing["kv_cache_bytes"] = kv_cache_budget(
+                fraction=rollout.memory_fraction, total=total, free=free, cached=cached, role=self.role
+            )
         # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
         # relative to the caches of CPU-sized models), so nothing is ever preempted. A null kv_block_size lets the
         # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).
@@ -144,6 +165,9 @@ class Generator:
         too, and ``env_reward`` is each trajectory's environment reward; a GRPO group is the n trajectories of a
         prompt."""
         check_thread(self.device)
+        # Prompts arrive on the data plane's device (the GPU under NCCL); the engine takes token lists and the rollout
+        # is assembled on the host, as every role's results are: one copy here, not a device sync per prompt row.
+        prompts = prompts.to("cpu")
         rollout = self.config.rollout
         n, response_length = (1 if greedy else samples or rollout.n), rollout.response_length
         temperature = 0.0 if greedy else rollout.temperature
