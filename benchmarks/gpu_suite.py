@@ -1,17 +1,23 @@
 """Everything a machine with one GPU can tell us, in one command (``benchmarks/gpu_suite.sh`` calls this):
 
-    bash benchmarks/gpu_suite.sh                  # about 10 minutes on one H100 / H200
-    python benchmarks/gpu_suite.py --only kernels g1g2 --out /tmp/suite
+    bash benchmarks/gpu_suite.sh --part 1         # each part fits one 10-minute call on one H100 / H200
+    bash benchmarks/gpu_suite.sh --part 2
+    bash benchmarks/gpu_suite.sh --part 3
+    python benchmarks/gpu_suite.py --only kernels g1 --out /tmp/suite
     python benchmarks/gpu_suite.py --smoke        # every step on tiny sizes, on CPU: checks the suite itself
 
 Steps, in order, each a subprocess under its own time limit (a step that runs past it is killed and reported as
-``timed_out``; steps that no longer fit in ``--budget-s`` are reported as ``skipped``, never dropped silently):
+``timed_out``; steps that no longer fit in ``--budget-s`` are reported as ``skipped``, never dropped silently). With no
+``--part`` or ``--only`` every step runs (about 25 minutes at real sizes: the first H100 session found that one
+10-minute call holds about a third of it, hence the parts, ``PARTS``). G1, G2, G3 and G5 share one 1.5B-shaped model
+directory under the suite's work directory, built by the first of them that runs.
 
 | step | what | its own JSON |
 | --- | --- | --- |
 | ``cuda_tests`` | every test marked ``gpu`` (kernels at real sizes, engine and model parity on CUDA) | pytest's junit XML |
 | ``kernels`` | both Triton kernels at real sizes against their torch references | ``gpu_kernels.py`` |
-| ``g1g2`` | G1 decode vs the HBM floor, G2 engine vs ``transformers`` static-cache ``generate`` | ``gpu_generate.py`` |
+| ``g1`` | G1 decode vs the HBM floor (with a profile of one decode run) | ``gpu_generate.py --measure decode`` |
+| ``g2`` | G2 engine vs ``transformers`` static-cache ``generate`` (whose compile takes minutes) | ``gpu_generate.py --measure batch`` |
 | ``g3`` | ``update_actor`` MFU | ``gpu_update.py`` |
 | ``g5`` | reshard train -> generation (one GPU: the copy bound, see its docstring) | ``gpu_reshard.py`` |
 | ``g4`` | GRPO end to end against TRL ``GRPOTrainer`` | ``gpu_grpo.py`` |
@@ -59,6 +65,7 @@ def steps(python: str, smoke: bool, work: Path) -> list[Step]:
     """The suite's steps; ``--smoke`` passes ``--smoke`` to each benchmark and runs the recipe job on tiny sizes."""
     smoke_flag = ["--smoke"] if smoke else []
     out = lambda name: ["--out", str(work / name)]  # noqa: E731 (one line per step reads best)
+    model = [] if smoke else ["--model-dir", str(work / "model_1.5b")]
     recipe_overrides = [
         "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", f"trainer.output_dir={work / 'two_process'}",
         "trainer.loggers=[jsonl]",
@@ -68,17 +75,29 @@ def steps(python: str, smoke: bool, work: Path) -> list[Step]:
         Step("kernels", [python, str(BENCHMARKS / "gpu_kernels.py"), *smoke_flag, *out("kernels")], 90, "*.json",
              {"paged_decode_speedup": "paged_decode.speedup", "paged_over_floor": "paged_decode.kernel_over_floor",
               "fused_speedup": "fused_logprob.speedup", "fused_peak_over_logits": "fused_logprob.kernel_peak_over_logits"}),
-        Step("g1g2", [python, str(BENCHMARKS / "gpu_generate.py"), *smoke_flag, *out("g1g2")], 240, "*.json",
-             {"G1_decode_over_floor": "decode.ratio_to_floor", "G2_speedup": "batch.speedup"}),
-        Step("g3", [python, str(BENCHMARKS / "gpu_update.py"), *smoke_flag, *out("g3")], 150, "*.json",
+        Step("g1", [python, str(BENCHMARKS / "gpu_generate.py"), "--measure", "decode", *model, *smoke_flag, *out("g1"),
+                    "--profile", str(work / "g1" / "decode_profile.txt")], 150, "*.json",
+             {"G1_decode_over_floor": "decode.ratio_to_floor"}),
+        Step("g2", [python, str(BENCHMARKS / "gpu_generate.py"), "--measure", "batch", *model, *smoke_flag, *out("g2")],
+             420, "*.json", {"G2_speedup": "batch.speedup"}),
+        Step("g3", [python, str(BENCHMARKS / "gpu_update.py"), *model, *smoke_flag, *out("g3")], 150, "*.json",
              {"G3_mfu": "per_length.0.mfu", "G3_mfu_longest": "per_length.-1.mfu"}),
-        Step("g5", [python, str(BENCHMARKS / "gpu_reshard.py"), *smoke_flag, *out("g5")], 90, "*.json",
+        Step("g5", [python, str(BENCHMARKS / "gpu_reshard.py"), *model, *smoke_flag, *out("g5")], 90, "*.json",
              {"G5_ratio_to_bound": "results.*.ratio_to_bound", "G5_ratio_to_copy_bound": "results.*.ratio_to_copy_bound"}),
         Step("g4", [python, str(BENCHMARKS / "gpu_grpo.py"), *smoke_flag, *(["--steps", "4", "--warmup", "1"] if not smoke else []),
                     *out("g4")], 300, "*.json", {"G4_tokens_per_s_ratio": "tokens_per_s_ratio"}),
         Step("two_process", [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "recipes" / "grpo.py"),
                              *recipe_overrides], 180),
     ]
+
+
+PARTS = {
+    "1": ["cuda_tests", "kernels", "g1", "g3", "g5"],
+    "2": ["g4", "two_process"],
+    "3": ["g2"],
+}
+"""Groups of steps that each fit one 10-minute call at real sizes (limits 720, 480 and 420 s; measured on H100:
+cuda_tests 50 s, kernels 17 s, G1 about 100 s with the model's build, G3 about 120 s)."""
 
 
 def dig(value, path: str):
@@ -148,13 +167,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): checks the suite, measures nothing")
     parser.add_argument("--only", nargs="+", help="run only these steps")
-    parser.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget for all steps together")
+    parser.add_argument("--part", choices=sorted(PARTS), help="run one group of steps that fits a 10-minute call (PARTS)")
+    parser.add_argument("--budget-s", type=float, default=570.0, help="wall-clock budget for all steps together")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="gpu_suite_"))
-    chosen = [step for step in steps(sys.executable, args.smoke, work) if not args.only or step.name in args.only]
-    unknown = set(args.only or ()) - {step.name for step in steps(sys.executable, args.smoke, work)}
+    if args.part and args.only:
+        parser.error("give --part or --only, not both")
+    wanted = PARTS[args.part] if args.part else args.only
+    chosen = [step for step in steps(sys.executable, args.smoke, work) if not wanted or step.name in wanted]
+    unknown = set(wanted or ()) - {step.name for step in steps(sys.executable, args.smoke, work)}
     if unknown:
         parser.error(f"unknown steps {sorted(unknown)}")
     report = {"smoke": args.smoke, "environment": environment(device), "steps": {}}
@@ -164,7 +187,8 @@ def main() -> None:
         report["steps"][step.name] = run_step(step, work, deadline - time.perf_counter())
         print(f"   {report['steps'][step.name]['status']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    path = Path(args.out) / f"gpu_suite_{device}{'_smoke' if args.smoke else ''}.json"
+    part = f"_part{args.part}" if args.part else ""
+    path = Path(args.out) / f"gpu_suite_{device}{part}{'_smoke' if args.smoke else ''}.json"
     path.write_text(json.dumps(report, indent=2))
     if args.smoke:
         print("SMOKE RUN: not a GPU figure")
