@@ -8,7 +8,9 @@
   sample); the difference of the two times is ``--decode-tokens - 1`` decode steps. The floor is what memory allows:
   each decode step reads every weight once (a tied embedding counts once: it is read whole as the LM head), so at most
   copy bandwidth / weight bytes steps per second, the bandwidth being that of a large device-to-device copy (bytes
-  read + written per second) measured here. Reported: decode tokens/s, floor tokens/s and their ratio (goal >= 0.5).
+  read + written per second) measured here. Reported: decode tokens/s of the default engine (CUDA-graph decode steps
+  where they apply), floor tokens/s and their ratio (goal >= 0.5); and the same engine with eager decode steps
+  (``decode_graphs="off"``), measured beside it, with the graphs' speed-up over it.
 - G2, ``batch``: ``--batch`` prompts of ``--min-prompt``..``--max-prompt`` tokens, ``--new-tokens`` new tokens each,
   greedy, EOS off in both: ``LLMEngine`` (paged cache sized for the whole batch, all prompts prefilled together)
   against ``transformers`` ``generate`` with ``cache_implementation="static"`` on the same weights (left-padded, SDPA;
@@ -47,21 +49,25 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, *, real_run
     """G1 (see the module docstring)."""
     vocab = model.args.vocab_size
     prompt = torch.randint(0, vocab, (args.decode_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    engine = LLMEngine(model, eos_token_id=None, block_size=args.block_size, max_num_seqs=1)
+    engines = {mode: LLMEngine(model, eos_token_id=None, block_size=args.block_size, max_num_seqs=1, decode_graphs=mode)
+               for mode in ("auto", "off")}
     runs = {
-        "to_last_token": lambda: engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=args.decode_tokens)),
-        "to_first_token": lambda: engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=1)),
+        f"{mode}_{name}": (lambda engine=engine, tokens=tokens: engine.generate(
+            [prompt], SamplingParams(temperature=0, max_new_tokens=tokens)))
+        for mode, engine in engines.items()
+        for name, tokens in (("to_last_token", args.decode_tokens), ("to_first_token", 1))
     }
     times, outputs = _best_times(runs, repeats=args.repeats, device=args.device)
-    assert len(outputs["to_last_token"][0].generated_token_ids) == args.decode_tokens
-    decode_s = times["to_last_token"] - times["to_first_token"]
-    if decode_s <= 0:
+    assert outputs["auto_to_last_token"][0].generated_token_ids == outputs["off_to_last_token"][0].generated_token_ids
+    decode_s = {mode: times[f"{mode}_to_last_token"] - times[f"{mode}_to_first_token"] for mode in engines}
+    if min(decode_s.values()) <= 0:
         raise RuntimeError(f"{args.decode_tokens} new tokens took no longer than 1 ({times}); the machine is too noisy "
                            "for this measurement, or --decode-tokens is too small: raise it or --repeats")
     with profiled(args.profile):
-        runs["to_last_token"]()
+        runs["auto_to_last_token"]()
         synchronize(args.device)
-    tokens_per_s = (args.decode_tokens - 1) / decode_s
+    tokens_per_s = (args.decode_tokens - 1) / decode_s["auto"]
+    eager_tokens_per_s = (args.decode_tokens - 1) / decode_s["off"]
     bandwidth = copy_bandwidth(args.device, nbytes=args.copy_mib * 2**20)
     weight_bytes = parameter_bytes(model)
     floor_tokens_per_s = bandwidth / weight_bytes
@@ -69,6 +75,8 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, *, real_run
     return {
         "prompt_tokens": args.decode_prompt, "new_tokens": args.decode_tokens, "seconds": times,
         "decode_tokens_per_s": tokens_per_s, "ms_per_token": 1e3 / tokens_per_s,
+        "cuda_graphs": engines["auto"].stats.cuda_graphs, "eager_tokens_per_s": eager_tokens_per_s,
+        "graphs_speedup": tokens_per_s / eager_tokens_per_s,
         "copy_bytes_per_s": bandwidth, "copy_mib": args.copy_mib, "weight_bytes": weight_bytes,
         "floor_tokens_per_s": floor_tokens_per_s, "ratio_to_floor": ratio, "goal": f"ratio_to_floor >= {DECODE_GOAL}",
         "meets_goal": meets_goal(ratio, DECODE_GOAL, at_least=True, real_run=real_run),
@@ -127,7 +135,7 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=128)
     parser.add_argument("--block-size", type=int, help="KV block size; default: the engine's (256 under flash-attn, else 16)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", help="write a profile of one more batch-1 decode run (G1) to this file")
+    parser.add_argument("--profile", help="write a profile of one more batch-1 decode run (G1, default engine) to this file")
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's copy")
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, SMOKE)
@@ -153,6 +161,8 @@ def main() -> None:
         print(f"| G1 batch-1 decode, tokens/s | {row['decode_tokens_per_s']:.1f} | HBM floor {row['floor_tokens_per_s']:.1f} "
               f"({row['copy_bytes_per_s'] / 1e9:.0f} GB/s / {row['weight_bytes'] / 1e9:.2f} GB) | {row['ratio_to_floor']:.2f} "
               f"| >= {DECODE_GOAL} |")
+        print(f"| G1 with eager decode steps, tokens/s | {row['eager_tokens_per_s']:.1f} | CUDA graphs "
+              f"({row['cuda_graphs']} captured) {row['decode_tokens_per_s']:.1f} | graphs {row['graphs_speedup']:.2f}x | |")
     if "batch" in result:
         row = result["batch"]
         print(f"| G2 batch {row['batch']} x {row['new_tokens']} tokens, s | {row['engine_s']:.2f} | transformers static "

@@ -246,6 +246,9 @@ class RolloutConfig:
     0: on GPU what memory_fraction leaves, elsewhere enough to run every request to full length at once."""
     max_num_seqs: int = 256
     """Most sequences decoded together by continuous batching."""
+    cuda_graphs: bool = True
+    """Replay decode steps from CUDA graphs, one per batch-size bucket, where they apply (a CUDA replica of one rank
+    whose decode attention is the Triton paged kernel); false: eager decode steps. Elsewhere decode is eager anyway."""
     environment: str | None = None
     """Multi-turn rollouts (docs/multiturn.md): the environment that answers each turn, ``tool`` (tool calls in the
     Hermes / Qwen format run on the sandboxed calculator and Python tools) or path/to/file.py:name (a class or

@@ -52,7 +52,10 @@ def test_generate_decode_and_batch(tmp_path):
     assert decode["weight_bytes"] == result["parameters"] * torch.empty((), dtype=getattr(torch, result["dtype"])).element_size()
     assert decode["floor_tokens_per_s"] == pytest.approx(decode["copy_bytes_per_s"] / decode["weight_bytes"])
     assert decode["ratio_to_floor"] == pytest.approx(decode["decode_tokens_per_s"] / decode["floor_tokens_per_s"])
-    assert decode["seconds"]["to_last_token"] > decode["seconds"]["to_first_token"]
+    for mode in ("auto", "off"):
+        assert decode["seconds"][f"{mode}_to_last_token"] > decode["seconds"][f"{mode}_to_first_token"]
+    assert decode["graphs_speedup"] == pytest.approx(decode["decode_tokens_per_s"] / decode["eager_tokens_per_s"])
+    assert decode["cuda_graphs"] == 0  # CPU: eager decode steps in both engines
     assert_positive_finite(batch, "engine_s", "transformers_s", "speedup", "engine_tokens_per_s", "transformers_tokens_per_s")
     assert batch["speedup"] == pytest.approx(batch["transformers_s"] / batch["engine_s"])
     assert batch["engine_stats"]["generated_tokens"] == batch["batch"] * batch["new_tokens"]

@@ -25,6 +25,7 @@ from spmd_rlhf.models.decoder import DecoderLM
 
 from .agreement import agree_minimum, schedule_groups
 from .block_manager import BlockManager
+from .decode_graphs import DECODE_MODES, graphs_supported
 from .model_runner import ModelRunner
 from .sampler import derive_seed, sample
 from .scheduler import Scheduler
@@ -45,6 +46,8 @@ class GenerationStats:
     generated_tokens: int = 0
     max_blocks_in_use: int = 0
     """Peak KV blocks held at once: how big the cache needed to be."""
+    cuda_graphs: int = 0
+    """Decode batch sizes replayed from CUDA graphs so far by this engine (0: eager decode steps)."""
 
 
 _UNLIMITED = 2**62
@@ -63,12 +66,14 @@ class LLMEngine:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 4096,
         seed: int = 0,
+        decode_graphs: str = "auto",
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size; with neither, each call gets a cache that holds
         all its requests at full length (no preemption). ``block_size`` None: ``default_kv_block_size`` of the
         model's attention backend (256 where flash-attn reads the cache, else 16). A request without its own seed gets
         ``derive_seed(seed, n)`` for the n-th request this engine has received (counted across ``generate`` calls, so
-        repeating a call draws new samples). The cache is allocated on the first ``generate``.
+        repeating a call draws new samples). The cache is allocated on the first ``generate``. ``decode_graphs``: one
+        of ``decode_graphs.DECODE_MODES``; ``auto`` replays decode steps from CUDA graphs where they apply.
 
         A tensor-parallel model's ranks must all build their engines together: each of these numbers becomes its
         minimum over the model's mesh (two small all-reduces), so ranks that measured different free memory still
@@ -85,13 +90,18 @@ class LLMEngine:
             )
         if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        if decode_graphs not in DECODE_MODES:
+            raise ValueError(f"decode_graphs={decode_graphs!r} is unknown; choose one of {', '.join(DECODE_MODES)}")
         groups = schedule_groups(model)
         device = model.model.embed_tokens.weight.device
         self.block_size, self.max_num_seqs, self.max_num_batched_tokens = agree_minimum(
             [block_size, max_num_seqs, max_num_batched_tokens], groups, device
         )
         self.eos_token_id = eos_token_id
-        self.runner = ModelRunner(model, block_size=self.block_size)
+        capture = decode_graphs == "auto" and graphs_supported(model, block_size=self.block_size)
+        self.runner = ModelRunner(
+            model, block_size=self.block_size, static_decode=capture or decode_graphs == "static", capture_graphs=capture
+        )
         # Blocks from bytes after the block size is agreed: every rank of the mesh holds an equal shard, so one
         # block costs the same bytes everywhere.
         local_blocks = self.runner.blocks_for_bytes(kv_cache_bytes) if kv_cache_bytes is not None else num_blocks
@@ -138,6 +148,10 @@ class LLMEngine:
         if manager is None:
             self.runner.allocate_cache(self.fixed_num_blocks or self._blocks_to_finish_at_once(seqs))
             manager = BlockManager(self.runner.num_blocks, self.block_size)
+        self.runner.prepare_decode(
+            max_rows=min(self.max_num_seqs, len(seqs)),
+            max_blocks_per_seq=max(seq.max_blocks(self.block_size) for seq in seqs),
+        )
         scheduler = Scheduler(manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
         for seq in seqs:
             scheduler.add(seq)
@@ -165,6 +179,7 @@ class LLMEngine:
             scheduler.finish_step(batch, tokens, log_probs)
             stats.generated_tokens += len(batch)
         stats.preemptions = scheduler.num_preemptions
+        stats.cuda_graphs = self.runner.graphs_captured
         assert manager.num_free_blocks == manager.num_blocks, "KV blocks leaked"
         return seqs
 

@@ -2,8 +2,10 @@
 
 The runner owns the cache tensors (allocated on demand, dropped by ``free_cache`` so that an actor can give the memory
 back to training between generations) and turns the scheduler's sequences into the model inputs of one step: the new
-tokens packed in one row, their positions, the cache slots their K/V go to, and each sequence's block table. Decode
-steps run eagerly; CUDA graphs for them are not implemented.
+tokens packed in one row, their positions, the cache slots their K/V go to, and each sequence's block table.
+Prefill steps run eagerly; decode steps run eagerly too, or, with ``static_decode``, on the fixed-address padded inputs
+of ``decode_graphs.StaticDecodeStep`` (replayed from CUDA graphs when ``capture_graphs``), which keep one scratch block
+past the block manager's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
 
+from .decode_graphs import StaticDecodeStep
 from .sequence import Sequence
 
 
@@ -25,11 +28,19 @@ def local_kv_heads(model: DecoderLM) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, *, block_size: int) -> None:
+    def __init__(
+        self, model: DecoderLM, *, block_size: int, static_decode: bool = False, capture_graphs: bool = False
+    ) -> None:
         if model.head != "lm":
             raise ValueError(f"generation needs a model with an LM head, got head={model.head!r}")
+        if capture_graphs and not static_decode:
+            raise ValueError("capture_graphs records the static decode step: it needs static_decode=True")
         self.model = model
         self.block_size = block_size
+        self.static_decode, self.capture_graphs = static_decode, capture_graphs
+        self._scratch_blocks = 1 if static_decode else 0
+        """Cache blocks past the block manager's: padding rows of a static decode step write and read one."""
+        self._static_step: StaticDecodeStep | None = None
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.num_kv_heads = local_kv_heads(model)
@@ -46,16 +57,17 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        """Blocks in the allocated cache; 0 when it is not allocated."""
-        return 0 if self._key_cache is None else self._key_cache.shape[1]
+        """Blocks of the allocated cache the block manager may hand out; 0 when it is not allocated."""
+        return 0 if self._key_cache is None else self._key_cache.shape[1] - self._scratch_blocks
 
     def blocks_for_bytes(self, kv_cache_bytes: int) -> int:
         """How many blocks a budget of ``kv_cache_bytes`` holds (at least one, or an error naming the minimum)."""
-        num_blocks = kv_cache_bytes // self.block_bytes
+        num_blocks = kv_cache_bytes // self.block_bytes - self._scratch_blocks
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_bytes={kv_cache_bytes} is less than one KV block ({self.block_bytes} bytes for "
-                f"{self.block_size} tokens); give the cache more memory or lower block_size"
+                f"{self.block_size} tokens{' besides the static decode step scratch block' if self._scratch_blocks else ''}); "
+                "give the cache more memory or lower block_size"
             )
         return num_blocks
 
@@ -65,15 +77,36 @@ class ModelRunner:
             return
         self.free_cache()
         args = self.model.args
-        shape = (args.num_layers, num_blocks, self.block_size, self.num_kv_heads, args.head_dim)
+        shape = (args.num_layers, num_blocks + self._scratch_blocks, self.block_size, self.num_kv_heads, args.head_dim)
         # Zeros, not empty: masked-out cache slots still enter attention's probs @ V as 0 * value, and uninitialised
         # memory can hold NaN.
         self._key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def free_cache(self) -> None:
-        """Drop the cache tensors (their memory returns to the allocator; the next ``allocate_cache`` makes new ones)."""
+        """Drop the cache tensors (their memory returns to the allocator; the next ``allocate_cache`` makes new ones),
+        and the static decode step and graphs, which hold their addresses."""
         self._key_cache = self._value_cache = None
+        self._static_step = None
+
+    def prepare_decode(self, *, max_rows: int, max_blocks_per_seq: int) -> None:
+        """With ``static_decode``, make sure the static decode step holds ``max_rows`` rows of block tables
+        ``max_blocks_per_seq`` wide (an existing one that does is kept, with its graphs); nothing otherwise."""
+        assert self._key_cache is not None, "allocate_cache before prepare_decode"
+        step = self._static_step
+        if not self.static_decode or (
+            step is not None and step.max_rows >= max_rows and step.max_blocks_per_seq >= max_blocks_per_seq
+        ):
+            return
+        self._static_step = StaticDecodeStep(
+            self.model, key_cache=self._key_cache, value_cache=self._value_cache, scratch_block=self.num_blocks,
+            max_rows=max_rows, max_blocks_per_seq=max_blocks_per_seq, capture=self.capture_graphs,
+        )
+
+    @property
+    def graphs_captured(self) -> int:
+        """Decode batch sizes captured into CUDA graphs so far (0 without graphs)."""
+        return 0 if self._static_step is None else len(self._static_step.graphs)
 
     def run(self, seqs: list[Sequence], *, is_prefill: bool) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one.
@@ -82,6 +115,8 @@ class ModelRunner:
         already in the cache); a decode step computes each sequence's last token.
         """
         assert self._key_cache is not None, "allocate_cache before run"
+        if not is_prefill and self._static_step is not None and self._static_step.fits(seqs):
+            return self._static_step.run(seqs)
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -148,7 +148,8 @@ class Generator:
         # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).
         return LLMEngine(
             model, eos_token_id=self.tokenizer.eos_token_id, block_size=rollout.kv_block_size,
-            max_num_seqs=rollout.max_num_seqs, seed=self.config.trainer.seed, **sizing,
+            max_num_seqs=rollout.max_num_seqs, seed=self.config.trainer.seed,
+            decode_graphs="auto" if rollout.cuda_graphs else "off", **sizing,
         )
 
     def generate(
@@ -208,6 +209,7 @@ class Generator:
             }
             for key in trajectories[0].env_metrics if trajectories else ():
                 per_row[f"env/{key}"] = torch.tensor([float(t.env_metrics[key]) for t in trajectories])
+        counters.append(engine.stats.cuda_graphs)
         del engine  # the KV cache goes before training resumes
 
         gathered = replicas.gather_rows(
@@ -235,10 +237,11 @@ class Generator:
             "rollout/generated_tokens": generated,
             "rollout/prompt_tokens": prompt_tokens,
             "rollout/preemptions": engine_sums[0],
+            "rollout/cuda_graphs": engine_sums[-1],
         }
         if self.environment is not None:
             metrics["rollout/observation_tokens"] = length_sum - generated
-            for key, total in zip(("prefill_tokens", "cached_prefill_tokens"), engine_sums[1:]):
+            for key, total in zip(("prefill_tokens", "cached_prefill_tokens"), engine_sums[1:-1]):
                 metrics[f"rollout/{key}"] = total
             metrics.update({f"rollout/{key}/mean": total / row_count for key, total in zip(per_row, row_sums)})
         extra = {"env_reward": gathered["env_reward"]} if self.environment is not None else {}

@@ -1,0 +1,176 @@
+"""Decode steps replayed from CUDA graphs: the host cost of a step becomes a few input copies and one launch.
+
+An eager decode step at a real depth is about 2,000 operator calls, each 10-20 µs of host time, so batch-1 decode of a
+1.5B model ran at 3 % of what memory bandwidth allows on an H100 (``docs/benchmarks.md``, G1). A CUDA graph records
+the step's kernels once and replays them with one launch; serving engines (vLLM, SGLang, nano-vllm) all decode this
+way. A graph replays fixed addresses with fixed shapes, so ``StaticDecodeStep`` runs the model on fixed-address
+input buffers padded to a few batch sizes (``decode_buckets``), one graph each, captured the first time a batch of that
+size decodes. A padding row decodes token 0 at position 0 into a scratch KV block that no sequence owns (the runner
+keeps one past the block manager's), reading only that block, so it touches nothing real; its output is dropped.
+
+Only the model's trunk is captured: its hidden states ``[rows, hidden]`` are the graph's output, and the LM head and
+sampler run after it eagerly (one matmul and the sampler's few calls; a captured LM head would keep a
+``[rows, vocab]`` logits buffer per batch size). The same class without capture (``capture=False``) runs the identical
+padded, fixed-address inputs eagerly; that is how the padding and scratch-block logic is tested on CPU.
+
+When the graphs apply (``graphs_supported``): a CUDA model whose decode attention is the Triton paged kernel (which
+reads the context lengths and block tables from device tensors; the flash-attn paged path takes host integers, and the
+SDPA fallback gathers shapes that change every step), and no DTensor parameters (a tensor-parallel step has
+collectives in it: capturing those is not done here yet).
+
+Holds, besides the model and the cache: the input buffers (``max_rows`` x (4 + ``max_blocks_per_seq``) integers), one
+hidden-state output per captured batch size, and the graphs' shared memory pool (the intermediates of the largest
+captured step). Graphs share that pool, which is safe because every replay's output is consumed (the LM head reads
+it) before the next replay starts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from spmd_rlhf.kernels.triton_support import use_triton
+from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, resolve_backend
+from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.paged_kv import PagedKV
+
+from .sequence import Sequence
+
+DECODE_MODES = ("auto", "off", "static")
+"""``auto``: CUDA graphs where ``graphs_supported``, else eager steps; ``off``: eager steps; ``static``: the graphs'
+padded fixed-address inputs run eagerly (no capture), on any device: what the graphs replay, checkable on CPU."""
+
+
+def decode_buckets(max_rows: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 32, then every multiple of 32, up to and including ``max_rows``.
+    A batch runs in the smallest bucket that holds it; padding rows cost little while decode is bound by reading
+    the weights."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows={max_rows} must be >= 1")
+    buckets = [size for size in (1, 2, 4, 8, 16, 32) if size < max_rows]
+    buckets += list(range(64, max_rows, 32))
+    return [*buckets, max_rows]
+
+
+def graphs_supported(model: DecoderLM, *, block_size: int) -> bool:
+    """Whether this model's decode steps can be captured (the module docstring says why each condition matters)."""
+    weight = model.model.embed_tokens.weight
+    if weight.device.type != "cuda" or any(isinstance(param, DTensor) for param in model.parameters()):
+        return False
+    backend = resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype)
+    flash_reads_cache = backend == "flash" and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
+    return backend != "torch" and not flash_reads_cache and use_triton(weight.device, "auto")
+
+
+class StaticDecodeStep:
+    """One decode step of ``model`` over fixed-address inputs padded to a bucket; captured into one CUDA graph per
+    bucket when ``capture``. ``scratch_block``: a cache block no sequence owns, written and read by padding rows.
+    ``max_blocks_per_seq``: block-table width, enough for the longest request."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scratch_block: int,
+        max_rows: int,
+        max_blocks_per_seq: int,
+        capture: bool,
+    ) -> None:
+        self.model, self.key_cache, self.value_cache = model, key_cache, value_cache
+        self.block_size = key_cache.shape[2]
+        self.scratch_block, self.capture = scratch_block, capture
+        self.buckets = decode_buckets(max_rows)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        device = key_cache.device
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.zeros(max_rows, dtype=torch.int64, device=device)
+            self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
+            self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
+            self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token per row
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        """Each captured bucket's output: the trunk's hidden states ``[rows, hidden]``, overwritten by every replay."""
+        self._pool = None
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    def fits(self, seqs: list[Sequence]) -> bool:
+        """Whether this step can run ``seqs`` (few enough rows, block tables narrow enough)."""
+        return len(seqs) <= self.max_rows and max(len(seq.block_table) for seq in seqs) <= self.max_blocks_per_seq
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one (a decode step)."""
+        rows = next(size for size in self.buckets if size >= len(seqs))
+        with torch.inference_mode():
+            self._fill(seqs, rows)
+            if not self.capture:
+                hidden = self._trunk(rows)
+            else:
+                if rows not in self.graphs:
+                    self._capture(rows)
+                self.graphs[rows].replay()
+                hidden = self.hidden[rows]
+            return self.model.lm_head(hidden[: len(seqs)])
+
+    def _fill(self, seqs: list[Sequence], rows: int) -> None:
+        """Copy the step's inputs into the first ``rows`` entries of the buffers, padding rows after the real ones."""
+        padding = rows - len(seqs)
+        scratch_slot = self.scratch_block * self.block_size
+        width = self.max_blocks_per_seq
+        values = {
+            self.input_ids: [seq.token_ids[-1] for seq in seqs] + [0] * padding,
+            self.positions: [len(seq) - 1 for seq in seqs] + [0] * padding,
+            self.slot_mapping: [
+                seq.block_table[(len(seq) - 1) // self.block_size] * self.block_size + (len(seq) - 1) % self.block_size
+                for seq in seqs
+            ] + [scratch_slot] * padding,
+            self.context_lens: [len(seq) for seq in seqs] + [1] * padding,
+            self.block_tables: [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+            + [[self.scratch_block] + [0] * (width - 1)] * padding,
+        }
+        for buffer, host in values.items():
+            # From pageable host memory a non-blocking copy is staged at once: the host does not wait for the queued
+            # steps, and the copy is ordered before the replay on the same stream.
+            buffer[:rows].copy_(torch.tensor(host, dtype=buffer.dtype), non_blocking=True)
+
+    def _trunk(self, rows: int) -> torch.Tensor:
+        """The model's trunk on the first ``rows`` entries of the buffers: hidden states ``[rows, hidden]``."""
+        paged = PagedKV(
+            key_cache=self.key_cache,
+            value_cache=self.value_cache,
+            slot_mapping=self.slot_mapping[:rows],
+            block_tables=self.block_tables[:rows],
+            context_lens=self.context_lens[:rows],
+            cu_seqlens_q=self.cu_seqlens_q[: rows + 1],
+            max_seqlen_q=1,
+            # An upper bound, fixed like every shape here; kernels that read the cache in place ignore it, and the
+            # gather path masks the padded keys (context_lens decides what each row sees).
+            max_context_len=self.max_blocks_per_seq * self.block_size,
+        )
+        hidden = self.model.hidden_states(self.input_ids[:rows][None], self.positions[:rows][None], paged=paged)
+        return hidden[0]
+
+    def _capture(self, rows: int) -> None:
+        """Record the step for ``rows`` rows. The buffers already hold this step's inputs, so the warm-up pass (which
+        makes lazy initialisations, such as cuBLAS workspaces and Triton compilation, happen outside the capture)
+        writes the same K/V the replay writes."""
+        device = self.key_cache.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._trunk(rows)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a worker's other threads (the runtime's data plane, say) may use the device meanwhile; only
+        # this thread's own unsafe calls during the capture are errors.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self.hidden[rows] = self._trunk(rows)
+        self.graphs[rows] = graph

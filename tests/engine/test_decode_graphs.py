@@ -1,0 +1,101 @@
+"""Decode steps on fixed-address padded inputs (what CUDA graphs capture and replay) against eager decode steps: the
+same tokens and log-probs, whatever the batch size bucket, padding, preemption or sampling; and on CUDA the graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fixtures import write_hf_model
+from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, decode_buckets, graphs_supported
+from spmd_rlhf.engine.model_runner import ModelRunner
+from spmd_rlhf.models import load_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 12, 40, 41], [70, 71, 72], [3, 4], [90] * 17]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen2"))
+    write_hf_model("qwen2_untied", path)
+    return path
+
+
+def _requests() -> list[SamplingParams]:
+    """Mixed greedy and sampled rows whose lengths differ, so the batch shrinks through several buckets (5 rows pad to
+    8, then 4, 3 and 2 rows, then 1)."""
+    return [
+        SamplingParams(temperature=0, max_new_tokens=3),
+        SamplingParams(temperature=1.0, top_k=20, max_new_tokens=11, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6, seed=2),
+        SamplingParams(temperature=0, max_new_tokens=9),
+        SamplingParams(temperature=1.0, max_new_tokens=14, seed=3),
+    ]
+
+
+def _generate(model, mode: str, **engine_args) -> tuple[list, LLMEngine]:
+    engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs=mode, **engine_args)
+    return engine.generate(PROMPTS, _requests()), engine
+
+
+def test_buckets_cover_every_batch_size_with_little_padding():
+    assert decode_buckets(256) == [1, 2, 4, 8, 16, 32, *range(64, 256, 32), 256]
+    assert decode_buckets(1) == [1] and decode_buckets(3) == [1, 2, 3] and decode_buckets(40)[-2:] == [32, 40]
+    with pytest.raises(ValueError, match="max_rows=0"):
+        decode_buckets(0)
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"num_blocks": 12, "max_num_seqs": 3}], ids=["roomy", "preempting"])
+def test_static_decode_equals_eager_decode(model_path, engine_args, monkeypatch):
+    model = load_model(model_path, dtype=torch.float32)
+    eager, _ = _generate(model, "off", **engine_args)
+    batch_sizes = []
+    run = StaticDecodeStep.run
+    monkeypatch.setattr(StaticDecodeStep, "run", lambda step, seqs: batch_sizes.append(len(seqs)) or run(step, seqs))
+    static, engine = _generate(model, "static", **engine_args)
+    assert len(batch_sizes) == engine.stats.decode_steps > 0 and engine.stats.cuda_graphs == 0  # no capture off CUDA
+    if engine_args:
+        assert engine.num_preemptions > 0
+    else:
+        assert {5, 4, 3, 2, 1} <= set(batch_sizes)  # padded to 8, 4, 4 (one padding row), 2 and 1 rows
+    for got, expected in zip(static, eager):
+        assert got.generated_token_ids == expected.generated_token_ids
+        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(expected.log_probs), rtol=0, atol=1e-5)
+
+
+def test_static_decode_keeps_a_scratch_block_outside_the_budget(model_path):
+    """The scratch block that padding rows write is not one the block manager hands out, and it fits the budget."""
+    model = load_model(model_path, dtype=torch.float32)
+    static = ModelRunner(model, block_size=4, static_decode=True)
+    eager = ModelRunner(model, block_size=4)
+    budget = 10 * eager.block_bytes
+    assert eager.blocks_for_bytes(budget) == 10 and static.blocks_for_bytes(budget) == 9
+    static.allocate_cache(9)
+    assert static.num_blocks == 9 and static._key_cache.shape[1] == 10
+    with pytest.raises(ValueError, match="needs static_decode=True"):
+        ModelRunner(model, block_size=4, capture_graphs=True)
+    with pytest.raises(ValueError, match="decode_graphs='always' is unknown"):
+        LLMEngine(model, eos_token_id=None, decode_graphs="always")
+
+
+def test_graphs_apply_only_to_a_single_device_cuda_model_with_the_triton_decode_kernel(model_path):
+    model = load_model(model_path, dtype=torch.float32)
+    assert not graphs_supported(model, block_size=16)  # CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_equals_eager_decode(model_path, dtype):
+    model = load_model(model_path, dtype=dtype, device="cuda", attention_backend="sdpa")
+    assert graphs_supported(model, block_size=4)
+    eager, _ = _generate(model, "off")
+    graphs, engine = _generate(model, "auto")
+    assert engine.stats.cuda_graphs >= 4  # buckets 8, 4, 2, 1 at least
+    for got, expected in zip(graphs, eager):
+        assert got.generated_token_ids == expected.generated_token_ids
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(expected.log_probs), rtol=0, atol=tolerance)
+    again, _ = _generate(model, "auto")  # a second engine captures again: graphs never outlive their cache
+    assert [seq.generated_token_ids for seq in again] == [seq.generated_token_ids for seq in graphs]
