@@ -242,6 +242,7 @@ def main() -> None:
         "measurement": measurement(device, keep_allocator_cache=args.keep_allocator_cache),
         "sample_interval_s": args.interval, "baseline_bytes_per_rank": {"train": baselines, "resume": resume_baselines},
         "full_model_bytes": whole_model, "recipe_overrides": overrides, "stages": rows, "environment": environment(device),
+        "worst_peak_over_floor": max(row["peak_over_floor"] for row in rows),
     }
     print(table(result))
     if args.smoke:

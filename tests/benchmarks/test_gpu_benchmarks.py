@@ -151,7 +151,7 @@ def test_gpu_suite_runs_steps_and_reports_the_budget(tmp_path):
     assert step["status"] == "passed" and set(report["steps"]) == {"kernels"}
     assert step["figures"]["paged_decode_speedup"] == step["result"]["paged_decode"]["speedup"]
     report = suite("--budget-s", "0")
-    assert [record["status"] for record in report["steps"].values()] == ["skipped"] * 8
+    assert [record["status"] for record in report["steps"].values()] == ["skipped"] * 9
     from gpu_suite import PARTS
 
     assert sorted(sum(PARTS.values(), [])) == sorted(report["steps"]), "every step belongs to exactly one part"
