@@ -36,7 +36,7 @@ from spmd_rlhf.models.shard_pieces import Piece, local_piece
 from spmd_rlhf.models.weights import write_hf_metadata
 
 
-DEFAULT_BAND_BYTES = 256 * 2**20
+DEFAULT_BAND_BYTES = 64 * 2**20
 """The most bytes of one tensor a writer assembles at a time (a band of whole rows; one row if a row is larger)."""
 
 
