@@ -10,15 +10,28 @@ import pytest
 import torch
 from torchrun_helpers import torchrun
 
-from spmd_rlhf.hybrid.weight_sync import bucket_plan
+from spmd_rlhf.hybrid.weight_sync import bucket_plan, sync_bands
 from spmd_rlhf.tiny.model import make_tiny
 
+BUCKET_BYTES = 16_384
+"""The bucket size of ``programs/weight_sync.py``."""
 
-def test_bucket_plan_fills_buckets_in_order_and_gives_a_large_tensor_its_own():
-    shapes = [("a", (4,)), ("b", (4,)), ("big", (100,)), ("c", (2,)), ("d", (8,))]
-    assert bucket_plan(shapes, element_bytes=2, bucket_bytes=20) == [[0, 1], [2], [3, 4]]
-    assert bucket_plan(shapes, element_bytes=2, bucket_bytes=10_000) == [[0, 1, 2, 3, 4]]
-    assert bucket_plan([], element_bytes=2, bucket_bytes=8) == []
+
+def test_bucket_plan_fills_buckets_in_order_and_gives_a_large_item_its_own():
+    sizes = [8, 8, 200, 4, 16]
+    assert bucket_plan(sizes, bucket_bytes=20) == [[0, 1], [2], [3, 4]]
+    assert bucket_plan(sizes, bucket_bytes=10_000) == [[0, 1, 2, 3, 4]]
+    assert bucket_plan([], bucket_bytes=8) == []
+
+
+def test_parameters_travel_in_row_bands_no_larger_than_a_bucket():
+    shapes = [("embed", (10, 4)), ("norm", (4,)), ("scalar", ()), ("wide", (2, 100))]
+    bands = sync_bands(shapes, element_bytes=2, bucket_bytes=24)  # 3 rows of the embedding, 12 norm elements
+    assert [(band.index, band.start, band.stop, band.numel) for band in bands] == [
+        (0, 0, 3, 12), (0, 3, 6, 12), (0, 6, 9, 12), (0, 9, 10, 4), (1, 0, 4, 4), (2, 0, 1, 1),
+        (3, 0, 1, 100), (3, 1, 2, 100),  # a row larger than a bucket is a band of its own
+    ]
+    assert bucket_plan([band.numel * 2 for band in bands], bucket_bytes=24)[:3] == [[0], [1], [2]]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +62,18 @@ def test_rollout_weights_equal_the_trainers_bitwise_after_each_sync(synced, scen
     metrics = json.loads((synced / "metrics.json").read_text())[f"{scenario}_v1"]
     assert metrics["weight_sync/bytes"] == sum(t.numel() * 2 for t in trainer.values())
     assert metrics["weight_sync/buckets"] > 2
+
+
+@pytest.mark.parametrize("scenario", ["fsdp_to_tp", "tp_to_replicas"])
+def test_no_actor_rank_holds_a_whole_parameter_during_the_sync(synced, scenario):
+    """The embedding (300 x 32) is larger than a bucket even in the rollout's bfloat16; every actor rank's largest
+    allocation during a sync stays within one bucket (the band being assembled, the bucket, a piece)."""
+    trainer = torch.load(synced / f"{scenario}_v1_trainer.pt")
+    largest_parameter = max(t.numel() * t.element_size() for t in trainer.values())
+    metrics = json.loads((synced / "metrics.json").read_text())
+    assert largest_parameter > BUCKET_BYTES
+    for version in (0, 1):
+        assert 0 < metrics[f"{scenario}_v{version}"]["largest_allocation_bytes"] <= BUCKET_BYTES
 
 
 def test_a_rollout_of_another_model_fails_on_both_sides_naming_both(synced):

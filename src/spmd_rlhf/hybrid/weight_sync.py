@@ -2,21 +2,23 @@
 
 The actor trains with FSDP x TP DTensors on its mesh; the rollout generates with TP-sharded weights (one copy per
 replica) on another mesh over other ranks. DTensor cannot redistribute from one mesh to another, so the sync is a
-broadcast over the ``weight_sync`` group (the actor's first rank and every rollout rank):
+broadcast over the ``weight_sync`` group (the actor's first rank and every rollout rank), in row bands, so that no
+rank ever holds a whole parameter (a 7B model's 150k-row embedding is 2.4 GB in float32):
 
-  1. every actor rank takes part in each parameter's ``full_tensor()`` (one all-gather over the actor's mesh, one
-     parameter at a time); the actor's first rank casts it to the rollout's dtype and packs it into the bucket;
-  2. a full bucket (``rollout.sync_bucket_mb``; a larger tensor is a bucket of its own) is broadcast to the rollout
-     ranks, each of which copies its TP shard of every tensor in it (``torch.chunk`` along the shard dimension, as
-     DTensor's ``Shard`` cuts) into its generation model.
+  1. every parameter is cut into row bands of at most ``bucket_bytes`` in the rollout's dtype
+     (``safetensors_stream.row_bands``, as the streamed Hugging Face save cuts them); each actor rank holding a
+     distinct piece of a band sends that piece, cast, to the actor's first rank point to point, which assembles the
+     band (``sharded_save.send_band_pieces`` / ``assembled_bands``, the save's own code) and packs it into the bucket;
+  2. a full bucket (``rollout.sync_bucket_mb``; consecutive bands while they fit) is broadcast to the rollout ranks,
+     each of which copies the part of every band that falls in its TP shard into its generation model.
 
-Both sides derive the same bucket plan from the parameters' names and global shapes, and check it first: a model that
+Both sides derive the same plan from the parameters' names and global shapes, and check it first: a model that
 differs on the two sides fails at once on both, naming them. Every wait is bounded by ``timeout_s`` and a failure
 names the version, both sides' ranks and the bucket. The rollout's weights then equal the trainer's cast to its
 dtype, bit for bit.
 
-Peak per rank: actor ranks one full parameter (the first rank also one bucket); rollout ranks their generation shard
-plus one bucket.
+Peak per rank, besides its own shards: an actor rank other than the first one piece of a band (at most
+``bucket_bytes``); the first actor rank one bucket, one band being assembled and one piece; a rollout rank one bucket.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+
+from ..models.safetensors_stream import TensorEntry, row_bands
+from ..models.shard_pieces import local_piece
+from ..models.sharded_save import assembled_bands, exchange_pieces, ready_point_to_point, send_band_pieces
 
 
 @dataclass(frozen=True)
@@ -53,13 +58,32 @@ def sync_group_ranks(actor_ranks: tuple[int, ...], rollout_ranks: tuple[int, ...
     return [actor_ranks[0], *rollout_ranks]
 
 
-def bucket_plan(shapes: list[tuple[str, tuple[int, ...]]], *, element_bytes: int, bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``shapes`` in each bucket, in order: consecutive tensors while they fit ``bucket_bytes``; a tensor
-    larger than that is a bucket of its own."""
+@dataclass(frozen=True)
+class Band:
+    """Rows ``start:stop`` of parameter ``index`` (its only "row" for a 0-d parameter), in the rollout's dtype."""
+
+    index: int
+    start: int
+    stop: int
+    numel: int
+
+
+def sync_bands(shapes: list[tuple[str, tuple[int, ...]]], *, element_bytes: int, bucket_bytes: int) -> list[Band]:
+    """Every row band the sync moves, in order: each parameter cut into bands of at most ``bucket_bytes`` (one row
+    where a row is larger)."""
+    return [
+        Band(index, start, stop, (stop - start) * _numel(shape[1:]) if shape else 1)
+        for index, (_, shape) in enumerate(shapes)
+        for start, stop in row_bands(shape, element_bytes, bucket_bytes)
+    ]
+
+
+def bucket_plan(sizes: list[int], *, bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``sizes`` (bytes) in each bucket, in order: consecutive items while they fit ``bucket_bytes``; an
+    item larger than that is a bucket of its own."""
     buckets: list[list[int]] = []
     filled = bucket_bytes  # forces a first bucket
-    for index, (_, shape) in enumerate(shapes):
-        size = element_bytes * _numel(shape)
+    for index, size in enumerate(sizes):
         if filled + size > bucket_bytes or not buckets:
             buckets.append([])
             filled = 0
@@ -116,10 +140,10 @@ def send_weights(
     model: torch.nn.Module, *, sides: SyncSides, rank: int, trainer_group: dist.ProcessGroup, dtype: torch.dtype,
     bucket_bytes: int, version: int, device: torch.device,
 ) -> dict[str, float]:
-    """Send ``model``'s current weights (every actor rank calls it; the FSDP x TP shards are gathered one parameter at
-    a time over ``trainer_group``, all the actor's ranks) in ``dtype``; returns ``weight_sync/bytes``
-    and ``/buckets`` (on every actor rank). Buckets go from ``device`` (the rank's own, even for weights offloaded
-    to host memory: both sides of a broadcast must use the same backend)."""
+    """Send ``model``'s current weights in ``dtype`` (every actor rank calls it: each sends its pieces of every row
+    band to the first rank over ``trainer_group``, all the actor's ranks); returns ``weight_sync/bytes`` and
+    ``/buckets`` (on every actor rank). Pieces and buckets go from ``device`` (the rank's own, even for weights
+    offloaded to host memory: both sides of a broadcast must use the same backend)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()  # read the sharded master weights, whatever gathered state the last forward left
@@ -134,20 +158,34 @@ def send_weights(
     _wait(work, sides, version, "the plan check")
     if int(differ):
         raise _mismatch(sides, version)
-    buckets = bucket_plan(shapes, element_bytes=element_bytes, bucket_bytes=bucket_bytes)
-    for number, bucket in enumerate(buckets):
-        pieces = []
-        for index in bucket:
-            param = named[index][1]
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            if sender:
-                pieces.append(full.detach().to(device=device, dtype=dtype).reshape(-1))
-        if sender:
-            flat = torch.cat(pieces)
-            del pieces
+    bands = sync_bands(shapes, element_bytes=element_bytes, bucket_bytes=bucket_bytes)
+    buckets = bucket_plan([band.numel * element_bytes for band in bands], bucket_bytes=bucket_bytes)
+    params = dict(named)
+    entries = [TensorEntry(name, shape, dtype) for name, shape in shapes]
+    actor_ranks = dist.get_process_group_ranks(trainer_group)
+    stage_ranks = [sides.source, *(other for other in actor_ranks if other != sides.source)]
+    ready_point_to_point(trainer_group, device)
+    sending, pieces = exchange_pieces(params, entries, stage_ranks=stage_ranks, group=trainer_group)
+    if not sender:
+        send_band_pieces(params, entries, sending, writer=sides.source, band_bytes=bucket_bytes, device=device,
+                         group=trainer_group)
+    else:
+        assembled = (
+            band
+            for entry in entries
+            for _, band in assembled_bands(entry, params[entry.name], pieces[entry.name], band_bytes=bucket_bytes,
+                                           device=device, group=trainer_group, band_device=device)
+        )
+        for number, bucket in enumerate(buckets):
+            flat = torch.empty(sum(bands[item].numel for item in bucket), dtype=dtype, device=device)
+            offset = 0
+            for item in bucket:
+                flat[offset : offset + bands[item].numel].copy_(next(assembled).reshape(-1))
+                offset += bands[item].numel
             what = f"bucket {number + 1} of {len(buckets)} ({flat.numel() * element_bytes} bytes)"
             _wait(dist.broadcast(flat, src=sides.source, group=sides.group, async_op=True), sides, version, what)
-    moved = sum(element_bytes * _numel(shape) for _, shape in shapes)
+            del flat
+    moved = sum(band.numel for band in bands) * element_bytes
     return {"weight_sync/bytes": float(moved), "weight_sync/buckets": float(len(buckets))}
 
 
@@ -163,31 +201,22 @@ def receive_weights(
     if _plans_differ(_fingerprint(shapes, dtype), sides, version, sender=False):
         raise _mismatch(sides, version)
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    buckets = bucket_plan(shapes, element_bytes=element_bytes, bucket_bytes=bucket_bytes)
+    bands = sync_bands(shapes, element_bytes=element_bytes, bucket_bytes=bucket_bytes)
+    buckets = bucket_plan([band.numel * element_bytes for band in bands], bucket_bytes=bucket_bytes)
+    locals_ = [local_piece(param) for _, param in named]  # each rank's TP shard: a view of the generation weights
     for number, bucket in enumerate(buckets):
-        flat = torch.empty(sum(_numel(shapes[index][1]) for index in bucket), dtype=dtype, device=device)
+        flat = torch.empty(sum(bands[item].numel for item in bucket), dtype=dtype, device=device)
         what = f"bucket {number + 1} of {len(buckets)} ({flat.numel() * element_bytes} bytes)"
         _wait(dist.broadcast(flat, src=sides.source, group=sides.group, async_op=True), sides, version, what)
         offset = 0
-        for index in bucket:
-            param = named[index][1]
-            full = flat[offset : offset + _numel(shapes[index][1])].view(shapes[index][1])
-            offset += full.numel()
-            _local_target(param).copy_(_local_shard(param, full))
-
-
-def _local_target(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
-def _local_shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``param``'s placements (``Shard(d)`` cuts like ``torch.chunk``)."""
-    if not isinstance(param, DTensor):
-        return full
-    piece = full
-    for mesh_dim, placement in enumerate(param.placements):
-        if placement.is_shard():
-            size = param.device_mesh.size(mesh_dim)
-            coordinate = param.device_mesh.get_local_rank(mesh_dim)
-            piece = piece.chunk(size, dim=placement.dim)[coordinate]
-    return piece
+        for item in bucket:
+            band = bands[item]
+            shape = shapes[band.index][1]
+            rows_shape = (band.stop - band.start, *shape[1:]) if shape else ()
+            received = flat[offset : offset + band.numel].view(rows_shape)
+            offset += band.numel
+            local, piece = locals_[band.index]
+            rows = piece.rows(band.start, band.stop)
+            if rows is not None:
+                target = local[rows[0] : rows[1]] if shape else local
+                target.copy_(piece.in_band(received, band.start, rows))

@@ -38,6 +38,16 @@ class Piece:
         low, high = max(start, self.offset[0]), min(stop, self.offset[0] + self.shape[0])
         return (low - self.offset[0], high - self.offset[0]) if low < high else None
 
+    def in_band(self, band: torch.Tensor, start: int, rows: tuple[int, int]) -> torch.Tensor:
+        """The part of ``band`` (rows ``start..`` of the full tensor, every column) that holds this piece's ``rows``
+        (as ``rows`` returned them): a view, to fill from the piece or to read into it."""
+        if not self.shape:
+            return band
+        view = band[rows[0] + self.offset[0] - start : rows[1] + self.offset[0] - start]
+        for dim in range(1, len(self.shape)):
+            view = view.narrow(dim, self.offset[dim], self.shape[dim])
+        return view
+
 
 def local_piece(param: torch.Tensor) -> tuple[torch.Tensor, Piece]:
     """This rank's data of a parameter (sharing its storage) and where it sits in the full tensor: a DTensor's

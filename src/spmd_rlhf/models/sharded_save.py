@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,14 @@ def _assign_senders(pieces: dict[int, dict[str, Piece]], entries: list[TensorEnt
     return senders
 
 
-def _exchange_pieces(
+def ready_point_to_point(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Batched point-to-point ops (NCCL) on a communicator not yet used need all its ranks: one collective creates
+    it. Every rank of ``group`` calls this before the first piece moves; nothing to do off CUDA."""
+    if device.type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def exchange_pieces(
     params: dict[str, torch.Tensor], entries: list[TensorEntry], *, stage_ranks: list[int], group: dist.ProcessGroup | None
 ) -> tuple[set[str], dict[str, dict[int, Piece]]]:
     """Tell the writer which pieces this rank holds and learn which to send. Returns (the names whose piece this
@@ -144,24 +151,14 @@ def save_sharded_pretrained(
     ``band_bytes``); a writer holds its shard plus one band being assembled, one received piece and one of its own
     pieces converted (each at most ``band_bytes``, or one row of a tensor when a row is larger).
     """
-    if device.type == "cuda":
-        # Batched point-to-point ops on a communicator not yet used need all its ranks: one collective creates it.
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    ready_point_to_point(group, device)
     # named_parameters drops the tied lm_head alias, exactly as Hugging Face stores tied checkpoints.
     params = dict(model.named_parameters())
     entries = [TensorEntry(name, tuple(param.shape), dtype) for name, param in params.items()]
-    sending, pieces = _exchange_pieces(params, entries, stage_ranks=stage_ranks, group=group)
+    sending, pieces = exchange_pieces(params, entries, stage_ranks=stage_ranks, group=group)
     writer = stage_ranks[0]
     if dist.get_rank() != writer:
-        for entry in entries:
-            if entry.name in sending:
-                local, piece = local_piece(params[entry.name])
-                for start, stop in row_bands(entry.shape, dtype.itemsize, band_bytes):
-                    rows = piece.rows(start, stop)
-                    if rows is not None:
-                        band_piece = _rows_of(local, rows).to(device=device, dtype=dtype).contiguous()
-                        _point_to_point(dist.isend, band_piece, writer, group)
-                        del band_piece  # before the next one is made
+        send_band_pieces(params, entries, sending, writer=writer, band_bytes=band_bytes, device=device, group=group)
         return []
     os.makedirs(out_dir, exist_ok=True)
     files = _plan(entries, stage=stage, writers_group=writers_group, max_shard_bytes=max_shard_bytes)
@@ -171,7 +168,11 @@ def save_sharded_pretrained(
             continue  # another stage's file
         with SafetensorsWriter(out_dir, planned) as file:
             for entry in planned.entries:
-                _write_tensor(file, entry, params[entry.name], pieces[entry.name], band_bytes=band_bytes, device=device, group=group)
+                bands = assembled_bands(entry, params[entry.name], pieces[entry.name], band_bytes=band_bytes,
+                                        device=device, group=group, band_device=torch.device("cpu"))
+                for _, band in bands:
+                    file.write(band)
+                    del band
         written.append(str(file.path))
     if stage == 0:
         index = write_index(out_dir, files)
@@ -184,14 +185,35 @@ def _rows_of(tensor: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
     return tensor[rows[0] : rows[1]] if tensor.dim() else tensor
 
 
-def _write_tensor(
-    file: SafetensorsWriter, entry: TensorEntry, param: torch.Tensor, senders: dict[int, Piece], *, band_bytes: int,
+def send_band_pieces(
+    params: dict[str, torch.Tensor], entries: list[TensorEntry], sending: set[str], *, writer: int, band_bytes: int,
     device: torch.device, group: dist.ProcessGroup | None,
 ) -> None:
-    """Assemble each row band of one tensor from its senders' pieces (in the order they send them) and append it."""
+    """A rank other than the writer: send, in ``entries`` order, this rank's piece of every row band of each tensor
+    it sends (``sending``, from ``exchange_pieces``), in the entry's dtype, one piece in flight at a time. Holds one
+    piece of a band at a time (at most ``band_bytes``, or one row)."""
+    for entry in entries:
+        if entry.name not in sending:
+            continue
+        local, piece = local_piece(params[entry.name])
+        for start, stop in row_bands(entry.shape, entry.dtype.itemsize, band_bytes):
+            rows = piece.rows(start, stop)
+            if rows is not None:
+                band_piece = _rows_of(local, rows).to(device=device, dtype=entry.dtype).contiguous()
+                _point_to_point(dist.isend, band_piece, writer, group)
+                del band_piece  # before the next one is made
+
+
+def assembled_bands(
+    entry: TensorEntry, param: torch.Tensor, senders: dict[int, Piece], *, band_bytes: int, device: torch.device,
+    group: dist.ProcessGroup | None, band_device: torch.device,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The writer: each row band of one tensor, assembled on ``band_device`` from its senders' pieces (the writer's
+    own, and the others' in the order ``send_band_pieces`` sends them), with its first row. Holds one band, one
+    received piece and, while it is copied, one of its own pieces converted."""
     writer = dist.get_rank()
     for start, stop in row_bands(entry.shape, entry.dtype.itemsize, band_bytes):
-        band = torch.empty((stop - start, *entry.shape[1:]) if entry.shape else (), dtype=entry.dtype)
+        band = torch.empty((stop - start, *entry.shape[1:]) if entry.shape else (), dtype=entry.dtype, device=band_device)
         for sender in sorted(senders):
             piece = senders[sender]
             rows = piece.rows(start, stop)
@@ -202,12 +224,7 @@ def _write_tensor(
             else:
                 received = torch.empty((rows[1] - rows[0], *piece.shape[1:]) if piece.shape else (), dtype=entry.dtype, device=device)
                 _point_to_point(dist.irecv, received, sender, group)
-            target = band
-            if entry.shape:
-                target = band[rows[0] + piece.offset[0] - start : rows[1] + piece.offset[0] - start]
-                for dim in range(1, len(entry.shape)):
-                    target = target.narrow(dim, piece.offset[dim], piece.shape[dim])
-            target.copy_(received)
+            piece.in_band(band, start, rows).copy_(received)
             del received
-        file.write(band)
+        yield start, band
         del band

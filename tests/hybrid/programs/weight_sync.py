@@ -1,7 +1,8 @@
 """The trainer-to-rollout weight sync on 4 ranks: ranks 0-1 train, ranks 2-3 generate. For each pair of layouts,
 two syncs (the second after the trainer's weights change), then every side writes the full tensors it holds: the
-trainer's masters cast to the rollout dtype (rank 0) and what each rollout rank reassembles from its shards. Last, a
-rollout built from another model: both sides fail, naming both.
+trainer's masters cast to the rollout dtype (rank 0) and what each rollout rank reassembles from its shards; and the
+largest tensor any actor rank made during a sync. Last, a rollout built from another model: both sides fail, naming
+both.
 
     torchrun --nproc-per-node 4 weight_sync.py POLICY_DIR OTHER_MODEL_DIR OUT_DIR
 """
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, send_weights, sync_group_ranks
 from spmd_rlhf.models.parallelize import parallelize
@@ -32,6 +35,26 @@ BUCKET_BYTES = 16_384  # a few parameters per bucket, so the plan has many bucke
 
 def full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+class LargestAllocation(TorchDispatchMode):
+    """The largest storage any op's plain-tensor output lives in while active, the model's own storages (its shards,
+    and views of them) left out: the most a rank held at once beyond its weights."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.own = {(param.to_local() if isinstance(param, DTensor) else param).untyped_storage().data_ptr()
+                    for param in model.parameters()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
+                storage = leaf.untyped_storage()
+                if storage.data_ptr() not in self.own:
+                    self.bytes = max(self.bytes, storage.nbytes())
+        return out
 
 
 def main() -> None:
@@ -60,8 +83,13 @@ def main() -> None:
                         for param in model.parameters():
                             local = param.to_local() if isinstance(param, DTensor) else param
                             local.add_(torch.randn(local.shape, generator=generator) * 1e-2)
-                metrics = send_weights(model, sides=sides, rank=rank, trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
-                                       bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
+                with LargestAllocation(model) as largest:
+                    metrics = send_weights(model, sides=sides, rank=rank, trainer_group=actor_group,
+                                           dtype=ROLLOUT_DTYPE, bucket_bytes=BUCKET_BYTES, version=version,
+                                           device=torch.device("cpu"))
+                allocated = torch.tensor([largest.bytes])
+                dist.all_reduce(allocated, op=dist.ReduceOp.MAX, group=actor_group)
+                metrics["largest_allocation_bytes"] = int(allocated)
                 tensors = {name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()}
                 if rank == ACTOR[0]:
                     torch.save(tensors, out / f"{scenario}_v{version}_trainer.pt")
