@@ -22,6 +22,7 @@ from spmd_rlhf.config import load_config  # noqa: E402
 from spmd_rlhf.mapping.cost import Layout, working_bytes  # noqa: E402
 from spmd_rlhf.mapping.placement import config_dataflow  # noqa: E402
 from spmd_rlhf.mapping.workload import model_shape  # noqa: E402
+from spmd_rlhf.models.sharded_save import DEFAULT_BAND_BYTES  # noqa: E402
 
 
 def test_smoke_run_reports_every_stage(tmp_path):
@@ -89,7 +90,7 @@ def test_floor_parts_at_a_real_shape(tmp_path):
     assert size == pytest.approx(working_bytes(actor_spec(config), Layout(pp=1, dp=2, tp=1), config_dataflow(config)[1]))
 
     # The design's transient buffers: the tied actor's root unit holds the embedding (and the final norm); the save's
-    # writer holds two bands of at most 256 MiB (here the whole 112 MiB embedding).
+    # writer holds two bands of at most DEFAULT_BAND_BYTES (64 MiB: less than the 112 MiB embedding).
     buffers = design_parts(config, devices=2)
     vocabulary = 32768 * 896
     assert buffers["generate"] == {"actor FSDP unit gathered by the reshard": (vocabulary + 896) * 4}
@@ -99,5 +100,5 @@ def test_floor_parts_at_a_real_shape(tmp_path):
         "actor FSDP root gathered + its unsharded gradient": 2 * (vocabulary + 896) * 4,
         "actor largest other FSDP unit gathered + its unsharded gradient": 2 * shape.block_parameters * 4,
     }
-    assert buffers["export"] == {"save band being assembled + one piece": 2 * vocabulary * 4}
+    assert buffers["export"] == {"save band being assembled + one piece": 2 * min(vocabulary * 4, DEFAULT_BAND_BYTES)}
     assert buffers["load"] == buffers["save"] == buffers["resume"] == {}
