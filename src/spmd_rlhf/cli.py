@@ -33,6 +33,10 @@ def _add_make_tiny(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 4 x hidden)")
     parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary to train")
     parser.add_argument("--head", default="lm", choices=["lm", "score"], help="lm: *ForCausalLM; score: *ForSequenceClassification")
+    parser.add_argument(
+        "--tokenizer-tasks", nargs="+", default=["arithmetic"], choices=["arithmetic", "tool_products"],
+        help="tasks whose text trains the tokenizer (tool_products: calculator calls in about 30 tokens)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             intermediate_size=args.intermediate,
             vocab_size=args.vocab_size,
             head=args.head,
+            tokenizer_tasks=tuple(args.tokenizer_tasks),
             seed=args.seed,
         )
         print(f"wrote {args.family} model and tokenizer to {args.out}")

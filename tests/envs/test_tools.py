@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from spmd_rlhf.envs import Tool, ToolCall, ToolEnvironment, call_tool, parse_tool_calls
+from spmd_rlhf.envs import Tool, ToolCall, ToolEnvironment, call_tool, format_tool_call, parse_tool_calls
 from spmd_rlhf.envs.sandbox import SandboxError, run_sandboxed, sandboxed_tool
 
 NO_ARGS = {"type": "object", "properties": {}}
@@ -27,6 +27,12 @@ def test_parse_hermes_tool_calls():
     assert calls[3].error.startswith("a tool call must be a JSON object")
     assert calls[4].error == "the arguments of x must be a JSON object"
     assert parse_tool_calls("The answer is 408.") == []
+
+
+def test_format_tool_call_is_read_back():
+    text = format_tool_call("calculator", {"expression": "12*34"})
+    assert text == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+    assert parse_tool_calls(f"Sure. {text}") == [ToolCall("calculator", {"expression": "12*34"})]
 
 
 def _tools(**functions) -> dict[str, Tool]:

@@ -122,10 +122,16 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_make_tiny_and_make_task(tmp_path):
     model_dir = tmp_path / "model"
-    _run_cli("make-tiny", "--family", "mistral", "--out", str(model_dir), "--hidden", "32", "--layers", "1")
+    _run_cli(
+        "make-tiny", "--family", "mistral", "--out", str(model_dir), "--hidden", "32", "--layers", "1",
+        "--tokenizer-tasks", "arithmetic", "tool_products",
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert type(model).__name__ == "MistralForCausalLM"
     assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 1)
+    # A tokenizer trained on the tool task's text too writes a calculator call in a few dozen tokens, not 77.
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*58"}}\n</tool_call>'
+    assert len(AutoTokenizer.from_pretrained(model_dir).encode(call)) <= 30
 
     task_dir = tmp_path / "task"
     sizes = ["--train-size", "10", "--val-size", "5"]

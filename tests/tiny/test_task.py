@@ -112,3 +112,20 @@ def test_tool_products_rows_list_the_calculator_and_score_the_final_answer():
     assert score_tool_product(call, str(a * b)) == 0.0  # the operands inside the call are no answer
     assert score_tool_product(f"{call}{a * b + 1}", str(a * b)) == 0.1
     assert RULES["synthetic/tool_products"]("synthetic/tool_products", f"{a * b}", str(a * b)) == 1.0
+
+
+def test_tool_products_corpus_and_demonstrations():
+    from spmd_rlhf.envs import parse_tool_calls
+    from spmd_rlhf.tiny.task import tool_products_demonstration
+
+    corpus = task_corpus("tool_products")
+    assert any(text.startswith("assistant\n<tool_call>") for text in corpus) and "\n" in corpus
+    row = make_rows(task="tool_products", train_size=1, val_size=1, seed=0)["train"][0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    call, answer = tool_products_demonstration(row, kind="call", guess=123)
+    assert parse_tool_calls(call)[0].arguments == {"expression": f"{a}*{b}"} and answer == str(a * b)
+    broken, guess = tool_products_demonstration(row, kind="broken_call", guess=123)
+    assert parse_tool_calls(broken)[0].error.startswith("the tool call is not valid JSON") and guess == "123"
+    assert tool_products_demonstration(row, kind="guess", guess=123) == ["123"]
+    with pytest.raises(ValueError, match="allowed kinds: call, broken_call, guess"):
+        tool_products_demonstration(row, kind="other", guess=123)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .base import Environment, EnvironmentFactory, StepResult, initial_messages
 from .chat_delta import ChatDelta, TemplateDeltaError, TrajectoryDriftError, check_prefix_extension
 from .tool_env import ToolEnvironment
-from .tools import Tool, ToolCall, call_tool, parse_tool_calls
+from .tools import Tool, ToolCall, call_tool, format_tool_call, parse_tool_calls
 
 ENVIRONMENTS: dict[str, EnvironmentFactory] = {"tool": ToolEnvironment}
 """Built-in environments by name."""
@@ -35,5 +35,5 @@ def environment_factory(spec: str) -> EnvironmentFactory:
 __all__ = [
     "ChatDelta", "ENVIRONMENTS", "Environment", "EnvironmentFactory", "StepResult", "TemplateDeltaError", "Tool",
     "ToolCall", "ToolEnvironment", "TrajectoryDriftError", "call_tool", "check_prefix_extension",
-    "environment_factory", "initial_messages", "parse_tool_calls",
+    "environment_factory", "format_tool_call", "initial_messages", "parse_tool_calls",
 ]

@@ -7,7 +7,8 @@ never raise: a tool that raises, hangs or returns something other than text give
 
 A model calls tools the way Qwen2.5 / Qwen3 / Hermes chat templates teach it, one JSON object per block:
 ``<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>``. ``parse_tool_calls`` reads them;
-``call_tool`` runs one and returns the text of the ``tool`` message.
+``format_tool_call`` writes one as those templates render an assistant's call; ``call_tool`` runs one and returns the
+text of the ``tool`` message.
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             continue
         calls.append(ToolCall(call["name"], arguments))
     return calls
+
+
+def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """One call as Qwen2.5 / Hermes chat templates render an assistant's ``tool_calls``: the JSON object on its own
+    line between the tags (``parse_tool_calls`` reads it back)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def _as_text(value: Any) -> str:

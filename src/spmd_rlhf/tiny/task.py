@@ -119,15 +119,48 @@ def task_corpus(task: str) -> list[str]:
     """Text for training a tokenizer that covers `task`: every prompt and answer as a chat turn.
 
     Each turn is the text the ChatML template puts between `<|im_start|>` and `<|im_end|>` ("user\\n3+4=",
-    "assistant\\n7"), plus the newline the template puts between turns.
+    "assistant\\n7"), plus the newline the template puts between turns. The tool_products corpus holds a calculator
+    call, its tool message and the restated product for a sample of its prompts (digits never merge, so the words and
+    punctuation of a call are what the tokenizer learns from it).
     """
     _check_task(task)
-    if task != "arithmetic":
-        raise ValueError(f"the tiny tokenizer's corpus is the arithmetic task's; {task!r} has none")
     corpus = ["\n"]
-    for a, b in _ARITHMETIC_PAIRS:
-        corpus += [f"user\n{a}+{b}=", f"assistant\n{a + b}"]
+    if task == "arithmetic":
+        for a, b in _ARITHMETIC_PAIRS:
+            corpus += [f"user\n{a}+{b}=", f"assistant\n{a + b}"]
+        return corpus
+    for a, b in random.Random(0).sample(_PRODUCT_PAIRS, 64):
+        corpus += [f"user\n{a}*{b}=", f"assistant\n{_calculator_call(a, b)}", f"tool\n{a * b}", f"assistant\n{a * b}"]
     return corpus
+
+
+def _calculator_call(a: int, b: int) -> str:
+    from ..envs.tools import format_tool_call
+
+    return format_tool_call("calculator", {"expression": f"{a}*{b}"})
+
+
+TOOL_DEMONSTRATION_KINDS = ("call", "broken_call", "guess")
+
+
+def tool_products_demonstration(row: dict, *, kind: str, guess: int) -> list[str]:
+    """The assistant's turns of one demonstration for a tool_products `row`, as a supervised warm start teaches them:
+
+    - "call": a calculator call on the row's numbers, then the product restated (what the calculator answers);
+    - "broken_call": the same call with the expression not quoted (not JSON: the environment answers with an error),
+      then `guess`;
+    - "guess": `guess` straight away, no tool.
+
+    A policy warm-started on a mix of the three makes calls that succeed only some of the time, which RL can improve.
+    """
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    if kind == "call":
+        return [_calculator_call(a, b), str(a * b)]
+    if kind == "broken_call":
+        return [_calculator_call(a, b).replace(f'"{a}*{b}"', f"{a}*{b}"), str(guess)]
+    if kind == "guess":
+        return [str(guess)]
+    raise ValueError(f"unknown demonstration kind {kind!r}; allowed kinds: {', '.join(TOOL_DEMONSTRATION_KINDS)}")
 
 
 def score_arithmetic(solution_str: str, ground_truth: str) -> float:
