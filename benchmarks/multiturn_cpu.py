@@ -3,19 +3,19 @@ saves, on the tool_products task.
 
     python benchmarks/multiturn_cpu.py [--nproc 2] [--steps 6] [--warmup 2] [--max-turns 3] [--block-size 16]
 
-The policy is the tiny llama (random init) with its EOS logit raised (``tiny.model.raise_eos_logit``, scale 3) so
-turns end after about a dozen tokens; a random-init policy never writes a tool call, so the environment here
-(``CalculatorEveryTurn``) answers every turn by running the sandboxed calculator on the row's operands, as a policy that always calls it would
-be answered: every observation costs a real sandboxed call and real observation tokens.
+The policy is the tiny llama warm-started on tool_products demonstrations (``tiny.warm_start.make_tool_products_policy``:
+good calculator calls, broken calls and guesses), and the environment is the real one (``rollout.environment=tool``):
+its calls run the sandboxed calculator (a process start each), broken ones get error observations, and a turn without
+a call ends the trajectory.
 
 1. ``recipes/grpo.py`` under ``torch.distributed.run --nproc-per-node N`` with ``rollout.environment`` set to that
-   environment and a learning rate small enough that every step samples the same kind of trajectories (grpo.yaml's
-   would teach the tiny policy within two steps to stop ending turns): trajectories/s is rows per step /
+   environment and a learning rate small enough that every step samples the same kind of trajectories (at grpo.yaml's
+   the policy learns the tool within a few steps): trajectories/s is rows per step /
    ``time/generate`` (median over the steps after ``--warmup``); the share of prompt tokens whose prefill was
    skipped comes from ``rollout/cached_prefill_tokens``.
 2. One process, the engine alone: the same rollout with and without the cross-turn prefix cache
    (``run_multi_turn(reuse_prefix=...)``), each the fastest of 3: prefill tokens computed, and the time spent in the
-   engine (the sandboxed calls, a process start each, are the same in both and left out). Without the session the n
+   engine (the sandboxed calls are the same in both and left out). Without the session the n
    samples of a prompt still share the prompt's blocks within each turn, so the difference is what reuse across
    turns saves. Only whole KV blocks are shared: ``--block-size`` matters.
 
@@ -35,27 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from spmd_rlhf.envs import Environment, StepResult, initial_messages
-from spmd_rlhf.envs.sandbox import sandboxed_tool
-
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES = 8, 8
 """Prompts per step and trajectories per prompt, in both parts."""
 MAX_NEW_TOKENS, TURN_BUDGET = 32, 48
 """Tokens per turn; tokens per turn and its observation in the trajectory budget."""
-
-
-
-class CalculatorEveryTurn(Environment):
-    """Each turn is answered with the sandboxed calculator's product of the row's operands."""
-
-    def reset(self, row):
-        self.expression = f"{row['extra_info']['a']}*{row['extra_info']['b']}"
-        self.calculator = sandboxed_tool("calculator")
-        return initial_messages(row)
-
-    def step(self, messages, new_text):
-        return StepResult([{"role": "tool", "content": self.calculator.function(expression=self.expression)}])
 
 
 def _recipe(workdir: Path, model: str, task: str, args) -> list[dict]:
@@ -64,7 +48,7 @@ def _recipe(workdir: Path, model: str, task: str, args) -> list[dict]:
         f"trainer.total_steps={args.steps}", "trainer.save_every=0", "trainer.output_dir=out", f"data.batch_size={PROMPTS}",
         f"rollout.n={SAMPLES}", f"actor.mini_batch_size={PROMPTS * SAMPLES}", "actor.lr=1e-7", f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.max_turns={args.max_turns}",
         f"rollout.max_response_tokens={args.max_turns * TURN_BUDGET}", f"rollout.kv_block_size={args.block_size}",
-        f"rollout.environment={Path(__file__).resolve()}:CalculatorEveryTurn",
+        "rollout.environment=tool",
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
                str(ROOT / "recipes" / "grpo.py"), "--config", str(ROOT / "recipes" / "configs" / "grpo.yaml"), *overrides]
@@ -80,7 +64,7 @@ def _engine_ablation(model_dir: str, task: str, args) -> dict[str, dict[str, flo
 
     from spmd_rlhf.data.dataset import read_rows
     from spmd_rlhf.engine import LLMEngine, SamplingParams
-    from spmd_rlhf.envs import ChatDelta
+    from spmd_rlhf.envs import ChatDelta, ToolEnvironment
     from spmd_rlhf.envs.rollout import run_multi_turn
     from spmd_rlhf.models import load_model
 
@@ -110,7 +94,7 @@ def _engine_ablation(model_dir: str, task: str, args) -> dict[str, dict[str, flo
             engine = TimedEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=args.block_size)
             params = [SamplingParams(max_new_tokens=MAX_NEW_TOKENS, seed=index) for index in range(len(requests))]
             trajectories, stats = run_multi_turn(
-                engine, requests, [CalculatorEveryTurn() for _ in requests], samples, params, delta=ChatDelta(tokenizer),
+                engine, requests, [ToolEnvironment() for _ in requests], samples, params, delta=ChatDelta(tokenizer),
                 max_turns=args.max_turns, max_response_tokens=args.max_turns * TURN_BUDGET, reuse_prefix=reuse,
             )
             seconds = engine.seconds
@@ -132,13 +116,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size: only whole blocks are reused")
     args = parser.parse_args()
 
-    from spmd_rlhf.tiny.model import make_tiny, raise_eos_logit
     from spmd_rlhf.tiny.task import make_task
+    from spmd_rlhf.tiny.warm_start import make_tool_products_policy
 
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
-        model = make_tiny(family="llama", out_dir=str(root / "model"))
-        raise_eos_logit(model, scale=3.0)
+        model = make_tool_products_policy(str(root / "model"))
         make_task(task="tool_products", out_dir=str(root / "task"), train_size=256, val_size=8)
         records = _recipe(root, model, str(root / "task"), args)[args.warmup :]
         ablation = _engine_ablation(model, str(root / "task"), args)
