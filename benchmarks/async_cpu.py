@@ -1,5 +1,6 @@
 """Asynchronous GRPO on CPU ranks: colocated synchronous, split synchronous (a rollout role, max_staleness=0),
-one-step-off (k=1) and k=2, same model, prompts and seed.
+one-step-off (k=1), k=2, and k=2 with the weights sent from a background thread (rollout.background_sync), same
+model, prompts and seed.
 
     python benchmarks/async_cpu.py [--nproc 4] [--rollout-ranks 2] [--steps 40] [--warmup 4] [key=value ...]
 
@@ -12,7 +13,8 @@ reward on the others.
 
 Per run: the median step time after ``--warmup`` steps, steps/s and samples/s (responses trained per second), the
 median weight sync (``time/weight_sync``: the controller's view, from issuing the sync until both sides are done,
-so it includes any wait for the rollout to finish the generation queued before it; and bytes) against its bandwidth
+so it includes any wait for the rollout to finish the generation queued before it, except with background_sync,
+where it is the actor's copy of its shards; and bytes) against its bandwidth
 bound (bytes / the gloo broadcast rate measured here between
 two processes with the same bytes), and reward against samples seen (the mean reward of each quarter of the run).
 Speed-ups are against the colocated synchronous run of the same invocation. Writes ``benchmarks/results/async_cpu.json``
@@ -46,6 +48,8 @@ MODES = {
     "split_sync": ("placement=split", "rollout.enabled=true"),
     "split_k1": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=1", "rollout.recompute_log_probs=true"),
     "split_k2": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=2", "rollout.recompute_log_probs=true"),
+    "split_k2_background": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=2",
+                            "rollout.recompute_log_probs=true", "rollout.background_sync=true"),
 }
 
 

@@ -14,7 +14,9 @@ the resumed version: exact up to the old end only.)
 
 The weights reach the rollout by ``actor.send_weights`` and ``rollout.receive_weights`` issued together
 (``hybrid.weight_sync``); the rollout's executor runs commands in issue order, so a sync lands after the generations
-issued before it and before those issued after it: a batch's version is exactly the one it was issued with.
+issued before it and before those issued after it: a batch's version is exactly the one it was issued with. With
+``rollout.background_sync`` the controller waits only for the actor's copy of its shards; a thread of the actor sends
+them while the actor trains, and the rollout takes them when its queue reaches the receive.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class RolloutPipeline:
 
     def __init__(
         self, *, actor, rollout, reward, loader: PromptLoader, max_staleness: int, total_steps: int, start: int,
-        timeout_s: float,
+        timeout_s: float, background_sync: bool = False,
     ) -> None:
         self.actor, self.rollout, self.reward, self.loader = actor, rollout, reward, loader
         self.max_staleness, self.total_steps, self.start, self.timeout_s = max_staleness, total_steps, start, timeout_s
@@ -48,6 +50,10 @@ class RolloutPipeline:
         """The policy version the rollout holds (or will, once its queue reaches the sync)."""
         self.pending: dict[int, tuple[int, CallFuture, CallFuture]] = {}
         """Batch -> (its policy version, its generation, its scores), issued and not yet taken."""
+        self.background_sync = background_sync
+        self.receiving: dict[int, CallFuture] = {}
+        """With ``background_sync``: policy version -> the rollout's receive, not yet seen to end (it has when a batch
+        generated after it comes back: the rollout runs commands in issue order)."""
 
     def _issue_through(self, last: int, step: int, timer: StageTimer, metrics: dict[str, float]) -> None:
         for batch in range(self.issued, min(last, self.total_steps - 1) + 1):
@@ -56,10 +62,12 @@ class RolloutPipeline:
             assert version == step, (batch, version, step)
             if self.synced != version:
                 with timer("weight_sync"):
-                    sent, _ = wait_together(
-                        {"send": self.actor.send_weights(version), "receive": self.rollout.receive_weights(version)},
-                        timeout_s=self.timeout_s,
-                    )
+                    send, receive = self.actor.send_weights(version), self.rollout.receive_weights(version)
+                    if self.background_sync:  # the actor has copied its shards; a thread of its sends them
+                        sent = send.result(timeout=self.timeout_s)
+                        self.receiving[version] = receive
+                    else:
+                        sent, _ = wait_together({"send": send, "receive": receive}, timeout_s=self.timeout_s)
                 metrics.update(sent)
                 self.synced = version
             generated = self.rollout.generate_sequences(self.loader.batch(batch))
@@ -74,6 +82,8 @@ class RolloutPipeline:
         version, generated, scores = self.pending.pop(step)
         with timer("generate"):
             rollout = generated.result(timeout=self.timeout_s)
+        if version in self.receiving:
+            self.receiving.pop(version).result(timeout=self.timeout_s)
         # The next batches go out now, so they generate while this one is scored and trained.
         self._issue_through(step + self.max_staleness, step, timer, metrics)
         staleness = step - version

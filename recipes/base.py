@@ -253,7 +253,7 @@ class RLRecipe:
         return RolloutPipeline(
             actor=self.actor, rollout=self.rollout, reward=self.reward, loader=self.loader,
             max_staleness=self.config.algorithm.max_staleness, total_steps=self.config.trainer.total_steps,
-            start=start, timeout_s=self.config.trainer.timeout_s,
+            start=start, timeout_s=self.config.trainer.timeout_s, background_sync=self.config.rollout.background_sync,
         )
 
     def update_options(self, step: int) -> dict[str, Any]:

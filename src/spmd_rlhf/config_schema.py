@@ -271,6 +271,11 @@ class RolloutConfig:
     """With enabled: ranks of the rollout role (replicas x tp); 0: all ranks of its pool."""
     sync_bucket_mb: float = 64.0
     """With enabled: MiB of weights (in model.dtype) per broadcast of the trainer-to-rollout weight sync."""
+    background_sync: bool = False
+    """With enabled: each actor rank copies its shards in model.dtype and a thread of its own sends them while the
+    actor goes on training, instead of the actor waiting for the rollout to receive (which it does after the
+    generation queued before the sync: with algorithm.max_staleness >= 2 a whole batch). Costs each actor rank its
+    shards once more in model.dtype while a sync is in flight."""
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns")
@@ -292,6 +297,8 @@ class RolloutConfig:
         _at_least(self, 0, "n_ranks")
         _require(self, "pool", self.pool != "", "must be a name or null")
         _require(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "must be > 0")
+        _require(self, "background_sync", self.enabled or not self.background_sync,
+                 "needs rollout.enabled=true (it sends the actor's weights to a rollout role)")
 
     # The rollout role's layout as placement and the checks read any role's (not keys: fixed for a rollout role):
     # one pipeline stage, its replicas are its DP degree, the actor's model (weights from the sync, never from

@@ -1,16 +1,19 @@
 """The trainer-to-rollout weight sync (``hybrid.weight_sync``): bucket plans, and on 4 gloo ranks (2 training + 2
 rollout) the rollout's weights bitwise equal to the trainer's cast to the rollout dtype after every sync, from FSDP to
-a TP replica and from TP to two replicas; a rollout of another model fails on both sides, naming both."""
+a TP replica, from TP to two replicas, and from a background sender's snapshot while training goes on; a rollout of
+another model fails on both sides, naming both; a background send's failure or hang is raised by the next wait."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 from torchrun_helpers import torchrun
 
-from spmd_rlhf.hybrid.weight_sync import bucket_plan, sync_bands
+from spmd_rlhf.hybrid import weight_sync
+from spmd_rlhf.hybrid.weight_sync import BackgroundSender, bucket_plan, sync_bands
 from spmd_rlhf.tiny.model import make_tiny
 
 BUCKET_BYTES = 16_384
@@ -47,8 +50,9 @@ def synced(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("scenario", ["fsdp_to_tp", "tp_to_replicas"])
+@pytest.mark.parametrize("scenario", ["fsdp_to_tp", "tp_to_replicas", "background"])
 def test_rollout_weights_equal_the_trainers_bitwise_after_each_sync(synced, scenario):
+    """``background``: the trainer's weights as snapshotted; the send ran while they changed again."""
     for version in (0, 1):
         trainer = torch.load(synced / f"{scenario}_v{version}_trainer.pt")
         assert all(tensor.dtype == torch.bfloat16 for tensor in trainer.values())
@@ -60,6 +64,9 @@ def test_rollout_weights_equal_the_trainers_bitwise_after_each_sync(synced, scen
     first = torch.load(synced / f"{scenario}_v0_trainer.pt")
     assert any(not torch.equal(first[name], tensor) for name, tensor in trainer.items())  # the update moved them
     metrics = json.loads((synced / "metrics.json").read_text())[f"{scenario}_v1"]
+    if scenario == "background":
+        assert metrics["changed_during_send"] == 1.0
+        return
     assert metrics["weight_sync/bytes"] == sum(t.numel() * 2 for t in trainer.values())
     assert metrics["weight_sync/buckets"] > 2
 
@@ -80,3 +87,17 @@ def test_a_rollout_of_another_model_fails_on_both_sides_naming_both(synced):
     for rank in range(4):
         message = (synced / f"mismatch_rank{rank}.txt").read_text()
         assert "from actor rank 0 to rollout ranks [2, 3]" in message and "models differ" in message, (rank, message)
+
+
+def test_a_background_send_that_fails_or_hangs_is_raised_by_the_next_wait(monkeypatch):
+    sender = BackgroundSender(torch.device("cpu"), timeout_s=0.2)
+    options = dict(rank=0, trainer_group=None, dtype=torch.bfloat16, bucket_bytes=BUCKET_BYTES, device=torch.device("cpu"))
+    sender.start({}, version=3, sides=None, **options)  # no sides: send_weights fails on its thread
+    with pytest.raises(RuntimeError, match="background weight sync of policy version 3 failed: AttributeError"):
+        sender.wait()
+    sender.wait()  # reported once
+
+    monkeypatch.setattr(weight_sync, "send_weights", lambda params, **options: time.sleep(2))
+    sender.start({}, version=4)
+    with pytest.raises(RuntimeError, match="version 4 has not ended within 0.2 s .trainer.collective_timeout_s."):
+        sender.start({}, version=5)  # the next send waits for the one in flight first

@@ -32,6 +32,7 @@ def test_every_batch_is_within_the_bound_and_issued_at_its_own_version(max_stale
     (["algorithm.max_staleness=1"], "set rollout.enabled=true"),
     ([*ASYNC, "algorithm.max_staleness=1"], "set rollout.recompute_log_probs=true"),
     (["rollout.enabled=true"], "use placement=split"),
+    (["rollout.background_sync=true"], "needs rollout.enabled=true"),
     ([*ASYNC, "algorithm.dynamic_sampling=true"], "set it false with rollout.enabled=true"),
     ([*ASYNC, "algorithm.off_policy_correction=clip"], "algorithm.off_policy_correction"),
     ([*ASYNC, "algorithm.importance_cap=1.0"], "must be > 1"),

@@ -24,6 +24,8 @@ Peak per rank, besides its own shards: an actor rank other than the first one pi
 from __future__ import annotations
 
 import json
+import threading
+import traceback
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,10 +33,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from ..models.safetensors_stream import TensorEntry, row_bands
 from ..models.shard_pieces import local_piece
 from ..models.sharded_save import assembled_bands, exchange_pieces, ready_point_to_point, send_band_pieces
+from ..runtime.device import bind_thread
 
 
 @dataclass(frozen=True)
@@ -135,22 +139,56 @@ def _global_shapes(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tup
     return [(name, tuple(param.shape)) for name, param in named]
 
 
-@torch.no_grad()
-def send_weights(
-    model: torch.nn.Module, *, sides: SyncSides, rank: int, trainer_group: dist.ProcessGroup, dtype: torch.dtype,
-    bucket_bytes: int, version: int, device: torch.device,
-) -> dict[str, float]:
-    """Send ``model``'s current weights in ``dtype`` (every actor rank calls it: each sends its pieces of every row
-    band to the first rank over ``trainer_group``, all the actor's ranks); returns ``weight_sync/bytes`` and
-    ``/buckets`` (on every actor rank). Pieces and buckets go from ``device`` (the rank's own, even for weights
-    offloaded to host memory: both sides of a broadcast must use the same backend)."""
+def trainer_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters by name as its sharded master weights (FSDP units resharded first, whatever gathered
+    state the last forward left): what ``send_weights`` sends."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.reshard()  # read the sharded master weights, whatever gathered state the last forward left
-    named = list(model.named_parameters())
+            module.reshard()
+    return dict(model.named_parameters())
+
+
+@torch.no_grad()
+def snapshot(params: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A copy of every parameter's shard in ``dtype`` (a DTensor keeps its mesh and placements), for a send that
+    runs while training changes the parameters: this rank's shards once more in the rollout's dtype, no more."""
+    return {name: _copy(param.detach(), dtype) for name, param in params.items()}
+
+
+def _copy(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(param, DTensor):
+        return param.to(dtype=dtype, copy=True)
+    local = param.to_local().to(dtype=dtype, copy=True)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _plan(shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int):
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    bands = sync_bands(shapes, element_bytes=element_bytes, bucket_bytes=bucket_bytes)
+    buckets = bucket_plan([band.numel * element_bytes for band in bands], bucket_bytes=bucket_bytes)
+    return element_bytes, bands, buckets
+
+
+def sync_metrics(params: dict[str, torch.Tensor], *, dtype: torch.dtype, bucket_bytes: int) -> dict[str, float]:
+    """``weight_sync/bytes`` (the weights in the rollout's ``dtype``) and ``weight_sync/buckets`` of a sync."""
+    element_bytes, bands, buckets = _plan(_global_shapes(list(params.items())), dtype, bucket_bytes)
+    moved = sum(band.numel for band in bands) * element_bytes
+    return {"weight_sync/bytes": float(moved), "weight_sync/buckets": float(len(buckets))}
+
+
+@torch.no_grad()
+def send_weights(
+    params: dict[str, torch.Tensor], *, sides: SyncSides, rank: int, trainer_group: dist.ProcessGroup,
+    dtype: torch.dtype, bucket_bytes: int, version: int, device: torch.device,
+) -> dict[str, float]:
+    """Send the weights ``params`` (``trainer_parameters`` or a ``snapshot`` of them) in ``dtype`` (every actor rank
+    calls it: each sends its pieces of every row band to the first rank over ``trainer_group``, all the actor's
+    ranks); returns ``sync_metrics`` (on every actor rank). Pieces and buckets go from ``device`` (the rank's own,
+    even for weights offloaded to host memory: both sides of a broadcast must use the same backend)."""
+    named = list(params.items())
     shapes = _global_shapes(named)
     sender = rank == sides.source
-    element_bytes = torch.empty((), dtype=dtype).element_size()
     # The sender tells the other actor ranks the plan check's outcome, so a mismatch fails every rank at once
     # instead of leaving them in the first gather.
     differ = torch.tensor([int(sender and _plans_differ(_fingerprint(shapes, dtype), sides, version, sender=True))])
@@ -158,9 +196,7 @@ def send_weights(
     _wait(work, sides, version, "the plan check")
     if int(differ):
         raise _mismatch(sides, version)
-    bands = sync_bands(shapes, element_bytes=element_bytes, bucket_bytes=bucket_bytes)
-    buckets = bucket_plan([band.numel * element_bytes for band in bands], bucket_bytes=bucket_bytes)
-    params = dict(named)
+    element_bytes, bands, buckets = _plan(shapes, dtype, bucket_bytes)
     entries = [TensorEntry(name, shape, dtype) for name, shape in shapes]
     actor_ranks = dist.get_process_group_ranks(trainer_group)
     stage_ranks = [sides.source, *(other for other in actor_ranks if other != sides.source)]
@@ -185,8 +221,57 @@ def send_weights(
             what = f"bucket {number + 1} of {len(buckets)} ({flat.numel() * element_bytes} bytes)"
             _wait(dist.broadcast(flat, src=sides.source, group=sides.group, async_op=True), sides, version, what)
             del flat
-    moved = sum(band.numel for band in bands) * element_bytes
-    return {"weight_sync/bytes": float(moved), "weight_sync/buckets": float(len(buckets))}
+    return sync_metrics(params, dtype=dtype, bucket_bytes=bucket_bytes)
+
+
+class BackgroundSender:
+    """Sends weight snapshots from a thread of its own, one at a time, so the actor goes on training while the
+    rollout finishes the generation queued before the sync and then receives. The thread's collectives run over
+    groups the training never uses (a ``trainer_group`` of its own and the ``weight_sync`` group), so they cannot
+    interleave with the training's. A send's failure is raised by the next ``start`` or ``wait``."""
+
+    def __init__(self, device: torch.device, *, timeout_s: float) -> None:
+        self.device, self.timeout_s = device, timeout_s
+        self._thread: threading.Thread | None = None
+        self._version = -1
+        self._failure: tuple[BaseException, str] | None = None
+
+    def start(self, params: dict[str, torch.Tensor], *, version: int, **send_options) -> None:
+        """Send ``params`` (a ``snapshot``: nothing may change them until the send ends) as policy ``version`` with
+        ``send_weights(params, version=version, **send_options)`` once the previous send has ended."""
+        self.wait()
+        self._version = version
+        self._thread = threading.Thread(
+            target=self._send, args=(params, version, send_options), name=f"weight-sync-v{version}", daemon=True
+        )
+        self._thread.start()
+
+    def _send(self, params: dict[str, torch.Tensor], version: int, send_options: dict) -> None:
+        bind_thread(self.device)
+        try:
+            send_weights(params, version=version, **send_options)
+        except BaseException as error:  # raised on the actor's executor thread by the next start / wait
+            self._failure = (error, traceback.format_exc())
+
+    def wait(self) -> None:
+        """Return once the send in flight (if any) has ended; raise if it failed or has not ended within
+        ``timeout_s`` (the rollout never took it)."""
+        if self._thread is None:
+            return
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(
+                f"the background weight sync of policy version {self._version} has not ended within "
+                f"{self.timeout_s:g} s (trainer.collective_timeout_s): the rollout role did not receive it"
+            )
+        self._thread = None
+        if self._failure is not None:
+            error, trace = self._failure
+            self._failure = None
+            raise RuntimeError(
+                f"the background weight sync of policy version {self._version} failed: {type(error).__name__}: "
+                f"{error}\n{trace}"
+            ) from error
 
 
 @torch.no_grad()
@@ -200,9 +285,7 @@ def receive_weights(
     shapes = _global_shapes(named)
     if _plans_differ(_fingerprint(shapes, dtype), sides, version, sender=False):
         raise _mismatch(sides, version)
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    bands = sync_bands(shapes, element_bytes=element_bytes, bucket_bytes=bucket_bytes)
-    buckets = bucket_plan([band.numel * element_bytes for band in bands], bucket_bytes=bucket_bytes)
+    element_bytes, bands, buckets = _plan(shapes, dtype, bucket_bytes)
     locals_ = [local_piece(param) for _, param in named]  # each rank's TP shard: a view of the generation weights
     for number, bucket in enumerate(buckets):
         flat = torch.empty(sum(bands[item].numel for item in bucket), dtype=dtype, device=device)

@@ -19,7 +19,7 @@ from ..algos import (
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
 from ..hybrid import GenerationLayout, HybridEngine
-from ..hybrid.weight_sync import send_weights
+from ..hybrid.weight_sync import BackgroundSender, send_weights, snapshot, sync_metrics, trainer_parameters
 from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from .advantages import old_log_probs, rollout_advantages
 from .base import RoleWorker, union_all
@@ -49,12 +49,20 @@ class ActorWorker(RoleWorker):
             groups=context.groups, pp_group=self.model.pp_group, stage_ranks=self.model.stage_ranks, device=self.device,
             attention_backend=config.model.attention, adapters=self.model.adapters,
         )
+        self.background_sender = (
+            BackgroundSender(self.device, timeout_s=config.trainer.collective_timeout_s)
+            if config.rollout.background_sync else None
+        )
 
     @staticmethod
     def process_groups(dims: ParallelDims, ranks: tuple[int, ...], config: FrameworkConfig) -> dict[str, list[list[int]]]:
-        """The 3D-HybridEngine's groups, and with a rollout role the ``weight_sync`` group, created by the runtime on
-        every rank when the actor is spawned."""
-        return {**GenerationLayout(dims, ranks, config.rollout.tp).process_groups(), **weight_sync_groups(config)}
+        """The 3D-HybridEngine's groups, and with a rollout role the ``weight_sync`` group (and with
+        ``rollout.background_sync`` the ``weight_snapshot`` group), created by the runtime on every rank when the
+        actor is spawned."""
+        groups = {**GenerationLayout(dims, ranks, config.rollout.tp).process_groups(), **weight_sync_groups(config)}
+        if config.rollout.background_sync:
+            groups["weight_snapshot"] = [list(ranks)]  # the background sender's own group over the actor's ranks
+        return groups
 
     @property
     def temperature(self) -> float:
@@ -76,12 +84,20 @@ class ActorWorker(RoleWorker):
     @one_to_all
     def send_weights(self, version: int) -> dict[str, float]:
         """Send the current weights, as policy ``version``, to the rollout role (its ``receive_weights`` runs
-        beside this, ``hybrid.weight_sync``); every actor rank takes part."""
-        return send_weights(
-            self.model.module, sides=sync_sides(self.config, self.context.groups), rank=self.context.rank,
-            trainer_group=self.context.groups["role"], dtype=getattr(torch, self.config.model.dtype),
-            bucket_bytes=int(self.config.rollout.sync_bucket_mb * 2**20), version=version, device=self.device,
+        beside this, ``hybrid.weight_sync``); every actor rank takes part. With ``rollout.background_sync`` this
+        returns once the shards are copied, and a thread sends the copy while the actor goes on."""
+        params = trainer_parameters(self.model.module)
+        dtype = getattr(torch, self.config.model.dtype)
+        options = dict(
+            sides=sync_sides(self.config, self.context.groups), rank=self.context.rank, dtype=dtype,
+            bucket_bytes=int(self.config.rollout.sync_bucket_mb * 2**20), device=self.device,
         )
+        if self.background_sender is None:
+            return send_weights(params, trainer_group=self.context.groups["role"], version=version, **options)
+        self.background_sender.start(
+            snapshot(params, dtype), trainer_group=self.context.groups["weight_snapshot"], version=version, **options
+        )
+        return sync_metrics(params, dtype=dtype, bucket_bytes=options["bucket_bytes"])
 
     # ---- selecting and merging rows in place (dynamic sampling) --------------------------------------------------
 

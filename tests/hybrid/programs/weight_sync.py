@@ -1,8 +1,9 @@
 """The trainer-to-rollout weight sync on 4 ranks: ranks 0-1 train, ranks 2-3 generate. For each pair of layouts,
 two syncs (the second after the trainer's weights change), then every side writes the full tensors it holds: the
 trainer's masters cast to the rollout dtype (rank 0) and what each rollout rank reassembles from its shards; and the
-largest tensor any actor rank made during a sync. Last, a rollout built from another model: both sides fail, naming
-both.
+largest tensor any actor rank made during a sync. Then the same from a background sender: the actor snapshots its
+shards, changes its weights and runs the training group's collectives while a thread sends the snapshot; the rollout
+must hold the snapshot. Last, a rollout built from another model: both sides fail, naming both.
 
     torchrun --nproc-per-node 4 weight_sync.py POLICY_DIR OTHER_MODEL_DIR OUT_DIR
 """
@@ -18,7 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, send_weights, sync_group_ranks
+from spmd_rlhf.hybrid.weight_sync import (
+    BackgroundSender, SyncSides, receive_weights, send_weights, snapshot, sync_group_ranks, trainer_parameters,
+)
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.parallel_dims import ParallelDims
@@ -28,6 +31,7 @@ ACTOR, ROLLOUT = (0, 1), (2, 3)
 SCENARIOS = {
     "fsdp_to_tp": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
     "tp_to_replicas": (ParallelDims(dp=1, tp=2), ParallelDims(dp=2, tp=1)),
+    "background": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
 }
 ROLLOUT_DTYPE = torch.bfloat16
 BUCKET_BYTES = 16_384  # a few parameters per bucket, so the plan has many buckets and a tensor larger than one
@@ -57,6 +61,31 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """An update: every shard moves by a different amount."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.add_(torch.randn(local.shape, generator=generator) * 1e-2)
+
+
+def send_in_background(model, sides, rank, actor_group, snapshot_group, version) -> dict[str, torch.Tensor]:
+    """Send a snapshot from a thread while the weights change and the training group runs collectives; returns the
+    weights as sent (full, in the rollout dtype)."""
+    params = trainer_parameters(model)
+    copy = snapshot(params, ROLLOUT_DTYPE)
+    sent = {name: full(param).detach().clone() for name, param in copy.items()}
+    sender = BackgroundSender(torch.device("cpu"), timeout_s=120.0)
+    sender.start(copy, sides=sides, rank=rank, trainer_group=snapshot_group, dtype=ROLLOUT_DTYPE,
+                 bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
+    for _ in range(20):  # training goes on meanwhile
+        perturb(model, seed=100 + rank)
+        dist.all_reduce(torch.ones(64), group=actor_group)
+    sender.wait()
+    return sent
+
+
 def main() -> None:
     policy, other, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo")
@@ -67,6 +96,7 @@ def main() -> None:
         rollout_mesh = rollout_dims.build_mesh(ROLLOUT, "cpu")
         sync_group = dist.new_group(sync_group_ranks(ACTOR, ROLLOUT))
         actor_group = dist.new_group(list(ACTOR))
+        snapshot_group = dist.new_group(list(ACTOR))
         sides = SyncSides(ACTOR[0], ROLLOUT, sync_group if rank in (ACTOR[0], *ROLLOUT) else None, timeout_s=120.0)
         if rank in ACTOR:
             model = build_model(policy, dtype=torch.float32)
@@ -77,20 +107,21 @@ def main() -> None:
             model = generation_replica(policy, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu"))
         for version in (0, 1):
             if rank in ACTOR:
-                if version:  # an update: every shard moves by a different amount
-                    generator = torch.Generator().manual_seed(rank)
-                    with torch.no_grad():
-                        for param in model.parameters():
-                            local = param.to_local() if isinstance(param, DTensor) else param
-                            local.add_(torch.randn(local.shape, generator=generator) * 1e-2)
-                with LargestAllocation(model) as largest:
-                    metrics = send_weights(model, sides=sides, rank=rank, trainer_group=actor_group,
-                                           dtype=ROLLOUT_DTYPE, bucket_bytes=BUCKET_BYTES, version=version,
-                                           device=torch.device("cpu"))
-                allocated = torch.tensor([largest.bytes])
-                dist.all_reduce(allocated, op=dist.ReduceOp.MAX, group=actor_group)
-                metrics["largest_allocation_bytes"] = int(allocated)
-                tensors = {name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()}
+                if version:
+                    perturb(model, seed=rank)
+                if scenario == "background":
+                    tensors = send_in_background(model, sides, rank, actor_group, snapshot_group, version)
+                    now = {name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()}
+                    metrics = {"changed_during_send": float(any(not now[name].equal(t) for name, t in tensors.items()))}
+                else:
+                    with LargestAllocation(model) as largest:
+                        metrics = send_weights(trainer_parameters(model), sides=sides, rank=rank,
+                                               trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
+                                               bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
+                    allocated = torch.tensor([largest.bytes])
+                    dist.all_reduce(allocated, op=dist.ReduceOp.MAX, group=actor_group)
+                    metrics["largest_allocation_bytes"] = int(allocated)
+                    tensors = {name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()}
                 if rank == ACTOR[0]:
                     torch.save(tensors, out / f"{scenario}_v{version}_trainer.pt")
                     report[f"{scenario}_v{version}"] = metrics
@@ -109,7 +140,7 @@ def main() -> None:
             model = build_model(policy, dtype=torch.float32)
             parallelize(model, tp_mesh=actor_mesh["tp"], dp_mesh=actor_mesh["dp"])
             load_weights(model, policy, device="cpu")
-            send_weights(model, sides=sides, rank=rank, trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
+            send_weights(trainer_parameters(model), sides=sides, rank=rank, trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
                          bucket_bytes=BUCKET_BYTES, version=7, device=torch.device("cpu"))
         else:
             model = generation_replica(other, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu"))
