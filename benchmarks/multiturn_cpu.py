@@ -2,6 +2,7 @@
 saves, on the tool_products task.
 
     python benchmarks/multiturn_cpu.py [--nproc 2] [--steps 6] [--warmup 2] [--max-turns 3] [--block-size 16]
+                                       [--environment-workers 16]
 
 The policy is the tiny llama warm-started on tool_products demonstrations (``tiny.warm_start.make_tool_products_policy``:
 good calculator calls, broken calls and guesses), and the environment is the real one (``rollout.environment=tool``):
@@ -48,7 +49,7 @@ def _recipe(workdir: Path, model: str, task: str, args) -> list[dict]:
         f"trainer.total_steps={args.steps}", "trainer.save_every=0", "trainer.output_dir=out", f"data.batch_size={PROMPTS}",
         f"rollout.n={SAMPLES}", f"actor.mini_batch_size={PROMPTS * SAMPLES}", "actor.lr=1e-7", f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.max_turns={args.max_turns}",
         f"rollout.max_response_tokens={args.max_turns * TURN_BUDGET}", f"rollout.kv_block_size={args.block_size}",
-        "rollout.environment=tool",
+        "rollout.environment=tool", f"rollout.environment_workers={args.environment_workers}",
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
                str(ROOT / "recipes" / "grpo.py"), "--config", str(ROOT / "recipes" / "configs" / "grpo.yaml"), *overrides]
@@ -114,6 +115,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16, help="KV block size: only whole blocks are reused")
+    parser.add_argument("--environment-workers", type=int, default=16,
+                        help="rollout.environment_workers of the recipe part: environments answering a turn at once")
     args = parser.parse_args()
 
     from spmd_rlhf.tiny.task import make_task
@@ -140,7 +143,9 @@ def main() -> None:
         "engine_time_ratio_reuse_over_fresh": reuse["seconds"] / fresh["seconds"],
     }
     result["block_size"] = args.block_size
-    out = ROOT / "benchmarks" / "results" / f"multiturn_cpu_block{args.block_size}.json"
+    result["environment_workers"] = args.environment_workers
+    suffix = "" if args.environment_workers == 16 else f"_workers{args.environment_workers}"
+    out = ROOT / "benchmarks" / "results" / f"multiturn_cpu_block{args.block_size}{suffix}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print("| measure | value |\n| --- | --- |")
     print(f"| GRPO on {args.nproc} CPU ranks: trajectories/s (generation stage) | {rows / generate:.1f} |")

@@ -255,6 +255,10 @@ class RolloutConfig:
     function making a fresh Environment); null: single-turn responses."""
     max_turns: int = 1
     """With an environment: most policy turns per trajectory."""
+    environment_workers: int = 16
+    """With an environment: threads that answer a turn's trajectories at once (each has its own environment; the
+    sandboxed tools run in subprocesses, so calls overlap); 1 answers them one after another. Results do not depend
+    on it."""
     max_response_tokens: int | None = None
     """With an environment: most tokens per trajectory after the prompt, generated and observation tokens together
     (the width of the response rows); null: max_turns x max_new_tokens."""
@@ -278,7 +282,7 @@ class RolloutConfig:
     shards once more in model.dtype while a sync is in flight."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns")
+        _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns", "environment_workers")
         _require(
             self, "environment", self.environment is None or self.environment in ENVIRONMENTS or ".py:" in self.environment,
             f"must be null, {', '.join(ENVIRONMENTS)}, or path/to/file.py:name (a class or function making an Environment)",

@@ -4,6 +4,9 @@ K/V blocks without changing a token, limits hold, and a drifted prefix fails lou
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -43,14 +46,29 @@ def setup(tmp_path_factory):
     return model, tokenizer, [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
 
 
-def _rollout(model, tokenizer, prompts, *, samples=2, engine=None, reuse_prefix=True):
+class Concurrent(Scripted):
+    """Scripted, each step taking a while and counting how many steps run at once (over every instance)."""
+
+    lock, running, most = threading.Lock(), 0, 0
+
+    def step(self, messages, new_text):
+        with Concurrent.lock:
+            Concurrent.running += 1
+            Concurrent.most = max(Concurrent.most, Concurrent.running)
+        time.sleep(0.02)
+        with Concurrent.lock:
+            Concurrent.running -= 1
+        return super().step(messages, new_text)
+
+
+def _rollout(model, tokenizer, prompts, *, samples=2, engine=None, reuse_prefix=True, environment=Scripted, workers=1):
     engine = engine or LLMEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=4)
     requests = [tokens for tokens in prompts for _ in range(samples)]
     params = [SamplingParams(temperature=TEMPERATURE, max_new_tokens=PER_TURN, seed=1000 + index) for index in range(len(requests))]
     rows = [{"prompt": "q"} for _ in requests]
     trajectories, stats = run_multi_turn(
-        engine, requests, [Scripted() for _ in requests], rows, params, delta=ChatDelta(tokenizer),
-        max_turns=MAX_TURNS, max_response_tokens=BUDGET, reuse_prefix=reuse_prefix,
+        engine, requests, [environment() for _ in requests], rows, params, delta=ChatDelta(tokenizer),
+        max_turns=MAX_TURNS, max_response_tokens=BUDGET, reuse_prefix=reuse_prefix, environment_workers=workers,
     )
     return trajectories, stats
 
@@ -103,6 +121,17 @@ def test_prefix_reuse_across_turns_changes_no_token(setup):
     # Without the session only the n samples of a turn share blocks; with it, later turns skip the earlier turns'.
     assert reused_stats.cached_prefill_tokens > fresh_stats.cached_prefill_tokens
     assert reused_stats.prefill_tokens + reused_stats.cached_prefill_tokens == fresh_stats.prefill_tokens + fresh_stats.cached_prefill_tokens
+
+
+def test_environments_answer_a_turn_at_once_with_the_same_result(setup):
+    model, tokenizer, prompts = setup
+    serial, _ = _rollout(model, tokenizer, prompts, environment=Concurrent)
+    assert Concurrent.most == 1
+    concurrent, _ = _rollout(model, tokenizer, prompts, environment=Concurrent, workers=4)
+    assert Concurrent.most > 1
+    assert [(t.token_ids, t.generated_mask, t.env_reward, t.finish_reason) for t in concurrent] == [
+        (t.token_ids, t.generated_mask, t.env_reward, t.finish_reason) for t in serial
+    ]
 
 
 def test_a_drifted_prefix_fails_loudly(setup, monkeypatch):

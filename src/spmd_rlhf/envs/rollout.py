@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ import torch
 
 from ..engine import LLMEngine, SamplingParams
 from ..engine.sampler import derive_seed
-from .base import Environment
+from .base import Environment, StepResult
 from .chat_delta import ChatDelta, check_prefix_extension
 
 
@@ -87,6 +88,7 @@ def run_multi_turn(
     max_response_tokens: int,
     reuse_prefix: bool = True,
     share: Callable[[Callable[[], T]], T] = _run_here,
+    environment_workers: int = 1,
 ) -> tuple[list[Trajectory], MultiTurnStats]:
     """One trajectory per prompt, ``environments[i]`` (fresh) answering trajectory i started from ``rows[i]``, turns
     sampled with ``params[i]`` (its ``max_new_tokens`` per turn; turn t > 0 draws with seed ``derive_seed(seed, t)``
@@ -96,7 +98,11 @@ def run_multi_turn(
     ``share(compute)`` runs the environments' side of a turn: a tensor-parallel replica's ranks generate the same
     tokens but must also append the same observations, so the actor passes a ``share`` that computes on the
     replica's first rank and broadcasts the result (tools then run once per replica, and a nondeterministic tool
-    cannot split the replica's schedules). The default computes here."""
+    cannot split the replica's schedules). The default computes here.
+
+    ``environment_workers`` threads answer a turn's trajectories at once (each trajectory has its own environment,
+    so they are independent; tools waiting on a subprocess or the network overlap); the answers are taken in
+    trajectory order, so the result does not depend on the count."""
     trajectories = [
         Trajectory(list(tokens), environment.reset(row))
         for tokens, environment, row in zip(prompt_token_ids, environments, rows, strict=True)
@@ -125,10 +131,12 @@ def run_multi_turn(
                 trajectories[index].num_turns += 1
 
             def answer_turn() -> list[_Answer]:
+                steps = [(environments[index], trajectories[index].messages, text) for index, text in zip(live, texts)]
+                results = _step_all(steps, workers=environment_workers)
                 return [
-                    _answer(environments[index], trajectories[index], text, output.generated_token_ids, delta,
+                    _answer(environments[index], trajectories[index], text, result, output.generated_token_ids, delta,
                             last_turn=turn + 1 >= max_turns, max_response_tokens=max_response_tokens)
-                    for index, text, output in zip(live, texts, outputs)
+                    for index, text, result, output in zip(live, texts, results, outputs)
                 ]
 
             still_live = []
@@ -160,11 +168,19 @@ class _Answer:
     observation_ids: list[int]
 
 
+def _step_all(steps: list[tuple[Environment, list[dict[str, Any]], str]], *, workers: int) -> list[StepResult]:
+    """Each environment's ``step`` on its trajectory's messages and new text, ``workers`` at a time, in order. Only
+    the environments run on the threads: the tokenizer (not safe to share between threads) stays on the caller's."""
+    if workers == 1 or len(steps) <= 1:
+        return [environment.step(messages, text) for environment, messages, text in steps]
+    with ThreadPoolExecutor(min(workers, len(steps)), thread_name_prefix="environment") as pool:
+        return list(pool.map(lambda step: step[0].step(step[1], step[2]), steps))
+
+
 def _answer(
-    environment: Environment, trajectory: Trajectory, text: str, generated: list[int], delta: ChatDelta, *,
-    last_turn: bool, max_response_tokens: int,
+    environment: Environment, trajectory: Trajectory, text: str, result: StepResult, generated: list[int],
+    delta: ChatDelta, *, last_turn: bool, max_response_tokens: int,
 ) -> _Answer:
-    result = environment.step(trajectory.messages, text)
     messages = trajectory.messages + [{"role": "assistant", "content": text}]
     reason = _end_reason(generated, result.done, last_turn, delta)
     observation_ids: list[int] = []

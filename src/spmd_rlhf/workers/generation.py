@@ -200,6 +200,7 @@ class Generator:
             trajectories, stats = run_multi_turn(
                 engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=rollout.max_turns,
                 max_response_tokens=response_length, share=replicas.on_replica_leader,
+                environment_workers=rollout.environment_workers,
             )
             responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
             counters = [stats.preemptions, stats.prefill_tokens, stats.cached_prefill_tokens]
