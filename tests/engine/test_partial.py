@@ -123,3 +123,31 @@ def test_dropped_requests_restart_from_the_prompt_under_the_new_weights(paths):
         else:  # what the new weights generate from the prompt with the request's seed, one version throughout
             assert seq.generated_token_ids == reference.generated_token_ids and versions == [1] * seq.num_generated
             torch.testing.assert_close(seq.log_probs, reference.log_probs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("in_flight", ["keep_kv", "recompute_kv", "drop"])
+def test_a_run_snapshotted_between_segments_and_restored_goes_on_exactly(paths, in_flight, tmp_path):
+    """A checkpoint in flight: snapshot (through JSON) and K/V blocks taken after a segment, restored into a fresh
+    engine; both then take the new weights and finish. Everything equals, bit for bit."""
+    import json
+
+    requests, params = _requests()
+    results = []
+    for restored in (False, True):
+        engine = LLMEngine(_model(paths[0]), eos_token_id=EOS, block_size=4, num_blocks=14)
+        run = engine.start(requests, params, version=0)
+        engine.advance(run, segment_tokens=SEGMENT)
+        engine.advance(run, segment_tokens=SEGMENT)
+        if restored:
+            snapshot, blocks = json.loads(json.dumps(run.snapshot())), run.kv_blocks
+            cache = {key: tensor.clone() for key, tensor in engine.runner.read_blocks(blocks).items()}
+            engine = LLMEngine(_model(paths[0]), eos_token_id=EOS, block_size=4)  # sized to the saved run's cache
+            run = engine.resume(requests, params, snapshot, cache)
+            assert run.kv_blocks == blocks
+        _swap(engine.runner.model, paths[1])
+        run.update_weights(1, in_flight)
+        engine.advance(run)
+        results.append([(seq.token_ids, seq.log_probs, run.token_versions(seq)) for seq in run.seqs])
+        results[-1].append(run.num_preemptions)
+    assert results[1] == results[0]
+    assert results[0][-1] > 0  # a cache tight enough to preempt

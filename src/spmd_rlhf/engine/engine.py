@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 
@@ -177,6 +179,19 @@ class LLMEngine:
         self.num_requests += len(seqs)
         self.stats = GenerationStats()
         return GenerationRun(seqs, seeds, scheduler, version)
+
+    def resume(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams], snapshot: dict,
+        kv: dict[str, torch.Tensor],
+    ) -> GenerationRun:
+        """The run that ``start`` made of these requests, as ``GenerationRun.snapshot`` saved it with ``kv``
+        (``ModelRunner.read_blocks`` of its ``kv_blocks``): ``advance`` goes on exactly as it would have. The cache
+        gets the saved run's number of blocks (a larger one already allocated is kept), so its schedule is the same."""
+        self.runner.allocate_cache(snapshot["block_manager"]["num_blocks"])
+        run = self.start(prompt_token_ids, params)
+        run.restore(snapshot)
+        self.runner.write_blocks(run.kv_blocks, kv)
+        return run
 
     def advance(self, run: GenerationRun, *, segment_tokens: int | None = None) -> bool:
         """Run engine steps of ``run`` until every request has ended (``segment_tokens`` None), or until every

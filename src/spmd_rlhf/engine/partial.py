@@ -11,10 +11,10 @@ policy version and what to do with the requests in flight (``IN_FLIGHT``):
 - ``drop``: restart every unfinished request from its prompt under the new weights (its seed makes the restart draw
   the same random numbers), so no response mixes versions.
 
-Each generated token is tagged with the version of the weights that sampled it (``token_versions``). After
-``recompute_kv`` or ``drop`` the run holds no K/V and its queue is canonical (every unfinished request waiting, in
-request order, on a fresh block manager): ``requeue`` rebuilds exactly that state from the requests' tokens, which is
-how a checkpoint resumes a run in flight. Pure Python, no tensors.
+Each generated token is tagged with the version of the weights that sampled it (``token_versions``). A checkpoint
+keeps a run in flight as its ``snapshot`` (requests, scheduler queues, block manager) and the K/V of its
+``kv_blocks``; ``restore`` makes the same run again, so a resumed run goes on exactly as the one that saved it, in
+every mode. Pure Python, no tensors.
 """
 
 from __future__ import annotations
@@ -97,3 +97,48 @@ class GenerationRun:
                 seq.log_probs.clear()
                 self.version_starts[seq.seq_id] = [(0, self.version)]
             self.scheduler.add(seq)
+
+    def snapshot(self) -> dict:
+        """This run as it stands between segments (JSON-able; floats round-trip exactly): each request's tokens,
+        log-probs, finish reason, version starts and blocks, the scheduler's queues and the block manager. With the
+        K/V of ``kv_blocks`` (the model runner's ``read_blocks``), ``restore`` makes the same run again."""
+        scheduler = self.scheduler
+        return {
+            "version": self.version,
+            "preemptions": self.preemptions,
+            "scheduler_preemptions": scheduler.num_preemptions,
+            "waiting": [seq.seq_id for seq in scheduler.waiting],
+            "running": [seq.seq_id for seq in scheduler.running],
+            "block_manager": scheduler.block_manager.state(),
+            "requests": [
+                {"tokens": seq.generated_token_ids, "log_probs": seq.log_probs, "finish_reason": seq.finish_reason,
+                 "status": seq.status.value, "block_table": seq.block_table, "num_cached_tokens": seq.num_cached_tokens,
+                 "version_starts": starts}
+                for seq, starts in zip(self.seqs, self.version_starts)
+            ],
+        }
+
+    @property
+    def kv_blocks(self) -> list[int]:
+        """The cache blocks whose K/V this run may still read: those held, and free ones a prefix may hit again."""
+        return self.scheduler.block_manager.blocks_with_kv()
+
+    def restore(self, snapshot: dict) -> None:
+        """Take back what ``snapshot`` saved into this run, made by ``LLMEngine.start`` with the same requests
+        (``LLMEngine.resume`` does both, and writes the K/V of ``kv_blocks`` back into the cache)."""
+        saved = snapshot["requests"]
+        if len(saved) != len(self.seqs):
+            raise ValueError(f"the saved generation has {len(saved)} requests, this one {len(self.seqs)}")
+        self.scheduler.block_manager = BlockManager.from_state(snapshot["block_manager"])
+        for seq, request in zip(self.seqs, saved):
+            seq.token_ids[seq.num_prompt_tokens :] = request["tokens"]
+            seq.log_probs = list(request["log_probs"])
+            seq.finish_reason = request["finish_reason"]
+            seq.status = SequenceStatus(request["status"])
+            seq.block_table, seq.num_cached_tokens = list(request["block_table"]), request["num_cached_tokens"]
+            self.version_starts[seq.seq_id] = [tuple(start) for start in request["version_starts"]]
+        self.scheduler.waiting.clear()
+        self.scheduler.waiting.extend(self.seqs[index] for index in snapshot["waiting"])
+        self.scheduler.running.extend(self.seqs[index] for index in snapshot["running"])
+        self.scheduler.num_preemptions = snapshot["scheduler_preemptions"]
+        self.version, self.preemptions = snapshot["version"], snapshot["preemptions"]
