@@ -244,8 +244,10 @@ class RolloutConfig:
     memory_fraction: float = 0.5
     """Fraction of device memory generation may fill, resident weights included; the KV cache gets what is left."""
     kv_cache_blocks: int = 0
-    """KV-cache blocks of each generation replica, a fixed budget (requests that do not fit wait or are preempted);
-    0: on GPU what memory_fraction leaves, elsewhere enough to run every request to full length at once."""
+    """KV-cache blocks of each generation replica, a fixed budget (requests that do not fit wait or are preempted;
+    with partial_rollouts, of each batch in flight); 0: on GPU what memory_fraction leaves (with partial_rollouts,
+    split evenly among the algorithm.max_staleness batches in flight), elsewhere enough to run every request to full
+    length at once."""
     max_num_seqs: int = 256
     """Most sequences decoded together by continuous batching."""
     cuda_graphs: bool = True

@@ -130,8 +130,11 @@ class Generator:
             # A turn must be able to end where the template ends an assistant turn, or no observation can follow.
             self.stop_token_ids |= {self.chat_delta.turn_end_id}
 
-    def engine(self, model: torch.nn.Module) -> LLMEngine:
-        """A generation engine over ``model`` with the rollout config's cache, batch and sampling settings."""
+    def engine(self, model: torch.nn.Module, *, shares: int = 1) -> LLMEngine:
+        """A generation engine over ``model`` with the rollout config's cache, batch and sampling settings.
+        ``shares``: on GPU without rollout.kv_cache_blocks, the engine's cache takes 1 / ``shares`` of the memory
+        left, so that ``shares`` caches made one after another get equal parts (partial rollouts hold one per batch
+        in flight)."""
         rollout = self.config.rollout
         sizing = {}
         if rollout.kv_cache_blocks:
@@ -143,7 +146,7 @@ class Generator:
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             sizing["kv_cache_bytes"] = kv_cache_budget(
                 fraction=rollout.memory_fraction, total=total, free=free, cached=cached, role=self.role
-            )
+            ) // shares
         # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
         # relative to the caches of CPU-sized models), so nothing is ever preempted. A null kv_block_size lets the
         # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).

@@ -129,7 +129,7 @@ class RolloutWorker(RoleWorker):
         version = self._check_weights("start_generation")
         assert batch not in self.in_flight, f"batch {batch} is already in flight"
         requests, params, _ = self.generator.requests(self.generator.host_prompts(prompts), n=self.config.rollout.n)
-        engine = self.generator.engine(self.model)
+        engine = self._engine_in_flight()
         self.in_flight[batch] = (engine, engine.start(requests, params, version=version))
         self._segment(batch)
 
@@ -137,6 +137,13 @@ class RolloutWorker(RoleWorker):
     def continue_generation(self, *, batch: int) -> None:
         """One more segment of batch ``batch``, on the weights held now."""
         self._segment(batch)
+
+    def _engine_in_flight(self) -> LLMEngine:
+        """An engine for one more batch in flight: at most algorithm.max_staleness are at once, each with a KV
+        cache of its own, so each gets an equal share of the memory left for them."""
+        free_slots = self.config.algorithm.max_staleness - len(self.in_flight)
+        assert free_slots >= 1, f"{len(self.in_flight)} batches are in flight already"
+        return self.generator.engine(self.model, shares=free_slots)
 
     def _segment(self, batch: int) -> None:
         check_thread(self.device)
@@ -195,7 +202,7 @@ class RolloutWorker(RoleWorker):
             snapshot = json.loads(file.metadata()["snapshot"])
             kv = {key: file.get_tensor(key) for key in ("keys", "values")}
         requests, params, _ = self.generator.requests(self.generator.host_prompts(prompts), n=self.config.rollout.n)
-        engine = self.generator.engine(self.model)
+        engine = self._engine_in_flight()
         self.in_flight[batch] = (engine, engine.resume(requests, params, snapshot, kv))
 
     def _missing_or(self, path: Path, pattern: str) -> Path:
