@@ -49,7 +49,6 @@ class RolloutPipeline:
         self.max_staleness, self.total_steps, self.start, self.timeout_s = max_staleness, total_steps, start, timeout_s
         self.partial_rollouts = partial_rollouts
         """``rollout.partial_rollouts``: what a sync does to the generations in flight; off: none are."""
-        self.partial = partial_rollouts != "off"
         self.issued = start
         """The next batch to issue."""
         self.synced: int | None = None
@@ -59,6 +58,11 @@ class RolloutPipeline:
         generation and scores are issued when the batch is taken (None until then)."""
         self.segments: list[CallFuture] = []
         """With ``partial``: the segments issued since the latest take, checked at the next."""
+
+    @property
+    def partial(self) -> bool:
+        """Whether batches are generated in segments (partial rollouts)."""
+        return self.partial_rollouts != "off"
 
     def _sync(self, version: int, timer: StageTimer, metrics: dict[str, float]) -> None:
         if self.synced == version:

@@ -5,7 +5,9 @@ Each DP rank of the role's mesh is a replica; its ranks hold the policy TP-shard
 engine (``workers.generation``), so its samples and log-probs are the actor's on the same weights. The weights come
 from the actor by ``receive_weights`` (``hybrid.weight_sync``, over the ``weight_sync`` group both roles declare);
 each sync carries the policy version (updates the actor had taken), and every generated token is tagged with the
-version that produced it (``token_versions``), which is how the trainer measures and bounds staleness.
+version that produced it (``token_versions``), which is how the trainer measures and bounds staleness. With
+``rollout.partial_rollouts`` a batch is generated in segments (``start_generation``, ``continue_generation``,
+``finish_generation``) and held between them, so that later syncs land mid-generation (``engine.partial``).
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ class RolloutWorker(RoleWorker):
     @one_to_all
     def save_generation(self, directory: str, *, batch: int) -> None:
         """Write batch ``batch``'s generation in flight (partial rollouts) into ``directory``: each rank its
-        replica's ``GenerationRun.snapshot`` and its shard of the K/V the run may still read."""
+        replica's ``GenerationRun.snapshot`` and its shard of the K/V the run may still read. Holds a copy of those
+        blocks (at most the generation's KV cache) on the device and the host while writing."""
         engine, run = self.in_flight[batch]
         Path(directory).mkdir(parents=True, exist_ok=True)
         kv = {key: tensor.contiguous().cpu() for key, tensor in engine.runner.read_blocks(run.kv_blocks).items()}
