@@ -69,7 +69,7 @@ def test_segments_with_kv_kept_on_the_same_weights_equal_one_uninterrupted_gener
     # Without preemption every unfinished request moves in lockstep: exactly SEGMENT tokens per version.
     if num_blocks is None:
         longest = max(run.seqs, key=lambda seq: seq.num_generated)
-        assert run.token_versions(longest)[: 2 * SEGMENT + 1] == [0] * (SEGMENT) + [1] * SEGMENT + [2]
+        assert run.token_versions(longest)[: 2 * SEGMENT + 1] == [0] * SEGMENT + [1] * SEGMENT + [2]
 
 
 @pytest.mark.parametrize("in_flight", ["keep_kv", "recompute_kv"])

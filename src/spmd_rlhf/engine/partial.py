@@ -44,7 +44,7 @@ class GenerationRun:
     """Per request, (tokens generated before, version) at each version change it saw unfinished: its tokens from the
     first count on were sampled by that version."""
     preemptions: int = 0
-    """Preemptions of the schedulers this run had before its latest ``requeue``."""
+    """Preemptions of the schedulers this run had before its latest requeue (at a weight update)."""
 
     def __post_init__(self) -> None:
         if not self.version_starts:
@@ -72,7 +72,7 @@ class GenerationRun:
         if in_flight not in IN_FLIGHT:
             raise ValueError(f"in_flight={in_flight!r} is unknown; choose one of {', '.join(IN_FLIGHT)}")
         if in_flight != "keep_kv":
-            self.requeue(restart=in_flight == "drop")
+            self._requeue(restart=in_flight == "drop")
         self.version = version
         for seq in self.unfinished:
             starts = self.version_starts[seq.seq_id]
@@ -80,7 +80,7 @@ class GenerationRun:
                 starts.pop()  # no token came from the version before
             starts.append((seq.num_generated, version))
 
-    def requeue(self, *, restart: bool) -> None:
+    def _requeue(self, *, restart: bool) -> None:
         """Free every request's K/V (and forget every cached prefix: they were computed by other weights) and queue
         the unfinished requests in request order on a fresh block manager; ``restart``: from their prompts."""
         old = self.scheduler
