@@ -5,7 +5,6 @@ checkpoint with a generation in flight (its K/V included), a run continues exact
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
