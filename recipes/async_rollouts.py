@@ -36,54 +36,88 @@ def generation_version(batch: int, max_staleness: int, start: int) -> int:
 
 class RolloutPipeline:
     """Issues generation and scoring on the rollout side ahead of the steps, and weight syncs when a batch needs a
-    newer policy than the rollout holds. ``take(step)`` is called once per step, in order."""
+    newer policy than the rollout holds. ``take(step)`` is called once per step, in order.
+
+    With partial rollouts (``rollout.partial_rollouts`` other than off), a batch is generated in segments: its first
+    when it is issued, one more after each later step's sync, and the rest when the step that trains on it takes it,
+    right after that step's sync; so a sync waits for at most one segment of each batch in flight, and the batch's
+    later tokens come from the newer weights."""
 
     def __init__(
         self, *, actor, rollout, reward, loader: PromptLoader, max_staleness: int, total_steps: int, start: int,
-        timeout_s: float, background_sync: bool = False,
+        timeout_s: float, partial_rollouts: str = "off", background_sync: bool = False,
     ) -> None:
         self.actor, self.rollout, self.reward, self.loader = actor, rollout, reward, loader
         self.max_staleness, self.total_steps, self.start, self.timeout_s = max_staleness, total_steps, start, timeout_s
+        self.partial_rollouts = partial_rollouts
+        """``rollout.partial_rollouts``: what a sync does to the generations in flight; off: none are."""
         self.issued = start
         """The next batch to issue."""
         self.synced: int | None = None
         """The policy version the rollout holds (or will, once its queue reaches the sync)."""
-        self.pending: dict[int, tuple[int, CallFuture, CallFuture]] = {}
-        """Batch -> (its policy version, its generation, its scores), issued and not yet taken."""
+        self.pending: dict[int, tuple[int, CallFuture | None, CallFuture | None]] = {}
+        """Batch -> (its policy version, its generation, its scores), issued and not yet taken. With ``partial`` the
+        generation and scores are issued when the batch is taken (None until then)."""
+        self.segments: list[CallFuture] = []
+        """With ``partial``: the segments issued since the latest take, checked at the next."""
         self.background_sync = background_sync
         self.receiving: dict[int, CallFuture] = {}
-        """With ``background_sync``: policy version -> the rollout's receive, not yet seen to end (it has when a batch
-        generated after it comes back: the rollout runs commands in issue order)."""
+        """With ``background_sync``: policy version -> the rollout's receive, not yet seen to end (it has once a
+        generation command issued after it comes back: the rollout runs commands in issue order)."""
+
+    @property
+    def partial(self) -> bool:
+        """Whether batches are generated in segments (partial rollouts)."""
+        return self.partial_rollouts != "off"
+
+    def _sync(self, version: int, timer: StageTimer, metrics: dict[str, float]) -> None:
+        if self.synced == version:
+            return
+        with timer("weight_sync"):
+            send, receive = self.actor.send_weights(version), self.rollout.receive_weights(version)
+            if self.background_sync:  # the actor has copied its shards; a thread of its own sends them
+                sent = send.result(timeout=self.timeout_s)
+                self.receiving[version] = receive
+            else:
+                sent, _ = wait_together({"send": send, "receive": receive}, timeout_s=self.timeout_s)
+        metrics.update(sent)
+        self.synced = version
 
     def _issue_through(self, last: int, step: int, timer: StageTimer, metrics: dict[str, float]) -> None:
         for batch in range(self.issued, min(last, self.total_steps - 1) + 1):
             version = generation_version(batch, self.max_staleness, self.start)
             # Batches are issued when the actor holds exactly the version they need.
             assert version == step, (batch, version, step)
-            if self.synced != version:
-                with timer("weight_sync"):
-                    send, receive = self.actor.send_weights(version), self.rollout.receive_weights(version)
-                    if self.background_sync:  # the actor has copied its shards; a thread of its sends them
-                        sent = send.result(timeout=self.timeout_s)
-                        self.receiving[version] = receive
-                    else:
-                        sent, _ = wait_together({"send": send, "receive": receive}, timeout_s=self.timeout_s)
-                metrics.update(sent)
-                self.synced = version
-            generated = self.rollout.generate_sequences(self.loader.batch(batch))
-            self.pending[batch] = (version, generated, self.reward.compute_rewards(generated))
+            self._sync(version, timer, metrics)
+            if self.partial:
+                self.segments.append(self.rollout.start_generation(self.loader.batch(batch), batch=batch))
+                self.pending[batch] = (version, None, None)
+            else:
+                generated = self.rollout.generate_sequences(self.loader.batch(batch))
+                self.pending[batch] = (version, generated, self.reward.compute_rewards(generated))
             self.issued = batch + 1
 
     def take(self, step: int, timer: StageTimer) -> tuple[BatchRef, CallFuture, dict[str, float]]:
         """Step ``step``'s rollout (waited for), its scores (a future) and the pipeline's metrics: the weight sync's
-        seconds and bytes when one ran, and the batch's staleness (updates between its policy and this step's)."""
+        seconds and bytes when one ran, and the batch's staleness (updates between its policy and this step's; with
+        ``partial``, its first tokens' policy)."""
         metrics: dict[str, float] = {}
         self._issue_through(step, step, timer, metrics)
         version, generated, scores = self.pending.pop(step)
+        if self.partial:  # the rest of the batch on this step's weights, behind the sync
+            self._sync(step, timer, metrics)
+            generated = self.rollout.finish_generation(self.loader.batch(step), batch=step)
+            scores = self.reward.compute_rewards(generated)
         with timer("generate"):
             rollout = generated.result(timeout=self.timeout_s)
-        if version in self.receiving:
-            self.receiving.pop(version).result(timeout=self.timeout_s)
+        # Every receive issued before the batch's last generation command has ended: see that none failed.
+        for synced in [synced for synced in self.receiving if synced <= (step if self.partial else version)]:
+            self.receiving.pop(synced).result(timeout=self.timeout_s)
+        if self.partial:
+            # The rollout ran the segments before this batch's end, so they are done: only their errors are left.
+            for segment in self.segments:
+                segment.result(timeout=self.timeout_s)
+            self.segments = [self.rollout.continue_generation(batch=batch) for batch in sorted(self.pending)]
         # The next batches go out now, so they generate while this one is scored and trained.
         self._issue_through(step + self.max_staleness, step, timer, metrics)
         staleness = step - version
@@ -98,23 +132,37 @@ class RolloutPipeline:
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
     def save(self, checkpoint_dir: str) -> dict:
-        """Write the batches in flight under ``<checkpoint_dir>/rollouts`` (each replica its rows); returns the
-        state for ``trainer_state.json``: each batch's policy version, and the staleness bound they were made for."""
+        """Write the batches in flight under ``<checkpoint_dir>/rollouts`` (each replica its rows; with partial
+        rollouts, each rank its replica's generation in flight and its K/V); returns the state for
+        ``trainer_state.json``: each batch's policy version, and the settings they were made for."""
         for batch, (_, generated, _) in sorted(self.pending.items()):
-            self.rollout.save_rows(generated, _batch_dir(checkpoint_dir, batch)).result(timeout=self.timeout_s)
+            directory = _batch_dir(checkpoint_dir, batch)
+            if not self.partial:
+                saved = self.rollout.save_rows(generated, directory)
+            else:
+                saved = self.rollout.save_generation(directory, batch=batch)
+            saved.result(timeout=self.timeout_s)
         pending = {str(batch): version for batch, (version, _, _) in self.pending.items()}
-        return {"max_staleness": self.max_staleness, "pending": pending}
+        return {"max_staleness": self.max_staleness, "partial_rollouts": self.partial_rollouts, "pending": pending}
 
     def restore(self, checkpoint_dir: str, state: dict) -> None:
-        """Take back the batches ``save`` wrote (and issue their scoring), as batches issued by this pipeline."""
-        if state["max_staleness"] != self.max_staleness:
-            raise ValueError(
-                f"the checkpoint {checkpoint_dir} holds rollouts in flight for algorithm.max_staleness="
-                f"{state['max_staleness']}; resume it with that value (this run has {self.max_staleness})"
-            )
+        """Take back the batches ``save`` wrote (and issue their scoring, or with partial rollouts their generation
+        in flight), as batches issued by this pipeline."""
+        settings = {"algorithm.max_staleness": ("max_staleness", 0), "rollout.partial_rollouts": ("partial_rollouts", "off")}
+        for key, (name, default) in settings.items():
+            if state.get(name, default) != getattr(self, name):
+                raise ValueError(
+                    f"the checkpoint {checkpoint_dir} holds rollouts in flight for {key}="
+                    f"{state.get(name, default)}; resume it with that value (this run has {getattr(self, name)})"
+                )
         for batch, version in sorted((int(batch), version) for batch, version in state["pending"].items()):
-            restored = self.rollout.restore_rows(self.loader.batch(batch), _batch_dir(checkpoint_dir, batch))
-            self.pending[batch] = (version, restored, self.reward.compute_rewards(restored))
+            prompts, directory = self.loader.batch(batch), _batch_dir(checkpoint_dir, batch)
+            if not self.partial:
+                restored = self.rollout.restore_rows(prompts, directory)
+                self.pending[batch] = (version, restored, self.reward.compute_rewards(restored))
+            else:
+                self.segments.append(self.rollout.restore_generation(prompts, directory, batch=batch))
+                self.pending[batch] = (version, None, None)
             self.issued = batch + 1
 
 

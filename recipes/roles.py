@@ -100,6 +100,21 @@ class RolloutHandle(RoleHandle):
     def receive_weights(self, version: int) -> CallFuture:
         return self.call("receive_weights", version)
 
+    def start_generation(self, prompts: Rows, *, batch: int) -> CallFuture:
+        return self.call("start_generation", prompts, batch=batch)
+
+    def continue_generation(self, *, batch: int) -> CallFuture:
+        return self.call("continue_generation", batch=batch)
+
+    def finish_generation(self, prompts: Rows, *, batch: int) -> CallFuture:
+        return self.call("finish_generation", prompts, batch=batch)
+
+    def save_generation(self, directory: str, *, batch: int) -> CallFuture:
+        return self.call("save_generation", directory, batch=batch)
+
+    def restore_generation(self, prompts: Rows, directory: str, *, batch: int) -> CallFuture:
+        return self.call("restore_generation", prompts, directory, batch=batch)
+
     def save_rows(self, batch: Rows, directory: str) -> CallFuture:
         return self.call("save_rows", batch, directory)
 

@@ -160,6 +160,9 @@ BAD_COMBINATIONS = [
     (["actor.warmup_steps=100"], "actor.warmup_steps=100", "must be <= trainer.total_steps=20"),
     (["trainer.val_every=5"], "trainer.val_every=5", "needs data.val_files"),
     (["reward.kind=model"], "reward.model_path=null", "reward.kind=model needs"),
+    (["rollout.partial_rollouts=keep_kv"], "rollout.partial_rollouts=keep_kv", "set algorithm.max_staleness >= 1"),
+    (["rollout.partial_rollouts=halfway"], "rollout.partial_rollouts=halfway", "must be one of off, keep_kv"),
+    (["rollout.partial_segment_tokens=0"], "rollout.partial_segment_tokens=0", "must be >= 1"),
 ]
 
 
@@ -302,6 +305,13 @@ def test_attention_choices_are_the_model_backends():
     from spmd_rlhf.models.attention import BACKENDS
 
     assert ATTENTION_BACKENDS == BACKENDS
+
+
+def test_partial_rollout_choices_are_the_engine_modes():
+    from spmd_rlhf.config_schema import PARTIAL_ROLLOUTS
+    from spmd_rlhf.engine import IN_FLIGHT
+
+    assert PARTIAL_ROLLOUTS == ("off", *IN_FLIGHT)
 
 
 def test_kv_block_size_check_uses_the_smaller_default_block():

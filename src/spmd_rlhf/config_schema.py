@@ -20,6 +20,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 DEFAULT_KV_BLOCK_SIZE = 16
 PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
 DEVICE_SETTINGS = ("auto", "cuda", "cpu")
+# "off" and the names of spmd_rlhf.engine.IN_FLIGHT (a test keeps them equal) without importing torch here.
+PARTIAL_ROLLOUTS = ("off", "keep_kv", "recompute_kv", "drop")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder's linear layers LoRA can adapt, by PEFT's names: the layers of spmd_rlhf.models.parallelize's TP plan (a
 test keeps them equal); all-linear means every one of them (never the LM head, as in PEFT)."""
@@ -242,8 +244,10 @@ class RolloutConfig:
     memory_fraction: float = 0.5
     """Fraction of device memory generation may fill, resident weights included; the KV cache gets what is left."""
     kv_cache_blocks: int = 0
-    """KV-cache blocks of each generation replica, a fixed budget (requests that do not fit wait or are preempted);
-    0: on GPU what memory_fraction leaves, elsewhere enough to run every request to full length at once."""
+    """KV-cache blocks of each generation replica, a fixed budget (requests that do not fit wait or are preempted;
+    with partial_rollouts, of each batch in flight); 0: on GPU what memory_fraction leaves (with partial_rollouts,
+    split evenly among the algorithm.max_staleness batches in flight), elsewhere enough to run every request to full
+    length at once."""
     max_num_seqs: int = 256
     """Most sequences decoded together by continuous batching."""
     cuda_graphs: bool = True
@@ -280,6 +284,15 @@ class RolloutConfig:
     actor goes on training, instead of the actor waiting for the rollout to receive (which it does after the
     generation queued before the sync: with algorithm.max_staleness >= 2 a whole batch). Costs each actor rank its
     shards once more in model.dtype while a sync is in flight."""
+    partial_rollouts: str = "off"
+    """With algorithm.max_staleness > 0: generate each batch in segments of partial_segment_tokens, one per step it
+    is in flight, so that weight syncs land between segments and the requests in flight go on under the new weights,
+    each token tagged with its version: keep_kv (their K/V kept, AReaL-style), recompute_kv (their K/V recomputed
+    under the new weights) or drop (restarted from the prompt: no response mixes versions). off: a batch generates
+    whole under the version it was issued with."""
+    partial_segment_tokens: int = 8
+    """With partial_rollouts: tokens each unfinished request generates per segment (the last segment, issued when
+    the step that trains on the batch comes, runs to the end)."""
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns", "environment_workers")
@@ -303,6 +316,8 @@ class RolloutConfig:
         _require(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "must be > 0")
         _require(self, "background_sync", self.enabled or not self.background_sync,
                  "needs rollout.enabled=true (it sends the actor's weights to a rollout role)")
+        _one_of(self, "partial_rollouts", PARTIAL_ROLLOUTS)
+        _at_least(self, 1, "partial_segment_tokens")
 
     # The rollout role's layout as placement and the checks read any role's (not keys: fixed for a rollout role):
     # one pipeline stage, its replicas are its DP degree, the actor's model (weights from the sync, never from
@@ -687,6 +702,9 @@ class FrameworkConfig:
             rule = (f"algorithm.max_staleness={staleness} corrects stale samples with pi_old / pi_behaviour, which "
                     f"needs the log-probs recomputed under the current policy; set rollout.recompute_log_probs=true")
             _require(self, "rollout.recompute_log_probs", rollout.recompute_log_probs, rule)
+        rule = ("a response can only span a weight update when batches are generated ahead; set "
+                "algorithm.max_staleness >= 1 (and rollout.enabled=true), or rollout.partial_rollouts=off")
+        _require(self, "rollout.partial_rollouts", rollout.partial_rollouts == "off" or staleness >= 1, rule)
 
     def _check_kv_cache(self) -> None:
         rollout = self.rollout

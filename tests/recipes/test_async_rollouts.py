@@ -61,3 +61,14 @@ def test_a_checkpoint_in_flight_for_another_staleness_is_refused_naming_the_key(
                                start=4, timeout_s=1.0)
     with pytest.raises(ValueError, match="resume it with that value"):
         pipeline.restore("out/step_4", {"max_staleness": 2, "pending": {"4": 2, "5": 3}})
+
+
+def test_a_checkpoint_in_flight_for_another_partial_rollouts_mode_is_refused_naming_the_key():
+    from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
+
+    pipeline = RolloutPipeline(actor=None, rollout=None, reward=None, loader=None, max_staleness=2, total_steps=10,
+                               start=4, timeout_s=1.0, partial_rollouts="drop")
+    with pytest.raises(ValueError, match="rollout.partial_rollouts=keep_kv; resume it with that value"):
+        pipeline.restore("out/step_4", {"max_staleness": 2, "partial_rollouts": "keep_kv", "pending": {"4": 2}})
+    with pytest.raises(ValueError, match="rollout.partial_rollouts=off; resume it with that value"):
+        pipeline.restore("out/step_4", {"max_staleness": 2, "pending": {"4": 2}})  # saved before partial rollouts

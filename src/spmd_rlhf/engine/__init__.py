@@ -5,11 +5,12 @@
 
 ``sequence`` (requests and sampling settings), ``block_manager`` (ref-counted blocks, prompt prefix sharing),
 ``scheduler`` (prefill/decode steps, preemption by recompute), ``sampler`` (greedy, temperature, top-k, top-p,
-per-request seeds, log-probs of sampled tokens), ``model_runner`` (cache tensors, one model step on the paged cache)
-and ``engine`` (the loop).
+per-request seeds, log-probs of sampled tokens), ``model_runner`` (cache tensors, one model step on the paged cache),
+``engine`` (the loop) and ``partial`` (a generation held across weight updates: partial rollouts).
 """
 
 from spmd_rlhf.engine.engine import GenerationStats, LLMEngine
+from spmd_rlhf.engine.partial import IN_FLIGHT, GenerationRun
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 
-__all__ = ["GenerationStats", "LLMEngine", "SamplingParams", "Sequence"]
+__all__ = ["IN_FLIGHT", "GenerationRun", "GenerationStats", "LLMEngine", "SamplingParams", "Sequence"]

@@ -25,6 +25,26 @@ class BlockManager:
         self._key_of_block: dict[int, int] = {}
         self._block_of_key: dict[int, int] = {}
 
+    def state(self) -> dict:
+        """Everything this manager holds (JSON-able); ``from_state`` makes it again."""
+        return {
+            "num_blocks": self.num_blocks, "block_size": self.block_size, "ref_counts": self.ref_counts,
+            "free": list(self._free), "keys": list(self._key_of_block.items()),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> BlockManager:
+        manager = cls(state["num_blocks"], state["block_size"])
+        manager.ref_counts = list(state["ref_counts"])
+        manager._free = dict.fromkeys(state["free"])
+        manager._key_of_block = dict(state["keys"])
+        manager._block_of_key = {key: block for block, key in state["keys"]}
+        return manager
+
+    def blocks_with_kv(self) -> list[int]:
+        """Blocks whose K/V may still be read: held, or free and keyed (a prefix may hit them)."""
+        return [block for block in range(self.num_blocks) if self.ref_counts[block] or block in self._key_of_block]
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)

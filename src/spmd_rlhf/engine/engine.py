@@ -10,6 +10,9 @@ cached K/V of the old weights would be wrong. Inside ``prefix_cache_session`` (o
 weights) the calls share one cache and block manager, so each turn's prompt (the trajectory so far) reuses the K/V
 blocks of the turns before it.
 
+``start`` and ``advance`` run the same loop in segments, so that the weights may change between them (partial
+rollouts, ``partial.py``); ``generate`` is ``start`` then ``advance`` to the end.
+
 With a tensor-parallel model, the block size, cache blocks and batch limits are agreed (the minimum) across the
 model's mesh when the engine is built (``agreement.py``), so every rank of a replica runs the same schedule.
 """
@@ -20,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 
@@ -27,6 +32,7 @@ from .agreement import agree_minimum, schedule_groups
 from .block_manager import BlockManager
 from .decode_graphs import DECODE_MODES, graphs_supported
 from .model_runner import ModelRunner
+from .partial import GenerationRun
 from .sampler import derive_seed, sample
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
@@ -141,17 +147,28 @@ class LLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Generate a response to every prompt; outputs in input order, with ``generated_token_ids``, ``log_probs``
         (log softmax(logits / T) of each generated token) and ``finish_reason`` ("stop" or "length")."""
+        run = self.start(prompt_token_ids, params)
+        self.advance(run)
+        return run.seqs
+
+    def start(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams], *, version: int = 0
+    ) -> GenerationRun:
+        """Queue the requests of a generation that ``advance`` runs, maybe over several segments with weight
+        updates between them (``partial.GenerationRun``); ``version``: the policy version of the current weights.
+        Outside a prefix cache session the run keeps its KV cache until it ends (one run at a time per engine)."""
         seqs = self._requests(prompt_token_ids, params)
-        if not seqs:
-            return []
         manager = self._session
-        if manager is None:
+        if manager is None and not seqs:
+            manager = BlockManager(max(self.runner.num_blocks, 1), self.block_size)  # nothing to run: no cache
+        elif manager is None:
             self.runner.allocate_cache(self.fixed_num_blocks or self._blocks_to_finish_at_once(seqs))
             manager = BlockManager(self.runner.num_blocks, self.block_size)
-        self.runner.prepare_decode(
-            max_rows=min(self.max_num_seqs, len(seqs)),
-            max_blocks_per_seq=max(seq.max_blocks(self.block_size) for seq in seqs),
-        )
+        if seqs:
+            self.runner.prepare_decode(
+                max_rows=min(self.max_num_seqs, len(seqs)),
+                max_blocks_per_seq=max(seq.max_blocks(self.block_size) for seq in seqs),
+            )
         scheduler = Scheduler(manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
         for seq in seqs:
             scheduler.add(seq)
@@ -160,8 +177,33 @@ class LLMEngine:
             for seq in seqs
         ]
         self.num_requests += len(seqs)
-        stats = self.stats = GenerationStats()
-        while scheduler.has_work():
+        self.stats = GenerationStats()
+        return GenerationRun(seqs, seeds, scheduler, version)
+
+    def resume(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams], snapshot: dict,
+        kv: dict[str, torch.Tensor],
+    ) -> GenerationRun:
+        """The run that ``start`` made of these requests, as ``GenerationRun.snapshot`` saved it with ``kv``
+        (``ModelRunner.read_blocks`` of its ``kv_blocks``): ``advance`` goes on exactly as it would have. The cache
+        gets the saved run's number of blocks (a larger one already allocated is kept), so its schedule is the same."""
+        self.runner.allocate_cache(snapshot["block_manager"]["num_blocks"])
+        run = self.start(prompt_token_ids, params)
+        run.restore(snapshot)
+        self.runner.write_blocks(run.kv_blocks, kv)
+        return run
+
+    def advance(self, run: GenerationRun, *, segment_tokens: int | None = None) -> bool:
+        """Run engine steps of ``run`` until every request has ended (``segment_tokens`` None), or until every
+        unfinished one has generated at least ``segment_tokens`` more tokens than it had (one segment); True when
+        every request has ended. Steps are the same whatever the segments: on unchanged weights a run advanced in
+        segments samples exactly what one ``advance`` to the end samples."""
+        scheduler, stats = run.scheduler, self.stats
+        targets = {} if segment_tokens is None else {seq.seq_id: seq.num_generated + segment_tokens for seq in run.unfinished}
+        while scheduler.has_work() and not (
+            targets and all(seq.num_generated >= targets[seq.seq_id] for seq in (*scheduler.running, *scheduler.waiting))
+        ):
+            manager = scheduler.block_manager
             batch, is_prefill = scheduler.schedule()
             assert batch, "the scheduler made no progress"
             stats.max_blocks_in_use = max(stats.max_blocks_in_use, manager.num_blocks - manager.num_free_blocks)
@@ -173,15 +215,18 @@ class LLMEngine:
                 stats.decode_steps += 1
             logits = self.runner.run(batch, is_prefill=is_prefill)
             tokens, log_probs = sample(
-                logits, [seq.params for seq in batch], seeds=[seeds[seq.seq_id] for seq in batch],
+                logits, [seq.params for seq in batch], seeds=[run.seeds[seq.seq_id] for seq in batch],
                 positions=[seq.num_generated for seq in batch],
             )
             scheduler.finish_step(batch, tokens, log_probs)
             stats.generated_tokens += len(batch)
-        stats.preemptions = scheduler.num_preemptions
+        stats.preemptions = run.num_preemptions
         stats.cuda_graphs = self.runner.graphs_captured
+        if scheduler.has_work():
+            return False
+        manager = scheduler.block_manager
         assert manager.num_free_blocks == manager.num_blocks, "KV blocks leaked"
-        return seqs
+        return True
 
     def _requests(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         if isinstance(params, SamplingParams):

@@ -83,6 +83,20 @@ class ModelRunner:
         self._key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def read_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
+        """Copies of the keys and values of cache ``blocks`` (``[layers, len(blocks), block_size, kv heads,
+        head_dim]`` each, this rank's heads), for a checkpoint."""
+        assert self._key_cache is not None, "allocate_cache before read_blocks"
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return {"keys": self._key_cache.index_select(1, index), "values": self._value_cache.index_select(1, index)}
+
+    def write_blocks(self, blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """Put back what ``read_blocks`` read from ``blocks``."""
+        assert self._key_cache is not None, "allocate_cache before write_blocks"
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        self._key_cache.index_copy_(1, index, tensors["keys"].to(self.device, self.dtype))
+        self._value_cache.index_copy_(1, index, tensors["values"].to(self.device, self.dtype))
+
     def free_cache(self) -> None:
         """Drop the cache tensors (their memory returns to the allocator; the next ``allocate_cache`` makes new ones),
         and the static decode step and graphs, which hold their addresses."""

@@ -130,7 +130,11 @@ class Generator:
             # A turn must be able to end where the template ends an assistant turn, or no observation can follow.
             self.stop_token_ids |= {self.chat_delta.turn_end_id}
 
-    def _engine(self, model: torch.nn.Module) -> LLMEngine:
+    def engine(self, model: torch.nn.Module, *, shares: int = 1) -> LLMEngine:
+        """A generation engine over ``model`` with the rollout config's cache, batch and sampling settings.
+        ``shares``: on GPU without rollout.kv_cache_blocks, the engine's cache takes 1 / ``shares`` of the memory
+        left, so that ``shares`` caches made one after another get equal parts (partial rollouts hold one per batch
+        in flight)."""
         rollout = self.config.rollout
         sizing = {}
         if rollout.kv_cache_blocks:
@@ -142,7 +146,7 @@ class Generator:
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             sizing["kv_cache_bytes"] = kv_cache_budget(
                 fraction=rollout.memory_fraction, total=total, free=free, cached=cached, role=self.role
-            )
+            ) // shares
         # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
         # relative to the caches of CPU-sized models), so nothing is ever preempted. A null kv_block_size lets the
         # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).
@@ -165,18 +169,56 @@ class Generator:
         marks the tokens the policy generated (loss, KL, log-probs), ``attention_mask`` every token after the prompt
         too, and ``env_reward`` is each trajectory's environment reward; a GRPO group is the n trajectories of a
         prompt."""
+        prompts = self.host_prompts(prompts)
+        n = 1 if greedy else samples or self.config.rollout.n
+        # This rank's generation replica answers a share of the DP group's prompts; the rows are gathered back below.
+        mine = prompts.select(replicas.replica_rows(len(prompts)))
+        requests, params, sources = self.requests(mine, n=n, greedy=greedy)
+        engine = self.engine(model)
+        per_row: dict[str, torch.Tensor] = {}
+        if self.environment is None:
+            outputs = engine.generate(requests, params)
+            responses = [(out.generated_token_ids, [1] * out.num_generated, out.log_probs) for out in outputs]
+            counters = {"preemptions": engine.num_preemptions}
+        else:
+            fields = ("data_source", "ground_truth", "extra_info")
+            rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in fields}} for i in sources]
+            environments = [self.environment() for _ in requests]
+            trajectories, stats = run_multi_turn(
+                engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=self.config.rollout.max_turns,
+                max_response_tokens=self.config.rollout.response_length, share=replicas.on_replica_leader,
+                environment_workers=self.config.rollout.environment_workers,
+            )
+            responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
+            counters = {
+                "preemptions": stats.preemptions, "prefill_tokens": stats.prefill_tokens,
+                "cached_prefill_tokens": stats.cached_prefill_tokens,
+            }
+            per_row = {
+                "env_reward": torch.tensor([t.env_reward for t in trajectories]),
+                "turns": torch.tensor([float(t.num_turns) for t in trajectories]),
+            }
+            for key in trajectories[0].env_metrics if trajectories else ():
+                per_row[f"env/{key}"] = torch.tensor([float(t.env_metrics[key]) for t in trajectories])
+        counters["cuda_graphs"] = engine.stats.cuda_graphs
+        del engine  # the KV cache goes before training resumes
+        return self.assemble(prompts, responses, counters, replicas=replicas, n=n, per_row=per_row)
+
+    def host_prompts(self, prompts: Batch) -> Batch:
+        """``prompts`` on the host, after checking this thread's device binding."""
         check_thread(self.device)
         # Prompts arrive on the data plane's device (the GPU under NCCL); the engine takes token lists and the rollout
         # is assembled on the host, as every role's results are: one copy here, not a device sync per prompt row.
-        prompts = prompts.to("cpu")
+        return prompts.to("cpu")
+
+    def requests(self, prompts: Batch, *, n: int, greedy: bool = False) -> tuple[list[list[int]], list[SamplingParams], list[int]]:
+        """The engine's requests for ``prompts`` (on the host): ``n`` per prompt, consecutive, each with its sampling
+        seed; and the prompt row each answers."""
         rollout = self.config.rollout
-        n, response_length = (1 if greedy else samples or rollout.n), rollout.response_length
         temperature = 0.0 if greedy else rollout.temperature
-        # This rank's generation replica answers a share of the DP group's prompts; the rows are gathered back below.
-        mine = prompts.select(replicas.replica_rows(len(prompts)))
-        prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(mine["input_ids"], mine["attention_mask"])]
+        prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
         requests, params, sources = [], [], []
-        for index, (tokens, uid) in enumerate(zip(prompt_tokens, mine["uid"].tolist())):
+        for index, (tokens, uid) in enumerate(zip(prompt_tokens, prompts["uid"].tolist())):
             for sample in range(n):
                 requests.append(tokens)
                 sources.append(index)
@@ -187,37 +229,24 @@ class Generator:
                         seed=sample_seed(self.config.trainer.seed, uid, sample, n),
                     )
                 )
-        engine = self._engine(model)
-        per_row: dict[str, torch.Tensor] = {}
-        if self.environment is None:
-            outputs = engine.generate(requests, params)
-            responses = [(out.generated_token_ids, [1] * out.num_generated, out.log_probs) for out in outputs]
-            counters = [engine.num_preemptions]
-        else:
-            fields = ("data_source", "ground_truth", "extra_info")
-            rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in fields}} for i in sources]
-            environments = [self.environment() for _ in requests]
-            trajectories, stats = run_multi_turn(
-                engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=rollout.max_turns,
-                max_response_tokens=response_length, share=replicas.on_replica_leader,
-                environment_workers=rollout.environment_workers,
-            )
-            responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
-            counters = [stats.preemptions, stats.prefill_tokens, stats.cached_prefill_tokens]
-            per_row = {
-                "env_reward": torch.tensor([t.env_reward for t in trajectories]),
-                "turns": torch.tensor([float(t.num_turns) for t in trajectories]),
-            }
-            for key in trajectories[0].env_metrics if trajectories else ():
-                per_row[f"env/{key}"] = torch.tensor([float(t.env_metrics[key]) for t in trajectories])
-        counters.append(engine.stats.cuda_graphs)
-        del engine  # the KV cache goes before training resumes
+        return requests, params, sources
 
+    def assemble(
+        self, prompts: Batch, responses: list[tuple[list[int], list[int], list[float]]], counters: dict[str, float],
+        *, replicas: Replicas, n: int, per_row: dict[str, torch.Tensor] | None = None,
+        carried: dict[str, torch.Tensor] | None = None,
+    ) -> Batch:
+        """The rollout batch of ``prompts`` (the DP shard) from this replica's ``responses`` (token ids after the
+        prompt, generated mask, log-probs), with its metrics: ``counters`` (engine work, each summed over replicas
+        and DP shards as ``rollout/<name>``), ``per_row`` values (summed, and their means reported), and ``carried``
+        per-row tensors kept in the batch as they are."""
+        per_row, carried = per_row or {}, carried or {}
         gathered = replicas.gather_rows(
-            {**response_tensors(responses, width=response_length, pad_token_id=self.pad_token_id), **per_row}
+            {**response_tensors(responses, width=self.config.rollout.response_length, pad_token_id=self.pad_token_id),
+             **per_row, **carried}
         )
         # Each replica counted its own engine work; the other DP groups' replicas add theirs below.
-        counters = [replicas.sum_over_replicas(value) for value in counters]
+        counter_values = [replicas.sum_over_replicas(value) for value in counters.values()]
         repeated = prompts.repeat(n)
         rows = len(repeated)
         response_mask, trajectory_mask = gathered["response_mask"], gathered["trajectory_mask"]
@@ -225,11 +254,11 @@ class Generator:
         per_row_sums = [float(gathered[key].double().sum()) for key in per_row]
         sums, (longest, negated_shortest) = self.reducer.totals(
             [float(lengths.sum()), float(rows), float((trajectory_mask[:, -1] == 1).sum()),
-             float(repeated["attention_mask"].sum()), float(response_mask.sum()), *counters, *per_row_sums],
+             float(repeated["attention_mask"].sum()), float(response_mask.sum()), *counter_values, *per_row_sums],
             [float(lengths.max()), -float(lengths.min())],
         )
         (length_sum, row_count, clipped, prompt_tokens, generated), sums = sums[:5], sums[5:]
-        engine_sums, row_sums = sums[: len(counters)], sums[len(counters) :]
+        counter_sums, row_sums = sums[: len(counters)], sums[len(counters) :]
         metrics = {
             "response_length/mean": length_sum / row_count,
             "response_length/max": longest,
@@ -237,15 +266,13 @@ class Generator:
             "response_length/clip_ratio": clipped / row_count,
             "rollout/generated_tokens": generated,
             "rollout/prompt_tokens": prompt_tokens,
-            "rollout/preemptions": engine_sums[0],
-            "rollout/cuda_graphs": engine_sums[-1],
+            **{f"rollout/{name}": total for name, total in zip(counters, counter_sums)},
         }
         if self.environment is not None:
             metrics["rollout/observation_tokens"] = length_sum - generated
-            for key, total in zip(("prefill_tokens", "cached_prefill_tokens"), engine_sums[1:-1]):
-                metrics[f"rollout/{key}"] = total
             metrics.update({f"rollout/{key}/mean": total / row_count for key, total in zip(per_row, row_sums)})
         extra = {"env_reward": gathered["env_reward"]} if self.environment is not None else {}
+        extra.update((key, gathered[key]) for key in carried)
         return self.rollout_batch(repeated, {**gathered, **extra}, metrics, group_size=n, extra=tuple(extra))
 
     @staticmethod

@@ -5,7 +5,9 @@ Each DP rank of the role's mesh is a replica; its ranks hold the policy TP-shard
 engine (``workers.generation``), so its samples and log-probs are the actor's on the same weights. The weights come
 from the actor by ``receive_weights`` (``hybrid.weight_sync``, over the ``weight_sync`` group both roles declare);
 each sync carries the policy version (updates the actor had taken), and every generated token is tagged with the
-version that produced it (``token_versions``), which is how the trainer measures and bounds staleness.
+version that produced it (``token_versions``), which is how the trainer measures and bounds staleness. With
+``rollout.partial_rollouts`` a batch is generated in segments (``start_generation``, ``continue_generation``,
+``finish_generation``) and held between them, so that later syncs land mid-generation (``engine.partial``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config_schema import FrameworkConfig
 from ..data.batch import Batch
+from ..engine import GenerationRun, LLMEngine
 from ..hybrid.weight_sync import SyncSides, receive_weights, sync_group_ranks
 from ..models.decoder import DecoderLM
 from ..models.parallelize import parallelize
 from ..models.weights import build_model
 from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
+from ..runtime.device import check_thread
 from ..runtime.placement import role_pools
 from .base import RoleWorker
 from .generation import Generator, OneReplica
@@ -81,6 +85,8 @@ class RolloutWorker(RoleWorker):
         self.sides = sync_sides(config, context.groups)
         self.version: int | None = None
         """The policy version of the weights held (the actor's update count at the sync); None before the first."""
+        self.in_flight: dict[int, tuple[LLMEngine, GenerationRun]] = {}
+        """With rollout.partial_rollouts: batch index -> its generation between segments (each with its KV cache)."""
 
     @staticmethod
     def process_groups(
@@ -94,25 +100,123 @@ class RolloutWorker(RoleWorker):
         bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)
         receive_weights(self.model, sides=self.sides, bucket_bytes=bucket_bytes, version=version, device=self.device)
         self.version = version
+        for _, run in self.in_flight.values():
+            run.update_weights(version, self.config.rollout.partial_rollouts)
+
+    def _check_weights(self, method: str) -> int:
+        if self.version is None:
+            raise RuntimeError(
+                f"the rollout role has no weights yet: the coordinator must sync them (receive_weights) before its "
+                f"first {method}"
+            )
+        return self.version
 
     @data_parallel
     def generate_sequences(self, prompts: Batch, *, greedy: bool = False, samples: int | None = None) -> Batch:
         """``Generator.generate`` on this replica's weights, plus ``token_versions`` ``[rows, R]``: the policy
         version of each response token (0 past the response)."""
-        if self.version is None:
-            raise RuntimeError(
-                "the rollout role has no weights yet: the coordinator must sync them (receive_weights) before its "
-                "first generate_sequences"
-            )
+        version = self._check_weights("generate_sequences")
         batch = self.generator.generate(prompts, self.model, OneReplica(), greedy=greedy, samples=samples)
-        batch.meta["metrics"]["rollout/policy_version"] = float(self.version)
-        tensors = {**batch.tensors, "token_versions": batch["response_mask"] * self.version}
+        batch.meta["metrics"]["rollout/policy_version"] = float(version)
+        tensors = {**batch.tensors, "token_versions": batch["response_mask"] * version}
         return Batch(tensors, batch.non_tensors, batch.meta, group_size=batch.group_size)
+
+    # ---- partial rollouts: one batch generated in segments, weight syncs between them ---------------------------
+
+    @data_parallel
+    def start_generation(self, prompts: Batch, *, batch: int) -> None:
+        """Queue ``rollout.n`` responses per prompt of batch ``batch`` and run their first segment
+        (``rollout.partial_segment_tokens`` tokens each); the generation stays in flight, with its KV cache, until
+        ``finish_generation``. Each later ``receive_weights`` applies ``rollout.partial_rollouts`` to it."""
+        version = self._check_weights("start_generation")
+        assert batch not in self.in_flight, f"batch {batch} is already in flight"
+        requests, params, _ = self.generator.requests(self.generator.host_prompts(prompts), n=self.config.rollout.n)
+        engine = self._engine_in_flight()
+        self.in_flight[batch] = (engine, engine.start(requests, params, version=version))
+        self._segment(batch)
+
+    @one_to_all
+    def continue_generation(self, *, batch: int) -> None:
+        """One more segment of batch ``batch``, on the weights held now."""
+        self._segment(batch)
+
+    def _engine_in_flight(self) -> LLMEngine:
+        """An engine for one more batch in flight: at most algorithm.max_staleness are at once, each with a KV
+        cache of its own, so each gets an equal share of the memory left for them."""
+        free_slots = self.config.algorithm.max_staleness - len(self.in_flight)
+        assert free_slots >= 1, f"{len(self.in_flight)} batches are in flight already"
+        return self.generator.engine(self.model, shares=free_slots)
+
+    def _segment(self, batch: int) -> None:
+        check_thread(self.device)
+        engine, run = self.in_flight[batch]
+        engine.advance(run, segment_tokens=self.config.rollout.partial_segment_tokens)
+
+    @data_parallel
+    def finish_generation(self, prompts: Batch, *, batch: int) -> Batch:
+        """Batch ``batch`` (its ``prompts``, as ``start_generation`` had them) generated to the end on the weights held
+        now, as ``generate_sequences`` returns a batch: ``token_versions`` holds each token's own version, and
+        ``rollout/mixed_version_responses`` counts the responses whose tokens span several versions."""
+        version = self._check_weights("finish_generation")
+        engine, run = self.in_flight.pop(batch)
+        engine.advance(run)
+        versions = [run.token_versions(seq) for seq in run.seqs]
+        counters = {
+            "preemptions": run.num_preemptions, "cuda_graphs": engine.stats.cuda_graphs,
+            "mixed_version_responses": sum(len(set(tokens)) > 1 for tokens in versions),
+        }
+        responses = [(seq.generated_token_ids, [1] * seq.num_generated, seq.log_probs) for seq in run.seqs]
+        del engine, run  # the KV cache goes
+        token_versions = torch.zeros((len(versions), self.config.rollout.response_length), dtype=torch.long)
+        for row, tokens in enumerate(versions):
+            token_versions[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        rows = self.generator.assemble(
+            self.generator.host_prompts(prompts), responses, counters, replicas=OneReplica(), n=self.config.rollout.n,
+            carried={"token_versions": token_versions},
+        )
+        rows.meta["metrics"]["rollout/policy_version"] = float(version)
+        return rows
 
     # ---- in-flight batches in a checkpoint (an exact resume) --------------------------------------------------
 
     def _rows_file(self, directory: str) -> Path:
         return Path(directory) / f"dp{self.dp_rank}_of_{self.reducer.size}.safetensors"
+
+    def _generation_file(self, directory: str) -> Path:
+        tp = self.mesh["tp"].size()
+        return Path(directory) / f"dp{self.dp_rank}_of_{self.reducer.size}_tp{self.tp_rank}_of_{tp}.safetensors"
+
+    @one_to_all
+    def save_generation(self, directory: str, *, batch: int) -> None:
+        """Write batch ``batch``'s generation in flight (partial rollouts) into ``directory``: each rank its
+        replica's ``GenerationRun.snapshot`` and its shard of the K/V the run may still read. Holds a copy of those
+        blocks (at most the generation's KV cache) on the device and the host while writing."""
+        engine, run = self.in_flight[batch]
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        kv = {key: tensor.contiguous().cpu() for key, tensor in engine.runner.read_blocks(run.kv_blocks).items()}
+        save_file(kv, str(self._generation_file(directory)), metadata={"snapshot": json.dumps(run.snapshot())})
+
+    @data_parallel
+    def restore_generation(self, prompts: Batch, directory: str, *, batch: int) -> None:
+        """Take back the generation of batch ``batch`` (its ``prompts``) that ``save_generation`` wrote, in flight
+        as it was."""
+        path = self._missing_or(self._generation_file(directory), "dp*_of_*_tp*_of_*.safetensors")
+        with safe_open(str(path), framework="pt") as file:
+            snapshot = json.loads(file.metadata()["snapshot"])
+            kv = {key: file.get_tensor(key) for key in ("keys", "values")}
+        requests, params, _ = self.generator.requests(self.generator.host_prompts(prompts), n=self.config.rollout.n)
+        engine = self._engine_in_flight()
+        self.in_flight[batch] = (engine, engine.resume(requests, params, snapshot, kv))
+
+    def _missing_or(self, path: Path, pattern: str) -> Path:
+        """``path``, or an error naming the files of the replicas that saved the in-flight batch instead."""
+        if not path.is_file():
+            saved = sorted(file.name for file in path.parent.glob(pattern))
+            raise FileNotFoundError(
+                f"{path} is missing: the in-flight rollouts in {path.parent} were saved by {saved} (replicas of that "
+                f"run); resume with the rollout layout that saved them (rollout.n_ranks and rollout.tp)"
+            )
+        return path
 
     @data_parallel
     def save_rows(self, batch: Batch, directory: str) -> None:
@@ -130,13 +234,7 @@ class RolloutWorker(RoleWorker):
     def restore_rows(self, prompts: Batch, directory: str) -> Batch:
         """The batch ``save_rows`` wrote for ``prompts`` (the same prompts, split the same way), as generation
         returned it."""
-        path = self._rows_file(directory)
-        if not path.is_file():
-            saved = sorted(file.name for file in Path(directory).glob("dp*_of_*.safetensors"))
-            raise FileNotFoundError(
-                f"{path} is missing: the in-flight rollouts in {directory} were saved by {saved} (replicas of that "
-                f"run); resume with the rollout layout that saved them (rollout.n_ranks and rollout.tp)"
-            )
+        path = self._missing_or(self._rows_file(directory), "dp*_of_*.safetensors")
         with safe_open(str(path), framework="pt") as file:
             metadata = file.metadata()
             generated = {key: file.get_tensor(key) for key in GENERATED}

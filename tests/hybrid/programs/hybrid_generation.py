@@ -36,10 +36,10 @@ class MeasuredActor(ActorWorker):
         with PeakMemory(context.device) as loading:
             super().__init__(context, config)
         self.loading_peak = loading.peak_increase
-        self.generator._engine = self._engine
+        self.generator.engine = self._engine
 
-    def _engine(self, model):
-        engine = type(self.generator)._engine(self.generator, model)
+    def _engine(self, model, **options):
+        engine = type(self.generator).engine(self.generator, model, **options)
         self.generation_bytes = local_bytes(model)
         generate = engine.generate
 
