@@ -1,6 +1,6 @@
 """Asynchronous GRPO on CPU ranks: colocated synchronous, split synchronous (a rollout role, max_staleness=0),
-one-step-off (k=1), k=2, and k=2 with the weights sent from a background thread (rollout.background_sync), same
-model, prompts and seed.
+one-step-off (k=1), k=2, k=2 with the weights sent from a background thread (rollout.background_sync) and k=2 with
+partial rollouts (rollout.partial_rollouts=keep_kv), same model, prompts and seed.
 
     python benchmarks/async_cpu.py [--nproc 4] [--rollout-ranks 2] [--steps 40] [--warmup 4] [key=value ...]
 
@@ -50,6 +50,8 @@ MODES = {
     "split_k2": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=2", "rollout.recompute_log_probs=true"),
     "split_k2_background": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=2",
                             "rollout.recompute_log_probs=true", "rollout.background_sync=true"),
+    "split_k2_partial": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=2",
+                         "rollout.recompute_log_probs=true", "rollout.partial_rollouts=keep_kv"),
 }
 
 
@@ -149,7 +151,8 @@ def main() -> None:
     report = {"nproc": options.nproc, "rollout_ranks": options.rollout_ranks, "steps": options.steps,
               "warmup": options.warmup, "overrides": [*SHAPE, *options.overrides], "samples_per_step": samples_per_step,
               "gloo_broadcast_bytes_per_s": link_rate, "load_average_after": load, "runs": table}
-    out = ROOT / "benchmarks" / "results" / "async_cpu.json"
+    suffix = "" if (options.nproc, options.rollout_ranks) == (4, 2) else f"_{options.nproc}ranks"
+    out = ROOT / "benchmarks" / "results" / f"async_cpu{suffix}.json"
     out.write_text(json.dumps(report, indent=2))
     print("| run | step s | steps/s | samples/s | vs colocated | weight sync s | bound s | reward by quarter |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")

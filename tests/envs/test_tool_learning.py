@@ -11,7 +11,7 @@ from torchrun_helpers import run_recipe
 from spmd_rlhf.tiny.task import make_task
 from spmd_rlhf.tiny.warm_start import make_tool_products_policy
 
-STEPS = 16
+STEPS = 12
 
 
 def test_grpo_learns_to_call_the_calculator(tmp_path):
@@ -31,6 +31,6 @@ def test_grpo_learns_to_call_the_calculator(tmp_path):
     first, last = slice(0, 3), slice(-4, None)
     # Warm-started, over the first three steps: 0.38 of the trajectories make a call that succeeds, reward 0.29.
     assert statistics.mean(successes[first]) < 0.6 and statistics.mean(rewards[first]) < 0.45, (successes, rewards)
-    # GRPO moves the policy to well-formed calls and restated products: 0.90 and 0.70 over the last four steps.
+    # GRPO moves the policy to well-formed calls and restated products: 0.88 and 0.75 over the last four steps.
     assert statistics.mean(successes[last]) > statistics.mean(successes[first]) + 0.25, successes
     assert statistics.mean(rewards[last]) > statistics.mean(rewards[first]) + 0.25, rewards
