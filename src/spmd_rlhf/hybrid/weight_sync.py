@@ -240,6 +240,9 @@ class BackgroundSender:
         """Send ``params`` (a ``snapshot``: nothing may change them until the send ends) as policy ``version`` with
         ``send_weights(params, version=version, **send_options)`` once the previous send has ended."""
         self.wait()
+        if self.device.type == "cuda":
+            # The copy ran on this thread's current stream, which the sender's collectives do not wait for.
+            torch.cuda.current_stream(self.device).synchronize()
         self._version = version
         self._thread = threading.Thread(
             target=self._send, args=(params, version, send_options), name=f"weight-sync-v{version}", daemon=True
