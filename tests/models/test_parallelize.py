@@ -1,12 +1,15 @@
 """``models.parallelize`` on one process: activation checkpointing keeps names and changes no gradient; FSDP's units
 (an untied embedding and LM head each alone, a tied pair in the root; small layers grouped, trailing ones in the
-root)."""
+root); under FSDP a tied embedding's sparse gradient sums into the head's to the plain model's gradient."""
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models.args import DecoderArgs
@@ -69,3 +72,35 @@ def test_fsdp_units_group_small_layers():
     assert fsdp_units(untied, 2 * layer_bytes) == [layers[:2]]
     assert fsdp_units(untied, embedding_bytes) == [*layers, untied.model.embed_tokens, untied.lm_head]
     assert fsdp_units(untied, 10 * layer_bytes) == []
+
+
+def _tied_gradients_under_fsdp(rank: int, port: int, results) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    torch.manual_seed(0)
+    args = dataclasses.replace(tiny_args(), tie_word_embeddings=True)
+    plain, sharded = DecoderLM(args, head="lm"), DecoderLM(args, head="lm")
+    sharded.load_state_dict(plain.state_dict())
+    for model in (plain, sharded):
+        model.reset_buffers()
+    parallelize(sharded, tp_mesh=None, dp_mesh=init_device_mesh("cpu", (1,)))
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    for model in (plain, sharded):
+        model(ids).float().logsumexp(-1).sum().backward()
+    grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
+    results.update(
+        sparse=sharded.model.embed_tokens.sparse and not plain.model.embed_tokens.sparse,
+        equal=all(torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()),
+        names=sorted(grads) == sorted(name for name, _ in plain.named_parameters()),
+    )
+    dist.destroy_process_group()
+
+
+def test_a_tied_embedding_under_fsdp_takes_a_sparse_gradient_summed_into_the_heads():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_tied_gradients_under_fsdp, args=(port, results), nprocs=1)
+    assert dict(results) == {"sparse": True, "equal": True, "names": True}

@@ -104,11 +104,22 @@ def fsdp_units(model: DecoderLM, min_unit_bytes: int = 0) -> list[torch.nn.Modul
         layers[group[0]] if len(group) == 1 else [layers[index] for index in group]
         for group in group_layers([_local_bytes(layer) for layer in layers], min_unit_bytes)
     ]
-    embedding, head = model.model.embed_tokens, getattr(model, "lm_head", None)
-    tied = embedding is not None and head is not None and head.weight is embedding.weight
-    if not tied:
-        units += [module for module in (embedding, head) if module is not None and _local_bytes(module) >= min_unit_bytes]
+    if not _tied(model):
+        vocabulary = (model.model.embed_tokens, getattr(model, "lm_head", None))
+        units += [module for module in vocabulary if module is not None and _local_bytes(module) >= min_unit_bytes]
     return units
+
+
+def _tied(model: DecoderLM) -> bool:
+    """Whether ``model`` holds an embedding and an LM head that share one weight."""
+    embedding, head = model.model.embed_tokens, getattr(model, "lm_head", None)
+    return embedding is not None and head is not None and head.weight is embedding.weight
+
+
+def _tied_without_tensor_parallelism(model: DecoderLM, tp_mesh: DeviceMesh | None) -> bool:
+    """Whether ``model`` ties its embedding to an LM head it holds, with no TP split of them (a vocab-parallel
+    embedding is a DTensor op, which takes no sparse gradient)."""
+    return _tied(model) and (tp_mesh is None or tp_mesh.size() == 1)
 
 
 def parallelize(
@@ -132,7 +143,8 @@ def parallelize(
     for its forward and backward); ``min_unit_bytes``: how ``fsdp_units`` groups layers.
 
     Works on a whole model or on a pipeline stage of one. Tied embedding / LM-head weights stay tied: both are
-    vocab-sharded the same way, so the head reuses the embedding's sharded parameter. Neither checkpointing nor
+    vocab-sharded the same way, so the head reuses the embedding's sharded parameter. Under FSDP without TP a tied
+    embedding's gradient is sparse, added into the head's dense one in place. Neither checkpointing nor
     compiling wraps a layer in another module, so parameter names stay Hugging Face's.
     """
     if tp_mesh is not None and tp_mesh.size() > 1:
@@ -148,6 +160,11 @@ def parallelize(
         if compile_layers:
             layer.compile()
     if dp_mesh is not None:
+        if _tied_without_tensor_parallelism(model, tp_mesh):
+            # The root unit holds the tied weight, and the backward sums two [vocab, hidden] gradients into it: the
+            # head's, dense, and the embedding's. A sparse embedding gradient (the rows of the batch's tokens) is
+            # added into the head's in place, so the whole-vocabulary gradient exists once, not twice.
+            model.model.embed_tokens.sparse = True
         policy = mp_policy or MixedPrecisionPolicy()
         offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
         for module in fsdp_units(model, min_unit_bytes):
