@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
+# What a collective backend says on a rank whose peer died mid-collective: gloo ("Connection reset by peer",
+# "Connection closed by peer", "Broken pipe") and NCCL ("remote process exited", an aborted communicator).
+PEER_LOST = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|remote process exited|communicator was aborted", re.IGNORECASE
+)
+
 
 class RuntimeFailure(RuntimeError):
     """Base of every failure that ends the job."""
@@ -12,8 +20,10 @@ class WorkerError(RuntimeFailure):
 
     def __init__(self, *, role: str, method: str, rank: int, error: str, traceback: str) -> None:
         self.role, self.method, self.rank, self.error, self.remote_traceback = role, method, rank, error, traceback
+        cause = f"a rank in its collective was lost (look for the rank that died first): {error}" if (
+            PEER_LOST.search(error)) else error
         super().__init__(
-            f"{role}.{method} failed on rank {rank}: {error}\n--- traceback on rank {rank} ---\n{traceback.rstrip()}"
+            f"{role}.{method} failed on rank {rank}: {cause}\n--- traceback on rank {rank} ---\n{traceback.rstrip()}"
         )
 
 
