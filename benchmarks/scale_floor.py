@@ -21,11 +21,13 @@ Beyond that strict floor, the design itself needs transient buffers that are not
 
 - FSDP's gathered unit: FSDP2 all-gathers one unit at a time (a run of decoder layers of at least the role's
   ``fsdp_unit_mb``, one layer at these shapes; an untied embedding or LM head; the root: the final norm, a value or
-  score head, and a tied embedding), in the compute dtype. The root stays gathered
-  from the forward to the end of the backward, and the backward makes each unit's unsharded gradient before the
-  reduce-scatter. With a tied embedding the root is the largest unit (at Qwen2.5-0.5B's shape, 136 M of its 494 M
-  parameters). The HybridEngine's reshard gathers the same units one at
-  a time beside the generation copy, and a forward-only pass of a sharded frozen role gathers its units one at a time.
+  score head, a tied embedding below the unit size), in the compute dtype. The root stays gathered from the forward
+  to the end of the backward, and the backward makes each unit's unsharded gradient before the reduce-scatter. The
+  HybridEngine's reshard gathers the same units one at a time beside the generation copy, and a forward-only pass of
+  a sharded frozen role gathers its units one at a time.
+- A tied embedding and head of at least the unit size stream their weight outside FSDP
+  (``spmd_rlhf.models.streamed_vocabulary``): a pass holds one step's gathered rows, and in the backward their
+  gradient; the HybridEngine's reshard gathers the weight whole, as it gathers a unit.
 - The streamed Hugging Face save's writer: the band being assembled and one piece received or converted, each at most
   ``BAND_BYTES`` (``spmd_rlhf.models.sharded_save``).
 
@@ -47,6 +49,7 @@ from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.workload import RoleSpec
 from spmd_rlhf.models.parallelize import group_layers
 from spmd_rlhf.models.sharded_save import DEFAULT_BAND_BYTES
+from spmd_rlhf.models.streamed_vocabulary import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES
 
 WEIGHT_BYTES = 4
 """A trained role's float32 master weights, per parameter."""
@@ -128,12 +131,20 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     }
 
 
+def streams_vocabulary(spec: RoleSpec, dtype_bytes: int, *, min_unit_bytes: int) -> bool:
+    """Whether ``spec``'s tied embedding and head stream their weight outside FSDP
+    (``spmd_rlhf.models.parallelize``: tied, at least ``min_unit_bytes`` as stored; this floor's roles are sharded over
+    at least 2 ranks, without TP or offload)."""
+    stored = WEIGHT_BYTES if spec.trained else dtype_bytes
+    return spec.head == "lm" and spec.shape.tied and spec.shape.vocab * spec.shape.hidden * stored >= min_unit_bytes
+
+
 def fsdp_unit_bytes(spec: RoleSpec, dtype_bytes: int, *, min_unit_bytes: int) -> tuple[int, int]:
     """(the root unit, the largest other unit) of ``spec`` gathered, in bytes of ``dtype_bytes`` per parameter, as
     ``spmd_rlhf.models.parallelize.fsdp_units`` cuts the model (on the parameters as stored: float32 for a trained
     role, else ``dtype_bytes``): runs of decoder layers of at least ``min_unit_bytes`` (``group_layers``), and an
     untied embedding and LM head each alone when that large; the root holds the rest (the final norm, a value or score
-    head, a tied or small embedding, the layers after the last full run)."""
+    head, a small embedding, the layers after the last full run). A tied vocabulary that streams is in neither."""
     shape = spec.shape
     stored = WEIGHT_BYTES if spec.trained else dtype_bytes
     vocabulary = shape.vocab * shape.hidden
@@ -142,7 +153,7 @@ def fsdp_unit_bytes(spec: RoleSpec, dtype_bytes: int, *, min_unit_bytes: int) ->
     vocabulary_modules = 1 if spec.head != "lm" or shape.tied else 2
     vocabulary_alone = not (spec.head == "lm" and shape.tied) and vocabulary * stored >= min_unit_bytes
     root = shape.parameters(spec.head) - grouped * shape.block_parameters
-    if vocabulary_alone:
+    if vocabulary_alone or streams_vocabulary(spec, dtype_bytes, min_unit_bytes=min_unit_bytes):
         root -= vocabulary_modules * vocabulary
     largest = max([len(run) * shape.block_parameters for run in runs] + ([vocabulary] if vocabulary_alone else []), default=0)
     return root * dtype_bytes, largest * dtype_bytes
@@ -160,15 +171,29 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     def units(spec: RoleSpec) -> tuple[int, int]:
         return fsdp_unit_bytes(spec, b, min_unit_bytes=int(getattr(config, spec.name).fsdp_unit_mb * 2**20))
 
+    def streamed(spec: RoleSpec) -> float:
+        """One step of a streamed vocabulary's rows, gathered (0 when it does not stream)."""
+        min_unit_bytes = int(getattr(config, spec.name).fsdp_unit_mb * 2**20)
+        vocabulary = spec.shape.vocab * spec.shape.hidden * b
+        return min(STREAM_CHUNK_BYTES, vocabulary) if streams_vocabulary(spec, b, min_unit_bytes=min_unit_bytes) else 0
+
     def gathered(spec: RoleSpec) -> float:
-        return max(units(spec))
+        return max(*units(spec), streamed(spec))
 
     def training(spec: RoleSpec) -> dict[str, float]:
         root, unit = units(spec)
-        return {
+        parts = {
             f"{spec.name} FSDP root gathered + its unsharded gradient": 2 * root,
             f"{spec.name} largest other FSDP unit gathered + its unsharded gradient": 2 * unit,
         }
+        if streamed(spec):
+            parts[f"{spec.name} streamed vocabulary: one step's rows gathered + their gradient"] = 2 * streamed(spec)
+        return parts
+
+    def reshard(spec: RoleSpec) -> float:
+        """What the HybridEngine gathers at once: an FSDP unit, or a streamed vocabulary whole."""
+        whole = spec.shape.vocab * spec.shape.hidden * b if streamed(spec) else 0
+        return max(*units(spec), whole)
 
     forward = [spec for spec in specs if not spec.trained or (spec.name == "actor" and config.rollout.recompute_log_probs)]
     saved_bytes = getattr(torch, config.trainer.save_hf_dtype).itemsize if config.trainer.save_hf_dtype else b
@@ -177,7 +202,7 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     update = max((training(spec) for spec in specs if spec.trained), key=lambda parts: sum(parts.values()))
     return {
         "load": {},
-        "generate": {"actor FSDP unit gathered by the reshard": gathered(actor)},
+        "generate": {"actor FSDP unit (or streamed vocabulary) gathered by the reshard": reshard(actor)},
         "log_probs": {"FSDP unit gathered by a forward pass": max(gathered(spec) for spec in forward)} if forward else {},
         "advantages": {},
         "update": update,

@@ -23,6 +23,7 @@ from spmd_rlhf.mapping.cost import Layout, working_bytes  # noqa: E402
 from spmd_rlhf.mapping.placement import config_dataflow  # noqa: E402
 from spmd_rlhf.mapping.workload import model_shape  # noqa: E402
 from spmd_rlhf.models.sharded_save import DEFAULT_BAND_BYTES  # noqa: E402
+from spmd_rlhf.models.streamed_vocabulary import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES  # noqa: E402
 
 
 def test_smoke_run_reports_every_stage(tmp_path):
@@ -89,16 +90,18 @@ def test_floor_parts_at_a_real_shape(tmp_path):
     (name, size), = ((part, size) for part, size in floors["update"].items() if part.startswith("actor micro-batch"))
     assert size == pytest.approx(working_bytes(actor_spec(config), Layout(pp=1, dp=2, tp=1), config_dataflow(config)[1]))
 
-    # The design's transient buffers: the tied actor's root unit holds the embedding (and the final norm); the save's
-    # writer holds two bands of at most DEFAULT_BAND_BYTES (64 MiB: less than the 112 MiB embedding).
+    # The design's transient buffers: the tied actor's 112 MiB vocabulary streams (above fsdp_unit_mb), so its root
+    # unit is the final norm; the reshard gathers the vocabulary whole; the save's writer holds two bands of at most
+    # DEFAULT_BAND_BYTES (64 MiB).
     buffers = design_parts(config, devices=2)
     vocabulary = 32768 * 896
-    assert buffers["generate"] == {"actor FSDP unit gathered by the reshard": (vocabulary + 896) * 4}
-    # The larger trained role's: the actor's (its root's embedding, and a layer) over the critic's (a tiny root and
-    # the embedding).
+    assert buffers["generate"] == {"actor FSDP unit (or streamed vocabulary) gathered by the reshard": vocabulary * 4}
+    # The larger trained role's: the actor's (a layer, and one streamed step of 64 MiB) over the critic's (a tiny root
+    # and its embedding, a unit of its own).
     assert buffers["update"] == {
-        "actor FSDP root gathered + its unsharded gradient": 2 * (vocabulary + 896) * 4,
+        "actor FSDP root gathered + its unsharded gradient": 2 * 896 * 4,
         "actor largest other FSDP unit gathered + its unsharded gradient": 2 * shape.block_parameters * 4,
+        "actor streamed vocabulary: one step's rows gathered + their gradient": 2 * STREAM_CHUNK_BYTES,
     }
     assert buffers["export"] == {"save band being assembled + one piece": 2 * min(vocabulary * 4, DEFAULT_BAND_BYTES)}
     assert buffers["load"] == buffers["save"] == buffers["resume"] == {}

@@ -25,17 +25,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from spmd_rlhf.collectives import all_gather_flat
 from spmd_rlhf.hybrid.layout import GenerationLayout
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.lora import ADAPTER_SUFFIXES, LoRAAdapters, is_adapter, merged_weight
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.pipeline import stage_layers
+from spmd_rlhf.models.streamed_vocabulary import vocabulary_stream
 
 
 T = TypeVar("T")
 
-# torch 2.13 renames all_gather_into_tensor (kept, deprecated); 2.11 has only the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _in_group_order(items: list, layout_ranks: list[int]) -> list:
@@ -126,10 +126,14 @@ class HybridEngine:
         destinations: dict[str, torch.Tensor] = {}
         adapters: list[str] = []
         for block, prefix, inner in unit:
+            streams = {id(module.weight): vocabulary_stream(module) for module in block.modules() if vocabulary_stream(module)}
             for name, param in block.named_parameters():
                 if name.startswith(inner):
                     continue  # a unit of its own
                 full, dim = prefix + name, _split_dim(param)
+                if id(param) in streams:  # a tied vocabulary sharded over dp outside FSDP: gathered whole here
+                    targets[full].copy_(streams[id(param)].gather_full(param.to_local()))
+                    continue
                 if is_adapter(name):
                     shape = list(_local(param).shape)
                     if dim is not None and self.micro_dp_group is not None:
@@ -162,7 +166,7 @@ class HybridEngine:
         the ``m`` pieces laid side by side along its split dimension."""
         micro_dp = self.layout.micro_dp
         gathered = flat.new_empty(micro_dp * flat.numel())
-        _all_gather_flat(gathered, flat, group=self.micro_dp_group)
+        all_gather_flat(gathered, flat, group=self.micro_dp_group)
         pieces = _in_group_order(list(gathered.view(micro_dp, -1)), self.layout.micro_dp_group(self.rank))
         offset = 0
         for name, shape, dim in sharded:

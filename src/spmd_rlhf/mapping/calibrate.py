@@ -22,13 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..collectives import all_gather_flat
 from ..runtime.device import bind_thread
 from .cost import OPS_PER_LAYER
 from .profile import BUILTIN_PROFILES, DEFAULT_PROFILE_PATH, DeviceProfile, load_profile
 
 _JOIN_TIMEOUT_S = 120.0
-# torch 2.13 renames all_gather_into_tensor (kept, deprecated); 2.11 has only the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _best_seconds(run: Callable[[], object], *, repeats: int, sync: Callable[[], None]) -> float:
@@ -132,7 +131,7 @@ def _link_worker(rank: int, world_size: int, port: int, backend: str, num_bytes:
         sync = _sync_for(device)
         piece = torch.empty(num_bytes, dtype=torch.uint8, device=device)
         gathered = torch.empty(num_bytes * world_size, dtype=torch.uint8, device=device)
-        seconds = _best_seconds(lambda: _all_gather_flat(gathered, piece), repeats=3, sync=sync)
+        seconds = _best_seconds(lambda: all_gather_flat(gathered, piece), repeats=3, sync=sync)
         # Each rank sends its piece to the world_size - 1 others (ring: (w - 1)/w of the gathered bytes).
         bandwidth = num_bytes * (world_size - 1) / seconds
         tiny = torch.zeros(1, device=device)

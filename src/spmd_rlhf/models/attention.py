@@ -71,7 +71,10 @@ class AttentionBatch:
     ) -> AttentionBatch:
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError("pass either attention_mask (padded rows) or cu_seqlens (packed sequences), not both")
-        backend = resolve_backend(backend, device=device, dtype=dtype)
+        if backend == "auto":
+            # A named backend is taken as given: whoever named it checked it against the dtype the layers compute in,
+            # which weights still sharded (FSDP's, outside their unit's forward) do not show.
+            backend = resolve_backend(backend, device=device, dtype=dtype)
         if paged is not None:
             if attention_mask is not None or cu_seqlens is not None:
                 raise ValueError("a paged KV batch describes its own sequences; pass no attention_mask or cu_seqlens")

@@ -12,10 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import all_gather_flat
 from ..data.batch import Batch
 
-# torch 2.13 renames all_gather_into_tensor (kept, deprecated); 2.11 has only the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DPReducer:
@@ -46,7 +45,7 @@ class DPReducer:
         local = torch.tensor([*sums, *maxima], dtype=torch.float64)
         if self.size > 1:
             gathered = local.new_empty(self.size * len(local))
-            _all_gather_flat(gathered, local, group=self.group)
+            all_gather_flat(gathered, local, group=self.group)
             by_rank = gathered.view(self.size, len(local))
             local = torch.cat([by_rank[:, : len(sums)].sum(dim=0), by_rank[:, len(sums) :].amax(dim=0)])
         values = local.tolist()

@@ -30,6 +30,7 @@ from ..models import (
     log_probs_and_entropy_from_logits,
     log_probs_from_logits,
 )
+from ..models.attention import resolve_backend
 from ..models.lora import write_peft_adapter
 from ..models.parallelize import parallelize
 from ..models.pipeline import Pipeline, split_stage
@@ -75,7 +76,10 @@ class ShardedModel:
         # model.dtype directly.
         storage_dtype = torch.float32 if trainable and self.lora is None else compute_dtype
         # Built on the meta device and parallelized there; each rank then reads only its own pieces of the weights.
-        model = build_model(path, head=head, dtype=storage_dtype, attention_backend=config.model.attention)
+        # The backend is resolved from model.dtype here: at run time the model would read its dtype from weights that
+        # FSDP keeps as float32 shards until their unit is gathered (and a streamed vocabulary never gathers whole).
+        attention = resolve_backend(config.model.attention, device=self.device, dtype=compute_dtype)
+        model = build_model(path, head=head, dtype=storage_dtype, attention_backend=attention)
         dims, name = context.dims, context.name
         model = split_stage(model, stage=coordinates.pp, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

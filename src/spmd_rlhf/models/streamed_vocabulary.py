@@ -1,0 +1,215 @@
+"""A tied embedding and LM head whose weight stays sharded over the data-parallel ranks, gathered and reduced one
+chunk of rows at a time.
+
+Under FSDP2 a tied weight belongs to the root unit, used at both ends of the forward: it stays gathered from the
+embedding to the end of the backward, its unsharded gradient sums the head's and the embedding's, and the
+reduce-scatter copies that gradient once more into its own buffer. At Qwen2.5-0.5B's shape that is three
+``[vocab, hidden]`` tensors (1.5 GiB in float32) on every rank, for 136 M of the model's 494 M parameters.
+
+Here the weight is a DTensor sharded by rows over the dp mesh, the layout FSDP2 gives its own parameters (so the
+optimizer, DCP checkpoints, gradient clipping, the weight sync and the Hugging Face export read it as any other),
+and FSDP leaves it out (``ignored_params``). Rank ``r`` holds rows ``[r * band, (r + 1) * band)`` (``band`` =
+``ceil(vocab / dp)``; DTensor's uneven ``Shard(0)``). One step of a pass takes rows ``[start, start + count)`` of
+every rank's shard: one all-gather of ``dp * count`` rows in the compute dtype, used and dropped; in the backward,
+the gradient of the same rows is reduce-scattered back to their owners and averaged over dp, as FSDP2 averages.
+
+- Embedding: each step fills the hidden states of the tokens whose rows it gathered. Its backward adds each token's
+  gradient into its row of the step's rows and reduce-scatters them: no whole-vocabulary gradient.
+- Head: each step computes the logits of its rows for every position. Its backward gathers the rows again for the
+  hidden states' gradient, and reduce-scatters the rows' gradient ``grad_logits[:, rows].T @ hidden``.
+
+At peak a pass holds one step's gathered rows and their gradient (``chunk_bytes`` each), never the whole vocabulary.
+The price is communication: the weight is all-gathered three times per micro-batch (embedding, head, head's
+backward) and reduce-scattered twice, where FSDP's root gathers it once and reduce-scatters once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from spmd_rlhf.collectives import all_gather_flat, reduce_scatter_flat
+
+DEFAULT_CHUNK_BYTES = 64 * 1024**2
+"""Bytes of one step's gathered rows (every rank's part together) in the compute dtype."""
+
+
+@dataclass(frozen=True)
+class VocabularyStream:
+    """How a ``[rows, hidden]`` weight sharded by rows over ``group`` is streamed: the steps' row ranges within each
+    rank's shard, the dtype rows are gathered in, and the dtype gradients are reduced in."""
+
+    rows: int
+    hidden: int
+    ranks: int
+    group: dist.ProcessGroup
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    rows_per_step: int
+
+    @property
+    def band(self) -> int:
+        """Rows of a full shard (the last ranks' may be shorter, or empty)."""
+        return -(-self.rows // self.ranks)
+
+    def steps(self) -> list[tuple[int, int]]:
+        """``(start, count)`` of each step's rows within every rank's shard."""
+        return [(start, min(self.rows_per_step, self.band - start)) for start in range(0, self.band, self.rows_per_step)]
+
+    def owner_and_offset(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rank whose shard holds each id's row, and the row's place in that shard."""
+        return torch.div(ids, self.band, rounding_mode="floor"), ids % self.band
+
+    def gather(self, shard: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Rows ``[start, start + count)`` of every rank's shard, ``[ranks, count, hidden]`` in the compute dtype
+        (zeros past a shorter shard's end)."""
+        piece = shard[start : start + count].to(self.compute_dtype)
+        if piece.shape[0] < count:
+            piece = F.pad(piece, (0, 0, 0, count - piece.shape[0]))
+        gathered = piece.new_empty(self.ranks * count, self.hidden)
+        all_gather_flat(gathered, piece.contiguous(), group=self.group)
+        return gathered.view(self.ranks, count, self.hidden)
+
+    def reduce_into(self, rows_grad: torch.Tensor, grad_shard: torch.Tensor, start: int, count: int) -> None:
+        """Reduce-scatter the gradient of every rank's rows ``[start, start + count)`` (``[ranks * count, hidden]``)
+        and write this rank's mean over dp into those rows of ``grad_shard``."""
+        mine = rows_grad.new_empty(count, self.hidden, dtype=self.reduce_dtype)
+        reduce_scatter_flat(mine, rows_grad.to(self.reduce_dtype).contiguous(), group=self.group)
+        held = grad_shard[start : start + count]
+        held.copy_(mine[: held.shape[0]].div_(self.ranks))
+
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole weight ``[rows, hidden]`` in the compute dtype (for a copy of the model that holds it whole)."""
+        full = shard.new_empty(self.ranks, self.band, self.hidden, dtype=self.compute_dtype)
+        for start, count in self.steps():
+            full[:, start : start + count] = self.gather(shard, start, count)
+        return full.view(-1, self.hidden)[: self.rows]
+
+
+class _Embedding(torch.autograd.Function):
+    """``out[t] = weight[ids[t]]``; gradient w.r.t. the shard: each token's gradient added into its row."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, shard: torch.Tensor, stream: VocabularyStream) -> torch.Tensor:
+        owner, offset = stream.owner_and_offset(ids)
+        out = torch.zeros(ids.shape[0], stream.hidden, dtype=stream.compute_dtype, device=ids.device)
+        for start, count in stream.steps():
+            rows = stream.gather(shard, start, count)
+            local = offset - start
+            hit = (local >= 0) & (local < count)
+            out = torch.where(hit[:, None], rows[owner, local.clamp(0, count - 1)], out)
+        ctx.save_for_backward(owner, offset)
+        ctx.stream, ctx.shard_shape, ctx.shard_dtype = stream, shard.shape, shard.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        owner, offset = ctx.saved_tensors
+        stream = ctx.stream
+        grad_shard = grad_out.new_empty(ctx.shard_shape, dtype=ctx.shard_dtype)
+        for start, count in stream.steps():
+            local = offset - start
+            hit = (local >= 0) & (local < count)
+            rows_grad = grad_out.new_zeros(stream.ranks * count, stream.hidden, dtype=stream.reduce_dtype)
+            contribution = torch.where(hit[:, None], grad_out, 0).to(stream.reduce_dtype)
+            rows_grad.index_add_(0, owner * count + local.clamp(0, count - 1), contribution)
+            stream.reduce_into(rows_grad, grad_shard, start, count)
+        return None, grad_shard, None
+
+
+class _Head(torch.autograd.Function):
+    """``logits = hidden @ weight.T``; gradients ``grad_logits @ weight`` and ``grad_logits.T @ hidden``, one step's
+    rows at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, shard: torch.Tensor, stream: VocabularyStream) -> torch.Tensor:
+        logits = hidden.new_empty(hidden.shape[0], stream.ranks, stream.band, dtype=stream.compute_dtype)
+        for start, count in stream.steps():
+            rows = stream.gather(shard, start, count).view(-1, stream.hidden)
+            logits[:, :, start : start + count] = (hidden @ rows.T).view(-1, stream.ranks, count)
+        ctx.save_for_backward(hidden, shard)
+        ctx.stream = stream
+        return logits.view(hidden.shape[0], -1)[:, : stream.rows]
+
+    @staticmethod
+    def backward(ctx, grad_logits: torch.Tensor):
+        hidden, shard = ctx.saved_tensors
+        stream = ctx.stream
+        padding = stream.ranks * stream.band - stream.rows
+        grad_logits = F.pad(grad_logits, (0, padding)) if padding else grad_logits.contiguous()
+        grad_logits = grad_logits.view(-1, stream.ranks, stream.band)
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
+        grad_shard = shard.new_empty(shard.shape) if ctx.needs_input_grad[1] else None
+        for start, count in stream.steps():
+            step_grad = grad_logits[:, :, start : start + count].reshape(-1, stream.ranks * count)
+            if grad_hidden is not None:
+                rows = stream.gather(shard, start, count).view(-1, stream.hidden)
+                grad_hidden += (step_grad @ rows).float()
+                del rows
+            if grad_shard is not None:
+                stream.reduce_into(step_grad.T @ hidden, grad_shard, start, count)
+        return None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_shard, None
+
+
+def _shard(weight: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``weight`` as a DTensor sharded by rows over ``mesh`` (DTensor's uneven ``Shard(0)`` chunks, as FSDP2 lays
+    out its own parameters); this rank keeps only its rows. Works on the meta device."""
+    band = -(-weight.shape[0] // mesh.size())
+    start = min(mesh.get_local_rank() * band, weight.shape[0])
+    local = weight.detach()[start : start + band].clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride())
+
+
+def _embed(module: nn.Embedding, stream: VocabularyStream, ids: torch.Tensor) -> torch.Tensor:
+    out = _Embedding.apply(ids.reshape(-1), module.weight.to_local(), stream)
+    return out.view(*ids.shape, stream.hidden)
+
+
+def _project(module: nn.Linear, stream: VocabularyStream, hidden: torch.Tensor) -> torch.Tensor:
+    logits = _Head.apply(hidden.reshape(-1, stream.hidden).to(stream.compute_dtype), module.weight.to_local(), stream)
+    return logits.view(*hidden.shape[:-1], stream.rows)
+
+
+def stream_tied_vocabulary(
+    embedding: nn.Embedding,
+    head: nn.Linear,
+    mesh: DeviceMesh,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    chunk_bytes: int | None = None,
+) -> nn.Parameter:
+    """Shard the weight ``embedding`` and ``head`` share by rows over the 1-D ``mesh`` and make both stream it (see
+    the module docstring); returns the new parameter, which both modules hold, for FSDP's ``ignored_params``.
+    ``compute_dtype`` (rows are gathered and used in it) and ``reduce_dtype`` default to the weight's dtype;
+    ``chunk_bytes``, the size of one step's gathered rows, to ``DEFAULT_CHUNK_BYTES``."""
+    if head.weight is not embedding.weight:
+        raise ValueError("stream_tied_vocabulary takes an embedding and a head that share one weight")
+    weight = embedding.weight
+    rows, hidden = weight.shape
+    compute_dtype = compute_dtype or weight.dtype
+    per_row = mesh.size() * hidden * torch.empty((), dtype=compute_dtype).element_size()
+    stream = VocabularyStream(
+        rows=rows, hidden=hidden, ranks=mesh.size(), group=mesh.get_group(), compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype or compute_dtype, rows_per_step=max(1, (chunk_bytes or DEFAULT_CHUNK_BYTES) // per_row),
+    )
+    parameter = nn.Parameter(_shard(weight, mesh), requires_grad=weight.requires_grad)
+    embedding.weight = head.weight = parameter
+    embedding.forward = functools.partial(_embed, embedding, stream)
+    head.forward = functools.partial(_project, head, stream)
+    embedding.vocabulary_stream = stream
+    return parameter
+
+
+def vocabulary_stream(module: nn.Module) -> VocabularyStream | None:
+    """The stream of an embedding made to stream its weight by ``stream_tied_vocabulary``, else None."""
+    return getattr(module, "vocabulary_stream", None)

@@ -1,0 +1,66 @@
+"""``models.streamed_vocabulary`` on 3 gloo ranks: a tied embedding and head streamed over dp (an uneven split, in
+several steps) give the plain model's logits, and gradients equal to the plain model's on the whole batch, averaged
+over dp as FSDP averages; the streamed weight is left out of FSDP and keeps its shard only."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from spmd_rlhf.models import DecoderLM
+from spmd_rlhf.models import streamed_vocabulary
+from spmd_rlhf.models.parallelize import parallelize
+
+from tests.models.test_parallelize import tiny_args
+
+RANKS = 3
+VOCAB = 64  # 22 rows on the first two ranks, 20 on the last
+
+
+def _loss(model: DecoderLM, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids).float()
+    return (logits.logsumexp(-1) - logits[..., 0]).sum()
+
+
+def _compare(rank: int, port: int, results) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+    hidden = tiny_args().hidden_size
+    streamed_vocabulary.DEFAULT_CHUNK_BYTES = 5 * RANKS * hidden * 4  # 5 rows of each shard per step: 5 steps
+    torch.manual_seed(0)
+    args = dataclasses.replace(tiny_args(), tie_word_embeddings=True, vocab_size=VOCAB)
+    plain, sharded = DecoderLM(args, head="lm"), DecoderLM(args, head="lm")
+    sharded.load_state_dict(plain.state_dict())
+    for model in (plain, sharded):
+        model.reset_buffers()
+    parallelize(sharded, tp_mesh=None, dp_mesh=init_device_mesh("cpu", (RANKS,)), min_unit_bytes=0)
+    batch = torch.randint(0, VOCAB, (RANKS, 2, 7), generator=torch.Generator().manual_seed(1))
+    logits_equal = torch.allclose(sharded(batch[rank]), plain(batch[rank]), rtol=1e-5, atol=1e-6)
+    _loss(sharded, batch[rank]).backward()
+    (sum(_loss(plain, ids) for ids in batch) / RANKS).backward()
+    weight = sharded.model.embed_tokens.weight
+    grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
+    results[rank] = dict(
+        logits=logits_equal,
+        grads=all(torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()),
+        tied=sharded.lm_head.weight is weight,
+        shard=isinstance(weight, DTensor) and weight.to_local().shape[0] == (20 if rank == RANKS - 1 else 22),
+        steps=len(streamed_vocabulary.vocabulary_stream(sharded.model.embed_tokens).steps()),
+    )
+    dist.destroy_process_group()
+
+
+def test_a_streamed_tied_vocabulary_equals_the_plain_model():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_compare, args=(port, results), nprocs=RANKS)
+    expected = dict(logits=True, grads=True, tied=True, shard=True, steps=5)
+    assert dict(results) == {rank: expected for rank in range(RANKS)}
