@@ -9,6 +9,7 @@ Rank 0 writes the results as JSON to the path given.
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -71,9 +72,12 @@ def main() -> None:
         }
         with open(sys.argv[1], "w") as out:
             json.dump(results, out)
-    # Both ranks leave together: a gloo group torn down on one rank while the other is still busy can abort it.
+    # Both ranks leave together, and skip the interpreter's teardown: a thread the TP collectives leave joinable can
+    # still abort it ("terminate called without an active exception", seen in CI after the results were written).
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
