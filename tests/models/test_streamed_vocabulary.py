@@ -1,6 +1,7 @@
 """``models.streamed_vocabulary`` on 3 gloo ranks: a tied embedding and head streamed over dp (an uneven split, in
-several steps) give the plain model's logits, and gradients equal to the plain model's on the whole batch, averaged
-over dp as FSDP averages; the streamed weight is left out of FSDP and keeps its shard only."""
+several steps; the embedding by steps of rows, or by tokens when they fit one step) give the plain model's logits,
+and gradients equal to the plain model's on the whole batch, averaged over dp as FSDP averages; the streamed weight
+is left out of FSDP and keeps its shard only."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+import pytest
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
@@ -27,12 +29,15 @@ def _loss(model: DecoderLM, ids: torch.Tensor) -> torch.Tensor:
     return (logits.logsumexp(-1) - logits[..., 0]).sum()
 
 
-def _compare(rank: int, port: int, results) -> None:
+def _compare(rank: int, port: int, rows_per_step: int, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
     hidden = tiny_args().hidden_size
-    streamed_vocabulary.DEFAULT_CHUNK_BYTES = 5 * RANKS * hidden * 4  # 5 rows of each shard per step: 5 steps
+    streamed_vocabulary.DEFAULT_CHUNK_BYTES = rows_per_step * RANKS * hidden * 4
+    token_gathers = []
+    gather_tokens = streamed_vocabulary.VocabularyStream.gather_tokens
+    streamed_vocabulary.VocabularyStream.gather_tokens = lambda *args: token_gathers.append(1) or gather_tokens(*args)
     torch.manual_seed(0)
     args = dataclasses.replace(tiny_args(), tie_word_embeddings=True, vocab_size=VOCAB)
     plain, sharded = DecoderLM(args, head="lm"), DecoderLM(args, head="lm")
@@ -40,7 +45,8 @@ def _compare(rank: int, port: int, results) -> None:
     for model in (plain, sharded):
         model.reset_buffers()
     parallelize(sharded, tp_mesh=None, dp_mesh=init_device_mesh("cpu", (RANKS,)), min_unit_bytes=0)
-    batch = torch.randint(0, VOCAB, (RANKS, 2, 7), generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(1)
+    batch = [torch.randint(0, VOCAB, (2, length), generator=generator) for length in (7, 5, 6)]  # 14, 10, 12 tokens
     logits_equal = torch.allclose(sharded(batch[rank]), plain(batch[rank]), rtol=1e-5, atol=1e-6)
     _loss(sharded, batch[rank]).backward()
     (sum(_loss(plain, ids) for ids in batch) / RANKS).backward()
@@ -52,15 +58,17 @@ def _compare(rank: int, port: int, results) -> None:
         tied=sharded.lm_head.weight is weight,
         shard=isinstance(weight, DTensor) and weight.to_local().shape[0] == (20 if rank == RANKS - 1 else 22),
         steps=len(streamed_vocabulary.vocabulary_stream(sharded.model.embed_tokens).steps()),
+        by_tokens=len(token_gathers) == 2,  # the embedding's two forwards
     )
     dist.destroy_process_group()
 
 
-def test_a_streamed_tied_vocabulary_equals_the_plain_model():
+@pytest.mark.parametrize(("rows_per_step", "steps", "by_tokens"), [(5, 5, False), (20, 2, True)])
+def test_a_streamed_tied_vocabulary_equals_the_plain_model(rows_per_step, steps, by_tokens):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_compare, args=(port, results), nprocs=RANKS)
-    expected = dict(logits=True, grads=True, tied=True, shard=True, steps=5)
+    mp.spawn(_compare, args=(port, rows_per_step, results), nprocs=RANKS)
+    expected = dict(logits=True, grads=True, tied=True, shard=True, steps=steps, by_tokens=by_tokens)
     assert dict(results) == {rank: expected for rank in range(RANKS)}
