@@ -2,7 +2,7 @@
 tp, with FSDP, with pp=2) equals the single-rank generation token for token; peak memory per rank stays within
 training state + generation shard + KV cache (+ one block's gather buffers) and below a full copy when tp_g > 1;
 a generation round trip leaves the weights bitwise equal; after an update, generation equals a fresh single-rank
-actor loaded with the updated weights."""
+actor loaded with the updated weights. The same for a tied policy whose vocabulary streams over dp = 2."""
 
 from __future__ import annotations
 
@@ -100,3 +100,28 @@ def test_generation_after_update_uses_new_weights(run, layout):
     _, results = run
     assert results[layout]["updated"] == results[layout]["fresh"]
     assert results[layout]["updated"] != results["dp1tp1pp1:1"]["measured"][0]["responses"]
+
+
+@pytest.fixture(scope="module")
+def tied_run(tmp_path_factory):
+    """A tied (qwen2) policy with one FSDP unit per layer, so its vocabulary streams over dp = 2, against one rank."""
+    root = tmp_path_factory.mktemp("hybrid_tied")
+    policy = make_tiny(family="qwen2", out_dir=str(root / "policy"), hidden_size=32, num_heads=4, num_kv_heads=4,
+                       vocab_size=300, num_layers=2)
+    out = root / "out"
+    out.mkdir()
+    finished = torchrun("hybrid_generation.py", policy, str(out), "dp1tp1pp1:1", "dp2tp1pp1:1", nproc=2, timeout=300)
+    assert finished.returncode == 0, finished.stdout[-6000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_a_streamed_tied_vocabulary_generates_as_one_rank_before_and_after_an_update(tied_run):
+    out, results = tied_run
+    reference = results["dp1tp1pp1:1"]["measured"][0]["responses"]
+    streamed = results["dp2tp1pp1:1"]
+    rows = len(reference) // 2
+    for role_rank, rank_result in enumerate(streamed["measured"]):
+        assert rank_result["responses"] == reference[role_rank * rows : (role_rank + 1) * rows], role_rank
+    assert streamed["updated"] == streamed["fresh"] and streamed["updated"] != reference
+    before, after = hf_weights(f"{out}/dp2tp1pp1:1_before"), hf_weights(f"{out}/dp2tp1pp1:1_after")
+    assert before.keys() == after.keys() and all(before[name].equal(after[name]) for name in before)

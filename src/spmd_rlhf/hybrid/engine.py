@@ -132,7 +132,7 @@ class HybridEngine:
                     continue  # a unit of its own
                 full, dim = prefix + name, _split_dim(param)
                 if id(param) in streams:  # a tied vocabulary sharded over dp outside FSDP: gathered whole here
-                    targets[full].copy_(streams[id(param)].gather_full(param.to_local()))
+                    streams[id(param)].gather_into(param.to_local(), targets[full])
                     continue
                 if is_adapter(name):
                     shape = list(_local(param).shape)

@@ -102,12 +102,18 @@ class VocabularyStream:
         held = grad_shard[start : start + count]
         held.copy_(mine[: held.shape[0]].div_(self.ranks))
 
-    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        """The whole weight ``[rows, hidden]`` in the compute dtype (for a copy of the model that holds it whole)."""
-        full = shard.new_empty(self.ranks, self.band, self.hidden, dtype=self.compute_dtype)
-        for start, count in self.steps():
-            full[:, start : start + count] = self.gather(shard, start, count)
-        return full.view(-1, self.hidden)[: self.rows]
+    def gather_into(self, shard: torch.Tensor, whole: torch.Tensor) -> None:
+        """Copy the whole weight into ``whole`` ``[rows, hidden]`` (a copy of the model that holds it whole): one
+        all-gather, straight into ``whole`` when it is contiguous in the compute dtype and the split is even, else
+        through a buffer of the whole weight (as FSDP's unit gathered whole)."""
+        piece = shard.to(self.compute_dtype)
+        if piece.shape[0] < self.band:
+            piece = F.pad(piece, (0, 0, 0, self.band - piece.shape[0]))
+        direct = whole.is_contiguous() and whole.dtype == self.compute_dtype and self.rows == self.ranks * self.band
+        gathered = whole if direct else piece.new_empty(self.ranks * self.band, self.hidden)
+        all_gather_flat(gathered, piece.contiguous(), group=self.group)
+        if not direct:
+            whole.copy_(gathered[: self.rows])
 
 
 class _Embedding(torch.autograd.Function):

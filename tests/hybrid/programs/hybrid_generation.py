@@ -117,7 +117,7 @@ def main(coordinator):
         measured = actor.measured_generation([None] * len(pool)).result()
         actor.save_pretrained(f"{out_dir}/{layout}_after").result()
         results[layout] = {"measured": measured}
-        if "pp2:1" in layout or layout == "dp1tp4pp1:2":
+        if "pp2:1" in layout or layout in ("dp1tp4pp1:2", "dp2tp1pp1:1"):
             # One update, then greedy generation against a fresh single-rank actor loaded with the new weights.
             actor.update_actor(rollout_batch(16, 5, 6, vocab=100)).result()
             updated = actor.generate_sequences(prompts, greedy=True).result().fetch()["responses"]
