@@ -50,8 +50,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from spmd_rlhf.collectives import all_gather_flat
 from spmd_rlhf.config import load_config
-from spmd_rlhf.hybrid.engine import _all_gather_flat
 from spmd_rlhf.hybrid.memory import PeakMemory
 from spmd_rlhf.models import DecoderLM, model_from_tensors
 from spmd_rlhf.runtime import Coordinator, ParallelDims, ResourcePool, all_to_all, launch
@@ -140,7 +140,7 @@ class ReshardingActor(ActorWorker):
             dist.barrier(group=self.model.role_group)
             start = self._clock()
             for _ in range(messages):
-                _all_gather_flat(probe.new_empty(ranks * probe.numel()), probe, group=self.model.role_group)
+                all_gather_flat(probe.new_empty(ranks * probe.numel()), probe, group=self.model.role_group)
             seconds["all_gather"].append(self._clock() - start)
             for build, build_key, drop_key in (
                 (self.hybrid.generation_model, "to_generation", "to_training"),
