@@ -20,14 +20,14 @@ Beyond that strict floor, the design itself needs transient buffers that are not
 ``design_parts`` adds them, for a second ratio:
 
 - FSDP's gathered unit: FSDP2 all-gathers one unit at a time (a run of decoder layers of at least the role's
-  ``fsdp_unit_mb``, one layer at these shapes; an untied embedding or LM head; the root: the final norm, a value or
-  score head, a tied embedding below the unit size), in the compute dtype. The root stays gathered from the forward
-  to the end of the backward, and the backward makes each unit's unsharded gradient before the reduce-scatter. The
-  HybridEngine's reshard gathers the same units one at a time beside the generation copy, and a forward-only pass of
-  a sharded frozen role gathers its units one at a time.
-- A tied embedding and head of at least the unit size stream their weight outside FSDP
+  ``fsdp_unit_mb``, one layer at these shapes; the root: the final norm, a value or score head, vocabulary weights
+  below the unit size), in the compute dtype. The root stays gathered from the forward to the end of the backward,
+  and the backward makes each unit's unsharded gradient before the reduce-scatter. The HybridEngine's reshard
+  gathers the same units one at a time beside the generation copy, and a forward-only pass of a sharded frozen role
+  gathers its units one at a time.
+- Vocabulary weights of at least the unit size (an embedding, an LM head, a tied pair) stream outside FSDP
   (``spmd_rlhf.models.streamed_vocabulary``): a pass holds one step's gathered rows, and in the backward their
-  gradient; the HybridEngine's reshard gathers the weight whole, as it gathers a unit.
+  gradient; the HybridEngine's reshard gathers each weight whole, as it gathers a unit.
 - The streamed Hugging Face save's writer: the band being assembled and one piece received or converted, each at most
   ``BAND_BYTES`` (``spmd_rlhf.models.sharded_save``).
 
@@ -132,30 +132,29 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
 
 
 def streams_vocabulary(spec: RoleSpec, dtype_bytes: int, *, min_unit_bytes: int) -> bool:
-    """Whether ``spec``'s tied embedding and head stream their weight outside FSDP
-    (``spmd_rlhf.models.parallelize``: tied, at least ``min_unit_bytes`` as stored; this floor's roles are sharded over
-    at least 2 ranks, without TP or offload)."""
+    """Whether ``spec``'s vocabulary weights (an embedding, an LM head, or a tied pair) stream outside FSDP
+    (``spmd_rlhf.models.parallelize.streamed_vocabularies``: each at least ``min_unit_bytes`` as stored; this floor's
+    roles are sharded over at least 2 ranks, without TP or offload)."""
     stored = WEIGHT_BYTES if spec.trained else dtype_bytes
-    return spec.head == "lm" and spec.shape.tied and spec.shape.vocab * spec.shape.hidden * stored >= min_unit_bytes
+    return spec.shape.vocab * spec.shape.hidden * stored >= min_unit_bytes
 
 
 def fsdp_unit_bytes(spec: RoleSpec, dtype_bytes: int, *, min_unit_bytes: int) -> tuple[int, int]:
     """(the root unit, the largest other unit) of ``spec`` gathered, in bytes of ``dtype_bytes`` per parameter, as
     ``spmd_rlhf.models.parallelize.fsdp_units`` cuts the model (on the parameters as stored: float32 for a trained
-    role, else ``dtype_bytes``): runs of decoder layers of at least ``min_unit_bytes`` (``group_layers``), and an
-    untied embedding and LM head each alone when that large; the root holds the rest (the final norm, a value or score
-    head, a small embedding, the layers after the last full run). A tied vocabulary that streams is in neither."""
+    role, else ``dtype_bytes``): runs of decoder layers of at least ``min_unit_bytes`` (``group_layers``); the root
+    holds the rest (the final norm, a value or score head, the layers after the last full run, and vocabulary weights
+    too small to stream)."""
     shape = spec.shape
-    stored = WEIGHT_BYTES if spec.trained else dtype_bytes
     vocabulary = shape.vocab * shape.hidden
+    stored = WEIGHT_BYTES if spec.trained else dtype_bytes
     runs = group_layers([shape.block_parameters * stored] * shape.layers, min_unit_bytes)
     grouped = sum(len(run) for run in runs)
     vocabulary_modules = 1 if spec.head != "lm" or shape.tied else 2
-    vocabulary_alone = not (spec.head == "lm" and shape.tied) and vocabulary * stored >= min_unit_bytes
     root = shape.parameters(spec.head) - grouped * shape.block_parameters
-    if vocabulary_alone or streams_vocabulary(spec, dtype_bytes, min_unit_bytes=min_unit_bytes):
+    if streams_vocabulary(spec, dtype_bytes, min_unit_bytes=min_unit_bytes):
         root -= vocabulary_modules * vocabulary
-    largest = max([len(run) * shape.block_parameters for run in runs] + ([vocabulary] if vocabulary_alone else []), default=0)
+    largest = max((len(run) * shape.block_parameters for run in runs), default=0)
     return root * dtype_bytes, largest * dtype_bytes
 
 
@@ -172,7 +171,7 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
         return fsdp_unit_bytes(spec, b, min_unit_bytes=int(getattr(config, spec.name).fsdp_unit_mb * 2**20))
 
     def streamed(spec: RoleSpec) -> float:
-        """One step of a streamed vocabulary's rows, gathered (0 when it does not stream)."""
+        """One step of a streamed vocabulary weight's rows, gathered (0 when it does not stream)."""
         min_unit_bytes = int(getattr(config, spec.name).fsdp_unit_mb * 2**20)
         vocabulary = spec.shape.vocab * spec.shape.hidden * b
         return min(STREAM_CHUNK_BYTES, vocabulary) if streams_vocabulary(spec, b, min_unit_bytes=min_unit_bytes) else 0
@@ -191,7 +190,7 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
         return parts
 
     def reshard(spec: RoleSpec) -> float:
-        """What the HybridEngine gathers at once: an FSDP unit, or a streamed vocabulary whole."""
+        """What the HybridEngine gathers at once: an FSDP unit, or a streamed vocabulary weight whole."""
         whole = spec.shape.vocab * spec.shape.hidden * b if streamed(spec) else 0
         return max(*units(spec), whole)
 

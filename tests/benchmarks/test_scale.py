@@ -96,12 +96,14 @@ def test_floor_parts_at_a_real_shape(tmp_path):
     buffers = design_parts(config, devices=2)
     vocabulary = 32768 * 896
     assert buffers["generate"] == {"actor FSDP unit (or streamed vocabulary) gathered by the reshard": vocabulary * 4}
-    # The larger trained role's: the actor's (a layer, and one streamed step of 64 MiB) over the critic's (a tiny root
-    # and its embedding, a unit of its own).
+    # The larger trained role's: the critic's (its root holds the value head beside the final norm; a layer; its
+    # untied embedding streams too) over the actor's.
+    critic_root = shape.parameters("value") - shape.layers * shape.block_parameters - vocabulary
+    assert critic_root > 896
     assert buffers["update"] == {
-        "actor FSDP root gathered + its unsharded gradient": 2 * 896 * 4,
-        "actor largest other FSDP unit gathered + its unsharded gradient": 2 * shape.block_parameters * 4,
-        "actor streamed vocabulary: one step's rows gathered + their gradient": 2 * STREAM_CHUNK_BYTES,
+        "critic FSDP root gathered + its unsharded gradient": 2 * critic_root * 4,
+        "critic largest other FSDP unit gathered + its unsharded gradient": 2 * shape.block_parameters * 4,
+        "critic streamed vocabulary: one step's rows gathered + their gradient": 2 * STREAM_CHUNK_BYTES,
     }
     assert buffers["export"] == {"save band being assembled + one piece": 2 * min(vocabulary * 4, DEFAULT_BAND_BYTES)}
     assert buffers["load"] == buffers["save"] == buffers["resume"] == {}

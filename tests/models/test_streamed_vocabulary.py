@@ -1,7 +1,7 @@
-"""``models.streamed_vocabulary`` on 3 gloo ranks: a tied embedding and head streamed over dp (an uneven split, in
-several steps; the embedding by steps of rows, or by tokens when they fit one step) give the plain model's logits,
-and gradients equal to the plain model's on the whole batch, averaged over dp as FSDP averages; the streamed weight
-is left out of FSDP and keeps its shard only."""
+"""``models.streamed_vocabulary`` on 3 gloo ranks: an embedding and LM head, tied or not, streamed over dp (an uneven
+split, in several steps; the embedding by steps of rows, or by tokens when they fit one step) give the plain model's
+logits, and gradients equal to the plain model's on the whole batch, averaged over dp as FSDP averages; a streamed
+weight is left out of FSDP and keeps its shard only."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _loss(model: DecoderLM, ids: torch.Tensor) -> torch.Tensor:
     return (logits.logsumexp(-1) - logits[..., 0]).sum()
 
 
-def _compare(rank: int, port: int, rows_per_step: int, results) -> None:
+def _compare(rank: int, port: int, rows_per_step: int, tied: bool, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
@@ -39,7 +39,7 @@ def _compare(rank: int, port: int, rows_per_step: int, results) -> None:
     gather_tokens = streamed_vocabulary.VocabularyStream.gather_tokens
     streamed_vocabulary.VocabularyStream.gather_tokens = lambda *args: token_gathers.append(1) or gather_tokens(*args)
     torch.manual_seed(0)
-    args = dataclasses.replace(tiny_args(), tie_word_embeddings=True, vocab_size=VOCAB)
+    args = dataclasses.replace(tiny_args(), tie_word_embeddings=tied, vocab_size=VOCAB)
     plain, sharded = DecoderLM(args, head="lm"), DecoderLM(args, head="lm")
     sharded.load_state_dict(plain.state_dict())
     for model in (plain, sharded):
@@ -50,25 +50,30 @@ def _compare(rank: int, port: int, rows_per_step: int, results) -> None:
     logits_equal = torch.allclose(sharded(batch[rank]), plain(batch[rank]), rtol=1e-5, atol=1e-6)
     _loss(sharded, batch[rank]).backward()
     (sum(_loss(plain, ids) for ids in batch) / RANKS).backward()
-    weight = sharded.model.embed_tokens.weight
+    weights = (sharded.model.embed_tokens.weight, sharded.lm_head.weight)
     grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
     results[rank] = dict(
         logits=logits_equal,
         grads=all(torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()),
-        tied=sharded.lm_head.weight is weight,
-        shard=isinstance(weight, DTensor) and weight.to_local().shape[0] == (20 if rank == RANKS - 1 else 22),
+        tied=(weights[0] is weights[1]) == tied,
+        shard=all(
+            isinstance(weight, DTensor) and weight.to_local().shape[0] == (20 if rank == RANKS - 1 else 22)
+            for weight in weights
+        ),
         steps=len(streamed_vocabulary.vocabulary_stream(sharded.model.embed_tokens).steps()),
         by_tokens=len(token_gathers) == 2,  # the embedding's two forwards
     )
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("rows_per_step", "steps", "by_tokens"), [(5, 5, False), (20, 2, True)])
-def test_a_streamed_tied_vocabulary_equals_the_plain_model(rows_per_step, steps, by_tokens):
+@pytest.mark.parametrize(
+    ("rows_per_step", "steps", "by_tokens", "tied"), [(5, 5, False, True), (20, 2, True, True), (5, 5, False, False)]
+)
+def test_a_streamed_vocabulary_equals_the_plain_model(rows_per_step, steps, by_tokens, tied):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_compare, args=(port, rows_per_step, results), nprocs=RANKS)
+    mp.spawn(_compare, args=(port, rows_per_step, tied, results), nprocs=RANKS)
     expected = dict(logits=True, grads=True, tied=True, shard=True, steps=steps, by_tokens=by_tokens)
     assert dict(results) == {rank: expected for rank in range(RANKS)}

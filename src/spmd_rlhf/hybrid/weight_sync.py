@@ -172,7 +172,10 @@ def _plan(shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_
 
 def sync_metrics(params: dict[str, torch.Tensor], *, dtype: torch.dtype, bucket_bytes: int) -> dict[str, float]:
     """``weight_sync/bytes`` (the weights in the rollout's ``dtype``) and ``weight_sync/buckets`` of a sync."""
-    element_bytes, bands, buckets = _plan(_global_shapes(list(params.items())), dtype, bucket_bytes)
+    return _plan_metrics(*_plan(_global_shapes(list(params.items())), dtype, bucket_bytes))
+
+
+def _plan_metrics(element_bytes: int, bands: list, buckets: list[list[int]]) -> dict[str, float]:
     moved = sum(band.numel for band in bands) * element_bytes
     return {"weight_sync/bytes": float(moved), "weight_sync/buckets": float(len(buckets))}
 
@@ -221,7 +224,7 @@ def send_weights(
             what = f"bucket {number + 1} of {len(buckets)} ({flat.numel() * element_bytes} bytes)"
             _wait(dist.broadcast(flat, src=sides.source, group=sides.group, async_op=True), sides, version, what)
             del flat
-    return sync_metrics(params, dtype=dtype, bucket_bytes=bucket_bytes)
+    return _plan_metrics(element_bytes, bands, buckets)
 
 
 class BackgroundSender:

@@ -1,8 +1,8 @@
 """Tensor and data parallelism for ``DecoderLM``, applied from outside the model in one fixed order: the TP plan
 (a dict of module name -> ``ColwiseParallel`` / ``RowwiseParallel``), activation checkpointing, ``torch.compile``
 (GPU), then FSDP2 ``fully_shard`` per run of decoder layers (one layer each at real sizes; ``fsdp_units``), on an
-untied embedding and LM head (each alone), and on the root; a tied embedding and head of unit size stream their
-weight, sharded over dp, outside FSDP (``streamed_vocabulary``).
+untied embedding and LM head (each alone) that do not stream, and on the root. Without TP, vocabulary weights of unit
+size (an embedding, an LM head, a tied pair) stream instead, sharded over dp outside FSDP (``streamed_vocabulary``).
 
 TP follows Megatron's split: q/k/v and gate/up are column-parallel (each TP rank owns whole heads / a slice of the
 MLP), o and down are row-parallel (their outputs all-reduced), the embedding is vocab-parallel (each rank owns a
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from spmd_rlhf.config_schema import LoRAConfig
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
-from spmd_rlhf.models.streamed_vocabulary import stream_tied_vocabulary
+from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary
 
 
 DECODER_LAYER_PLAN: dict[str, ParallelStyle] = {
@@ -92,24 +92,30 @@ def _local_bytes(module: torch.nn.Module) -> int:
     )
 
 
-def fsdp_units(model: DecoderLM, min_unit_bytes: int = 0) -> list[torch.nn.Module | list[torch.nn.Module]]:
+def fsdp_units(
+    model: DecoderLM, min_unit_bytes: int = 0, *, streamed: list[list[torch.nn.Module]] | None = None
+) -> list[torch.nn.Module | list[torch.nn.Module]]:
     """What FSDP2 shards as units of their own, below the root: runs of consecutive decoder layers of at least
     ``min_unit_bytes`` each (``group_layers``; one layer per unit at 0), and an untied embedding and LM head, each
-    alone when it reaches ``min_unit_bytes``. FSDP gathers one unit at a time and runs one all-gather (and in the
-    backward one reduce-scatter) per unit, whose fixed latency dominates when units are small, so small layers share a
-    unit and a model smaller than ``min_unit_bytes`` is the root alone. The root stays gathered from the forward to
-    the end of the backward: with the embedding and head in the root, a 7B model's 1.1 B vocabulary parameters would
-    be gathered (and their gradient unsharded) together for the whole pass. A tied pair is no unit: one parameter
-    belongs to one unit, and the embedding and the head use it at both ends of the forward; it streams instead
-    (``_streams_tied_vocabulary``), or below ``min_unit_bytes`` stays in the root."""
+    alone when it reaches ``min_unit_bytes`` and does not stream (``streamed``, from ``streamed_vocabularies``). FSDP
+    gathers one unit at a time and runs one all-gather (and in the backward one reduce-scatter) per unit, whose fixed
+    latency dominates when units are small, so small layers share a unit and a model smaller than ``min_unit_bytes``
+    is the root alone. The root stays gathered from the forward to the end of the backward: with the embedding and
+    head in the root, a 7B model's 1.1 B vocabulary parameters would be gathered (and their gradient unsharded)
+    together for the whole pass. A tied pair is no unit: one parameter belongs to one unit, and the embedding and the
+    head use it at both ends of the forward; it streams, or below ``min_unit_bytes`` stays in the root."""
     layers = list(model.model.layers.values())
     units: list[torch.nn.Module | list[torch.nn.Module]] = [
         layers[group[0]] if len(group) == 1 else [layers[index] for index in group]
         for group in group_layers([_local_bytes(layer) for layer in layers], min_unit_bytes)
     ]
     if not _tied(model):
+        streaming = {id(module) for group in streamed or [] for module in group}
         vocabulary = (model.model.embed_tokens, getattr(model, "lm_head", None))
-        units += [module for module in vocabulary if module is not None and _local_bytes(module) >= min_unit_bytes]
+        units += [
+            module for module in vocabulary
+            if module is not None and _local_bytes(module) >= min_unit_bytes and id(module) not in streaming
+        ]
     return units
 
 
@@ -125,19 +131,18 @@ def _tied_without_tensor_parallelism(model: DecoderLM, tp_mesh: DeviceMesh | Non
     return _tied(model) and (tp_mesh is None or tp_mesh.size() == 1)
 
 
-def _streams_tied_vocabulary(
+def streamed_vocabularies(
     model: DecoderLM, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh, *, offload: bool, min_unit_bytes: int
-) -> bool:
-    """Whether a tied embedding and head stream their weight (``streamed_vocabulary``) instead of staying in FSDP's
-    root: tied without TP, sharded over a 1-D dp mesh of more than one rank, not offloaded to the host, and at least
-    ``min_unit_bytes`` (the size at which an untied embedding or head becomes a unit of its own)."""
-    return (
-        _tied_without_tensor_parallelism(model, tp_mesh)
-        and dp_mesh.ndim == 1
-        and dp_mesh.size() > 1
-        and not offload
-        and _local_bytes(model.model.embed_tokens) >= min_unit_bytes
-    )
+) -> list[list[torch.nn.Module]]:
+    """The vocabulary weights that stream (``streamed_vocabulary``) instead of being FSDP units or in its root, each
+    as the modules that use it (a tied embedding and head share one): without TP (a vocab-parallel split is TP's),
+    sharded over a 1-D dp mesh of more than one rank, not offloaded to the host, and each weight at least
+    ``min_unit_bytes`` (the size at which it would be a unit of its own)."""
+    if (tp_mesh is not None and tp_mesh.size() > 1) or dp_mesh.ndim != 1 or dp_mesh.size() < 2 or offload:
+        return []
+    embedding, head = model.model.embed_tokens, getattr(model, "lm_head", None)
+    groups = [[embedding, head]] if _tied(model) else [[module] for module in (embedding, head) if module is not None]
+    return [group for group in groups if _local_bytes(group[0]) >= min_unit_bytes]
 
 
 def parallelize(
@@ -161,9 +166,9 @@ def parallelize(
     for its forward and backward); ``min_unit_bytes``: how ``fsdp_units`` groups layers.
 
     Works on a whole model or on a pipeline stage of one. Tied embedding / LM-head weights stay tied: both are
-    vocab-sharded the same way, so the head reuses the embedding's sharded parameter. Under FSDP without TP a tied
-    weight of at least ``min_unit_bytes`` streams (``streamed_vocabulary``); a smaller one stays in the root, its
-    embedding's gradient sparse, added into the head's dense one in place. Neither checkpointing nor
+    vocab-sharded the same way, so the head reuses the embedding's sharded parameter. Under FSDP without TP vocabulary
+    weights of at least ``min_unit_bytes`` stream (``streamed_vocabularies``); a smaller tied one stays in the root,
+    its embedding's gradient sparse, added into the head's dense one in place. Neither checkpointing nor
     compiling wraps a layer in another module, so parameter names stay Hugging Face's.
     """
     if tp_mesh is not None and tp_mesh.size() > 1:
@@ -180,20 +185,20 @@ def parallelize(
             layer.compile()
     if dp_mesh is not None:
         policy = mp_policy or MixedPrecisionPolicy()
-        streamed = set()
-        if _streams_tied_vocabulary(model, tp_mesh, dp_mesh, offload=offload, min_unit_bytes=min_unit_bytes):
-            streamed.add(stream_tied_vocabulary(
-                model.model.embed_tokens, model.lm_head, dp_mesh, compute_dtype=policy.param_dtype,
-                reduce_dtype=policy.reduce_dtype or policy.param_dtype,
-            ))
-        elif _tied_without_tensor_parallelism(model, tp_mesh):
+        streamed = streamed_vocabularies(model, tp_mesh, dp_mesh, offload=offload, min_unit_bytes=min_unit_bytes)
+        ignored = {
+            stream_vocabulary(group, dp_mesh, compute_dtype=policy.param_dtype,
+                              reduce_dtype=policy.reduce_dtype or policy.param_dtype)
+            for group in streamed
+        }
+        if not streamed and _tied_without_tensor_parallelism(model, tp_mesh):
             # The root unit holds the tied weight, and the backward sums two [vocab, hidden] gradients into it: the
             # head's, dense, and the embedding's. A sparse embedding gradient (the rows of the batch's tokens) is
             # added into the head's in place, so the whole-vocabulary gradient exists once, not twice.
             model.model.embed_tokens.sparse = True
         offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-        for module in fsdp_units(model, min_unit_bytes):
+        for module in fsdp_units(model, min_unit_bytes, streamed=streamed):
             fully_shard(module, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy, ignored_params=streamed or None)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy, ignored_params=ignored or None)
     return adapters
 

@@ -1,10 +1,12 @@
-"""A tied embedding and LM head whose weight stays sharded over the data-parallel ranks, gathered and reduced one
-chunk of rows at a time.
+"""Vocabulary weights (an embedding, an LM head, or a tied pair) that stay sharded over the data-parallel ranks,
+gathered and reduced one chunk of rows at a time.
 
-Under FSDP2 a tied weight belongs to the root unit, used at both ends of the forward: it stays gathered from the
-embedding to the end of the backward, its unsharded gradient sums the head's and the embedding's, and the
-reduce-scatter copies that gradient once more into its own buffer. At Qwen2.5-0.5B's shape that is three
-``[vocab, hidden]`` tensors (1.5 GiB in float32) on every rank, for 136 M of the model's 494 M parameters.
+Under FSDP2 a vocabulary weight is gathered whole for its unit's forward and its whole gradient made unsharded before
+the reduce-scatter copies it once more into its own buffer (cast to float32 first, under a bf16 policy). A tied
+weight is worse off: it belongs to the root unit, used at both ends of the forward, so it stays gathered from the
+embedding to the end of the backward and its gradient sums the head's and the embedding's. At Qwen2.5-0.5B's shape
+(tied) that is three ``[vocab, hidden]`` tensors (1.5 GiB in float32) on every rank, for 136 M of the model's 494 M
+parameters; at Qwen2.5-7B's (untied) each of the two matrices is 545 M parameters.
 
 Here the weight is a DTensor sharded by rows over the dp mesh, the layout FSDP2 gives its own parameters (so the
 optimizer, DCP checkpoints, gradient clipping, the weight sync and the Hugging Face export read it as any other),
@@ -231,22 +233,22 @@ def _project(module: nn.Linear, stream: VocabularyStream, hidden: torch.Tensor) 
     return logits.view(*hidden.shape[:-1], stream.rows)
 
 
-def stream_tied_vocabulary(
-    embedding: nn.Embedding,
-    head: nn.Linear,
+def stream_vocabulary(
+    modules: list[nn.Embedding | nn.Linear],
     mesh: DeviceMesh,
     *,
     compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     chunk_bytes: int | None = None,
 ) -> nn.Parameter:
-    """Shard the weight ``embedding`` and ``head`` share by rows over the 1-D ``mesh`` and make both stream it (see
-    the module docstring); returns the new parameter, which both modules hold, for FSDP's ``ignored_params``.
-    ``compute_dtype`` (rows are gathered and used in it) and ``reduce_dtype`` default to the weight's dtype;
-    ``chunk_bytes``, the size of one step's gathered rows, to ``DEFAULT_CHUNK_BYTES``."""
-    if head.weight is not embedding.weight:
-        raise ValueError("stream_tied_vocabulary takes an embedding and a head that share one weight")
-    weight = embedding.weight
+    """Shard the ``[vocab, hidden]`` weight ``modules`` share (an embedding, an LM head, or a tied pair of them) by
+    rows over the 1-D ``mesh`` and make each module stream it (see the module docstring); returns the new parameter,
+    which every module holds, for FSDP's ``ignored_params``. ``compute_dtype`` (rows are gathered and used in it) and
+    ``reduce_dtype`` default to the weight's dtype; ``chunk_bytes``, the size of one step's gathered rows, to
+    ``DEFAULT_CHUNK_BYTES``."""
+    weight = modules[0].weight
+    if any(module.weight is not weight for module in modules):
+        raise ValueError("stream_vocabulary takes modules that share one weight (an embedding tied to its LM head)")
     rows, hidden = weight.shape
     compute_dtype = compute_dtype or weight.dtype
     per_row = mesh.size() * hidden * torch.empty((), dtype=compute_dtype).element_size()
@@ -256,13 +258,13 @@ def stream_tied_vocabulary(
         rows_per_step=max(1, (chunk_bytes or DEFAULT_CHUNK_BYTES) // per_row),
     )
     parameter = nn.Parameter(_shard(weight, mesh), requires_grad=weight.requires_grad)
-    embedding.weight = head.weight = parameter
-    embedding.forward = functools.partial(_embed, embedding, stream)
-    head.forward = functools.partial(_project, head, stream)
-    embedding.vocabulary_stream = stream
+    for module in modules:
+        module.weight = parameter
+        module.forward = functools.partial(_embed if isinstance(module, nn.Embedding) else _project, module, stream)
+        module.vocabulary_stream = stream
     return parameter
 
 
 def vocabulary_stream(module: nn.Module) -> VocabularyStream | None:
-    """The stream of an embedding made to stream its weight by ``stream_tied_vocabulary``, else None."""
+    """The stream of a module made to stream its weight by ``stream_vocabulary``, else None."""
     return getattr(module, "vocabulary_stream", None)
