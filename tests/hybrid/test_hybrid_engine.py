@@ -33,16 +33,22 @@ def test_layout_groups():
         GenerationLayout(ParallelDims(tp=4), tuple(range(4)), tp=3)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid")
-    policy = make_tiny(family="llama", out_dir=str(root / "policy"), hidden_size=32, num_heads=4, num_kv_heads=4,
-                       vocab_size=300, num_layers=4)
+def generate_in_layouts(root, *, family: str, num_layers: int, layouts: list[str], nproc: int, timeout: int):
+    """``hybrid_generation.py`` on a tiny policy of ``family`` in the one-rank layout and ``layouts``: its output
+    directory and results."""
+    policy = make_tiny(family=family, out_dir=str(root / "policy"), hidden_size=32, num_heads=4, num_kv_heads=4,
+                       vocab_size=300, num_layers=num_layers)
     out = root / "out"
     out.mkdir()
-    finished = torchrun("hybrid_generation.py", policy, str(out), "dp1tp1pp1:1", *LAYOUTS, nproc=4, timeout=400)
+    finished = torchrun("hybrid_generation.py", policy, str(out), "dp1tp1pp1:1", *layouts, nproc=nproc, timeout=timeout)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return generate_in_layouts(tmp_path_factory.mktemp("hybrid"), family="llama", num_layers=4, layouts=LAYOUTS,
+                               nproc=4, timeout=400)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -105,14 +111,8 @@ def test_generation_after_update_uses_new_weights(run, layout):
 @pytest.fixture(scope="module")
 def tied_run(tmp_path_factory):
     """A tied (qwen2) policy with one FSDP unit per layer, so its vocabulary streams over dp = 2, against one rank."""
-    root = tmp_path_factory.mktemp("hybrid_tied")
-    policy = make_tiny(family="qwen2", out_dir=str(root / "policy"), hidden_size=32, num_heads=4, num_kv_heads=4,
-                       vocab_size=300, num_layers=2)
-    out = root / "out"
-    out.mkdir()
-    finished = torchrun("hybrid_generation.py", policy, str(out), "dp1tp1pp1:1", "dp2tp1pp1:1", nproc=2, timeout=300)
-    assert finished.returncode == 0, finished.stdout[-6000:]
-    return out, json.loads((out / "results.json").read_text())
+    return generate_in_layouts(tmp_path_factory.mktemp("hybrid_tied"), family="qwen2", num_layers=2,
+                               layouts=["dp2tp1pp1:1"], nproc=2, timeout=300)
 
 
 def test_a_streamed_tied_vocabulary_generates_as_one_rank_before_and_after_an_update(tied_run):
