@@ -26,7 +26,12 @@ setup(
         # interpreters are broken and those tests skip), and >= 3.5 leaves a GPU image's torch-pinned triton alone;
         # trl: the GPU benchmarks' TRL baseline is smoke-tested on CPU; peft: LoRA parity and export round trips.
         "test": [
-            "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "tensorboard>=2.16", "wandb>=0.17", "trl>=1.16,<2",
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "matplotlib>=3.8",
+            "tensorboard>=2.16",
+            "wandb>=0.17",
+            "trl>=1.16,<2",
             "peft>=0.17",
             "triton>=3.5,<3.10; platform_system == 'Linux' and platform_machine == 'x86_64'",
         ],

@@ -41,30 +41,75 @@ from spmd_rlhf.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE, CONFIG = ROOT / "recipes" / "grpo.py", ROOT / "recipes" / "configs" / "grpo.yaml"
-SHAPE = ("rollout.max_new_tokens=16", "rollout.n=8", "actor.mini_batch_size=64", "actor.micro_batch_size=16",
-         "reference.micro_batch_size=16", "trainer.val_every=0", "trainer.save_every=100000")
+SHAPE = (
+    "rollout.max_new_tokens=16",
+    "rollout.n=8",
+    "actor.mini_batch_size=64",
+    "actor.micro_batch_size=16",
+    "reference.micro_batch_size=16",
+    "trainer.val_every=0",
+    "trainer.save_every=100000",
+)
 MODES = {
     "colocated_sync": ("placement=colocate",),
     "split_sync": ("placement=split", "rollout.enabled=true"),
-    "split_k1": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=1", "rollout.recompute_log_probs=true"),
-    "split_k2": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=2", "rollout.recompute_log_probs=true"),
-    "split_k2_background": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=2",
-                            "rollout.recompute_log_probs=true", "rollout.background_sync=true"),
-    "split_k2_partial": ("placement=split", "rollout.enabled=true", "algorithm.max_staleness=2",
-                         "rollout.recompute_log_probs=true", "rollout.partial_rollouts=keep_kv"),
+    "split_k1": (
+        "placement=split",
+        "rollout.enabled=true",
+        "algorithm.max_staleness=1",
+        "rollout.recompute_log_probs=true",
+    ),
+    "split_k2": (
+        "placement=split",
+        "rollout.enabled=true",
+        "algorithm.max_staleness=2",
+        "rollout.recompute_log_probs=true",
+    ),
+    "split_k2_background": (
+        "placement=split",
+        "rollout.enabled=true",
+        "algorithm.max_staleness=2",
+        "rollout.recompute_log_probs=true",
+        "rollout.background_sync=true",
+    ),
+    "split_k2_partial": (
+        "placement=split",
+        "rollout.enabled=true",
+        "algorithm.max_staleness=2",
+        "rollout.recompute_log_probs=true",
+        "rollout.partial_rollouts=keep_kv",
+    ),
 }
 
 
-def run_mode(mode: str, *, nproc: int, rollout_ranks: int, steps: int, overrides: list[str], workdir: Path) -> list[dict]:
+def run_mode(
+    mode: str, *, nproc: int, rollout_ranks: int, steps: int, overrides: list[str], workdir: Path
+) -> list[dict]:
     """The metrics records of one run of ``mode``."""
     split = [f"rollout.n_ranks={rollout_ranks}"] if mode != "colocated_sync" else []
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(RECIPE), "--config", str(CONFIG), "trainer.output_dir=out", f"trainer.total_steps={steps}",
-               *SHAPE, *MODES[mode], *split, *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(RECIPE),
+        "--config",
+        str(CONFIG),
+        "trainer.output_dir=out",
+        f"trainer.total_steps={steps}",
+        *SHAPE,
+        *MODES[mode],
+        *split,
+        *overrides,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     workdir.mkdir(parents=True)
     with open(workdir / "log", "w") as log:
-        finished = subprocess.run(command, cwd=workdir, env=environment, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
+        finished = subprocess.run(
+            command, cwd=workdir, env=environment, stdout=log, stderr=subprocess.STDOUT, timeout=3600
+        )
     if finished.returncode:
         raise RuntimeError(f"{mode} exited with {finished.returncode}:\n" + (workdir / "log").read_text()[-4000:])
     return [json.loads(line) for line in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -94,7 +139,9 @@ def gloo_link_rate(num_bytes: int, rounds: int = 5) -> float:
         port = probe.getsockname()[1]
     context = mp.get_context("spawn")
     result = context.Queue()
-    processes = [context.Process(target=_broadcast_rate, args=(rank, port, num_bytes, rounds, result)) for rank in (0, 1)]
+    processes = [
+        context.Process(target=_broadcast_rate, args=(rank, port, num_bytes, rounds, result)) for rank in (0, 1)
+    ]
     for process in processes:
         process.start()
     rate = result.get(timeout=600)
@@ -133,8 +180,14 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as root:
         for mode in options.modes:
-            records = run_mode(mode, nproc=options.nproc, rollout_ranks=options.rollout_ranks, steps=options.steps,
-                               overrides=options.overrides, workdir=Path(root) / mode)
+            records = run_mode(
+                mode,
+                nproc=options.nproc,
+                rollout_ranks=options.rollout_ranks,
+                steps=options.steps,
+                overrides=options.overrides,
+                workdir=Path(root) / mode,
+            )
             results[mode] = records
     sync_bytes = next((r["weight_sync/bytes"] for rs in results.values() for r in rs if "weight_sync/bytes" in r), None)
     link_rate = gloo_link_rate(int(sync_bytes)) if sync_bytes else None
@@ -144,13 +197,21 @@ def main() -> None:
     config = load_config(CONFIG, [*SHAPE, *options.overrides])
     samples_per_step = config.data.batch_size * config.rollout.n
     base = table.get("colocated_sync")
-    for mode, summary in table.items():
+    for summary in table.values():
         summary["samples_per_s"] = samples_per_step / summary["step_s"]
         if base:
             summary["speedup_vs_colocated_sync"] = base["step_s"] / summary["step_s"]
-    report = {"nproc": options.nproc, "rollout_ranks": options.rollout_ranks, "steps": options.steps,
-              "warmup": options.warmup, "overrides": [*SHAPE, *options.overrides], "samples_per_step": samples_per_step,
-              "gloo_broadcast_bytes_per_s": link_rate, "load_average_after": load, "runs": table}
+    report = {
+        "nproc": options.nproc,
+        "rollout_ranks": options.rollout_ranks,
+        "steps": options.steps,
+        "warmup": options.warmup,
+        "overrides": [*SHAPE, *options.overrides],
+        "samples_per_step": samples_per_step,
+        "gloo_broadcast_bytes_per_s": link_rate,
+        "load_average_after": load,
+        "runs": table,
+    }
     suffix = "" if (options.nproc, options.rollout_ranks) == (4, 2) else f"_{options.nproc}ranks"
     out = ROOT / "benchmarks" / "results" / f"async_cpu{suffix}.json"
     out.write_text(json.dumps(report, indent=2))
@@ -159,10 +220,12 @@ def main() -> None:
     for mode, summary in table.items():
         sync = summary.get("weight_sync_s")
         bound = summary.get("weight_sync_bound_s")
-        print(f"| {mode} | {summary['step_s']:.3f} | {summary['steps_per_s']:.2f} | {summary['samples_per_s']:.1f} | "
-              f"{summary.get('speedup_vs_colocated_sync', 1.0):.2f}x | {'' if sync is None else f'{sync:.4f}'} | "
-              f"{'' if bound is None else f'{bound:.4f}'} | "
-              f"{', '.join(f'{value:.3f}' for value in summary['reward_by_quarter'])} |")
+        print(
+            f"| {mode} | {summary['step_s']:.3f} | {summary['steps_per_s']:.2f} | {summary['samples_per_s']:.1f} | "
+            f"{summary.get('speedup_vs_colocated_sync', 1.0):.2f}x | {'' if sync is None else f'{sync:.4f}'} | "
+            f"{'' if bound is None else f'{bound:.4f}'} | "
+            f"{', '.join(f'{value:.3f}' for value in summary['reward_by_quarter'])} |"
+        )
     print(f"\nwrote {out}; load average after: {load}")
 
 

@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,10 +45,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
-
 from gpu_common import SHAPES
 from process_memory import run_with_peak_rss
+from transformers import TrainerCallback
+
 from spmd_rlhf.config import load_config
 from spmd_rlhf.runtime.host_memory import TUNABLE
 
@@ -67,31 +66,62 @@ CONFIGS = {
     "small_gen32": dict(hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=32, micro_batch_size=16),
     # 64 new tokens ended early by stop ids (3% of the vocabulary, given to both), so responses vary in length as
     # EOS-terminated ones do: continuous batching drops finished rows, packed training skips their padding.
-    "small_gen64": dict(hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=64, micro_batch_size=16,
-                        stop_fraction=0.03),
+    "small_gen64": dict(
+        hidden_size=256, num_layers=4, prompts=8, n=4, max_new_tokens=64, micro_batch_size=16, stop_fraction=0.03
+    ),
     # Qwen2.5-0.5B's shape (151,936-row tied vocabulary), random init, a small batch: where memory and the vocabulary
     # projection, not per-call overheads, decide. grpo.yaml's learning rate is sized for the tiny model and would
     # blow this one up (as in benchmarks/gpu_grpo.py).
     "qwen05b": dict(**SHAPES["0.5b"], prompts=2, n=2, max_new_tokens=16, micro_batch_size=2, lr=1e-6),
 }
-MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "model_vocab_size",
-                "max_position_embeddings", "tie_word_embeddings")
+MODEL_FIELDS = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "model_vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 """The keys of a ``CONFIGS`` entry that are ``make_tiny``'s (those left out keep its defaults)."""
 
-def _summary(*, launch: str, wall_s: float, samples: int, step_s: list[float], generated: list[float],
-             reward: list[float], stages: dict[str, list[float]], peak_rss: list[int] | None = None) -> dict:
+
+def _summary(
+    *,
+    launch: str,
+    wall_s: float,
+    samples: int,
+    step_s: list[float],
+    generated: list[float],
+    reward: list[float],
+    stages: dict[str, list[float]],
+    peak_rss: list[int] | None = None,
+) -> dict:
     """Per-step medians (robust to a busy neighbour on a shared machine) and the rates they give; with ``peak_rss``
     (bytes, one per process) the largest and all of them in GiB."""
     step = statistics.median(step_s)
-    memory = {} if peak_rss is None else {
-        "peak_rss_gib_per_process": [peak / 2**30 for peak in peak_rss], "peak_rss_gib": max(peak_rss) / 2**30,
-    }
+    memory = (
+        {}
+        if peak_rss is None
+        else {
+            "peak_rss_gib_per_process": [peak / 2**30 for peak in peak_rss],
+            "peak_rss_gib": max(peak_rss) / 2**30,
+        }
+    )
     return {
-        "launch": launch, "measured_steps": len(step_s), "wall_s_with_startup": wall_s,
-        "step_s": step, "step_s_mean": statistics.fmean(step_s), "steps_per_s": 1 / step,
-        "samples_per_s": samples / step, "generated_tokens_per_step": statistics.fmean(generated),
-        "generated_tokens_per_s": statistics.fmean(generated) / step, "reward_mean": statistics.fmean(reward),
-        "stage_s": {name: statistics.median(seconds) for name, seconds in stages.items()}, **memory,
+        "launch": launch,
+        "measured_steps": len(step_s),
+        "wall_s_with_startup": wall_s,
+        "step_s": step,
+        "step_s_mean": statistics.fmean(step_s),
+        "steps_per_s": 1 / step,
+        "samples_per_s": samples / step,
+        "generated_tokens_per_step": statistics.fmean(generated),
+        "generated_tokens_per_s": statistics.fmean(generated) / step,
+        "reward_mean": statistics.fmean(reward),
+        "stage_s": {name: statistics.median(seconds) for name, seconds in stages.items()},
+        **memory,
     }
 
 
@@ -100,7 +130,9 @@ def _run(command: list[str], *, cwd: str, threads: int, log: Path) -> float:
     return _run_measured(command, cwd=cwd, threads=threads, log=log)[0]
 
 
-def _run_measured(command: list[str], *, cwd: str, threads: int, log: Path, huge_pages: bool = False) -> tuple[float, list[int]]:
+def _run_measured(
+    command: list[str], *, cwd: str, threads: int, log: Path, huge_pages: bool = False
+) -> tuple[float, list[int]]:
     """``_run``, also giving the peak resident set size in bytes of every process the command started
     (``process_memory.run_with_peak_rss``); wall seconds and those peaks. ``huge_pages``: start the processes with
     glibc's huge-page tunable, as spmd_rlhf's CPU ranks give themselves (``runtime.host_memory``)."""
@@ -139,11 +171,19 @@ def spmd_command(spec: dict, *, out_dir: Path, nproc: int) -> list[str]:
     """The torchrun command line of the GRPO recipe run that ``spec`` describes, writing to ``out_dir``."""
     samples = spec["prompts"] * spec["n"]
     overrides = [
-        f"trainer.total_steps={spec['steps']}", f"trainer.output_dir={out_dir}", "trainer.loggers=[jsonl]",
-        "trainer.save_every=0", "trainer.val_every=0", f"data.batch_size={spec['prompts']}", f"rollout.n={spec['n']}",
-        f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.mini_batch_size={samples}",
-        f"actor.micro_batch_size={spec['micro_batch_size']}", f"reference.micro_batch_size={spec['micro_batch_size']}",
-        f"actor.lr={spec['lr']}", f"rollout.stop_token_ids=[{','.join(map(str, spec['stop_ids']))}]",
+        f"trainer.total_steps={spec['steps']}",
+        f"trainer.output_dir={out_dir}",
+        "trainer.loggers=[jsonl]",
+        "trainer.save_every=0",
+        "trainer.val_every=0",
+        f"data.batch_size={spec['prompts']}",
+        f"rollout.n={spec['n']}",
+        f"rollout.max_new_tokens={spec['max_new_tokens']}",
+        f"actor.mini_batch_size={samples}",
+        f"actor.micro_batch_size={spec['micro_batch_size']}",
+        f"reference.micro_batch_size={spec['micro_batch_size']}",
+        f"actor.lr={spec['lr']}",
+        f"rollout.stop_token_ids=[{','.join(map(str, spec['stop_ids']))}]",
     ]
     return _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
 
@@ -158,9 +198,13 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
         steps = [json.loads(line) for line in lines][warmup:]
     scoring = ("reward", "old_log_probs", "ref_log_probs", "advantages")
     return _summary(
-        launch=f"torchrun, {nproc} ranks x 1 thread" + ("" if huge_pages else ", 4 KiB pages"), wall_s=wall, samples=samples,
-        step_s=[row["time/step"] for row in steps], generated=[row["rollout/generated_tokens"] for row in steps],
-        reward=[row["reward/mean"] for row in steps], peak_rss=peak_rss,
+        launch=f"torchrun, {nproc} ranks x 1 thread" + ("" if huge_pages else ", 4 KiB pages"),
+        wall_s=wall,
+        samples=samples,
+        step_s=[row["time/step"] for row in steps],
+        generated=[row["rollout/generated_tokens"] for row in steps],
+        reward=[row["reward/mean"] for row in steps],
+        peak_rss=peak_rss,
         stages={
             "generate": [row["time/generate"] for row in steps],
             "score_and_log_probs": [sum(row.get(f"time/{stage}", 0.0) for stage in scoring) for row in steps],
@@ -228,59 +272,108 @@ def trl_worker(spec_path: str) -> None:
         ]
 
     config = GRPOConfig(
-        output_dir=spec["output_dir"], use_cpu=spec.get("device", "cpu") == "cpu", report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=spec["seed"], max_steps=spec["steps"],
+        output_dir=spec["output_dir"],
+        use_cpu=spec.get("device", "cpu") == "cpu",
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=spec["seed"],
+        max_steps=spec["steps"],
         per_device_train_batch_size=spec["micro_batch_size"],
         gradient_accumulation_steps=samples // (spec["micro_batch_size"] * world),
-        num_generations=spec["n"], max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
-        top_k=spec["top_k"], top_p=spec["top_p"],
-        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=spec["weight_decay"],
-        adam_beta1=spec["betas"][0], adam_beta2=spec["betas"][1], max_grad_norm=spec["grad_clip"],
-        beta=spec["kl_coef"], epsilon=spec["clip_low"], epsilon_high=spec["clip_high"], num_iterations=1,
-        loss_type="dapo", scale_rewards="group", bf16=spec.get("dtype") == "bfloat16", fp16=False,
-        gradient_checkpointing=False, use_vllm=False,
+        num_generations=spec["n"],
+        max_completion_length=spec["max_new_tokens"],
+        temperature=spec["temperature"],
+        top_k=spec["top_k"],
+        top_p=spec["top_p"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=spec["weight_decay"],
+        adam_beta1=spec["betas"][0],
+        adam_beta2=spec["betas"][1],
+        max_grad_norm=spec["grad_clip"],
+        beta=spec["kl_coef"],
+        epsilon=spec["clip_low"],
+        epsilon_high=spec["clip_high"],
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        bf16=spec.get("dtype") == "bfloat16",
+        fp16=False,
+        gradient_checkpointing=False,
+        use_vllm=False,
         # transformers' generate stops a row at any of these (its EOS and the config's stop ids, if any).
         generation_kwargs={"eos_token_id": [spec["eos_token_id"], *spec["stop_ids"]]} if spec.get("stop_ids") else None,
         model_init_kwargs={"dtype": spec.get("trl_weights", "float32"), "attn_implementation": "sdpa"},
     )
     dataset = Dataset.from_parquet(spec["train_file"])
     clock = StepClock()
-    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=rule_reward, args=config, train_dataset=dataset, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=spec["model_dir"], reward_funcs=rule_reward, args=config, train_dataset=dataset, callbacks=[clock]
+    )
     generate_s: list[float] = []
     generate_and_score_s: list[float] = []
     _time_method(trainer, "_generate", generate_s)
     _time_method(trainer, "_generate_and_score_completions", generate_and_score_s)
     trainer.train()
     if trainer.accelerator.is_main_process:
-        Path(spec["result"]).write_text(json.dumps({
-            "world": world, "step_s": clock.step_seconds, "generate_s": generate_s,
-            "generate_and_score_s": generate_and_score_s, "logs": clock.logs,
-        }))
+        Path(spec["result"]).write_text(
+            json.dumps(
+                {
+                    "world": world,
+                    "step_s": clock.step_seconds,
+                    "generate_s": generate_s,
+                    "generate_and_score_s": generate_and_score_s,
+                    "logs": clock.logs,
+                }
+            )
+        )
 
 
 def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int, huge_pages: bool = False) -> dict:
     """TRL's GRPO in a subprocess (one process, or ``nproc`` under torchrun), with glibc's huge pages if asked;
     per-step medians after ``warmup``."""
     workdir.mkdir()
-    spec = {**spec, "threads": threads, "output_dir": str(workdir / "trl_out"), "result": str(workdir / "trl_result.json")}
+    spec = {
+        **spec,
+        "threads": threads,
+        "output_dir": str(workdir / "trl_out"),
+        "result": str(workdir / "trl_result.json"),
+    }
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
     launcher = [sys.executable] if nproc == 1 else _torchrun(nproc)
-    wall, peak_rss = _run_measured(launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
-                                   cwd=str(workdir), threads=threads, log=workdir / "trl.log", huge_pages=huge_pages)
+    wall, peak_rss = _run_measured(
+        launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
+        cwd=str(workdir),
+        threads=threads,
+        log=workdir / "trl.log",
+        huge_pages=huge_pages,
+    )
     raw = json.loads(Path(spec["result"]).read_text())
-    step_s, generate, generate_and_score = (raw[key][warmup:] for key in ("step_s", "generate_s", "generate_and_score_s"))
+    step_s, generate, generate_and_score = (
+        raw[key][warmup:] for key in ("step_s", "generate_s", "generate_and_score_s")
+    )
     logs = raw["logs"][warmup:]
     if not len(step_s) == len(generate) == len(generate_and_score) == len(logs):
-        raise RuntimeError(f"TRL did not generate once per optimizer step ({len(generate)} generations, {len(step_s)} steps)")
+        raise RuntimeError(
+            f"TRL did not generate once per optimizer step ({len(generate)} generations, {len(step_s)} steps)"
+        )
     samples = spec["prompts"] * spec["n"]
     per_process = f"{threads} thread" + ("s" if threads > 1 else "")
     launch = f"1 process x {per_process}" if nproc == 1 else f"torchrun, {nproc} processes x {per_process}"
     launch += ", huge pages" if huge_pages else ""
     return _summary(
-        launch=launch, wall_s=wall, samples=samples, step_s=step_s,
-        generated=[row["completions/mean_length"] * samples for row in logs], reward=[row["reward"] for row in logs],
-        peak_rss=peak_rss, stages={
+        launch=launch,
+        wall_s=wall,
+        samples=samples,
+        step_s=step_s,
+        generated=[row["completions/mean_length"] * samples for row in logs],
+        reward=[row["reward"] for row in logs],
+        peak_rss=peak_rss,
+        stages={
             "generate": generate,
             "score_and_log_probs": [both - alone for both, alone in zip(generate_and_score, generate)],
             "update": [step - both for step, both in zip(step_s, generate_and_score)],
@@ -321,7 +414,11 @@ def _table(result: dict) -> str:
     )
     columns = ["", "spmd_rlhf", *(f"TRL ({name})" for name in trl), *(f"ratio vs TRL ({name})" for name in trl)]
     launches = [run["launch"] for run in (ours, *trl.values())] + [""] * len(trl)
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns), "| launch | " + " | ".join(launches) + " |"]
+    lines = [
+        "| " + " | ".join(columns) + " |",
+        "|" + " --- |" * len(columns),
+        "| launch | " + " | ".join(launches) + " |",
+    ]
     for label, key, fmt, ratio in ROWS:
         cells = [format(_value(run, key), fmt) for run in (ours, *trl.values())]
         cells += [f"{_value(ours, key) / _value(run, key):.2f}" if ratio else "" for run in trl.values()]
@@ -331,15 +428,20 @@ def _table(result: dict) -> str:
     return header + "\n".join(lines) + f"\n\nspmd_rlhf scoring stages (s/step): {stages}"
 
 
-SUMMARY_STAGES = (("step", "step_s"), ("generate", "generate"), ("reward + log-probs", "score_and_log_probs"),
-                  ("update", "update"))
+SUMMARY_STAGES = (
+    ("step", "step_s"),
+    ("generate", "generate"),
+    ("reward + log-probs", "score_and_log_probs"),
+    ("update", "update"),
+)
 
 
 def summary_table(results_dir: str) -> str:
     """One row per ``e2e_cpu_<config>.json`` in ``results_dir``: samples/s against TRL in one process, and each
     stage's time ratio (TRL / spmd_rlhf: above 1 is faster here)."""
     lines = [
-        "| config | samples/s spmd_rlhf | samples/s TRL | speedup | " + " | ".join(f"{name} speedup" for name, _ in SUMMARY_STAGES[1:])
+        "| config | samples/s spmd_rlhf | samples/s TRL | speedup | "
+        + " | ".join(f"{name} speedup" for name, _ in SUMMARY_STAGES[1:])
         + " | peak RSS / TRL's |",
         "| --- | ---: | ---: | ---: |" + " ---: |" * len(SUMMARY_STAGES[1:]) + " ---: |",
     ]
@@ -349,9 +451,15 @@ def summary_table(results_dir: str) -> str:
         if trl is None:
             continue
         stages = " | ".join(f"{_value(trl, key) / _value(ours, key):.2f}x" for _, key in SUMMARY_STAGES[1:])
-        memory = f"{ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}" if "peak_rss_gib" in ours and "peak_rss_gib" in trl else ""
-        lines.append(f"| {result['name']} | {ours['samples_per_s']:.1f} | {trl['samples_per_s']:.1f} | "
-                     f"{ours['samples_per_s'] / trl['samples_per_s']:.2f}x | {stages} | {memory} |")
+        memory = (
+            f"{ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}"
+            if "peak_rss_gib" in ours and "peak_rss_gib" in trl
+            else ""
+        )
+        lines.append(
+            f"| {result['name']} | {ours['samples_per_s']:.1f} | {trl['samples_per_s']:.1f} | "
+            f"{ours['samples_per_s'] / trl['samples_per_s']:.2f}x | {stages} | {memory} |"
+        )
     return "\n".join(lines)
 
 
@@ -360,13 +468,25 @@ def benchmark_spec(config: str, *, steps: int) -> dict:
     recipe = load_config(RECIPE_CONFIG)
     actor, algorithm = recipe.actor, recipe.algorithm
     if (algorithm.kl_penalty, algorithm.kl_estimator, algorithm.loss_aggregation) != ("loss", "k3", "token_mean"):
-        raise ValueError(f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
-                         "update the TRL arguments in this benchmark")
+        raise ValueError(
+            f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
+            "update the TRL arguments in this benchmark"
+        )
     return {
-        "lr": actor.lr, **CONFIGS[config], "steps": steps, "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
-        "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
-        "kl_coef": algorithm.kl_coef, "clip_low": algorithm.clip_ratio_low, "clip_high": algorithm.clip_ratio_high,
-        "temperature": recipe.rollout.temperature, "top_k": recipe.rollout.top_k, "top_p": recipe.rollout.top_p,
+        "lr": actor.lr,
+        **CONFIGS[config],
+        "steps": steps,
+        "seed": recipe.trainer.seed,
+        "rule": recipe.reward.rule,
+        "weight_decay": actor.weight_decay,
+        "betas": actor.betas,
+        "grad_clip": actor.grad_clip,
+        "kl_coef": algorithm.kl_coef,
+        "clip_low": algorithm.clip_ratio_low,
+        "clip_high": algorithm.clip_ratio_high,
+        "temperature": recipe.rollout.temperature,
+        "top_k": recipe.rollout.top_k,
+        "top_p": recipe.rollout.top_p,
     }
 
 
@@ -385,16 +505,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
     parser.add_argument("--summary", action="store_true", help="print one table of every config's ratios from --out")
-    parser.add_argument("--nproc", type=int, default=2, help="spmd_rlhf ranks (one thread each); TRL gets as many cores")
-    parser.add_argument("--trl-launch", default="both", choices=["process", "torchrun", "both"],
-                        help="TRL in one process with --nproc threads, under torchrun with --nproc processes, or both")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="spmd_rlhf ranks (one thread each); TRL gets as many cores"
+    )
+    parser.add_argument(
+        "--trl-launch",
+        default="both",
+        choices=["process", "torchrun", "both"],
+        help="TRL in one process with --nproc threads, under torchrun with --nproc processes, or both",
+    )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1, help="alternate the runs this often; each keeps its best round")
-    parser.add_argument("--no-host-huge-pages", action="store_true",
-                        help="run spmd_rlhf with trainer.host_huge_pages=false (glibc's default 4 KiB pages)")
-    parser.add_argument("--trl-huge-pages", action="store_true",
-                        help="also run TRL in one process with glibc's huge-page tunable, as our CPU ranks give themselves")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alternate the runs this often; each keeps its best round"
+    )
+    parser.add_argument(
+        "--no-host-huge-pages",
+        action="store_true",
+        help="run spmd_rlhf with trainer.host_huge_pages=false (glibc's default 4 KiB pages)",
+    )
+    parser.add_argument(
+        "--trl-huge-pages",
+        action="store_true",
+        help="also run TRL in one process with glibc's huge-page tunable, as our CPU ranks give themselves",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -414,16 +548,26 @@ def main() -> None:
         trl_version = None
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
-        print(f"note: 1-minute load average {load_before:.1f} before starting (an earlier run counts too); "
-              "other work on these cores skews the numbers")
-    launches = {"process": (1, args.nproc, False), "torchrun": (args.nproc, 1, False), "process_huge_pages": (1, args.nproc, True)}
-    trl_launches = [] if trl_version is None else ["process", "torchrun"] if args.trl_launch == "both" else [args.trl_launch]
+        print(
+            f"note: 1-minute load average {load_before:.1f} before starting (an earlier run counts too); "
+            "other work on these cores skews the numbers"
+        )
+    launches = {
+        "process": (1, args.nproc, False),
+        "torchrun": (args.nproc, 1, False),
+        "process_huge_pages": (1, args.nproc, True),
+    }
+    trl_launches = (
+        [] if trl_version is None else ["process", "torchrun"] if args.trl_launch == "both" else [args.trl_launch]
+    )
     trl_launches += ["process_huge_pages"] if args.trl_huge_pages and trl_version else []
     for name in trl_launches:
         samples, processes = spec["prompts"] * spec["n"], launches[name][0]
         if samples % (spec["micro_batch_size"] * processes):
-            raise ValueError(f"--config {args.config}: {samples} samples per step do not split into micro-batches of "
-                             f"{spec['micro_batch_size']} on {processes} TRL processes; change micro_batch_size in CONFIGS")
+            raise ValueError(
+                f"--config {args.config}: {samples} samples per step do not split into micro-batches of "
+                f"{spec['micro_batch_size']} on {processes} TRL processes; change micro_batch_size in CONFIGS"
+            )
     if trl_version is None:
         print("TRL is not installed, so only spmd_rlhf is measured; for both: pip install -e '.[bench]'")
     runs: dict[str, list[dict]] = {"spmd_rlhf": [], **{name: [] for name in trl_launches}}
@@ -431,31 +575,68 @@ def main() -> None:
         workdir = Path(directory)
         model_dir, vocab = build_model(spec, workdir)
         for round_index in range(args.rounds):
-            print(f"round {round_index + 1}/{args.rounds}: spmd_rlhf, {args.steps} steps on {args.nproc} ranks", flush=True)
-            runs["spmd_rlhf"].append(run_spmd(spec, workdir=workdir, out_dir=workdir / f"spmd_{round_index}",
-                                              nproc=args.nproc, warmup=args.warmup, huge_pages=not args.no_host_huge_pages))
+            print(
+                f"round {round_index + 1}/{args.rounds}: spmd_rlhf, {args.steps} steps on {args.nproc} ranks",
+                flush=True,
+            )
+            runs["spmd_rlhf"].append(
+                run_spmd(
+                    spec,
+                    workdir=workdir,
+                    out_dir=workdir / f"spmd_{round_index}",
+                    nproc=args.nproc,
+                    warmup=args.warmup,
+                    huge_pages=not args.no_host_huge_pages,
+                )
+            )
             for name in trl_launches:
                 nproc, threads, huge_pages = launches[name]
-                print(f"round {round_index + 1}/{args.rounds}: TRL {trl_version} ({name}), same model and task", flush=True)
-                runs[name].append(run_trl({**spec, "model_dir": str(model_dir), "train_file": str(workdir / TRAIN_FILE)},
-                                          workdir=workdir / f"trl_{name}_{round_index}", nproc=nproc, threads=threads,
-                                          warmup=args.warmup, huge_pages=huge_pages))
-    trl = {name: {**min(each, key=lambda run: run["step_s"]), "rounds_step_s": [run["step_s"] for run in each]}
-           for name, each in runs.items()}
+                print(
+                    f"round {round_index + 1}/{args.rounds}: TRL {trl_version} ({name}), same model and task",
+                    flush=True,
+                )
+                runs[name].append(
+                    run_trl(
+                        {**spec, "model_dir": str(model_dir), "train_file": str(workdir / TRAIN_FILE)},
+                        workdir=workdir / f"trl_{name}_{round_index}",
+                        nproc=nproc,
+                        threads=threads,
+                        warmup=args.warmup,
+                        huge_pages=huge_pages,
+                    )
+                )
+    trl = {
+        name: {**min(each, key=lambda run: run["step_s"]), "rounds_step_s": [run["step_s"] for run in each]}
+        for name, each in runs.items()
+    }
     ours = trl.pop("spmd_rlhf")
 
     result = {
-        "name": args.config, "config": spec, "vocab": vocab, "warmup": args.warmup, "spmd_rlhf": ours, "trl": trl,
+        "name": args.config,
+        "config": spec,
+        "vocab": vocab,
+        "warmup": args.warmup,
+        "spmd_rlhf": ours,
+        "trl": trl,
         "ratios": {
-            name: {"step_time": ours["step_s"] / run["step_s"], "samples_per_s": ours["samples_per_s"] / run["samples_per_s"],
-                   "peak_rss": ours["peak_rss_gib"] / run["peak_rss_gib"]}
+            name: {
+                "step_time": ours["step_s"] / run["step_s"],
+                "samples_per_s": ours["samples_per_s"] / run["samples_per_s"],
+                "peak_rss": ours["peak_rss_gib"] / run["peak_rss_gib"],
+            }
             for name, run in trl.items()
         },
-        "trl_version": trl_version, "torch": torch.__version__, "platform": platform.platform(), "cpus": os.cpu_count(),
-        "rounds": args.rounds, "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+        "trl_version": trl_version,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "rounds": args.rounds,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
         "command": f"python benchmarks/e2e_cpu.py --config {args.config} --nproc {args.nproc} --trl-launch {args.trl_launch} "
-                   f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}"
-                   + (" --no-host-huge-pages" if args.no_host_huge_pages else "") + (" --trl-huge-pages" if args.trl_huge_pages else ""),
+        f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}"
+        + (" --no-host-huge-pages" if args.no_host_huge_pages else "")
+        + (" --trl-huge-pages" if args.trl_huge_pages else ""),
     }
     print()
     print(_table(result))

@@ -34,8 +34,8 @@ import time
 from collections import defaultdict
 
 import torch
-
 from gpu_common import SHAPES
+
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models import load_model
 from spmd_rlhf.tiny.model import make_tiny
@@ -107,14 +107,37 @@ def _best_times(runs: dict, *, repeats: int, device: str) -> tuple[dict[str, flo
     return best, results
 
 
-def run_case(*, name: str, engine: LLMEngine, clock: StepClock, reference, prompts, input_ids, attention_mask,
-             n: int, greedy: bool, new_tokens: int, stop_ids: list[int], pad_id: int, repeats: int, device: str) -> dict:
+def run_case(
+    *,
+    name: str,
+    engine: LLMEngine,
+    clock: StepClock,
+    reference,
+    prompts,
+    input_ids,
+    attention_mask,
+    n: int,
+    greedy: bool,
+    new_tokens: int,
+    stop_ids: list[int],
+    pad_id: int,
+    repeats: int,
+    device: str,
+) -> dict:
     params = SamplingParams(
-        temperature=0.0 if greedy else 1.0, max_new_tokens=new_tokens, stop_token_ids=tuple(stop_ids), seed=None,
+        temperature=0.0 if greedy else 1.0,
+        max_new_tokens=new_tokens,
+        stop_token_ids=tuple(stop_ids),
+        seed=None,
     )
     requests = [prompt for prompt in prompts for _ in range(n)]
-    hf_options = dict(attention_mask=attention_mask, pad_token_id=pad_id, do_sample=not greedy,
-                      num_return_sequences=n, eos_token_id=stop_ids or None)
+    hf_options = dict(
+        attention_mask=attention_mask,
+        pad_token_id=pad_id,
+        do_sample=not greedy,
+        num_return_sequences=n,
+        eos_token_id=stop_ids or None,
+    )
     if not greedy:
         hf_options.update(temperature=1.0, top_k=0, top_p=1.0)
 
@@ -128,13 +151,17 @@ def run_case(*, name: str, engine: LLMEngine, clock: StepClock, reference, promp
             return reference.generate(input_ids, max_new_tokens=max_new_tokens, **hf_options)
 
     times, results = _best_times(
-        {"engine": engine_generate, "transformers": lambda: hf_generate(new_tokens),
-         "transformers_prefill": lambda: hf_generate(1)},
-        repeats=repeats, device=device,
+        {
+            "engine": engine_generate,
+            "transformers": lambda: hf_generate(new_tokens),
+            "transformers_prefill": lambda: hf_generate(1),
+        },
+        repeats=repeats,
+        device=device,
     )
     outputs, seconds, stats = results["engine"]
     engine_tokens = sum(len(out.generated_token_ids) for out in outputs)
-    hf_rows = results["transformers"][:, input_ids.shape[1]:]
+    hf_rows = results["transformers"][:, input_ids.shape[1] :]
     # A row's response ends at its first stop id (kept, like the engine's) or runs to the limit; the rest is padding.
     hf_lengths = []
     for row in hf_rows.tolist():
@@ -143,10 +170,16 @@ def run_case(*, name: str, engine: LLMEngine, clock: StepClock, reference, promp
     hf_tokens = sum(hf_lengths)
     hf_decode_s = max(times["transformers"] - times["transformers_prefill"], 1e-9)
     case = {
-        "case": name, "n": n, "greedy": greedy, "rows": len(requests),
-        "engine_s": times["engine"], "transformers_s": times["transformers"],
-        "engine_tokens": engine_tokens, "transformers_tokens": hf_tokens,
-        "engine_tokens_per_s": engine_tokens / times["engine"], "transformers_tokens_per_s": hf_tokens / times["transformers"],
+        "case": name,
+        "n": n,
+        "greedy": greedy,
+        "rows": len(requests),
+        "engine_s": times["engine"],
+        "transformers_s": times["transformers"],
+        "engine_tokens": engine_tokens,
+        "transformers_tokens": hf_tokens,
+        "engine_tokens_per_s": engine_tokens / times["engine"],
+        "transformers_tokens_per_s": hf_tokens / times["transformers"],
         "speedup": (engine_tokens / times["engine"]) / (hf_tokens / times["transformers"]),
         # Prompt tokens served per second: a prompt prefilled once for its n samples counts n times.
         "engine_prefill_tokens_per_s": int(attention_mask.sum()) * n / max(seconds.get("prefill", 0.0), 1e-9),
@@ -154,7 +187,8 @@ def run_case(*, name: str, engine: LLMEngine, clock: StepClock, reference, promp
         "engine_decode_tokens_per_s": (engine_tokens - len(requests)) / max(seconds.get("decode", 0.0), 1e-9),
         "transformers_decode_tokens_per_s": (hf_tokens - len(requests)) / hf_decode_s,
         "engine_model_share_of_decode": seconds.get("decode_model", 0.0) / max(seconds.get("decode", 0.0), 1e-9),
-        "engine_step_seconds": seconds, "engine_stats": stats,
+        "engine_step_seconds": seconds,
+        "engine_stats": stats,
     }
     if greedy:
         case["equal_responses"] = sum(out.generated_token_ids == row for out, row in zip(outputs, hf_rows.tolist()))
@@ -191,45 +225,85 @@ def main() -> None:
         label = f"h{args.hidden}_l{fields['num_layers']}"
     with tempfile.TemporaryDirectory() as path:
         make_tiny(family=args.family, out_dir=path, seed=0, **fields)
-        reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
+        reference = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
+        )
         ours = load_model(path, head="lm", dtype=dtype, device=args.device, attention_backend="sdpa").eval()
     reference.generation_config.eos_token_id = None
     pad_id = reference.config.pad_token_id
     vocab = reference.config.vocab_size
     prompts, input_ids, attention_mask = mixed_prompts(
-        args.prompts, args.min_prompt, args.max_prompt, token_ids=(5, min(vocab, 5000)), pad_id=pad_id,
-        device=args.device, seed=0,
+        args.prompts,
+        args.min_prompt,
+        args.max_prompt,
+        token_ids=(5, min(vocab, 5000)),
+        pad_id=pad_id,
+        device=args.device,
+        seed=0,
     )
     generator = torch.Generator().manual_seed(1)
-    stop_ids = sorted(torch.randperm(vocab - 5, generator=generator)[: max(1, int(args.stop_fraction * vocab))].add(5).tolist())
+    stop_ids = sorted(
+        torch.randperm(vocab - 5, generator=generator)[: max(1, int(args.stop_fraction * vocab))].add(5).tolist()
+    )
     rows = args.prompts * max(args.n)
-    engine = LLMEngine(ours, eos_token_id=None, block_size=args.block_size, max_num_seqs=rows,
-                       max_num_batched_tokens=sum(map(len, prompts)) * max(args.n))
+    engine = LLMEngine(
+        ours,
+        eos_token_id=None,
+        block_size=args.block_size,
+        max_num_seqs=rows,
+        max_num_batched_tokens=sum(map(len, prompts)) * max(args.n),
+    )
     clock = StepClock(engine)
-    common = dict(engine=engine, clock=clock, reference=reference, prompts=prompts, input_ids=input_ids,
-                  attention_mask=attention_mask, new_tokens=args.new_tokens, pad_id=pad_id, repeats=args.repeats,
-                  device=args.device)
+    common = dict(
+        engine=engine,
+        clock=clock,
+        reference=reference,
+        prompts=prompts,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        new_tokens=args.new_tokens,
+        pad_id=pad_id,
+        repeats=args.repeats,
+        device=args.device,
+    )
     cases = [run_case(name="greedy", n=1, greedy=True, stop_ids=[], **common)]
     cases += [run_case(name=f"sampled n={n}", n=n, greedy=False, stop_ids=stop_ids, **common) for n in args.n]
 
     result = {
-        "family": args.family, "model": label, "model_fields": fields, "vocab": vocab, "device": args.device,
-        "dtype": args.dtype, "prompts": args.prompts, "prompt_lengths": [args.min_prompt, args.max_prompt],
-        "new_tokens": args.new_tokens, "stop_ids": len(stop_ids), "block_size": args.block_size,
-        "repeats": args.repeats, "torch": torch.__version__, "platform": platform.platform(),
-        "threads": torch.get_num_threads(), "cases": cases,
+        "family": args.family,
+        "model": label,
+        "model_fields": fields,
+        "vocab": vocab,
+        "device": args.device,
+        "dtype": args.dtype,
+        "prompts": args.prompts,
+        "prompt_lengths": [args.min_prompt, args.max_prompt],
+        "new_tokens": args.new_tokens,
+        "stop_ids": len(stop_ids),
+        "block_size": args.block_size,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "cases": cases,
     }
-    print(f"{args.family} {label}, {args.device} {args.dtype}: {args.prompts} prompts of {args.min_prompt}-"
-          f"{args.max_prompt} tokens, up to {args.new_tokens} new tokens; {len(stop_ids)} stop ids in sampled cases")
-    print("| case | rows | tokens ours / HF | tokens/s ours | tokens/s HF | speedup | prefill tok/s ours / HF "
-          "| decode tok/s ours / HF | model share of decode |")
+    print(
+        f"{args.family} {label}, {args.device} {args.dtype}: {args.prompts} prompts of {args.min_prompt}-"
+        f"{args.max_prompt} tokens, up to {args.new_tokens} new tokens; {len(stop_ids)} stop ids in sampled cases"
+    )
+    print(
+        "| case | rows | tokens ours / HF | tokens/s ours | tokens/s HF | speedup | prefill tok/s ours / HF "
+        "| decode tok/s ours / HF | model share of decode |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for case in cases:
-        print(f"| {case['case']} | {case['rows']} | {case['engine_tokens']} / {case['transformers_tokens']} "
-              f"| {case['engine_tokens_per_s']:.0f} | {case['transformers_tokens_per_s']:.0f} | {case['speedup']:.2f}x "
-              f"| {case['engine_prefill_tokens_per_s']:.0f} / {case['transformers_prefill_tokens_per_s']:.0f} "
-              f"| {case['engine_decode_tokens_per_s']:.0f} / {case['transformers_decode_tokens_per_s']:.0f} "
-              f"| {case['engine_model_share_of_decode']:.0%} |")
+        print(
+            f"| {case['case']} | {case['rows']} | {case['engine_tokens']} / {case['transformers_tokens']} "
+            f"| {case['engine_tokens_per_s']:.0f} | {case['transformers_tokens_per_s']:.0f} | {case['speedup']:.2f}x "
+            f"| {case['engine_prefill_tokens_per_s']:.0f} / {case['transformers_prefill_tokens_per_s']:.0f} "
+            f"| {case['engine_decode_tokens_per_s']:.0f} / {case['transformers_decode_tokens_per_s']:.0f} "
+            f"| {case['engine_model_share_of_decode']:.0%} |"
+        )
     print(f"greedy responses equal to transformers': {cases[0]['equal_responses']}/{args.prompts}")
     os.makedirs(args.out, exist_ok=True)
     out_file = os.path.join(args.out, f"engine_generate_{args.family}_{label}_{args.device}_{args.dtype}.json")

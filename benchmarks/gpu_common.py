@@ -30,21 +30,62 @@ from spmd_rlhf.tiny.model import make_tiny
 SHAPES: dict[str, dict[str, int | bool | None]] = {
     # Qwen2.5 shapes, vocabulary padded past the tokenizer like the real checkpoints'; 0.5B and 1.5B tie the embedding
     # and the LM head (qwen2's make_tiny default), 7B and 14B do not.
-    "14b": dict(hidden_size=5120, num_layers=48, num_heads=40, num_kv_heads=8, intermediate_size=13824,
-                model_vocab_size=152064, max_position_embeddings=32768, tie_word_embeddings=False),
-    "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944,
-               model_vocab_size=152064, max_position_embeddings=32768, tie_word_embeddings=False),
-    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
-                 model_vocab_size=151936, max_position_embeddings=32768),
-    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-                 model_vocab_size=151936, max_position_embeddings=32768),
+    "14b": dict(
+        hidden_size=5120,
+        num_layers=48,
+        num_heads=40,
+        num_kv_heads=8,
+        intermediate_size=13824,
+        model_vocab_size=152064,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        intermediate_size=18944,
+        model_vocab_size=152064,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        intermediate_size=8960,
+        model_vocab_size=151936,
+        max_position_embeddings=32768,
+    ),
+    "0.5b": dict(
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        model_vocab_size=151936,
+        max_position_embeddings=32768,
+    ),
     # For --smoke: the tokenizer's own few hundred tokens.
-    "smoke": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                  model_vocab_size=None, max_position_embeddings=4096),
+    "smoke": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        model_vocab_size=None,
+        max_position_embeddings=4096,
+    ),
 }
 _CONFIG_KEYS = {  # SHAPES key -> config.json key, for checking a reused --model-dir
-    "hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size", "model_vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "intermediate_size": "intermediate_size",
+    "model_vocab_size": "vocab_size",
     "tie_word_embeddings": "tie_word_embeddings",
 }
 
@@ -76,7 +117,9 @@ def _check_shape(model_dir: str, shape: str, fields: dict[str, int | bool | None
 
 
 @contextmanager
-def shaped_model(shape: str, model_dir: str | None = None, *, seed: int = 0, layers: int | None = None) -> Iterator[str]:
+def shaped_model(
+    shape: str, model_dir: str | None = None, *, seed: int = 0, layers: int | None = None
+) -> Iterator[str]:
     """The directory of a random-init qwen2 model of ``shape`` (``SHAPES``, with ``layers`` layers if given) with
     ``make_tiny``'s tokenizer: built in a temporary directory removed afterwards, or in ``model_dir`` and kept there
     (a directory that already holds a model of that shape is used as it is, so several benchmarks can share one
@@ -184,8 +227,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_shape: str) 
 
 def parse_with_smoke(parser: argparse.ArgumentParser, smoke_defaults: dict) -> argparse.Namespace:
     """Parse the command line; with ``--smoke``, ``smoke_defaults`` replace the defaults (flags given still win)."""
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny model and sizes (seconds on CPU): checks the script, measures nothing of interest")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model and sizes (seconds on CPU): checks the script, measures nothing of interest",
+    )
     args = parser.parse_args()
     if args.smoke:
         parser.set_defaults(**smoke_defaults)
@@ -206,10 +252,16 @@ def environment(device: torch.device | str) -> dict:
     # Set by torchrun's agent (launch() sets RANK and friends itself for a plain one-process run).
     launcher = f"torchrun --nproc-per-node {world}" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
     return {
-        "device": torch.device(device).type, "device_name": device_name(device),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": _package_version("transformers"),
-        "triton": _package_version("triton"), "platform": platform.platform(), "cpus": os.cpu_count(),
-        "world_size": world, "command": f"{launcher} {shlex.join(sys.argv)}",
+        "device": torch.device(device).type,
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": _package_version("transformers"),
+        "triton": _package_version("triton"),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "world_size": world,
+        "command": f"{launcher} {shlex.join(sys.argv)}",
     }
 
 

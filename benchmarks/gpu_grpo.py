@@ -44,11 +44,18 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from e2e_cpu import RECIPE, RECIPE_CONFIG, _run, _summary, _torchrun
 from gpu_common import (
-    add_model_arguments, default_device, default_dtype, environment, meets_goal, parse_with_smoke, shaped_model, write_result,
+    add_model_arguments,
+    default_device,
+    default_dtype,
+    environment,
+    meets_goal,
+    parse_with_smoke,
+    shaped_model,
+    write_result,
 )
+
 from spmd_rlhf.config import load_config
 
 E2E_SCRIPT = Path(__file__).resolve().parent / "e2e_cpu.py"
@@ -74,13 +81,16 @@ def write_prompts(path: Path, *, model_dir: str, rows: int, prompt_tokens: int) 
         (message,) = row["prompt"]
         filler = prompt_tokens - len(encode_prompt(tokenizer, row["prompt"], where="base"))
         if filler < 0:
-            raise ValueError(f"--prompt-tokens={prompt_tokens} is shorter than the bare prompt; give at least "
-                             f"{prompt_tokens - filler}")
+            raise ValueError(
+                f"--prompt-tokens={prompt_tokens} is shorter than the bare prompt; give at least "
+                f"{prompt_tokens - filler}"
+            )
         message["content"] = "".join(rng.choice("0123456789") for _ in range(filler)) + message["content"]
         length = len(encode_prompt(tokenizer, row["prompt"], where=f"row {index}"))
         if length != prompt_tokens:
-            raise RuntimeError(f"row {index} renders to {length} tokens, not {prompt_tokens}: the tokenizer merged "
-                               "the filler digits")
+            raise RuntimeError(
+                f"row {index} renders to {length} tokens, not {prompt_tokens}: the tokenizer merged the filler digits"
+            )
     pq.write_table(pa.Table.from_pylist(table), path)
     return prompt_tokens
 
@@ -92,12 +102,23 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
     samples = spec["prompts"] * spec["n"]
     out_dir = workdir / "spmd_out"
     overrides = [
-        f"model.path={spec['model_dir']}", f"model.dtype={spec['dtype']}", f"data.train_files=[{spec['train_file']}]",
-        "data.val_files=[]", f"data.max_prompt_length={spec['prompt_tokens']}", f"data.batch_size={spec['prompts']}",
-        f"rollout.n={spec['n']}", f"rollout.max_new_tokens={spec['new_tokens']}", f"actor.lr={LEARNING_RATE}",
-        f"actor.mini_batch_size={samples}", f"actor.micro_batch_size={spec['micro_batch']}",
-        f"reference.micro_batch_size={spec['micro_batch']}", f"trainer.total_steps={spec['steps']}",
-        f"trainer.output_dir={out_dir}", "trainer.loggers=[jsonl]", "trainer.save_every=0", "trainer.val_every=0",
+        f"model.path={spec['model_dir']}",
+        f"model.dtype={spec['dtype']}",
+        f"data.train_files=[{spec['train_file']}]",
+        "data.val_files=[]",
+        f"data.max_prompt_length={spec['prompt_tokens']}",
+        f"data.batch_size={spec['prompts']}",
+        f"rollout.n={spec['n']}",
+        f"rollout.max_new_tokens={spec['new_tokens']}",
+        f"actor.lr={LEARNING_RATE}",
+        f"actor.mini_batch_size={samples}",
+        f"actor.micro_batch_size={spec['micro_batch']}",
+        f"reference.micro_batch_size={spec['micro_batch']}",
+        f"trainer.total_steps={spec['steps']}",
+        f"trainer.output_dir={out_dir}",
+        "trainer.loggers=[jsonl]",
+        "trainer.save_every=0",
+        "trainer.val_every=0",
         "trainer.resume=null",
     ]
     command = _torchrun(spec["nproc"]) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
@@ -106,13 +127,22 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
         steps = [json.loads(line) for line in lines][warmup:]
     tokens = [row["rollout/prompt_tokens"] + row["rollout/generated_tokens"] for row in steps]
     summary = _summary(
-        launch=f"torchrun, {spec['nproc']} rank(s)", wall_s=wall, samples=samples,
-        step_s=[row["time/step"] for row in steps], generated=[row["rollout/generated_tokens"] for row in steps],
+        launch=f"torchrun, {spec['nproc']} rank(s)",
+        wall_s=wall,
+        samples=samples,
+        step_s=[row["time/step"] for row in steps],
+        generated=[row["rollout/generated_tokens"] for row in steps],
         reward=[row["reward/mean"] for row in steps],
-        stages={stage: [row.get(f"time/{stage}", 0.0) for row in steps]
-                for stage in ("generate", "reward", "ref_log_probs", "advantages", "update_actor")},
+        stages={
+            stage: [row.get(f"time/{stage}", 0.0) for row in steps]
+            for stage in ("generate", "reward", "ref_log_probs", "advantages", "update_actor")
+        },
     )
-    return {**summary, "tokens_per_step": statistics.fmean(tokens), "tokens_per_s": statistics.fmean(tokens) / summary["step_s"]}
+    return {
+        **summary,
+        "tokens_per_step": statistics.fmean(tokens),
+        "tokens_per_s": statistics.fmean(tokens) / summary["step_s"],
+    }
 
 
 # ---- TRL ---------------------------------------------------------------------------------------------------------
@@ -122,18 +152,28 @@ def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
     """TRL's GRPO through ``e2e_cpu.trl_worker`` (one process, or ``nproc`` under torchrun), with this benchmark's
     sizes under the names that worker reads."""
     spec = {
-        **spec, "output_dir": str(workdir / "trl_out"), "result": str(workdir / "trl_result.json"),
-        "micro_batch_size": spec["micro_batch"], "max_new_tokens": spec["new_tokens"], "lr": LEARNING_RATE,
+        **spec,
+        "output_dir": str(workdir / "trl_out"),
+        "result": str(workdir / "trl_result.json"),
+        "micro_batch_size": spec["micro_batch"],
+        "max_new_tokens": spec["new_tokens"],
+        "lr": LEARNING_RATE,
     }
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
     launcher = [sys.executable] if spec["nproc"] == 1 else _torchrun(spec["nproc"])
-    wall = _run(launcher + [str(E2E_SCRIPT), "--trl-worker", str(spec_path)],
-                cwd=str(workdir), threads=spec["threads"], log=workdir / "trl.log")
+    wall = _run(
+        launcher + [str(E2E_SCRIPT), "--trl-worker", str(spec_path)],
+        cwd=str(workdir),
+        threads=spec["threads"],
+        log=workdir / "trl.log",
+    )
     raw = json.loads(Path(spec["result"]).read_text())
     if not len(raw["step_s"]) == len(raw["generate_s"]) == len(raw["logs"]) == spec["steps"]:
-        raise RuntimeError(f"TRL ran {len(raw['step_s'])} steps with {len(raw['generate_s'])} generations and "
-                           f"{len(raw['logs'])} log rows; expected {spec['steps']} of each")
+        raise RuntimeError(
+            f"TRL ran {len(raw['step_s'])} steps with {len(raw['generate_s'])} generations and "
+            f"{len(raw['logs'])} log rows; expected {spec['steps']} of each"
+        )
     if any("num_tokens" not in row for row in raw["logs"]):
         raise RuntimeError("TRL's logs have no num_tokens: this TRL version counts tokens differently; update run_trl")
     seen = [0.0] + [row["num_tokens"] for row in raw["logs"]]
@@ -141,11 +181,19 @@ def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
     logs = raw["logs"][warmup:]
     samples = spec["prompts"] * spec["n"]
     summary = _summary(
-        launch="1 process" if spec["nproc"] == 1 else f"torchrun, {spec['nproc']} processes", wall_s=wall,
-        samples=samples, step_s=raw["step_s"][warmup:], generated=[row["completions/mean_length"] * samples for row in logs],
-        reward=[row["reward"] for row in logs], stages={"generate": raw["generate_s"][warmup:]},
+        launch="1 process" if spec["nproc"] == 1 else f"torchrun, {spec['nproc']} processes",
+        wall_s=wall,
+        samples=samples,
+        step_s=raw["step_s"][warmup:],
+        generated=[row["completions/mean_length"] * samples for row in logs],
+        reward=[row["reward"] for row in logs],
+        stages={"generate": raw["generate_s"][warmup:]},
     )
-    return {**summary, "tokens_per_step": statistics.fmean(tokens), "tokens_per_s": statistics.fmean(tokens) / summary["step_s"]}
+    return {
+        **summary,
+        "tokens_per_step": statistics.fmean(tokens),
+        "tokens_per_s": statistics.fmean(tokens) / summary["step_s"],
+    }
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -162,8 +210,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=1, help="processes (devices) for each framework")
-    parser.add_argument("--trl-weights", default="float32", choices=["float32", "bfloat16"],
-                        help="dtype TRL stores the weights in (it computes in bf16 autocast on GPU either way)")
+    parser.add_argument(
+        "--trl-weights",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype TRL stores the weights in (it computes in bf16 autocast on GPU either way)",
+    )
     parser.add_argument("--threads", type=int, help="CPU threads per process; default: cores / --nproc")
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, SMOKE)
@@ -171,31 +223,57 @@ def main() -> None:
         raise ValueError(f"--steps={args.steps} leaves nothing after --warmup={args.warmup}; use more steps")
     samples = args.prompts * args.n
     if samples % (args.micro_batch * args.nproc):
-        raise ValueError(f"{samples} responses per step do not split into micro-batches of {args.micro_batch} on "
-                         f"{args.nproc} processes; change --micro-batch")
+        raise ValueError(
+            f"{samples} responses per step do not split into micro-batches of {args.micro_batch} on "
+            f"{args.nproc} processes; change --micro-batch"
+        )
     recipe = load_config(RECIPE_CONFIG)
     actor, algorithm = recipe.actor, recipe.algorithm
     if (algorithm.kl_penalty, algorithm.kl_estimator, algorithm.loss_aggregation) != ("loss", "k3", "token_mean"):
-        raise ValueError(f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
-                         "update the TRL arguments in this benchmark")
+        raise ValueError(
+            f"{RECIPE_CONFIG} no longer matches TRL's GRPO loss (k3 KL in the loss, token mean); "
+            "update the TRL arguments in this benchmark"
+        )
     # Everything is local; without this a machine with no network can stall in the hub client's retries.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = default_device()
     real_run = device == "cuda" and not args.smoke
     spec = {
-        "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens, "micro_batch": args.micro_batch,
-        "steps": args.steps, "nproc": args.nproc, "threads": args.threads or max(1, (os.cpu_count() or 1) // args.nproc),
-        "device": device, "dtype": default_dtype(device), "trl_weights": args.trl_weights,
-        "seed": recipe.trainer.seed, "rule": recipe.reward.rule,
-        "weight_decay": actor.weight_decay, "betas": actor.betas, "grad_clip": actor.grad_clip,
-        "kl_coef": algorithm.kl_coef, "clip_low": algorithm.clip_ratio_low, "clip_high": algorithm.clip_ratio_high,
-        "temperature": recipe.rollout.temperature, "top_k": recipe.rollout.top_k, "top_p": recipe.rollout.top_p,
+        "prompts": args.prompts,
+        "n": args.n,
+        "new_tokens": args.new_tokens,
+        "micro_batch": args.micro_batch,
+        "steps": args.steps,
+        "nproc": args.nproc,
+        "threads": args.threads or max(1, (os.cpu_count() or 1) // args.nproc),
+        "device": device,
+        "dtype": default_dtype(device),
+        "trl_weights": args.trl_weights,
+        "seed": recipe.trainer.seed,
+        "rule": recipe.reward.rule,
+        "weight_decay": actor.weight_decay,
+        "betas": actor.betas,
+        "grad_clip": actor.grad_clip,
+        "kl_coef": algorithm.kl_coef,
+        "clip_low": algorithm.clip_ratio_low,
+        "clip_high": algorithm.clip_ratio_high,
+        "temperature": recipe.rollout.temperature,
+        "top_k": recipe.rollout.top_k,
+        "top_p": recipe.rollout.top_p,
     }
-    with tempfile.TemporaryDirectory(prefix="gpu_grpo_") as directory, shaped_model(args.shape, args.model_dir) as model_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="gpu_grpo_") as directory,
+        shaped_model(args.shape, args.model_dir) as model_dir,
+    ):
         workdir = Path(directory)
         train_file = workdir / "prompts.parquet"
-        spec.update(model_dir=model_dir, train_file=str(train_file), prompt_tokens=write_prompts(
-            train_file, model_dir=model_dir, rows=args.prompts * args.steps, prompt_tokens=args.prompt_tokens))
+        spec.update(
+            model_dir=model_dir,
+            train_file=str(train_file),
+            prompt_tokens=write_prompts(
+                train_file, model_dir=model_dir, rows=args.prompts * args.steps, prompt_tokens=args.prompt_tokens
+            ),
+        )
         print(f"spmd_rlhf: {args.steps} steps of {args.prompts} x {args.n} responses on {device}", flush=True)
         ours = run_spmd(spec, workdir=workdir, warmup=args.warmup)
         print(f"TRL {version('trl')}: the same", flush=True)
@@ -203,19 +281,33 @@ def main() -> None:
 
     speedup = ours["tokens_per_s"] / trl["tokens_per_s"]
     result = {
-        "benchmark": "gpu_grpo", "smoke": args.smoke, "shape": args.shape, "config": spec, "warmup": args.warmup,
-        "learning_rate": LEARNING_RATE, "spmd_rlhf": ours, "trl": trl, "trl_version": version("trl"),
-        "tokens_per_s_ratio": speedup, "step_time_ratio": ours["step_s"] / trl["step_s"],
+        "benchmark": "gpu_grpo",
+        "smoke": args.smoke,
+        "shape": args.shape,
+        "config": spec,
+        "warmup": args.warmup,
+        "learning_rate": LEARNING_RATE,
+        "spmd_rlhf": ours,
+        "trl": trl,
+        "trl_version": version("trl"),
+        "tokens_per_s_ratio": speedup,
+        "step_time_ratio": ours["step_s"] / trl["step_s"],
         "goal": f"tokens_per_s_ratio >= {SPEEDUP_GOAL}",
         "meets_goal": meets_goal(speedup, SPEEDUP_GOAL, at_least=True, real_run=real_run),
         "environment": environment(device),
     }
-    print(f"\nGRPO, qwen2 {args.shape}, {args.prompts} prompts x {args.n} responses, {spec['prompt_tokens']} prompt + "
-          f"{args.new_tokens} new tokens, {args.nproc} x {result['environment']['device_name']}, {spec['dtype']}; "
-          f"medians of steps {args.warmup + 1}-{args.steps}{', SMOKE RUN: not a GPU figure' if args.smoke else ''}")
+    print(
+        f"\nGRPO, qwen2 {args.shape}, {args.prompts} prompts x {args.n} responses, {spec['prompt_tokens']} prompt + "
+        f"{args.new_tokens} new tokens, {args.nproc} x {result['environment']['device_name']}, {spec['dtype']}; "
+        f"medians of steps {args.warmup + 1}-{args.steps}{', SMOKE RUN: not a GPU figure' if args.smoke else ''}"
+    )
     print("| per step | spmd_rlhf | TRL | spmd_rlhf / TRL |\n| --- | --- | --- | --- |")
-    for label, key, fmt in (("time (s)", "step_s", ".2f"), ("tokens (prompt + generated)", "tokens_per_step", ".0f"),
-                            ("tokens/s", "tokens_per_s", ".0f"), ("generated tokens/s", "generated_tokens_per_s", ".0f")):
+    for label, key, fmt in (
+        ("time (s)", "step_s", ".2f"),
+        ("tokens (prompt + generated)", "tokens_per_step", ".0f"),
+        ("tokens/s", "tokens_per_s", ".0f"),
+        ("generated tokens/s", "generated_tokens_per_s", ".0f"),
+    ):
         print(f"| {label} | {ours[key]:{fmt}} | {trl[key]:{fmt}} | {ours[key] / trl[key]:.2f} |")
     print(f"| generate (s) | {ours['stage_s']['generate']:.2f} | {trl['stage_s']['generate']:.2f} | |")
     print(f"tokens/s ratio {speedup:.2f} (goal >= {SPEEDUP_GOAL})")

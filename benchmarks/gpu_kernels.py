@@ -21,8 +21,16 @@ import argparse
 import time
 
 import torch
+from gpu_common import (
+    copy_bandwidth,
+    default_device,
+    environment,
+    meets_goal,
+    parse_with_smoke,
+    synchronize,
+    write_result,
+)
 
-from gpu_common import copy_bandwidth, default_device, environment, meets_goal, parse_with_smoke, synchronize, write_result
 from spmd_rlhf.kernels.fused_logprob import fused_log_probs_and_entropy
 from spmd_rlhf.kernels.paged_attention import paged_decode_attention
 
@@ -60,7 +68,9 @@ def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     blocks_per_seq = -(-context // BLOCK_SIZE)
     generator = torch.Generator(device=device).manual_seed(0)
     key_cache, value_cache = (
-        torch.randn(seqs * blocks_per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=generator)
+        torch.randn(
+            seqs * blocks_per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=generator
+        )
         for _ in range(2)
     )
     # Each sequence's blocks scattered over the cache, as after continuous batching.
@@ -71,7 +81,9 @@ def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     scale = HEAD_DIM**-0.5
 
     def run(backend: str):
-        return lambda: paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend=backend)
+        return lambda: paged_decode_attention(
+            q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend=backend
+        )
 
     kernel_s = best_seconds(run("auto"), device, args.repeats)
     reference_s = best_seconds(run("torch"), device, args.repeats)
@@ -81,9 +93,18 @@ def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     # one read of every cached key and value would take floor_s.
     floor_s = kv_bytes / bandwidth
     return {
-        "seqs": seqs, "context": context, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-        "kernel_s": kernel_s, "reference_s": reference_s, "speedup": reference_s / kernel_s,
-        "kv_bytes": kv_bytes, "copy_bytes_per_s": bandwidth, "floor_s": floor_s, "kernel_over_floor": kernel_s / floor_s,
+        "seqs": seqs,
+        "context": context,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "kernel_s": kernel_s,
+        "reference_s": reference_s,
+        "speedup": reference_s / kernel_s,
+        "kv_bytes": kv_bytes,
+        "copy_bytes_per_s": bandwidth,
+        "floor_s": floor_s,
+        "kernel_over_floor": kernel_s / floor_s,
     }
 
 
@@ -98,6 +119,7 @@ def measure_fused_logprob(args: argparse.Namespace, dtype: torch.dtype) -> dict:
             logits.grad = None
             log_probs, entropy = fused_log_probs_and_entropy(logits, labels, temperature=0.7, backend=backend)
             (log_probs.sum() + 0.01 * entropy.sum()).backward()
+
         return forward_backward
 
     kernel_s = best_seconds(run("auto"), device, args.repeats)
@@ -106,8 +128,12 @@ def measure_fused_logprob(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     kernel_peak, reference_peak = peak_bytes_above(run("auto"), device), peak_bytes_above(run("torch"), device)
     logits_bytes = logits.numel() * logits.element_size()
     return {
-        "tokens": tokens, "vocab": vocab, "kernel_s": kernel_s, "reference_s": reference_s,
-        "speedup": reference_s / kernel_s, "logits_bytes": logits_bytes,
+        "tokens": tokens,
+        "vocab": vocab,
+        "kernel_s": kernel_s,
+        "reference_s": reference_s,
+        "speedup": reference_s / kernel_s,
+        "logits_bytes": logits_bytes,
         "kernel_peak_over_logits": None if kernel_peak is None else kernel_peak / logits_bytes,
         "reference_peak_over_logits": None if reference_peak is None else reference_peak / logits_bytes,
     }
@@ -132,18 +158,35 @@ def main() -> None:
     # holding no float32 [tokens, vocab] table (peak below 1.5x the bf16 logits, the gradient itself being 1x).
     paged["meets_goal"] = meets_goal(paged["kernel_over_floor"], 2.0, at_least=False, real_run=real_run)
     fused["meets_goal"] = meets_goal(
-        min(fused["speedup"], 1.5 / (fused["kernel_peak_over_logits"] or float("inf"))), 1.0, at_least=True, real_run=real_run
+        min(fused["speedup"], 1.5 / (fused["kernel_peak_over_logits"] or float("inf"))),
+        1.0,
+        at_least=True,
+        real_run=real_run,
     )
-    result = {"smoke": args.smoke, "dtype": str(dtype).removeprefix("torch."), "environment": environment(args.device),
-              "paged_decode": paged, "fused_logprob": fused}
+    result = {
+        "smoke": args.smoke,
+        "dtype": str(dtype).removeprefix("torch."),
+        "environment": environment(args.device),
+        "paged_decode": paged,
+        "fused_logprob": fused,
+    }
     if args.smoke:
         print("SMOKE RUN: not a GPU figure")
     print(f"{'kernel':<14} {'kernel s':>10} {'torch s':>10} {'speed-up':>9}  other")
-    print(f"{'paged_decode':<14} {paged['kernel_s']:>10.5f} {paged['reference_s']:>10.5f} {paged['speedup']:>9.2f}  "
-          f"kernel / KV-read floor {paged['kernel_over_floor']:.2f}")
-    peaks = "" if fused["kernel_peak_over_logits"] is None else (
-        f"peak / logits: kernel {fused['kernel_peak_over_logits']:.2f}, torch {fused['reference_peak_over_logits']:.2f}")
-    print(f"{'fused_logprob':<14} {fused['kernel_s']:>10.5f} {fused['reference_s']:>10.5f} {fused['speedup']:>9.2f}  {peaks}")
+    print(
+        f"{'paged_decode':<14} {paged['kernel_s']:>10.5f} {paged['reference_s']:>10.5f} {paged['speedup']:>9.2f}  "
+        f"kernel / KV-read floor {paged['kernel_over_floor']:.2f}"
+    )
+    peaks = (
+        ""
+        if fused["kernel_peak_over_logits"] is None
+        else (
+            f"peak / logits: kernel {fused['kernel_peak_over_logits']:.2f}, torch {fused['reference_peak_over_logits']:.2f}"
+        )
+    )
+    print(
+        f"{'fused_logprob':<14} {fused['kernel_s']:>10.5f} {fused['reference_s']:>10.5f} {fused['speedup']:>9.2f}  {peaks}"
+    )
     write_result(args.out, f"gpu_kernels_{torch.device(args.device).type}", result)
 
 

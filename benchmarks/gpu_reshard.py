@@ -25,18 +25,27 @@ import argparse
 import statistics
 
 import torch
-
 from gpu_common import (
-    add_model_arguments, copy_bandwidth, default_dtype, environment, meets_goal, parse_with_smoke, shaped_model, write_result,
+    add_model_arguments,
+    copy_bandwidth,
+    default_dtype,
+    environment,
+    meets_goal,
+    parse_with_smoke,
+    shaped_model,
+    write_result,
 )
 from reshard import ReshardingActor, parse_layout, summarize, table
+
 from spmd_rlhf.config import load_config
 from spmd_rlhf.runtime import Coordinator, ResourcePool, launch
 
 RATIO_GOAL = 1.3
-DEGENERATE = ("world size 1: no bytes cross devices, so the all-gather bound is 0 s and a ratio to it is undefined; "
-              "ratio_to_copy_bound (float32 master read + generation copy written at the measured copy bandwidth) is "
-              "reported instead and is not the G5 figure")
+DEGENERATE = (
+    "world size 1: no bytes cross devices, so the all-gather bound is 0 s and a ratio to it is undefined; "
+    "ratio_to_copy_bound (float32 master read + generation copy written at the measured copy bandwidth) is "
+    "reported instead and is not the G5 figure"
+)
 
 SMOKE = dict(shape="smoke", repeats=1, copy_mib=16)
 
@@ -57,11 +66,17 @@ def single_rank_row(timings: list[dict], memory: list[dict], *, dtype: torch.dty
     moved_bytes = generation_bytes // dtype.itemsize * torch.float32.itemsize + generation_bytes
     copy_bound_s = moved_bytes / copy_bytes_per_s
     return {
-        "seconds": seconds, "degenerate": DEGENERATE, "ratio_to_bound": None, "generation_shard_bytes": generation_bytes,
-        "copy_moved_bytes": moved_bytes, "copy_bytes_per_s": copy_bytes_per_s, "copy_bound_s": copy_bound_s,
+        "seconds": seconds,
+        "degenerate": DEGENERATE,
+        "ratio_to_bound": None,
+        "generation_shard_bytes": generation_bytes,
+        "copy_moved_bytes": moved_bytes,
+        "copy_bytes_per_s": copy_bytes_per_s,
+        "copy_bound_s": copy_bound_s,
         "ratio_to_copy_bound": seconds["to_generation"] / copy_bound_s,
         "naive_ratio": seconds["naive"] / seconds["to_generation"],
-        "peak_increase": rank_memory["peak_increase"], "freed_by_refcount": rank_memory["freed_by_refcount"],
+        "peak_increase": rank_memory["peak_increase"],
+        "freed_by_refcount": rank_memory["freed_by_refcount"],
         "per_rank": {"timings": timings, "memory": memory},
     }
 
@@ -75,20 +90,32 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
     with shaped_model(args.shape, args.model_dir) as model_dir:
         for layout in args.layouts or default_layouts(world):
             dims, tp_g = parse_layout(layout)
-            config = load_config(None, [
-                f"model.path={model_dir}", f"model.dtype={dtype}", f"actor.tp={dims.tp}", f"actor.pp={dims.pp}",
-                f"rollout.tp={tp_g}",
-            ])
+            config = load_config(
+                None,
+                [
+                    f"model.path={model_dir}",
+                    f"model.dtype={dtype}",
+                    f"actor.tp={dims.tp}",
+                    f"actor.pp={dims.pp}",
+                    f"rollout.tp={tp_g}",
+                ],
+            )
             ranks = dims.pp * dims.dp * dims.tp
             actor = coordinator.spawn(
-                ReshardingActor, config, name=f"actor_{layout}", pool=ResourcePool(range(ranks)), dims=dims,
+                ReshardingActor,
+                config,
+                name=f"actor_{layout}",
+                pool=ResourcePool(range(ranks)),
+                dims=dims,
             )
             timings = actor.time_switches([args.repeats] * ranks).result()
             memory = actor.measure_memory([None] * ranks).result()
             if ranks == 1:
                 # Rank 0 is this process, so the copy probe runs on the device the switch ran on.
                 bandwidth = copy_bandwidth(device, nbytes=args.copy_mib * 2**20)
-                results[layout] = single_rank_row(timings, memory, dtype=getattr(torch, dtype), copy_bytes_per_s=bandwidth)
+                results[layout] = single_rank_row(
+                    timings, memory, dtype=getattr(torch, dtype), copy_bytes_per_s=bandwidth
+                )
             else:
                 results[layout] = summarize(timings, memory)
             ratio = results[layout]["ratio_to_bound"]
@@ -96,19 +123,29 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
             print(f"{layout}: train -> gen {results[layout]['seconds']['to_generation']:.4f} s", flush=True)
 
     result = {
-        "benchmark": "gpu_reshard", "smoke": args.smoke, "shape": args.shape, "dtype": dtype, "repeats": args.repeats,
-        "goal": f"ratio_to_bound <= {RATIO_GOAL}", "results": results, "environment": environment(device),
+        "benchmark": "gpu_reshard",
+        "smoke": args.smoke,
+        "shape": args.shape,
+        "dtype": dtype,
+        "repeats": args.repeats,
+        "goal": f"ratio_to_bound <= {RATIO_GOAL}",
+        "results": results,
+        "environment": environment(device),
     }
-    print(f"\nreshard train -> gen, qwen2 {args.shape}, {world} x {result['environment']['device_name']}, {dtype}, "
-          f"medians of {args.repeats} rounds{', SMOKE RUN: not a GPU figure' if args.smoke else ''}")
+    print(
+        f"\nreshard train -> gen, qwen2 {args.shape}, {world} x {result['environment']['device_name']}, {dtype}, "
+        f"medians of {args.repeats} rounds{', SMOKE RUN: not a GPU figure' if args.smoke else ''}"
+    )
     several = {layout: row for layout, row in results.items() if "degenerate" not in row}
     if several:
         print(table(several))
     for layout, row in results.items():
         if "degenerate" in row:
-            print(f"{layout}: train -> gen {row['seconds']['to_generation']:.4f} s; copy bound {row['copy_bound_s']:.4f} s "
-                  f"({row['copy_moved_bytes'] / 1e9:.2f} GB at {row['copy_bytes_per_s'] / 1e9:.0f} GB/s), ratio "
-                  f"{row['ratio_to_copy_bound']:.2f}; no all-gather ratio: {row['degenerate']}")
+            print(
+                f"{layout}: train -> gen {row['seconds']['to_generation']:.4f} s; copy bound {row['copy_bound_s']:.4f} s "
+                f"({row['copy_moved_bytes'] / 1e9:.2f} GB at {row['copy_bytes_per_s'] / 1e9:.0f} GB/s), ratio "
+                f"{row['ratio_to_copy_bound']:.2f}; no all-gather ratio: {row['degenerate']}"
+            )
     write_result(args.out, f"gpu_reshard_{args.shape}_{result['environment']['device']}_{world}", result)
 
 

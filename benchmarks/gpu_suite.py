@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from gpu_common import environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,30 +67,115 @@ def steps(python: str, smoke: bool, work: Path) -> list[Step]:
     out = lambda name: ["--out", str(work / name)]  # noqa: E731 (one line per step reads best)
     model = [] if smoke else ["--model-dir", str(work / "model_1.5b")]
     recipe_overrides = [
-        "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", f"trainer.output_dir={work / 'two_process'}",
+        "trainer.total_steps=2",
+        "trainer.save_every=0",
+        "trainer.val_every=0",
+        f"trainer.output_dir={work / 'two_process'}",
         "trainer.loggers=[jsonl]",
     ]
     return [
-        Step("cuda_tests", [python, "-m", "pytest", "-q", "-m", "gpu", "tests", f"--junitxml={work / 'cuda_tests.xml'}"], 240),
-        Step("kernels", [python, str(BENCHMARKS / "gpu_kernels.py"), *smoke_flag, *out("kernels")], 90, "*.json",
-             {"paged_decode_speedup": "paged_decode.speedup", "paged_over_floor": "paged_decode.kernel_over_floor",
-              "fused_speedup": "fused_logprob.speedup", "fused_peak_over_logits": "fused_logprob.kernel_peak_over_logits"}),
-        Step("g1", [python, str(BENCHMARKS / "gpu_generate.py"), "--measure", "decode", *model, *smoke_flag, *out("g1"),
-                    "--profile", str(work / "g1" / "decode_profile.txt")], 150, "*.json",
-             {"G1_decode_over_floor": "decode.ratio_to_floor"}),
-        Step("g2", [python, str(BENCHMARKS / "gpu_generate.py"), "--measure", "batch", *model, *smoke_flag, *out("g2")],
-             420, "*.json", {"G2_speedup": "batch.speedup"}),
-        Step("g3", [python, str(BENCHMARKS / "gpu_update.py"), *model, *smoke_flag, *out("g3")], 150, "*.json",
-             {"G3_mfu": "per_length.0.mfu", "G3_mfu_longest": "per_length.-1.mfu"}),
-        Step("g5", [python, str(BENCHMARKS / "gpu_reshard.py"), *model, *smoke_flag, *out("g5")], 90, "*.json",
-             {"G5_ratio_to_bound": "results.*.ratio_to_bound", "G5_ratio_to_copy_bound": "results.*.ratio_to_copy_bound"}),
-        Step("scale", [python, str(BENCHMARKS / "scale.py"), "--algo", "grpo", "--shape", "smoke" if smoke else "1.5b",
-                       "--nproc", "1", *model, *out("scale")], 180, "*.json",
-             {"scale_worst_peak_over_floor": "worst_peak_over_floor"}),
-        Step("g4", [python, str(BENCHMARKS / "gpu_grpo.py"), *smoke_flag, *(["--steps", "4", "--warmup", "1"] if not smoke else []),
-                    *out("g4")], 300, "*.json", {"G4_tokens_per_s_ratio": "tokens_per_s_ratio"}),
-        Step("two_process", [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "recipes" / "grpo.py"),
-                             *recipe_overrides], 180),
+        Step(
+            "cuda_tests",
+            [python, "-m", "pytest", "-q", "-m", "gpu", "tests", f"--junitxml={work / 'cuda_tests.xml'}"],
+            240,
+        ),
+        Step(
+            "kernels",
+            [python, str(BENCHMARKS / "gpu_kernels.py"), *smoke_flag, *out("kernels")],
+            90,
+            "*.json",
+            {
+                "paged_decode_speedup": "paged_decode.speedup",
+                "paged_over_floor": "paged_decode.kernel_over_floor",
+                "fused_speedup": "fused_logprob.speedup",
+                "fused_peak_over_logits": "fused_logprob.kernel_peak_over_logits",
+            },
+        ),
+        Step(
+            "g1",
+            [
+                python,
+                str(BENCHMARKS / "gpu_generate.py"),
+                "--measure",
+                "decode",
+                *model,
+                *smoke_flag,
+                *out("g1"),
+                "--profile",
+                str(work / "g1" / "decode_profile.txt"),
+            ],
+            150,
+            "*.json",
+            {"G1_decode_over_floor": "decode.ratio_to_floor"},
+        ),
+        Step(
+            "g2",
+            [python, str(BENCHMARKS / "gpu_generate.py"), "--measure", "batch", *model, *smoke_flag, *out("g2")],
+            420,
+            "*.json",
+            {"G2_speedup": "batch.speedup"},
+        ),
+        Step(
+            "g3",
+            [python, str(BENCHMARKS / "gpu_update.py"), *model, *smoke_flag, *out("g3")],
+            150,
+            "*.json",
+            {"G3_mfu": "per_length.0.mfu", "G3_mfu_longest": "per_length.-1.mfu"},
+        ),
+        Step(
+            "g5",
+            [python, str(BENCHMARKS / "gpu_reshard.py"), *model, *smoke_flag, *out("g5")],
+            90,
+            "*.json",
+            {
+                "G5_ratio_to_bound": "results.*.ratio_to_bound",
+                "G5_ratio_to_copy_bound": "results.*.ratio_to_copy_bound",
+            },
+        ),
+        Step(
+            "scale",
+            [
+                python,
+                str(BENCHMARKS / "scale.py"),
+                "--algo",
+                "grpo",
+                "--shape",
+                "smoke" if smoke else "1.5b",
+                "--nproc",
+                "1",
+                *model,
+                *out("scale"),
+            ],
+            180,
+            "*.json",
+            {"scale_worst_peak_over_floor": "worst_peak_over_floor"},
+        ),
+        Step(
+            "g4",
+            [
+                python,
+                str(BENCHMARKS / "gpu_grpo.py"),
+                *smoke_flag,
+                *(["--steps", "4", "--warmup", "1"] if not smoke else []),
+                *out("g4"),
+            ],
+            300,
+            "*.json",
+            {"G4_tokens_per_s_ratio": "tokens_per_s_ratio"},
+        ),
+        Step(
+            "two_process",
+            [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                str(ROOT / "recipes" / "grpo.py"),
+                *recipe_overrides,
+            ],
+            180,
+        ),
     ]
 
 
@@ -136,15 +220,23 @@ def run_step(step: Step, work: Path, remaining_s: float) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS), os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()
     try:
-        finished = subprocess.run(step.command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=limit)
+        finished = subprocess.run(
+            step.command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=limit
+        )
         status = "passed" if finished.returncode == 0 else "failed"
         output = finished.stdout
     except subprocess.TimeoutExpired as expired:
         status = "timed_out"
-        output = expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-    record = {"status": status, "seconds": round(time.perf_counter() - started, 1), "limit_s": limit,
-              "command": " ".join(step.command), "output_tail": output[-3000:]}
+        output = (
+            expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        )
+    record = {
+        "status": status,
+        "seconds": round(time.perf_counter() - started, 1),
+        "limit_s": limit,
+        "command": " ".join(step.command),
+        "output_tail": output[-3000:],
+    }
     if step.json_glob:
         found = sorted((work / step.name).glob(step.json_glob))
         if found:
@@ -161,7 +253,9 @@ def table(report: dict) -> str:
         figures = dict(record.get("figures") or {})
         if record.get("tests"):
             figures.update(record["tests"])
-        shown = ", ".join(f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}" for key, value in figures.items())
+        shown = ", ".join(
+            f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}" for key, value in figures.items()
+        )
         seconds = f"{record['seconds']:.0f}" if "seconds" in record else "-"
         lines.append(f"{name:<12} {record['status']:<10} {seconds:>7}  {shown}")
     return "\n".join(lines)
@@ -171,7 +265,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): checks the suite, measures nothing")
     parser.add_argument("--only", nargs="+", help="run only these steps")
-    parser.add_argument("--part", choices=sorted(PARTS), help="run one group of steps that fits a 10-minute call (PARTS)")
+    parser.add_argument(
+        "--part", choices=sorted(PARTS), help="run one group of steps that fits a 10-minute call (PARTS)"
+    )
     parser.add_argument("--budget-s", type=float, default=570.0, help="wall-clock budget for all steps together")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()

@@ -29,11 +29,18 @@ import statistics
 import time
 
 import torch
-
 from gpu_common import (
-    add_model_arguments, default_dtype, environment, meets_goal, parse_with_smoke, peak_tflops, profiled, shaped_model,
+    add_model_arguments,
+    default_dtype,
+    environment,
+    meets_goal,
+    parse_with_smoke,
+    peak_tflops,
+    profiled,
+    shaped_model,
     write_result,
 )
+
 from spmd_rlhf.config import load_config
 from spmd_rlhf.data import Batch
 from spmd_rlhf.metrics import ModelPasses, matmul_parameters, step_flops
@@ -79,7 +86,9 @@ class TimedActor(ActorWorker):
     """The actor, with its own ``update_actor`` timed on synthetic rollouts made where they are used."""
 
     @one_to_all
-    def time_updates(self, lengths: list[int], rows: int, repeats: int, profile: str | None = None) -> list[list[float]]:
+    def time_updates(
+        self, lengths: list[int], rows: int, repeats: int, profile: str | None = None
+    ) -> list[list[float]]:
         """Seconds of each of ``repeats`` ``update_actor`` calls on this rank's ``rows`` rows, per length in
         ``lengths``, each after one untimed warm-up call (allocator growth, compilation). With ``profile``, rank 0
         runs one more call of the first length under the profiler and writes its table there."""
@@ -115,15 +124,28 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
     peak = peak_tflops(device, args.peak_tflops)
     real_run = torch.device(device).type == "cuda" and not args.smoke
     with shaped_model(args.shape, args.model_dir) as model_dir:
-        config = load_config(None, [
-            f"model.path={model_dir}", f"model.dtype={dtype}", f"model.compile={str(args.compile).lower()}",
-            f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
-            "algorithm.name=grpo", "algorithm.kl_penalty=loss", "algorithm.kl_estimator=k3", "critic.enabled=false",
-            f"rollout.n={GROUP_SIZE}", f"rollout.max_new_tokens={max(args.lengths)}",
-            f"data.batch_size={args.rows // GROUP_SIZE}",
-            f"actor.mini_batch_size={args.rows}", f"actor.micro_batch_size={args.micro_batch}", "actor.lr=1e-6",
-        ])
-        actor = coordinator.spawn(TimedActor, config, name="actor", pool=ResourcePool(range(world)), dims=ParallelDims(dp=world))
+        config = load_config(
+            None,
+            [
+                f"model.path={model_dir}",
+                f"model.dtype={dtype}",
+                f"model.compile={str(args.compile).lower()}",
+                f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+                "algorithm.name=grpo",
+                "algorithm.kl_penalty=loss",
+                "algorithm.kl_estimator=k3",
+                "critic.enabled=false",
+                f"rollout.n={GROUP_SIZE}",
+                f"rollout.max_new_tokens={max(args.lengths)}",
+                f"data.batch_size={args.rows // GROUP_SIZE}",
+                f"actor.mini_batch_size={args.rows}",
+                f"actor.micro_batch_size={args.micro_batch}",
+                "actor.lr=1e-6",
+            ],
+        )
+        actor = coordinator.spawn(
+            TimedActor, config, name="actor", pool=ResourcePool(range(world)), dims=ParallelDims(dp=world)
+        )
         seconds = actor.time_updates(args.lengths, args.rows // world, args.repeats, args.profile).result()
         parameters = matmul_parameters(model_dir, head="lm")
         model_args = read_decoder_args(model_dir)
@@ -133,37 +155,62 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
         step_s = statistics.median(times)
         tokens = args.rows * length
         flops = step_flops(
-            ModelPasses(generate=parameters, train=(parameters,)), sequence_tokens=tokens,
-            response_tokens=args.rows * response_tokens(length), generated_tokens=0,
+            ModelPasses(generate=parameters, train=(parameters,)),
+            sequence_tokens=tokens,
+            response_tokens=args.rows * response_tokens(length),
+            generated_tokens=0,
         )
         attention_flops = 6 * model_args.num_layers * length * model_args.num_heads * model_args.head_dim * tokens
         per_device = flops / step_s / world
         with_attention = (flops + attention_flops) / step_s / world
         mfu = per_device / (peak * 1e12) if peak else None
-        rows.append({
-            "length": length, "rows": args.rows, "micro_batch": args.micro_batch, "tokens_per_step": tokens,
-            "seconds": times, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "tflops_per_device": per_device / 1e12, "tflops_per_device_with_attention": with_attention / 1e12,
-            "mfu": mfu, "mfu_with_attention": with_attention / (peak * 1e12) if peak else None,
-            "meets_goal": meets_goal(mfu, MFU_GOAL, at_least=True, real_run=real_run),
-        })
+        rows.append(
+            {
+                "length": length,
+                "rows": args.rows,
+                "micro_batch": args.micro_batch,
+                "tokens_per_step": tokens,
+                "seconds": times,
+                "step_s": step_s,
+                "tokens_per_s": tokens / step_s,
+                "tflops_per_device": per_device / 1e12,
+                "tflops_per_device_with_attention": with_attention / 1e12,
+                "mfu": mfu,
+                "mfu_with_attention": with_attention / (peak * 1e12) if peak else None,
+                "meets_goal": meets_goal(mfu, MFU_GOAL, at_least=True, real_run=real_run),
+            }
+        )
     result = {
-        "benchmark": "gpu_update", "smoke": args.smoke, "shape": args.shape, "dtype": dtype, "compile": args.compile,
-        "activation_checkpointing": args.activation_checkpointing, "matmul_parameters": dataclasses.asdict(parameters),
-        "peak_tflops": peak, "goal": f"mfu >= {MFU_GOAL}", "repeats": args.repeats, "per_length": rows,
+        "benchmark": "gpu_update",
+        "smoke": args.smoke,
+        "shape": args.shape,
+        "dtype": dtype,
+        "compile": args.compile,
+        "activation_checkpointing": args.activation_checkpointing,
+        "matmul_parameters": dataclasses.asdict(parameters),
+        "peak_tflops": peak,
+        "goal": f"mfu >= {MFU_GOAL}",
+        "repeats": args.repeats,
+        "per_length": rows,
         "environment": environment(device),
     }
     environment_row = result["environment"]
-    print(f"update_actor, qwen2 {args.shape} ({parameters.total / 1e9:.2f}B matmul parameters), {world} x "
-          f"{environment_row['device_name']}, {dtype}, peak {peak or 'unknown'} TFLOP/s"
-          f"{', SMOKE RUN: not a GPU figure' if args.smoke else ''}")
-    print("| length | rows x micro | step s | tokens/s | TFLOP/s per device | MFU | MFU with attention | goal |\n"
-          "|" + " --- |" * 8)
+    print(
+        f"update_actor, qwen2 {args.shape} ({parameters.total / 1e9:.2f}B matmul parameters), {world} x "
+        f"{environment_row['device_name']}, {dtype}, peak {peak or 'unknown'} TFLOP/s"
+        f"{', SMOKE RUN: not a GPU figure' if args.smoke else ''}"
+    )
+    print(
+        "| length | rows x micro | step s | tokens/s | TFLOP/s per device | MFU | MFU with attention | goal |\n"
+        "|" + " --- |" * 8
+    )
     for row in rows:
         mfu = "—" if row["mfu"] is None else f"{row['mfu']:.3f}"
         with_attention = "—" if row["mfu_with_attention"] is None else f"{row['mfu_with_attention']:.3f}"
-        print(f"| {row['length']} | {row['rows']} x {row['micro_batch']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
-              f"| {row['tflops_per_device']:.1f} | {mfu} | {with_attention} | >= {MFU_GOAL} |")
+        print(
+            f"| {row['length']} | {row['rows']} x {row['micro_batch']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
+            f"| {row['tflops_per_device']:.1f} | {mfu} | {with_attention} | >= {MFU_GOAL} |"
+        )
     write_result(args.out, f"gpu_update_{args.shape}_{environment_row['device']}", result)
 
 

@@ -22,8 +22,16 @@ from pathlib import Path
 from spmd_rlhf.mapping import BUILTIN_PROFILES, NAMED_SHAPES, Batch, Cluster, Planner, dataflow, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 def plan(actor: str, scorer: str, gpus: int, profile, batch: Batch) -> dict | None:
-    roles = dataflow("ppo", actor=NAMED_SHAPES[actor], critic=NAMED_SHAPES[scorer], reference=NAMED_SHAPES[actor], reward=NAMED_SHAPES[scorer])
+    roles = dataflow(
+        "ppo",
+        actor=NAMED_SHAPES[actor],
+        critic=NAMED_SHAPES[scorer],
+        reference=NAMED_SHAPES[actor],
+        reward=NAMED_SHAPES[scorer],
+    )
     planner = Planner(roles, Cluster(gpus, 8, profile), batch)
     try:
         result = planner.plan(runners_up=0)
@@ -31,9 +39,11 @@ def plan(actor: str, scorer: str, gpus: int, profile, batch: Batch) -> dict | No
         return None  # does not fit
     colocated = planner.evaluate((tuple(role.name for role in roles),), (gpus,))
     return {
-        "best": result.best.describe(), "best_s": result.best.seconds,
+        "best": result.best.describe(),
+        "best_s": result.best.seconds,
         "colocate_s": colocated.seconds if colocated else None,
-        "mappings": result.mappings_evaluated, "search_s": result.search_seconds,
+        "mappings": result.mappings_evaluated,
+        "search_s": result.search_seconds,
     }
 
 
@@ -42,11 +52,15 @@ def main() -> None:
     parser.add_argument("--profile", default="h100")
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--sizes", nargs="+", default=["7b", "13b", "34b", "70b"])
-    parser.add_argument("--prompts", type=int, default=1024, help="prompts per step (the paper's 1024; fewer: smaller per-GPU work)")
+    parser.add_argument(
+        "--prompts", type=int, default=1024, help="prompts per step (the paper's 1024; fewer: smaller per-GPU work)"
+    )
     args = parser.parse_args()
     profile = load_profile(args.profile) if args.profile not in BUILTIN_PROFILES else BUILTIN_PROFILES[args.profile]
 
-    batch = Batch(prompts=args.prompts, prompt_length=1024, response_length=1024, micro_batch_size=8, mini_batch_size=256)
+    batch = Batch(
+        prompts=args.prompts, prompt_length=1024, response_length=1024, micro_batch_size=8, mini_batch_size=256
+    )
     runtime = {size: {gpus: plan(size, size, gpus, profile, batch) for gpus in args.gpus} for size in args.sizes}
     placement = {size: {gpus: plan("7b", size, gpus, profile, batch) for gpus in args.gpus} for size in args.sizes}
 
@@ -70,10 +84,21 @@ def main() -> None:
                 cells.append(f"{cell['best']} ({cell['colocate_s'] / cell['best_s']:.2f}x)")
         print(f"| {size} | " + " | ".join(cells) + " |")
     out = ROOT / "benchmarks" / "results" / f"mapping_search_{profile.name}_{args.prompts}.json"
-    out.write_text(json.dumps({
-        "profile": profile.name, "batch": batch.__dict__, "runtime": runtime, "placement": placement,
-        "python": platform.python_version(), "cpus": os.cpu_count(), "command": " ".join(["python", *sys.argv]),
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "profile": profile.name,
+                "batch": batch.__dict__,
+                "runtime": runtime,
+                "placement": placement,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "command": " ".join(["python", *sys.argv]),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {out}")
 
 

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (average ranks for ties)."""
+
     def ranks(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=values.__getitem__)
         result = [0.0] * len(values)
@@ -64,21 +65,41 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return covariance / spread if spread else float("nan")
 
 
-def measure(recipe: Path, config_path: str, overrides: list[str], *, nproc: int, steps: int, warmup: int, scratch: Path) -> dict[str, float]:
+def measure(
+    recipe: Path, config_path: str, overrides: list[str], *, nproc: int, steps: int, warmup: int, scratch: Path
+) -> dict[str, float]:
     """Median seconds of the step and of each stage (``time/*``) of the recipe (run from the checkout, where the tiny assets live) with ``overrides``
     after ``warmup`` steps; its run directory goes under ``scratch``."""
     out_dir = scratch / f"run_{time.monotonic_ns()}"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(recipe),
-        "--config", config_path, f"trainer.total_steps={steps}", f"trainer.output_dir={out_dir}",
-        "trainer.loggers=[jsonl]", "trainer.save_every=0", "trainer.val_every=0", *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(recipe),
+        "--config",
+        config_path,
+        f"trainer.total_steps={steps}",
+        f"trainer.output_dir={out_dir}",
+        "trainer.loggers=[jsonl]",
+        "trainer.save_every=0",
+        "trainer.val_every=0",
+        *overrides,
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)
     if finished.returncode:
-        raise RuntimeError(f"{' '.join(command)} exited with {finished.returncode}:\n{finished.stdout[-3000:]}\n{finished.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(command)} exited with {finished.returncode}:\n{finished.stdout[-3000:]}\n{finished.stderr[-3000:]}"
+        )
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
-    return {key.removeprefix("time/"): statistics.median(row[key] for row in rows) for key in rows[0] if key.startswith("time/")}
+    return {
+        key.removeprefix("time/"): statistics.median(row[key] for row in rows)
+        for key in rows[0]
+        if key.startswith("time/")
+    }
 
 
 def main() -> None:
@@ -102,35 +123,64 @@ def main() -> None:
     roles, batch = config_dataflow(config)
     planner = Planner(roles, Cluster(args.nproc, args.nproc, profile), batch)
     mappings = sorted(planner.mappings(), key=lambda mapping: mapping.seconds)
-    recipe = ROOT / "recipes" / f"{'grpo' if config.algorithm.name in ('rloo', 'reinforce_pp', 'reinforce_pp_baseline') else config.algorithm.name}.py"
+    recipe = (
+        ROOT
+        / "recipes"
+        / f"{'grpo' if config.algorithm.name in ('rloo', 'reinforce_pp', 'reinforce_pp_baseline') else config.algorithm.name}.py"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for mapping in mappings:
             overrides = [*args.overrides, *mapping_overrides(config, mapping)]
-            times = measure(recipe, config_path, overrides, nproc=args.nproc, steps=args.steps, warmup=args.warmup, scratch=Path(scratch))
+            times = measure(
+                recipe,
+                config_path,
+                overrides,
+                nproc=args.nproc,
+                steps=args.steps,
+                warmup=args.warmup,
+                scratch=Path(scratch),
+            )
             measured = times.pop("step")
             layouts = ", ".join(f"{name} {layout}" for name, layout in mapping.layouts.items())
-            rows.append({
-                "mapping": mapping.describe(), "layouts": layouts, "predicted_s": mapping.seconds,
-                "predicted_stage_s": mapping.stage_seconds, "measured_s": measured, "measured_stage_s": times,
-            })
+            rows.append(
+                {
+                    "mapping": mapping.describe(),
+                    "layouts": layouts,
+                    "predicted_s": mapping.seconds,
+                    "predicted_stage_s": mapping.stage_seconds,
+                    "measured_s": measured,
+                    "measured_stage_s": times,
+                }
+            )
             print(f"{mapping.describe():45s} predicted {mapping.seconds:.4f} s  measured {measured:.4f} s", flush=True)
     predicted = [row["predicted_s"] for row in rows]
     measured = [row["measured_s"] for row in rows]
     fastest = min(measured)
     pick = rows[0]["measured_s"]  # mappings are sorted by prediction: the first is the mapper's pick
     result = {
-        "config": os.path.relpath(config_path, ROOT), "overrides": args.overrides, "nproc": args.nproc,
-        "steps": args.steps, "warmup": args.warmup, "profile": json.loads(profile.to_json()), "mappings": rows,
-        "spearman": spearman(predicted, measured), "pick_over_fastest": pick / fastest,
+        "config": os.path.relpath(config_path, ROOT),
+        "overrides": args.overrides,
+        "nproc": args.nproc,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "profile": json.loads(profile.to_json()),
+        "mappings": rows,
+        "spearman": spearman(predicted, measured),
+        "pick_over_fastest": pick / fastest,
         "pick_within_10_percent": pick <= 1.1 * fastest,
-        "device": "cpu", "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "device": "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "command": " ".join(["python", *sys.argv]),
     }
     print("\n| mapping | layouts | predicted s | measured s |\n| --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['mapping']} | {row['layouts']} | {row['predicted_s']:.4f} | {row['measured_s']:.3f} |")
-    print(f"\nSpearman rank correlation: {result['spearman']:.2f}; pick / fastest measured: {result['pick_over_fastest']:.2f}")
+    print(
+        f"\nSpearman rank correlation: {result['spearman']:.2f}; pick / fastest measured: {result['pick_over_fastest']:.2f}"
+    )
     out = ROOT / "benchmarks" / "results" / f"mapping_validation_cpu_{args.nproc}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

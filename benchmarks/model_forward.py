@@ -21,8 +21,22 @@ import torch
 from spmd_rlhf.models import load_model, log_probs_from_logits
 
 SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
-    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -57,7 +71,9 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as path:
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
+        reference = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
+        )
         ours = load_model(path, dtype=dtype, device=args.device, attention_backend="sdpa").eval()
 
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=args.device)
@@ -71,22 +87,38 @@ def main() -> None:
         rows = {
             "forward": (
                 _time(lambda: ours(input_ids, attention_mask=attention_mask), repeats=args.repeats),
-                _time(lambda: reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids), repeats=args.repeats),
+                _time(
+                    lambda: reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids),
+                    repeats=args.repeats,
+                ),
             ),
             "log_probs": (
                 _time(lambda: log_probs_from_logits(logits[:, :-1], labels), repeats=args.repeats),
-                _time(lambda: logits[:, :-1].float().log_softmax(-1).gather(-1, labels[..., None]), repeats=args.repeats),
+                _time(
+                    lambda: logits[:, :-1].float().log_softmax(-1).gather(-1, labels[..., None]), repeats=args.repeats
+                ),
             ),
         }
     result = {
-        "family": args.family, "shape": args.shape, "device": args.device, "dtype": args.dtype,
-        "batch": args.batch, "seq": args.seq, "torch": torch.__version__, "platform": platform.platform(),
-        "rows": {name: {"ours_s": ours_s, "baseline_s": base_s, "ratio": ours_s / base_s} for name, (ours_s, base_s) in rows.items()},
+        "family": args.family,
+        "shape": args.shape,
+        "device": args.device,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "seq": args.seq,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "rows": {
+            name: {"ours_s": ours_s, "baseline_s": base_s, "ratio": ours_s / base_s}
+            for name, (ours_s, base_s) in rows.items()
+        },
     }
     print(f"{'measure':<10} {'ours (ms)':>10} {'baseline (ms)':>14} {'ratio':>6}   baseline")
     baselines = {"forward": "transformers forward (sdpa)", "log_probs": "float32 log_softmax + gather"}
     for name, row in result["rows"].items():
-        print(f"{name:<10} {row['ours_s'] * 1e3:>10.1f} {row['baseline_s'] * 1e3:>14.1f} {row['ratio']:>6.2f}   {baselines[name]}")
+        print(
+            f"{name:<10} {row['ours_s'] * 1e3:>10.1f} {row['baseline_s'] * 1e3:>14.1f} {row['ratio']:>6.2f}   {baselines[name]}"
+        )
     os.makedirs(args.out, exist_ok=True)
     out_file = os.path.join(args.out, f"model_forward_{args.family}_{args.shape}_{args.device}_{args.dtype}.json")
     with open(out_file, "w", encoding="utf-8") as handle:

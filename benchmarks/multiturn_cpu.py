@@ -45,15 +45,39 @@ MAX_NEW_TOKENS, TURN_BUDGET = 32, 48
 
 def _recipe(workdir: Path, model: str, task: str, args) -> list[dict]:
     overrides = [
-        f"model.path={model}", f"data.train_files=[{task}/train.parquet]", "data.val_files=[]", "trainer.val_every=0",
-        f"trainer.total_steps={args.steps}", "trainer.save_every=0", "trainer.output_dir=out", f"data.batch_size={PROMPTS}",
-        f"rollout.n={SAMPLES}", f"actor.mini_batch_size={PROMPTS * SAMPLES}", "actor.lr=1e-7", f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"rollout.max_turns={args.max_turns}",
-        f"rollout.max_response_tokens={args.max_turns * TURN_BUDGET}", f"rollout.kv_block_size={args.block_size}",
-        "rollout.environment=tool", f"rollout.environment_workers={args.environment_workers}",
+        f"model.path={model}",
+        f"data.train_files=[{task}/train.parquet]",
+        "data.val_files=[]",
+        "trainer.val_every=0",
+        f"trainer.total_steps={args.steps}",
+        "trainer.save_every=0",
+        "trainer.output_dir=out",
+        f"data.batch_size={PROMPTS}",
+        f"rollout.n={SAMPLES}",
+        f"actor.mini_batch_size={PROMPTS * SAMPLES}",
+        "actor.lr=1e-7",
+        f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
+        f"rollout.max_turns={args.max_turns}",
+        f"rollout.max_response_tokens={args.max_turns * TURN_BUDGET}",
+        f"rollout.kv_block_size={args.block_size}",
+        "rollout.environment=tool",
+        f"rollout.environment_workers={args.environment_workers}",
     ]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               str(ROOT / "recipes" / "grpo.py"), "--config", str(ROOT / "recipes" / "configs" / "grpo.yaml"), *overrides]
-    finished = subprocess.run(command, cwd=workdir, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc),
+        str(ROOT / "recipes" / "grpo.py"),
+        "--config",
+        str(ROOT / "recipes" / "configs" / "grpo.yaml"),
+        *overrides,
+    ]
+    finished = subprocess.run(
+        command, cwd=workdir, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     if finished.returncode:
         raise SystemExit(finished.stdout[-4000:] + finished.stderr[-4000:])
     return [json.loads(line) for line in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -84,8 +108,13 @@ def _engine_ablation(model_dir: str, task: str, args) -> dict[str, dict[str, flo
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir, head="lm", dtype=torch.float32)
     rows = read_rows(f"{task}/train.parquet")[:PROMPTS]
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True),
-                                add_special_tokens=False) for row in rows]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for row in rows
+    ]
     requests = [tokens for tokens in prompts for _ in range(SAMPLES)]
     samples = [row for row in rows for _ in range(SAMPLES)]
     results = {}
@@ -95,15 +124,27 @@ def _engine_ablation(model_dir: str, task: str, args) -> dict[str, dict[str, flo
             engine = TimedEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=args.block_size)
             params = [SamplingParams(max_new_tokens=MAX_NEW_TOKENS, seed=index) for index in range(len(requests))]
             trajectories, stats = run_multi_turn(
-                engine, requests, [ToolEnvironment() for _ in requests], samples, params, delta=ChatDelta(tokenizer),
-                max_turns=args.max_turns, max_response_tokens=args.max_turns * TURN_BUDGET, reuse_prefix=reuse,
+                engine,
+                requests,
+                [ToolEnvironment() for _ in requests],
+                samples,
+                params,
+                delta=ChatDelta(tokenizer),
+                max_turns=args.max_turns,
+                max_response_tokens=args.max_turns * TURN_BUDGET,
+                reuse_prefix=reuse,
             )
             seconds = engine.seconds
             if best is None or seconds < best["seconds"]:
-                best = {"seconds": seconds, "trajectories": len(trajectories), "turns": stats.turns,
-                        "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
-                        "generated_tokens": sum(sum(t.generated_mask) for t in trajectories),
-                        "prefill_tokens": stats.prefill_tokens, "cached_prefill_tokens": stats.cached_prefill_tokens}
+                best = {
+                    "seconds": seconds,
+                    "trajectories": len(trajectories),
+                    "turns": stats.turns,
+                    "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
+                    "generated_tokens": sum(sum(t.generated_mask) for t in trajectories),
+                    "prefill_tokens": stats.prefill_tokens,
+                    "cached_prefill_tokens": stats.cached_prefill_tokens,
+                }
         results["reuse" if reuse else "fresh_cache_per_turn"] = best
     return results
 
@@ -115,8 +156,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16, help="KV block size: only whole blocks are reused")
-    parser.add_argument("--environment-workers", type=int, default=16,
-                        help="rollout.environment_workers of the recipe part: environments answering a turn at once")
+    parser.add_argument(
+        "--environment-workers",
+        type=int,
+        default=16,
+        help="rollout.environment_workers of the recipe part: environments answering a turn at once",
+    )
     args = parser.parse_args()
 
     from spmd_rlhf.tiny.task import make_task
@@ -134,10 +179,14 @@ def main() -> None:
     offered = cached + sum(record["rollout/prefill_tokens"] for record in records)
     reuse, fresh = ablation["reuse"], ablation["fresh_cache_per_turn"]
     result = {
-        "recipe": {"nproc": args.nproc, "rows_per_step": rows, "median_generate_s": generate,
-                   "trajectories_per_s": rows / generate,
-                   "mean_turns": statistics.mean(record["rollout/turns/mean"] for record in records),
-                   "cached_share_of_prompt_tokens": cached / offered},
+        "recipe": {
+            "nproc": args.nproc,
+            "rows_per_step": rows,
+            "median_generate_s": generate,
+            "trajectories_per_s": rows / generate,
+            "mean_turns": statistics.mean(record["rollout/turns/mean"] for record in records),
+            "cached_share_of_prompt_tokens": cached / offered,
+        },
         "engine_ablation": ablation,
         "prefill_saved_by_cross_turn_reuse": 1 - reuse["prefill_tokens"] / fresh["prefill_tokens"],
         "engine_time_ratio_reuse_over_fresh": reuse["seconds"] / fresh["seconds"],
@@ -151,7 +200,9 @@ def main() -> None:
     print(f"| GRPO on {args.nproc} CPU ranks: trajectories/s (generation stage) | {rows / generate:.1f} |")
     print(f"| mean turns per trajectory | {result['recipe']['mean_turns']:.2f} |")
     print(f"| prompt tokens whose prefill was skipped (recipe) | {cached / offered:.1%} |")
-    print(f"| prefill tokens, engine with cross-turn reuse / fresh cache per turn | {reuse['prefill_tokens']} / {fresh['prefill_tokens']} |")
+    print(
+        f"| prefill tokens, engine with cross-turn reuse / fresh cache per turn | {reuse['prefill_tokens']} / {fresh['prefill_tokens']} |"
+    )
     print(f"| prefill saved by cross-turn reuse | {result['prefill_saved_by_cross_turn_reuse']:.1%} |")
     print(f"| engine time, reuse / fresh (one process) | {result['engine_time_ratio_reuse_over_fresh']:.2f} |")
     print(f"wrote {out.relative_to(ROOT)}")

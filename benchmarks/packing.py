@@ -38,8 +38,11 @@ def rollout_batch(config, model: DecoderLM, tokenizer, *, truncate: bool) -> Bat
     """The first step's prompts, ``rollout.n`` sampled responses each, in the rollout layout; ``truncate``: each
     response cut at a length drawn uniformly from 1 to its own, as if the policy had stopped there."""
     dataset = PromptDataset(
-        config.data.train_files, tokenizer, prompt_key=config.data.prompt_key,
-        max_prompt_length=config.data.max_prompt_length, overlong_prompts=config.data.overlong_prompts,
+        config.data.train_files,
+        tokenizer,
+        prompt_key=config.data.prompt_key,
+        max_prompt_length=config.data.max_prompt_length,
+        overlong_prompts=config.data.overlong_prompts,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts = PromptLoader(dataset, batch_size=config.data.batch_size, pad_token_id=pad, seed=config.data.seed).batch(0)
@@ -60,11 +63,15 @@ def rollout_batch(config, model: DecoderLM, tokenizer, *, truncate: bool) -> Bat
             length = int(torch.randint(1, length + 1, (), generator=generator))
         responses[row, :length] = torch.tensor(output.generated_token_ids[:length])
         response_mask[row, :length] = 1
-    return Batch({
-        "prompts": repeated["input_ids"], "responses": responses, "response_mask": response_mask,
-        "input_ids": torch.cat([repeated["input_ids"], responses], dim=1),
-        "attention_mask": torch.cat([repeated["attention_mask"], response_mask], dim=1),
-    })
+    return Batch(
+        {
+            "prompts": repeated["input_ids"],
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([repeated["input_ids"], responses], dim=1),
+            "attention_mask": torch.cat([repeated["attention_mask"], response_mask], dim=1),
+        }
+    )
 
 
 def log_prob_pass(model: DecoderLM, micro_batches: list[MicroBatch]) -> float:
@@ -73,7 +80,9 @@ def log_prob_pass(model: DecoderLM, micro_batches: list[MicroBatch]) -> float:
     with torch.no_grad():
         for micro in micro_batches:
             logits = model(**micro.model_inputs(torch.device("cpu"), per_token=True))
-            micro.scatter(log_probs_from_logits(micro.response_outputs(logits), micro.response_labels(torch.device("cpu"))))
+            micro.scatter(
+                log_probs_from_logits(micro.response_outputs(logits), micro.response_labels(torch.device("cpu")))
+            )
     return time.perf_counter() - started
 
 
@@ -82,7 +91,8 @@ def main() -> None:
     parser.add_argument("--config", default="recipes/configs/grpo.yaml")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per layout; the fastest counts")
     parser.add_argument(
-        "--truncate-responses", action="store_true",
+        "--truncate-responses",
+        action="store_true",
         help="cut each response at a uniform random length (a random-init model never stops on its own)",
     )
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
@@ -91,7 +101,9 @@ def main() -> None:
     ensure_tiny_assets(config)
     torch.manual_seed(config.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
-    model = load_model(config.model.path, dtype=getattr(torch, config.model.dtype), attention_backend=config.model.attention)
+    model = load_model(
+        config.model.path, dtype=getattr(torch, config.model.dtype), attention_backend=config.model.attention
+    )
     batch = rollout_batch(config, model, tokenizer, truncate=options.truncate_responses)
 
     rows, width = batch["input_ids"].shape
@@ -108,20 +120,32 @@ def main() -> None:
         for name, chunks in groups.items()
     }
     log_prob_pass(model, layouts["packed_rows"])  # warm-up
-    seconds = {name: min(log_prob_pass(model, micro) for _ in range(options.repeats)) for name, micro in layouts.items()}
+    seconds = {
+        name: min(log_prob_pass(model, micro) for _ in range(options.repeats)) for name, micro in layouts.items()
+    }
     response_tokens = int(batch["response_mask"].sum())
     results = {
-        "config": options.config, "overrides": options.overrides, "truncated": options.truncate_responses,
-        "rows": rows, "width": width,
-        "prompt_width": batch["prompts"].shape[1], "max_new_tokens": config.rollout.max_new_tokens,
+        "config": options.config,
+        "overrides": options.overrides,
+        "truncated": options.truncate_responses,
+        "rows": rows,
+        "width": width,
+        "prompt_width": batch["prompts"].shape[1],
+        "max_new_tokens": config.rollout.max_new_tokens,
         "tokens_fed": {"padded": rows * width, "packed": sum(lengths)},
         "logit_rows": {"padded": rows * width, "packed": response_tokens},
         "micro_batches": {name: len(chunks) for name, chunks in groups.items()},
-        "token_budget": budget, "seconds": seconds, "threads": torch.get_num_threads(),
-        "machine": platform.machine(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "token_budget": budget,
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
     }
-    print(f"rollout batch: {rows} rows x {width} columns (prompts {results['prompt_width']}, responses "
-          f"{results['max_new_tokens']}); vocabulary {model.args.vocab_size}\n")
+    print(
+        f"rollout batch: {rows} rows x {width} columns (prompts {results['prompt_width']}, responses "
+        f"{results['max_new_tokens']}); vocabulary {model.args.vocab_size}\n"
+    )
     print("| quantity | padded | packed | padded / packed |\n| --- | ---: | ---: | ---: |")
     for key in ("tokens_fed", "logit_rows"):
         padded, packed = results[key]["padded"], results[key]["packed"]

@@ -40,7 +40,9 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def run_with_peak_rss(command: list[str], *, cwd: str, env: dict[str, str], stdout: IO, poll_s: float = 0.1) -> tuple[int, list[int]]:
+def run_with_peak_rss(
+    command: list[str], *, cwd: str, env: dict[str, str], stdout: IO, poll_s: float = 0.1
+) -> tuple[int, list[int]]:
     """Run ``command`` (its output to ``stdout``) and poll every ``poll_s`` seconds the peak resident set size of it
     and every process below it; its exit code and each process's peak in bytes, in the order they were first seen,
     torchrun's agent (which only waits) left out. Exact but for growth in a process's last ``poll_s``."""

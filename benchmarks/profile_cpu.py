@@ -57,18 +57,35 @@ def category(frames: list[str]) -> str:
         return "engine"
     if "torch/distributed/fsdp/" in path:
         return "fsdp"
-    if any(part in path for part in ("torch/nn/", "torch/autograd/", "torch/optim/", "torch/_tensor", "spmd_rlhf/models/",
-                                     "spmd_rlhf/algos/", "torch/functional", "torch/utils/checkpoint", "torch/_ops")):
+    if any(
+        part in path
+        for part in (
+            "torch/nn/",
+            "torch/autograd/",
+            "torch/optim/",
+            "torch/_tensor",
+            "spmd_rlhf/models/",
+            "spmd_rlhf/algos/",
+            "torch/functional",
+            "torch/utils/checkpoint",
+            "torch/_ops",
+        )
+    ):
         return "model"
-    if any(part in path for part in ("spmd_rlhf/runtime/", "spmd_rlhf/data/", "threading.py", "torch/futures", "pickle")):
+    if any(
+        part in path for part in ("spmd_rlhf/runtime/", "spmd_rlhf/data/", "threading.py", "torch/futures", "pickle")
+    ):
         return "runtime"
     return "other"
 
 
 STAGE_TIMERS = {
-    "ActorWorker.generate_sequences": "generate", "ActorWorker.update_actor": "update_actor",
-    "ActorWorker.compute_log_probs": "old_log_probs", "ReferenceWorker.compute_log_probs": "ref_log_probs",
-    "RewardWorker.compute_rewards": "reward", "ActorWorker.compute_advantages": "advantages",
+    "ActorWorker.generate_sequences": "generate",
+    "ActorWorker.update_actor": "update_actor",
+    "ActorWorker.compute_log_probs": "old_log_probs",
+    "ReferenceWorker.compute_log_probs": "ref_log_probs",
+    "RewardWorker.compute_rewards": "reward",
+    "ActorWorker.compute_advantages": "advantages",
 }
 """The worker methods of a GRPO step -> the recipe's stage timer (``time/<name>`` in metrics.jsonl)."""
 
@@ -117,8 +134,21 @@ def main() -> None:
         out_dir, raw_path = workdir / "run", workdir / "py-spy.txt"
         # --nonblocking: py-spy reads the stacks without pausing the processes, which would otherwise hold up
         # their peers inside every collective.
-        command = [py_spy, "record", "--subprocesses", "--threads", "--nonblocking", "--rate", str(args.rate), "--format", "raw",
-                   "--output", str(raw_path), "--", *spmd_command(spec, out_dir=out_dir, nproc=args.nproc)]
+        command = [
+            py_spy,
+            "record",
+            "--subprocesses",
+            "--threads",
+            "--nonblocking",
+            "--rate",
+            str(args.rate),
+            "--format",
+            "raw",
+            "--output",
+            str(raw_path),
+            "--",
+            *spmd_command(spec, out_dir=out_dir, nproc=args.nproc),
+        ]
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(workdir / "run.log", "w") as log:
             finished = subprocess.run(command, cwd=workdir, env=environment, stdout=log, stderr=subprocess.STDOUT)
@@ -130,11 +160,15 @@ def main() -> None:
     # py-spy's sample counts give each stage's split; the recipe's own timers give its length (median per step), so
     # a sampler that falls behind on a large process skews no absolute number.
     measured = [row for row in steps[1:]] or steps
-    stage_s = {stage: sorted(row.get(f"time/{timer}", 0.0) for row in measured)[len(measured) // 2]
-               for stage, timer in STAGE_TIMERS.items()}
+    stage_s = {
+        stage: sorted(row.get(f"time/{timer}", 0.0) for row in measured)[len(measured) // 2]
+        for stage, timer in STAGE_TIMERS.items()
+    }
     step_s = sorted(row["time/step"] for row in measured)[len(measured) // 2]
-    print(f"GRPO `{args.config}` on {args.nproc} CPU ranks, {len(steps)} steps (median {step_s:.3f} s/step after the "
-          f"first): each stage's median time per step split by what py-spy ({args.rate} Hz) saw, in ms\n")
+    print(
+        f"GRPO `{args.config}` on {args.nproc} CPU ranks, {len(steps)} steps (median {step_s:.3f} s/step after the "
+        f"first): each stage's median time per step split by what py-spy ({args.rate} Hz) saw, in ms\n"
+    )
     print("| thread | stage | " + " | ".join(CATEGORIES) + " | total |")
     print("| --- | --- |" + " ---: |" * (len(CATEGORIES) + 1))
     result: dict = {}
@@ -145,21 +179,39 @@ def main() -> None:
                 continue
             values = [1000 * stage_s[stage] * counts.get(name, 0) / total for name in CATEGORIES]
             result.setdefault(label, {})[stage] = dict(zip(CATEGORIES, values))
-            print(f"| {label} | {stage} | " + " | ".join(f"{value:.1f}" for value in values) + f" | {sum(values):.1f} |")
+            print(
+                f"| {label} | {stage} | " + " | ".join(f"{value:.1f}" for value in values) + f" | {sum(values):.1f} |"
+            )
     top_frames = {
-        stage: {frame: count / sum(counts.values()) for frame, count in sorted(counts.items(), key=lambda item: -item[1])[:15]}
-        for stage, counts in frames_by_stage.items() if stage in stage_s
+        stage: {
+            frame: count / sum(counts.values())
+            for frame, count in sorted(counts.items(), key=lambda item: -item[1])[:15]
+        }
+        for stage, counts in frames_by_stage.items()
+        if stage in stage_s
     }
     print("\nInnermost frames of each stage (share of its samples, all ranks):")
     for stage, frames in top_frames.items():
         print(f"- {stage}: " + "; ".join(f"{frame} {share:.0%}" for frame, share in list(frames.items())[:6]))
     os.makedirs(args.out, exist_ok=True)
     out_file = Path(args.out) / f"profile_cpu_{args.config}.json"
-    out_file.write_text(json.dumps({
-        "config": args.config, "spec": spec, "nproc": args.nproc, "steps": len(steps), "step_s": step_s,
-        "stage_s": stage_s, "rate": args.rate, "ms_per_step": result, "top_frames": top_frames,
-        "command": f"python benchmarks/profile_cpu.py --config {args.config} --nproc {args.nproc} --steps {args.steps}",
-    }, indent=2))
+    out_file.write_text(
+        json.dumps(
+            {
+                "config": args.config,
+                "spec": spec,
+                "nproc": args.nproc,
+                "steps": len(steps),
+                "step_s": step_s,
+                "stage_s": stage_s,
+                "rate": args.rate,
+                "ms_per_step": result,
+                "top_frames": top_frames,
+                "command": f"python benchmarks/profile_cpu.py --config {args.config} --nproc {args.nproc} --steps {args.steps}",
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {out_file}")
 
 

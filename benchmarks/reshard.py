@@ -59,8 +59,15 @@ from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.workers import ActorWorker
 
 LAYOUTS = [
-    "dp4tp1pp1:1", "dp2tp2pp1:1", "dp2tp2pp1:2", "dp1tp4pp1:1", "dp1tp4pp1:2", "dp1tp4pp1:4",
-    "dp2tp1pp2:1", "dp1tp2pp2:1", "dp1tp2pp2:2",
+    "dp4tp1pp1:1",
+    "dp2tp2pp1:1",
+    "dp2tp2pp1:2",
+    "dp1tp4pp1:1",
+    "dp1tp4pp1:2",
+    "dp1tp4pp1:4",
+    "dp2tp1pp2:1",
+    "dp1tp2pp2:1",
+    "dp1tp2pp2:2",
 ]
 SWITCHES = ("all_gather", "to_generation", "to_training", "naive", "naive_drop")
 
@@ -121,9 +128,13 @@ class ReshardingActor(ActorWorker):
             module.reshard()
         if self.model.pipeline is not None:
             stages: list[dict[str, torch.Tensor] | None] = [None] * self.model.pipeline.num_stages
-            dist.all_gather_object(stages, {name: tensor.cpu() for name, tensor in tensors.items()}, group=self.model.pp_group)
+            dist.all_gather_object(
+                stages, {name: tensor.cpu() for name, tensor in tensors.items()}, group=self.model.pp_group
+            )
             tensors = {name: tensor.to(self.device) for stage in stages for name, tensor in stage.items()}
-        return model_from_tensors(self.model.module.args, tensors, head=self.model.module.head, attention_backend=self.config.model.attention)
+        return model_from_tensors(
+            self.model.module.args, tensors, head=self.model.module.head, attention_backend=self.config.model.attention
+        )
 
     @all_to_all
     def time_switches(self, repeats: int) -> dict:
@@ -180,10 +191,14 @@ class ReshardingActor(ActorWorker):
         gc_collect_s = time.perf_counter() - start
         whole_bytes, block_bytes = self._whole_model_sizes()
         return {
-            "peak_increase": ours.peak_increase, "naive_peak_increase": naive.peak_increase,
-            "generation_shard_bytes": shard_bytes, "held_bytes": local_bytes(self.model.module, dtype),
-            "whole_model_bytes": whole_bytes, "block_bytes": block_bytes,
-            "freed_by_refcount": freed_by_refcount, "gc_collect_s": gc_collect_s,
+            "peak_increase": ours.peak_increase,
+            "naive_peak_increase": naive.peak_increase,
+            "generation_shard_bytes": shard_bytes,
+            "held_bytes": local_bytes(self.model.module, dtype),
+            "whole_model_bytes": whole_bytes,
+            "block_bytes": block_bytes,
+            "freed_by_refcount": freed_by_refcount,
+            "gc_collect_s": gc_collect_s,
         }
 
 
@@ -262,41 +277,65 @@ def main(coordinator: Coordinator, args: argparse.Namespace) -> None:
         make_model(model_dir, hidden=args.hidden, layers=args.layers, vocab=args.vocab)
         for layout in args.layouts:
             dims, tp_g = parse_layout(layout)
-            config = load_config(None, [
-                f"model.path={model_dir}", f"model.dtype={args.dtype}",
-                f"actor.tp={dims.tp}", f"actor.pp={dims.pp}", f"rollout.tp={tp_g}",
-            ])
+            config = load_config(
+                None,
+                [
+                    f"model.path={model_dir}",
+                    f"model.dtype={args.dtype}",
+                    f"actor.tp={dims.tp}",
+                    f"actor.pp={dims.pp}",
+                    f"rollout.tp={tp_g}",
+                ],
+            )
             ranks = dims.pp * dims.dp * dims.tp
             actor = coordinator.spawn(
-                ReshardingActor, config, name=f"actor_{layout}", pool=ResourcePool(range(ranks)), dims=dims,
+                ReshardingActor,
+                config,
+                name=f"actor_{layout}",
+                pool=ResourcePool(range(ranks)),
+                dims=dims,
             )
             timings = actor.time_switches([args.repeats] * ranks).result()
             memory = actor.measure_memory([None] * ranks).result()
             results[layout] = summarize(timings, memory)
             seconds = results[layout]["seconds"]
-            print(f"{layout}: train -> gen {seconds['to_generation']:.3f} s, naive {seconds['naive']:.3f} s",
-                  flush=True)
+            print(
+                f"{layout}: train -> gen {seconds['to_generation']:.3f} s, naive {seconds['naive']:.3f} s", flush=True
+            )
             device = timings[0]["device"]
     backend = "nccl" if device == "cuda" else "gloo"
     world = coordinator.world_size
-    print(f"\nreshard benchmark: {world} ranks, {device}/{backend}, llama hidden {args.hidden} x {args.layers} layers, "
-          f"vocab {args.vocab}, {args.dtype}, torch {torch.__version__}, medians of {args.repeats} rounds")
+    print(
+        f"\nreshard benchmark: {world} ranks, {device}/{backend}, llama hidden {args.hidden} x {args.layers} layers, "
+        f"vocab {args.vocab}, {args.dtype}, torch {torch.__version__}, medians of {args.repeats} rounds"
+    )
     print(table(results))
     collect = [row["gc_collect_s"] for row in results.values()]
     freed = all(row["freed_by_refcount"] for row in results.values())
-    print(f"every dropped model freed by reference counting alone: {freed}; one gc.collect() (not part of any switch): "
-          f"{min(collect):.3f}-{max(collect):.3f} s")
+    print(
+        f"every dropped model freed by reference counting alone: {freed}; one gc.collect() (not part of any switch): "
+        f"{min(collect):.3f}-{max(collect):.3f} s"
+    )
     report = {
         "results": results,
         "environment": {
-            "torch": torch.__version__, "device": device, "backend": backend, "world_size": world,
-            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "device": device,
+            "backend": backend,
+            "world_size": world,
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
             "command": f"torch.distributed.run --nproc-per-node {world} benchmarks/reshard.py",
             "model": {
-                "family": "llama", "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+                "family": "llama",
+                "hidden": args.hidden,
+                "layers": args.layers,
+                "vocab": args.vocab,
                 "dtype": args.dtype,
             },
-            "repeats": args.repeats, "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+            "repeats": args.repeats,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0],
         },
     }
     os.makedirs(args.out, exist_ok=True)

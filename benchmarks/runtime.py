@@ -79,10 +79,13 @@ def main(coordinator: Coordinator, args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             role.empty().result(timeout=60)
             seconds.append(time.perf_counter() - start)
-        results["latency"][size] = {"median_ms": 1e3 * statistics.median(seconds), "p99_ms": 1e3 * _percentile(seconds, 0.99)}
+        results["latency"][size] = {
+            "median_ms": 1e3 * statistics.median(seconds),
+            "p99_ms": 1e3 * _percentile(seconds, 0.99),
+        }
         results["coordinator_bytes"][f"empty call, {size} rank(s)"] = (
-            (coordinator.bytes_sent - sent + coordinator.bytes_received - received) / args.calls
-        )
+            coordinator.bytes_sent - sent + coordinator.bytes_received - received
+        ) / args.calls
     if world >= 4:
         producer = coordinator.spawn(Bench, name="producer", pool=ResourcePool([0, 1]))
         consumer = coordinator.spawn(Bench, name="consumer", pool=ResourcePool([2, 3]))
@@ -117,7 +120,9 @@ def _report(results: dict, args: argparse.Namespace, world: int) -> None:
     print(f"\nruntime benchmark: {world} ranks, {device}/{backend}, torch {torch.__version__}")
     print("| measure | value |\n| --- | --- |")
     for size, latency in results["latency"].items():
-        print(f"| empty data-parallel call, {size} rank(s) | median {latency['median_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms |")
+        print(
+            f"| empty data-parallel call, {size} rank(s) | median {latency['median_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms |"
+        )
     if results["transfer"]:
         t = results["transfer"]
         rate = lambda seconds: f"{seconds * 1e3:.1f} ms ({t['megabytes'] / 1024 / seconds:.2f} GB/s)"
@@ -128,8 +133,13 @@ def _report(results: dict, args: argparse.Namespace, world: int) -> None:
     for what, count in results["coordinator_bytes"].items():
         print(f"| coordinator bytes per call: {what} | {count:.0f} |")
     results["environment"] = {
-        "torch": torch.__version__, "device": device, "backend": backend, "world_size": world,
-        "machine": platform.machine(), "cpus": os.cpu_count(), "command": f"torchrun --nproc-per-node {world} benchmarks/runtime.py",
+        "torch": torch.__version__,
+        "device": device,
+        "backend": backend,
+        "world_size": world,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "command": f"torchrun --nproc-per-node {world} benchmarks/runtime.py",
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"runtime_{device}_{backend}_{world}.json")

@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_common import add_model_arguments, environment, parse_with_smoke, shaped_model, shape_fields, write_result  # noqa: E402
+from gpu_common import add_model_arguments, environment, parse_with_smoke, shape_fields, shaped_model, write_result  # noqa: E402
 from scale_floor import STAGE_OF_TIMER, STAGES, design_parts, full_model_bytes, stage_floors  # noqa: E402
 
 from spmd_rlhf.config import load_config  # noqa: E402
@@ -75,12 +75,25 @@ def recipe_overrides(args: argparse.Namespace, *, model_dir: str, task_dir: str,
         raise ValueError(f"--prompts x --samples = {rows} rows do not split over {args.nproc} ranks; change either")
     micro = rows // args.nproc
     overrides = [
-        f"model.path={model_dir}", f"model.dtype={args.dtype}", f"data.train_files=[{task_dir}/train.parquet]",
-        "data.val_files=[]", f"data.batch_size={args.prompts}", f"rollout.n={args.samples}",
-        f"rollout.max_new_tokens={args.new_tokens}", "placement=colocate", "rollout.tp=1", "actor.tp=1",
-        f"actor.mini_batch_size={rows}", f"actor.micro_batch_size={micro}", f"reference.micro_batch_size={micro}",
-        f"trainer.total_steps={args.steps}", f"trainer.output_dir={run_dir}", "trainer.loggers=[jsonl]",
-        "trainer.val_every=0", "trainer.save_every=0", "trainer.resume=null",
+        f"model.path={model_dir}",
+        f"model.dtype={args.dtype}",
+        f"data.train_files=[{task_dir}/train.parquet]",
+        "data.val_files=[]",
+        f"data.batch_size={args.prompts}",
+        f"rollout.n={args.samples}",
+        f"rollout.max_new_tokens={args.new_tokens}",
+        "placement=colocate",
+        "rollout.tp=1",
+        "actor.tp=1",
+        f"actor.mini_batch_size={rows}",
+        f"actor.micro_batch_size={micro}",
+        f"reference.micro_batch_size={micro}",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.output_dir={run_dir}",
+        "trainer.loggers=[jsonl]",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        "trainer.resume=null",
     ]
     if args.algo == "ppo":
         overrides += ["critic.tp=1", f"critic.mini_batch_size={rows}", f"critic.micro_batch_size={micro}"]
@@ -95,13 +108,34 @@ def run_phase(args: argparse.Namespace, phase: str, *, config_path: Path, overri
     """One torchrun launch of the worker program for ``phase``; the directory of its records."""
     record = scratch / f"record_{phase}"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc), str(WORKER),
-        "--algo", args.algo, "--phase", phase, "--record", str(record), "--checkpoint", str(scratch / "run" / "checkpoint"),
-        "--export", str(scratch / "export"), "--config", str(config_path), *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc),
+        str(WORKER),
+        "--algo",
+        args.algo,
+        "--phase",
+        phase,
+        "--record",
+        str(record),
+        "--checkpoint",
+        str(scratch / "run" / "checkpoint"),
+        "--export",
+        str(scratch / "export"),
+        "--config",
+        str(config_path),
+        *overrides,
     ]
     log = scratch / f"{phase}.log"
-    environment_variables = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                             "TOKENIZERS_PARALLELISM": "false", "SCALE_SAMPLE_INTERVAL": str(args.interval)}
+    environment_variables = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "SCALE_SAMPLE_INTERVAL": str(args.interval),
+    }
     if not args.keep_allocator_cache and not torch.cuda.is_available():
         environment_variables.update(RETURN_FREED_MEMORY)
     print(f"{phase}: torchrun --nproc-per-node {args.nproc} {WORKER.name} ({log})", flush=True)
@@ -125,7 +159,11 @@ def stage_peaks(record: Path, nproc: int) -> tuple[dict[str, dict], list[int]]:
     for name, start, end in windows:
         by_stage.setdefault(STAGE_OF_TIMER.get(name, name), []).append((start, end))
     stages: dict[str, dict] = {
-        name: {"peak_bytes_per_rank": [], "rise_bytes_per_rank": [], "seconds": sum(end - start for start, end in spans)}
+        name: {
+            "peak_bytes_per_rank": [],
+            "rise_bytes_per_rank": [],
+            "seconds": sum(end - start for start, end in spans),
+        }
         for name, spans in by_stage.items()
     }
     baselines = []
@@ -140,7 +178,7 @@ def stage_peaks(record: Path, nproc: int) -> tuple[dict[str, dict], list[int]]:
             peaks, rises = [], []
             for start, end in spans:
                 first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
-                peaks.append(max(values[first:last + 1], default=0))
+                peaks.append(max(values[first : last + 1], default=0))
                 rises.append(peaks[-1] - values[max(0, first - 1)])
             stages[name]["peak_bytes_per_rank"].append(max(peaks) - baseline)
             stages[name]["rise_bytes_per_rank"].append(max(rises))
@@ -171,10 +209,12 @@ def table(result: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for stage in result["stages"]:
-        lines.append(f"| {stage['stage']} | {stage['peak_bytes'] / GIB:.3f} | {stage['floor_bytes'] / GIB:.3f} | "
-                     f"{stage['peak_over_floor']:.2f} | {stage['design_floor_bytes'] / GIB:.3f} | "
-                     f"{stage['peak_over_design_floor']:.2f} | {'yes' if stage['whole_model_copy'] else 'no'} | "
-                     f"{max(stage['rise_bytes_per_rank']) / GIB:.3f} | {stage['seconds']:.1f} |")
+        lines.append(
+            f"| {stage['stage']} | {stage['peak_bytes'] / GIB:.3f} | {stage['floor_bytes'] / GIB:.3f} | "
+            f"{stage['peak_over_floor']:.2f} | {stage['design_floor_bytes'] / GIB:.3f} | "
+            f"{stage['peak_over_design_floor']:.2f} | {'yes' if stage['whole_model_copy'] else 'no'} | "
+            f"{max(stage['rise_bytes_per_rank']) / GIB:.3f} | {stage['seconds']:.1f} |"
+        )
     lines += ["", f"floors per rank (parts, MiB; one float32 model = {result['full_model_bytes'] / 2**20:,.1f} MiB):"]
     for stage in result["stages"]:
         parts = ", ".join(f"{part} {size / 2**20:,.1f}" for part, size in stage["floor_parts"].items())
@@ -195,11 +235,19 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--dtype", help="model.dtype (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--interval", type=float, default=0.005, help="seconds between memory samples")
-    parser.add_argument("--keep-allocator-cache", action="store_true",
-                        help="CPU: measure with glibc malloc's defaults (RSS keeps freed heap blocks: an upper bound)")
-    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
-                        help="train LoRA adapters of this rank on every linear layer (all-linear) instead of the whole "
-                             "model; the floors stay full fine-tuning's, so peak / floor compares LoRA with them")
+    parser.add_argument(
+        "--keep-allocator-cache",
+        action="store_true",
+        help="CPU: measure with glibc malloc's defaults (RSS keeps freed heap blocks: an upper bound)",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="train LoRA adapters of this rank on every linear layer (all-linear) instead of the whole "
+        "model; the floors stay full fine-tuning's, so peak / floor compares LoRA with them",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, {"shape": "smoke"})
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,19 +255,26 @@ def main() -> None:
     fields = shape_fields(args.shape, layers=args.layers)
     config_path = ROOT / "recipes" / "configs" / f"{args.algo}.yaml"
 
-    with shaped_model(args.shape, args.model_dir, layers=args.layers) as model_dir, \
-            tempfile.TemporaryDirectory(prefix="scale_") as directory:
+    with (
+        shaped_model(args.shape, args.model_dir, layers=args.layers) as model_dir,
+        tempfile.TemporaryDirectory(prefix="scale_") as directory,
+    ):
         scratch = Path(directory)
         make_task(task="arithmetic", out_dir=str(scratch / "task"))
-        overrides = recipe_overrides(args, model_dir=str(Path(model_dir).resolve()), task_dir=str(scratch / "task"),
-                                     run_dir=str(scratch / "run"))
+        overrides = recipe_overrides(
+            args, model_dir=str(Path(model_dir).resolve()), task_dir=str(scratch / "task"), run_dir=str(scratch / "run")
+        )
         config = load_config(config_path, overrides)
         floors = stage_floors(config, devices=args.nproc)
         buffers = design_parts(config, devices=args.nproc)
         whole_model = full_model_bytes(config)
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-        stages, baselines = stage_peaks(run_phase(args, "train", config_path=config_path, overrides=overrides, scratch=scratch), args.nproc)
-        resumed, resume_baselines = stage_peaks(run_phase(args, "resume", config_path=config_path, overrides=overrides, scratch=scratch), args.nproc)
+        stages, baselines = stage_peaks(
+            run_phase(args, "train", config_path=config_path, overrides=overrides, scratch=scratch), args.nproc
+        )
+        resumed, resume_baselines = stage_peaks(
+            run_phase(args, "resume", config_path=config_path, overrides=overrides, scratch=scratch), args.nproc
+        )
     stages.update(resumed)
 
     rows = []
@@ -228,20 +283,43 @@ def main() -> None:
         extra = buffers.get(name, {})
         floor, peak = sum(parts.values()), max(stages[name]["peak_bytes_per_rank"])
         design_floor = floor + sum(extra.values())
-        rows.append({
-            "stage": name, "seconds": stages[name]["seconds"], "peak_bytes_per_rank": stages[name]["peak_bytes_per_rank"],
-            "rise_bytes_per_rank": stages[name]["rise_bytes_per_rank"],
-            "peak_bytes": peak, "floor_bytes": floor, "floor_parts": parts, "peak_over_floor": peak / floor,
-            "design_parts": extra, "design_floor_bytes": design_floor, "peak_over_design_floor": peak / design_floor,
-            "whole_model_copy": peak - design_floor >= whole_model,
-        })
+        rows.append(
+            {
+                "stage": name,
+                "seconds": stages[name]["seconds"],
+                "peak_bytes_per_rank": stages[name]["peak_bytes_per_rank"],
+                "rise_bytes_per_rank": stages[name]["rise_bytes_per_rank"],
+                "peak_bytes": peak,
+                "floor_bytes": floor,
+                "floor_parts": parts,
+                "peak_over_floor": peak / floor,
+                "design_parts": extra,
+                "design_floor_bytes": design_floor,
+                "peak_over_design_floor": peak / design_floor,
+                "whole_model_copy": peak - design_floor >= whole_model,
+            }
+        )
     result = {
-        "benchmark": "scale", "smoke": args.smoke, "algo": args.algo, "shape": args.shape, "lora_rank": args.lora,
-        "layers": fields["num_layers"], "vocab": vocab, "nproc": args.nproc, "dtype": args.dtype, "steps": args.steps,
-        "prompts": args.prompts, "samples": args.samples, "new_tokens": args.new_tokens,
+        "benchmark": "scale",
+        "smoke": args.smoke,
+        "algo": args.algo,
+        "shape": args.shape,
+        "lora_rank": args.lora,
+        "layers": fields["num_layers"],
+        "vocab": vocab,
+        "nproc": args.nproc,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "new_tokens": args.new_tokens,
         "measurement": measurement(device, keep_allocator_cache=args.keep_allocator_cache),
-        "sample_interval_s": args.interval, "baseline_bytes_per_rank": {"train": baselines, "resume": resume_baselines},
-        "full_model_bytes": whole_model, "recipe_overrides": overrides, "stages": rows, "environment": environment(device),
+        "sample_interval_s": args.interval,
+        "baseline_bytes_per_rank": {"train": baselines, "resume": resume_baselines},
+        "full_model_bytes": whole_model,
+        "recipe_overrides": overrides,
+        "stages": rows,
+        "environment": environment(device),
         "worst_peak_over_floor": max(row["peak_over_floor"] for row in rows),
     }
     print(table(result))

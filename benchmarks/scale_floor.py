@@ -59,8 +59,14 @@ ADAM_BYTES = TRAINING_BYTES_PER_PARAMETER - WEIGHT_BYTES - GRADIENT_BYTES
 STAGES = ("load", "generate", "log_probs", "advantages", "update", "save", "export", "resume")
 """The benchmark's stages, in the order a run meets them."""
 STAGE_OF_TIMER = {
-    "generate": "generate", "reward": "log_probs", "old_log_probs": "log_probs", "ref_log_probs": "log_probs",
-    "values": "log_probs", "advantages": "advantages", "update_actor": "update", "update_critic": "update",
+    "generate": "generate",
+    "reward": "log_probs",
+    "old_log_probs": "log_probs",
+    "ref_log_probs": "log_probs",
+    "values": "log_probs",
+    "advantages": "advantages",
+    "update_actor": "update",
+    "update_critic": "update",
 }
 """The recipes' ``StageTimer`` names (``time/<name>`` metrics) -> the benchmark's stage; a name not listed is a
 stage of its own, with the resident state as its floor."""
@@ -85,8 +91,9 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
 
     trained = [spec for spec in specs if spec.trained]
     weights = {
-        f"{spec.name} weights ({'float32' if spec.trained else config.model.dtype} shard)":
-            parameters(spec) * (WEIGHT_BYTES if spec.trained else b) / devices
+        f"{spec.name} weights ({'float32' if spec.trained else config.model.dtype} shard)": parameters(spec)
+        * (WEIGHT_BYTES if spec.trained else b)
+        / devices
         for spec in specs
     }
     adam = {f"{spec.name} Adam moments (shard)": parameters(spec) * ADAM_BYTES / devices for spec in trained}
@@ -99,23 +106,32 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     rows = -(-batch.rows // replicas)
     generation = {
         f"actor generation copy ({config.model.dtype}, 1/{tp_g})": parameters(actor) * b / tp_g,
-        f"KV cache ({rows} rows x {batch.sequence_length} tokens)": rows * batch.sequence_length * actor.shape.kv_bytes_per_token(b) / tp_g,
+        f"KV cache ({rows} rows x {batch.sequence_length} tokens)": rows
+        * batch.sequence_length
+        * actor.shape.kv_bytes_per_token(b)
+        / tp_g,
     }
 
-    forward = [dataclasses.replace(spec, trained=False) for spec in specs if spec.name != "actor" or config.rollout.recompute_log_probs]
+    forward = [
+        dataclasses.replace(spec, trained=False)
+        for spec in specs
+        if spec.name != "actor" or config.rollout.recompute_log_probs
+    ]
     forward_parts = {}
     if forward:
         largest = max(forward, key=lambda spec: working_bytes(spec, layout, batch))
         forward_parts = {
-            f"{largest.name} forward micro-batch (a layer's activations, response logits, float32 log-prob chunks)":
-                working_bytes(largest, layout, batch),
+            f"{largest.name} forward micro-batch (a layer's activations, response logits, float32 log-prob chunks)": working_bytes(
+                largest, layout, batch
+            ),
         }
 
     def update_parts(spec: RoleSpec) -> dict[str, float]:
         return {
             f"{spec.name} gradients (float32 shard)": parameters(spec) * GRADIENT_BYTES / devices,
-            f"{spec.name} micro-batch (activations, response logits and their gradient, float32 log-prob chunks)":
-                working_bytes(spec, layout, batch),
+            f"{spec.name} micro-batch (activations, response logits and their gradient, float32 log-prob chunks)": working_bytes(
+                spec, layout, batch
+            ),
         }
 
     update = max((update_parts(spec) for spec in trained), key=lambda parts: sum(parts.values()))
@@ -194,7 +210,9 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
         whole = spec.shape.vocab * spec.shape.hidden * b if streamed(spec) else 0
         return max(*units(spec), whole)
 
-    forward = [spec for spec in specs if not spec.trained or (spec.name == "actor" and config.rollout.recompute_log_probs)]
+    forward = [
+        spec for spec in specs if not spec.trained or (spec.name == "actor" and config.rollout.recompute_log_probs)
+    ]
     saved_bytes = getattr(torch, config.trainer.save_hf_dtype).itemsize if config.trainer.save_hf_dtype else b
     largest_tensor = max(spec.shape.vocab * spec.shape.hidden for spec in specs if spec.trained) * saved_bytes
     band = min(DEFAULT_BAND_BYTES, largest_tensor)
@@ -202,7 +220,9 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     return {
         "load": {},
         "generate": {"actor FSDP unit (or streamed vocabulary) gathered by the reshard": reshard(actor)},
-        "log_probs": {"FSDP unit gathered by a forward pass": max(gathered(spec) for spec in forward)} if forward else {},
+        "log_probs": {"FSDP unit gathered by a forward pass": max(gathered(spec) for spec in forward)}
+        if forward
+        else {},
         "advantages": {},
         "update": update,
         "save": {},

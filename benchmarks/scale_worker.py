@@ -164,8 +164,14 @@ def main() -> None:
     recipe_class = {"grpo": GRPORecipe, "ppo": PPORecipe}[args.algo]
     timeout = config.trainer.timeout_s
     windows = launch(
-        lambda coordinator: coordinate(coordinator, recipe_class=recipe_class, config=config, phase=args.phase,
-                                       checkpoint_dir=args.checkpoint, export_dir=args.export),
+        lambda coordinator: coordinate(
+            coordinator,
+            recipe_class=recipe_class,
+            config=config,
+            phase=args.phase,
+            checkpoint_dir=args.checkpoint,
+            export_dir=args.export,
+        ),
         options=RuntimeOptions(call_timeout_s=timeout, collective_timeout_s=timeout),
     )
     record, rank = Path(args.record), int(os.environ.get("RANK", "0"))

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .triton_support import launch_device, tl, triton, use_triton
+from kernels.triton_support import launch_device, tl, triton, use_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -102,8 +102,15 @@ class _FusedLogProbEntropy(torch.autograd.Function):
             block_vocab = _block_vocab(vocab)
             with launch_device(logits.device):
                 _forward_kernel[(tokens,)](
-                    log_probs, entropy, logsumexp, logits, labels,
-                    1.0 / temperature, vocab, logits.stride(0), labels.stride(0),
+                    log_probs,
+                    entropy,
+                    logsumexp,
+                    logits,
+                    labels,
+                    1.0 / temperature,
+                    vocab,
+                    logits.stride(0),
+                    labels.stride(0),
                     BLOCK_VOCAB=block_vocab,
                     num_warps=_num_warps(block_vocab),
                 )
@@ -121,9 +128,20 @@ class _FusedLogProbEntropy(torch.autograd.Function):
             # No reduction is needed, so every (token, vocabulary block) pair is its own program.
             with launch_device(logits.device):
                 _backward_kernel[(tokens, triton.cdiv(vocab, block_vocab))](
-                    grad_logits, logits, labels, logsumexp, entropy, grad_log_probs, grad_entropy,
-                    1.0 / ctx.temperature, vocab, grad_logits.stride(0), logits.stride(0), labels.stride(0),
-                    grad_log_probs.stride(0), grad_entropy.stride(0),
+                    grad_logits,
+                    logits,
+                    labels,
+                    logsumexp,
+                    entropy,
+                    grad_log_probs,
+                    grad_entropy,
+                    1.0 / ctx.temperature,
+                    vocab,
+                    grad_logits.stride(0),
+                    logits.stride(0),
+                    labels.stride(0),
+                    grad_log_probs.stride(0),
+                    grad_entropy.stride(0),
                     BLOCK_VOCAB=block_vocab,
                     num_warps=_num_warps(block_vocab),
                 )
@@ -154,8 +172,15 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        log_probs_ptr, entropy_ptr, logsumexp_ptr, logits_ptr, labels_ptr,
-        inverse_temperature, vocab, stride_logits_row, stride_labels,
+        log_probs_ptr,
+        entropy_ptr,
+        logsumexp_ptr,
+        logits_ptr,
+        labels_ptr,
+        inverse_temperature,
+        vocab,
+        stride_logits_row,
+        stride_labels,
         BLOCK_VOCAB: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -188,9 +213,20 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        grad_logits_ptr, logits_ptr, labels_ptr, logsumexp_ptr, entropy_ptr, grad_log_probs_ptr, grad_entropy_ptr,
-        inverse_temperature, vocab,
-        stride_grad_row, stride_logits_row, stride_labels, stride_grad_log_probs, stride_grad_entropy,
+        grad_logits_ptr,
+        logits_ptr,
+        labels_ptr,
+        logsumexp_ptr,
+        entropy_ptr,
+        grad_log_probs_ptr,
+        grad_entropy_ptr,
+        inverse_temperature,
+        vocab,
+        stride_grad_row,
+        stride_logits_row,
+        stride_labels,
+        stride_grad_log_probs,
+        stride_grad_entropy,
         BLOCK_VOCAB: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .triton_support import launch_device, tl, triton, use_triton
+from kernels.triton_support import launch_device, tl, triton, use_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -131,13 +131,25 @@ def paged_decode_attention(
     group = heads // kv_heads
     with launch_device(q.device):
         _paged_decode_kernel[(num_seqs, kv_heads)](
-            out, q, key_cache, value_cache, block_tables, context_lens,
+            out,
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
             scale * math.log2(math.e),
-            out.stride(0), out.stride(1),
-            q.stride(0), q.stride(1),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-            block_tables.stride(0), block_tables.stride(1),
+            out.stride(0),
+            out.stride(1),
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            block_tables.stride(0),
+            block_tables.stride(1),
             block_size,
             GROUP=group,
             GROUP_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(group)),
@@ -154,13 +166,25 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
+        out_ptr,
+        q_ptr,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
         scale_log2,
-        stride_out_seq, stride_out_head,
-        stride_q_seq, stride_q_head,
-        stride_key_block, stride_key_token, stride_key_head,
-        stride_value_block, stride_value_token, stride_value_head,
-        stride_table_seq, stride_table_block,
+        stride_out_seq,
+        stride_out_head,
+        stride_q_seq,
+        stride_q_head,
+        stride_key_block,
+        stride_key_token,
+        stride_key_head,
+        stride_value_block,
+        stride_value_token,
+        stride_value_head,
+        stride_table_seq,
+        stride_table_block,
         block_size,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
@@ -188,7 +212,8 @@ if triton is not None:
             token_mask = tokens < context_len
             blocks = tl.load(
                 block_tables_ptr + seq * stride_table_seq + (tokens // block_size) * stride_table_block,
-                mask=token_mask, other=0,
+                mask=token_mask,
+                other=0,
             ).to(tl.int64)
             offsets = tokens % block_size
             kv_mask = token_mask[:, None] & head_dim_mask[None, :]

@@ -44,8 +44,18 @@ class RolloutPipeline:
     later tokens come from the newer weights."""
 
     def __init__(
-        self, *, actor, rollout, reward, loader: PromptLoader, max_staleness: int, total_steps: int, start: int,
-        timeout_s: float, partial_rollouts: str = "off", background_sync: bool = False,
+        self,
+        *,
+        actor,
+        rollout,
+        reward,
+        loader: PromptLoader,
+        max_staleness: int,
+        total_steps: int,
+        start: int,
+        timeout_s: float,
+        partial_rollouts: str = "off",
+        background_sync: bool = False,
     ) -> None:
         self.actor, self.rollout, self.reward, self.loader = actor, rollout, reward, loader
         self.max_staleness, self.total_steps, self.start, self.timeout_s = max_staleness, total_steps, start, timeout_s
@@ -148,7 +158,10 @@ class RolloutPipeline:
     def restore(self, checkpoint_dir: str, state: dict) -> None:
         """Take back the batches ``save`` wrote (and issue their scoring, or with partial rollouts their generation
         in flight), as batches issued by this pipeline."""
-        settings = {"algorithm.max_staleness": ("max_staleness", 0), "rollout.partial_rollouts": ("partial_rollouts", "off")}
+        settings = {
+            "algorithm.max_staleness": ("max_staleness", 0),
+            "rollout.partial_rollouts": ("partial_rollouts", "off"),
+        }
         for key, (name, default) in settings.items():
             if state.get(name, default) != getattr(self, name):
                 raise ValueError(

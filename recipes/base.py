@@ -32,16 +32,23 @@ from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from spmd_rlhf.config import ConfigError, config_reference, load_config, to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
-from spmd_rlhf.dataflow import KL_TO_ACTOR_BASE, ROLE_KINDS, Dataflow, algorithms_of, conditions
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
+from spmd_rlhf.dataflow import KL_TO_ACTOR_BASE, ROLE_KINDS, Dataflow, algorithms_of, conditions
 from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.models.vocabulary import check_role_vocabularies
-from spmd_rlhf.recipes.dry_run import describe
 from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
+from spmd_rlhf.recipes.dry_run import describe
 from spmd_rlhf.recipes.dynamic_sampling import sample_with_signal
 from spmd_rlhf.recipes.roles import WORKERS, ActorHandle, CriticHandle, ReferenceHandle, RewardHandle, RolloutHandle
 from spmd_rlhf.runtime import (
-    REQUEUE_EXIT_CODE, BatchRef, CallFuture, Coordinator, RoleHandle, RuntimeOptions, launch, stop_requested,
+    REQUEUE_EXIT_CODE,
+    BatchRef,
+    CallFuture,
+    Coordinator,
+    RoleHandle,
+    RuntimeOptions,
+    launch,
+    stop_requested,
     wait_together,
 )
 from spmd_rlhf.runtime.device import select_device, visible_cuda_devices
@@ -109,7 +116,8 @@ class RLRecipe:
         algorithm = config.algorithm
         self.kl_controller = (
             AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
-            if algorithm.kl_target is not None else FixedKLController(algorithm.kl_coef)
+            if algorithm.kl_target is not None
+            else FixedKLController(algorithm.kl_coef)
         )
         """The KL weight of each step (``kl_controller.coef``), updated from the step's ``kl/mean``; checkpointed."""
         self.config_yaml = to_yaml(config)
@@ -143,14 +151,26 @@ class RLRecipe:
 
         def prompts(files: list[str]) -> PromptDataset:
             return PromptDataset(
-                files, tokenizer, prompt_key=config.data.prompt_key,
-                max_prompt_length=config.data.max_prompt_length, overlong_prompts=config.data.overlong_prompts,
+                files,
+                tokenizer,
+                prompt_key=config.data.prompt_key,
+                max_prompt_length=config.data.max_prompt_length,
+                overlong_prompts=config.data.overlong_prompts,
             )
 
         dataset = prompts(config.data.train_files)
-        self.data_metrics = {"data/skipped_prompts": float(dataset.num_skipped), "data/truncated_prompts": float(dataset.num_truncated)}
+        self.data_metrics = {
+            "data/skipped_prompts": float(dataset.num_skipped),
+            "data/truncated_prompts": float(dataset.num_truncated),
+        }
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.loader = PromptLoader(dataset, batch_size=config.data.batch_size, pad_token_id=pad, shuffle=config.data.shuffle, seed=config.data.seed)
+        self.loader = PromptLoader(
+            dataset,
+            batch_size=config.data.batch_size,
+            pad_token_id=pad,
+            shuffle=config.data.shuffle,
+            seed=config.data.seed,
+        )
         self.val_prompts = None
         if config.data.val_files:
             val = prompts(config.data.val_files)
@@ -199,7 +219,9 @@ class RLRecipe:
     def _role(self, name: str) -> Any:
         if name not in self.roles:
             if not self.roles:
-                raise RuntimeError(f"the {self.name} recipe has no roles yet: call setup() (or fit()) before its {name}")
+                raise RuntimeError(
+                    f"the {self.name} recipe has no roles yet: call setup() (or fit()) before its {name}"
+                )
             raise RuntimeError(
                 f"the {name} is not in this run: the {self.name} recipe with algorithm.name="
                 f"{self.config.algorithm.name} uses {', '.join(self.roles)}"
@@ -244,16 +266,26 @@ class RLRecipe:
         calls.update((name, call(rollout)) for name, call in also.items())
         results = dict(zip(calls, self.run_together(timer, **calls)))
         return Experience(
-            rollout, scores=results.pop("reward", rollout), old_log_probs=results.pop("old_log_probs", None),
-            ref_log_probs=results.pop("ref_log_probs", None), extras=results, metrics=sampling_metrics,
+            rollout,
+            scores=results.pop("reward", rollout),
+            old_log_probs=results.pop("old_log_probs", None),
+            ref_log_probs=results.pop("ref_log_probs", None),
+            extras=results,
+            metrics=sampling_metrics,
         )
 
     def rollout_pipeline(self, *, start: int) -> RolloutPipeline:
         """The rollout role's batches generated ahead, for a run starting (or resuming) at step ``start``."""
         return RolloutPipeline(
-            actor=self.actor, rollout=self.rollout, reward=self.reward, loader=self.loader,
-            max_staleness=self.config.algorithm.max_staleness, total_steps=self.config.trainer.total_steps,
-            start=start, timeout_s=self.config.trainer.timeout_s, background_sync=self.config.rollout.background_sync,
+            actor=self.actor,
+            rollout=self.rollout,
+            reward=self.reward,
+            loader=self.loader,
+            max_staleness=self.config.algorithm.max_staleness,
+            total_steps=self.config.trainer.total_steps,
+            start=start,
+            timeout_s=self.config.trainer.timeout_s,
+            background_sync=self.config.rollout.background_sync,
             partial_rollouts=self.config.rollout.partial_rollouts,
         )
 
@@ -287,10 +319,14 @@ class RLRecipe:
                 metrics.update(result.meta.get("metrics", {}))
         metrics.update(timer.metrics())
         metrics["time/step"] = time.perf_counter() - started
-        metrics.update(throughput_metrics(
-            metrics, world_size=self.coordinator.world_size, passes=self.model_passes,
-            peak_flops_per_device=self.config.trainer.peak_flops_per_device,
-        ))
+        metrics.update(
+            throughput_metrics(
+                metrics,
+                world_size=self.coordinator.world_size,
+                passes=self.model_passes,
+                peak_flops_per_device=self.config.trainer.peak_flops_per_device,
+            )
+        )
         return metrics
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -344,8 +380,11 @@ class RLRecipe:
             if step % trainer.log_every == 0 or last:
                 self.metrics_logger.log(step, metrics)
             if checkpoint.save_due(
-                done, total_steps=trainer.total_steps, save_every=steps_between_saves,
-                minutes_since_save=(time.monotonic() - saved_at) / 60, save_every_minutes=trainer.save_every_minutes,
+                done,
+                total_steps=trainer.total_steps,
+                save_every=steps_between_saves,
+                minutes_since_save=(time.monotonic() - saved_at) / 60,
+                save_every_minutes=trainer.save_every_minutes,
             ):
                 self.save(os.path.join(trainer.output_dir, f"step_{done}"), step=done, final=last)
                 saved, saved_at = done, time.monotonic()
@@ -355,8 +394,11 @@ class RLRecipe:
                 self.save(os.path.join(trainer.output_dir, f"step_{done}"), step=done)
             run_directory.mark_stopped(trainer.output_dir, reason=self.stopped_by, step=done)
             resumable = f"step_{done}" if done else "the start"
-            print(f"{self.stopped_by}: stopped after step {done} of {trainer.total_steps}; a relaunch continues from "
-                  f"{resumable}", flush=True)
+            print(
+                f"{self.stopped_by}: stopped after step {done} of {trainer.total_steps}; a relaunch continues from "
+                f"{resumable}",
+                flush=True,
+            )
         self.metrics_logger.close()
         return history
 
@@ -402,10 +444,15 @@ class RLRecipe:
             if self.pipeline is not None:  # before trainer_state.json, which write_checkpoint writes after this
                 trainer_state["rollouts"] = self.pipeline.save(str(staging))
 
-        return str(checkpoint.write_checkpoint(
-            out_dir, write_roles, trainer_state=trainer_state, config_yaml=self.config_yaml,
-            keep_last=self.config.trainer.keep_last,
-        ))
+        return str(
+            checkpoint.write_checkpoint(
+                out_dir,
+                write_roles,
+                trainer_state=trainer_state,
+                config_yaml=self.config_yaml,
+                keep_last=self.config.trainer.keep_last,
+            )
+        )
 
     def algorithm_state(self) -> dict[str, Any]:
         """The controller's state between steps (JSON-able), saved in checkpoints: the KL weight. Recipes with more
@@ -459,7 +506,9 @@ class RLRecipe:
                 raise checkpoint.CheckpointError(f"trainer.resume={resume}: {error}") from error
         self.check_recipe(found, checkpoint.read_trainer_state(found))
         changes = run_directory.check_resume(
-            found, config_yaml=self.config_yaml, total_steps=trainer.total_steps,
+            found,
+            config_yaml=self.config_yaml,
+            total_steps=trainer.total_steps,
             allow_changes=trainer.resume_allow_changes,
         )
         shown = ", ".join(f"{key} ({saved!r} -> {now!r})" for key, (saved, now) in changes.items())
@@ -476,8 +525,17 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=default_config, help="YAML config (default: %(default)s)")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config, placement, role layouts and memory per rank, then exit")
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")), help="ranks to plan for with --dry-run (default: $WORLD_SIZE or 1)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, placement, role layouts and memory per rank, then exit",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="ranks to plan for with --dry-run (default: $WORLD_SIZE or 1)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=5")
     options = parser.parse_args()
     try:
@@ -488,16 +546,21 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
                 print(describe(config, options.world_size), end="")
             return
         # Which device the launch will pick, by the launch's own rule (any rank's: they all see the same devices).
-        on_cpu = select_device(config.trainer.device, local_rank=0, cuda_devices=visible_cuda_devices())[0].type == "cpu"
+        on_cpu = (
+            select_device(config.trainer.device, local_rank=0, cuda_devices=visible_cuda_devices())[0].type == "cpu"
+        )
     except (ConfigError, ValueError) as error:
         parser.exit(2, f"{recipe_class.name}: {error}\n")
     if config.trainer.host_huge_pages and on_cpu:
         restart_with_huge_pages()
     trainer = config.trainer
     runtime = RuntimeOptions(
-        call_timeout_s=trainer.timeout_s, collective_timeout_s=trainer.collective_timeout_s, device=trainer.device,
+        call_timeout_s=trainer.timeout_s,
+        collective_timeout_s=trainer.collective_timeout_s,
+        device=trainer.device,
         stop_timeout_s=trainer.stop_timeout_s,
     )
+
     def run(coordinator: Coordinator) -> str | None:
         recipe = recipe_class(config, coordinator)
         recipe.fit()

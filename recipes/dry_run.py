@@ -46,11 +46,15 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
         (pool, dims), role = placement.roles[name], getattr(config, name)
         if name == "rollout":  # counted below with generation: its shard and KV cache
             count = models["actor"].shape.parameters("lm")
-            lines.append(f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  "
-                         f"generation shard + KV cache only (the actor's weights, {config.model.dtype})")
+            lines.append(
+                f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  "
+                f"generation shard + KV cache only (the actor's weights, {config.model.dtype})"
+            )
             continue
         if name not in models:  # a rule reward or cost: no model
-            lines.append(f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'rule':>14}  none (reward.rule={role.rule})")
+            lines.append(
+                f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'rule':>14}  none (reward.rule={role.rule})"
+            )
             continue
         spec = models[name]
         count = spec.shape.parameters(spec.head)
@@ -84,4 +88,8 @@ def _generation_bytes(config: FrameworkConfig, actor: RoleSpec, batch: Batch, ge
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1 else ",".join(map(str, ranks))
+    return (
+        f"{ranks[0]}-{ranks[-1]}"
+        if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1
+        else ",".join(map(str, ranks))
+    )

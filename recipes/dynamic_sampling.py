@@ -26,7 +26,13 @@ def left_pad(prompts: Batch, *, width: int, pad_token_id: int) -> Batch:
 
 
 def sample_with_signal(
-    config: FrameworkConfig, *, actor: ActorHandle, reward: RewardHandle, loader: PromptLoader, step: int, timer: StageTimer
+    config: FrameworkConfig,
+    *,
+    actor: ActorHandle,
+    reward: RewardHandle,
+    loader: PromptLoader,
+    step: int,
+    timer: StageTimer,
 ) -> tuple[BatchRef, dict[str, float]]:
     """The step's rollouts and scores with signal-free prompts dropped and the batch refilled from further prompts,
     for at most ``algorithm.max_sampling_rounds`` generation rounds, and the ``sampling/rounds`` and

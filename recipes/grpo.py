@@ -27,7 +27,9 @@ class GRPORecipe(RLRecipe):
         inputs = experience.batches
         estimator = self.config.algorithm.name
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, estimator=estimator, kl_coef=self.kl_controller.coef).result()
+            advantages = self.actor.compute_advantages(
+                *inputs, estimator=estimator, kl_coef=self.kl_controller.coef
+            ).result()
         with timer("update_actor"):
             actor_metrics = self.actor.update_actor(*inputs, advantages, **self.update_options(step)).result()
         return self.step_metrics(started, timer, experience, advantages, actor_metrics)

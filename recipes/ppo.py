@@ -1,6 +1,6 @@
 """PPO (Ouyang et al. 2022) with a critic, GAE and a KL-to-reference penalty in the reward.
 
-    torchrun --nproc-per-node 4 recipes/ppo.py --config recipes/configs/ppo.yaml trainer.total_steps=20
+torchrun --nproc-per-node 4 recipes/ppo.py --config recipes/configs/ppo.yaml trainer.total_steps=20
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ class PPORecipe(RLRecipe):
         experience = self.experience(step, timer, values=self.critic.compute_values)
         inputs, rollout, values = experience.batches, experience.rollout, experience.extras["values"]
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=self.kl_controller.coef).result()
+            advantages = self.actor.compute_advantages(
+                *inputs, values, estimator="gae", kl_coef=self.kl_controller.coef
+            ).result()
         # The critics and the actor train at the same time when they are placed on different devices.
         critic_metrics, actor_metrics = self.run_together(
             timer,

@@ -48,7 +48,11 @@ class ActorHandle(TrainedHandle):
         return self.call("compute_ref_log_probs", batch)
 
     def compute_advantages(
-        self, *parts: Rows, estimator: str, kl_coef: float | None = None, source: str = "reward",
+        self,
+        *parts: Rows,
+        estimator: str,
+        kl_coef: float | None = None,
+        source: str = "reward",
         baseline: Rows | None = None,
     ) -> CallFuture:
         return self.call(
@@ -56,7 +60,10 @@ class ActorHandle(TrainedHandle):
         )
 
     def update_actor(
-        self, *parts: Rows, kl_coef: float | None = None, cost_multiplier: float | None = None,
+        self,
+        *parts: Rows,
+        kl_coef: float | None = None,
+        cost_multiplier: float | None = None,
         policy_version: int | None = None,
     ) -> CallFuture:
         return self.call(

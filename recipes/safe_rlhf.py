@@ -26,30 +26,53 @@ class SafeRLHFRecipe(RLRecipe):
         super().__init__(*args, **kwargs)
         algorithm = self.config.algorithm
         self.multiplier = LagrangeMultiplier(
-            algorithm.lambda_init, lr=algorithm.lambda_lr, threshold=algorithm.cost_limit, max_value=algorithm.lambda_max
+            algorithm.lambda_init,
+            lr=algorithm.lambda_lr,
+            threshold=algorithm.cost_limit,
+            max_value=algorithm.lambda_max,
         )
 
     def step(self, step: int) -> dict[str, float]:
         started, timer = time.perf_counter(), StageTimer()
         experience = self.experience(
-            step, timer, values=self.critic.compute_values, costs=self.cost.compute_rewards, cost_values=self.cost_critic.compute_values
+            step,
+            timer,
+            values=self.critic.compute_values,
+            costs=self.cost.compute_rewards,
+            cost_values=self.cost_critic.compute_values,
         )
         inputs, rollout, values = experience.batches, experience.rollout, experience.extras["values"]
         costs, cost_values = experience.extras["costs"], experience.extras["cost_values"]
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, values, estimator="gae", kl_coef=self.kl_controller.coef).result()
-            cost_advantages = self.actor.compute_advantages(rollout, costs, cost_values, estimator="gae", source="cost").result()
+            advantages = self.actor.compute_advantages(
+                *inputs, values, estimator="gae", kl_coef=self.kl_controller.coef
+            ).result()
+            cost_advantages = self.actor.compute_advantages(
+                rollout, costs, cost_values, estimator="gae", source="cost"
+            ).result()
         # The critics and the actor train at the same time when they are placed on different devices.
         critic_metrics, cost_critic_metrics, actor_metrics = self.run_together(
             timer,
             update_critic=self.critic.update_critic(rollout, values, advantages),
             update_cost_critic=self.cost_critic.update_critic(rollout, cost_values, cost_advantages),
             update_actor=self.actor.update_actor(
-                *inputs, advantages, cost_advantages, kl_coef=self.kl_controller.coef, cost_multiplier=self.multiplier.value
+                *inputs,
+                advantages,
+                cost_advantages,
+                kl_coef=self.kl_controller.coef,
+                cost_multiplier=self.multiplier.value,
             ),
         )
         metrics = self.step_metrics(
-            started, timer, experience, costs, advantages, cost_advantages, critic_metrics, cost_critic_metrics, actor_metrics
+            started,
+            timer,
+            experience,
+            costs,
+            advantages,
+            cost_advantages,
+            critic_metrics,
+            cost_critic_metrics,
+            actor_metrics,
         )
         metrics["lambda"] = self.multiplier.value
         self.multiplier.update(metrics["cost/mean"])

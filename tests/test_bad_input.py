@@ -86,7 +86,8 @@ CASES = {
     "tokenizer_beyond_the_model_vocab": case(
         r"the tokenizer at \S+/tiny/model has \d+ tokens but the actor's model at \S+/small_vocab has "
         r"vocab_size=\d+; point model\.tokenizer_path at the model's own tokenizer",
-        "model.path={assets}/small_vocab", "model.tokenizer_path={assets}/tiny/model",
+        "model.path={assets}/small_vocab",
+        "model.tokenizer_path={assets}/tiny/model",
     ),
     "empty_dataset": case(
         r"no usable prompts in \[\S+/empty\.jsonl'\]: the files hold no rows; check data\.train_files",
@@ -98,7 +99,8 @@ CASES = {
     ),
     "every_prompt_overlong_skipped": case(
         r"no usable prompts in .*: all \d+ are over data\.max_prompt_length=4 tokens and were skipped; raise it",
-        "data.max_prompt_length=4", "data.overlong_prompts=skip",
+        "data.max_prompt_length=4",
+        "data.overlong_prompts=skip",
     ),
     "overlong_prompt_error": case(
         r"row 0 has 12 prompt tokens, over data\.max_prompt_length=4; raise it or set data\.overlong_prompts=skip",
@@ -116,32 +118,42 @@ CASES = {
     "reward_raises_abort": case(
         r"reward: \S+/raises\.py:score raised RuntimeError: no score today .*Fix the reward function, or set "
         r"reward\.on_error=zero",
-        "reward.rule={assets}/raises.py:score", "reward.on_error=abort", nproc=2,
+        "reward.rule={assets}/raises.py:score",
+        "reward.on_error=abort",
+        nproc=2,
     ),
     "reward_beyond_float32_abort": case(
         r"reward: \S+/beyond_float32\.py:score returned 1e\+39 as 'score', beyond float32's range \(±3\.403e\+38\)",
-        "reward.rule={assets}/beyond_float32.py:score", "reward.on_error=abort",
+        "reward.rule={assets}/beyond_float32.py:score",
+        "reward.on_error=abort",
     ),
     "reward_unknown_data_source_every_call_fails": case(
         r"reward: 128 of 128 calls failed at this step \(errors 128, timeouts 0, non_finite 0\), every call failed "
         r"\(reward\.max_failure_fraction=null stops only then\); .*Fix the reward function \(or the rows' data_source",
-        "data.train_files=[{assets}/unknown_source.jsonl]", nproc=2,
+        "data.train_files=[{assets}/unknown_source.jsonl]",
+        nproc=2,
     ),
     "non_finite_gradients_abort": case(
         r"actor: non-finite gradient norm \(nan\) at training step 1 in actor\.update_actor, 1 consecutive optimizer "
         r"step\(s\) skipped, more than trainer\.max_skipped_steps=0; .*or raise trainer\.max_skipped_steps",
-        "reward.rule={assets}/overflowing.py:score", "trainer.max_skipped_steps=0",
+        "reward.rule={assets}/overflowing.py:score",
+        "trainer.max_skipped_steps=0",
     ),
     "reward_nan_abort": case(
         r"reward: \S+/nan\.py:score returned nan as 'score' .*Fix the reward function, or set reward\.on_error=zero",
-        "reward.rule={assets}/nan.py:score", "reward.on_error=abort",
+        "reward.rule={assets}/nan.py:score",
+        "reward.on_error=abort",
     ),
     "rank_killed_in_generation": case(
         r"rank 1 \(.*\) was lost: no answer to actor\.generate_sequences", kill="generate@1", nproc=2
     ),
     "rank_killed_in_update": case(
         r"rank 1 \(.*\) was lost: no answer to actor\.update_actor",
-        "trainer.total_steps=2", "trainer.save_every=1", kill="update@2", nproc=2, checkpoints=("step_1",),
+        "trainer.total_steps=2",
+        "trainer.save_every=1",
+        kill="update@2",
+        nproc=2,
+        checkpoints=("step_1",),
     ),
     # A rollout replica (ranks 2-3 beside the reward; the actor on 0-1) dies generating the second batch, ahead of
     # the step that trains on it (max_staleness=1): the job ends naming it (the call the coordinator is waiting for
@@ -150,26 +162,45 @@ CASES = {
     "rollout_rank_killed": case(
         r"(rank 3 \(.*\) was lost: no answer to (rollout\.generate_sequences|runtime\.Exchanges)"
         r"|rollout\.generate_sequences failed on rank 2: a rank in its collective was lost)",
-        "trainer.total_steps=2", "placement=split", "rollout.enabled=true", "rollout.n_ranks=2",
-        "algorithm.max_staleness=1", "rollout.recompute_log_probs=true", kill="rollout@2", victim=3, nproc=4,
+        "trainer.total_steps=2",
+        "placement=split",
+        "rollout.enabled=true",
+        "rollout.n_ranks=2",
+        "algorithm.max_staleness=1",
+        "rollout.recompute_log_probs=true",
+        kill="rollout@2",
+        victim=3,
+        nproc=4,
     ),
     # Counted and carried on.
     # Every call fails: counted only because max_failure_fraction=1 says so (the default stops the run).
     "reward_raises_zero": case(
-        None, "reward.rule={assets}/raises.py:score", "reward.on_error=zero", "reward.max_failure_fraction=1",
+        None,
+        "reward.rule={assets}/raises.py:score",
+        "reward.on_error=zero",
+        "reward.max_failure_fraction=1",
         checkpoints=("step_1",),
     ),
     "reward_nan_zero": case(
-        None, "reward.rule={assets}/nan.py:score", "reward.on_error=zero", "reward.max_failure_fraction=1",
+        None,
+        "reward.rule={assets}/nan.py:score",
+        "reward.on_error=zero",
+        "reward.max_failure_fraction=1",
         checkpoints=("step_1",),
     ),
     "non_finite_gradients_skipped": case(None, "reward.rule={assets}/overflowing.py:score", checkpoints=("step_1",)),
     "some_prompts_overlong_skipped": case(
-        None, "data.train_files=[{assets}/some_long.jsonl]", "data.max_prompt_length=32", "data.overlong_prompts=skip",
+        None,
+        "data.train_files=[{assets}/some_long.jsonl]",
+        "data.max_prompt_length=32",
+        "data.overlong_prompts=skip",
         checkpoints=("step_1",),
     ),
     "small_kv_cache": case(
-        None, "rollout.kv_cache_blocks=5", "rollout.kv_block_size=4", "data.max_prompt_length=16",
+        None,
+        "rollout.kv_cache_blocks=5",
+        "rollout.kv_block_size=4",
+        "data.max_prompt_length=16",
         checkpoints=("step_1",),
     ),
     "chat_prompts_without_a_chat_template": case(
@@ -179,7 +210,8 @@ CASES = {
     ),
     "empty_prompt": case(
         r"empty_prompt\.jsonl row 1: the prompt is empty; give it text or remove the row",
-        "data.train_files=[{assets}/empty_prompt.jsonl]", "data.prompt_key=question",
+        "data.train_files=[{assets}/empty_prompt.jsonl]",
+        "data.prompt_key=question",
     ),
     "reference_of_another_vocabulary": case(
         r"reference\.model_path=\S+/small_vocab has vocab_size=300, fewer than the \d+ tokens of the policy's "
@@ -188,7 +220,9 @@ CASES = {
     ),
     "reward_model_of_another_vocabulary": case(
         r"reward\.model_path=\S+/small_vocab has vocab_size=300, fewer than the \d+ tokens of the policy's tokenizer",
-        "reward.kind=model", "reward.model_path={assets}/small_vocab", recipe="ppo",
+        "reward.kind=model",
+        "reward.model_path={assets}/small_vocab",
+        recipe="ppo",
     ),
     # verl rows in the shapes other exporters write, read as documented in docs/recipes.md.
     "verl_row_variants": case(None, "data.train_files=[{assets}/variants.json]", checkpoints=("step_1",)),
@@ -196,7 +230,8 @@ CASES = {
     "resume_crafted_metadata": case(
         r"crafted/step_1/actor_state/\.metadata references (posix|os)\.system, which DCP checkpoint metadata never "
         r"holds; .* Resume or export only checkpoints your own jobs wrote",
-        "trainer.resume={assets}/crafted", "trainer.total_steps=2",
+        "trainer.resume={assets}/crafted",
+        "trainer.total_steps=2",
     ),
     "ppo_checkpoint": case(None, recipe="ppo", checkpoints=("step_1",)),
     "resume_another_recipe": case(
@@ -207,29 +242,40 @@ CASES = {
     "resume_another_model_size": case(  # past the config check (resume_allow_changes): the shapes are checked too
         r"step_1/actor_state holds another model \(model\.embed_tokens\.weight \[\d+, 64\] saved, \[\d+, 128\] here.*"
         r"; resume with the model it was trained from \(model\.path\)",
-        "trainer.resume={runs}/ppo_checkpoint/out", "model.path={assets}/wide", "trainer.resume_allow_changes=true",
-        "trainer.total_steps=2", recipe="ppo",
+        "trainer.resume={runs}/ppo_checkpoint/out",
+        "model.path={assets}/wide",
+        "trainer.resume_allow_changes=true",
+        "trainer.total_steps=2",
+        recipe="ppo",
     ),
     "resume_another_model_path": case(
         r"ppo_checkpoint/out/step_1 was trained with another data order or model \(model\.path: 'tiny/model' saved, "
         r"'\S+/wide' now\); resume with the saved values, start a new run with another trainer\.output_dir, or set "
         r"trainer\.resume_allow_changes=true",
-        "trainer.resume={runs}/ppo_checkpoint/out", "model.path={assets}/wide", "trainer.total_steps=2", recipe="ppo",
+        "trainer.resume={runs}/ppo_checkpoint/out",
+        "model.path={assets}/wide",
+        "trainer.total_steps=2",
+        recipe="ppo",
     ),
     "resume_another_data_order": case(
         r"step_1 was trained with another data order or model \(data\.seed: 0 saved, 5 now\)",
-        "trainer.resume={runs}/ppo_checkpoint/out", "data.seed=5", "trainer.total_steps=2", recipe="ppo",
+        "trainer.resume={runs}/ppo_checkpoint/out",
+        "data.seed=5",
+        "trainer.total_steps=2",
+        recipe="ppo",
     ),
     # A new experiment in a finished run's directory: said, not zero steps and exit 0, nor the old weights resumed.
     "output_dir_of_a_finished_run": case(
         r"ppo_checkpoint/out/step_1 already reached step 1 and trainer\.total_steps=1: nothing to run\. To train on "
         r"from it raise trainer\.total_steps above 1; to start a new run use another trainer\.output_dir",
-        "trainer.output_dir={runs}/ppo_checkpoint/out", recipe="ppo",
+        "trainer.output_dir={runs}/ppo_checkpoint/out",
+        recipe="ppo",
     ),
     "fresh_start_in_a_used_output_dir": case(  # another case's directory than above: each locks the one it is given
         r"trainer\.resume=null, but trainer\.output_dir=\S+/reward_nan_zero/out holds an earlier run's checkpoints "
         r"\(latest step_1\); use another trainer\.output_dir",
-        "trainer.output_dir={runs}/reward_nan_zero/out", "trainer.resume=null",
+        "trainer.output_dir={runs}/reward_nan_zero/out",
+        "trainer.resume=null",
     ),
 }
 FAILING = [name for name, entry in CASES.items() if entry.expected is not None]
@@ -271,7 +317,9 @@ def build_assets(root: Path) -> Path:
     (root / "no_prompt.jsonl").write_text("".join(json.dumps(row) + "\n" for row in renamed))
     overlong = [{**row, "prompt": [{"role": "user", "content": "1+" * 40 + "1="}]} for row in rows[:3]]
     (root / "some_long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows + overlong))
-    (root / "empty_prompt.jsonl").write_text(json.dumps({"question": "1+1="}) + "\n" + json.dumps({"question": ""}) + "\n")
+    (root / "empty_prompt.jsonl").write_text(
+        json.dumps({"question": "1+1="}) + "\n" + json.dumps({"question": ""}) + "\n"
+    )
     (root / "variants.json").write_text(json.dumps(verl_row_variants(rows)))
     shutil.copytree(root / "tiny" / "model", root / "no_template")
     settings = json.loads((root / "no_template" / "tokenizer_config.json").read_text())
@@ -290,8 +338,13 @@ def build_assets(root: Path) -> Path:
 def verl_row_variants(rows: list[dict]) -> list[dict]:
     """``rows`` as one JSON array with ``reward_model`` as a JSON string and each message's content as text parts."""
     return [
-        {**row, "reward_model": json.dumps(row["reward_model"]),
-         "prompt": [{**message, "content": [{"type": "text", "text": message["content"]}]} for message in row["prompt"]]}
+        {
+            **row,
+            "reward_model": json.dumps(row["reward_model"]),
+            "prompt": [
+                {**message, "content": [{"type": "text", "text": message["content"]}]} for message in row["prompt"]
+            ],
+        }
         for row in rows
     ]
 
@@ -341,16 +394,26 @@ def run_case(name: str, assets: Path, runs: Path) -> Run:
     workdir.mkdir()
     (workdir / "tiny").symlink_to(assets / "tiny")
     arguments = [
-        "--config", str(RECIPES / "configs" / f"{entry.recipe}.yaml"), "trainer.output_dir=out",
-        "trainer.total_steps=1", "trainer.val_every=0", f"trainer.timeout_s={TIMEOUT_S}",
+        "--config",
+        str(RECIPES / "configs" / f"{entry.recipe}.yaml"),
+        "trainer.output_dir=out",
+        "trainer.total_steps=1",
+        "trainer.val_every=0",
+        f"trainer.timeout_s={TIMEOUT_S}",
         *(override.format(assets=assets, runs=runs) for override in entry.overrides),
     ]
     if entry.kill:
         program, arguments = "killed_mid_stage.py", [entry.kill, str(entry.victim), str(workdir), *arguments]
     else:
         program = str(RECIPES / f"{entry.recipe}.py")
-    finished = torchrun(program, *arguments, nproc=entry.nproc, timeout=240, cwd=str(workdir),
-                        monitor_interval_s=3.0 if entry.kill else None)
+    finished = torchrun(
+        program,
+        *arguments,
+        nproc=entry.nproc,
+        timeout=240,
+        cwd=str(workdir),
+        monitor_interval_s=3.0 if entry.kill else None,
+    )
     return Run(finished, workdir, time.time())
 
 
@@ -375,8 +438,10 @@ def runs(request, tmp_path_factory, assets) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("runs")
     results: dict[str, Run] = {}
     with ThreadPoolExecutor(PARALLEL_JOBS) as pool:
-        for phase in ([name for name in CASES if name in selected and not dependencies(name)],
-                      [name for name in CASES if name in selected and dependencies(name)]):
+        for phase in (
+            [name for name in CASES if name in selected and not dependencies(name)],
+            [name for name in CASES if name in selected and dependencies(name)],
+        ):
             futures = {name: pool.submit(run_case, name, assets, root) for name in phase}
             results.update({name: future.result() for name, future in futures.items()})
     return results
@@ -486,8 +551,14 @@ def test_a_second_job_on_a_locked_output_dir_fails_naming_the_holder_and_touches
     saving.mkdir()
     try:
         finished = torchrun(
-            str(RECIPES / "grpo.py"), "--config", str(RECIPES / "configs" / "grpo.yaml"), "trainer.output_dir=out",
-            "trainer.total_steps=1", nproc=1, timeout=120, cwd=str(tmp_path),
+            str(RECIPES / "grpo.py"),
+            "--config",
+            str(RECIPES / "configs" / "grpo.yaml"),
+            "trainer.output_dir=out",
+            "trainer.total_steps=1",
+            nproc=1,
+            timeout=120,
+            cwd=str(tmp_path),
         )
     finally:
         holder.release()
@@ -508,7 +579,8 @@ def test_a_command_a_rank_cannot_decode_fails_at_once_naming_the_rank_and_the_ca
     assert "NOT REACHED" not in output
     assert re.search(
         r"runtime\.decode failed on rank 1: could not decode the command from the coordinator \(ModuleNotFoundError: "
-        r"No module named 'only_on_rank_zero'\); every node must import the same code", output
+        r"No module named 'only_on_rank_zero'\); every node must import the same code",
+        output,
     ), output[-4000:]
     assert time.monotonic() - start < 60  # failure_timeout_s is 120: the heartbeat did not end it
 
@@ -520,11 +592,15 @@ def test_export_refuses_a_crafted_metadata_file_without_running_it(tmp_path):
     write_crafted_checkpoint(tmp_path / "crafted", model_dir=assets / "model", marker=marker)
     finished = subprocess.run(
         [sys.executable, "-m", "spmd_rlhf.cli", "export", str(tmp_path / "crafted"), str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=120, env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment(),
     )
     assert finished.returncode == 2, finished.stdout + finished.stderr
-    assert re.search(r"export error: \S+/crafted/step_1/actor_state/\.metadata references (posix|os)\.system",
-                     finished.stderr), finished.stderr
+    assert re.search(
+        r"export error: \S+/crafted/step_1/actor_state/\.metadata references (posix|os)\.system", finished.stderr
+    ), finished.stderr
     assert not marker.exists()
 
 
@@ -542,8 +618,9 @@ def test_export_refuses_a_non_empty_target_and_overwrite_empties_it_first(runs, 
     command = [sys.executable, "-m", "spmd_rlhf.cli", "export", str(runs[name].workdir / "out"), str(target)]
     refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment())
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert re.search(r"export error: \S+/hf is not empty; export into a new or empty directory, or pass --overwrite",
-                     refused.stderr), refused.stderr
+    assert re.search(
+        r"export error: \S+/hf is not empty; export into a new or empty directory, or pass --overwrite", refused.stderr
+    ), refused.stderr
     assert stale.is_file()
     written = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, timeout=120, env=environment())
     assert written.returncode == 0, written.stdout + written.stderr
@@ -570,8 +647,13 @@ if __name__ == "__main__":
 def test_reward_pool_processes_and_their_forkserver_end_with_the_rank(tmp_path):
     program, pids = tmp_path / "pool_owner.py", tmp_path / "pids"
     program.write_text(POOL_OWNER)
-    finished = subprocess.run([sys.executable, str(program), str(pids), "synthetic/arithmetic"], capture_output=True,
-                              text=True, timeout=120, env=environment())
+    finished = subprocess.run(
+        [sys.executable, str(program), str(pids), "synthetic/arithmetic"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment(),
+    )
     assert finished.returncode == 1, finished.stderr[-4000:]
     started = [int(pid) for pid in pids.read_text().split()]
     assert len(started) == 3  # two workers and the forkserver
@@ -590,12 +672,17 @@ def test_verl_row_variants_read_as_the_plain_rows(assets):
     assert variants.prompts == plain.prompts and len(plain.prompts) == 16
 
 
-@pytest.mark.parametrize(("row", "expected"), [
-    ({"prompt": "1+1=", "reward_model": "42"}, r"row 0: reward_model is 42; it must be an object such as"),
-    ({"prompt": [{"role": "user", "content": [{"type": "image", "image": "x.png"}]}]},
-     r"row 0: a message's content must be text or a list of \{type: text, text\} parts"),
-    ({"prompt": [{"role": "user", "content": "1+1="}]}, None),
-])
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        ({"prompt": "1+1=", "reward_model": "42"}, r"row 0: reward_model is 42; it must be an object such as"),
+        (
+            {"prompt": [{"role": "user", "content": [{"type": "image", "image": "x.png"}]}]},
+            r"row 0: a message's content must be text or a list of \{type: text, text\} parts",
+        ),
+        ({"prompt": [{"role": "user", "content": "1+1="}]}, None),
+    ],
+)
 def test_row_fields_in_unusable_shapes_name_the_file_and_row(tmp_path, assets, row, expected):
     from transformers import AutoTokenizer
 
@@ -631,10 +718,17 @@ def test_a_role_model_with_another_tokenizer_of_the_same_size_is_refused(tmp_pat
     vocabulary[first], vocabulary[second] = vocabulary[second], vocabulary[first]
     (other / "tokenizer.json").write_text(json.dumps(settings))
     model = str(assets / "tiny" / "model")
-    config = load_config(str(RECIPES / "configs" / "grpo.yaml"), [f"model.path={model}", f"reference.model_path={other}"])
-    with pytest.raises(ValueError, match=r"reference\.model_path=\S+/other_tokenizer has a tokenizer with another "
-                                         r"vocabulary than the policy's"):
+    config = load_config(
+        str(RECIPES / "configs" / "grpo.yaml"), [f"model.path={model}", f"reference.model_path={other}"]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"reference\.model_path=\S+/other_tokenizer has a tokenizer with another "
+        r"vocabulary than the policy's",
+    ):
         check_role_vocabularies(config, AutoTokenizer.from_pretrained(model))
     shutil.copytree(assets / "tiny" / "model", tmp_path / "copy")
-    same = load_config(str(RECIPES / "configs" / "grpo.yaml"), [f"model.path={model}", f"reference.model_path={tmp_path / 'copy'}"])
+    same = load_config(
+        str(RECIPES / "configs" / "grpo.yaml"), [f"model.path={model}", f"reference.model_path={tmp_path / 'copy'}"]
+    )
     check_role_vocabularies(same, AutoTokenizer.from_pretrained(model))  # the same tokenizer elsewhere is fine

@@ -24,7 +24,6 @@ from spmd_rlhf.config_schema import TrainerConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.tiny.model import make_tiny
 
-
 # ---- the directory protocol ------------------------------------------------------------------------------------------
 
 
@@ -227,17 +226,25 @@ def test_export_streams_one_bucket_at_a_time(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir = make_tiny(
-        family="llama", out_dir=str(tmp_path / "model"), hidden_size=512, intermediate_size=1024, num_layers=8,
-        num_heads=8, num_kv_heads=4, model_vocab_size=1030,
+        family="llama",
+        out_dir=str(tmp_path / "model"),
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        model_vocab_size=1030,
     )
     model = load_model(model_dir)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: the checkpoint is the model
-    parts = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    parts = dict(
+        model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    )
 
     def save_actor(staging: Path) -> None:
         state_dir = checkpoint.role_state_dir(staging, "actor")
-        checkpoint.save_role_state(state_dir, process_group=None, **parts)
-        checkpoint.save_model_config(state_dir, model, tokenizer_path=model_dir)
+        checkpoint.save_role_state(state_dir, process_group=None, **parts)  # noqa: F821 (deleted after the call)
+        checkpoint.save_model_config(state_dir, model, tokenizer_path=model_dir)  # noqa: F821
 
     checkpoint.write_checkpoint(tmp_path / "run" / "step_1", save_actor, trainer_state={"step": 1, "recipe": "test"})
     model_bytes = sum(param.nbytes for param in model.parameters())
@@ -246,7 +253,9 @@ def test_export_streams_one_bucket_at_a_time(tmp_path):
     bucket = 2 * 2**20
     finished = subprocess.run(
         [sys.executable, "-c", _EXPORT_SCRIPT, str(tmp_path / "run"), str(tmp_path), str(bucket)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
     peak = int(finished.stdout.split()[-1])
@@ -255,7 +264,9 @@ def test_export_streams_one_bucket_at_a_time(tmp_path):
     assert peak < bucket + 2 * largest_tensor + 8 * 2**20 < model_bytes / 3, (peak, model_bytes)
     out = tmp_path / "measured" / "actor"
     assert sorted(path.name for path in out.glob("model*")) == [
-        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
         "model.safetensors.index.json",
     ]
     exported = AutoModelForCausalLM.from_pretrained(str(out))
@@ -266,7 +277,10 @@ def test_export_streams_one_bucket_at_a_time(tmp_path):
 
 
 def test_hf_copy_due():
-    due = {mode: [checkpoint.hf_copy_due(mode, last=last) for last in (False, True)] for mode in ("final", "every", "never")}
+    due = {
+        mode: [checkpoint.hf_copy_due(mode, last=last) for last in (False, True)]
+        for mode in ("final", "every", "never")
+    }
     assert due == {"final": [False, True], "every": [True, True], "never": [False, False]}
 
 
@@ -330,8 +344,13 @@ def test_save_hf_every_in_bfloat16(tmp_path):
 def test_time_based_saves_and_the_resolved_config_in_a_real_run(tmp_path):
     """save_every=0 with a tiny save_every_minutes saves after every step; each checkpoint and the run directory hold
     the resolved config."""
-    overrides = ("trainer.total_steps=2", "trainer.save_every=0", "trainer.save_every_minutes=1e-9",
-                 "trainer.val_every=0", "actor.lr=0.0015")
+    overrides = (
+        "trainer.total_steps=2",
+        "trainer.save_every=0",
+        "trainer.save_every_minutes=1e-9",
+        "trainer.val_every=0",
+        "actor.lr=0.0015",
+    )
     run_recipe("grpo", tmp_path, *overrides)
     out = tmp_path / "out"
     assert sorted(path.name for path in out.glob("step_*")) == ["step_1", "step_2"]
@@ -351,8 +370,10 @@ def test_export_errors(tmp_path, capsys, ppo_run):
     (tmp_path / "file").write_text("")
     cases = [
         ([str(tmp_path), str(tmp_path / "out")], "is neither a checkpoint"),
-        ([str(ppo_run / "step_1"), str(tmp_path / "out"), "--roles", "actor", "reference"],
-         "holds no reference state (roles in it: actor, critic)"),
+        (
+            [str(ppo_run / "step_1"), str(tmp_path / "out"), "--roles", "actor", "reference"],
+            "holds no reference state (roles in it: actor, critic)",
+        ),
         ([str(ppo_run), str(tmp_path / "file" / "out")], "cannot write to"),
     ]
     for args, message in cases:
@@ -366,8 +387,15 @@ def test_resume_into_one_rank(tmp_path, ppo_run):
     """A checkpoint written by 2 DP ranks loads on 1: the weights it holds equal the saved ones, and it trains on."""
     workdir = ppo_run.parent
     finished = torchrun(
-        "load_checkpoint.py", "ppo", str(ppo_run / "step_2"), str(tmp_path), "trainer.output_dir=resumed",
-        "trainer.val_every=0", nproc=1, timeout=300, cwd=str(workdir),
+        "load_checkpoint.py",
+        "ppo",
+        str(ppo_run / "step_2"),
+        str(tmp_path),
+        "trainer.output_dir=resumed",
+        "trainer.val_every=0",
+        nproc=1,
+        timeout=300,
+        cwd=str(workdir),
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     for role in ("actor", "critic"):

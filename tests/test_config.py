@@ -130,7 +130,11 @@ BAD_OVERRIDES = [
     (["actor.tp=${nope}"], "actor.tp", "nope"),
     (["rollout.temperature=-1.0"], "rollout.temperature=-1.0", "must be >= 0"),
     (["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1]"),
-    (["algorithm.name=dpo"], "algorithm.name=dpo", "must be one of ppo, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, safe_rlhf"),
+    (
+        ["algorithm.name=dpo"],
+        "algorithm.name=dpo",
+        "must be one of ppo, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, safe_rlhf",
+    ),
     (["algorithm.clip_ratio_low=0"], "algorithm.clip_ratio_low", "must be in (0, 1)"),
     (["actor.lr_schedule=linear"], "actor.lr_schedule", "must be one of constant, cosine"),
     (["critic.lr=0"], "critic.lr", "must be > 0"),
@@ -151,7 +155,11 @@ BAD_COMBINATIONS = [
     (["algorithm.name=grpo"], "critic.enabled=true", "never calls the critic; set critic.enabled=false"),
     (["algorithm.name=grpo", "critic.enabled=false"], "rollout.n=1", "needs >= 2 responses per prompt"),
     (["algorithm.name=safe_rlhf"], "cost.enabled=false", "needs the cost; set cost.enabled=true"),
-    (["algorithm.name=safe_rlhf", "cost.enabled=true", "cost_critic.enabled=true"], "cost.model_path=null", "cost.kind=model needs"),
+    (
+        ["algorithm.name=safe_rlhf", "cost.enabled=true", "cost_critic.enabled=true"],
+        "cost.model_path=null",
+        "cost.kind=model needs",
+    ),
     (["reference.enabled=false"], "reference.enabled=false", "algorithm.kl_penalty=reward needs the reference"),
     (["actor.enabled=false"], "actor.enabled=false", "every algorithm needs the actor"),
     (["actor.mini_batch_size=3"], "actor.mini_batch_size=3", "must divide data.batch_size*rollout.n=8"),
@@ -318,11 +326,14 @@ def test_kv_block_size_check_uses_the_smaller_default_block():
     """A fixed rollout.kv_cache_blocks budget is checked with the smaller of kv_block_size=null's two sizes, so it
     holds one sequence whichever a rank picks."""
     from spmd_rlhf.config_schema import DEFAULT_KV_BLOCK_SIZE
-    from spmd_rlhf.models.attention import DEFAULT_KV_BLOCK_SIZE as ENGINE_DEFAULT, default_kv_block_size
+    from spmd_rlhf.models.attention import DEFAULT_KV_BLOCK_SIZE as ENGINE_DEFAULT
+    from spmd_rlhf.models.attention import default_kv_block_size
 
     assert DEFAULT_KV_BLOCK_SIZE == ENGINE_DEFAULT == min(default_kv_block_size(b) for b in ("flash", "sdpa"))
     needed = -(-(load_config(None).data.max_prompt_length + load_config(None).rollout.max_new_tokens) // 16)
-    with pytest.raises(ConfigError, match=f"rollout.kv_cache_blocks={needed - 1}: .*blocks of 16 tokens: rollout.kv_block_size=null"):
+    with pytest.raises(
+        ConfigError, match=f"rollout.kv_cache_blocks={needed - 1}: .*blocks of 16 tokens: rollout.kv_block_size=null"
+    ):
         load_config(None, [f"rollout.kv_cache_blocks={needed - 1}"])
     assert load_config(None, [f"rollout.kv_cache_blocks={needed}"]).rollout.kv_block_size is None
 
@@ -368,18 +379,33 @@ def test_lora_actor_serves_the_reference_from_its_base():
     from spmd_rlhf.config import load_config
     from spmd_rlhf.dataflow import GRPO, conditions
 
-    with pytest.raises(ConfigError, match=r"reference\.enabled=true: .*actor\.lora\.rank=8 .* set reference\.enabled=false"):
+    with pytest.raises(
+        ConfigError, match=r"reference\.enabled=true: .*actor\.lora\.rank=8 .* set reference\.enabled=false"
+    ):
         load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8"])
-    config = load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8",
-                                "reference.enabled=false"])
+    config = load_config(
+        None,
+        ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8", "reference.enabled=false"],
+    )
     assert conditions(config) == {
-        "kl_to_reference": False, "kl_to_actor_base": True, "recompute_log_probs": False, "rollout_role": False,
+        "kl_to_reference": False,
+        "kl_to_actor_base": True,
+        "recompute_log_probs": False,
+        "rollout_role": False,
         "generate_on_actor": True,
     }
     assert "reference" not in GRPO.roles_of(config) and GRPO.roles_of(config)["actor"]["preparation"] == ("forward",)
     # Another reference model named: a reference role as before.
-    config = load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8",
-                                "reference.model_path=other"])
+    config = load_config(
+        None,
+        [
+            "algorithm.name=grpo",
+            "critic.enabled=false",
+            "rollout.n=2",
+            "actor.lora.rank=8",
+            "reference.model_path=other",
+        ],
+    )
     assert conditions(config)["kl_to_reference"] and not conditions(config)["kl_to_actor_base"]
     with pytest.raises(ConfigError, match=r"actor\.lora\.target_modules=\[lm_head\]"):
         load_config(None, ["actor.lora.rank=8", "actor.lora.target_modules=[lm_head]"])

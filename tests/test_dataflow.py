@@ -19,7 +19,13 @@ from spmd_rlhf.recipes.rloo import RLOORecipe
 from spmd_rlhf.recipes.safe_rlhf import SafeRLHFRecipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-RECIPE_CLASSES = {"ppo": PPORecipe, "grpo": GRPORecipe, "remax": ReMaxRecipe, "rloo": RLOORecipe, "safe_rlhf": SafeRLHFRecipe}
+RECIPE_CLASSES = {
+    "ppo": PPORecipe,
+    "grpo": GRPORecipe,
+    "remax": ReMaxRecipe,
+    "rloo": RLOORecipe,
+    "safe_rlhf": SafeRLHFRecipe,
+}
 
 
 def test_every_algorithm_has_one_recipe_family_and_each_recipe_runs_its_own_family():
@@ -53,18 +59,20 @@ def test_conditions_switch_work_on_and_off():
 
 def test_the_mapper_sees_the_cost_critic_with_its_own_shape():
     big, small = NAMED_SHAPES["13b"], NAMED_SHAPES["7b"]
-    roles = {role.name: role for role in model_roles("safe_rlhf", actor=small, critic=small, cost_critic=big, cost=small)}
+    roles = {
+        role.name: role for role in model_roles("safe_rlhf", actor=small, critic=small, cost_critic=big, cost=small)
+    }
     assert roles["cost_critic"].shape == big and roles["cost_critic"].trained and roles["cost"].head == "score"
 
 
 def test_a_role_the_run_lacks_is_a_clear_error():
     recipe = GRPORecipe(load_config(RECIPES / "configs" / "grpo.yaml", []), coordinator=None)
     with pytest.raises(RuntimeError, match="call setup"):
-        recipe.actor
+        _ = recipe.actor
     recipe.roles = {"actor": "actor handle", "reference": "reference handle", "reward": "reward handle"}
     assert recipe.actor == "actor handle"
     with pytest.raises(RuntimeError, match="the critic is not in this run: .* uses actor, reference, reward"):
-        recipe.critic
+        _ = recipe.critic
 
 
 def test_experience_batches_are_the_actor_inputs_once_each():

@@ -50,7 +50,9 @@ def test_timing_table_averages_the_stages_since_the_last_table():
     stream = io.StringIO()
     console = ConsoleSink(total_steps=5, timing_every=2, stream=stream)
     for step, (generate, update) in enumerate([(3.0, 1.0), (1.0, 1.0), (2.0, 2.0), (2.0, 2.0), (1.0, 0.5)]):
-        console.log(step, {"time/generate": generate, "time/update_actor": update, "time/step": generate + update + 1.0})
+        console.log(
+            step, {"time/generate": generate, "time/update_actor": update, "time/step": generate + update + 1.0}
+        )
     tables: list[list[str]] = []
     for line in stream.getvalue().splitlines():
         if line.startswith("stage times"):
@@ -106,7 +108,9 @@ def test_tensorboard_sink_writes_scalars(tmp_path):
     assert [(event.step, event.value) for event in events.Scalars("reward/mean")] == [(0, 0.25), (1, 0.75)]
 
 
-@pytest.mark.parametrize("logger,module,package", [("wandb", "wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard", "tensorboard")])
+@pytest.mark.parametrize(
+    "logger,module,package", [("wandb", "wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard", "tensorboard")]
+)
 def test_missing_package_is_named_with_its_install(tmp_path, monkeypatch, logger, module, package):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     with pytest.raises(ImportError, match=f"trainer.loggers has {logger}.*pip install {package}"):
@@ -151,8 +155,13 @@ def test_step_flops_formula():
 
 def write_model_config(path, *, tied: bool) -> None:
     Qwen2Config(
-        vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=tied,
+        vocab_size=100,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
     ).save_pretrained(path)
 
 
@@ -181,16 +190,23 @@ def test_step_passes_follow_the_config(tmp_path):
 def test_throughput_metrics():
     model = MatmulParameters(body=900, head=100)
     passes = ModelPasses(generate=model, train=(model,), forward=(model,))
-    metrics = {"time/step": 2.0, "time/generate": 0.5, "rollout/prompt_tokens": 300.0, "rollout/generated_tokens": 100.0}
+    metrics = {
+        "time/step": 2.0,
+        "time/generate": 0.5,
+        "rollout/prompt_tokens": 300.0,
+        "rollout/generated_tokens": 100.0,
+    }
     result = throughput_metrics(metrics, world_size=4, passes=passes, peak_flops_per_device=1e6)
     # 8 * (400 tokens * 900 + 100 response tokens * 100) + 2 * 100 generated tokens * 1000.
     flops = 3.16e6
     assert step_flops(passes, sequence_tokens=400, response_tokens=100, generated_tokens=100) == flops
-    assert result == pytest.approx({
-        "throughput/tokens_per_s": 200.0,
-        "throughput/tokens_per_s_per_device": 50.0,
-        "throughput/generated_tokens_per_s": 200.0,
-        "throughput/tflops_per_device": flops / 2.0 / 4 / 1e12,
-        "perf/mfu": flops / (2.0 * 4 * 1e6),
-    })
+    assert result == pytest.approx(
+        {
+            "throughput/tokens_per_s": 200.0,
+            "throughput/tokens_per_s_per_device": 50.0,
+            "throughput/generated_tokens_per_s": 200.0,
+            "throughput/tflops_per_device": flops / 2.0 / 4 / 1e12,
+            "perf/mfu": flops / (2.0 * 4 * 1e6),
+        }
+    )
     assert "perf/mfu" not in throughput_metrics(metrics, world_size=4, passes=passes, peak_flops_per_device=0.0)

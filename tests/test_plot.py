@@ -17,8 +17,14 @@ def run_dir(tmp_path):
     records = []
     for step in range(12):
         record = {
-            "step": step, "reward/mean": 0.1 * step, "kl/mean": 0.01 * step, "actor/entropy": 2.0 - 0.1 * step,
-            "response_length/mean": 5.0 + step, "time/step": 1.0, "time/generate": 0.6, "time/update_actor": 0.3,
+            "step": step,
+            "reward/mean": 0.1 * step,
+            "kl/mean": 0.01 * step,
+            "actor/entropy": 2.0 - 0.1 * step,
+            "response_length/mean": 5.0 + step,
+            "time/step": 1.0,
+            "time/generate": 0.6,
+            "time/update_actor": 0.3,
         }
         if step % 5 == 4:
             record.update({"val/reward/mean": 0.5, "time/validate": 0.2})
@@ -36,7 +42,9 @@ def test_plot_writes_the_default_charts_and_an_index(run_dir, capsys):
         png = run_dir / "plots" / f"{name}.png"
         assert png.read_bytes().startswith(PNG_SIGNATURE) and png.stat().st_size > 5_000, name
     index = (run_dir / "plots" / "index.html").read_text()
-    assert [line.split('"')[1] for line in index.splitlines() if line.startswith("<img")] == [f"{name}.png" for name in names]
+    assert [line.split('"')[1] for line in index.splitlines() if line.startswith("<img")] == [
+        f"{name}.png" for name in names
+    ]
     assert capsys.readouterr().out.splitlines()[0] == f"wrote {run_dir / 'plots' / 'reward.png'}"
 
 
@@ -54,11 +62,14 @@ def test_plot_skips_default_charts_the_run_lacks(run_dir):
     assert not (run_dir / "plots" / "kl.png").exists() and (run_dir / "plots" / "reward.png").exists()
 
 
-@pytest.mark.parametrize("contents,message", [
-    (None, "metrics.jsonl not found; pass the run's trainer.output_dir"),
-    ("", "metrics.jsonl is empty: the run has not logged a step yet"),
-    ('{"step": 0}\nnot json\n', "metrics.jsonl:2 is not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "contents,message",
+    [
+        (None, "metrics.jsonl not found; pass the run's trainer.output_dir"),
+        ("", "metrics.jsonl is empty: the run has not logged a step yet"),
+        ('{"step": 0}\nnot json\n', "metrics.jsonl:2 is not a JSON object"),
+    ],
+)
 def test_plot_fails_clearly_on_a_bad_metrics_file(tmp_path, capsys, contents, message):
     if contents is not None:
         (tmp_path / "metrics.jsonl").write_text(contents)

@@ -38,14 +38,17 @@ def test_a_second_lock_fails_naming_the_holder_and_leaves_the_first_jobs_staging
 def save(run_dir: Path, step: int, overrides: list[str]) -> Path:
     state = {"step": step, "recipe": "grpo"}
     config_yaml = to_yaml(load_config(str(CONFIG), overrides))
-    return checkpoint.write_checkpoint(run_dir / f"step_{step}", lambda staging: None, trainer_state=state,
-                                       config_yaml=config_yaml)
+    return checkpoint.write_checkpoint(
+        run_dir / f"step_{step}", lambda staging: None, trainer_state=state, config_yaml=config_yaml
+    )
 
 
 def check(saved: Path, overrides: list[str]) -> dict:
     config = load_config(str(CONFIG), overrides)
     return run_directory.check_resume(
-        saved, config_yaml=to_yaml(config), total_steps=config.trainer.total_steps,
+        saved,
+        config_yaml=to_yaml(config),
+        total_steps=config.trainer.total_steps,
         allow_changes=config.trainer.resume_allow_changes,
     )
 
@@ -75,8 +78,11 @@ def test_a_finished_run_is_refused_instead_of_running_zero_steps(tmp_path):
 def test_a_fresh_start_is_refused_in_a_directory_holding_checkpoints(tmp_path):
     run_directory.check_fresh_start(tmp_path, checkpoint.latest_checkpoint(tmp_path))  # empty: fine
     save(tmp_path, 2, ["trainer.total_steps=4"])
-    with pytest.raises(RunDirectoryError, match=r"trainer\.resume=null, but .* holds an earlier run's checkpoints "
-                                                r"\(latest step_2\); use another trainer\.output_dir"):
+    with pytest.raises(
+        RunDirectoryError,
+        match=r"trainer\.resume=null, but .* holds an earlier run's checkpoints "
+        r"\(latest step_2\); use another trainer\.output_dir",
+    ):
         run_directory.check_fresh_start(tmp_path, checkpoint.latest_checkpoint(tmp_path))
 
 

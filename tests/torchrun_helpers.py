@@ -37,10 +37,17 @@ def torchrun_command(
     before their own report is out."""
     monitor = [] if monitor_interval_s is None else [f"--monitor-interval={monitor_interval_s}"]
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", *monitor,
-        str(program_path(program)), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--max-restarts=0",
+        *monitor,
+        str(program_path(program)),
+        *args,
     ]
 
 
@@ -49,13 +56,23 @@ def environment() -> dict[str, str]:
 
 
 def torchrun(
-    program: str, *args: str, nproc: int = 4, timeout: float = 180, cwd: str | None = None,
+    program: str,
+    *args: str,
+    nproc: int = 4,
+    timeout: float = 180,
+    cwd: str | None = None,
     monitor_interval_s: float | None = None,
 ) -> subprocess.CompletedProcess:
     """One torchrun agent with ``nproc`` ranks; stdout and stderr together in ``.stdout``."""
     command = torchrun_command(program, *args, nproc=nproc, port=free_port(), monitor_interval_s=monitor_interval_s)
     return subprocess.run(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=environment(), cwd=cwd
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        env=environment(),
+        cwd=cwd,
     )
 
 
@@ -77,8 +94,14 @@ def run_recipe(name: str, workdir: Path, *overrides: str, nproc: int = 2) -> lis
     use) and ``trainer.output_dir=out``; returns the metrics records of ``workdir/out/metrics.jsonl``."""
     workdir.mkdir(parents=True, exist_ok=True)
     finished = torchrun(
-        str(RECIPES / f"{name}.py"), "--config", str(RECIPES / "configs" / f"{name}.yaml"), "trainer.output_dir=out",
-        *overrides, nproc=nproc, timeout=300, cwd=str(workdir),
+        str(RECIPES / f"{name}.py"),
+        "--config",
+        str(RECIPES / "configs" / f"{name}.yaml"),
+        "trainer.output_dir=out",
+        *overrides,
+        nproc=nproc,
+        timeout=300,
+        cwd=str(workdir),
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     return [json.loads(line) for line in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -24,7 +24,9 @@ class LeaveOneOutGRPO(GRPORecipe):
         experience = self.experience(step, timer)
         inputs = experience.batches
         with timer("advantages"):
-            advantages = self.actor.compute_advantages(*inputs, estimator="rloo", kl_coef=self.kl_controller.coef).result()
+            advantages = self.actor.compute_advantages(
+                *inputs, estimator="rloo", kl_coef=self.kl_controller.coef
+            ).result()
         with timer("update_actor"):
             actor_metrics = self.actor.update_actor(*inputs, advantages, kl_coef=self.kl_controller.coef).result()
         metrics = self.step_metrics(started, timer, experience, advantages, actor_metrics)
@@ -34,12 +36,18 @@ class LeaveOneOutGRPO(GRPORecipe):
 
 def main(coordinator) -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-    config = load_config("recipes/configs/grpo.yaml", [f"trainer.total_steps={steps}", "trainer.val_every=0", "trainer.output_dir=outputs/custom"])
+    config = load_config(
+        "recipes/configs/grpo.yaml",
+        [f"trainer.total_steps={steps}", "trainer.val_every=0", "trainer.output_dir=outputs/custom"],
+    )
     recipe = LeaveOneOutGRPO(config, coordinator)
     recipe.setup()
     for step in range(steps):  # a plain loop: no fit(), no checkpoints
         metrics = recipe.step(step)
-        print(f"step {step}: reward {metrics['reward/mean']:.4f} clipped {metrics['custom/clipped_share']:.2f}", flush=True)
+        print(
+            f"step {step}: reward {metrics['reward/mean']:.4f} clipped {metrics['custom/clipped_share']:.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

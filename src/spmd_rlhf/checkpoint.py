@@ -38,10 +38,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from spmd_rlhf import safe_dcp
 from spmd_rlhf.models import DecoderArgs, DecoderLM, read_decoder_args
 from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, split_by_bytes, write_index
 from spmd_rlhf.models.weights import write_hf_metadata
-from spmd_rlhf import safe_dcp
 from spmd_rlhf.safe_dcp import CheckpointError
 
 TRAINER_STATE = "trainer_state.json"
@@ -106,8 +106,12 @@ def fsync_dir(directory: str | os.PathLike) -> None:
 
 
 def write_checkpoint(
-    checkpoint_dir: str | os.PathLike, write_contents: Callable[[Path], None], *, trainer_state: dict[str, Any],
-    config_yaml: str | None = None, keep_last: int = 0,
+    checkpoint_dir: str | os.PathLike,
+    write_contents: Callable[[Path], None],
+    *,
+    trainer_state: dict[str, Any],
+    config_yaml: str | None = None,
+    keep_last: int = 0,
 ) -> Path:
     """Write a checkpoint atomically: ``write_contents(staging_dir)`` fills ``<checkpoint_dir>.tmp``, then
     ``config.yaml`` (the resolved config, when given) and ``trainer_state.json`` go in, the directory is renamed to
@@ -148,7 +152,8 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     named = latest_checkpoint(run_dir)
     finished = sorted(
         (path for path in run_dir.glob("*") if is_checkpoint(path)),
-        key=lambda path: read_trainer_state(path)["step"], reverse=True,
+        key=lambda path: read_trainer_state(path)["step"],
+        reverse=True,
     )
     deleted = []
     for path in finished[keep_last:]:
@@ -253,22 +258,32 @@ def _rng_key(process_group: dist.ProcessGroup | None) -> str:
 
 
 def save_role_state(
-    state_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, process_group: dist.ProcessGroup | None,
+    state_dir: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    process_group: dist.ProcessGroup | None,
 ) -> None:
     """Save model, optimizer, LR schedule and this rank's RNG state with DCP (collective over ``process_group``, which
     must span every rank of the role): each rank writes its own shards."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
     state = {
-        "model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "scheduler": scheduler.state_dict(),
         _rng_key(process_group): _rng_state(),
     }
     dcp.save(state, checkpoint_id=str(state_dir), process_group=process_group)
 
 
 def load_role_state(
-    state_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, process_group: dist.ProcessGroup | None,
+    state_dir: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    process_group: dist.ProcessGroup | None,
 ) -> None:
     """Restore what ``save_role_state`` wrote, resharded to this layout (any DP size). A rank restores its RNG state
     when the saving job had a rank of that index (and the same devices); otherwise it keeps its own."""
@@ -283,7 +298,10 @@ def load_role_state(
         state[rng_key] = rng
     safe_dcp.load(state, state_dir, process_group=process_group)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
         options=LOAD_TRAINED_ONLY,
     )
     scheduler.load_state_dict(state["scheduler"])
@@ -364,7 +382,9 @@ def role_config_dir(checkpoint_dir: str | os.PathLike, role: str) -> Path:
     return config_dir
 
 
-def _role_model_entries(checkpoint_dir: str | os.PathLike, role: str) -> tuple[Path, DecoderArgs, str, dict[str, TensorStorageMetadata]]:
+def _role_model_entries(
+    checkpoint_dir: str | os.PathLike, role: str
+) -> tuple[Path, DecoderArgs, str, dict[str, TensorStorageMetadata]]:
     """(state directory, model args, head, each parameter's saved tensor metadata in model order) of ``role``."""
     config_dir = role_config_dir(checkpoint_dir, role)
     state_dir = config_dir.parent
@@ -425,9 +445,15 @@ def _empty_export_target(out: Path, checkpoint_dir: Path, *, overwrite: bool) ->
 
 
 def export_hf(
-    checkpoint_or_run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Iterable[str] = ("actor",), *,
-    dtype: torch.dtype = torch.float32, bucket_bytes: int = 1024**3, max_shard_bytes: int = 5 * 1024**3,
-    overwrite: bool = False, merge: bool = False,
+    checkpoint_or_run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    roles: Iterable[str] = ("actor",),
+    *,
+    dtype: torch.dtype = torch.float32,
+    bucket_bytes: int = 1024**3,
+    max_shard_bytes: int = 5 * 1024**3,
+    overwrite: bool = False,
+    merge: bool = False,
 ) -> dict[str, Path]:
     """Write each role's weights from a checkpoint (or a run directory's latest) as a Hugging Face directory
     ``<out_dir>/<role>`` with its tokenizer, in ``dtype`` (float32: the master weights as trained); returns
@@ -470,5 +496,7 @@ def export_hf(
                     # Popped, so each tensor goes as soon as it is written (the reader holds the same dict).
                     file.write(bucket.pop(entry.name).to(dtype))
         write_index(role_dir, files)
-        write_hf_metadata(role_dir, args, head=head, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(str(config_dir)))
+        write_hf_metadata(
+            role_dir, args, head=head, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(str(config_dir))
+        )
     return written

@@ -32,9 +32,14 @@ def _add_make_tiny(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 4 x hidden)")
     parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary to train")
-    parser.add_argument("--head", default="lm", choices=["lm", "score"], help="lm: *ForCausalLM; score: *ForSequenceClassification")
     parser.add_argument(
-        "--tokenizer-tasks", nargs="+", default=["arithmetic"], choices=["arithmetic", "tool_products"],
+        "--head", default="lm", choices=["lm", "score"], help="lm: *ForCausalLM; score: *ForSequenceClassification"
+    )
+    parser.add_argument(
+        "--tokenizer-tasks",
+        nargs="+",
+        default=["arithmetic"],
+        choices=["arithmetic", "tool_products"],
         help="tasks whose text trains the tokenizer (tool_products: calculator calls in about 30 tokens)",
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -50,16 +55,24 @@ def _add_make_task(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_config(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("config", help="validate a config file and print the resolved config, or list every key")
+    parser = subparsers.add_parser(
+        "config", help="validate a config file and print the resolved config, or list every key"
+    )
     action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--show", metavar="FILE", help="YAML config file to resolve (with key=value overrides) and print")
+    action.add_argument(
+        "--show", metavar="FILE", help="YAML config file to resolve (with key=value overrides) and print"
+    )
     action.add_argument("--keys", action="store_true", help="list every config key with its default and docstring")
-    parser.add_argument("--markdown", action="store_true", help="with --keys: Markdown tables (docs/config.md's reference)")
+    parser.add_argument(
+        "--markdown", action="store_true", help="with --keys: Markdown tables (docs/config.md's reference)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
 
 
 def _add_forward(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("forward", help="load a model and tokenizer, run one forward pass, print greedy next tokens")
+    parser = subparsers.add_parser(
+        "forward", help="load a model and tokenizer, run one forward pass, print greedy next tokens"
+    )
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
     parser.add_argument("--prompt", default="1+2=", help="prompt text")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -70,28 +83,41 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
         "export", help="write trained roles' weights from a checkpoint's sharded state as Hugging Face directories"
     )
     parser.add_argument("checkpoint", metavar="CKPT_DIR", help="a checkpoint (step_N) or a run directory (its latest)")
-    parser.add_argument("out", metavar="OUT_DIR", help="output directory: one Hugging Face directory per role, OUT_DIR/<role>")
+    parser.add_argument(
+        "out", metavar="OUT_DIR", help="output directory: one Hugging Face directory per role, OUT_DIR/<role>"
+    )
     parser.add_argument("--roles", nargs="+", default=["actor"], help="roles to export (default: actor)")
     parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
         help="dtype of the written weights (default: float32, the trained master weights unrounded)",
     )
     parser.add_argument(
-        "--overwrite", action="store_true",
+        "--overwrite",
+        action="store_true",
         help="empty a non-empty OUT_DIR first (without it, a non-empty OUT_DIR is refused: stale shards would be loaded)",
     )
     parser.add_argument(
-        "--merge", action="store_true",
+        "--merge",
+        action="store_true",
         help="a role trained with LoRA: write a full model with the adapters merged into its base (default: a PEFT "
-             "adapter directory for peft.PeftModel.from_pretrained); other roles are always full models",
+        "adapter directory for peft.PeftModel.from_pretrained); other roles are always full models",
     )
 
 
 def _add_plot(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("plot", help="draw PNG charts (reward, KL, entropy, length, stage times) of a run's metrics.jsonl")
+    parser = subparsers.add_parser(
+        "plot", help="draw PNG charts (reward, KL, entropy, length, stage times) of a run's metrics.jsonl"
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's trainer.output_dir (or its metrics.jsonl)")
     parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
-    parser.add_argument("--keys", nargs="+", default=None, help="one chart per metric key or pattern (e.g. 'critic/*') instead of the default charts")
+    parser.add_argument(
+        "--keys",
+        nargs="+",
+        default=None,
+        help="one chart per metric key or pattern (e.g. 'critic/*') instead of the default charts",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     from spmd_rlhf.mapping.commands import add_calibrate_parser, add_plan_parser
 
-    for add in (_add_make_tiny, _add_make_task, _add_config, _add_forward, _add_export, _add_plot, add_plan_parser, add_calibrate_parser):
+    for add in (
+        _add_make_tiny,
+        _add_make_task,
+        _add_config,
+        _add_forward,
+        _add_export,
+        _add_plot,
+        add_plan_parser,
+        add_calibrate_parser,
+    ):
         add(subparsers)
     return parser
 
@@ -127,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "make-task":
         from spmd_rlhf.tiny.task import make_task
 
-        paths = make_task(task=args.task, out_dir=args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed)
+        paths = make_task(
+            task=args.task, out_dir=args.out, train_size=args.train_size, val_size=args.val_size, seed=args.seed
+        )
         print("\n".join(f"wrote {path}" for path in paths))
         return 0
     if args.command == "config":
@@ -155,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             written = export_hf(
-                args.checkpoint, args.out, roles=args.roles, dtype=getattr(torch, args.dtype), overwrite=args.overwrite,
+                args.checkpoint,
+                args.out,
+                roles=args.roles,
+                dtype=getattr(torch, args.dtype),
+                overwrite=args.overwrite,
                 merge=args.merge,
             )
         except CheckpointError as error:

@@ -131,7 +131,9 @@ class LoRAConfig:
         _require(self, "dropout", 0 <= self.dropout < 1, "must be in [0, 1)")
         targets = self.target_modules
         allowed = targets == ["all-linear"] or (bool(targets) and set(targets) <= set(LORA_TARGETS))
-        _require(self, "target_modules", allowed, "must be [all-linear] or a non-empty list of " + ", ".join(LORA_TARGETS))
+        _require(
+            self, "target_modules", allowed, "must be [all-linear] or a non-empty list of " + ", ".join(LORA_TARGETS)
+        )
         _require(self, "adapter_path", self.adapter_path != "", "must be a PEFT adapter directory or null")
         _require(self, "adapter_path", self.adapter_path is None or self.enabled, "needs rank >= 1 (LoRA on)")
 
@@ -297,15 +299,29 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns", "environment_workers")
         _require(
-            self, "environment", self.environment is None or self.environment in ENVIRONMENTS or ".py:" in self.environment,
+            self,
+            "environment",
+            self.environment is None or self.environment in ENVIRONMENTS or ".py:" in self.environment,
             f"must be null, {', '.join(ENVIRONMENTS)}, or path/to/file.py:name (a class or function making an Environment)",
         )
-        _require(self, "max_turns", self.max_turns == 1 or self.environment is not None, "needs rollout.environment (a second turn answers an environment's observation)")
         _require(
-            self, "max_response_tokens", self.max_response_tokens is None or self.max_response_tokens >= self.max_new_tokens,
+            self,
+            "max_turns",
+            self.max_turns == 1 or self.environment is not None,
+            "needs rollout.environment (a second turn answers an environment's observation)",
+        )
+        _require(
+            self,
+            "max_response_tokens",
+            self.max_response_tokens is None or self.max_response_tokens >= self.max_new_tokens,
             f"must be null or at least rollout.max_new_tokens={self.max_new_tokens} (one whole turn)",
         )
-        _require(self, "max_response_tokens", self.max_response_tokens is None or self.environment is not None, "needs rollout.environment (single-turn responses are max_new_tokens long)")
+        _require(
+            self,
+            "max_response_tokens",
+            self.max_response_tokens is None or self.environment is not None,
+            "needs rollout.environment (single-turn responses are max_new_tokens long)",
+        )
         _require(self, "stop_token_ids", all(token >= 0 for token in self.stop_token_ids), "must be token ids >= 0")
         _require(self, "kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, "must be >= 1 or null")
         _at_least(self, 0, "temperature", "top_k", "kv_cache_blocks")
@@ -314,8 +330,12 @@ class RolloutConfig:
         _at_least(self, 0, "n_ranks")
         _require(self, "pool", self.pool != "", "must be a name or null")
         _require(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "must be > 0")
-        _require(self, "background_sync", self.enabled or not self.background_sync,
-                 "needs rollout.enabled=true (it sends the actor's weights to a rollout role)")
+        _require(
+            self,
+            "background_sync",
+            self.enabled or not self.background_sync,
+            "needs rollout.enabled=true (it sends the actor's weights to a rollout role)",
+        )
         _one_of(self, "partial_rollouts", PARTIAL_ROLLOUTS)
         _at_least(self, 1, "partial_segment_tokens")
 
@@ -547,8 +567,12 @@ class TrainerConfig:
         _require(self, "loggers", set(self.loggers) <= set(loggers), "allowed: " + ", ".join(loggers))
         _one_of(self, "device", DEVICE_SETTINGS)
         _one_of(self, "save_hf", ("final", "every", "never"))
-        _require(self, "save_hf_dtype", self.save_hf_dtype in (None, "float32", "bfloat16", "float16"),
-                 "must be null (model.dtype), float32, bfloat16 or float16")
+        _require(
+            self,
+            "save_hf_dtype",
+            self.save_hf_dtype in (None, "float32", "bfloat16", "float16"),
+            "must be null (model.dtype), float32, bfloat16 or float16",
+        )
         _require(self, "timeout_s", self.timeout_s > 0, "must be > 0")
         _require(self, "collective_timeout_s", self.collective_timeout_s > 0, "must be > 0")
 
@@ -613,8 +637,10 @@ class FrameworkConfig:
         if self.algorithm.name in GROUP_ALGORITHMS:
             rule = f"algorithm.name={self.algorithm.name} needs >= 2 responses per prompt for its group baseline"
             _require(self, "rollout.n", self.rollout.n >= 2, rule)
-            rule = (f"algorithm.name={self.algorithm.name} compares a prompt's responses with each other, and greedy "
-                    f"decoding makes them all the same (every advantage 0); set a sampling temperature > 0, e.g. 1.0")
+            rule = (
+                f"algorithm.name={self.algorithm.name} compares a prompt's responses with each other, and greedy "
+                f"decoding makes them all the same (every advantage 0); set a sampling temperature > 0, e.g. 1.0"
+            )
             _require(self, "rollout.temperature", self.rollout.temperature > 0, rule)
         self._check_training_batches()
         self._check_token_budgets()
@@ -682,28 +708,37 @@ class FrameworkConfig:
     def _check_asynchronous(self) -> None:
         rollout, staleness = self.rollout, self.algorithm.max_staleness
         if rollout.enabled:
-            rule = (f"the rollout role generates on ranks of its own; use placement=split (actor and reference | "
-                    f"rollout and scorers), standalone or manual, or set rollout.enabled=false "
-                    f"(placement={self.placement})")
+            rule = (
+                f"the rollout role generates on ranks of its own; use placement=split (actor and reference | "
+                f"rollout and scorers), standalone or manual, or set rollout.enabled=false "
+                f"(placement={self.placement})"
+            )
             _require(self, "placement", self.placement in ("split", "standalone", "manual"), rule)
             rule = "the rollout receives the actor's weights from one pipeline; set actor.pp=1 with rollout.enabled"
             _require(self, "actor.pp", self.actor.pp == 1, rule)
-            rule = ("the weight sync sends the trained weights, not LoRA adapters merged into them; set "
-                    "actor.lora.rank=0 or rollout.enabled=false")
+            rule = (
+                "the weight sync sends the trained weights, not LoRA adapters merged into them; set "
+                "actor.lora.rank=0 or rollout.enabled=false"
+            )
             _require(self, "actor.lora.rank", not self.actor.lora.enabled, rule)
             rule = "multi-turn environments run on the actor's generation only; set rollout.enabled=false with them"
             _require(self, "rollout.environment", rollout.environment is None, rule)
             rule = "draws extra batches on the actor's devices, synchronously; set it false with rollout.enabled=true"
             _require(self, "algorithm.dynamic_sampling", not self.algorithm.dynamic_sampling, rule)
         if staleness:
-            rule = (f"algorithm.max_staleness={staleness} generates on a rollout role of its own; set "
-                    f"rollout.enabled=true")
+            rule = (
+                f"algorithm.max_staleness={staleness} generates on a rollout role of its own; set rollout.enabled=true"
+            )
             _require(self, "rollout.enabled", rollout.enabled, rule)
-            rule = (f"algorithm.max_staleness={staleness} corrects stale samples with pi_old / pi_behaviour, which "
-                    f"needs the log-probs recomputed under the current policy; set rollout.recompute_log_probs=true")
+            rule = (
+                f"algorithm.max_staleness={staleness} corrects stale samples with pi_old / pi_behaviour, which "
+                f"needs the log-probs recomputed under the current policy; set rollout.recompute_log_probs=true"
+            )
             _require(self, "rollout.recompute_log_probs", rollout.recompute_log_probs, rule)
-        rule = ("a response can only span a weight update when batches are generated ahead; set "
-                "algorithm.max_staleness >= 1 (and rollout.enabled=true), or rollout.partial_rollouts=off")
+        rule = (
+            "a response can only span a weight update when batches are generated ahead; set "
+            "algorithm.max_staleness >= 1 (and rollout.enabled=true), or rollout.partial_rollouts=off"
+        )
         _require(self, "rollout.partial_rollouts", rollout.partial_rollouts == "off" or staleness >= 1, rule)
 
     def _check_kv_cache(self) -> None:

@@ -83,14 +83,17 @@ def _kl_setting(config: FrameworkConfig) -> str:
 
 KL_TO_REFERENCE = Condition(
     "kl_to_reference",
-    lambda config: config.algorithm.kl_penalty != "none" and not reference_is_actor_base(config), _kl_setting,
+    lambda config: config.algorithm.kl_penalty != "none" and not reference_is_actor_base(config),
+    _kl_setting,
 )
 KL_TO_ACTOR_BASE = Condition(
     "kl_to_actor_base",
-    lambda config: config.algorithm.kl_penalty != "none" and reference_is_actor_base(config), _kl_setting,
+    lambda config: config.algorithm.kl_penalty != "none" and reference_is_actor_base(config),
+    _kl_setting,
 )
 RECOMPUTE_LOG_PROBS = Condition(
-    "recompute_log_probs", lambda config: config.rollout.recompute_log_probs,
+    "recompute_log_probs",
+    lambda config: config.rollout.recompute_log_probs,
     lambda config: f"rollout.recompute_log_probs={str(config.rollout.recompute_log_probs).lower()}",
 )
 
@@ -161,8 +164,7 @@ class Dataflow:
     def passes(self, config: FrameworkConfig) -> list[Work]:
         """The step's model passes under ``config``, in the order the step issues them."""
         return [
-            item for item in self.work
-            if (item.when is None or item.when.holds(config)) and is_model(item.role, config)
+            item for item in self.work if (item.when is None or item.when.holds(config)) and is_model(item.role, config)
         ]
 
     def requirement(self, role: str, config: FrameworkConfig) -> tuple[bool, str]:
@@ -170,7 +172,9 @@ class Dataflow:
         names it: ``every algorithm``, ``algorithm.name=grpo`` or a condition's key (``algorithm.kl_penalty=none``)."""
         declared = [item for item in self.work if item.role == role]
         if any(item.when is None for item in declared):
-            everywhere = all(any(i.role == role and i.when is None for i in a.dataflow.work) for a in ALGORITHMS.values())
+            everywhere = all(
+                any(i.role == role and i.when is None for i in a.dataflow.work) for a in ALGORITHMS.values()
+            )
             return True, "every algorithm" if everywhere else f"algorithm.name={config.algorithm.name}"
         if declared:
             condition = next(item.when for item in declared if item.when is not None)
@@ -179,11 +183,13 @@ class Dataflow:
 
 
 ROLLOUT_ROLE = Condition(
-    "rollout_role", lambda config: config.rollout.enabled,
+    "rollout_role",
+    lambda config: config.rollout.enabled,
     lambda config: f"rollout.enabled={str(config.rollout.enabled).lower()}",
 )
 ON_ACTOR = Condition(
-    "generate_on_actor", lambda config: not config.rollout.enabled,
+    "generate_on_actor",
+    lambda config: not config.rollout.enabled,
     lambda config: f"rollout.enabled={str(config.rollout.enabled).lower()}",
 )
 CONDITIONS = (KL_TO_REFERENCE, KL_TO_ACTOR_BASE, RECOMPUTE_LOG_PROBS, ROLLOUT_ROLE, ON_ACTOR)
@@ -201,54 +207,66 @@ def conditions(config: FrameworkConfig) -> dict[str, bool]:
 
 # ---- the declarations ----------------------------------------------------------------------------------------------
 
-GRPO = Dataflow("grpo", (
-    generate("actor", when=ON_ACTOR),
-    generate("rollout", when=ROLLOUT_ROLE),
-    forward("reward"),
-    forward("actor", when=RECOMPUTE_LOG_PROBS),
-    forward("reference", when=KL_TO_REFERENCE),
-    forward("actor", when=KL_TO_ACTOR_BASE),
-    train("actor"),
-))
+GRPO = Dataflow(
+    "grpo",
+    (
+        generate("actor", when=ON_ACTOR),
+        generate("rollout", when=ROLLOUT_ROLE),
+        forward("reward"),
+        forward("actor", when=RECOMPUTE_LOG_PROBS),
+        forward("reference", when=KL_TO_REFERENCE),
+        forward("actor", when=KL_TO_ACTOR_BASE),
+        train("actor"),
+    ),
+)
 """GRPO and its critic-free family (recipes/grpo.py, rloo.py): sample, score, log-probs, one policy update."""
 
-REMAX = Dataflow("remax", (
-    generate("actor"),
-    forward("reward"),
-    forward("actor", when=RECOMPUTE_LOG_PROBS),
-    forward("reference", when=KL_TO_REFERENCE),
-    forward("actor", when=KL_TO_ACTOR_BASE),
-    greedy("actor"),
-    train("actor"),
-))
+REMAX = Dataflow(
+    "remax",
+    (
+        generate("actor"),
+        forward("reward"),
+        forward("actor", when=RECOMPUTE_LOG_PROBS),
+        forward("reference", when=KL_TO_REFERENCE),
+        forward("actor", when=KL_TO_ACTOR_BASE),
+        greedy("actor"),
+        train("actor"),
+    ),
+)
 """ReMax (recipes/remax.py): GRPO's step plus a greedy response per prompt as the baseline, scored by the reward."""
 
-PPO = Dataflow("ppo", (
-    generate("actor", when=ON_ACTOR),
-    generate("rollout", when=ROLLOUT_ROLE),
-    forward("reward"),
-    forward("actor", when=RECOMPUTE_LOG_PROBS),
-    forward("reference", when=KL_TO_REFERENCE),
-    forward("actor", when=KL_TO_ACTOR_BASE),
-    forward("critic"),
-    train("actor"),
-    train("critic"),
-))
+PPO = Dataflow(
+    "ppo",
+    (
+        generate("actor", when=ON_ACTOR),
+        generate("rollout", when=ROLLOUT_ROLE),
+        forward("reward"),
+        forward("actor", when=RECOMPUTE_LOG_PROBS),
+        forward("reference", when=KL_TO_REFERENCE),
+        forward("actor", when=KL_TO_ACTOR_BASE),
+        forward("critic"),
+        train("actor"),
+        train("critic"),
+    ),
+)
 """PPO (recipes/ppo.py): GRPO's step plus a critic's values before the update and its own update beside the actor's."""
 
-SAFE_RLHF = Dataflow("safe_rlhf", (
-    generate("actor"),
-    forward("reward"),
-    forward("actor", when=RECOMPUTE_LOG_PROBS),
-    forward("reference", when=KL_TO_REFERENCE),
-    forward("actor", when=KL_TO_ACTOR_BASE),
-    forward("critic"),
-    forward("cost"),
-    forward("cost_critic"),
-    train("actor"),
-    train("critic"),
-    train("cost_critic"),
-))
+SAFE_RLHF = Dataflow(
+    "safe_rlhf",
+    (
+        generate("actor"),
+        forward("reward"),
+        forward("actor", when=RECOMPUTE_LOG_PROBS),
+        forward("reference", when=KL_TO_REFERENCE),
+        forward("actor", when=KL_TO_ACTOR_BASE),
+        forward("critic"),
+        forward("cost"),
+        forward("cost_critic"),
+        train("actor"),
+        train("critic"),
+        train("cost_critic"),
+    ),
+)
 """Safe-RLHF (recipes/safe_rlhf.py): PPO's step with the cost mirrored: a cost model, a cost critic and its update."""
 
 

@@ -30,7 +30,8 @@ def read_trained_tensors(state_dir: Path) -> dict[str, torch.Tensor]:
     saved = safe_dcp.read_metadata(state_dir).state_dict_metadata
     tensors = {
         key.removeprefix("model."): torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        for key, entry in saved.items() if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+        for key, entry in saved.items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -44,7 +44,9 @@ class StageTimer:
 def mean_over_ranks(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """Average the metric dicts that each DP rank of a role returned."""
     keys = {key for metrics in per_rank for key in metrics}
-    return {key: sum(m[key] for m in per_rank if key in m) / sum(1 for m in per_rank if key in m) for key in sorted(keys)}
+    return {
+        key: sum(m[key] for m in per_rank if key in m) / sum(1 for m in per_rank if key in m) for key in sorted(keys)
+    }
 
 
 # ---- model FLOPs ---------------------------------------------------------------------------------------------------
@@ -78,7 +80,9 @@ class ModelPasses:
     cost models."""
 
 
-def step_flops(passes: ModelPasses, *, sequence_tokens: float, response_tokens: float, generated_tokens: float) -> float:
+def step_flops(
+    passes: ModelPasses, *, sequence_tokens: float, response_tokens: float, generated_tokens: float
+) -> float:
     """Model FLOPs of one step, by the dense-transformer estimate of Kaplan et al. (2020):
 
         FLOPs = 6 · (T · Σ B_train + R · Σ H_train)  +  2 · (T · Σ B_forward + R · Σ H_forward)  +  2 · G · (B + H)_generate
@@ -98,10 +102,13 @@ def step_flops(passes: ModelPasses, *, sequence_tokens: float, response_tokens: 
     """
 
     def tokens_times_parameters(models: tuple[MatmulParameters, ...]) -> float:
-        return sequence_tokens * sum(model.body for model in models) + response_tokens * sum(model.head for model in models)
+        return sequence_tokens * sum(model.body for model in models) + response_tokens * sum(
+            model.head for model in models
+        )
 
     return (
-        6 * tokens_times_parameters(passes.train) + 2 * tokens_times_parameters(passes.forward)
+        6 * tokens_times_parameters(passes.train)
+        + 2 * tokens_times_parameters(passes.forward)
         + 2 * generated_tokens * passes.generate.total
     )
 
@@ -155,7 +162,11 @@ def throughput_metrics(
     if metrics.get("time/generate"):
         result["throughput/generated_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/generate"]
     generated = metrics["rollout/generated_tokens"]
-    flops_per_device = step_flops(passes, sequence_tokens=tokens, response_tokens=generated, generated_tokens=generated) / seconds / world_size
+    flops_per_device = (
+        step_flops(passes, sequence_tokens=tokens, response_tokens=generated, generated_tokens=generated)
+        / seconds
+        / world_size
+    )
     result["throughput/tflops_per_device"] = flops_per_device / 1e12
     if peak_flops_per_device > 0:
         result["perf/mfu"] = flops_per_device / peak_flops_per_device

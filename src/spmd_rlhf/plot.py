@@ -62,7 +62,9 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 
 def matching_keys(records: list[dict[str, float]], patterns: tuple[str, ...]) -> list[str]:
     """The numeric metric keys of ``records`` matching any of ``patterns``, in pattern order, then sorted."""
-    available = sorted({key for record in records for key, value in record.items() if key != "step" and _is_number(value)})
+    available = sorted(
+        {key for record in records for key, value in record.items() if key != "step" and _is_number(value)}
+    )
     keys: list[str] = []
     for pattern in patterns:
         keys += [key for key in fnmatch.filter(available, pattern) if key not in keys]

@@ -28,8 +28,15 @@ from spmd_rlhf.checkpoint import CONFIG_FILE, CheckpointError, read_trainer_stat
 LOCK_FILE = ".lock"
 STOPPED_FILE = "stopped.json"
 RESUME_FIXED_KEYS = (
-    "data.train_files", "data.shuffle", "data.seed", "data.batch_size", "data.prompt_key",
-    "model.path", "model.tokenizer_path", "critic.model_path", "cost_critic.model_path",
+    "data.train_files",
+    "data.shuffle",
+    "data.seed",
+    "data.batch_size",
+    "data.prompt_key",
+    "model.path",
+    "model.tokenizer_path",
+    "critic.model_path",
+    "cost_critic.model_path",
 )
 """Keys whose change makes a resumed run another run: the order and batching of the prompts, and the models trained
 (their architecture comes from their directories)."""

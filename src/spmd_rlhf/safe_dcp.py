@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -28,8 +28,14 @@ METADATA_FILE = ".metadata"
 
 _ADMITTED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -111,8 +117,18 @@ class _Planner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def load(state: dict[str, Any], state_dir: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None,
-         no_dist: bool = False) -> None:
+def load(
+    state: dict[str, Any],
+    state_dir: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
+) -> None:
     """``dcp.load`` of ``state`` from ``state_dir`` (in place, resharded), reading no code from the files."""
-    dcp.load(state, storage_reader=_Reader(str(state_dir)), planner=_Planner(str(state_dir)), process_group=process_group,
-             no_dist=no_dist)
+    dcp.load(
+        state,
+        storage_reader=_Reader(str(state_dir)),
+        planner=_Planner(str(state_dir)),
+        process_group=process_group,
+        no_dist=no_dist,
+    )

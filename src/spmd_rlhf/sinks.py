@@ -80,7 +80,9 @@ class ConsoleSink:
         per_step = (time.perf_counter() - self._started) / (done - self._first_step)
         width = 20
         filled = width * done // self.total_steps
-        parts = [f"step {done}/{self.total_steps} [{'#' * filled}{'-' * (width - filled)}] {100 * done // self.total_steps:3d}%"]
+        parts = [
+            f"step {done}/{self.total_steps} [{'#' * filled}{'-' * (width - filled)}] {100 * done // self.total_steps:3d}%"
+        ]
         parts += [f"{label} {metrics[key]:.3g}" for key, label in CONSOLE_KEYS if key in metrics]
         parts += [f"{per_step:.2f} s/step", f"ETA {format_duration(per_step * (self.total_steps - done))}"]
         return " | ".join(parts)
@@ -172,7 +174,9 @@ class WandbSink:
     """A wandb run named ``run_name`` in ``project``, holding ``run_config`` as its config and every metric at
     ``step``. wandb's own environment variables apply (``WANDB_MODE=offline``, ``WANDB_ENTITY``, ...)."""
 
-    def __init__(self, output_dir: str, *, project: str, run_name: str, run_config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, output_dir: str, *, project: str, run_name: str, run_config: dict[str, Any] | None = None
+    ) -> None:
         try:
             import wandb
         except ImportError as error:
@@ -191,7 +195,9 @@ SINKS = ("console", "jsonl", "tensorboard", "wandb")
 """The names ``trainer.loggers`` accepts (a test keeps them equal to ``TrainerConfig``'s check)."""
 
 
-def build_sinks(trainer: TrainerConfig, *, run_config: dict[str, Any] | None = None, stream: TextIO | None = None) -> list[Sink]:
+def build_sinks(
+    trainer: TrainerConfig, *, run_config: dict[str, Any] | None = None, stream: TextIO | None = None
+) -> list[Sink]:
     """``metrics.jsonl`` and the other sinks ``trainer.loggers`` names, in ``SINKS`` order; ``run_config`` (the resolved config as a dict) becomes
     the wandb run's config, ``stream`` replaces stdout for the console."""
     unknown = sorted(set(trainer.loggers) - set(SINKS))
@@ -205,5 +211,7 @@ def build_sinks(trainer: TrainerConfig, *, run_config: dict[str, Any] | None = N
         sinks.append(TensorBoardSink(trainer.output_dir))
     if "wandb" in trainer.loggers:
         run_name = trainer.wandb_run_name or Path(trainer.output_dir).resolve().name
-        sinks.append(WandbSink(trainer.output_dir, project=trainer.wandb_project, run_name=run_name, run_config=run_config))
+        sinks.append(
+            WandbSink(trainer.output_dir, project=trainer.wandb_project, run_name=run_name, run_config=run_config)
+        )
     return sinks

@@ -21,7 +21,12 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
 
 @pytest.mark.parametrize(
     ("mode", "expected"),
-    [("token_mean", 10 / 4), ("seq_mean_token_sum", 10 / 2), ("seq_mean_token_mean", (2 + 4) / 2), ("seq_mean_token_sum_norm", 10 / 6)],
+    [
+        ("token_mean", 10 / 4),
+        ("seq_mean_token_sum", 10 / 2),
+        ("seq_mean_token_mean", (2 + 4) / 2),
+        ("seq_mean_token_sum_norm", 10 / 6),
+    ],
 )
 def test_aggregation_modes(mode, expected):
     assert aggregate(LOSS, MASK, mode).item() == pytest.approx(expected)
@@ -87,7 +92,9 @@ def test_policy_loss_clip_higher_and_dual_clip():
 
 def test_policy_gradient_at_ratio_one_is_minus_advantage():
     log_probs = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = policy_loss(log_probs, torch.zeros(1, 2), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2), clip_low=0.2, clip_high=0.2)
+    loss, _ = policy_loss(
+        log_probs, torch.zeros(1, 2), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2), clip_low=0.2, clip_high=0.2
+    )
     loss.backward()
     torch.testing.assert_close(log_probs.grad, torch.tensor([[-1.0, 0.5]]))
 

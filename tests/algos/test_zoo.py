@@ -61,7 +61,9 @@ def test_gspo_ratio_is_the_geometric_mean_of_the_token_ratios():
     advantages = torch.ones(1, 3)
     mask = torch.ones(1, 3)
     loss, metrics = policy_loss(new, old, advantages, mask, clip_low=0.2, clip_high=0.2, ratio_level="sequence")
-    assert metrics["actor/clip_fraction"] == 0.0  # the sequence ratio (1) is inside the clip range, token ratios are not
+    assert (
+        metrics["actor/clip_fraction"] == 0.0
+    )  # the sequence ratio (1) is inside the clip range, token ratios are not
     loss.backward()
     # Every token carries the sequence ratio 1 with its own log-prob's gradient: d(-A * s)/d logp_t = -1/3 each.
     torch.testing.assert_close(new.grad, torch.full((1, 3), -1.0 / 3.0))

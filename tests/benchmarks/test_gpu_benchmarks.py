@@ -27,8 +27,12 @@ def run_smoke(script: str, out_dir: Path, *extra: str) -> tuple[dict, str]:
     """Run ``benchmarks/<script> --smoke`` with one OpenMP thread; its JSON result and its output."""
     finished = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out_dir), *extra],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     (path,) = out_dir.glob("*.json")
@@ -42,21 +46,29 @@ def run_smoke(script: str, out_dir: Path, *extra: str) -> tuple[dict, str]:
 
 def assert_positive_finite(values: dict, *keys: str) -> None:
     for key in keys:
-        assert isinstance(values[key], (int, float)) and math.isfinite(values[key]) and values[key] > 0, (key, values[key])
+        assert isinstance(values[key], (int, float)) and math.isfinite(values[key]) and values[key] > 0, (
+            key,
+            values[key],
+        )
 
 
 def test_generate_decode_and_batch(tmp_path):
     result, _ = run_smoke("gpu_generate.py", tmp_path)
     decode, batch = result["decode"], result["batch"]
     assert_positive_finite(decode, "decode_tokens_per_s", "floor_tokens_per_s", "ratio_to_floor", "copy_bytes_per_s")
-    assert decode["weight_bytes"] == result["parameters"] * torch.empty((), dtype=getattr(torch, result["dtype"])).element_size()
+    assert (
+        decode["weight_bytes"]
+        == result["parameters"] * torch.empty((), dtype=getattr(torch, result["dtype"])).element_size()
+    )
     assert decode["floor_tokens_per_s"] == pytest.approx(decode["copy_bytes_per_s"] / decode["weight_bytes"])
     assert decode["ratio_to_floor"] == pytest.approx(decode["decode_tokens_per_s"] / decode["floor_tokens_per_s"])
     for mode in ("auto", "off"):
         assert decode["seconds"][f"{mode}_to_last_token"] > decode["seconds"][f"{mode}_to_first_token"]
     assert decode["graphs_speedup"] == pytest.approx(decode["decode_tokens_per_s"] / decode["eager_tokens_per_s"])
     assert decode["cuda_graphs"] == 0  # CPU: eager decode steps in both engines
-    assert_positive_finite(batch, "engine_s", "transformers_s", "speedup", "engine_tokens_per_s", "transformers_tokens_per_s")
+    assert_positive_finite(
+        batch, "engine_s", "transformers_s", "speedup", "engine_tokens_per_s", "transformers_tokens_per_s"
+    )
     assert batch["speedup"] == pytest.approx(batch["transformers_s"] / batch["engine_s"])
     assert batch["engine_stats"]["generated_tokens"] == batch["batch"] * batch["new_tokens"]
     assert decode["meets_goal"] is None and batch["meets_goal"] is None
@@ -85,7 +97,9 @@ def test_grpo_against_trl(tmp_path):
         # Every response has the prompt's tokens and 1 to new_tokens generated ones (EOS may end one early).
         shortest, longest = config["prompt_tokens"] + 1, config["prompt_tokens"] + config["new_tokens"]
         assert samples * shortest <= run["tokens_per_step"] <= samples * longest
-    assert result["tokens_per_s_ratio"] == pytest.approx(result["spmd_rlhf"]["tokens_per_s"] / result["trl"]["tokens_per_s"])
+    assert result["tokens_per_s_ratio"] == pytest.approx(
+        result["spmd_rlhf"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
+    )
     assert result["meets_goal"] is None
 
 
@@ -115,8 +129,13 @@ def test_model_dir_is_reused_only_for_its_shape(tmp_path):
 def test_peak_and_goal_rules():
     assert peak_tflops("cpu", None) is None
     assert peak_tflops("cpu", 12.5) == 12.5
-    peaks = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H200": 989.0,
-             "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA GeForce RTX 4090": None}
+    peaks = {
+        "NVIDIA H100 80GB HBM3": 989.0,
+        "NVIDIA H100 PCIe": 756.0,
+        "NVIDIA H200": 989.0,
+        "NVIDIA A100-SXM4-80GB": 312.0,
+        "NVIDIA GeForce RTX 4090": None,
+    }
     assert {name: known_peak_tflops(name) for name in peaks} == peaks
     assert meets_goal(0.6, 0.5, at_least=True, real_run=True) is True
     assert meets_goal(1.4, 1.3, at_least=False, real_run=True) is False
@@ -136,11 +155,16 @@ def test_kernels_at_real_sizes_script(tmp_path):
 def test_gpu_suite_runs_steps_and_reports_the_budget(tmp_path):
     """The suite in smoke mode: one real step with its figures in the one JSON file, and a budget too small for any
     step reports every step as skipped instead of dropping it."""
+
     def suite(*arguments: str) -> dict:
         finished = subprocess.run(
             [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--smoke", "--out", str(tmp_path), *arguments],
-            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, timeout=300,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=300,
         )
         assert finished.returncode == 0, finished.stdout[-4000:]
         assert "SMOKE RUN: not a GPU figure" in finished.stdout

@@ -25,5 +25,7 @@ def test_peak_of_a_child_that_allocated_and_freed(tmp_path):
 
 def test_exit_code_comes_back(tmp_path):
     with open(tmp_path / "log", "w") as out:
-        returncode, _ = run_with_peak_rss([sys.executable, "-c", "raise SystemExit(3)"], cwd=str(tmp_path), env={}, stdout=out)
+        returncode, _ = run_with_peak_rss(
+            [sys.executable, "-c", "raise SystemExit(3)"], cwd=str(tmp_path), env={}, stdout=out
+        )
     assert returncode == 3

@@ -28,9 +28,23 @@ from spmd_rlhf.models.streamed_vocabulary import DEFAULT_CHUNK_BYTES as STREAM_C
 
 def test_smoke_run_reports_every_stage(tmp_path):
     finished = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "scale.py"), "--smoke", "--steps", "1", "--new-tokens", "4", "--out", str(tmp_path)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=240,
+        [
+            sys.executable,
+            str(BENCHMARKS / "scale.py"),
+            "--smoke",
+            "--steps",
+            "1",
+            "--new-tokens",
+            "4",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     (path,) = tmp_path.glob("scale_grpo_smoke_l2_*.json")
@@ -51,8 +65,10 @@ def test_smoke_run_reports_every_stage(tmp_path):
     # Building the model and the optimizer cannot leave a rank's memory where it was before the load.
     assert all(peak > 0 for peak in result["stages"][0]["peak_bytes_per_rank"])
     assert result["measurement"].startswith("RSS, freed blocks >= 64 KiB returned to the kernel")
-    assert ("| stage | peak per rank (GiB) | floor (GiB) | peak / floor | floor + design buffers (GiB) | peak / that | "
-            "whole-model copy? | rise in stage (GiB) | seconds |") in finished.stdout
+    assert (
+        "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | floor + design buffers (GiB) | peak / that | "
+        "whole-model copy? | rise in stage (GiB) | seconds |"
+    ) in finished.stdout
 
 
 def actor_spec(config):
@@ -63,18 +79,37 @@ def test_floor_parts_at_a_real_shape(tmp_path):
     """0.5B's widths, one layer, a smaller vocabulary: the parts are the shapes' bytes, sharded over two ranks."""
     from spmd_rlhf.tiny.model import make_tiny
 
-    model_dir = make_tiny(family="qwen2", out_dir=str(tmp_path / "model"), hidden_size=896, num_layers=1, num_heads=14,
-                          num_kv_heads=2, intermediate_size=4864, model_vocab_size=32768)
-    config = load_config(ROOT / "recipes" / "configs" / "ppo.yaml", [
-        f"model.path={model_dir}", "data.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=16", "trainer.total_steps=1",
-        "actor.micro_batch_size=2", "critic.micro_batch_size=2", "reference.micro_batch_size=2",
-        "actor.mini_batch_size=4", "critic.mini_batch_size=4",
-    ])
+    model_dir = make_tiny(
+        family="qwen2",
+        out_dir=str(tmp_path / "model"),
+        hidden_size=896,
+        num_layers=1,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        model_vocab_size=32768,
+    )
+    config = load_config(
+        ROOT / "recipes" / "configs" / "ppo.yaml",
+        [
+            f"model.path={model_dir}",
+            "data.batch_size=2",
+            "rollout.n=2",
+            "rollout.max_new_tokens=16",
+            "trainer.total_steps=1",
+            "actor.micro_batch_size=2",
+            "critic.micro_batch_size=2",
+            "reference.micro_batch_size=2",
+            "actor.mini_batch_size=4",
+            "critic.mini_batch_size=4",
+        ],
+    )
     floors = stage_floors(config, devices=2)
     shape = model_shape(model_dir)
     actor, critic = shape.parameters("lm"), shape.parameters("value")
     assert floors["load"] == {
-        "actor weights (float32 shard)": actor * 4 / 2, "critic weights (float32 shard)": critic * 4 / 2,
+        "actor weights (float32 shard)": actor * 4 / 2,
+        "critic weights (float32 shard)": critic * 4 / 2,
         "reference weights (float32 shard)": actor * 4 / 2,
     }
     # One step: no Adam moments before the update; from it on, both trained roles' moments.
@@ -87,8 +122,10 @@ def test_floor_parts_at_a_real_shape(tmp_path):
         f"KV cache (2 rows x {tokens} tokens)": 2 * tokens * shape.kv_bytes_per_token(4),
     }
     # The micro-batch's working set is the mapper's (activations, response logits, float32 log-prob chunks).
-    (name, size), = ((part, size) for part, size in floors["update"].items() if part.startswith("actor micro-batch"))
-    assert size == pytest.approx(working_bytes(actor_spec(config), Layout(pp=1, dp=2, tp=1), config_dataflow(config)[1]))
+    ((name, size),) = ((part, size) for part, size in floors["update"].items() if part.startswith("actor micro-batch"))
+    assert size == pytest.approx(
+        working_bytes(actor_spec(config), Layout(pp=1, dp=2, tp=1), config_dataflow(config)[1])
+    )
 
     # The design's transient buffers: the tied actor's 112 MiB vocabulary streams (above fsdp_unit_mb), so its root
     # unit is the final norm; the reshard gathers the vocabulary whole; the save's writer holds two bands of at most

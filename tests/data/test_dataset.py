@@ -51,7 +51,11 @@ def test_overlong_prompts_fail_naming_the_row_or_are_skipped_and_counted(tokeniz
 
 @pytest.mark.parametrize(
     "content, message",
-    [("", "no usable prompts"), ('{"text": "hi"}\n', "has no 'prompt' field"), ("{bad\n", r"rows.jsonl:1 is not valid JSON")],
+    [
+        ("", "no usable prompts"),
+        ('{"text": "hi"}\n', "has no 'prompt' field"),
+        ("{bad\n", r"rows.jsonl:1 is not valid JSON"),
+    ],
 )
 def test_bad_files_are_clear_errors(tokenizer, tmp_path, content, message):
     path = tmp_path / "rows.jsonl"
@@ -70,7 +74,11 @@ def test_loader_is_a_pure_function_of_the_step_visiting_every_prompt_once_per_ep
     assert uids.tolist() == list(range(40))
     fresh = PromptLoader(dataset, batch_size=8, pad_token_id=tokenizer.pad_token_id, seed=3)
     assert torch.equal(fresh.batch(3)["input_ids"], batches[3]["input_ids"])  # resume needs only the step
-    epoch = [tuple(ids[mask.bool()].tolist()) for batch in batches for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    epoch = [
+        tuple(ids[mask.bool()].tolist())
+        for batch in batches
+        for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
+    ]
     assert sorted(epoch[:20]) == sorted(tuple(p.token_ids) for p in dataset.prompts)
     assert epoch[:20] != epoch[20:]  # reshuffled per epoch
     batch = batches[0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_model
+
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, decode_buckets, graphs_supported
 from spmd_rlhf.engine.model_runner import ModelRunner
@@ -96,6 +96,8 @@ def test_cuda_graph_decode_equals_eager_decode(model_path, dtype):
     for got, expected in zip(graphs, eager):
         assert got.generated_token_ids == expected.generated_token_ids
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(expected.log_probs), rtol=0, atol=tolerance)
+        torch.testing.assert_close(
+            torch.tensor(got.log_probs), torch.tensor(expected.log_probs), rtol=0, atol=tolerance
+        )
     again, _ = _generate(model, "auto")  # a second engine captures again: graphs never outlive their cache
     assert [seq.generated_token_ids for seq in again] == [seq.generated_token_ids for seq in graphs]

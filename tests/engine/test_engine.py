@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_model
+
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.engine import engine as engine_module
 from spmd_rlhf.models import load_model, log_probs_from_logits
@@ -36,8 +36,12 @@ def _prompts() -> list[list[int]]:
 
 def _transformers_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
     out = hf_model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
-        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0,
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -92,7 +96,8 @@ def test_eos_stop_tokens_and_length_end_a_response(checkpoint):
 
 
 @pytest.mark.parametrize(
-    "sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.8)],
+    "sampling",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.8)],
     ids=["t1", "t0.7-topk", "t1.3-topp"],
 )
 def test_sampled_log_probs_equal_training_log_probs(checkpoint, sampling):
@@ -110,7 +115,9 @@ def test_a_seeded_request_samples_the_same_tokens_alone_in_a_batch_and_under_pre
     model, _ = checkpoint
     prompts = _prompts()
     seeded = SamplingParams(temperature=1.0, max_new_tokens=12, seed=123)
-    others = [SamplingParams(temperature=1.0, max_new_tokens=12, seed=None if i % 2 else i) for i in range(len(prompts) - 1)]
+    others = [
+        SamplingParams(temperature=1.0, max_new_tokens=12, seed=None if i % 2 else i) for i in range(len(prompts) - 1)
+    ]
     alone = LLMEngine(model, eos_token_id=None, block_size=4).generate([prompts[3]], seeded)[0].generated_token_ids
 
     batch = prompts[:3] + prompts[4:] + [prompts[3]]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_model
+
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models import load_model, log_probs_from_logits
 from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, flash_attn_available

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_model
+
 from spmd_rlhf.engine.block_manager import BlockManager
 from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_model
+
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models import load_model, log_probs_from_logits
 
@@ -52,7 +52,9 @@ def _swap(model, path: str) -> None:
 @pytest.mark.parametrize("num_blocks", [None, 14], ids=["roomy", "preempting"])
 def test_segments_with_kv_kept_on_the_same_weights_equal_one_uninterrupted_generation(paths, num_blocks):
     requests, params = _requests()
-    whole = LLMEngine(_model(paths[0]), eos_token_id=EOS, block_size=4, num_blocks=num_blocks).generate(requests, params)
+    whole = LLMEngine(_model(paths[0]), eos_token_id=EOS, block_size=4, num_blocks=num_blocks).generate(
+        requests, params
+    )
     engine = LLMEngine(_model(paths[0]), eos_token_id=EOS, block_size=4, num_blocks=num_blocks)
     run = engine.start(requests, params, version=0)
     versions = 0

@@ -66,9 +66,10 @@ def test_per_row_top_k_and_top_p_equal_each_row_filtered_alone():
     kept = (~torch.isinf(rows)).sum(-1).tolist()
     assert kept[0] == kept[5] == 50 and kept[1] == 5 and kept[3] <= 3 and 1 <= kept[2] < 50
     # Top-k alone takes topk rather than a sort: the same supports.
-    torch.testing.assert_close(filter_logits(logits, top_k=top_k, top_p=1.0), torch.cat([
-        filter_logits(logits[r : r + 1], top_k=top_k[r], top_p=1.0) for r in range(6)
-    ]))
+    torch.testing.assert_close(
+        filter_logits(logits, top_k=top_k, top_p=1.0),
+        torch.cat([filter_logits(logits[r : r + 1], top_k=top_k[r], top_p=1.0) for r in range(6)]),
+    )
 
 
 def test_ties_with_the_last_kept_token_stay_in():
@@ -107,7 +108,9 @@ def test_per_row_params_in_one_batch():
     """Greedy rows, rows at different temperatures, top-k and top-p, interleaved in one batch: each row draws what it
     draws alone, and each kind of row follows its own distribution."""
     kinds = [
-        SamplingParams(temperature=0), SamplingParams(temperature=0.5), SamplingParams(top_k=2),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(top_k=2),
         SamplingParams(temperature=2.0, top_p=0.6),
     ]
     expected = [None, PROBS[0] ** 2, torch.tensor([0.5, 0.3, 0, 0]), torch.tensor([0.5**0.5, 0.3**0.5, 0, 0])]

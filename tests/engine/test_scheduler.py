@@ -66,7 +66,9 @@ def test_running_out_of_blocks_preempts_the_newest_and_everything_still_finishes
 def test_random_workloads_never_leak_blocks():
     rng = random.Random(0)
     for trial in range(20):
-        scheduler = _scheduler(num_blocks=rng.randint(6, 12), block_size=rng.choice([1, 2, 4]), max_num_seqs=rng.randint(1, 6))
+        scheduler = _scheduler(
+            num_blocks=rng.randint(6, 12), block_size=rng.choice([1, 2, 4]), max_num_seqs=rng.randint(1, 6)
+        )
         seqs = [_seq(i, rng.randint(1, 4), max_new_tokens=rng.randint(1, 3)) for i in range(rng.randint(1, 8))]
         for seq in seqs:
             scheduler.add(seq)

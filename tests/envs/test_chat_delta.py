@@ -47,14 +47,27 @@ MISTRAL = (
 # Rewrites its header whenever a message is added: no delta can exist.
 COUNTING = "{{- messages|length|string + ' messages\\n' }}" + CHAT_TEMPLATE
 
-SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>", "[INST]",
-            "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+SPECIALS = [
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+]
 
 
 @pytest.fixture(scope="module")
 def base_tokenizer():
-    corpus = task_corpus("arithmetic") + ['<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
-                                          "<think>I should use the calculator.</think>", "<tool_response>408</tool_response>"]
+    corpus = task_corpus("arithmetic") + [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
+        "<think>I should use the calculator.</think>",
+        "<tool_response>408</tool_response>",
+    ]
     tokenizer = train_tokenizer(corpus, vocab_size=400)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *SPECIALS]})
     return tokenizer
@@ -78,7 +91,9 @@ def _trajectory(tokenizer, messages, *, lead: str = ""):
     the observation's delta: what the rollout loop builds, guarded as it guards. ``lead``: what the model writes
     before the message content (Mistral's templates put a space after [/INST])."""
     delta = ChatDelta(tokenizer)
-    tokens = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    tokens = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     generated_mask = [0] * len(tokens)
     conversation = list(messages)
     for turn, text in enumerate(TURNS):
@@ -97,7 +112,9 @@ def _trajectory(tokenizer, messages, *, lead: str = ""):
     return tokens, generated_mask, conversation, delta
 
 
-@pytest.mark.parametrize("template", [CHAT_TEMPLATE, QWEN25, LLAMA3, MISTRAL], ids=["chatml", "qwen2.5", "llama3", "mistral"])
+@pytest.mark.parametrize(
+    "template", [CHAT_TEMPLATE, QWEN25, LLAMA3, MISTRAL], ids=["chatml", "qwen2.5", "llama3", "mistral"]
+)
 def test_trajectory_equals_the_templates_rendering(base_tokenizer, template):
     tokenizer = _tokenizer(base_tokenizer, template)
     messages = [{"role": "user", "content": "What is 12*34?"}]
@@ -108,14 +125,20 @@ def test_trajectory_equals_the_templates_rendering(base_tokenizer, template):
     assert rendered == tokens + tokenizer.encode(delta.after_turn_end, add_special_tokens=False)
     # The mask covers exactly the generated tokens: each turn's text and its end-of-turn token.
     generated = [token for token, bit in zip(tokens, mask) if bit]
-    assert generated == [token for text in TURNS for token in tokenizer.encode(lead + text, add_special_tokens=False) + [delta.turn_end_id]]
+    assert generated == [
+        token
+        for text in TURNS
+        for token in tokenizer.encode(lead + text, add_special_tokens=False) + [delta.turn_end_id]
+    ]
 
 
 def test_think_stripping_template_keeps_the_generated_tokens(base_tokenizer):
     tokenizer = _tokenizer(base_tokenizer, QWEN3)
     messages = [{"role": "user", "content": "What is 12*34?"}]
     tokens, mask, conversation, delta = _trajectory(tokenizer, messages)
-    as_generated = tokenizer.encode(_tokenizer(base_tokenizer, QWEN25).apply_chat_template(conversation, tokenize=False), add_special_tokens=False)
+    as_generated = tokenizer.encode(
+        _tokenizer(base_tokenizer, QWEN25).apply_chat_template(conversation, tokenize=False), add_special_tokens=False
+    )
     assert tokens + tokenizer.encode(delta.after_turn_end, add_special_tokens=False) == as_generated
     # Had the next turn started from a re-rendered history with a new user message, the first turn's <think> would be
     # gone from under the policy: that is what building from deltas prevents.

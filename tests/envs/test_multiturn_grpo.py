@@ -8,10 +8,10 @@ from pathlib import Path
 
 from torchrun_helpers import run_recipe
 
-TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
-
 from spmd_rlhf.tiny.model import make_tiny, raise_eos_logit
 from spmd_rlhf.tiny.task import make_task
+
+TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
 
 PROGRAMS = Path(__file__).parent / "programs"
 
@@ -25,11 +25,24 @@ def test_multi_turn_grpo_steps_and_exact_resume(tmp_path):
     raise_eos_logit(model)  # a random-init policy then ends turns after a few tokens
     make_task(task="tool_products", out_dir=str(tmp_path / "task"), train_size=64, val_size=8)
     common = (
-        f"model.path={model}", f"data.train_files=[{tmp_path}/task/train.parquet]", "data.val_files=[]",
-        "trainer.val_every=0", "trainer.total_steps=2", "trainer.save_every=1", "data.batch_size=4", "rollout.n=4",
-        "rollout.max_new_tokens=12", "rollout.max_turns=3", "rollout.max_response_tokens=48",
-        "rollout.recompute_log_probs=true", "rollout.kv_block_size=4", "actor.mini_batch_size=16",
-        "actor.micro_batch_size=8", "reference.micro_batch_size=8", "actor.tp=2", "rollout.tp=2",
+        f"model.path={model}",
+        f"data.train_files=[{tmp_path}/task/train.parquet]",
+        "data.val_files=[]",
+        "trainer.val_every=0",
+        "trainer.total_steps=2",
+        "trainer.save_every=1",
+        "data.batch_size=4",
+        "rollout.n=4",
+        "rollout.max_new_tokens=12",
+        "rollout.max_turns=3",
+        "rollout.max_response_tokens=48",
+        "rollout.recompute_log_probs=true",
+        "rollout.kv_block_size=4",
+        "actor.mini_batch_size=16",
+        "actor.micro_batch_size=8",
+        "reference.micro_batch_size=8",
+        "actor.tp=2",
+        "rollout.tp=2",
         f"rollout.environment={PROGRAMS}/always_observe.py:AlwaysObserve",
     )
     records = run_recipe("grpo", tmp_path / "run", *common)

@@ -41,8 +41,12 @@ def setup(tmp_path_factory):
     raise_eos_logit(path, scale=7.0)  # a random-init model almost never ends a turn; this one does after a few tokens
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = load_model(path, head="lm", dtype=torch.float32, attention_backend="torch")
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{a}*{b}="}], tokenize=False, add_generation_prompt=True)
-               for a, b in ((12, 34), (56, 78), (9, 87))]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{a}*{b}="}], tokenize=False, add_generation_prompt=True
+        )
+        for a, b in ((12, 34), (56, 78), (9, 87))
+    ]
     return model, tokenizer, [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
 
 
@@ -64,11 +68,22 @@ class Concurrent(Scripted):
 def _rollout(model, tokenizer, prompts, *, samples=2, engine=None, reuse_prefix=True, environment=Scripted, workers=1):
     engine = engine or LLMEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=4)
     requests = [tokens for tokens in prompts for _ in range(samples)]
-    params = [SamplingParams(temperature=TEMPERATURE, max_new_tokens=PER_TURN, seed=1000 + index) for index in range(len(requests))]
+    params = [
+        SamplingParams(temperature=TEMPERATURE, max_new_tokens=PER_TURN, seed=1000 + index)
+        for index in range(len(requests))
+    ]
     rows = [{"prompt": "q"} for _ in requests]
     trajectories, stats = run_multi_turn(
-        engine, requests, [environment() for _ in requests], rows, params, delta=ChatDelta(tokenizer),
-        max_turns=MAX_TURNS, max_response_tokens=BUDGET, reuse_prefix=reuse_prefix, environment_workers=workers,
+        engine,
+        requests,
+        [environment() for _ in requests],
+        rows,
+        params,
+        delta=ChatDelta(tokenizer),
+        max_turns=MAX_TURNS,
+        max_response_tokens=BUDGET,
+        reuse_prefix=reuse_prefix,
+        environment_workers=workers,
     )
     return trajectories, stats
 
@@ -102,10 +117,14 @@ def test_masks_log_probs_limits_and_rewards(setup):
         # The engine's log-probs are a training forward's over the whole trajectory, observations included.
         ids = torch.tensor([t.token_ids])
         with torch.no_grad():
-            expected = log_probs_from_logits(model(ids)[:, :-1], ids[:, 1:], temperature=TEMPERATURE)[0, len(t.prompt_token_ids) - 1 :]
+            expected = log_probs_from_logits(model(ids)[:, :-1], ids[:, 1:], temperature=TEMPERATURE)[
+                0, len(t.prompt_token_ids) - 1 :
+            ]
         mask = torch.tensor(t.generated_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(t.log_probs)[mask], expected[mask], atol=2e-5, rtol=0)
-    tensors = response_tensors([(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories], width=BUDGET, pad_token_id=0)
+    tensors = response_tensors(
+        [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories], width=BUDGET, pad_token_id=0
+    )
     assert tensors["response_mask"].sum() == sum(sum(t.generated_mask) for t in trajectories)
     assert bool((tensors["response_mask"] <= tensors["trajectory_mask"]).all())
     assert tensors["trajectory_mask"].sum() == sum(len(t.response_token_ids) for t in trajectories)
@@ -120,7 +139,10 @@ def test_prefix_reuse_across_turns_changes_no_token(setup):
         torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=2e-5, rtol=0)
     # Without the session only the n samples of a turn share blocks; with it, later turns skip the earlier turns'.
     assert reused_stats.cached_prefill_tokens > fresh_stats.cached_prefill_tokens
-    assert reused_stats.prefill_tokens + reused_stats.cached_prefill_tokens == fresh_stats.prefill_tokens + fresh_stats.cached_prefill_tokens
+    assert (
+        reused_stats.prefill_tokens + reused_stats.cached_prefill_tokens
+        == fresh_stats.prefill_tokens + fresh_stats.cached_prefill_tokens
+    )
 
 
 def test_environments_answer_a_turn_at_once_with_the_same_result(setup):

@@ -18,11 +18,24 @@ def test_grpo_learns_to_call_the_calculator(tmp_path):
     model = make_tool_products_policy(str(tmp_path / "model"))
     make_task(task="tool_products", out_dir=str(tmp_path / "task"), train_size=512, val_size=8, seed=2)
     records = run_recipe(
-        "grpo", tmp_path / "run", f"model.path={model}", f"data.train_files=[{tmp_path}/task/train.parquet]",
-        "data.val_files=[]", "trainer.val_every=0", f"trainer.total_steps={STEPS}", "trainer.save_every=0",
-        "data.batch_size=8", "rollout.n=8", "rollout.environment=tool", "rollout.max_turns=2",
-        "rollout.max_new_tokens=32", "rollout.max_response_tokens=96", "actor.lr=5e-4", "actor.mini_batch_size=64",
-        "actor.micro_batch_size=32", "reference.micro_batch_size=32",
+        "grpo",
+        tmp_path / "run",
+        f"model.path={model}",
+        f"data.train_files=[{tmp_path}/task/train.parquet]",
+        "data.val_files=[]",
+        "trainer.val_every=0",
+        f"trainer.total_steps={STEPS}",
+        "trainer.save_every=0",
+        "data.batch_size=8",
+        "rollout.n=8",
+        "rollout.environment=tool",
+        "rollout.max_turns=2",
+        "rollout.max_new_tokens=32",
+        "rollout.max_response_tokens=96",
+        "actor.lr=5e-4",
+        "actor.mini_batch_size=64",
+        "actor.micro_batch_size=32",
+        "reference.micro_batch_size=32",
     )
     assert [record["step"] for record in records] == list(range(STEPS))
     rewards = [record["reward/mean"] for record in records]

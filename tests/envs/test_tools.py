@@ -93,12 +93,20 @@ def test_sandboxed_python_failures_become_error_observations(code, message):
 
 
 def test_tool_environment_runs_the_calls_of_a_turn():
-    environment = ToolEnvironment({"calculator": sandboxed_tool("calculator", **LIMITS), "echo": _tools(echo=lambda text: text)["echo"]})
-    row = {"prompt": [{"role": "user", "content": "12*34?"}], "extra_info": {"tools": [{"type": "function", "function": {"name": "calculator"}}]}}
+    environment = ToolEnvironment(
+        {"calculator": sandboxed_tool("calculator", **LIMITS), "echo": _tools(echo=lambda text: text)["echo"]}
+    )
+    row = {
+        "prompt": [{"role": "user", "content": "12*34?"}],
+        "extra_info": {"tools": [{"type": "function", "function": {"name": "calculator"}}]},
+    }
     assert environment.reset(row) == row["prompt"]
     assert set(environment.tools) == {"calculator"}  # the row's list, not every tool
-    result = environment.step(row["prompt"], '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
-                              '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>')
+    result = environment.step(
+        row["prompt"],
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+        '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>',
+    )
     assert not result.done and result.observations[0] == {"role": "tool", "content": "408"}
     assert result.observations[1]["content"].startswith("Error: unknown tool 'echo'")
     assert environment.metrics() == {"tool_calls": 2.0, "tool_errors": 1.0}
@@ -116,7 +124,10 @@ def test_rollout_config_keys_are_checked():
     for fields, message in [
         ({"max_turns": 2}, "max_turns=2: needs rollout.environment"),
         ({"environment": "search"}, "environment=search: must be null, tool, or path/to/file.py:name"),
-        ({"environment": "tool", "max_response_tokens": 4, "max_new_tokens": 8}, "max_response_tokens=4: must be null or at least"),
+        (
+            {"environment": "tool", "max_response_tokens": 4, "max_new_tokens": 8},
+            "max_response_tokens=4: must be null or at least",
+        ),
         ({"environment": "tool", "max_turns": 0}, "max_turns=0"),
     ]:
         with pytest.raises(ConfigError, match=message):

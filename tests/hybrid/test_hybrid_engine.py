@@ -17,8 +17,15 @@ from spmd_rlhf.tiny.model import make_tiny
 
 # (dp, tp, pp): tp_g for every tp_g dividing tp; with FSDP (dp > 1) and without; pp = 2 gathered into one model.
 LAYOUTS = [
-    "dp4tp1pp1:1", "dp2tp2pp1:1", "dp2tp2pp1:2", "dp1tp4pp1:1", "dp1tp4pp1:2", "dp1tp4pp1:4",
-    "dp2tp1pp2:1", "dp1tp2pp2:1", "dp1tp2pp2:2",
+    "dp4tp1pp1:1",
+    "dp2tp2pp1:1",
+    "dp2tp2pp1:2",
+    "dp1tp4pp1:1",
+    "dp1tp4pp1:2",
+    "dp1tp4pp1:4",
+    "dp2tp1pp2:1",
+    "dp1tp2pp2:1",
+    "dp1tp2pp2:2",
     "dp1tp2pp2:1r",  # a pool listed in descending order: stages are not in process-group rank order
 ]
 
@@ -36,8 +43,15 @@ def test_layout_groups():
 def generate_in_layouts(root, *, family: str, num_layers: int, layouts: list[str], nproc: int, timeout: int):
     """``hybrid_generation.py`` on a tiny policy of ``family`` in the one-rank layout and ``layouts``: its output
     directory and results."""
-    policy = make_tiny(family=family, out_dir=str(root / "policy"), hidden_size=32, num_heads=4, num_kv_heads=4,
-                       vocab_size=300, num_layers=num_layers)
+    policy = make_tiny(
+        family=family,
+        out_dir=str(root / "policy"),
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=4,
+        vocab_size=300,
+        num_layers=num_layers,
+    )
     out = root / "out"
     out.mkdir()
     finished = torchrun("hybrid_generation.py", policy, str(out), "dp1tp1pp1:1", *layouts, nproc=nproc, timeout=timeout)
@@ -47,8 +61,9 @@ def generate_in_layouts(root, *, family: str, num_layers: int, layouts: list[str
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    return generate_in_layouts(tmp_path_factory.mktemp("hybrid"), family="llama", num_layers=4, layouts=LAYOUTS,
-                               nproc=4, timeout=400)
+    return generate_in_layouts(
+        tmp_path_factory.mktemp("hybrid"), family="llama", num_layers=4, layouts=LAYOUTS, nproc=4, timeout=400
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -87,7 +102,9 @@ def test_loading_never_holds_the_full_model(run, layout):
     _, results = run
     for rank_result in results[layout]["measured"]:
         assert rank_result["loading_peak"] <= (
-            rank_result["training_bytes"] + 3 * rank_result["largest_tensor_bytes"] + rank_result["full_model_bytes"] // 100
+            rank_result["training_bytes"]
+            + 3 * rank_result["largest_tensor_bytes"]
+            + rank_result["full_model_bytes"] // 100
         ), rank_result
         if layout.startswith(("dp4", "dp2", "dp1tp4")):
             assert rank_result["loading_peak"] < rank_result["full_model_bytes"], rank_result
@@ -111,8 +128,14 @@ def test_generation_after_update_uses_new_weights(run, layout):
 @pytest.fixture(scope="module")
 def tied_run(tmp_path_factory):
     """A tied (qwen2) policy with one FSDP unit per layer, so its vocabulary streams over dp = 2, against one rank."""
-    return generate_in_layouts(tmp_path_factory.mktemp("hybrid_tied"), family="qwen2", num_layers=2,
-                               layouts=["dp2tp1pp1:1"], nproc=2, timeout=300)
+    return generate_in_layouts(
+        tmp_path_factory.mktemp("hybrid_tied"),
+        family="qwen2",
+        num_layers=2,
+        layouts=["dp2tp1pp1:1"],
+        nproc=2,
+        timeout=300,
+    )
 
 
 def test_a_streamed_tied_vocabulary_generates_as_one_rank_before_and_after_an_update(tied_run):

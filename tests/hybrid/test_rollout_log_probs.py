@@ -32,8 +32,15 @@ def bf16_bound(max_abs_logit: float) -> float:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_log_probs")
-    policy = make_tiny(family="llama", out_dir=str(root / "policy"), hidden_size=32, num_heads=4, num_kv_heads=4,
-                       vocab_size=300, num_layers=LAYERS)
+    policy = make_tiny(
+        family="llama",
+        out_dir=str(root / "policy"),
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=4,
+        vocab_size=300,
+        num_layers=LAYERS,
+    )
     finished = torchrun("rollout_log_probs.py", policy, str(root), nproc=4, timeout=400)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return json.loads((root / "results.json").read_text())

@@ -31,8 +31,14 @@ def test_parameters_travel_in_row_bands_no_larger_than_a_bucket():
     shapes = [("embed", (10, 4)), ("norm", (4,)), ("scalar", ()), ("wide", (2, 100))]
     bands = sync_bands(shapes, element_bytes=2, bucket_bytes=24)  # 3 rows of the embedding, 12 norm elements
     assert [(band.index, band.start, band.stop, band.numel) for band in bands] == [
-        (0, 0, 3, 12), (0, 3, 6, 12), (0, 6, 9, 12), (0, 9, 10, 4), (1, 0, 4, 4), (2, 0, 1, 1),
-        (3, 0, 1, 100), (3, 1, 2, 100),  # a row larger than a bucket is a band of its own
+        (0, 0, 3, 12),
+        (0, 3, 6, 12),
+        (0, 6, 9, 12),
+        (0, 9, 10, 4),
+        (1, 0, 4, 4),
+        (2, 0, 1, 1),
+        (3, 0, 1, 100),
+        (3, 1, 2, 100),  # a row larger than a bucket is a band of its own
     ]
     assert bucket_plan([band.numel * 2 for band in bands], bucket_bytes=24)[:3] == [[0], [1], [2]]
 
@@ -91,7 +97,9 @@ def test_a_rollout_of_another_model_fails_on_both_sides_naming_both(synced):
 
 def test_a_background_send_that_fails_or_hangs_is_raised_by_the_next_wait(monkeypatch):
     sender = BackgroundSender(torch.device("cpu"), timeout_s=0.2)
-    options = dict(rank=0, trainer_group=None, dtype=torch.bfloat16, bucket_bytes=BUCKET_BYTES, device=torch.device("cpu"))
+    options = dict(
+        rank=0, trainer_group=None, dtype=torch.bfloat16, bucket_bytes=BUCKET_BYTES, device=torch.device("cpu")
+    )
     sender.start({}, version=3, sides=None, **options)  # no sides: send_weights fails on its thread
     with pytest.raises(RuntimeError, match="background weight sync of policy version 3 failed: AttributeError"):
         sender.wait()

@@ -19,7 +19,11 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from spmd_rlhf.kernels.fused_logprob import MAX_BLOCK_VOCAB, fused_log_probs_and_entropy, reference_log_probs_and_entropy
+from spmd_rlhf.kernels.fused_logprob import (
+    MAX_BLOCK_VOCAB,
+    fused_log_probs_and_entropy,
+    reference_log_probs_and_entropy,
+)
 from spmd_rlhf.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
 from spmd_rlhf.kernels.triton_support import triton, triton_available
 
@@ -124,7 +128,11 @@ def check_log_probs_and_entropy(case: LogProbCase, dtype: torch.dtype, device: s
         "entropy": relative_error(entropy, expected_entropy),
         "grad": relative_error(grad, expected_grad),
     }
-    bounds = {"log_probs": FLOAT32_OUTPUT_TOLERANCE, "entropy": FLOAT32_OUTPUT_TOLERANCE, "grad": RELATIVE_TOLERANCE[dtype]}
+    bounds = {
+        "log_probs": FLOAT32_OUTPUT_TOLERANCE,
+        "entropy": FLOAT32_OUTPUT_TOLERANCE,
+        "grad": RELATIVE_TOLERANCE[dtype],
+    }
     for name, error in errors.items():
         assert error < bounds[name], f"{case} {dtype} seed {seed}: {name} relative error {error:.2e}"
     return errors

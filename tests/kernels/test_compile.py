@@ -7,8 +7,8 @@ types, dot operand dtypes and shapes); compiling ahead of time catches those on 
 from __future__ import annotations
 
 import pytest
-
 from kernel_checks import triton_version
+
 from spmd_rlhf.kernels import fused_logprob, paged_attention
 from spmd_rlhf.kernels.triton_support import INTERPRETING, triton
 
@@ -42,7 +42,11 @@ def test_paged_decode_kernel_compiles(dtype):
     pointers = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr")}
     pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32"}
     constexprs = dict(
-        GROUP=4, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_TOKENS=paged_attention.BLOCK_TOKENS,
+        GROUP=4,
+        GROUP_PAD=16,
+        HEAD_DIM=64,
+        HEAD_DIM_PAD=64,
+        BLOCK_TOKENS=paged_attention.BLOCK_TOKENS,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
     )
     _compile(paged_attention._paged_decode_kernel, pointers, constexprs, floats=("scale_log2",))
@@ -55,7 +59,10 @@ def test_log_prob_kernels_compile(dtype):
     forward = statistics | {"logits_ptr": f"*{dtype}", "labels_ptr": "*i64"}
     _compile(fused_logprob._forward_kernel, forward, constexprs, num_warps=8)
     backward = statistics | {
-        "grad_logits_ptr": f"*{dtype}", "logits_ptr": f"*{dtype}", "labels_ptr": "*i64",
-        "grad_log_probs_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
+        "grad_logits_ptr": f"*{dtype}",
+        "logits_ptr": f"*{dtype}",
+        "labels_ptr": "*i64",
+        "grad_log_probs_ptr": "*fp32",
+        "grad_entropy_ptr": "*fp32",
     }
     _compile(fused_logprob._backward_kernel, backward, constexprs, num_warps=8)

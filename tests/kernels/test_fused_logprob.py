@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import spmd_rlhf.models.logprob as logprob
 from kernel_checks import (
     LOG_PROB_INTERPRETER_CASES,
     RELATIVE_TOLERANCE,
@@ -17,6 +15,8 @@ from kernel_checks import (
     interpreter_unusable_reason,
     run_under_interpreter,
 )
+
+import spmd_rlhf.models.logprob as logprob
 from spmd_rlhf.kernels.fused_logprob import fused_log_probs_and_entropy, reference_log_probs_and_entropy
 from spmd_rlhf.kernels.triton_support import triton_available
 from spmd_rlhf.models import entropy_from_logits, log_probs_and_entropy_from_logits, log_probs_from_logits
@@ -74,7 +74,12 @@ def test_models_logprob_sends_full_vocabulary_logits_to_the_kernel_when_triton_a
     both = log_probs_and_entropy_from_logits(logits, labels, temperature=0.8)
     log_probs = log_probs_from_logits(logits, labels, temperature=0.8)
     entropy = entropy_from_logits(logits, temperature=0.8)
-    for actual, wanted in ((both[0], expected[0]), (both[1], expected[1]), (log_probs, expected[0]), (entropy, expected[1])):
+    for actual, wanted in (
+        (both[0], expected[0]),
+        (both[1], expected[1]),
+        (log_probs, expected[0]),
+        (entropy, expected[1]),
+    ):
         assert actual.shape == (2, 3)
         torch.testing.assert_close(actual, wanted, atol=1e-6, rtol=1e-6)
     flat_labels = labels.reshape(-1).tolist()

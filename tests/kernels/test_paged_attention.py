@@ -7,8 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-
-import spmd_rlhf.models.attention as attention
 from kernel_checks import (
     PAGED_INTERPRETER_CASES,
     PAGED_INTERPRETER_DTYPES,
@@ -18,6 +16,8 @@ from kernel_checks import (
     interpreter_unusable_reason,
     run_under_interpreter,
 )
+
+import spmd_rlhf.models.attention as attention
 from spmd_rlhf.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
 from spmd_rlhf.kernels.triton_support import triton_available
 from spmd_rlhf.models.attention import AttentionBatch, attend
@@ -44,7 +44,9 @@ def _decode_step(context_lens: list[int], *, num_layers: int = 2, device: str = 
     key_cache = torch.randn(cache_shape, device=device).to(dtype)
     value_cache = torch.randn(cache_shape, device=device).to(dtype)
     last = [length - 1 for length in context_lens]
-    slots = [table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE for table, position in zip(tables, last)]
+    slots = [
+        table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE for table, position in zip(tables, last)
+    ]
     num_seqs = len(context_lens)
     paged = PagedKV(
         key_cache=key_cache,
@@ -64,8 +66,14 @@ def _decode_step(context_lens: list[int], *, num_layers: int = 2, device: str = 
 
 def _attend(paged: PagedKV, q, k, v, backend: str, layer: int = 1) -> torch.Tensor:
     batch = AttentionBatch.build(
-        batch_size=1, seq_len=q.shape[1], attention_mask=None, cu_seqlens=None, backend=backend,
-        device=q.device, dtype=q.dtype, paged=paged,
+        batch_size=1,
+        seq_len=q.shape[1],
+        attention_mask=None,
+        cu_seqlens=None,
+        backend=backend,
+        device=q.device,
+        dtype=q.dtype,
+        paged=paged,
     )
     return attend(q, k, v, batch, scale=HEAD_DIM**-0.5, layer_index=layer)
 
@@ -95,7 +103,9 @@ def test_attend_sends_decode_steps_to_the_kernel_when_triton_applies(monkeypatch
 
     def recording_kernel(q, key_cache, value_cache, block_tables, context_lens, *, scale):
         calls.append((key_cache.data_ptr(), value_cache.data_ptr(), q.shape))
-        return paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend="torch")
+        return paged_decode_attention(
+            q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend="torch"
+        )
 
     paged, q, k, v = _decode_step([7, 2, 12])
     expected = _attend(paged, q, k, v, backend="torch")
@@ -134,8 +144,11 @@ def _inputs(**overrides):
         (dict(context_lens=torch.tensor([3], dtype=torch.int32)), "context_lens must be int32 \\[num_seqs=2\\]"),
         (dict(key_cache=torch.randn(5, 4, 2, 8).half()), "must share one of float16, bfloat16, float32"),
         (
-            dict(q=torch.randn(2, 4, 8).double(), key_cache=torch.randn(5, 4, 2, 8).double(),
-                 value_cache=torch.randn(5, 4, 2, 8).double()),
+            dict(
+                q=torch.randn(2, 4, 8).double(),
+                key_cache=torch.randn(5, 4, 2, 8).double(),
+                value_cache=torch.randn(5, 4, 2, 8).double(),
+            ),
             "must share one of float16, bfloat16, float32",
         ),
         (dict(context_lens=torch.tensor([3, 9], dtype=torch.int32, device="meta")), "all inputs must be on one device"),

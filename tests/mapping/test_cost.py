@@ -9,7 +9,14 @@ import math
 import pytest
 
 from spmd_rlhf.mapping.cost import (
-    OPS_PER_LAYER, Cluster, Layout, generation_seconds, head_output_bytes, pass_seconds, resident_bytes, working_bytes,
+    OPS_PER_LAYER,
+    Cluster,
+    Layout,
+    generation_seconds,
+    head_output_bytes,
+    pass_seconds,
+    resident_bytes,
+    working_bytes,
 )
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
 from spmd_rlhf.mapping.workload import NAMED_SHAPES, Batch, dataflow
@@ -37,7 +44,9 @@ def test_training_costs_about_three_forward_passes_when_compute_bound():
     forward = pass_seconds(ACTOR, layout, cluster, BATCH, train=False)
     train = pass_seconds(ACTOR, layout, cluster, BATCH, train=True)
     assert 2.9 < train / forward < 3.3
-    checkpointed = pass_seconds(ACTOR, layout, cluster, dataclasses.replace(BATCH, activation_checkpointing=True), train=True)
+    checkpointed = pass_seconds(
+        ACTOR, layout, cluster, dataclasses.replace(BATCH, activation_checkpointing=True), train=True
+    )
     assert checkpointed / forward == pytest.approx(train / forward * 4 / 3, rel=0.05)
 
 

@@ -7,11 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchrun_helpers import run_recipe
+
 from spmd_rlhf.config import load_config
 from spmd_rlhf.mapping.placement import apply_mapping, config_dataflow, plan_config
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
 from spmd_rlhf.runtime.placement import resolve_placement, role_pools
-from torchrun_helpers import run_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -53,8 +54,26 @@ def test_resolve_placement_leaves_other_placements_alone(tiny_model_dir):
 
 
 def test_plan_command_prints_the_mapping_and_runners_up():
-    command = [sys.executable, "-m", "spmd_rlhf.cli", "plan", "--algo", "ppo", "--actor", "7b", "--critic", "13b",
-               "--reward", "13b", "--gpus", "64", "--gpus-per-node", "8", "--runners-up", "3"]
+    command = [
+        sys.executable,
+        "-m",
+        "spmd_rlhf.cli",
+        "plan",
+        "--algo",
+        "ppo",
+        "--actor",
+        "7b",
+        "--critic",
+        "13b",
+        "--reward",
+        "13b",
+        "--gpus",
+        "64",
+        "--gpus-per-node",
+        "8",
+        "--runners-up",
+        "3",
+    ]
     shown = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
@@ -62,7 +81,7 @@ def test_plan_command_prints_the_mapping_and_runners_up():
     for role in ("actor", "critic", "reference", "reward"):
         assert any(line.startswith(role + " ") and "pp=" in line for line in lines), role
     assert any(line.startswith("estimated step:") for line in lines)
-    runners = lines[lines.index("# runners-up") + 1:]
+    runners = lines[lines.index("# runners-up") + 1 :]
     assert len([line for line in runners if " s  [" in line]) == 3
     wrong = subprocess.run([*command[:4], "--algo", "dpo", "--gpus", "8"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "algorithm 'dpo': must be one of" in wrong.stderr
@@ -72,8 +91,14 @@ def test_a_recipe_runs_on_the_mappers_placement(tmp_path, monkeypatch):
     # No saved profile: the coordinator calibrates this machine inside the torchrun job, then plans.
     monkeypatch.setenv("SPMD_RLHF_PROFILE", str(tmp_path / "no_profile.json"))
     records = run_recipe(
-        "ppo", tmp_path, "placement=auto", "mapping.profile=auto", "trainer.total_steps=2", "trainer.val_every=0",
-        "actor.micro_batch_size=16", "critic.micro_batch_size=16",
+        "ppo",
+        tmp_path,
+        "placement=auto",
+        "mapping.profile=auto",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "actor.micro_batch_size=16",
+        "critic.micro_batch_size=16",
     )
     assert len(records) == 2 and all(record["actor/loss"] == record["actor/loss"] for record in records)
     assert {"time/update_actor", "time/update_critic", "time/values", "time/ref_log_probs"} <= set(records[-1])

@@ -30,8 +30,16 @@ def test_missing_profiles_and_bad_numbers_say_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="spmd-rlhf calibrate"):
         load_profile(tmp_path / "none.json")
     with pytest.raises(ValueError, match="peak_flops=0 must be > 0"):
-        DeviceProfile(name="x", peak_flops=0, memory_bandwidth=1, intra_node_bandwidth=1, inter_node_bandwidth=1,
-                      device_memory=1, collective_latency=0, op_latency=0)
+        DeviceProfile(
+            name="x",
+            peak_flops=0,
+            memory_bandwidth=1,
+            intra_node_bandwidth=1,
+            inter_node_bandwidth=1,
+            device_memory=1,
+            collective_latency=0,
+            op_latency=0,
+        )
 
 
 def test_calibrate_measures_this_machine():

@@ -17,7 +17,13 @@ BATCH = Batch(prompts=512, prompt_length=512, response_length=512, micro_batch_s
 
 
 def ppo(actor: str = "7b", critic: str = "7b"):
-    return dataflow("ppo", actor=NAMED_SHAPES[actor], critic=NAMED_SHAPES[critic], reference=NAMED_SHAPES[actor], reward=NAMED_SHAPES[critic])
+    return dataflow(
+        "ppo",
+        actor=NAMED_SHAPES[actor],
+        critic=NAMED_SHAPES[critic],
+        reference=NAMED_SHAPES[actor],
+        reward=NAMED_SHAPES[critic],
+    )
 
 
 @pytest.mark.parametrize(("count", "bell"), [(1, 1), (2, 2), (3, 5), (4, 15), (5, 52)])
@@ -47,7 +53,10 @@ def test_layouts_are_ones_the_framework_runs():
     assert all(layout.tp % layout.tp_g == 0 for layout in layouts)
     assert all(BATCH.mini_batch_size % (BATCH.micro_batch_size * layout.dp) == 0 for layout in layouts)
     reference = ppo()[2]  # 7b: untied, 32 heads
-    assert {layout.dp for layout in candidate_layouts(reference, 6, Cluster(6, 8, H100), BATCH)} == {1, 2}  # 3, 6 ∤ 512 rows
+    assert {layout.dp for layout in candidate_layouts(reference, 6, Cluster(6, 8, H100), BATCH)} == {
+        1,
+        2,
+    }  # 3, 6 ∤ 512 rows
     untied = ppo()[1]  # the 7b critic: 32 heads, pipeline allowed
     pipelined = [layout for layout in candidate_layouts(untied, 64, Cluster(64, 8, H100), BATCH) if layout.pp > 1]
     assert pipelined and all(layout.tp <= 8 for layout in pipelined)
@@ -103,5 +112,7 @@ def test_cpu_ranks_sharing_cores_slow_each_other_down():
     assert crowded.evaluate(everything, (16,)).seconds == pytest.approx(2 * alone.evaluate(everything, (16,)).seconds)
     split = (("actor", "reference"), ("critic", "reward"))
     free, busy = alone.evaluate(split, (8, 8)), crowded.evaluate(split, (8, 8))
-    assert busy.stage_seconds["generation"] == pytest.approx(free.stage_seconds["generation"])  # only the actor's 8 ranks
+    assert busy.stage_seconds["generation"] == pytest.approx(
+        free.stage_seconds["generation"]
+    )  # only the actor's 8 ranks
     assert busy.stage_seconds["training"] == pytest.approx(2 * free.stage_seconds["training"])  # all 16 ranks

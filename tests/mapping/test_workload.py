@@ -50,7 +50,10 @@ def test_dataflows_follow_the_recipes():
     assert [role.name for role in grpo] == ["actor", "reference"]
     remax = dataflow("remax", actor=shape, reference=shape)
     assert remax[0].work["generation"] == ("generate", "greedy")
-    safe = [role.name for role in dataflow("safe_rlhf", actor=shape, critic=shape, reference=shape, reward=shape, cost=shape)]
+    safe = [
+        role.name
+        for role in dataflow("safe_rlhf", actor=shape, critic=shape, reference=shape, reward=shape, cost=shape)
+    ]
     assert safe == ["actor", "critic", "reference", "reward", "cost", "cost_critic"]
     with pytest.raises(ValueError, match="trains a critic"):
         dataflow("ppo", actor=shape)

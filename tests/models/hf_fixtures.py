@@ -7,12 +7,22 @@ import torch
 FAMILIES = {
     # Llama 3: GQA, llama3 rope scaling that actually bends frequencies at these lengths, untied.
     "llama3": dict(
-        model_type="llama", num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16},
+        model_type="llama",
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     ),
     # Llama 2 shape: multi-head (no GQA), biases everywhere to exercise attention_bias / mlp_bias.
-    "llama2_bias": dict(model_type="llama", num_key_value_heads=4, attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5),
+    "llama2_bias": dict(
+        model_type="llama", num_key_value_heads=4, attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5
+    ),
     # Qwen2.5-0.5B shape: q/k/v bias, tied embeddings, MQA.
     "qwen2_tied": dict(model_type="qwen2", num_key_value_heads=1, tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen2_untied": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False),
@@ -30,8 +40,16 @@ def hf_config(name: str, **overrides):
     settings = dict(FAMILIES[name])
     model_type = settings.pop("model_type")
     base = dict(
-        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64, rms_norm_eps=1e-6, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2,
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return AutoConfig.for_model(model_type, **{**base, **settings, **overrides})
 
@@ -51,7 +69,11 @@ def write_hf_model(name: str, out_dir: str, *, kind: str = "lm", seed: int = 0, 
     torch.manual_seed(seed)
     config = hf_config(name, **overrides)
     config._attn_implementation = "eager"
-    factory = {"lm": AutoModelForCausalLM, "score": AutoModelForSequenceClassification, "value": AutoModelForTokenClassification}[kind]
+    factory = {
+        "lm": AutoModelForCausalLM,
+        "score": AutoModelForSequenceClassification,
+        "value": AutoModelForTokenClassification,
+    }[kind]
     if kind != "lm":
         config.num_labels = 1
     model = factory.from_config(config, attn_implementation="eager")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from hf_fixtures import hf_config, write_hf_model
+
 from spmd_rlhf.models import ModelConfigError, args_from_hf_config, read_decoder_args
 from spmd_rlhf.models.rope import rope_inverse_frequencies
 
@@ -61,7 +61,10 @@ def test_mistral_window_covering_every_position_is_full_attention():
 
 
 def test_family_flags():
-    assert args_from_hf_config(hf_config("qwen2_tied")).qkv_bias and not args_from_hf_config(hf_config("qwen2_tied")).o_bias
+    assert (
+        args_from_hf_config(hf_config("qwen2_tied")).qkv_bias
+        and not args_from_hf_config(hf_config("qwen2_tied")).o_bias
+    )
     assert args_from_hf_config(hf_config("qwen3")).qk_norm and args_from_hf_config(hf_config("qwen3")).head_dim == 24
     llama2 = args_from_hf_config(hf_config("llama2_bias"))
     assert llama2.qkv_bias and llama2.o_bias and llama2.mlp_bias

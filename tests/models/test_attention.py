@@ -18,8 +18,15 @@ from spmd_rlhf.models.paged_kv import PagedKV
 
 
 def _batch(backend: str, *, batch_size: int, seq_len: int, attention_mask=None, cu_seqlens=None) -> AttentionBatch:
-    return AttentionBatch.build(batch_size=batch_size, seq_len=seq_len, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
-                                backend=backend, device=torch.device("cpu"), dtype=torch.float32)
+    return AttentionBatch.build(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        attention_mask=attention_mask,
+        cu_seqlens=cu_seqlens,
+        backend=backend,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
 
 
 @pytest.mark.parametrize("layout", ["causal", "padded", "packed"])
@@ -28,8 +35,11 @@ def test_torch_and_sdpa_backends_agree_with_gqa(layout):
     batch_size = 1 if layout == "packed" else 3
     q = torch.randn(batch_size, 10, 6, 8, generator=generator)
     k, v = (torch.randn(batch_size, 10, 2, 8, generator=generator) for _ in range(2))
-    masks = {"causal": {}, "padded": {"attention_mask": torch.tensor([[1] * 10, [0] * 4 + [1] * 6, [1] * 7 + [0] * 3])},
-             "packed": {"cu_seqlens": torch.tensor([0, 3, 10])}}
+    masks = {
+        "causal": {},
+        "padded": {"attention_mask": torch.tensor([[1] * 10, [0] * 4 + [1] * 6, [1] * 7 + [0] * 3])},
+        "packed": {"cu_seqlens": torch.tensor([0, 3, 10])},
+    }
     outputs = {
         backend: attend(q, k, v, _batch(backend, batch_size=batch_size, seq_len=10, **masks[layout]), scale=8**-0.5)
         for backend in ("torch", "sdpa")
@@ -86,14 +96,21 @@ def test_the_default_block_size_under_flash_takes_its_paged_kernel(monkeypatch):
     assert default_kv_block_size("flash") % FLASH_PAGED_BLOCK_MULTIPLE == 0
     assert default_kv_block_size("sdpa") == default_kv_block_size("torch") == DEFAULT_KV_BLOCK_SIZE
     taken = []
-    monkeypatch.setattr(attention, "_flash_paged_attention", lambda q, paged, layer_index, scale: taken.append(paged.block_size) or q)
+    monkeypatch.setattr(
+        attention, "_flash_paged_attention", lambda q, paged, layer_index, scale: taken.append(paged.block_size) or q
+    )
     q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8)
     for block_size in (default_kv_block_size("flash"), DEFAULT_KV_BLOCK_SIZE):
         cache = torch.zeros(1, 2, block_size, 2, 8)
         paged = PagedKV(
-            key_cache=cache, value_cache=cache.clone(), slot_mapping=torch.tensor([0]),
-            block_tables=torch.tensor([[0]], dtype=torch.int32), context_lens=torch.tensor([1], dtype=torch.int32),
-            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1, max_context_len=1,
+            key_cache=cache,
+            value_cache=cache.clone(),
+            slot_mapping=torch.tensor([0]),
+            block_tables=torch.tensor([[0]], dtype=torch.int32),
+            context_lens=torch.tensor([1], dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+            max_seqlen_q=1,
+            max_context_len=1,
         )
         out = attend(q, k, v, AttentionBatch(max_seqlen=1, backend="flash", paged=paged), scale=8**-0.5, layer_index=0)
         assert out.shape == q.shape

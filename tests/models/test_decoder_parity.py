@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import FAMILIES, padded_batch, write_hf_model
+
 from spmd_rlhf.models import load_model
 
 
@@ -36,7 +36,9 @@ def test_logits_match_transformers_bf16(family_checkpoint):
     input_ids, attention_mask, position_ids = padded_batch(batch=2, seq=12, side="left")
     with torch.no_grad():
         expected = hf_bf16(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        ours = load_model(path, dtype=torch.bfloat16, attention_backend="torch")(input_ids, attention_mask=attention_mask)
+        ours = load_model(path, dtype=torch.bfloat16, attention_backend="torch")(
+            input_ids, attention_mask=attention_mask
+        )
     real = attention_mask.bool()
     assert ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours[real].float(), expected[real].float(), atol=2e-2, rtol=2e-2)
@@ -74,7 +76,9 @@ def test_score_head_packed_reads_each_sequence_last_token(tmp_path):
     first, second = torch.arange(3, 10), torch.arange(20, 24)
     with torch.no_grad():
         packed = model(torch.cat([first, second])[None], cu_seqlens=torch.tensor([0, 7, 11]))
-        by_positions = model(torch.cat([first, second])[None], position_ids=torch.cat([torch.arange(7), torch.arange(4)])[None])
+        by_positions = model(
+            torch.cat([first, second])[None], position_ids=torch.cat([torch.arange(7), torch.arange(4)])[None]
+        )
         separate = torch.cat([model(first[None]), model(second[None])])
     torch.testing.assert_close(packed, separate, atol=1e-5, rtol=0)
     torch.testing.assert_close(by_positions, packed, atol=0, rtol=0)

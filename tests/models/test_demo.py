@@ -21,7 +21,9 @@ def test_greedy_continue_matches_transformers_generate(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
     input_ids = torch.tensor([tokenizer.encode("<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n")])
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
-    expected = reference.generate(input_ids, max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)[0, input_ids.shape[1] :]
+    expected = reference.generate(input_ids, max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)[
+        0, input_ids.shape[1] :
+    ]
     ours = greedy_continue(load_model(str(tmp_path)), input_ids, max_new_tokens=6, eos_token_id=None)
     assert ours == expected.tolist()
 
@@ -29,9 +31,17 @@ def test_greedy_continue_matches_transformers_generate(tmp_path):
 def test_forward_cli_runs_on_a_tiny_model(tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC}
     model_dir = str(tmp_path / "model")
-    subprocess.run([sys.executable, "-m", "spmd_rlhf.cli", "make-tiny", "--family", "qwen2", "--out", model_dir], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "spmd_rlhf.cli", "make-tiny", "--family", "qwen2", "--out", model_dir],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     result = subprocess.run(
         [sys.executable, "-m", "spmd_rlhf.cli", "forward", "--model", model_dir, "--prompt", "3+4="],
-        env=env, capture_output=True, text=True, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "greedy reply:" in result.stdout and "model: qwen2" in result.stdout

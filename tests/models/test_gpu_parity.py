@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import padded_batch, write_hf_model
+
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.attention import flash_attn_available
 

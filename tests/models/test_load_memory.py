@@ -43,14 +43,21 @@ def test_load_peak_is_close_to_model_size(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, tie_word_embeddings=False,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
     peaks = {}
     for mode in ("ours", "state_dict"):
-        result = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), mode], capture_output=True, text=True, check=True)
+        result = subprocess.run(
+            [sys.executable, "-c", _SCRIPT, str(tmp_path), mode], capture_output=True, text=True, check=True
+        )
         peaks[mode], model_bytes = map(int, result.stdout.split())
     largest_tensor = 32000 * 512 * 4
     assert model_bytes > 200 * 2**20
@@ -58,4 +65,6 @@ def test_load_peak_is_close_to_model_size(tmp_path):
     assert peaks["state_dict"] > 1.8 * model_bytes
     peak = peaks["ours"]
     # Materialised model + one tensor in flight (+ allocator slack); a load through a full state dict would be ~2x.
-    assert peak < model_bytes + 2 * largest_tensor + 32 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {model_bytes / 2**20:.0f} MiB model"
+    assert peak < model_bytes + 2 * largest_tensor + 32 * 2**20, (
+        f"peak {peak / 2**20:.0f} MiB for a {model_bytes / 2**20:.0f} MiB model"
+    )

@@ -121,4 +121,6 @@ def test_peak_memory_stays_well_below_a_float32_softmax():
     # The naive path really does allocate the full float32 table (so this measurement can fail) ...
     assert naive >= full_float32
     # ... and the chunked path stays within a fraction of it.
-    assert chunked < full_float32 // 2, f"chunked peak {chunked / 2**20:.0f} MiB vs full float32 {full_float32 / 2**20:.0f} MiB"
+    assert chunked < full_float32 // 2, (
+        f"chunked peak {chunked / 2**20:.0f} MiB vs full float32 {full_float32 / 2**20:.0f} MiB"
+    )

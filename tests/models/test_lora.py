@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_fixtures import FAMILIES, padded_batch, write_hf_model
+
 from spmd_rlhf.config_schema import LORA_TARGETS, ConfigError, LoRAConfig
 from spmd_rlhf.models.lora import LoRAAdapters, is_adapter, layer_splits, merged_weight, write_peft_adapter
 from spmd_rlhf.models.parallelize import parallelize
@@ -74,7 +74,9 @@ def test_peft_adapter_is_a_starting_point_and_merges_like_peft(tmp_path):
 
     path = str(tmp_path / "base")
     hf_model = write_hf_model("qwen2_untied", path)
-    peft_model = get_peft_model(hf_model, PeftLoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    peft_model = get_peft_model(
+        hf_model, PeftLoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    )
     peft_model.save_pretrained(str(tmp_path / "adapter"))
     config = LoRAConfig(rank=4, alpha=16.0, adapter_path=str(tmp_path / "adapter"))
     model, adapters = lora_model(path, config)
@@ -98,7 +100,9 @@ def test_mismatched_peft_adapter_names_the_key(tmp_path):
     from peft import get_peft_model
 
     path = str(tmp_path / "base")
-    get_peft_model(write_hf_model("llama3", path), PeftLoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "adapter"))
+    get_peft_model(write_hf_model("llama3", path), PeftLoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        str(tmp_path / "adapter")
+    )
     with pytest.raises(ValueError, match="set lora.rank"):
         lora_model(path, LoRAConfig(rank=4, target_modules=["q_proj"], adapter_path=str(tmp_path / "adapter")))
 
@@ -166,8 +170,11 @@ def test_a_critic_adapter_with_its_head_loads_in_peft(tmp_path):
     write_peft_adapter(str(tmp_path / "adapter"), trained, adapters.peft_config(path, head="value"))
     input_ids, attention_mask, position_ids = padded_batch(batch=2, seq=9, side="left")
     with torch.no_grad():
-        expected = PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[..., 0]
+        expected = (
+            PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter"))
+            .eval()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            .logits[..., 0]
+        )
         ours = model.eval()(input_ids, attention_mask=attention_mask)
     real = attention_mask.bool()
     assert (ours[real] - expected[real]).abs().max().item() <= 1e-5
@@ -179,8 +186,13 @@ def test_adapter_gradients_are_the_same_under_activation_checkpointing(tmp_path)
     gradients = []
     for checkpointing in (False, True):
         model = build_model(path, attention_backend="torch")
-        adapters = parallelize(model, tp_mesh=None, dp_mesh=None, activation_checkpointing=checkpointing,
-                               lora=LoRAConfig(rank=2, dropout=0.1))
+        adapters = parallelize(
+            model,
+            tp_mesh=None,
+            dp_mesh=None,
+            activation_checkpointing=checkpointing,
+            lora=LoRAConfig(rank=2, dropout=0.1),
+        )
         load_weights(model, path, device="cpu")
         adapters.initialize(model, seed=0)
         randomize_adapters(model)

@@ -56,15 +56,24 @@ def test_paged_step_matches_causal_attention_with_a_prefix_written_in_the_same_s
         max_seqlen_q=10,
         max_context_len=11,
     )
-    batch = AttentionBatch.build(batch_size=1, seq_len=14, attention_mask=None, cu_seqlens=None, backend=backend,
-                                 device=torch.device("cpu"), dtype=torch.float32, paged=paged)
+    batch = AttentionBatch.build(
+        batch_size=1,
+        seq_len=14,
+        attention_mask=None,
+        cu_seqlens=None,
+        backend=backend,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        paged=paged,
+    )
     q = torch.cat([queries[name] for name in "abc"])[None]
     k = torch.cat([a_k, b_k[8:], c_k[5:]])[None]
     v = torch.cat([a_v, b_v[8:], c_v[5:]])[None]
     out = attend(q, k, v, batch, scale=SCALE, layer_index=layer)[0]
 
-    expected = torch.cat([_reference(queries["a"], a_k, a_v), _reference(queries["b"], b_k, b_v),
-                          _reference(queries["c"], c_k, c_v)])
+    expected = torch.cat(
+        [_reference(queries["a"], a_k, a_v), _reference(queries["b"], b_k, b_v), _reference(queries["c"], c_k, c_v)]
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert not key_cache[0].any() and not value_cache[0].any(), "only the given layer's cache is written"
     torch.testing.assert_close(key_cache[layer].view(-1, KV_HEADS, HEAD_DIM)[_slots(tables["b"], range(11))], b_k)
@@ -72,10 +81,24 @@ def test_paged_step_matches_causal_attention_with_a_prefix_written_in_the_same_s
 
 def test_paged_batch_needs_one_row_of_new_tokens_and_a_layer_index():
     cache = torch.zeros(1, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    paged = PagedKV(key_cache=cache, value_cache=cache.clone(), slot_mapping=torch.tensor([0, 1]),
-                    block_tables=torch.tensor([[0]], dtype=torch.int32), context_lens=torch.tensor([2], dtype=torch.int32),
-                    cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32), max_seqlen_q=2, max_context_len=2)
-    build = dict(attention_mask=None, cu_seqlens=None, backend="sdpa", device=torch.device("cpu"), dtype=torch.float32, paged=paged)
+    paged = PagedKV(
+        key_cache=cache,
+        value_cache=cache.clone(),
+        slot_mapping=torch.tensor([0, 1]),
+        block_tables=torch.tensor([[0]], dtype=torch.int32),
+        context_lens=torch.tensor([2], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32),
+        max_seqlen_q=2,
+        max_context_len=2,
+    )
+    build = dict(
+        attention_mask=None,
+        cu_seqlens=None,
+        backend="sdpa",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        paged=paged,
+    )
     with pytest.raises(ValueError, match="packs its 2 new tokens in one row"):
         AttentionBatch.build(batch_size=2, seq_len=1, **build)
     batch = AttentionBatch.build(batch_size=1, seq_len=2, **build)

@@ -18,9 +18,23 @@ from spmd_rlhf.models.parallelize import fsdp_units, group_layers, parallelize
 
 def tiny_args() -> DecoderArgs:
     return DecoderArgs(
-        family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
-        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
     )
 
 
@@ -91,7 +105,9 @@ def _tied_gradients_under_fsdp(rank: int, port: int, results) -> None:
     grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
     results.update(
         sparse=sharded.model.embed_tokens.sparse and not plain.model.embed_tokens.sparse,
-        equal=all(torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()),
+        equal=all(
+            torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()
+        ),
         names=sorted(grads) == sorted(name for name, _ in plain.named_parameters()),
     )
     dist.destroy_process_group()

@@ -37,8 +37,14 @@ one rank's shard (~19 MB) would not fit, nor would the model in bfloat16 (~78 MB
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("save_memory")
     model_dir = make_tiny(
-        family="llama", out_dir=str(root / "model"), hidden_size=512, intermediate_size=1536, num_layers=12,
-        num_heads=8, num_kv_heads=4, model_vocab_size=1024,
+        family="llama",
+        out_dir=str(root / "model"),
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=12,
+        num_heads=8,
+        num_kv_heads=4,
+        model_vocab_size=1024,
     )
     out = root / "out"
     out.mkdir()
@@ -86,7 +92,10 @@ def test_saved_and_exported_directories_load_in_transformers(run):
 
     model_dir, out, _ = run
     source = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    for directory, dtype in [*((out / layout, torch.bfloat16) for layout in LAYOUTS), (out / "export" / "actor", torch.float32)]:
+    for directory, dtype in [
+        *((out / layout, torch.bfloat16) for layout in LAYOUTS),
+        (out / "export" / "actor", torch.float32),
+    ]:
         loaded = AutoModelForCausalLM.from_pretrained(str(directory))
         assert loaded.dtype == dtype, directory
         weights = loaded.state_dict()

@@ -33,8 +33,14 @@ arenas. A copy of the model in bfloat16 (~40 MB) or of one rank's float32 shard 
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded_io")
     model_dir = make_tiny(
-        family="llama", out_dir=str(root / "model"), hidden_size=512, intermediate_size=1024, num_layers=8,
-        num_heads=8, num_kv_heads=4, model_vocab_size=1030,
+        family="llama",
+        out_dir=str(root / "model"),
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        model_vocab_size=1030,
     )
     out = root / "out"
     out.mkdir()
@@ -89,7 +95,11 @@ def test_saved_directory_loads_in_transformers(run, layout):
     model_dir, out = run
     files = sorted(path.name for path in (out / layout).glob("model*"))
     if layout.endswith("pp2"):  # each stage's writer wrote its own file
-        assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+        assert files == [
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+        ]
     else:
         assert files == ["model.safetensors"]
     source = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()

@@ -8,16 +8,14 @@ from __future__ import annotations
 import dataclasses
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
-import pytest
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from spmd_rlhf.models import DecoderLM
-from spmd_rlhf.models import streamed_vocabulary
+from spmd_rlhf.models import DecoderLM, streamed_vocabulary
 from spmd_rlhf.models.parallelize import parallelize
-
 from tests.models.test_parallelize import tiny_args
 
 RANKS = 3
@@ -54,7 +52,9 @@ def _compare(rank: int, port: int, rows_per_step: int, tied: bool, results) -> N
     grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
     results[rank] = dict(
         logits=logits_equal,
-        grads=all(torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()),
+        grads=all(
+            torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()
+        ),
         tied=(weights[0] is weights[1]) == tied,
         shard=all(
             isinstance(weight, DTensor) and weight.to_local().shape[0] == (20 if rank == RANKS - 1 else 22)

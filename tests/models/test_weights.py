@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
+from hf_fixtures import padded_batch, write_hf_model
 from safetensors.torch import load_file, save_file
 
-from hf_fixtures import padded_batch, write_hf_model
 from spmd_rlhf.models import CheckpointMismatchError, load_model, save_pretrained
 
 
@@ -47,7 +47,9 @@ def test_tied_checkpoint_is_saved_without_lm_head_copy(tmp_path):
     assert "lm_head.weight" not in load_file(str(tmp_path / "out" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("head,architecture", [("score", "ForSequenceClassification"), ("value", "ForTokenClassification")])
+@pytest.mark.parametrize(
+    "head,architecture", [("score", "ForSequenceClassification"), ("value", "ForTokenClassification")]
+)
 def test_score_and_value_heads_save_as_transformers_classifiers(tmp_path, head, architecture):
     import transformers
 
@@ -56,17 +58,23 @@ def test_score_and_value_heads_save_as_transformers_classifiers(tmp_path, head, 
     save_pretrained(ours, str(tmp_path / "out"))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["Llama" + architecture] and len(config["id2label"]) == 1
-    reloaded = getattr(transformers, "Llama" + architecture).from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+    reloaded = (
+        getattr(transformers, "Llama" + architecture)
+        .from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
+        .eval()
+    )
     batch = padded_batch(batch=2, seq=8, side="right")
     torch.testing.assert_close(_logits(reloaded, *batch), _logits(hf_model, *batch), atol=1e-6, rtol=0)
 
 
 def test_tokenizer_is_saved_alongside(tmp_path):
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     write_hf_model("mistral", str(tmp_path / "src"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    )
     save_pretrained(load_model(str(tmp_path / "src")), str(tmp_path / "out"), tokenizer=tokenizer)
     assert (tmp_path / "out" / "tokenizer.json").is_file()
 

@@ -54,8 +54,14 @@ def test_safe_rlhf_meets_the_cost_limit_while_the_reward_rises(assets):
 
 def test_reinforce_pp_dynamic_sampling_and_overlong_shaping_run(assets):
     records = run_recipe(
-        "grpo", assets / "dapo", "algorithm.name=reinforce_pp_baseline", "algorithm.dynamic_sampling=true",
-        "algorithm.overlong_buffer=2", "algorithm.clip_ratio_high=0.28", "trainer.total_steps=4", "trainer.val_every=0",
+        "grpo",
+        assets / "dapo",
+        "algorithm.name=reinforce_pp_baseline",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.overlong_buffer=2",
+        "algorithm.clip_ratio_high=0.28",
+        "trainer.total_steps=4",
+        "trainer.val_every=0",
     )
     for record in records:
         # A first round where every prompt had signal fills the batch at once; otherwise more rounds were run.
@@ -65,14 +71,20 @@ def test_reinforce_pp_dynamic_sampling_and_overlong_shaping_run(assets):
             assert record["sampling/rounds"] in (2.0, 3.0)
         assert record["reward/overlong_penalty"] < 0  # 4-token responses sit inside the 2-token buffer
         assert record["actor/loss"] == record["actor/loss"]  # finite, not NaN
-    records = run_recipe("grpo", assets / "gspo", "algorithm.policy_loss=gspo", "trainer.total_steps=2", "trainer.val_every=0")
+    records = run_recipe(
+        "grpo", assets / "gspo", "algorithm.policy_loss=gspo", "trainer.total_steps=2", "trainer.val_every=0"
+    )
     assert len(records) == 2
 
 
 def changed_lines(first, second) -> int:
     """Lines added or removed going from one step method to the other."""
     a, b = (inspect.getsource(method).splitlines() for method in (first, second))
-    return sum(1 for line in difflib.unified_diff(a, b, lineterm="", n=0) if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+    return sum(
+        1
+        for line in difflib.unified_diff(a, b, lineterm="", n=0)
+        if line[:1] in "+-" and line[:3] not in ("+++", "---")
+    )
 
 
 def test_controller_loops_differ_in_a_few_lines():

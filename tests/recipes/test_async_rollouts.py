@@ -28,17 +28,20 @@ def test_every_batch_is_within_the_bound_and_issued_at_its_own_version(max_stale
         assert [generation_version(b, 0, start) for b in range(start, start + 5)] == list(range(start, start + 5))
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["algorithm.max_staleness=1"], "set rollout.enabled=true"),
-    ([*ASYNC, "algorithm.max_staleness=1"], "set rollout.recompute_log_probs=true"),
-    (["rollout.enabled=true"], "use placement=split"),
-    (["rollout.background_sync=true"], "needs rollout.enabled=true"),
-    ([*ASYNC, "algorithm.dynamic_sampling=true"], "set it false with rollout.enabled=true"),
-    ([*ASYNC, "algorithm.off_policy_correction=clip"], "algorithm.off_policy_correction"),
-    ([*ASYNC, "algorithm.importance_cap=1.0"], "must be > 1"),
-    ([*ASYNC, "actor.lora.rank=4", "reference.enabled=false"], "not LoRA adapters merged into them"),
-    (["algorithm.name=remax", "rollout.n=1", "critic.enabled=false", *ASYNC], "never calls the rollout"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.max_staleness=1"], "set rollout.enabled=true"),
+        ([*ASYNC, "algorithm.max_staleness=1"], "set rollout.recompute_log_probs=true"),
+        (["rollout.enabled=true"], "use placement=split"),
+        (["rollout.background_sync=true"], "needs rollout.enabled=true"),
+        ([*ASYNC, "algorithm.dynamic_sampling=true"], "set it false with rollout.enabled=true"),
+        ([*ASYNC, "algorithm.off_policy_correction=clip"], "algorithm.off_policy_correction"),
+        ([*ASYNC, "algorithm.importance_cap=1.0"], "must be > 1"),
+        ([*ASYNC, "actor.lora.rank=4", "reference.enabled=false"], "not LoRA adapters merged into them"),
+        (["algorithm.name=remax", "rollout.n=1", "critic.enabled=false", *ASYNC], "never calls the rollout"),
+    ],
+)
 def test_asynchronous_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(GRPO, overrides)
@@ -57,8 +60,9 @@ def test_split_places_the_rollout_beside_the_scorers():
 def test_a_checkpoint_in_flight_for_another_staleness_is_refused_naming_the_key():
     from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
 
-    pipeline = RolloutPipeline(actor=None, rollout=None, reward=None, loader=None, max_staleness=1, total_steps=10,
-                               start=4, timeout_s=1.0)
+    pipeline = RolloutPipeline(
+        actor=None, rollout=None, reward=None, loader=None, max_staleness=1, total_steps=10, start=4, timeout_s=1.0
+    )
     with pytest.raises(ValueError, match="resume it with that value"):
         pipeline.restore("out/step_4", {"max_staleness": 2, "pending": {"4": 2, "5": 3}})
 
@@ -66,8 +70,17 @@ def test_a_checkpoint_in_flight_for_another_staleness_is_refused_naming_the_key(
 def test_a_checkpoint_in_flight_for_another_partial_rollouts_mode_is_refused_naming_the_key():
     from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
 
-    pipeline = RolloutPipeline(actor=None, rollout=None, reward=None, loader=None, max_staleness=2, total_steps=10,
-                               start=4, timeout_s=1.0, partial_rollouts="drop")
+    pipeline = RolloutPipeline(
+        actor=None,
+        rollout=None,
+        reward=None,
+        loader=None,
+        max_staleness=2,
+        total_steps=10,
+        start=4,
+        timeout_s=1.0,
+        partial_rollouts="drop",
+    )
     with pytest.raises(ValueError, match="rollout.partial_rollouts=keep_kv; resume it with that value"):
         pipeline.restore("out/step_4", {"max_staleness": 2, "partial_rollouts": "keep_kv", "pending": {"4": 2}})
     with pytest.raises(ValueError, match="rollout.partial_rollouts=off; resume it with that value"):

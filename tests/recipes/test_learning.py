@@ -28,7 +28,14 @@ def test_default_recipe_raises_the_reward(assets, name):
     assert [record["step"] for record in records] == list(range(150))
     first, last = mean_reward(records[:5]), mean_reward(records[-5:])
     assert last > first + 0.08, (first, last)
-    for key in ("reward/mean", "response_length/mean", "kl/mean", "time/step", "time/generate", "throughput/tokens_per_s"):
+    for key in (
+        "reward/mean",
+        "response_length/mean",
+        "kl/mean",
+        "time/step",
+        "time/generate",
+        "throughput/tokens_per_s",
+    ):
         assert key in records[-1], key
     # Greedy validation on the val split every 50 steps (trainer.val_every in the default config).
     assert [record["step"] for record in records if "val/reward/mean" in record] == [49, 99, 149]
@@ -50,7 +57,10 @@ def without_timings(records: list[dict]) -> list[dict]:
 # at real sizes: the tied vocabulary then streams from its dp shards (models/streamed_vocabulary.py), which the resume
 # must restore exactly too.
 SHORT_RUN = (
-    "trainer.val_every=0", "algorithm.kl_target=0.001", "algorithm.kl_horizon=100", "actor.fsdp_unit_mb=0",
+    "trainer.val_every=0",
+    "algorithm.kl_target=0.001",
+    "algorithm.kl_horizon=100",
+    "actor.fsdp_unit_mb=0",
     "reference.fsdp_unit_mb=0",
 )
 

@@ -19,8 +19,14 @@ from spmd_rlhf.models.lora import is_adapter
 from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.tiny.task import make_task
 
-LORA = ("actor.lora.rank=16", "actor.lora.alpha=32", "actor.lr=1e-3", "reference.enabled=false",
-        "trainer.val_every=0", "trainer.total_steps=60")
+LORA = (
+    "actor.lora.rank=16",
+    "actor.lora.alpha=32",
+    "actor.lr=1e-3",
+    "reference.enabled=false",
+    "trainer.val_every=0",
+    "trainer.total_steps=60",
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +55,9 @@ def test_grpo_with_lora_raises_the_reward(run):
     state = workdir / "out" / "step_60" / "actor_state"
     assert not (workdir / "out" / "step_60" / "reference_state").exists()
     # The checkpoint holds the adapters and their optimizer state, not the frozen base.
-    saved = [key for key in safe_dcp.read_metadata(state).state_dict_metadata if key.startswith(("model.", "optimizer."))]
+    saved = [
+        key for key in safe_dcp.read_metadata(state).state_dict_metadata if key.startswith(("model.", "optimizer."))
+    ]
     model_keys = [key for key in saved if key.startswith("model.")]
     assert len(model_keys) == 2 * 7 * 2 and all(is_adapter(key) for key in model_keys)
     assert all(".lora_" in key for key in saved if key.startswith("optimizer.state."))
@@ -63,8 +71,10 @@ def test_export_round_trips_through_peft_and_transformers(run, tmp_path):
     base_dir = str(workdir / "tiny" / "model")
     assert cli_main(["export", str(workdir / "out"), str(tmp_path / "adapter")]) == 0
     assert cli_main(["export", str(workdir / "out"), str(tmp_path / "merged"), "--merge"]) == 0
-    adapter, run_copy = load_file(tmp_path / "adapter" / "actor" / "adapter_model.safetensors"), load_file(
-        workdir / "out" / "step_60" / "actor" / "adapter_model.safetensors")
+    adapter, run_copy = (
+        load_file(tmp_path / "adapter" / "actor" / "adapter_model.safetensors"),
+        load_file(workdir / "out" / "step_60" / "actor" / "adapter_model.safetensors"),
+    )
     assert adapter.keys() == run_copy.keys() and all(adapter[name].equal(run_copy[name]) for name in adapter)
     assert json.loads((tmp_path / "adapter" / "actor" / "adapter_config.json").read_text())["r"] == 16
     input_ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -72,7 +82,9 @@ def test_export_round_trips_through_peft_and_transformers(run, tmp_path):
         base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
         base_logits = base(input_ids).logits
         peft_logits = PeftModel.from_pretrained(base, str(tmp_path / "adapter" / "actor")).eval()(input_ids).logits
-        merged_logits = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged" / "actor")).eval()(input_ids).logits
+        merged_logits = (
+            AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged" / "actor")).eval()(input_ids).logits
+        )
     assert (peft_logits - base_logits).abs().max() > 1e-2  # trained adapters
     torch.testing.assert_close(merged_logits, peft_logits, atol=1e-4, rtol=1e-4)
 

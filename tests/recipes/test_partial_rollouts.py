@@ -12,8 +12,13 @@ from pathlib import Path
 from torchrun_helpers import run_recipe
 
 TWO_STEPS_OFF = (
-    "trainer.val_every=0", "placement=split", "rollout.enabled=true", "rollout.n_ranks=2",
-    "rollout.recompute_log_probs=true", "algorithm.max_staleness=2", "rollout.partial_segment_tokens=1",
+    "trainer.val_every=0",
+    "placement=split",
+    "rollout.enabled=true",
+    "rollout.n_ranks=2",
+    "rollout.recompute_log_probs=true",
+    "algorithm.max_staleness=2",
+    "rollout.partial_segment_tokens=1",
 )
 TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
 
@@ -38,7 +43,8 @@ def test_responses_continue_across_weight_syncs_within_the_bound_and_resume_exac
     # At step 2's checkpoint batch 2 is in flight, two segments (versions 0 and 1) generated.
     checkpoint = workdir / "out" / "step_2"
     assert sorted(path.name for path in (checkpoint / "rollouts" / "batch_2").iterdir()) == [
-        "dp0_of_2_tp0_of_1.safetensors", "dp1_of_2_tp0_of_1.safetensors",
+        "dp0_of_2_tp0_of_1.safetensors",
+        "dp1_of_2_tp0_of_1.safetensors",
     ]
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(workdir, resumed_dir)
@@ -51,8 +57,14 @@ def test_responses_continue_across_weight_syncs_within_the_bound_and_resume_exac
 def test_drop_gives_single_version_responses(tmp_path: Path):
     """With the weights sent from a background thread, which changes nothing in what is generated."""
     records = run_recipe(
-        "grpo", tmp_path / "drop", *TWO_STEPS_OFF, "trainer.total_steps=3", "trainer.save_every=1000",
-        "rollout.partial_rollouts=drop", "rollout.background_sync=true", nproc=4,
+        "grpo",
+        tmp_path / "drop",
+        *TWO_STEPS_OFF,
+        "trainer.total_steps=3",
+        "trainer.save_every=1000",
+        "rollout.partial_rollouts=drop",
+        "rollout.background_sync=true",
+        nproc=4,
     )
     assert [record["off_policy/batch_staleness"] for record in records] == [0.0, 1.0, 2.0]
     assert all(record["rollout/mixed_version_responses"] == 0 for record in records)

@@ -17,7 +17,13 @@ NAMES = ["ppo", "grpo", "remax", "rloo", "safe_rlhf"]
 
 
 def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(RECIPES / f"{name}.py"), "--config", str(RECIPES / "configs" / f"{name}.yaml"), *args]
+    command = [
+        sys.executable,
+        str(RECIPES / f"{name}.py"),
+        "--config",
+        str(RECIPES / "configs" / f"{name}.yaml"),
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
@@ -30,7 +36,7 @@ def workdir(tmp_path_factory) -> Path:
 def test_help_lists_every_key(name, workdir):
     shown = run(name, "--help", cwd=workdir)
     assert shown.returncode == 0, shown.stderr
-    for key, (default, doc) in field_docs().items():
+    for key, (default, _doc) in field_docs().items():
         assert f"{key} = {default}" in shown.stdout, key
     assert "Adaptive KL" in shown.stdout and "--dry-run" in shown.stdout
 
@@ -43,7 +49,9 @@ def test_dry_run_prints_the_plan_and_launches_nothing(name, workdir):
     assert "# placement: colocate, world size 4" in shown.stdout
     actor = next(line for line in shown.stdout.splitlines() if line.startswith("actor "))
     assert actor.split()[2:5] == ["1", "2", "2"]  # pp dp tp
-    assert [line.split(":")[0] for line in shown.stdout.splitlines() if line.startswith("rank ")] == [f"rank {r}" for r in range(4)]
+    assert [line.split(":")[0] for line in shown.stdout.splitlines() if line.startswith("rank ")] == [
+        f"rank {r}" for r in range(4)
+    ]
     assert "while generating" in shown.stdout
 
 

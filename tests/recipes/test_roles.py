@@ -27,4 +27,4 @@ def test_every_typed_method_is_a_dispatched_method_of_its_worker(kind):
 def test_a_typed_handle_refuses_a_method_it_does_not_declare():
     handle = ActorHandle(None, RoleRecord("actor", ActorWorker, ParallelDims(dp=1), (0,)), None)
     with pytest.raises(AttributeError, match="ActorHandle has no method 'generate_sequence'"):
-        handle.generate_sequence
+        _ = handle.generate_sequence

@@ -77,7 +77,8 @@ def fake_slurm(tmp_path: Path, **variables: str) -> dict[str, str]:
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
     environment = {
-        key: value for key, value in os.environ.items()
+        key: value
+        for key, value in os.environ.items()
         if not key.startswith(("SLURM_", "NCCL_")) and key not in TEMPLATE_VARIABLES
     }
     environment.update(
@@ -99,8 +100,13 @@ def fake_slurm(tmp_path: Path, **variables: str) -> dict[str, str]:
 def submit(tmp_path: Path, *overrides: str, timeout: float = 30, **variables: str) -> subprocess.CompletedProcess:
     """Run train.sbatch as the batch step of a fake job, in ``tmp_path``."""
     return subprocess.run(
-        ["bash", str(TRAIN), *overrides], cwd=tmp_path, env=fake_slurm(tmp_path, **variables),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+        ["bash", str(TRAIN), *overrides],
+        cwd=tmp_path,
+        env=fake_slurm(tmp_path, **variables),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -115,20 +121,40 @@ def test_launch_line(tmp_path):
     assert finished.returncode == 0, finished.stdout
     launch = json.loads((tmp_path / "srun.json").read_text())
     assert launch["argv"] == [
-        "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=32", "--kill-on-bad-exit=1",
-        "python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=gpu-a17:{29500 + JOB_ID % 1000}", f"--rdzv-id={JOB_ID}",
-        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=115",
-        f"{REPO}/recipes/ppo.py", "--config", f"{REPO}/recipes/configs/ppo.yaml",
-        "trainer.output_dir=/shared/runs/ppo1", "actor.lr=1e-6", "trainer.save_every=50",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=32",
+        "--kill-on-bad-exit=1",
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=gpu-a17:{29500 + JOB_ID % 1000}",
+        f"--rdzv-id={JOB_ID}",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "--shutdown-timeout=115",
+        f"{REPO}/recipes/ppo.py",
+        "--config",
+        f"{REPO}/recipes/configs/ppo.yaml",
+        "trainer.output_dir=/shared/runs/ppo1",
+        "actor.lr=1e-6",
+        "trainer.save_every=50",
     ]
     assert launch["env"] == {"OMP_NUM_THREADS": "1", "NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
 def test_defaults_and_overridable_lines(tmp_path):
     finished = submit(
-        tmp_path, RECIPE="safe_rlhf", CONFIG="my.yaml", GPUS_PER_NODE="2", RDZV_PORT="6000",
-        TORCHRUN="/opt/env/bin/torchrun", SLURM_GPUS_PER_NODE="8", OMP_NUM_THREADS="",
+        tmp_path,
+        RECIPE="safe_rlhf",
+        CONFIG="my.yaml",
+        GPUS_PER_NODE="2",
+        RDZV_PORT="6000",
+        TORCHRUN="/opt/env/bin/torchrun",
+        SLURM_GPUS_PER_NODE="8",
+        OMP_NUM_THREADS="",
     )
     assert finished.returncode == 0, finished.stdout
     launch = json.loads((tmp_path / "srun.json").read_text())
@@ -151,8 +177,11 @@ def test_a_signal_is_passed_to_the_run_and_its_stop_requeues_the_job(tmp_path, s
     log, pid_file = tmp_path / "job.log", tmp_path / "srun.pid"
     with log.open("w") as output:  # a file, not a pipe: the sleeping srun stub outlives the batch shell
         job = subprocess.Popen(
-            ["bash", str(TRAIN)], cwd=tmp_path, env=fake_slurm(tmp_path, FAKE_SRUN="sleep"),
-            stdout=output, stderr=subprocess.STDOUT,
+            ["bash", str(TRAIN)],
+            cwd=tmp_path,
+            env=fake_slurm(tmp_path, FAKE_SRUN="sleep"),
+            stdout=output,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 20
@@ -185,12 +214,22 @@ def test_two_nodes_train_and_the_job_run_again_resumes(tmp_path):
     """The rendered line, run as srun would on two "nodes" of 2 CPU ranks: GRPO steps; then the job again, as a
     requeue runs it (here with one step more), continues from ``latest``."""
     tiny_run = (
-        "trainer.val_every=0", "trainer.save_every=0", "rollout.n=4", "data.batch_size=4", "actor.mini_batch_size=16",
-        "actor.micro_batch_size=8", "reference.micro_batch_size=8",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        "rollout.n=4",
+        "data.batch_size=4",
+        "actor.mini_batch_size=16",
+        "actor.micro_batch_size=8",
+        "reference.micro_batch_size=8",
     )
     variables = dict(
-        FAKE_SRUN="run", FAKE_HOSTS="127.0.0.1 127.0.0.2", SLURM_GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2",
-        REPO_DIR=str(REPO), SLURM_SUBMIT_DIR=str(tmp_path), OUTPUT_DIR="out",
+        FAKE_SRUN="run",
+        FAKE_HOSTS="127.0.0.1 127.0.0.2",
+        SLURM_GPUS_PER_NODE="2",
+        SLURM_CPUS_PER_TASK="2",
+        REPO_DIR=str(REPO),
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        OUTPUT_DIR="out",
         TORCHRUN=f"{sys.executable} -m torch.distributed.run",
     )
     for total_steps in (1, 2):

@@ -50,8 +50,14 @@ def stop_mid_run(
     """Start the run, wait until its first step is logged, ``send(agent)`` a signal, and wait for the job to end."""
     metrics = workdir / "out" / "metrics.jsonl"
     command = torchrun_command(
-        str(RECIPES / "grpo.py"), "--config", str(RECIPES / "configs" / "grpo.yaml"), "trainer.output_dir=out", *RUN,
-        *overrides, nproc=2, port=free_port(),
+        str(RECIPES / "grpo.py"),
+        "--config",
+        str(RECIPES / "configs" / "grpo.yaml"),
+        "trainer.output_dir=out",
+        *RUN,
+        *overrides,
+        nproc=2,
+        port=free_port(),
     )
     with (workdir / "stopped.log").open("w") as log:
         agent = subprocess.Popen(command, cwd=workdir, env=environment(), stdout=log, stderr=subprocess.STDOUT)
@@ -105,7 +111,9 @@ def test_a_stop_that_outlasts_stop_timeout_s_exits_at_once_with_the_requeue_code
     stopped = stop_mid_run(
         tmp_path, lambda agent: os.kill(rank_pids(agent)[1], signal.SIGUSR1), "trainer.stop_timeout_s=0.01"
     )
-    assert "did not end within 0.01 s of SIGUSR1 on rank 1 (trainer.stop_timeout_s)" in stopped.stdout, stopped.stdout[-4000:]
+    assert "did not end within 0.01 s of SIGUSR1 on rank 1 (trainer.stop_timeout_s)" in stopped.stdout, stopped.stdout[
+        -4000:
+    ]
     assert f"exitcode  : {REQUEUE_EXIT_CODE}" in stopped.stdout
     assert not (tmp_path / "out" / "stopped.json").exists()
     latest = tmp_path / "out" / "latest"

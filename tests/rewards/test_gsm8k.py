@@ -32,10 +32,20 @@ def test_final_answer_extraction(text, flexible, strict):
     assert extract_gsm8k_answer(text, strict=True) == strict
 
 
-@pytest.mark.parametrize("text, value", [
-    ("1,234", Fraction(1234)), ("$5", None), ("72.0", Fraction(72)), ("42.", Fraction(42)), (" -7 ", Fraction(-7)),
-    (".5", Fraction(1, 2)), ("1,23", None), ("12a", None), ("", None),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1,234", Fraction(1234)),
+        ("$5", None),
+        ("72.0", Fraction(72)),
+        ("42.", Fraction(42)),
+        (" -7 ", Fraction(-7)),
+        (".5", Fraction(1, 2)),
+        ("1,23", None),
+        ("12a", None),
+        ("", None),
+    ],
+)
 def test_parse_number(text, value):
     assert parse_number(text) == value
 

@@ -78,12 +78,15 @@ def test_math_equal(answer, reference, equal):
     assert math_equal(reference, answer) is equal
 
 
-@pytest.mark.parametrize("answer, normal", [
-    ("\\left[ \\dfrac12 , 3 \\right)", "[\\frac{1}{2},3)"),
-    ("x = \\sqrt2", "\\sqrt{2}"),
-    ("4.50", "4.50"),  # only all-zero decimals go: 4.5 and 4.50 are still equal numerically
-    ("\\frac{a+1}{b}", "\\frac{a+1}{b}"),
-])
+@pytest.mark.parametrize(
+    "answer, normal",
+    [
+        ("\\left[ \\dfrac12 , 3 \\right)", "[\\frac{1}{2},3)"),
+        ("x = \\sqrt2", "\\sqrt{2}"),
+        ("4.50", "4.50"),  # only all-zero decimals go: 4.5 and 4.50 are still equal numerically
+        ("\\frac{a+1}{b}", "\\frac{a+1}{b}"),
+    ],
+)
 def test_normal_forms(answer, normal):
     assert normalize_math_answer(answer) == normal
 

@@ -28,7 +28,11 @@ def test_replica_ranks_split_the_rows_and_match_single_process_scores(tmp_path):
     (tmp_path / "user_reward.py").write_text(USER_REWARD)
     out = tmp_path / "out.pt"
     finished = torchrun(
-        "split_rule_rewards.py", str(tmp_path / "tokenizer"), str(tmp_path / "user_reward.py"), str(out), nproc=2,
+        "split_rule_rewards.py",
+        str(tmp_path / "tokenizer"),
+        str(tmp_path / "user_reward.py"),
+        str(out),
+        nproc=2,
         timeout=180,
     )
     assert finished.returncode == 0, finished.stdout[-6000:]

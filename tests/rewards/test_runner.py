@@ -90,8 +90,11 @@ def test_a_call_running_past_timeout_s_is_stopped_and_counted(pool):
 def test_on_error_abort_names_the_function_the_row_and_the_cause(rule):
     aborting = RewardRunner(rule, on_error="abort")
     outcomes = aborting.score([row("yes"), row("yes", "nan"), row("oops", "raise")])
-    with pytest.raises(RewardError, match=r"returned nan as 'score' \(data_source='my/source', response 'yes'\) "
-                                          r"\(1 more of 3 rows failed too\)\. .* set reward.on_error=zero"):
+    with pytest.raises(
+        RewardError,
+        match=r"returned nan as 'score' \(data_source='my/source', response 'yes'\) "
+        r"\(1 more of 3 rows failed too\)\. .* set reward.on_error=zero",
+    ):
         aborting.summarize(outcomes)
     assert aborting.summarize(outcomes[:1]).scores == [1.03]
 

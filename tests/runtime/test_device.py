@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
+from spmd_rlhf.parallel_dims import ParallelDims
 from spmd_rlhf.runtime.device import check_thread, select_device, thread_device_mismatch
 from spmd_rlhf.runtime.worker import RoleContext, Worker
-from spmd_rlhf.parallel_dims import ParallelDims
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,9 @@ def test_select_device(setting, cuda_devices, expected):
 
 
 def test_cuda_without_cuda_and_too_few_gpus_are_clear_errors():
-    with pytest.raises(ValueError, match="trainer.device=cuda but this machine has no usable CUDA device.*trainer.device=cpu"):
+    with pytest.raises(
+        ValueError, match="trainer.device=cuda but this machine has no usable CUDA device.*trainer.device=cpu"
+    ):
         select_device("cuda", local_rank=0, cuda_devices=0)
     with pytest.raises(ValueError, match="LOCAL_RANK=4 but only 4 CUDA devices.*--nproc-per-node 4"):
         select_device("auto", local_rank=4, cuda_devices=4)

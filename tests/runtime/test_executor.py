@@ -84,7 +84,9 @@ def test_free_drops_stored_batches_before_the_command_runs(make_executor):
 def test_the_executor_thread_binds_itself_to_the_rank_device(monkeypatch):
     """All role code runs on the executor thread; CUDA's current device is per thread, so it must bind itself."""
     bound = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: bound.append((threading.current_thread().name, device)))
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda device: bound.append((threading.current_thread().name, device))
+    )
     executor = Executor(rank=3, device=torch.device("cuda", 1), poll_seconds=0.05)
     try:
         deadline = time.monotonic() + 10

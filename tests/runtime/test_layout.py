@@ -24,7 +24,14 @@ def test_dims_must_cover_the_pool():
 def test_coordinates_tp_fastest_then_dp_then_pp():
     dims = ParallelDims(pp=2, dp=2, tp=2)
     assert [(c.pp, c.dp, c.tp) for c in map(dims.coordinates, range(8))] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
     ]
 
 

@@ -18,7 +18,9 @@ from spmd_rlhf.tiny.model import make_tiny
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny(family="qwen2", out_dir=str(tmp_path_factory.mktemp("tiny") / "model"), hidden_size=32, vocab_size=300)
+    return make_tiny(
+        family="qwen2", out_dir=str(tmp_path_factory.mktemp("tiny") / "model"), hidden_size=32, vocab_size=300
+    )
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])

@@ -19,8 +19,15 @@ LAYOUTS = ["dp2tp2", "dp4tp1", "dp1tp2pp2"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    policy = make_tiny(family="llama", out_dir=str(root / "policy"), hidden_size=32, num_heads=4, num_kv_heads=4,
-                       vocab_size=300, num_layers=2)
+    policy = make_tiny(
+        family="llama",
+        out_dir=str(root / "policy"),
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=4,
+        vocab_size=300,
+        num_layers=2,
+    )
     out = root / "out"
     out.mkdir()
     finished = torchrun("lora_parity.py", policy, str(out), "dp1tp1", *LAYOUTS, nproc=4, timeout=400)
@@ -49,7 +56,11 @@ def test_layout_matches_one_rank(run, layout):
     for step, step_metrics in enumerate(json.loads((run / f"{layout}.json").read_text())):
         for rank_metrics in step_metrics:
             for key in ("actor/loss", "actor/grad_norm"):
-                assert rank_metrics[key] == pytest.approx(reference_metrics[step][0][key], rel=1e-4), (layout, step, key)
+                assert rank_metrics[key] == pytest.approx(reference_metrics[step][0][key], rel=1e-4), (
+                    layout,
+                    step,
+                    key,
+                )
     expected, adapters = adapter(run / "dp1tp1_adapter"), adapter(run / f"{layout}_adapter")
     assert expected.keys() == adapters.keys() and len(expected) == 2 * 7 * 2
     for name in expected:

@@ -12,9 +12,9 @@ import torch
 from spmd_rlhf.algos import Denominators, entropy_bonus, policy_loss
 from spmd_rlhf.data import Batch
 from spmd_rlhf.models import DecoderArgs, DecoderLM
-from spmd_rlhf.workers.sharded_model import ShardedModel
 from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.workers.packing import PackedRows, PaddedRows, stack_packed
+from spmd_rlhf.workers.sharded_model import ShardedModel
 
 PROMPT, RESPONSE, VOCAB = 7, 12, 97
 BUDGETS = [None, 19, 25, 40, 1000]
@@ -33,20 +33,39 @@ def rollout_batch() -> Batch:
     response_mask = (torch.arange(RESPONSE)[None] < response_lengths[:, None]).long()
     prompts = torch.randint(3, VOCAB, (rows, PROMPT), generator=generator) * prompt_mask
     responses = torch.randint(3, VOCAB, (rows, RESPONSE), generator=generator) * response_mask
-    return Batch({
-        "prompts": prompts, "responses": responses, "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
-        "old_log_probs": -torch.rand(rows, RESPONSE, generator=generator) * 5,
-        "advantages": torch.randn(rows, RESPONSE, generator=generator) * response_mask,
-    })
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+            "old_log_probs": -torch.rand(rows, RESPONSE, generator=generator) * 5,
+            "advantages": torch.randn(rows, RESPONSE, generator=generator) * response_mask,
+        }
+    )
 
 
 def tiny_model(head: str) -> DecoderLM:
     torch.manual_seed(0)
     args = DecoderArgs(
-        family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-        max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False,
+        family="llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
     )
     model = DecoderLM(args, head=head, attention_backend="sdpa")
     model.reset_buffers()
@@ -80,7 +99,10 @@ def run_micro_batches(model: DecoderLM, batch: Batch, budget: int | None | str, 
         assert len({micro.total_tokens for micro in micros} | {input_ids.shape[1]}) > 1  # really padded
         for index, micro in enumerate(micros):
             # Micro-batch ``index`` as the schedule slices it; the model takes cu_seqlens and output positions flat.
-            inputs = {key: value[index : index + 1] if key == "position_ids" else value[index] for key, value in kwargs.items()}
+            inputs = {
+                key: value[index : index + 1] if key == "position_ids" else value[index]
+                for key, value in kwargs.items()
+            }
             outputs = model(input_ids[index : index + 1], **inputs)
             results.append(output_fn(outputs[: micro.output_count(per_token=per_token)], micro))
         return results
@@ -119,7 +141,9 @@ def test_packed_log_probs_entropy_values_and_scores_equal_padded(budget):
         padded, packed = (per_row_outputs(values_model, batch, layout, values) for layout in ("padded", budget))
         torch.testing.assert_close(packed, padded, atol=1e-6, rtol=0)
         score_model = tiny_model("score")
-        padded, packed = (per_row_outputs(score_model, batch, layout, lambda out, micro: out) for layout in ("padded", budget))
+        padded, packed = (
+            per_row_outputs(score_model, batch, layout, lambda out, micro: out) for layout in ("padded", budget)
+        )
         torch.testing.assert_close(packed, padded, atol=1e-6, rtol=0)
 
 
@@ -134,8 +158,16 @@ def test_packed_policy_loss_and_gradients_equal_padded(budget, aggregation):
     def loss_of(logits, micro):
         log_probs, entropy = ShardedModel.response_log_probs(WORKER, logits, micro, 0.7, with_entropy=True)
         mask = micro.rows["response_mask"]
-        loss, _ = policy_loss(log_probs, micro.rows["old_log_probs"], micro.rows["advantages"], mask, clip_low=0.2,
-                              clip_high=0.28, aggregation=aggregation, denominators=denominators)
+        loss, _ = policy_loss(
+            log_probs,
+            micro.rows["old_log_probs"],
+            micro.rows["advantages"],
+            mask,
+            clip_low=0.2,
+            clip_high=0.28,
+            aggregation=aggregation,
+            denominators=denominators,
+        )
         loss = loss - 0.01 * entropy_bonus(entropy, mask, aggregation=aggregation, denominators=denominators)
         loss.backward()
         return loss.detach()

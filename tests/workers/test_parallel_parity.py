@@ -30,7 +30,9 @@ def run(tmp_path_factory):
     reward = make_tiny(out_dir=str(root / "reward"), head="score", seed=2, **common)
     out = root / "out"
     out.mkdir()
-    finished = torchrun("parallel_parity.py", policy, critic, reward, str(out), "dp1tp1pp1", *LAYOUTS, nproc=4, timeout=400)
+    finished = torchrun(
+        "parallel_parity.py", policy, critic, reward, str(out), "dp1tp1pp1", *LAYOUTS, nproc=4, timeout=400
+    )
     assert finished.returncode == 0, finished.stdout[-6000:]
     return policy, out
 
@@ -56,7 +58,9 @@ def test_update_matches_one_rank(run, layout):
         weights = hf_weights(f"{out}/{layout}_{role}")
         assert weights.keys() == reference.keys()
         for name in reference:
-            torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=2e-6, msg=f"{layout} {role} {name}")
+            torch.testing.assert_close(
+                weights[name], reference[name], rtol=1e-5, atol=2e-6, msg=f"{layout} {role} {name}"
+            )
     initial = load_file(f"{policy}/model.safetensors")
     reference = hf_weights(f"{out}/dp1tp1pp1_actor")
     assert max(float((reference[name] - initial[name]).abs().max()) for name in reference) > 1e-4  # it really trained
@@ -83,7 +87,9 @@ def test_tied_embeddings_under_tensor_parallelism(tmp_path):
     critic = make_tiny(out_dir=str(tmp_path / "critic"), head="score", seed=1, **common)
     out = tmp_path / "out"
     out.mkdir()
-    finished = torchrun("parallel_parity.py", policy, critic, critic, str(out), "dp1tp1pp1", "dp2tp2pp1", nproc=4, timeout=300)
+    finished = torchrun(
+        "parallel_parity.py", policy, critic, critic, str(out), "dp1tp1pp1", "dp2tp2pp1", nproc=4, timeout=300
+    )
     assert finished.returncode == 0, finished.stdout[-6000:]
     reference, results = torch.load(out / "dp1tp1pp1.pt"), torch.load(out / "dp2tp2pp1.pt")
     torch.testing.assert_close(results["log_probs"], reference["log_probs"], rtol=1e-5, atol=1e-5)

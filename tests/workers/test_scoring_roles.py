@@ -14,7 +14,9 @@ from spmd_rlhf.tiny.model import make_tiny
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("scoring")
     policy = make_tiny(family="qwen2", out_dir=str(root / "policy"), hidden_size=32, vocab_size=300)
-    reward = make_tiny(family="llama", out_dir=str(root / "reward"), hidden_size=32, vocab_size=300, head="score", seed=1)
+    reward = make_tiny(
+        family="llama", out_dir=str(root / "reward"), hidden_size=32, vocab_size=300, head="score", seed=1
+    )
     critic = load_model(policy, head="value")
     with torch.no_grad():  # a trained-looking value head (one from a causal LM starts at zero)
         critic.score.weight.normal_(generator=torch.Generator().manual_seed(0))

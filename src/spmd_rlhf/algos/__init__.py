@@ -1,7 +1,7 @@
 """RL algorithms as pure tensor functions: advantages, losses, KL estimators and controllers, loss aggregation,
 evaluation statistics (pass@k)."""
 
-from .advantages import (
+from spmd_rlhf.algos.advantages import (
     broadcast_to_tokens,
     discounted_returns,
     gae,
@@ -13,12 +13,12 @@ from .advantages import (
     scores_to_token_rewards,
     whiten,
 )
-from .aggregation import AGGREGATIONS, Denominators, aggregate, masked_mean
-from .evaluation import pass_at_k
-from .kl import ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
-from .off_policy import CORRECTIONS, importance_metrics, importance_weights
-from .losses import RATIO_LEVELS, entropy_bonus, policy_loss, value_loss
-from .safe_rlhf import LagrangeMultiplier, combine_advantages
+from spmd_rlhf.algos.aggregation import AGGREGATIONS, Denominators, aggregate, masked_mean
+from spmd_rlhf.algos.evaluation import pass_at_k
+from spmd_rlhf.algos.kl import ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
+from spmd_rlhf.algos.losses import RATIO_LEVELS, entropy_bonus, policy_loss, value_loss
+from spmd_rlhf.algos.off_policy import CORRECTIONS, importance_metrics, importance_weights
+from spmd_rlhf.algos.safe_rlhf import LagrangeMultiplier, combine_advantages
 
 __all__ = [
     "AGGREGATIONS",

@@ -36,7 +36,9 @@ class Denominators:
         return cls(float(mask.sum()), float(mask.shape[0]), float(max_length or mask.shape[1]))
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, denominators: Denominators | None = None) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str, denominators: Denominators | None = None
+) -> torch.Tensor:
     """This batch's share of the aggregated loss; ``denominators`` default to this batch's own counts."""
     if mode not in AGGREGATIONS:
         raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGGREGATIONS)}")

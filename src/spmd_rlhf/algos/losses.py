@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import Denominators, aggregate, masked_mean
+from spmd_rlhf.algos.aggregation import Denominators, aggregate, masked_mean
 
 RATIO_LEVELS = ("token", "sequence")
 
@@ -91,7 +91,11 @@ def value_loss(
 
 
 def entropy_bonus(
-    entropy: torch.Tensor, mask: torch.Tensor, *, aggregation: str = "token_mean", denominators: Denominators | None = None
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    aggregation: str = "token_mean",
+    denominators: Denominators | None = None,
 ) -> torch.Tensor:
     """Aggregated entropy; the policy objective subtracts ``entropy_coef`` times it from the loss."""
     return aggregate(entropy, mask, aggregation, denominators)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import masked_mean
+from spmd_rlhf.algos.aggregation import masked_mean
 
 CORRECTIONS = ("truncated", "masked")
 

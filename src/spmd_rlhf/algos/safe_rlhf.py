@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 
-def combine_advantages(reward_advantages: torch.Tensor, cost_advantages: torch.Tensor, multiplier: float) -> torch.Tensor:
+def combine_advantages(
+    reward_advantages: torch.Tensor, cost_advantages: torch.Tensor, multiplier: float
+) -> torch.Tensor:
     """(A_reward − λ·A_cost) / (1 + λ)."""
     if multiplier < 0:
         raise ValueError(f"the Lagrange multiplier must be >= 0, got {multiplier}")

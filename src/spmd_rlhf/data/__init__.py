@@ -1,5 +1,5 @@
 """Prompt data: batches and datasets (the synthetic tasks and the offline tokenizer are the tiny fixture, ``spmd_rlhf.tiny``)."""
 
-from .batch import Batch
+from spmd_rlhf.data.batch import Batch
 
 __all__ = ["Batch"]

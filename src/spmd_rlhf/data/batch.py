@@ -90,7 +90,9 @@ class Batch:
         """Consecutive chunks of ``rows_per_chunk`` rows (mini- and micro-batches, views); the last may be shorter."""
         if rows_per_chunk < 1:
             raise ValueError(f"rows_per_chunk={rows_per_chunk} must be >= 1")
-        return [self.slice(start, min(start + rows_per_chunk, len(self))) for start in range(0, len(self), rows_per_chunk)]
+        return [
+            self.slice(start, min(start + rows_per_chunk, len(self))) for start in range(0, len(self), rows_per_chunk)
+        ]
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
@@ -152,4 +154,6 @@ class Batch:
         return Batch.concat([self, padding]), missing * self.group_size
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch({n: v.to(device) for n, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta), self.group_size)
+        return Batch(
+            {n: v.to(device) for n, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta), self.group_size
+        )

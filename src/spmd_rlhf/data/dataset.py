@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
-from .batch import Batch
+from spmd_rlhf.data.batch import Batch
 
 
 class DatasetError(ValueError):
@@ -105,13 +105,16 @@ class PromptDataset:
                         )
                 reward_model = _reward_model(row.get("reward_model"), where=where)
                 self.prompts.append(
-                    Prompt(token_ids, str(row.get("data_source", "")), reward_model.get("ground_truth"), extra_info, prompt)
+                    Prompt(
+                        token_ids, str(row.get("data_source", "")), reward_model.get("ground_truth"), extra_info, prompt
+                    )
                 )
         if not self.prompts:
             why = (
                 f"all {self.num_skipped} are over data.max_prompt_length={max_prompt_length} tokens and were skipped; "
                 f"raise it or set data.overlong_prompts=truncate"
-                if self.num_skipped else "the files hold no rows; check data.train_files / data.val_files"
+                if self.num_skipped
+                else "the files hold no rows; check data.train_files / data.val_files"
             )
             raise DatasetError(f"no usable prompts in {files}: {why}")
 
@@ -131,7 +134,7 @@ def _reward_model(value: Any, *, where: str) -> dict[str, Any]:
             pass
     if not isinstance(value, dict):
         raise DatasetError(
-            f"{where}: reward_model is {value!r:.60}; it must be an object such as {{\"ground_truth\": \"42\"}} (or "
+            f'{where}: reward_model is {value!r:.60}; it must be an object such as {{"ground_truth": "42"}} (or '
             f"a string holding one as JSON)"
         )
     return value
@@ -144,7 +147,11 @@ def normalize_prompt(prompt: Any, *, where: str) -> str | list[dict[str, Any]]:
         if not prompt.strip():
             raise DatasetError(f"{where}: the prompt is empty; give it text or remove the row")
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+    ):
         return [{**message, "content": _message_text(message["content"], where=where)} for message in prompt]
     raise DatasetError(f"{where}: a prompt must be text or a list of {{role, content}} messages, got {prompt!r:.100}")
 
@@ -180,7 +187,9 @@ def _message_text(content: Any, *, where: str) -> str:
 class PromptLoader:
     """Batches of ``batch_size`` prompts per step, left-padded to the batch's longest prompt."""
 
-    def __init__(self, dataset: PromptDataset, *, batch_size: int, pad_token_id: int, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self, dataset: PromptDataset, *, batch_size: int, pad_token_id: int, shuffle: bool = True, seed: int = 0
+    ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id

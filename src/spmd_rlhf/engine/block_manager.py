@@ -10,13 +10,15 @@ tensors.
 
 from __future__ import annotations
 
-from .sequence import Sequence
+from spmd_rlhf.engine.sequence import Sequence
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a KV cache needs at least one block of at least one token (got {num_blocks} x {block_size})")
+            raise ValueError(
+                f"a KV cache needs at least one block of at least one token (got {num_blocks} x {block_size})"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
@@ -28,8 +30,11 @@ class BlockManager:
     def state(self) -> dict:
         """Everything this manager holds (JSON-able); ``from_state`` makes it again."""
         return {
-            "num_blocks": self.num_blocks, "block_size": self.block_size, "ref_counts": self.ref_counts,
-            "free": list(self._free), "keys": list(self._key_of_block.items()),
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "ref_counts": self.ref_counts,
+            "free": list(self._free),
+            "keys": list(self._key_of_block.items()),
         }
 
     @classmethod

@@ -29,12 +29,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from spmd_rlhf.engine.sequence import Sequence
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
-
-from .sequence import Sequence
 
 DECODE_MODES = ("auto", "off", "static")
 """``auto``: CUDA graphs where ``graphs_supported``, else eager steps; ``off``: eager steps; ``static``: the graphs'
@@ -129,7 +128,8 @@ class StaticDecodeStep:
             self.slot_mapping: [
                 seq.block_table[(len(seq) - 1) // self.block_size] * self.block_size + (len(seq) - 1) % self.block_size
                 for seq in seqs
-            ] + [scratch_slot] * padding,
+            ]
+            + [scratch_slot] * padding,
             self.context_lens: [len(seq) for seq in seqs] + [1] * padding,
             self.block_tables: [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
             + [[self.scratch_block] + [0] * (width - 1)] * padding,

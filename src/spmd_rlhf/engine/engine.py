@@ -25,17 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
+from spmd_rlhf.engine.agreement import agree_minimum, schedule_groups
+from spmd_rlhf.engine.block_manager import BlockManager
+from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_supported
+from spmd_rlhf.engine.model_runner import ModelRunner
+from spmd_rlhf.engine.partial import GenerationRun
+from spmd_rlhf.engine.sampler import derive_seed, sample
+from spmd_rlhf.engine.scheduler import Scheduler
+from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
-
-from .agreement import agree_minimum, schedule_groups
-from .block_manager import BlockManager
-from .decode_graphs import DECODE_MODES, graphs_supported
-from .model_runner import ModelRunner
-from .partial import GenerationRun
-from .sampler import derive_seed, sample
-from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence
 
 
 @dataclass
@@ -88,7 +87,9 @@ class LLMEngine:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
             weight = model.model.embed_tokens.weight
-            block_size = default_kv_block_size(resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype))
+            block_size = default_kv_block_size(
+                resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype)
+            )
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"block_size={block_size}, max_num_seqs={max_num_seqs} and max_num_batched_tokens="
@@ -106,7 +107,10 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         capture = decode_graphs == "auto" and graphs_supported(model, block_size=self.block_size)
         self.runner = ModelRunner(
-            model, block_size=self.block_size, static_decode=capture or decode_graphs == "static", capture_graphs=capture
+            model,
+            block_size=self.block_size,
+            static_decode=capture or decode_graphs == "static",
+            capture_graphs=capture,
         )
         # Blocks from bytes after the block size is agreed: every rank of the mesh holds an equal shard, so one
         # block costs the same bytes everywhere.
@@ -144,7 +148,9 @@ class LLMEngine:
         finally:
             self._session = None
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
         """Generate a response to every prompt; outputs in input order, with ``generated_token_ids``, ``log_probs``
         (log softmax(logits / T) of each generated token) and ``finish_reason`` ("stop" or "length")."""
         run = self.start(prompt_token_ids, params)
@@ -169,7 +175,9 @@ class LLMEngine:
                 max_rows=min(self.max_num_seqs, len(seqs)),
                 max_blocks_per_seq=max(seq.max_blocks(self.block_size) for seq in seqs),
             )
-        scheduler = Scheduler(manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        scheduler = Scheduler(
+            manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+        )
         for seq in seqs:
             scheduler.add(seq)
         seeds = [
@@ -181,7 +189,10 @@ class LLMEngine:
         return GenerationRun(seqs, seeds, scheduler, version)
 
     def resume(
-        self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams], snapshot: dict,
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        snapshot: dict,
         kv: dict[str, torch.Tensor],
     ) -> GenerationRun:
         """The run that ``start`` made of these requests, as ``GenerationRun.snapshot`` saved it with ``kv``
@@ -199,9 +210,12 @@ class LLMEngine:
         every request has ended. Steps are the same whatever the segments: on unchanged weights a run advanced in
         segments samples exactly what one ``advance`` to the end samples."""
         scheduler, stats = run.scheduler, self.stats
-        targets = {} if segment_tokens is None else {seq.seq_id: seq.num_generated + segment_tokens for seq in run.unfinished}
+        targets = (
+            {} if segment_tokens is None else {seq.seq_id: seq.num_generated + segment_tokens for seq in run.unfinished}
+        )
         while scheduler.has_work() and not (
-            targets and all(seq.num_generated >= targets[seq.seq_id] for seq in (*scheduler.running, *scheduler.waiting))
+            targets
+            and all(seq.num_generated >= targets[seq.seq_id] for seq in (*scheduler.running, *scheduler.waiting))
         ):
             manager = scheduler.block_manager
             batch, is_prefill = scheduler.schedule()
@@ -215,7 +229,9 @@ class LLMEngine:
                 stats.decode_steps += 1
             logits = self.runner.run(batch, is_prefill=is_prefill)
             tokens, log_probs = sample(
-                logits, [seq.params for seq in batch], seeds=[run.seeds[seq.seq_id] for seq in batch],
+                logits,
+                [seq.params for seq in batch],
+                seeds=[run.seeds[seq.seq_id] for seq in batch],
                 positions=[seq.num_generated for seq in batch],
             )
             scheduler.finish_step(batch, tokens, log_probs)
@@ -228,11 +244,15 @@ class LLMEngine:
         assert manager.num_free_blocks == manager.num_blocks, "KV blocks leaked"
         return True
 
-    def _requests(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+    def _requests(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompt_token_ids)
         if len(params) != len(prompt_token_ids):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompt_token_ids)} prompts; give one, or one per prompt")
+            raise ValueError(
+                f"{len(params)} SamplingParams for {len(prompt_token_ids)} prompts; give one, or one per prompt"
+            )
         vocab_size = self.runner.model.args.vocab_size
         for index, prompt in enumerate(prompt_token_ids):
             if prompt and (min(prompt) < 0 or max(prompt) >= vocab_size):

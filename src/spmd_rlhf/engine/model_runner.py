@@ -13,11 +13,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
+from spmd_rlhf.engine.sequence import Sequence
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
-
-from .decode_graphs import StaticDecodeStep
-from .sequence import Sequence
 
 
 def local_kv_heads(model: DecoderLM) -> int:
@@ -113,8 +112,13 @@ class ModelRunner:
         ):
             return
         self._static_step = StaticDecodeStep(
-            self.model, key_cache=self._key_cache, value_cache=self._value_cache, scratch_block=self.num_blocks,
-            max_rows=max_rows, max_blocks_per_seq=max_blocks_per_seq, capture=self.capture_graphs,
+            self.model,
+            key_cache=self._key_cache,
+            value_cache=self._value_cache,
+            scratch_block=self.num_blocks,
+            max_rows=max_rows,
+            max_blocks_per_seq=max_blocks_per_seq,
+            capture=self.capture_graphs,
         )
 
     @property
@@ -140,7 +144,9 @@ class ModelRunner:
             new_positions = range(start, len(seq))
             token_ids += seq.token_ids[start:]
             positions += new_positions
-            slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in new_positions]
+            slots += [
+                seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in new_positions
+            ]
             cu_seqlens_q.append(cu_seqlens_q[-1] + len(new_positions))
         max_blocks = max(len(seq.block_table) for seq in seqs)
         context_lens = [len(seq) for seq in seqs]
@@ -152,7 +158,9 @@ class ModelRunner:
             key_cache=self._key_cache,
             value_cache=self._value_cache,
             slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs], torch.int32),
+            block_tables=tensor(
+                [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs], torch.int32
+            ),
             context_lens=tensor(context_lens, torch.int32),
             cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
             max_seqlen_q=max(end - start for start, end in zip(cu_seqlens_q, cu_seqlens_q[1:])),

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from spmd_rlhf.engine.block_manager import BlockManager
+from spmd_rlhf.engine.scheduler import Scheduler
+from spmd_rlhf.engine.sequence import Sequence, SequenceStatus
 
 IN_FLIGHT = ("keep_kv", "recompute_kv", "drop")
 """What a weight update does to the requests in flight (module docstring)."""
@@ -111,9 +111,15 @@ class GenerationRun:
             "running": [seq.seq_id for seq in scheduler.running],
             "block_manager": scheduler.block_manager.state(),
             "requests": [
-                {"tokens": seq.generated_token_ids, "log_probs": seq.log_probs, "finish_reason": seq.finish_reason,
-                 "status": seq.status.value, "block_table": seq.block_table, "num_cached_tokens": seq.num_cached_tokens,
-                 "version_starts": starts}
+                {
+                    "tokens": seq.generated_token_ids,
+                    "log_probs": seq.log_probs,
+                    "finish_reason": seq.finish_reason,
+                    "status": seq.status.value,
+                    "block_table": seq.block_table,
+                    "num_cached_tokens": seq.num_cached_tokens,
+                    "version_starts": starts,
+                }
                 for seq, starts in zip(self.seqs, self.version_starts)
             ],
         }

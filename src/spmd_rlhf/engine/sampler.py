@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sequence import SamplingParams
+from spmd_rlhf.engine.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from spmd_rlhf.engine.block_manager import BlockManager
+from spmd_rlhf.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:

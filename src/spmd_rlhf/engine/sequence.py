@@ -46,7 +46,9 @@ class SamplingParams:
 
 
 class Sequence:
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *, eos_token_id: int | None) -> None:
+    def __init__(
+        self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *, eos_token_id: int | None
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {seq_id} has an empty prompt")
         self.seq_id = seq_id

@@ -9,10 +9,10 @@ and Python tools) or ``path/to/file.py:name``, a class or function in a user fil
 
 from __future__ import annotations
 
-from .base import Environment, EnvironmentFactory, StepResult, initial_messages
-from .chat_delta import ChatDelta, TemplateDeltaError, TrajectoryDriftError, check_prefix_extension
-from .tool_env import ToolEnvironment
-from .tools import Tool, ToolCall, call_tool, format_tool_call, parse_tool_calls
+from spmd_rlhf.envs.base import Environment, EnvironmentFactory, StepResult, initial_messages
+from spmd_rlhf.envs.chat_delta import ChatDelta, TemplateDeltaError, TrajectoryDriftError, check_prefix_extension
+from spmd_rlhf.envs.tool_env import ToolEnvironment
+from spmd_rlhf.envs.tools import Tool, ToolCall, call_tool, format_tool_call, parse_tool_calls
 
 ENVIRONMENTS: dict[str, EnvironmentFactory] = {"tool": ToolEnvironment}
 """Built-in environments by name."""
@@ -27,13 +27,26 @@ def environment_factory(spec: str) -> EnvironmentFactory:
             f"rollout.environment={spec!r} is not a built-in environment ({', '.join(ENVIRONMENTS)}) nor "
             f"path/to/file.py:name"
         )
-    from ..rewards.registry import load_function
+    from spmd_rlhf.rewards.registry import load_function
 
     return load_function(spec, name="rollout.environment")
 
 
 __all__ = [
-    "ChatDelta", "ENVIRONMENTS", "Environment", "EnvironmentFactory", "StepResult", "TemplateDeltaError", "Tool",
-    "ToolCall", "ToolEnvironment", "TrajectoryDriftError", "call_tool", "check_prefix_extension",
-    "environment_factory", "format_tool_call", "initial_messages", "parse_tool_calls",
+    "ChatDelta",
+    "ENVIRONMENTS",
+    "Environment",
+    "EnvironmentFactory",
+    "StepResult",
+    "TemplateDeltaError",
+    "Tool",
+    "ToolCall",
+    "ToolEnvironment",
+    "TrajectoryDriftError",
+    "call_tool",
+    "check_prefix_extension",
+    "environment_factory",
+    "format_tool_call",
+    "initial_messages",
+    "parse_tool_calls",
 ]

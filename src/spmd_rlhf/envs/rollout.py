@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence as Sequence_
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
 
-from ..engine import LLMEngine, SamplingParams
-from ..engine.sampler import derive_seed
-from .base import Environment, StepResult
-from .chat_delta import ChatDelta, check_prefix_extension
-
+from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.engine.sampler import derive_seed
+from spmd_rlhf.envs.base import Environment, StepResult
+from spmd_rlhf.envs.chat_delta import ChatDelta, check_prefix_extension
 
 T = TypeVar("T")
 
@@ -134,8 +133,16 @@ def run_multi_turn(
                 steps = [(environments[index], trajectories[index].messages, text) for index, text in zip(live, texts)]
                 results = _step_all(steps, workers=environment_workers)
                 return [
-                    _answer(environments[index], trajectories[index], text, result, output.generated_token_ids, delta,
-                            last_turn=turn + 1 >= max_turns, max_response_tokens=max_response_tokens)
+                    _answer(
+                        environments[index],
+                        trajectories[index],
+                        text,
+                        result,
+                        output.generated_token_ids,
+                        delta,
+                        last_turn=turn + 1 >= max_turns,
+                        max_response_tokens=max_response_tokens,
+                    )
                     for index, text, result, output in zip(live, texts, results, outputs)
                 ]
 
@@ -151,7 +158,9 @@ def run_multi_turn(
                 else:
                     trajectory.finish_reason = answer.reason
             live = still_live
-    for trajectory, numbers in zip(trajectories, share(lambda: [environment.metrics() for environment in environments])):
+    for trajectory, numbers in zip(
+        trajectories, share(lambda: [environment.metrics() for environment in environments])
+    ):
         trajectory.env_metrics = numbers
     return trajectories, stats
 
@@ -178,8 +187,15 @@ def _step_all(steps: list[tuple[Environment, list[dict[str, Any]], str]], *, wor
 
 
 def _answer(
-    environment: Environment, trajectory: Trajectory, text: str, result: StepResult, generated: list[int],
-    delta: ChatDelta, *, last_turn: bool, max_response_tokens: int,
+    environment: Environment,
+    trajectory: Trajectory,
+    text: str,
+    result: StepResult,
+    generated: list[int],
+    delta: ChatDelta,
+    *,
+    last_turn: bool,
+    max_response_tokens: int,
 ) -> _Answer:
     messages = trajectory.messages + [{"role": "assistant", "content": text}]
     reason = _end_reason(generated, result.done, last_turn, delta)

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .tools import Tool
+from spmd_rlhf.envs.tools import Tool
 
 _CHILD = Path(__file__).with_name("_sandbox_child.py")
 
@@ -27,15 +27,24 @@ class SandboxError(RuntimeError):
     """The sandboxed tool failed: its own error, a limit, a crash or unreadable output."""
 
 
-def run_sandboxed(tool: str, arguments: dict[str, Any], *, timeout_s: float, memory_bytes: int, cpu_seconds: int) -> str:
+def run_sandboxed(
+    tool: str, arguments: dict[str, Any], *, timeout_s: float, memory_bytes: int, cpu_seconds: int
+) -> str:
     """The output text of built-in ``tool`` ("calculator" or "python") on ``arguments``, run in a child process;
     raises ``SandboxError`` saying what went wrong."""
-    request = json.dumps({"tool": tool, "arguments": arguments, "memory_bytes": memory_bytes, "cpu_seconds": cpu_seconds})
+    request = json.dumps(
+        {"tool": tool, "arguments": arguments, "memory_bytes": memory_bytes, "cpu_seconds": cpu_seconds}
+    )
     with tempfile.TemporaryDirectory(prefix="spmd_rlhf_tool_") as workdir:
         try:
             finished = subprocess.run(
-                [sys.executable, "-I", "-S", str(_CHILD)], input=request + "\n", capture_output=True, text=True,
-                timeout=timeout_s, cwd=workdir, env={},
+                [sys.executable, "-I", "-S", str(_CHILD)],
+                input=request + "\n",
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                cwd=workdir,
+                env={},
             )
         except subprocess.TimeoutExpired:
             raise SandboxError(f"timed out after {timeout_s:g} s") from None
@@ -72,12 +81,19 @@ def sandboxed_tool(
 BUILTIN_SCHEMAS: dict[str, tuple[str, dict[str, Any]]] = {
     "calculator": (
         "Evaluate an arithmetic expression of numbers and + - * / // % ** with parentheses; returns its value.",
-        {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 123*456"}},
-         "required": ["expression"]},
+        {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 123*456"}},
+            "required": ["expression"],
+        },
     ),
     "python": (
         "Run a Python program and return what it prints (no network; limited time and memory).",
-        {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}}, "required": ["code"]},
+        {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the program"}},
+            "required": ["code"],
+        },
     ),
 }
 """The built-in tools' descriptions and argument schemas (the child program implements them)."""

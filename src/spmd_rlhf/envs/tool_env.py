@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Environment, StepResult, initial_messages
-from .sandbox import sandboxed_tool
-from .tools import Tool, call_tool, parse_tool_calls
+from spmd_rlhf.envs.base import Environment, StepResult, initial_messages
+from spmd_rlhf.envs.sandbox import sandboxed_tool
+from spmd_rlhf.envs.tools import Tool, call_tool, parse_tool_calls
 
 
 def builtin_tools() -> dict[str, Tool]:

@@ -33,9 +33,7 @@ from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.pipeline import stage_layers
 from spmd_rlhf.models.streamed_vocabulary import vocabulary_stream
 
-
 T = TypeVar("T")
-
 
 
 def _in_group_order(items: list, layout_ranks: list[int]) -> list:
@@ -62,8 +60,16 @@ class HybridEngine:
     ``mesh["tp"]``, FSDP over ``mesh["dp"]``) and returns generated rows to the training layout."""
 
     def __init__(
-        self, model: torch.nn.Module, *, layout: GenerationLayout, rank: int, groups: dict[str, dist.ProcessGroup],
-        pp_group: dist.ProcessGroup | None, stage_ranks: list[int], device: torch.device, attention_backend: str,
+        self,
+        model: torch.nn.Module,
+        *,
+        layout: GenerationLayout,
+        rank: int,
+        groups: dict[str, dist.ProcessGroup],
+        pp_group: dist.ProcessGroup | None,
+        stage_ranks: list[int],
+        device: torch.device,
+        attention_backend: str,
         adapters: LoRAAdapters | None = None,
     ) -> None:
         """``groups``: this rank's ``generation_tp``, ``micro_dp`` and ``rollout_rows`` groups, made by the runtime
@@ -113,11 +119,15 @@ class HybridEngine:
         units: dict[int, list] = {}
         for name, module in named:
             prefix = f"{name}." if name else ""
-            inner = tuple(f"{other[len(prefix):]}." for other, _ in named if other != name and other.startswith(prefix))
+            inner = tuple(
+                f"{other[len(prefix) :]}." for other, _ in named if other != name and other.startswith(prefix)
+            )
             units.setdefault(id(fully_shard.state(module)), []).append((module, prefix, inner))
         yield from units.values()
 
-    def _gather_block(self, unit: list[tuple[torch.nn.Module, str, tuple[str, ...]]], targets: dict[str, torch.Tensor]) -> None:
+    def _gather_block(
+        self, unit: list[tuple[torch.nn.Module, str, tuple[str, ...]]], targets: dict[str, torch.Tensor]
+    ) -> None:
         unit[0][0].unshard()  # the whole unit: every module of a run of layers at once
         sharded, locals_ = [], []
         # Where each of the unit's tensors goes: its generation parameter, or for a LoRA adapter a buffer of its
@@ -126,7 +136,9 @@ class HybridEngine:
         destinations: dict[str, torch.Tensor] = {}
         adapters: list[str] = []
         for block, prefix, inner in unit:
-            streams = {id(module.weight): vocabulary_stream(module) for module in block.modules() if vocabulary_stream(module)}
+            streams = {
+                id(module.weight): vocabulary_stream(module) for module in block.modules() if vocabulary_stream(module)
+            }
             for name, param in block.named_parameters():
                 if name.startswith(inner):
                     continue  # a unit of its own
@@ -161,7 +173,9 @@ class HybridEngine:
                 lora_a, lora_b = destinations[name], destinations[layer + ADAPTER_SUFFIXES[1]]
                 weight.copy_(merged_weight(weight, lora_a, lora_b, self.adapters.config.scale))
 
-    def _gather_sharded(self, sharded: list[tuple[str, torch.Size, int]], flat: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+    def _gather_sharded(
+        self, sharded: list[tuple[str, torch.Size, int]], flat: torch.Tensor, targets: dict[str, torch.Tensor]
+    ) -> None:
         """All-gather the flattened TP shards of one block over the micro-DP group; each tensor's generation shard is
         the ``m`` pieces laid side by side along its split dimension."""
         micro_dp = self.layout.micro_dp
@@ -172,7 +186,9 @@ class HybridEngine:
         for name, shape, dim in sharded:
             numel = shape.numel()
             for index, piece in enumerate(pieces):
-                targets[name].narrow(dim, index * shape[dim], shape[dim]).copy_(piece[offset : offset + numel].view(shape))
+                targets[name].narrow(dim, index * shape[dim], shape[dim]).copy_(
+                    piece[offset : offset + numel].view(shape)
+                )
             offset += numel
 
     def _exchange_stages(self, targets: dict[str, torch.Tensor]) -> None:
@@ -185,7 +201,9 @@ class HybridEngine:
             if stage == 0:
                 blocks.append([name for name in targets if name.startswith("model.embed_tokens.")])
             if stage == num_stages - 1:
-                blocks.append([name for name in targets if not name.startswith(("model.layers.", "model.embed_tokens."))])
+                blocks.append(
+                    [name for name in targets if not name.startswith(("model.layers.", "model.embed_tokens."))]
+                )
             source = self.stage_ranks[stage]
             for names in blocks:
                 flat = torch.cat([targets[name].reshape(-1) for name in names])
@@ -200,7 +218,9 @@ class HybridEngine:
 
     def replica_rows(self, num_rows: int) -> torch.Tensor:
         """Indices of the rows (of a DP group's batch) this rank's generation replica answers."""
-        return torch.arange(num_rows).tensor_split(self.layout.replicas_per_dp_group)[self.layout.replica_index(self.rank)]
+        return torch.arange(num_rows).tensor_split(self.layout.replicas_per_dp_group)[
+            self.layout.replica_index(self.rank)
+        ]
 
     def on_replica_leader(self, compute: Callable[[], T]) -> T:
         """``compute()`` run on the first rank of this rank's generation replica, its result on every rank of the
@@ -236,5 +256,7 @@ class HybridEngine:
             padded[:rows] = tensor
             parts = [torch.empty_like(padded) for _ in range(size)]
             dist.all_gather(parts, padded, group=self.row_group)
-            gathered[key] = torch.cat([part[: int(count)] for part, count in zip(_in_group_order(parts, order), counts)])
+            gathered[key] = torch.cat(
+                [part[: int(count)] for part, count in zip(_in_group_order(parts, order), counts)]
+            )
         return gathered

@@ -79,7 +79,11 @@ class GenerationLayout:
 
     def process_groups(self) -> dict[str, list[list[int]]]:
         """Every rank's groups of each kind, for the runtime to create (collectively) when the actor is spawned."""
-        kinds = {"generation_tp": self.generation_tp_group, "micro_dp": self.micro_dp_group, "rollout_rows": self.row_group}
+        kinds = {
+            "generation_tp": self.generation_tp_group,
+            "micro_dp": self.micro_dp_group,
+            "rollout_rows": self.row_group,
+        }
         return {name: sorted({tuple(group(rank)) for rank in self.ranks}) for name, group in kinds.items()}
 
     def row_group(self, rank: int) -> list[int]:

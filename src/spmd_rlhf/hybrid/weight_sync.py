@@ -35,10 +35,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..models.safetensors_stream import TensorEntry, row_bands
-from ..models.shard_pieces import local_piece
-from ..models.sharded_save import assembled_bands, exchange_pieces, ready_point_to_point, send_band_pieces
-from ..runtime.device import bind_thread
+from spmd_rlhf.models.safetensors_stream import TensorEntry, row_bands
+from spmd_rlhf.models.shard_pieces import local_piece
+from spmd_rlhf.models.sharded_save import assembled_bands, exchange_pieces, ready_point_to_point, send_band_pieces
+from spmd_rlhf.runtime.device import bind_thread
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,10 @@ class SyncSides:
     timeout_s: float
 
     def describe(self, version: int) -> str:
-        return (f"weight sync of policy version {version} from actor rank {self.source} to rollout ranks "
-                f"{list(self.rollout_ranks)}")
+        return (
+            f"weight sync of policy version {version} from actor rank {self.source} to rollout ranks "
+            f"{list(self.rollout_ranks)}"
+        )
 
 
 def sync_group_ranks(actor_ranks: tuple[int, ...], rollout_ranks: tuple[int, ...]) -> list[int]:
@@ -159,8 +161,9 @@ def _copy(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return param.to(dtype=dtype, copy=True)
     local = param.to_local().to(dtype=dtype, copy=True)
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _plan(shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int):
@@ -182,8 +185,15 @@ def _plan_metrics(element_bytes: int, bands: list, buckets: list[list[int]]) -> 
 
 @torch.no_grad()
 def send_weights(
-    params: dict[str, torch.Tensor], *, sides: SyncSides, rank: int, trainer_group: dist.ProcessGroup,
-    dtype: torch.dtype, bucket_bytes: int, version: int, device: torch.device,
+    params: dict[str, torch.Tensor],
+    *,
+    sides: SyncSides,
+    rank: int,
+    trainer_group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    version: int,
+    device: torch.device,
 ) -> dict[str, float]:
     """Send the weights ``params`` (``trainer_parameters`` or a ``snapshot`` of them) in ``dtype`` (every actor rank
     calls it: each sends its pieces of every row band to the first rank over ``trainer_group``, all the actor's
@@ -206,14 +216,22 @@ def send_weights(
     ready_point_to_point(trainer_group, device)
     sending, pieces = exchange_pieces(params, entries, stage_ranks=stage_ranks, group=trainer_group)
     if not sender:
-        send_band_pieces(params, entries, sending, writer=sides.source, band_bytes=bucket_bytes, device=device,
-                         group=trainer_group)
+        send_band_pieces(
+            params, entries, sending, writer=sides.source, band_bytes=bucket_bytes, device=device, group=trainer_group
+        )
     else:
         assembled = (
             band
             for entry in entries
-            for _, band in assembled_bands(entry, params[entry.name], pieces[entry.name], band_bytes=bucket_bytes,
-                                           device=device, group=trainer_group, band_device=device)
+            for _, band in assembled_bands(
+                entry,
+                params[entry.name],
+                pieces[entry.name],
+                band_bytes=bucket_bytes,
+                device=device,
+                group=trainer_group,
+                band_device=device,
+            )
         )
         for number, bucket in enumerate(buckets):
             flat = torch.empty(sum(bands[item].numel for item in bucket), dtype=dtype, device=device)
@@ -282,7 +300,12 @@ class BackgroundSender:
 
 @torch.no_grad()
 def receive_weights(
-    model: torch.nn.Module, *, sides: SyncSides, bucket_bytes: int, version: int, device: torch.device,
+    model: torch.nn.Module,
+    *,
+    sides: SyncSides,
+    bucket_bytes: int,
+    version: int,
+    device: torch.device,
 ) -> None:
     """Fill the rollout's generation ``model`` (TP DTensors over the replica's mesh, or plain tensors) with the
     weights ``send_weights`` broadcasts; every rollout rank calls it."""

@@ -8,15 +8,30 @@ parallel layout, by simulating each candidate's step time with an analytical cos
 - ``placement``: ``placement: auto`` for recipe configs; ``commands``: ``spmd-rlhf plan`` and ``calibrate``.
 """
 
-from .calibrate import resolve_profile
-from .cost import Cluster, Layout
-from .placement import apply_mapping, mapping_overrides, plan_config
-from .profile import BUILTIN_PROFILES, DeviceProfile, load_profile
-from .search import Mapping, Planner, PlanResult
-from .workload import NAMED_SHAPES, Batch, ModelShape, RoleSpec, dataflow, model_shape
+from spmd_rlhf.mapping.calibrate import resolve_profile
+from spmd_rlhf.mapping.cost import Cluster, Layout
+from spmd_rlhf.mapping.placement import apply_mapping, mapping_overrides, plan_config
+from spmd_rlhf.mapping.profile import BUILTIN_PROFILES, DeviceProfile, load_profile
+from spmd_rlhf.mapping.search import Mapping, Planner, PlanResult
+from spmd_rlhf.mapping.workload import NAMED_SHAPES, Batch, ModelShape, RoleSpec, dataflow, model_shape
 
 __all__ = [
-    "BUILTIN_PROFILES", "NAMED_SHAPES", "Batch", "Cluster", "DeviceProfile", "Layout", "Mapping", "ModelShape",
-    "PlanResult", "Planner", "RoleSpec", "apply_mapping", "dataflow", "load_profile", "mapping_overrides",
-    "model_shape", "plan_config", "resolve_profile",
+    "BUILTIN_PROFILES",
+    "NAMED_SHAPES",
+    "Batch",
+    "Cluster",
+    "DeviceProfile",
+    "Layout",
+    "Mapping",
+    "ModelShape",
+    "PlanResult",
+    "Planner",
+    "RoleSpec",
+    "apply_mapping",
+    "dataflow",
+    "load_profile",
+    "mapping_overrides",
+    "model_shape",
+    "plan_config",
+    "resolve_profile",
 ]

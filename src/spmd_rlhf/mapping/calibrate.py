@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..collectives import all_gather_flat
-from ..runtime.device import bind_thread
-from .cost import OPS_PER_LAYER
-from .profile import BUILTIN_PROFILES, DEFAULT_PROFILE_PATH, DeviceProfile, load_profile
+from spmd_rlhf.collectives import all_gather_flat
+from spmd_rlhf.mapping.cost import OPS_PER_LAYER
+from spmd_rlhf.mapping.profile import BUILTIN_PROFILES, DEFAULT_PROFILE_PATH, DeviceProfile, load_profile
+from spmd_rlhf.runtime.device import bind_thread
 
 _JOIN_TIMEOUT_S = 120.0
 
@@ -68,9 +68,22 @@ def _probe_model(device: torch.device, dtype: torch.dtype):
     from spmd_rlhf.models.decoder import DecoderLM
 
     args = DecoderArgs(
-        family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-        max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False,
+        family="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
         qk_norm=False,
     )
     return DecoderLM(args, head="lm").to(device=device, dtype=dtype)
@@ -138,7 +151,9 @@ def _link_worker(rank: int, world_size: int, port: int, backend: str, num_bytes:
         calls = 50
         # A ring all-reduce takes 2·(world_size - 1) steps.
         steps = 2 * (world_size - 1)
-        latency = _best_seconds(lambda: [dist.all_reduce(tiny) for _ in range(calls)], repeats=3, sync=sync) / calls / steps
+        latency = (
+            _best_seconds(lambda: [dist.all_reduce(tiny) for _ in range(calls)], repeats=3, sync=sync) / calls / steps
+        )
         # What a collective costs through FSDP, per ring step, when that is more than the bare collective.
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         latency = max(latency, measure_fsdp_collective_seconds(device, dtype, world_size) / (world_size - 1))
@@ -163,7 +178,10 @@ def measure_link(*, backend: str, num_bytes: int, world_size: int = 2) -> tuple[
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "link.txt")
         context = mp.start_processes(
-            _link_worker, args=(world_size, port, backend, num_bytes, out), nprocs=world_size, join=False,
+            _link_worker,
+            args=(world_size, port, backend, num_bytes, out),
+            nprocs=world_size,
+            join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
@@ -182,7 +200,9 @@ def measure_link(*, backend: str, num_bytes: int, world_size: int = 2) -> tuple[
     return bandwidth, latency
 
 
-def calibrate(*, quick: bool = False, dtype: torch.dtype | None = None, inter_node_bandwidth: float | None = None) -> DeviceProfile:
+def calibrate(
+    *, quick: bool = False, dtype: torch.dtype | None = None, inter_node_bandwidth: float | None = None
+) -> DeviceProfile:
     """Measure this machine and return its profile (CPU if no GPU is visible; bf16 on GPU, float32 on CPU)."""
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -191,8 +211,12 @@ def calibrate(*, quick: bool = False, dtype: torch.dtype | None = None, inter_no
     if not on_gpu:
         torch.set_num_threads(1)  # as each rank of a CPU job runs
     try:
-        flops = measure_matmul_flops(device, dtype, size=(4096 if on_gpu else 384) if quick else (8192 if on_gpu else 1024))
-        copy = measure_copy_bandwidth(device, num_bytes=(2**30 if on_gpu else 2**24) if quick else (2**32 if on_gpu else 2**27))
+        flops = measure_matmul_flops(
+            device, dtype, size=(4096 if on_gpu else 384) if quick else (8192 if on_gpu else 1024)
+        )
+        copy = measure_copy_bandwidth(
+            device, num_bytes=(2**30 if on_gpu else 2**24) if quick else (2**32 if on_gpu else 2**27)
+        )
         op_latency = measure_op_latency(device, dtype)
     finally:
         torch.set_num_threads(threads)
@@ -210,13 +234,22 @@ def calibrate(*, quick: bool = False, dtype: torch.dtype | None = None, inter_no
         latency = known.collective_latency
         source += f"; links from the {known.name} datasheet profile (one GPU: no link to measure)"
     else:
-        link, latency = measure_link(backend="nccl" if on_gpu else "gloo", num_bytes=(2**26 if quick else 2**28) if on_gpu else 2**22)
+        link, latency = measure_link(
+            backend="nccl" if on_gpu else "gloo", num_bytes=(2**26 if quick else 2**28) if on_gpu else 2**22
+        )
     memory = torch.cuda.get_device_properties(device).total_memory if on_gpu else _host_memory_bytes()
     return DeviceProfile(
-        name=name, peak_flops=flops, memory_bandwidth=copy, intra_node_bandwidth=link,
-        inter_node_bandwidth=inter_node_bandwidth or link, device_memory=float(memory),
-        collective_latency=latency, op_latency=op_latency, shared_cores=0 if on_gpu else len(os.sched_getaffinity(0)),
-        overlaps_communication=on_gpu, source=source,
+        name=name,
+        peak_flops=flops,
+        memory_bandwidth=copy,
+        intra_node_bandwidth=link,
+        inter_node_bandwidth=inter_node_bandwidth or link,
+        device_memory=float(memory),
+        collective_latency=latency,
+        op_latency=op_latency,
+        shared_cores=0 if on_gpu else len(os.sched_getaffinity(0)),
+        overlaps_communication=on_gpu,
+        source=source,
     )
 
 

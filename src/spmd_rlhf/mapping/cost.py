@@ -28,10 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from spmd_rlhf.mapping.profile import DeviceProfile
+from spmd_rlhf.mapping.workload import Batch, RoleSpec
 from spmd_rlhf.models.logprob import rows_per_chunk
-
-from .profile import DeviceProfile
-from .workload import Batch, RoleSpec
 
 TRAINING_BYTES_PER_PARAMETER = 16
 """float32 weight + float32 gradient + Adam's two float32 moments."""
@@ -173,7 +172,9 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     fsdp = units * cluster.all_gather(gathered, dp, extent=dp * tp)
     if train:  # gather again for backward, then reduce-scatter float32 gradients
         fsdp = 2 * fsdp + units * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
-    tensor_parallel = layers * 2 * (passes - 1 if train else 1) * cluster.all_reduce(tokens * shape.hidden * b, tp, extent=tp)
+    tensor_parallel = (
+        layers * 2 * (passes - 1 if train else 1) * cluster.all_reduce(tokens * shape.hidden * b, tp, extent=tp)
+    )
     kernels = passes * layers * OPS_PER_LAYER * profile.op_latency
     pipeline_send = cluster.all_gather(tokens * shape.hidden * b * 2, 2, extent=layout.devices) if pp > 1 else 0.0
     overlapped = max(compute, fsdp) if profile.overlaps_communication else compute + fsdp
@@ -182,13 +183,21 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     if train:
         mini = role.mini_batch_size or batch.mini_batch_size or batch.rows
         steps = batch.ppo_epochs * math.ceil(batch.rows / mini)
-        optimizer = shape.parameters(role.head) / layout.devices * TRAINING_BYTES_PER_PARAMETER * 2 / profile.attained_memory_bandwidth
+        optimizer = (
+            shape.parameters(role.head)
+            / layout.devices
+            * TRAINING_BYTES_PER_PARAMETER
+            * 2
+            / profile.attained_memory_bandwidth
+        )
         clip = cluster.all_reduce(4, layout.devices, extent=layout.devices)
         seconds = batch.ppo_epochs * seconds + steps * (optimizer + clip)
     return seconds
 
 
-def generation_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, rows: int, free_bytes: float) -> float:
+def generation_seconds(
+    role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, rows: int, free_bytes: float
+) -> float:
     """Seconds for the actor to generate ``rows`` responses with tp_g-way replicas, including resharding into the
     generation layout; ``free_bytes`` is what each device has left after every colocated role's resident state.
     ``math.inf`` if the generation shard and one sequence's KV cache do not fit."""
@@ -208,7 +217,9 @@ def generation_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: 
     matmul = shape.matmul_parameters(role.head)
     # Prefill: compute-bound over the wave's prompts.
     prompt_tokens = running * batch.prompt_length
-    prefill_flops = 2 * matmul * prompt_tokens + 2 * shape.layers * running * batch.prompt_length**2 * shape.heads * shape.head_dim
+    prefill_flops = (
+        2 * matmul * prompt_tokens + 2 * shape.layers * running * batch.prompt_length**2 * shape.heads * shape.head_dim
+    )
     prefill = (
         prefill_flops / tp_g / profile.flops
         + shape.layers * 2 * cluster.all_reduce(prompt_tokens * shape.hidden * b, tp_g, extent=tp_g)

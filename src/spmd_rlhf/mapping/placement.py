@@ -9,12 +9,11 @@ import os
 
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
 from spmd_rlhf.dataflow import ROLE_KINDS, dataflow_of
-
-from .cost import Cluster
-from .calibrate import resolve_profile
-from .profile import DeviceProfile
-from .search import Mapping, Planner, PlanResult
-from .workload import Batch, RoleSpec, model_shape
+from spmd_rlhf.mapping.calibrate import resolve_profile
+from spmd_rlhf.mapping.cost import Cluster
+from spmd_rlhf.mapping.profile import DeviceProfile
+from spmd_rlhf.mapping.search import Mapping, Planner, PlanResult
+from spmd_rlhf.mapping.workload import Batch, RoleSpec, model_shape
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -31,10 +30,16 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
         specs.append(_with_batch_sizes(RoleSpec(name, shape, kind.head, kind.trained, work), role))
     actor = config.actor
     batch = Batch(
-        prompts=config.data.batch_size, samples=config.rollout.n, prompt_length=config.data.max_prompt_length,
-        response_length=config.rollout.response_length, micro_batch_size=actor.micro_batch_size,
-        mini_batch_size=actor.mini_batch_size, ppo_epochs=actor.ppo_epochs, dtype_bytes=_DTYPE_BYTES[config.model.dtype],
-        activation_checkpointing=config.model.activation_checkpointing, memory_fraction=config.rollout.memory_fraction,
+        prompts=config.data.batch_size,
+        samples=config.rollout.n,
+        prompt_length=config.data.max_prompt_length,
+        response_length=config.rollout.response_length,
+        micro_batch_size=actor.micro_batch_size,
+        mini_batch_size=actor.mini_batch_size,
+        ppo_epochs=actor.ppo_epochs,
+        dtype_bytes=_DTYPE_BYTES[config.model.dtype],
+        activation_checkpointing=config.model.activation_checkpointing,
+        memory_fraction=config.rollout.memory_fraction,
     )
     return specs, batch
 
@@ -70,7 +75,13 @@ def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
         pool, devices = pool_of.get(name, pool_of["actor"])
         layout = mapping.layouts.get(name)
         pp, tp = (layout.pp, layout.tp) if layout else (1, 1)
-        overrides += [f"{name}.pool={pool}", f"{name}.n_ranks={devices}", f"{name}.dp=0", f"{name}.pp={pp}", f"{name}.tp={tp}"]
+        overrides += [
+            f"{name}.pool={pool}",
+            f"{name}.n_ranks={devices}",
+            f"{name}.dp=0",
+            f"{name}.pp={pp}",
+            f"{name}.tp={tp}",
+        ]
     overrides.append(f"rollout.tp={mapping.layouts['actor'].tp_g}")
     return overrides
 
@@ -96,6 +107,9 @@ def describe_plan(result: PlanResult, *, devices: int, profile: DeviceProfile) -
     stages = "  ".join(f"{stage} {seconds:.3g} s" for stage, seconds in best.stage_seconds.items())
     lines += [f"estimated step: {best.seconds:.3g} s ({stages})", "", "# runners-up"]
     for mapping in result.runners_up:
-        lines.append(f"{mapping.seconds:10.3g} s  {mapping.describe()}  " + ", ".join(f"{name}: {layout}" for name, layout in mapping.layouts.items()))
+        lines.append(
+            f"{mapping.seconds:10.3g} s  {mapping.describe()}  "
+            + ", ".join(f"{name}: {layout}" for name, layout in mapping.layouts.items())
+        )
     lines.append(f"\n{result.mappings_evaluated} mappings evaluated in {result.search_seconds:.2f} s")
     return "\n".join(lines) + "\n"

@@ -14,7 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_PROFILE_PATH = Path(os.environ.get("SPMD_RLHF_PROFILE", Path.home() / ".cache" / "spmd_rlhf" / "device_profile.json"))
+DEFAULT_PROFILE_PATH = Path(
+    os.environ.get("SPMD_RLHF_PROFILE", Path.home() / ".cache" / "spmd_rlhf" / "device_profile.json")
+)
 """Where ``spmd-rlhf calibrate`` writes and ``placement: auto`` looks first (``$SPMD_RLHF_PROFILE`` overrides)."""
 
 
@@ -88,15 +90,29 @@ _GB = 1e9
 BUILTIN_PROFILES = {
     # H100 SXM5 80 GB: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction, 400 Gb/s NDR IB.
     "h100": DeviceProfile(
-        name="h100", peak_flops=989e12, memory_bandwidth=3350 * _GB, intra_node_bandwidth=450 * _GB,
-        inter_node_bandwidth=50 * _GB, device_memory=80 * _GB, collective_latency=8e-6, op_latency=5e-6,
-        compute_efficiency=0.6, bandwidth_efficiency=0.8,
+        name="h100",
+        peak_flops=989e12,
+        memory_bandwidth=3350 * _GB,
+        intra_node_bandwidth=450 * _GB,
+        inter_node_bandwidth=50 * _GB,
+        device_memory=80 * _GB,
+        collective_latency=8e-6,
+        op_latency=5e-6,
+        compute_efficiency=0.6,
+        bandwidth_efficiency=0.8,
     ),
     # A100 SXM4 80 GB: 312 TFLOP/s dense bf16, 2.04 TB/s HBM2e, NVLink 3 at 300 GB/s per direction, 200 Gb/s HDR IB.
     "a100": DeviceProfile(
-        name="a100", peak_flops=312e12, memory_bandwidth=2039 * _GB, intra_node_bandwidth=300 * _GB,
-        inter_node_bandwidth=25 * _GB, device_memory=80 * _GB, collective_latency=8e-6, op_latency=5e-6,
-        compute_efficiency=0.6, bandwidth_efficiency=0.8,
+        name="a100",
+        peak_flops=312e12,
+        memory_bandwidth=2039 * _GB,
+        intra_node_bandwidth=300 * _GB,
+        inter_node_bandwidth=25 * _GB,
+        device_memory=80 * _GB,
+        collective_latency=8e-6,
+        op_latency=5e-6,
+        compute_efficiency=0.6,
+        bandwidth_efficiency=0.8,
     ),
 }
 """Datasheet profiles by name (``spmd-rlhf plan --profile h100``)."""

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .cost import Cluster, Layout, generation_seconds, pass_seconds, resident_bytes, working_bytes
-from .workload import STAGES, Batch, RoleSpec
+from spmd_rlhf.mapping.cost import Cluster, Layout, generation_seconds, pass_seconds, resident_bytes, working_bytes
+from spmd_rlhf.mapping.workload import STAGES, Batch, RoleSpec
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def placements(names: list[str]) -> Iterator[tuple[tuple[str, ...], ...]]:
     for partition in placements(rest):
         yield ((first,),) + partition
         for index in range(len(partition)):
-            yield partition[:index] + ((first,) + partition[index],) + partition[index + 1:]
+            yield partition[:index] + ((first,) + partition[index],) + partition[index + 1 :]
 
 
 def allocations(total: int, minimum: list[int]) -> Iterator[tuple[int, ...]]:
@@ -102,12 +102,14 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
             dp = devices // (tp * pp)
             if batch.rows % dp or (role.trained and mini % (micro * dp)):
                 continue
-            for tp_g in (_divisors(tp) if generates else [0]):
+            for tp_g in _divisors(tp) if generates else [0]:
                 layouts.append(Layout(pp=pp, dp=dp, tp=tp, tp_g=tp_g))
     return layouts
 
 
-def role_stage_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, free_bytes: float) -> dict[str, float]:
+def role_stage_seconds(
+    role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, free_bytes: float
+) -> dict[str, float]:
     """Simulated seconds of the role's work in each stage on ``layout`` (inf where it does not fit)."""
     seconds = {}
     for stage, work in role.work.items():
@@ -143,7 +145,9 @@ class Planner:
         self.budget = cluster.profile.device_memory * batch.memory_fraction
         self._cache: dict[tuple[str, int, tuple[str, ...]], tuple[Layout, dict[str, float]] | None] = {}
 
-    def auto_parallel(self, name: str, devices: int, colocated: tuple[str, ...]) -> tuple[Layout, dict[str, float]] | None:
+    def auto_parallel(
+        self, name: str, devices: int, colocated: tuple[str, ...]
+    ) -> tuple[Layout, dict[str, float]] | None:
         """The role's fastest layout on ``devices`` devices shared with ``colocated`` (itself included) and its
         seconds per stage, or None if no layout fits in memory."""
         key = (name, devices, colocated)
@@ -151,7 +155,9 @@ class Planner:
             self._cache[key] = self._auto_parallel(self.roles[name], devices, colocated)
         return self._cache[key]
 
-    def _auto_parallel(self, role: RoleSpec, devices: int, colocated: tuple[str, ...]) -> tuple[Layout, dict[str, float]] | None:
+    def _auto_parallel(
+        self, role: RoleSpec, devices: int, colocated: tuple[str, ...]
+    ) -> tuple[Layout, dict[str, float]] | None:
         free = self.budget - sum(resident_bytes(self.roles[name], devices, self.batch) for name in colocated)
         best = None
         for layout in candidate_layouts(role, devices, self.cluster, self.batch):
@@ -224,5 +230,9 @@ class Planner:
                 f"smaller micro-batches, activation checkpointing or shorter sequences"
             )
         ranked = [entry[3] for entry in sorted(heap, reverse=True)]
-        return PlanResult(best=ranked[0], runners_up=ranked[1:], mappings_evaluated=evaluated,
-                          search_seconds=time.perf_counter() - started)
+        return PlanResult(
+            best=ranked[0],
+            runners_up=ranked[1:],
+            mappings_evaluated=evaluated,
+            search_seconds=time.perf_counter() - started,
+        )

@@ -8,11 +8,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from spmd_rlhf.dataflow import STAGES  # noqa: F401  (the mapper's stages are the dataflow's)
 from spmd_rlhf.dataflow import (
-    KL_TO_ACTOR_BASE, KL_TO_REFERENCE, ON_ACTOR, RECOMPUTE_LOG_PROBS, ROLE_KINDS, ROLLOUT_ROLE, dataflow_of,
+    KL_TO_ACTOR_BASE,
+    KL_TO_REFERENCE,
+    ON_ACTOR,
+    RECOMPUTE_LOG_PROBS,
+    ROLE_KINDS,
+    ROLLOUT_ROLE,
+    STAGES,  # noqa: F401  (the mapper's stages are the dataflow's)
+    dataflow_of,
 )
-
 
 
 @dataclass(frozen=True)
@@ -76,9 +81,15 @@ class ModelShape:
 
 
 NAMED_SHAPES = {
-    "0.5b": ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True, qkv_bias=True),
-    "1.5b": ModelShape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True, qkv_bias=True),
-    "3b": ModelShape(hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008, vocab=151936, tied=True, qkv_bias=True),
+    "0.5b": ModelShape(
+        hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True, qkv_bias=True
+    ),
+    "1.5b": ModelShape(
+        hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True, qkv_bias=True
+    ),
+    "3b": ModelShape(
+        hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008, vocab=151936, tied=True, qkv_bias=True
+    ),
     "7b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000),
     "8b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
     "13b": ModelShape(hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824, vocab=32000),
@@ -101,9 +112,18 @@ def model_shape(name_or_path: str) -> ModelShape:
         )
     args = read_decoder_args(name_or_path)
     return ModelShape(
-        hidden=args.hidden_size, layers=args.num_layers, heads=args.num_heads, kv_heads=args.num_kv_heads,
-        intermediate=args.intermediate_size, vocab=args.vocab_size, head_dim=args.head_dim, tied=args.tie_word_embeddings,
-        qkv_bias=args.qkv_bias, o_bias=args.o_bias, mlp_bias=args.mlp_bias, qk_norm=args.qk_norm,
+        hidden=args.hidden_size,
+        layers=args.num_layers,
+        heads=args.num_heads,
+        kv_heads=args.num_kv_heads,
+        intermediate=args.intermediate_size,
+        vocab=args.vocab_size,
+        head_dim=args.head_dim,
+        tied=args.tie_word_embeddings,
+        qkv_bias=args.qkv_bias,
+        o_bias=args.o_bias,
+        mlp_bias=args.mlp_bias,
+        qk_norm=args.qk_norm,
     )
 
 
@@ -161,8 +181,14 @@ class RoleSpec:
 
 
 def dataflow(
-    algorithm: str, *, actor: ModelShape, critic: ModelShape | None = None, reference: ModelShape | None = None,
-    reward: ModelShape | None = None, cost: ModelShape | None = None, cost_critic: ModelShape | None = None,
+    algorithm: str,
+    *,
+    actor: ModelShape,
+    critic: ModelShape | None = None,
+    reference: ModelShape | None = None,
+    reward: ModelShape | None = None,
+    cost: ModelShape | None = None,
+    cost_critic: ModelShape | None = None,
     recompute_log_probs: bool = False,
 ) -> list[RoleSpec]:
     """The model roles of one step of ``algorithm`` (its recipe's declared dataflow), with their work per stage.
@@ -171,14 +197,21 @@ def dataflow(
     (``kl_penalty: none``). The cost critic has the critic's shape unless given its own.
     """
     shapes = {
-        "actor": actor, "critic": critic, "reference": reference, "reward": reward, "cost": cost,
+        "actor": actor,
+        "critic": critic,
+        "reference": reference,
+        "reward": reward,
+        "cost": cost,
         "cost_critic": cost_critic or critic,
     }
     # The mapper models a separate reference model (a LoRA actor serving its own reference is not modelled) and the
     # synchronous HybridEngine: the actor generates (no rollout role of its own).
     conditions = {
-        KL_TO_REFERENCE.name: reference is not None, KL_TO_ACTOR_BASE.name: False,
-        RECOMPUTE_LOG_PROBS.name: recompute_log_probs, ON_ACTOR.name: True, ROLLOUT_ROLE.name: False,
+        KL_TO_REFERENCE.name: reference is not None,
+        KL_TO_ACTOR_BASE.name: False,
+        RECOMPUTE_LOG_PROBS.name: recompute_log_probs,
+        ON_ACTOR.name: True,
+        ROLLOUT_ROLE.name: False,
     }
     roles = []
     for name, work in dataflow_of(algorithm).roles(conditions).items():

@@ -22,15 +22,54 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Keys that do not change the math of a forward pass (bookkeeping, generation defaults, tokenizer ids, init ranges),
 # or that the decoder reads below. A key outside this set and the family's own set is rejected.
 _COMMON_KEYS = {
-    "_name_or_path", "architectures", "transformers_version", "model_type", "dtype", "torch_dtype", "use_cache",
-    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "id2label", "label2id", "num_labels",
-    "problem_type", "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
-    "is_encoder_decoder", "tie_word_embeddings", "vocab_size", "hidden_size", "intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_dropout",
-    "layer_types", "classifier_dropout", "token_classification_bias", "generation_config", "tokenizer_class",
-    "auto_map", "pretraining_tp", "sliding_window", "use_sliding_window", "max_window_layers",
-    "attention_bias", "mlp_bias", "partial_rotary_factor",
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "model_type",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "id2label",
+    "label2id",
+    "num_labels",
+    "problem_type",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "tie_word_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "attention_dropout",
+    "layer_types",
+    "classifier_dropout",
+    "token_classification_bias",
+    "generation_config",
+    "tokenizer_class",
+    "auto_map",
+    "pretraining_tp",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "attention_bias",
+    "mlp_bias",
+    "partial_rotary_factor",
 }
 
 
@@ -86,7 +125,10 @@ def _rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
         raise ModelConfigError(f"partial_rotary_factor={partial} is not supported; only 1.0 (full rotary)")
     if rope_type == "default":
         return theta, None
-    required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    required = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }
     missing = [key for key in required[rope_type] if key not in params]
     if missing:
         raise ModelConfigError(f"rope_scaling type {rope_type!r} needs {', '.join(missing)}")
@@ -99,7 +141,9 @@ def _check_attention_window(family: str, hf_config: Any) -> None:
     if family == "mistral":
         needs_window = window is not None and window < max_positions
     else:
-        needs_window = bool(getattr(hf_config, "use_sliding_window", False)) and window is not None and window < max_positions
+        needs_window = (
+            bool(getattr(hf_config, "use_sliding_window", False)) and window is not None and window < max_positions
+        )
     if needs_window:
         raise ModelConfigError(
             f"sliding_window={window} (< max_position_embeddings={max_positions}) is not supported: sliding-window "
@@ -123,7 +167,9 @@ def args_from_hf_config(hf_config: Any, raw: dict[str, Any] | None = None) -> De
     if raw is not None:
         unknown = sorted(set(raw) - _COMMON_KEYS)
         if unknown:
-            raise ModelConfigError(f"config.json key(s) {', '.join(unknown)} are not supported for model_type={family!r}")
+            raise ModelConfigError(
+                f"config.json key(s) {', '.join(unknown)} are not supported for model_type={family!r}"
+            )
     if hf_config.hidden_act != "silu":
         raise ModelConfigError(f"hidden_act={hf_config.hidden_act!r} is not supported; only 'silu' (SwiGLU MLP)")
     if getattr(hf_config, "attention_dropout", 0.0):
@@ -133,7 +179,9 @@ def args_from_hf_config(hf_config: Any, raw: dict[str, Any] | None = None) -> De
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
-        raise ModelConfigError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        raise ModelConfigError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+        )
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     if head_dim % 2:
         raise ModelConfigError(f"head_dim={head_dim} must be even for rotary embeddings")

@@ -131,7 +131,9 @@ def _allowed_keys(batch: AttentionBatch, seq_len: int, device: torch.device) -> 
     return allowed[:, None]
 
 
-def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _torch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -143,7 +145,9 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     return torch.matmul(probs, v)
 
 
-def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+def _flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     batch_size, seq_len = q.shape[:2]
@@ -151,8 +155,15 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: A
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
     if batch.cu_seqlens is not None:
         out = flash_attn_varlen_func(
-            q[0], k[0], v[0], batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
-            softmax_scale=scale, causal=True,
+            q[0],
+            k[0],
+            v[0],
+            batch.cu_seqlens,
+            batch.cu_seqlens,
+            batch.max_seqlen,
+            batch.max_seqlen,
+            softmax_scale=scale,
+            causal=True,
         )
         return out[None]
     # Padded rows: drop the padding, run varlen attention over the real tokens, scatter back.
@@ -160,7 +171,9 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: A
     cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     keep = batch.attention_mask.flatten().nonzero().squeeze(1)
     flat = [t.reshape(batch_size * seq_len, *t.shape[2:]).index_select(0, keep) for t in (q, k, v)]
-    out = flash_attn_varlen_func(*flat, cu_seqlens, cu_seqlens, int(lengths.max()), int(lengths.max()), softmax_scale=scale, causal=True)
+    out = flash_attn_varlen_func(
+        *flat, cu_seqlens, cu_seqlens, int(lengths.max()), int(lengths.max()), softmax_scale=scale, causal=True
+    )
     full = out.new_zeros(batch_size * seq_len, *out.shape[1:])
     return full.index_copy(0, keep, out).view(batch_size, seq_len, *out.shape[1:])
 
@@ -171,8 +184,16 @@ def _flash_paged_attention(q: torch.Tensor, paged: PagedKV, layer_index: int, sc
     from flash_attn import flash_attn_varlen_func
 
     out = flash_attn_varlen_func(
-        q[0], paged.key_cache[layer_index], paged.value_cache[layer_index], paged.cu_seqlens_q, paged.cu_seqlens_k,
-        paged.max_seqlen_q, paged.max_context_len, softmax_scale=scale, causal=True, block_table=paged.block_tables,
+        q[0],
+        paged.key_cache[layer_index],
+        paged.value_cache[layer_index],
+        paged.cu_seqlens_q,
+        paged.cu_seqlens_k,
+        paged.max_seqlen_q,
+        paged.max_context_len,
+        softmax_scale=scale,
+        causal=True,
+        block_table=paged.block_tables,
     )
     return out[None]
 
@@ -198,8 +219,12 @@ def _paged_attention(
         return _flash_paged_attention(q, paged, layer_index, scale)
     if _is_triton_decode(q, paged, batch.backend):
         out = paged_decode_attention(
-            q[0], paged.key_cache[layer_index], paged.value_cache[layer_index], paged.block_tables,
-            paged.context_lens, scale=scale,
+            q[0],
+            paged.key_cache[layer_index],
+            paged.value_cache[layer_index],
+            paged.block_tables,
+            paged.context_lens,
+            scale=scale,
         )
         return out[None]
     padded_q, cached_k, cached_v, allowed = paged.gather(layer_index, q[0])
@@ -226,7 +251,9 @@ def _per_sequence_is_cheaper(batch: AttentionBatch, total: int) -> bool:
     return num_seqs * batch.max_seqlen**2 < total**2
 
 
-def _per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+def _per_sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
     """Packed sequences ``[1, total, heads, d]`` through a dense backend as right-padded rows ``[num_seqs, max_seqlen]``
     with plain causal attention (a right-padded row's real queries see only real keys, so no mask is built); returns
     ``[1, total, heads, d]``. Holds padded copies of q, k, v and the output, ``num_seqs * max_seqlen`` tokens each."""

@@ -98,7 +98,9 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         # A ModuleDict keyed by layer index keeps HF names and lets pipeline stages drop layers without renumbering.
-        self.layers = nn.ModuleDict({str(index): DecoderLayer(args, layer_index=index) for index in range(args.num_layers)})
+        self.layers = nn.ModuleDict(
+            {str(index): DecoderLayer(args, layer_index=index) for index in range(args.num_layers)}
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(head_dim=args.head_dim, theta=args.rope_theta, scaling=args.rope_scaling)
 
@@ -139,7 +141,9 @@ def default_position_ids(
     batch_size, seq_len = input_ids.shape[:2]
     if cu_seqlens is not None:
         positions = torch.arange(seq_len, device=input_ids.device)
-        starts = cu_seqlens.to(input_ids.device)[torch.bucketize(positions, cu_seqlens[1:].to(input_ids.device), right=True)]
+        starts = cu_seqlens.to(input_ids.device)[
+            torch.bucketize(positions, cu_seqlens[1:].to(input_ids.device), right=True)
+        ]
         return (positions - starts)[None]
     if attention_mask is not None:
         return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -238,7 +242,9 @@ class DecoderLM(nn.Module):
         compute dtype instead of ``batch * seq * vocab``.
         """
         if output_positions is not None and self.head == "score":
-            raise ValueError("output_positions selects per-token outputs; the score head reads each sequence's last token")
+            raise ValueError(
+                "output_positions selects per-token outputs; the score head reads each sequence's last token"
+            )
         cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens)
         if self.model.norm is None:  # a pipeline stage before the last: hand the hidden states on

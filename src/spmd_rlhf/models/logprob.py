@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from spmd_rlhf.kernels.fused_logprob import (
     SUPPORTED_DTYPES as FUSED_DTYPES,
+)
+from spmd_rlhf.kernels.fused_logprob import (
     check_temperature,
     fused_log_probs_and_entropy,
 )
@@ -35,7 +37,9 @@ DEFAULT_CHUNK_BYTES = 64 * 1024**2
 """Float32 bytes of one chunk of logits; rows per chunk = this / (vocab * 4), so big vocabularies get short chunks."""
 
 
-def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
@@ -148,10 +152,7 @@ def _fused_applies(logits: torch.Tensor, group: dist.ProcessGroup | None) -> boo
     """The Triton kernels serve full-vocabulary logits on CUDA; a vocabulary slice (``group``) keeps the torch path,
     whose per-token statistics are all-reduced over the group."""
     return (
-        group is None
-        and logits.dtype in FUSED_DTYPES
-        and logits.stride(-1) == 1
-        and use_triton(logits.device, "auto")
+        group is None and logits.dtype in FUSED_DTYPES and logits.stride(-1) == 1 and use_triton(logits.device, "auto")
     )
 
 

@@ -168,10 +168,19 @@ class LoRAAdapters:
         full beside the adapters (PEFT's ``modules_to_save``)."""
         task = {"lm": "CAUSAL_LM", "value": "TOKEN_CLS", "score": "SEQ_CLS"}[head]
         return {
-            "peft_type": "LORA", "task_type": task, "base_model_name_or_path": os.path.abspath(base_model),
-            "r": self.config.rank, "lora_alpha": self.config.alpha, "lora_dropout": self.config.dropout,
-            "target_modules": sorted(self.config.modules), "bias": "none", "fan_in_fan_out": False,
-            "inference_mode": True, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "peft_type": "LORA",
+            "task_type": task,
+            "base_model_name_or_path": os.path.abspath(base_model),
+            "r": self.config.rank,
+            "lora_alpha": self.config.alpha,
+            "lora_dropout": self.config.dropout,
+            "target_modules": sorted(self.config.modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+            "use_rslora": False,
+            "use_dora": False,
+            "init_lora_weights": True,
             "modules_to_save": None if head == "lm" else ["score"],
         }
 
@@ -194,8 +203,10 @@ def apply_lora(model: DecoderLM, config: LoRAConfig, *, tp_mesh: DeviceMesh | No
             split = splits[short]
             out_features, in_features = module.weight.shape  # global shape, also of a TP DTensor
             device = module.weight.device
-            pieces = {"lora_A": ((rank, in_features), Shard(1) if split == "row" else Replicate()),
-                      "lora_B": ((out_features, rank), Shard(0) if split == "column" else Replicate())}
+            pieces = {
+                "lora_A": ((rank, in_features), Shard(1) if split == "row" else Replicate()),
+                "lora_B": ((out_features, rank), Shard(0) if split == "column" else Replicate()),
+            }
             for piece_name, (shape, placement) in pieces.items():
                 weight = torch.empty(shape, dtype=torch.float32, device=device)
                 if tensor_parallel:
@@ -224,18 +235,26 @@ def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
     path = config.adapter_path
     config_file, weights_file = os.path.join(path, PEFT_CONFIG), os.path.join(path, PEFT_WEIGHTS)
     if not (os.path.isfile(config_file) and os.path.isfile(weights_file)):
-        raise FileNotFoundError(f"lora.adapter_path={path}: no {PEFT_CONFIG} and {PEFT_WEIGHTS} there (a PEFT save_pretrained directory)")
+        raise FileNotFoundError(
+            f"lora.adapter_path={path}: no {PEFT_CONFIG} and {PEFT_WEIGHTS} there (a PEFT save_pretrained directory)"
+        )
     with open(config_file, encoding="utf-8") as handle:
         saved = json.load(handle)
     targets = saved.get("target_modules")
     # PEFT writes all-linear, short names, or (after expanding all-linear) full module names.
-    targets = sorted(layer_splits()) if targets == "all-linear" else sorted({name.rsplit(".", 1)[-1] for name in targets or []})
+    targets = (
+        sorted(layer_splits())
+        if targets == "all-linear"
+        else sorted({name.rsplit(".", 1)[-1] for name in targets or []})
+    )
     expected = {"r": config.rank, "lora_alpha": config.alpha, "target_modules": sorted(config.modules)}
     found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"), "target_modules": targets}
     keys = {"r": "rank", "lora_alpha": "alpha", "target_modules": "target_modules"}
     for key, value in expected.items():
         if found[key] != value:
-            raise ValueError(f"lora.adapter_path={path} has {key}={found[key]}; set lora.{keys[key]} to match (now {value})")
+            raise ValueError(
+                f"lora.adapter_path={path} has {key}={found[key]}; set lora.{keys[key]} to match (now {value})"
+            )
     return {name.removeprefix(PEFT_PREFIX): tensor.float() for name, tensor in load_file(weights_file).items()}
 
 

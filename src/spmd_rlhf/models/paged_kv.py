@@ -81,7 +81,9 @@ class PagedKV:
         blocks = self.block_tables.long().gather(1, (positions // block_size).expand(len(self.block_tables), -1))
         return (blocks * block_size + positions % block_size).view(-1)
 
-    def gather(self, layer_index: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer_index: int, q: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Padded per-sequence ``q [num_seqs, heads, max_q, d]``, cached ``k, v [num_seqs, kv_heads, max_context, d]``
         and the allowed-keys mask, for any dense masked-attention kernel; ``q`` is the packed ``[tokens, heads, d]``.
         The cached keys and values are gathered token by token with one ``index_select`` each (a third of the time
@@ -90,9 +92,10 @@ class PagedKV:
         padded_q = q.new_zeros(len(self.context_lens), self.max_seqlen_q, *q.shape[1:])
         padded_q[sequence, offset] = q
         k, v = (
-            cache[layer_index].flatten(0, 1).index_select(0, self._context_slots).view(
-                len(self.context_lens), self.max_context_len, *cache.shape[3:]
-            )
+            cache[layer_index]
+            .flatten(0, 1)
+            .index_select(0, self._context_slots)
+            .view(len(self.context_lens), self.max_context_len, *cache.shape[3:])
             for cache in (self.key_cache, self.value_cache)
         )
         return padded_q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -28,7 +27,6 @@ from spmd_rlhf.config_schema import LoRAConfig
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
 from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary
-
 
 DECODER_LAYER_PLAN: dict[str, ParallelStyle] = {
     "model.layers.*.self_attn.q_proj": ColwiseParallel(),
@@ -113,7 +111,8 @@ def fsdp_units(
         streaming = {id(module) for group in streamed or [] for module in group}
         vocabulary = (model.model.embed_tokens, getattr(model, "lm_head", None))
         units += [
-            module for module in vocabulary
+            module
+            for module in vocabulary
             if module is not None and _local_bytes(module) >= min_unit_bytes and id(module) not in streaming
         ]
     return units
@@ -187,8 +186,9 @@ def parallelize(
         policy = mp_policy or MixedPrecisionPolicy()
         streamed = streamed_vocabularies(model, tp_mesh, dp_mesh, offload=offload, min_unit_bytes=min_unit_bytes)
         ignored = {
-            stream_vocabulary(group, dp_mesh, compute_dtype=policy.param_dtype,
-                              reduce_dtype=policy.reduce_dtype or policy.param_dtype)
+            stream_vocabulary(
+                group, dp_mesh, compute_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype or policy.param_dtype
+            )
             for group in streamed
         }
         if not streamed and _tied_without_tensor_parallelism(model, tp_mesh):
@@ -199,6 +199,7 @@ def parallelize(
         offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
         for module in fsdp_units(model, min_unit_bytes, streamed=streamed):
             fully_shard(module, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy, ignored_params=ignored or None)
+        fully_shard(
+            model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy, ignored_params=ignored or None
+        )
     return adapters
-

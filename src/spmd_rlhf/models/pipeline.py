@@ -68,8 +68,14 @@ class Pipeline:
     """This rank's stage of a pipeline over ``group`` (the ranks holding the other stages of the same replica)."""
 
     def __init__(
-        self, module: torch.nn.Module, *, stage: int, stage_ranks: list[int], group: dist.ProcessGroup,
-        device: torch.device, schedule: str,
+        self,
+        module: torch.nn.Module,
+        *,
+        stage: int,
+        stage_ranks: list[int],
+        group: dist.ProcessGroup,
+        device: torch.device,
+        schedule: str,
     ) -> None:
         """``stage_ranks``: the global rank of each stage, in stage order (``group`` holds exactly these ranks)."""
         if schedule not in SCHEDULES:

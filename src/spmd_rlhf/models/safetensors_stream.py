@@ -27,8 +27,16 @@ import torch
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -105,7 +113,9 @@ class SafetensorsWriter:
         offset = 0
         for entry in planned.entries:
             header[entry.name] = {
-                "dtype": _DTYPE_NAMES[entry.dtype], "shape": list(entry.shape), "data_offsets": [offset, offset + entry.nbytes],
+                "dtype": _DTYPE_NAMES[entry.dtype],
+                "shape": list(entry.shape),
+                "data_offsets": [offset, offset + entry.nbytes],
             }
             offset += entry.nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()

@@ -35,7 +35,6 @@ from spmd_rlhf.models.safetensors_stream import (
 from spmd_rlhf.models.shard_pieces import Piece, local_piece
 from spmd_rlhf.models.weights import write_hf_metadata
 
-
 DEFAULT_BAND_BYTES = 64 * 2**20
 """The most bytes of one tensor a writer assembles at a time (a band of whole rows; one row if a row is larger)."""
 
@@ -66,7 +65,9 @@ def _recv_json(peer: int, group: dist.ProcessGroup | None) -> object:
     return json.loads(data.numpy().tobytes())
 
 
-def _assign_senders(pieces: dict[int, dict[str, Piece]], entries: list[TensorEntry], writer: int) -> dict[int, list[str]]:
+def _assign_senders(
+    pieces: dict[int, dict[str, Piece]], entries: list[TensorEntry], writer: int
+) -> dict[int, list[str]]:
     """Which rank sends which tensors' pieces: one holder per distinct piece (the writer when it holds it, else the
     lowest rank). Raises if the distinct pieces do not tile a tensor, which no DTensor layout should produce."""
     chosen: dict[str, dict[Piece, int]] = {entry.name: {} for entry in entries}
@@ -92,12 +93,18 @@ def ready_point_to_point(group: dist.ProcessGroup | None, device: torch.device) 
 
 
 def exchange_pieces(
-    params: dict[str, torch.Tensor], entries: list[TensorEntry], *, stage_ranks: list[int], group: dist.ProcessGroup | None
+    params: dict[str, torch.Tensor],
+    entries: list[TensorEntry],
+    *,
+    stage_ranks: list[int],
+    group: dist.ProcessGroup | None,
 ) -> tuple[set[str], dict[str, dict[int, Piece]]]:
     """Tell the writer which pieces this rank holds and learn which to send. Returns (the names whose piece this
     rank sends, and on the writer, for every tensor, each sending rank's piece)."""
     writer = stage_ranks[0]
-    mine = {name: piece for name, (local, piece) in ((name, local_piece(p)) for name, p in params.items()) if local.numel()}
+    mine = {
+        name: piece for name, (local, piece) in ((name, local_piece(p)) for name, p in params.items()) if local.numel()
+    }
     if dist.get_rank() != writer:
         _send_json({name: [piece.offset, piece.shape] for name, piece in mine.items()}, writer, group)
         return set(_recv_json(writer, group)), {}
@@ -123,7 +130,10 @@ def _plan(
     if writers_group is not None:
         stages = [None] * dist.get_world_size(writers_group)
         dist.all_gather_object(stages, (stage, entries), group=writers_group)
-    return plan_files([stage_entries for _, stage_entries in sorted(stages, key=lambda item: item[0])], max_shard_bytes=max_shard_bytes)
+    return plan_files(
+        [stage_entries for _, stage_entries in sorted(stages, key=lambda item: item[0])],
+        max_shard_bytes=max_shard_bytes,
+    )
 
 
 @torch.no_grad()
@@ -168,8 +178,15 @@ def save_sharded_pretrained(
             continue  # another stage's file
         with SafetensorsWriter(out_dir, planned) as file:
             for entry in planned.entries:
-                bands = assembled_bands(entry, params[entry.name], pieces[entry.name], band_bytes=band_bytes,
-                                        device=device, group=group, band_device=torch.device("cpu"))
+                bands = assembled_bands(
+                    entry,
+                    params[entry.name],
+                    pieces[entry.name],
+                    band_bytes=band_bytes,
+                    device=device,
+                    group=group,
+                    band_device=torch.device("cpu"),
+                )
                 for _, band in bands:
                     file.write(band)
                     del band
@@ -186,8 +203,14 @@ def _rows_of(tensor: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
 
 
 def send_band_pieces(
-    params: dict[str, torch.Tensor], entries: list[TensorEntry], sending: set[str], *, writer: int, band_bytes: int,
-    device: torch.device, group: dist.ProcessGroup | None,
+    params: dict[str, torch.Tensor],
+    entries: list[TensorEntry],
+    sending: set[str],
+    *,
+    writer: int,
+    band_bytes: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
 ) -> None:
     """A rank other than the writer: send, in ``entries`` order, this rank's piece of every row band of each tensor
     it sends (``sending``, from ``exchange_pieces``), in the entry's dtype, one piece in flight at a time. Holds one
@@ -205,15 +228,23 @@ def send_band_pieces(
 
 
 def assembled_bands(
-    entry: TensorEntry, param: torch.Tensor, senders: dict[int, Piece], *, band_bytes: int, device: torch.device,
-    group: dist.ProcessGroup | None, band_device: torch.device,
+    entry: TensorEntry,
+    param: torch.Tensor,
+    senders: dict[int, Piece],
+    *,
+    band_bytes: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    band_device: torch.device,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """The writer: each row band of one tensor, assembled on ``band_device`` from its senders' pieces (the writer's
     own, and the others' in the order ``send_band_pieces`` sends them), with its first row. Holds one band, one
     received piece and, while it is copied, one of its own pieces converted."""
     writer = dist.get_rank()
     for start, stop in row_bands(entry.shape, entry.dtype.itemsize, band_bytes):
-        band = torch.empty((stop - start, *entry.shape[1:]) if entry.shape else (), dtype=entry.dtype, device=band_device)
+        band = torch.empty(
+            (stop - start, *entry.shape[1:]) if entry.shape else (), dtype=entry.dtype, device=band_device
+        )
         for sender in sorted(senders):
             piece = senders[sender]
             rows = piece.rows(start, stop)
@@ -222,7 +253,9 @@ def assembled_bands(
             if sender == writer:
                 received = _rows_of(local_piece(param)[0], rows).to(dtype=entry.dtype)
             else:
-                received = torch.empty((rows[1] - rows[0], *piece.shape[1:]) if piece.shape else (), dtype=entry.dtype, device=device)
+                received = torch.empty(
+                    (rows[1] - rows[0], *piece.shape[1:]) if piece.shape else (), dtype=entry.dtype, device=device
+                )
                 _point_to_point(dist.irecv, received, sender, group)
             piece.in_band(band, start, rows).copy_(received)
             del received

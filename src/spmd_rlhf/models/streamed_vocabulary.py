@@ -68,7 +68,9 @@ class VocabularyStream:
 
     def steps(self) -> list[tuple[int, int]]:
         """``(start, count)`` of each step's rows within every rank's shard."""
-        return [(start, min(self.rows_per_step, self.band - start)) for start in range(0, self.band, self.rows_per_step)]
+        return [
+            (start, min(self.rows_per_step, self.band - start)) for start in range(0, self.band, self.rows_per_step)
+        ]
 
     def owner_and_offset(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rank whose shard holds each id's row, and the row's place in that shard."""
@@ -201,7 +203,9 @@ class _Head(torch.autograd.Function):
         padding = stream.ranks * stream.band - stream.rows
         grad_logits = F.pad(grad_logits, (0, padding)) if padding else grad_logits.contiguous()
         grad_logits = grad_logits.view(-1, stream.ranks, stream.band)
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
+        grad_hidden = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
+        )
         grad_shard = shard.new_empty(shard.shape) if ctx.needs_input_grad[1] else None
         for start, count in stream.steps():
             step_grad = grad_logits[:, :, start : start + count].reshape(-1, stream.ranks * count)
@@ -253,8 +257,13 @@ def stream_vocabulary(
     compute_dtype = compute_dtype or weight.dtype
     per_row = mesh.size() * hidden * torch.empty((), dtype=compute_dtype).element_size()
     stream = VocabularyStream(
-        rows=rows, hidden=hidden, ranks=mesh.size(), rank=mesh.get_local_rank(), group=mesh.get_group(),
-        compute_dtype=compute_dtype, reduce_dtype=reduce_dtype or compute_dtype,
+        rows=rows,
+        hidden=hidden,
+        ranks=mesh.size(),
+        rank=mesh.get_local_rank(),
+        group=mesh.get_group(),
+        compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype or compute_dtype,
         rows_per_step=max(1, (chunk_bytes or DEFAULT_CHUNK_BYTES) // per_row),
     )
     parameter = nn.Parameter(_shard(weight, mesh), requires_grad=weight.requires_grad)

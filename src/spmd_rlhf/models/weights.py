@@ -1,7 +1,7 @@
 """Hugging Face safetensors I/O: build on the meta device, materialise tensor by tensor; write HF directories.
 
-    model = load_model("tiny/model", head="lm", dtype=torch.bfloat16, device="cuda")
-    save_pretrained(model, "out/hf", tokenizer=tokenizer)
+model = load_model("tiny/model", head="lm", dtype=torch.bfloat16, device="cuda")
+save_pretrained(model, "out/hf", tokenizer=tokenizer)
 """
 
 from __future__ import annotations
@@ -58,7 +58,11 @@ def checkpoint_files(path: str) -> dict[str, str]:
         with _open(single) as handle:
             return {name: single for name in handle.keys()}
     found = sorted(name for name in os.listdir(path) if name.endswith((".bin", ".pt", ".pth")))
-    hint = f" (found {', '.join(found)}: only safetensors are loaded; convert with transformers' save_pretrained)" if found else ""
+    hint = (
+        f" (found {', '.join(found)}: only safetensors are loaded; convert with transformers' save_pretrained)"
+        if found
+        else ""
+    )
     raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
@@ -103,7 +107,9 @@ def _plan_load(model: DecoderLM, shapes: dict[str, tuple[int, ...]]) -> tuple[li
         if items
     ]
     if problems:
-        raise CheckpointMismatchError(f"checkpoint does not match a {model.args.family} model with head={model.head!r}: " + "; ".join(problems))
+        raise CheckpointMismatchError(
+            f"checkpoint does not match a {model.args.family} model with head={model.head!r}: " + "; ".join(problems)
+        )
     return [name for name in expected if name in shapes], to_initialise
 
 
@@ -134,7 +140,9 @@ def load_model(
     return model
 
 
-def build_model(path: str, *, head: str = "lm", dtype: torch.dtype | str = torch.float32, attention_backend: str = "auto") -> DecoderLM:
+def build_model(
+    path: str, *, head: str = "lm", dtype: torch.dtype | str = torch.float32, attention_backend: str = "auto"
+) -> DecoderLM:
     """The model of a Hugging Face directory on the meta device, in ``dtype``, checked against the checkpoint's
     tensors (one error naming every mismatch). Parallelize it, then ``load_weights``."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -208,7 +216,9 @@ def model_from_tensors(
     return model
 
 
-def write_hf_metadata(out_dir: str | os.PathLike, args: DecoderArgs, *, head: str, dtype: torch.dtype, tokenizer=None) -> list[str]:
+def write_hf_metadata(
+    out_dir: str | os.PathLike, args: DecoderArgs, *, head: str, dtype: torch.dtype, tokenizer=None
+) -> list[str]:
     """``config.json`` of a ``head`` model with weights in ``dtype`` (and the tokenizer's files when given) in
     ``out_dir``; returns the files written."""
     config = copy.deepcopy(args.hf_config)
@@ -243,7 +253,9 @@ def save_pretrained(
     # named_parameters drops the tied lm_head alias, exactly as Hugging Face stores tied checkpoints.
     params = dict(model.named_parameters())
     dtype = dtype or next(iter(params.values())).dtype
-    files = plan_files([[TensorEntry(name, tuple(p.shape), dtype) for name, p in params.items()]], max_shard_bytes=max_shard_bytes)
+    files = plan_files(
+        [[TensorEntry(name, tuple(p.shape), dtype) for name, p in params.items()]], max_shard_bytes=max_shard_bytes
+    )
     written = []
     for planned in files:
         with SafetensorsWriter(out_dir, planned) as file:

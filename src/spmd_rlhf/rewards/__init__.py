@@ -36,12 +36,27 @@ Correctness and format combine in a user file (``reward.rule=my_reward.py:score`
 timed out, non-finite) counted, logged and either scored 0 or raised (``on_error``).
 """
 
-from .extract import last_boxed, parse_number
-from .format import boxed_format, think_answer_format
-from .gsm8k import extract_gsm8k_answer, gsm8k_score
-from .math_answers import MATH_DATA_SOURCES, math_equal, math_score, normalize_math_answer
-from .registry import RULES, NonFiniteReward, RewardFunction, RuleReward, arithmetic, arithmetic_cost, load_function
-from .runner import RewardError, RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
+from spmd_rlhf.rewards.extract import last_boxed, parse_number
+from spmd_rlhf.rewards.format import boxed_format, think_answer_format
+from spmd_rlhf.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score
+from spmd_rlhf.rewards.math_answers import MATH_DATA_SOURCES, math_equal, math_score, normalize_math_answer
+from spmd_rlhf.rewards.registry import (
+    RULES,
+    NonFiniteReward,
+    RewardFunction,
+    RuleReward,
+    arithmetic,
+    arithmetic_cost,
+    load_function,
+)
+from spmd_rlhf.rewards.runner import (
+    RewardError,
+    RewardOutcome,
+    RewardRow,
+    RewardRunner,
+    RewardScores,
+    check_failure_fraction,
+)
 
 __all__ = [
     "MATH_DATA_SOURCES",

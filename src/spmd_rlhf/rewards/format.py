@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .extract import last_boxed
+from spmd_rlhf.rewards.extract import last_boxed
 
 _THINK_THEN_ANSWER = re.compile(r"\s*<think>(?P<thought>.*?)</think>(?P<answer>.*)", re.DOTALL)
 _ANSWER_TAGS = re.compile(r"<answer>(?P<answer>.*)</answer>", re.DOTALL)

@@ -16,7 +16,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from .extract import NUMBER, last_boxed, parse_number
+from spmd_rlhf.rewards.extract import NUMBER, last_boxed, parse_number
 
 _MARKED = re.compile(rf"####\s*(?:\\?\$\s*)?({NUMBER})")
 _ANY_NUMBER = re.compile(NUMBER)
@@ -45,8 +45,13 @@ def reference_number(ground_truth: Any) -> Fraction:
 
 
 def gsm8k_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, *,
-    strict: bool = False, format_score: float = 0.0,
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    strict: bool = False,
+    format_score: float = 0.0,
 ) -> float:
     """1.0 when the response's final answer equals the ground truth; ``format_score`` when it has a final answer
     that is wrong (e.g. 0.1 to reward answering in the expected format); 0.0 when it has none. ``strict``: only

@@ -24,14 +24,12 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from .extract import last_boxed, parse_number, read_group
+from spmd_rlhf.rewards.extract import last_boxed, parse_number, read_group
 
 MATH_DATA_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
 """The data sources verl's MATH datasets use, plus the short name ``math``."""
 
-_REMOVED = re.compile(
-    r"\\[!,;:]|\\ |\\displaystyle|\\(?:left|right)(?![a-zA-Z])|\^\{?\\circ\}?|°|\\?%|\\?\$"
-)
+_REMOVED = re.compile(r"\\[!,;:]|\\ |\\displaystyle|\\(?:left|right)(?![a-zA-Z])|\^\{?\\circ\}?|°|\\?%|\\?\$")
 _STYLED_FRACTION = re.compile(r"\\[dt]frac(?![a-zA-Z])")
 _TEXT = re.compile(r"\\(?:text|textrm|textbf|mbox|mathrm)\s*\{")
 _UNIT_END = re.compile(r"\s*(?:\^\{?\d+\}?)?\s*")
@@ -70,7 +68,11 @@ def math_equal(answer: str, reference: str) -> bool:
 
 
 def math_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, *,
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
     format_score: float = 0.0,
 ) -> float:
     """1.0 when the response's last ``\\boxed{}`` equals the ground truth (``math_equal``); ``format_score`` when it

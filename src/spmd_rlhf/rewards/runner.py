@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .registry import NonFiniteReward, RuleReward
+from spmd_rlhf.rewards.registry import NonFiniteReward, RuleReward
 
 ON_ERROR = ("zero", "abort")
 FAILURE_METRICS = {"error": "errors", "timeout": "timeouts", "non_finite": "non_finite"}
@@ -97,7 +97,9 @@ class RewardError(RuntimeError):
     """A reward call failed under ``on_error=abort``."""
 
 
-def check_failure_fraction(failures: dict[str, int], calls: int, *, max_failure_fraction: float | None, name: str) -> None:
+def check_failure_fraction(
+    failures: dict[str, int], calls: int, *, max_failure_fraction: float | None, name: str
+) -> None:
     """Raise a ``RewardError`` when more than ``max_failure_fraction`` of ``calls`` failed, or with None when every
     call failed (``failures``: the counts by metric name, as in ``RewardScores.failures``, summed over every rank
     that scored part of the step)."""
@@ -224,8 +226,14 @@ class RewardRunner:
     loads it again by name or path."""
 
     def __init__(
-        self, rule: str = "auto", *, rule_kwargs: dict[str, Any] | None = None, num_workers: int = 0,
-        timeout_s: float | None = None, on_error: str = "zero", name: str = "reward",
+        self,
+        rule: str = "auto",
+        *,
+        rule_kwargs: dict[str, Any] | None = None,
+        num_workers: int = 0,
+        timeout_s: float | None = None,
+        on_error: str = "zero",
+        name: str = "reward",
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"{name}.on_error={on_error!r}: must be one of {', '.join(ON_ERROR)}")
@@ -267,7 +275,8 @@ class RewardRunner:
                 extras.setdefault(key, []).append(value)
         counts = Counter(outcome.failure for outcome in failed)
         return RewardScores(
-            [outcome.score for outcome in outcomes], extras,
+            [outcome.score for outcome in outcomes],
+            extras,
             {metric: counts[kind] for kind, metric in FAILURE_METRICS.items()},
         )
 
@@ -281,12 +290,16 @@ class RewardRunner:
         if self._pool is None:
             method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
             self._pool = ProcessPoolExecutor(
-                self.num_workers, mp_context=multiprocessing.get_context(method), initializer=_load_rule,
+                self.num_workers,
+                mp_context=multiprocessing.get_context(method),
+                initializer=_load_rule,
                 initargs=(self.reward.rule, self.reward.kwargs, self.name, os.getpid(), method == "forkserver"),
             )
         size = math.ceil(len(rows) / (self.num_workers * CHUNKS_PER_WORKER))
-        chunks = {self._pool.submit(_score_chunk, rows[start : start + size], self.timeout_s): start
-                  for start in range(0, len(rows), size)}
+        chunks = {
+            self._pool.submit(_score_chunk, rows[start : start + size], self.timeout_s): start
+            for start in range(0, len(rows), size)
+        }
         deadline = None
         if self.timeout_s is not None:
             deadline = self.timeout_s * size * math.ceil(len(chunks) / self.num_workers) + STUCK_GRACE_S

@@ -20,15 +20,26 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..data.batch import Batch
-from .dispatch import Dispatch
-from .errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
-from .executor import Call, Envelope, Exchanges, Executor, InputSlot, Put, RemoteFailure, Spawn, Stop, Stored
-from .handles import BatchRef, CallFuture, RoleHandle, RoleRecord
-from ..parallel_dims import ParallelDims
-from .layout import ResourcePool
-from .payload import dumps
-from .transfer import Schema, ShardInfo, plan_exchanges
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.parallel_dims import ParallelDims
+from spmd_rlhf.runtime.dispatch import Dispatch
+from spmd_rlhf.runtime.errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
+from spmd_rlhf.runtime.executor import (
+    Call,
+    Envelope,
+    Exchanges,
+    Executor,
+    InputSlot,
+    Put,
+    RemoteFailure,
+    Spawn,
+    Stop,
+    Stored,
+)
+from spmd_rlhf.runtime.handles import BatchRef, CallFuture, RoleHandle, RoleRecord
+from spmd_rlhf.runtime.layout import ResourcePool
+from spmd_rlhf.runtime.payload import dumps
+from spmd_rlhf.runtime.transfer import Schema, ShardInfo, plan_exchanges
 
 Handle = TypeVar("Handle", bound=RoleHandle)
 
@@ -65,8 +76,14 @@ class Coordinator:
     # ---- roles -------------------------------------------------------------------------------------------------
 
     def spawn(
-        self, role_class: type, *args: Any, name: str, pool: ResourcePool, dims: ParallelDims | None = None,
-        handle: type[Handle] = RoleHandle, **kwargs: Any,
+        self,
+        role_class: type,
+        *args: Any,
+        name: str,
+        pool: ResourcePool,
+        dims: ParallelDims | None = None,
+        handle: type[Handle] = RoleHandle,
+        **kwargs: Any,
     ) -> Handle:
         """Build ``role_class(context, *args, **kwargs)`` on every rank of ``pool`` with layout ``dims`` (default:
         all data-parallel), and return a ``handle`` to it (a typed handle, or a plain ``RoleHandle``). Roles on the
@@ -143,7 +160,9 @@ class Coordinator:
         arguments = dumps((args, kwargs), what=f"the arguments of {description}")
         producers = set()
         for value in inputs:
-            producers.update([shard.owner for shard in value.shards] if isinstance(value, BatchRef) else value.result_owners)
+            producers.update(
+                [shard.owner for shard in value.shards] if isinstance(value, BatchRef) else value.result_owners
+            )
         involved = sorted(set(role.ranks) | producers)
         seqs = self._reserve(involved)
         output_id = next(self._ids)
@@ -153,13 +172,20 @@ class Coordinator:
 
         def send(refs: list[BatchRef]) -> None:
             plans = [
-                plan_exchanges(batch_id=ref.id, shards=list(ref.shards), schema=ref.schema,
-                               consumers=role.dims.dp_groups(role.ranks), transfer_id=transfer_id)
+                plan_exchanges(
+                    batch_id=ref.id,
+                    shards=list(ref.shards),
+                    schema=ref.schema,
+                    consumers=role.dims.dp_groups(role.ranks),
+                    transfer_id=transfer_id,
+                )
                 for ref, transfer_id in zip(refs, transfer_ids)
             ]
             for rank in involved:
                 if rank in role.ranks:
-                    command = Call(role.name, method, arguments, [plan[rank] for plan in plans], output_id, rank in owners)
+                    command = Call(
+                        role.name, method, arguments, [plan[rank] for plan in plans], output_id, rank in owners
+                    )
                 else:
                     command = Exchanges([plan[rank] for plan in plans if rank in plan])
                 _chain(self._send(rank, seqs[rank], command), futures[rank])
@@ -168,12 +194,18 @@ class Coordinator:
         if not pending:
             send(inputs)
         else:
+
             def send_when_ready() -> None:
                 try:
                     send([value if isinstance(value, BatchRef) else _as_batch_ref(value) for value in inputs])
                 except BaseException as error:
-                    failure = error if isinstance(error, RuntimeFailure) else RuntimeFailure(
-                        f"{description}: could not plan its input transfer: {type(error).__name__}: {error}")
+                    failure = (
+                        error
+                        if isinstance(error, RuntimeFailure)
+                        else RuntimeFailure(
+                            f"{description}: could not plan its input transfer: {type(error).__name__}: {error}"
+                        )
+                    )
                     self._fail(failure)
 
             _gather(pending).add_done_callback(lambda _: send_when_ready())
@@ -214,10 +246,13 @@ class Coordinator:
         """All rows of ``ref`` on the coordinator, in DP order (counted in ``bytes_received``)."""
         if isinstance(ref, CallFuture):
             ref = _as_batch_ref(ref, timeout)
-        exchanges = plan_exchanges(batch_id=ref.id, shards=list(ref.shards), schema=ref.schema,
-                                   consumers=[[0]], transfer_id=next(self._ids))
+        exchanges = plan_exchanges(
+            batch_id=ref.id, shards=list(ref.shards), schema=ref.schema, consumers=[[0]], transfer_id=next(self._ids)
+        )
         involved = sorted(exchanges)
-        futures = {rank: self._send(rank, seq, Exchanges([exchanges[rank]])) for rank, seq in self._reserve(involved).items()}
+        futures = {
+            rank: self._send(rank, seq, Exchanges([exchanges[rank]])) for rank, seq in self._reserve(involved).items()
+        }
         self.wait(futures, timeout, f"fetch of batch {ref.id}")
         (batch,) = futures[0].value()
         remote_rows = sum(shard.rows for shard in ref.shards if shard.owner != 0)
@@ -269,8 +304,9 @@ class Coordinator:
                 except Exception as error:
                     value = RuntimeFailure(f"could not read the result of {what} from rank {rank}: {error}")
             if isinstance(value, RemoteFailure):
-                value = WorkerError(role=value.role, method=value.method, rank=value.rank, error=value.error,
-                                    traceback=value.traceback)
+                value = WorkerError(
+                    role=value.role, method=value.method, rank=value.rank, error=value.error, traceback=value.traceback
+                )
             if isinstance(value, RuntimeFailure):
                 self._fail(value)
             outcome.set_result(value)
@@ -339,8 +375,10 @@ def _gather(futures: list[CallFuture]) -> torch.futures.Future:
 def _as_batch_ref(future: CallFuture, timeout: float | None = None) -> BatchRef:
     value = future.result(timeout) if not future.done() else future.resolved()
     if not isinstance(value, BatchRef):
-        raise RuntimeFailure(f"{future.description} returned {type(value).__name__} values, not a Batch, so it "
-                             f"cannot feed another role's data-parallel call")
+        raise RuntimeFailure(
+            f"{future.description} returned {type(value).__name__} values, not a Batch, so it "
+            f"cannot feed another role's data-parallel call"
+        )
     return value
 
 

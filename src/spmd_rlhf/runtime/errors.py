@@ -20,8 +20,11 @@ class WorkerError(RuntimeFailure):
 
     def __init__(self, *, role: str, method: str, rank: int, error: str, traceback: str) -> None:
         self.role, self.method, self.rank, self.error, self.remote_traceback = role, method, rank, error, traceback
-        cause = f"a rank in its collective was lost (look for the rank that died first): {error}" if (
-            PEER_LOST.search(error)) else error
+        cause = (
+            f"a rank in its collective was lost (look for the rank that died first): {error}"
+            if (PEER_LOST.search(error))
+            else error
+        )
         super().__init__(
             f"{role}.{method} failed on rank {rank}: {cause}\n--- traceback on rank {rank} ---\n{traceback.rstrip()}"
         )

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..data.batch import Batch
-from .device import bind_thread
-from ..parallel_dims import ParallelDims
-from .payload import dumps
-from .transfer import Exchange, Schema, run_exchanges
-from .worker import RoleContext
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.parallel_dims import ParallelDims
+from spmd_rlhf.runtime.device import bind_thread
+from spmd_rlhf.runtime.payload import dumps
+from spmd_rlhf.runtime.transfer import Exchange, Schema, run_exchanges
+from spmd_rlhf.runtime.worker import RoleContext
 
 
 @dataclass
@@ -173,10 +173,13 @@ class Executor:
         except BaseException as error:
             cause = f"{type(error).__name__}: {error}"
             return RemoteFailure(
-                "runtime", "decode", self.rank,
+                "runtime",
+                "decode",
+                self.rank,
                 f"could not decode the command from the coordinator ({cause}); every node must import "
                 f"the same code: install the same packages and versions, and put role classes in modules every "
-                f"rank can import", traceback.format_exc(),
+                f"rank can import",
+                traceback.format_exc(),
             )
 
     def _run(self, envelope: Envelope) -> Any:

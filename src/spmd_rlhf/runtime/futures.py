@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CallTimeout
-from .handles import CallFuture
+from spmd_rlhf.runtime.errors import CallTimeout
+from spmd_rlhf.runtime.handles import CallFuture
 
 
 def wait_together(

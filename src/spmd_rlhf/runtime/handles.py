@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ..data.batch import Batch
-from .dispatch import Dispatch, dispatch_mode
-from ..parallel_dims import ParallelDims
-from .transfer import Schema, ShardInfo
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.parallel_dims import ParallelDims
+from spmd_rlhf.runtime.dispatch import Dispatch, dispatch_mode
+from spmd_rlhf.runtime.transfer import Schema, ShardInfo
 
 
 class Dispatcher(Protocol):
@@ -120,7 +120,6 @@ class CallFuture:
                 self._value = self._combine({rank: future.value() for rank, future in self.rank_futures.items()})
                 self._combined = True
             return self._value
-
 
 
 class RoleHandle:

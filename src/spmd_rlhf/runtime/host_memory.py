@@ -36,7 +36,12 @@ def thp_mode(path: str = THP_MODE_FILE) -> str | None:
 
 
 def huge_page_restart(
-    *, environ: Mapping[str, str], argv: Sequence[str], orig_argv: Sequence[str], mode: str | None, libc: str,
+    *,
+    environ: Mapping[str, str],
+    argv: Sequence[str],
+    orig_argv: Sequence[str],
+    mode: str | None,
+    libc: str,
 ) -> tuple[list[str], dict[str, str]] | None:
     """The command line and environment that restart this process with huge pages for its heap, or None when a
     restart would gain nothing or could not reproduce the process: THP not in ``madvise`` mode (``always`` needs no
@@ -52,7 +57,9 @@ def huge_page_restart(
         return None
     setting = f"{TUNABLE}=1"
     return list(orig_argv), {
-        **environ, "GLIBC_TUNABLES": f"{tunables}:{setting}" if tunables else setting, RESTART_MARK: "1",
+        **environ,
+        "GLIBC_TUNABLES": f"{tunables}:{setting}" if tunables else setting,
+        RESTART_MARK: "1",
     }
 
 
@@ -60,7 +67,11 @@ def restart_with_huge_pages() -> None:
     """Replace this process by itself with huge pages for its heap, when ``huge_page_restart`` says so; call it
     before anything else starts (threads, sockets, the process group). Returns only when there is nothing to do."""
     restart = huge_page_restart(
-        environ=os.environ, argv=sys.argv, orig_argv=sys.orig_argv, mode=thp_mode(), libc=platform.libc_ver()[0],
+        environ=os.environ,
+        argv=sys.argv,
+        orig_argv=sys.orig_argv,
+        mode=thp_mode(),
+        libc=platform.libc_ver()[0],
     )
     if restart is None:
         return

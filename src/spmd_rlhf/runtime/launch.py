@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from .coordinator import Coordinator
-from .device import bind_thread, select_device, visible_cuda_devices
-from .errors import RankLostError, RuntimeFailure
-from .executor import Executor
+from spmd_rlhf.runtime.coordinator import Coordinator
+from spmd_rlhf.runtime.device import bind_thread, select_device, visible_cuda_devices
+from spmd_rlhf.runtime.errors import RankLostError, RuntimeFailure
+from spmd_rlhf.runtime.executor import Executor
 
 Result = TypeVar("Result")
 
@@ -74,7 +74,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 _state: dict[str, object] = {
-    "executor": None, "last_heard": time.monotonic(), "rank": 0, "world_size": 1, "stop_reason": None, "stop_timer": None,
+    "executor": None,
+    "last_heard": time.monotonic(),
+    "rank": 0,
+    "world_size": 1,
+    "stop_reason": None,
+    "stop_timer": None,
 }
 _stop_lock = threading.Lock()
 
@@ -91,8 +96,10 @@ def _request_stop(reason: str, timeout_s: float) -> None:
         if _state["stop_reason"] is not None:
             return
         _state["stop_reason"] = reason
-        _say(f"{reason}: saving after the step in flight, then exiting with code {REQUEUE_EXIT_CODE} "
-             f"(within {timeout_s:g} s)")
+        _say(
+            f"{reason}: saving after the step in flight, then exiting with code {REQUEUE_EXIT_CODE} "
+            f"(within {timeout_s:g} s)"
+        )
         timer = threading.Timer(timeout_s, _stop_overdue, args=(reason, timeout_s))
         timer.daemon = True
         _state["stop_timer"] = timer
@@ -175,7 +182,9 @@ def _environment() -> tuple[int, int, int]:
     try:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
     except (KeyError, ValueError) as error:
-        raise RuntimeError(f"RANK / WORLD_SIZE / LOCAL_RANK are not usable ({error}); start the job with torchrun") from error
+        raise RuntimeError(
+            f"RANK / WORLD_SIZE / LOCAL_RANK are not usable ({error}); start the job with torchrun"
+        ) from error
 
 
 def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | None = None) -> Result | None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config_schema import FrameworkConfig
-from ..parallel_dims import ParallelDims
-from .layout import ResourcePool
+from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.parallel_dims import ParallelDims
+from spmd_rlhf.runtime.layout import ResourcePool
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ def resolve_placement(config: FrameworkConfig, world_size: int) -> tuple[Framewo
     n_ranks, pp, tp, rollout.tp); and the plan as text ('' when there is none)."""
     if config.placement != "auto":
         return config, ""
-    from spmd_rlhf.mapping.placement import apply_mapping, describe_plan, plan_config
     from spmd_rlhf.mapping.calibrate import resolve_profile
+    from spmd_rlhf.mapping.placement import apply_mapping, describe_plan, plan_config
 
     profile = resolve_profile(config.mapping.profile)
     result = plan_config(config, world_size, profile=profile)
@@ -52,7 +52,9 @@ def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePo
     """The ranks of each enabled role under ``config.placement``; pools take consecutive ranks in order."""
     pools = config.resource_pools()
     if not pools:
-        raise ValueError(f"placement={config.placement}: resolve it first (resolve_placement) to get the mapper's pools")
+        raise ValueError(
+            f"placement={config.placement}: resolve it first (resolve_placement) to get the mapper's pools"
+        )
     sizes = {}
     for pool, roles in pools.items():
         sizes[pool] = max(getattr(config, role).n_ranks for role in roles)
@@ -67,7 +69,9 @@ def role_pools(config: FrameworkConfig, world_size: int) -> dict[str, ResourcePo
         for pool in unsized:
             sizes[pool] = free // len(unsized)
     if sum(sizes.values()) != world_size:
-        raise ValueError(f"placement={config.placement}: pools need {sum(sizes.values())} ranks but the job has {world_size}")
+        raise ValueError(
+            f"placement={config.placement}: pools need {sum(sizes.values())} ranks but the job has {world_size}"
+        )
     result, start = {}, 0
     for pool, roles in pools.items():
         for role in roles:

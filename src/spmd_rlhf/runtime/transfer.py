@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..data.batch import Batch
+from spmd_rlhf.data.batch import Batch
 
 _MESSAGES_PER_EXCHANGE = 1024
 _TAG_SPACE = 2**30
@@ -56,7 +56,10 @@ class Schema:
     @classmethod
     def of(cls, batch: Batch) -> Schema:
         return cls(
-            {name: (str(value.dtype).removeprefix("torch."), tuple(value.shape[1:])) for name, value in batch.tensors.items()},
+            {
+                name: (str(value.dtype).removeprefix("torch."), tuple(value.shape[1:]))
+                for name, value in batch.tensors.items()
+            },
             tuple(batch.non_tensors),
             batch.group_size,
             dict(batch.meta),
@@ -160,7 +163,9 @@ def run_exchanges(
     ``batch_isend_irecv`` group (True) or op by op (False); None: ``groups_point_to_point(device)``."""
     if grouped is None:
         grouped = groups_point_to_point(device)
-    sources = [store[exchange.batch_id] if exchange.sends or _has_local(exchange, rank) else None for exchange in exchanges]
+    sources = [
+        store[exchange.batch_id] if exchange.sends or _has_local(exchange, rank) else None for exchange in exchanges
+    ]
     payloads: list[dict[tuple[int, int], bytes]] = []
     lengths_in, ops = [], []
     for exchange, source in zip(exchanges, sources):
@@ -236,7 +241,10 @@ def _remote_pieces(exchange: Exchange, rank: int) -> list[Piece]:
 
 def _assemble(parts: list[Batch], schema: Schema, device: torch.device) -> Batch:
     if not parts:
-        tensors = {name: torch.empty((0, *shape), dtype=_dtype(dtype), device=device) for name, (dtype, shape) in schema.tensor_specs.items()}
+        tensors = {
+            name: torch.empty((0, *shape), dtype=_dtype(dtype), device=device)
+            for name, (dtype, shape) in schema.tensor_specs.items()
+        }
         return Batch(tensors, {name: [] for name in schema.non_tensor_keys}, dict(schema.meta), schema.group_size)
     joined = parts[0] if len(parts) == 1 else Batch.concat([Batch(part.tensors, part.non_tensors) for part in parts])
     return Batch(joined.tensors, joined.non_tensors, dict(schema.meta), schema.group_size)

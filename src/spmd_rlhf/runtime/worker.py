@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .device import check_thread
-from ..parallel_dims import Coordinates, ParallelDims
+from spmd_rlhf.parallel_dims import Coordinates, ParallelDims
+from spmd_rlhf.runtime.device import check_thread
 
 
 @dataclass(frozen=True)

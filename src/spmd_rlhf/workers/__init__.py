@@ -6,13 +6,22 @@ Each is the runtime's ``Worker`` plus composed parts: a ``DPReducer`` over its D
 (``training.py``), and its own dispatched methods.
 """
 
-from .actor import ActorWorker
-from .critic import CriticWorker
-from .reducer import DPReducer
-from .reference import ReferenceWorker
-from .reward import RewardWorker
-from .rollout import RolloutWorker
-from .sharded_model import ShardedModel
-from .training import Trainer
+from spmd_rlhf.workers.actor import ActorWorker
+from spmd_rlhf.workers.critic import CriticWorker
+from spmd_rlhf.workers.reducer import DPReducer
+from spmd_rlhf.workers.reference import ReferenceWorker
+from spmd_rlhf.workers.reward import RewardWorker
+from spmd_rlhf.workers.rollout import RolloutWorker
+from spmd_rlhf.workers.sharded_model import ShardedModel
+from spmd_rlhf.workers.training import Trainer
 
-__all__ = ["ActorWorker", "CriticWorker", "DPReducer", "ReferenceWorker", "RewardWorker", "RolloutWorker", "ShardedModel", "Trainer"]
+__all__ = [
+    "ActorWorker",
+    "CriticWorker",
+    "DPReducer",
+    "ReferenceWorker",
+    "RewardWorker",
+    "RolloutWorker",
+    "ShardedModel",
+    "Trainer",
+]

@@ -12,22 +12,29 @@ import functools
 
 import torch
 
-from ..algos import (
-    aggregate, combine_advantages, entropy_bonus, importance_metrics, importance_weights, kl_estimate, masked_mean,
+from spmd_rlhf.algos import (
+    aggregate,
+    combine_advantages,
+    entropy_bonus,
+    importance_metrics,
+    importance_weights,
+    kl_estimate,
+    masked_mean,
     policy_loss,
 )
-from ..config_schema import FrameworkConfig
-from ..data.batch import Batch
-from ..hybrid import GenerationLayout, HybridEngine
-from ..hybrid.weight_sync import BackgroundSender, send_weights, snapshot, sync_metrics, trainer_parameters
-from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
-from .advantages import old_log_probs, rollout_advantages
-from .base import RoleWorker, union_all
-from .generation import Generator
-from .rollout import sync_sides, weight_sync_groups
-from .packing import MicroBatch
-from .sharded_model import ShardedModel
-from .training import Trainer
+from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.hybrid import GenerationLayout, HybridEngine
+from spmd_rlhf.hybrid.weight_sync import BackgroundSender, send_weights, snapshot, sync_metrics, trainer_parameters
+from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
+from spmd_rlhf.workers.advantages import old_log_probs, rollout_advantages
+from spmd_rlhf.workers.base import RoleWorker, union_all
+from spmd_rlhf.workers.generation import Generator
+from spmd_rlhf.workers.packing import MicroBatch
+from spmd_rlhf.workers.rollout import sync_sides, weight_sync_groups
+from spmd_rlhf.workers.sharded_model import ShardedModel
+from spmd_rlhf.workers.training import Trainer
+
 
 class ActorWorker(RoleWorker):
     """The policy: a ``ShardedModel`` with an LM head, its ``Trainer``, and the ``HybridEngine`` that generates
@@ -37,25 +44,42 @@ class ActorWorker(RoleWorker):
         super().__init__(context, config, config.actor)
         self.model = ShardedModel(context, config, config.actor, head="lm", trainable=True, reducer=self.reducer)
         self.trainer = Trainer(
-            self.model, self.reducer, config.actor, total_steps=config.trainer.total_steps,
-            max_response_length=config.rollout.response_length, max_skipped_steps=config.trainer.max_skipped_steps,
+            self.model,
+            self.reducer,
+            config.actor,
+            total_steps=config.trainer.total_steps,
+            max_response_length=config.rollout.response_length,
+            max_skipped_steps=config.trainer.max_skipped_steps,
         )
         self.generator = Generator(
-            config, role=context.name, model_path=self.model.model_path, vocab_size=self.model.module.args.vocab_size,
-            device=self.device, reducer=self.reducer,
+            config,
+            role=context.name,
+            model_path=self.model.model_path,
+            vocab_size=self.model.module.args.vocab_size,
+            device=self.device,
+            reducer=self.reducer,
         )
         self.hybrid = HybridEngine(
-            self.model.module, layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp), rank=context.rank,
-            groups=context.groups, pp_group=self.model.pp_group, stage_ranks=self.model.stage_ranks, device=self.device,
-            attention_backend=config.model.attention, adapters=self.model.adapters,
+            self.model.module,
+            layout=GenerationLayout(context.dims, context.ranks, config.rollout.tp),
+            rank=context.rank,
+            groups=context.groups,
+            pp_group=self.model.pp_group,
+            stage_ranks=self.model.stage_ranks,
+            device=self.device,
+            attention_backend=config.model.attention,
+            adapters=self.model.adapters,
         )
         self.background_sender = (
             BackgroundSender(self.device, timeout_s=config.trainer.collective_timeout_s)
-            if config.rollout.background_sync else None
+            if config.rollout.background_sync
+            else None
         )
 
     @staticmethod
-    def process_groups(dims: ParallelDims, ranks: tuple[int, ...], config: FrameworkConfig) -> dict[str, list[list[int]]]:
+    def process_groups(
+        dims: ParallelDims, ranks: tuple[int, ...], config: FrameworkConfig
+    ) -> dict[str, list[list[int]]]:
         """The 3D-HybridEngine's groups, and with a rollout role the ``weight_sync`` group (and with
         ``rollout.background_sync`` the ``weight_snapshot`` group), created by the runtime on every rank when the
         actor is spawned."""
@@ -89,8 +113,11 @@ class ActorWorker(RoleWorker):
         params = trainer_parameters(self.model.module)
         dtype = getattr(torch, self.config.model.dtype)
         options = dict(
-            sides=sync_sides(self.config, self.context.groups), rank=self.context.rank, dtype=dtype,
-            bucket_bytes=int(self.config.rollout.sync_bucket_mb * 2**20), device=self.device,
+            sides=sync_sides(self.config, self.context.groups),
+            rank=self.context.rank,
+            dtype=dtype,
+            bucket_bytes=int(self.config.rollout.sync_bucket_mb * 2**20),
+            device=self.device,
         )
         if self.background_sender is None:
             return send_weights(params, trainer_group=self.context.groups["role"], version=version, **options)
@@ -145,7 +172,11 @@ class ActorWorker(RoleWorker):
 
     @data_parallel
     def compute_advantages(
-        self, *parts: Batch, estimator: str, kl_coef: float | None = None, source: str = "reward",
+        self,
+        *parts: Batch,
+        estimator: str,
+        kl_coef: float | None = None,
+        source: str = "reward",
         baseline: Batch | None = None,
     ) -> Batch:
         """``advantages`` (and ``returns`` for GAE) from the rollout and its scores, log-probs and values; with
@@ -159,7 +190,11 @@ class ActorWorker(RoleWorker):
         """
         data = union_all(parts)
         tensors, metrics = rollout_advantages(
-            data, estimator=estimator, algorithm=self.config.algorithm, reducer=self.reducer, source=source,
+            data,
+            estimator=estimator,
+            algorithm=self.config.algorithm,
+            reducer=self.reducer,
+            source=source,
             kl_coef=self.config.algorithm.kl_coef if kl_coef is None else kl_coef,
             max_response_length=self.config.rollout.response_length,
             baseline_scores=None if baseline is None else baseline["scores"],
@@ -186,19 +221,28 @@ class ActorWorker(RoleWorker):
         token_weights = None
         if algorithm.max_staleness:
             token_weights, _ = importance_weights(
-                old_log_probs(rows), rows["rollout_log_probs"], mode=algorithm.off_policy_correction,
+                old_log_probs(rows),
+                rows["rollout_log_probs"],
+                mode=algorithm.off_policy_correction,
                 cap=algorithm.importance_cap,
             )
             token_weights = token_weights.to(self.device)
         loss, metrics = policy_loss(
-            log_probs, old_log_probs(rows).to(self.device), advantages.to(self.device), mask,
+            log_probs,
+            old_log_probs(rows).to(self.device),
+            advantages.to(self.device),
+            mask,
             token_weights=token_weights,
-            clip_low=algorithm.clip_ratio_low, clip_high=algorithm.clip_ratio_high,
-            aggregation=aggregation, denominators=denominators,
+            clip_low=algorithm.clip_ratio_low,
+            clip_high=algorithm.clip_ratio_high,
+            aggregation=aggregation,
+            denominators=denominators,
             ratio_level="sequence" if algorithm.policy_loss == "gspo" else "token",
         )
         if algorithm.entropy_coef:
-            loss = loss - algorithm.entropy_coef * entropy_bonus(entropy, mask, aggregation=aggregation, denominators=denominators)
+            loss = loss - algorithm.entropy_coef * entropy_bonus(
+                entropy, mask, aggregation=aggregation, denominators=denominators
+            )
         if algorithm.kl_penalty == "loss":
             kl = kl_estimate(log_probs, rows["ref_log_probs"].to(self.device), algorithm.kl_estimator)
             loss = loss + kl_coef * aggregate(kl, mask, aggregation, denominators)
@@ -224,7 +268,9 @@ class ActorWorker(RoleWorker):
         metrics = {"off_policy/staleness_max": largest, "off_policy/staleness_mean": total / max(count, 1.0)}
         if algorithm.max_staleness:
             _, raw = importance_weights(
-                old_log_probs(data), data["rollout_log_probs"], mode=algorithm.off_policy_correction,
+                old_log_probs(data),
+                data["rollout_log_probs"],
+                mode=algorithm.off_policy_correction,
                 cap=algorithm.importance_cap,
             )
             local = importance_metrics(raw, data["response_mask"], cap=algorithm.importance_cap)
@@ -232,16 +278,21 @@ class ActorWorker(RoleWorker):
                 [local["off_policy/beyond_cap_fraction"] * float(mask.sum()), float(mask.sum())],
                 [local["off_policy/importance_weight_max"], -local["off_policy/importance_weight_min"]],
             )
-            metrics.update({
-                "off_policy/importance_weight_max": largest_weight,
-                "off_policy/importance_weight_min": -negated_smallest,
-                "off_policy/beyond_cap_fraction": beyond / max(tokens, 1.0),
-            })
+            metrics.update(
+                {
+                    "off_policy/importance_weight_max": largest_weight,
+                    "off_policy/importance_weight_min": -negated_smallest,
+                    "off_policy/beyond_cap_fraction": beyond / max(tokens, 1.0),
+                }
+            )
         return metrics
 
     @data_parallel
     def update_actor(
-        self, *parts: Batch, kl_coef: float | None = None, cost_multiplier: float | None = None,
+        self,
+        *parts: Batch,
+        kl_coef: float | None = None,
+        cost_multiplier: float | None = None,
         policy_version: int | None = None,
     ) -> dict[str, float]:
         """PPO epochs over the rows of ``parts`` (together: the rollout, ``advantages``, ``old_log_probs`` if

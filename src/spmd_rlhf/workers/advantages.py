@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..algos import (
+from spmd_rlhf.algos import (
     apply_kl_penalty,
     broadcast_to_tokens,
     discounted_returns,
@@ -31,9 +31,9 @@ from ..algos import (
     scores_to_token_rewards,
     whiten,
 )
-from ..config_schema import AlgorithmConfig
-from ..data.batch import Batch
-from .reducer import DPReducer
+from spmd_rlhf.config_schema import AlgorithmConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.workers.reducer import DPReducer
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline")
 SOURCES = {"reward": ("scores", "values", ""), "cost": ("costs", "cost_values", "cost_")}
@@ -59,7 +59,9 @@ def rollout_advantages(
     """(tensors, metrics) for one DP shard: ``advantages`` (``cost_advantages`` for ``source="cost"``), and
     ``returns`` for GAE. The KL penalty and DAPO's overlong shaping apply to the reward only."""
     if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage estimator {estimator!r} is unknown; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+        raise ValueError(
+            f"advantage estimator {estimator!r} is unknown; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
+        )
     if source not in SOURCES:
         raise ValueError(f"advantage source {source!r} is unknown; choose reward or cost")
     score_key, value_key, prefix = SOURCES[source]
@@ -72,7 +74,10 @@ def rollout_advantages(
     """Metric -> (this shard's sum, count), averaged over DP in one collective at the end."""
     if source == "reward" and algorithm.overlong_buffer:
         penalty = overlong_penalty(
-            mask.sum(dim=1), max_length=max_response_length, buffer=algorithm.overlong_buffer, factor=algorithm.overlong_penalty
+            mask.sum(dim=1),
+            max_length=max_response_length,
+            buffer=algorithm.overlong_buffer,
+            factor=algorithm.overlong_penalty,
         )
         scores = scores + penalty
         means["reward/overlong_penalty"] = (float(penalty.double().sum()), float(len(scores)))
@@ -86,7 +91,9 @@ def rollout_advantages(
         if algorithm.kl_penalty == "reward":
             token_rewards = apply_kl_penalty(token_rewards, kl, kl_coef, mask)
     if estimator == "gae":
-        advantages, returns = gae(token_rewards, data[value_key].float(), mask, gamma=algorithm.gamma, lam=algorithm.lam)
+        advantages, returns = gae(
+            token_rewards, data[value_key].float(), mask, gamma=algorithm.gamma, lam=algorithm.lam
+        )
         tensors[f"{prefix}returns"] = returns
         if algorithm.normalize_advantages:
             advantages = whiten(advantages, mask, sum_over_ranks=reducer.sum)
@@ -96,12 +103,16 @@ def rollout_advantages(
     else:
         sequence_rewards = (token_rewards * mask).sum(dim=1)
         if estimator == "grpo":
-            advantages = group_advantages(sequence_rewards, data.group_size, normalize_std=algorithm.normalize_advantages)
+            advantages = group_advantages(
+                sequence_rewards, data.group_size, normalize_std=algorithm.normalize_advantages
+            )
         elif estimator == "rloo":
             advantages = rloo_advantages(sequence_rewards, data.group_size)
         else:
             if baseline_scores is None:
-                raise ValueError("the remax estimator needs the greedy responses' scores (compute_advantages(baseline=...))")
+                raise ValueError(
+                    "the remax estimator needs the greedy responses' scores (compute_advantages(baseline=...))"
+                )
             advantages = remax_advantages(sequence_rewards, baseline_scores.float(), data.group_size)
         advantages = broadcast_to_tokens(advantages, mask)
     tensors[f"{prefix}advantages"] = advantages

@@ -6,10 +6,10 @@ dispatched methods (one file per role).
 
 from __future__ import annotations
 
-from ..config_schema import FrameworkConfig, RoleConfig
-from ..data.batch import Batch
-from ..runtime import RoleContext, Worker
-from .reducer import DPReducer
+from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.runtime import RoleContext, Worker
+from spmd_rlhf.workers.reducer import DPReducer
 
 
 def union_all(parts: tuple[Batch, ...]) -> Batch:

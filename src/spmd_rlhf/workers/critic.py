@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from ..algos import Denominators, masked_mean, value_loss
-from ..config_schema import FrameworkConfig
-from ..data.batch import Batch
-from ..runtime import RoleContext, data_parallel, one_to_all
-from .base import RoleWorker, union_all
-from .packing import MicroBatch
-from .sharded_model import ShardedModel
-from .training import Trainer
+from spmd_rlhf.algos import Denominators, masked_mean, value_loss
+from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.runtime import RoleContext, data_parallel, one_to_all
+from spmd_rlhf.workers.base import RoleWorker, union_all
+from spmd_rlhf.workers.packing import MicroBatch
+from spmd_rlhf.workers.sharded_model import ShardedModel
+from spmd_rlhf.workers.training import Trainer
 
 CRITIC_ROLES = {"critic": "", "cost_critic": "cost_"}
 """Critic role -> prefix of the batch keys it reads and writes."""
@@ -31,8 +31,12 @@ class CriticWorker(RoleWorker):
         super().__init__(context, config, role_config)
         self.model = ShardedModel(context, config, role_config, head="value", trainable=True, reducer=self.reducer)
         self.trainer = Trainer(
-            self.model, self.reducer, role_config, total_steps=config.trainer.total_steps,
-            max_response_length=config.rollout.response_length, max_skipped_steps=config.trainer.max_skipped_steps,
+            self.model,
+            self.reducer,
+            role_config,
+            total_steps=config.trainer.total_steps,
+            max_response_length=config.rollout.response_length,
+            max_skipped_steps=config.trainer.max_skipped_steps,
         )
         self.role, self.keys = role, CRITIC_ROLES[role]
 
@@ -41,7 +45,9 @@ class CriticWorker(RoleWorker):
         """``values`` (``cost_values``) ``[rows, R]``: V of the state before each response token (0 past the
         response)."""
         return self.model.forward_rows(
-            batch, "compute_values", f"{self.keys}values",
+            batch,
+            "compute_values",
+            f"{self.keys}values",
             lambda values, micro: micro.scatter(micro.response_outputs(values).float()),
         )
 
@@ -52,8 +58,12 @@ class CriticWorker(RoleWorker):
         mask = rows["response_mask"].to(self.device)
         values = micro.scatter(micro.response_outputs(outputs).float())
         loss, metrics = value_loss(
-            values, rows[f"{self.keys}values"].to(self.device), rows[f"{self.keys}returns"].to(self.device), mask,
-            clip=self.config.algorithm.value_clip, aggregation=self.config.algorithm.loss_aggregation,
+            values,
+            rows[f"{self.keys}values"].to(self.device),
+            rows[f"{self.keys}returns"].to(self.device),
+            mask,
+            clip=self.config.algorithm.value_clip,
+            aggregation=self.config.algorithm.loss_aggregation,
             denominators=denominators,
         )
         metrics = {key.replace("critic/", f"{self.role}/"): value for key, value in metrics.items()}

@@ -11,20 +11,20 @@ this rank answers and gathers the others'.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 import torch
 from transformers import AutoTokenizer
 
-from ..config_schema import FrameworkConfig
-from ..data.batch import Batch
-from ..engine import LLMEngine, SamplingParams
-from ..envs import ChatDelta, environment_factory
-from ..envs.rollout import response_tensors, run_multi_turn
-from ..runtime.device import check_thread
-from .reducer import DPReducer
+from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.envs import ChatDelta, environment_factory
+from spmd_rlhf.envs.rollout import response_tensors, run_multi_turn
+from spmd_rlhf.runtime.device import check_thread
+from spmd_rlhf.workers.reducer import DPReducer
 
 _SEED_STRIDE = 1_000_003
 
@@ -107,7 +107,13 @@ class Generator:
     model's; ``reducer``: the role's DP group."""
 
     def __init__(
-        self, config: FrameworkConfig, *, role: str, model_path: str, vocab_size: int, device: torch.device,
+        self,
+        config: FrameworkConfig,
+        *,
+        role: str,
+        model_path: str,
+        vocab_size: int,
+        device: torch.device,
         reducer: DPReducer,
     ) -> None:
         self.config, self.device, self.reducer, self.role = config, device, reducer, role
@@ -144,20 +150,30 @@ class Generator:
             # the replica's ranks run one schedule.
             free, total = torch.cuda.mem_get_info(self.device)
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            sizing["kv_cache_bytes"] = kv_cache_budget(
-                fraction=rollout.memory_fraction, total=total, free=free, cached=cached, role=self.role
-            ) // shares
+            sizing["kv_cache_bytes"] = (
+                kv_cache_budget(fraction=rollout.memory_fraction, total=total, free=free, cached=cached, role=self.role)
+                // shares
+            )
         # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
         # relative to the caches of CPU-sized models), so nothing is ever preempted. A null kv_block_size lets the
         # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).
         return LLMEngine(
-            model, eos_token_id=self.tokenizer.eos_token_id, block_size=rollout.kv_block_size,
-            max_num_seqs=rollout.max_num_seqs, seed=self.config.trainer.seed,
-            decode_graphs="auto" if rollout.cuda_graphs else "off", **sizing,
+            model,
+            eos_token_id=self.tokenizer.eos_token_id,
+            block_size=rollout.kv_block_size,
+            max_num_seqs=rollout.max_num_seqs,
+            seed=self.config.trainer.seed,
+            decode_graphs="auto" if rollout.cuda_graphs else "off",
+            **sizing,
         )
 
     def generate(
-        self, prompts: Batch, model: torch.nn.Module, replicas: Replicas, *, greedy: bool = False,
+        self,
+        prompts: Batch,
+        model: torch.nn.Module,
+        replicas: Replicas,
+        *,
+        greedy: bool = False,
         samples: int | None = None,
     ) -> Batch:
         """``rollout.n`` responses per prompt (``samples`` if given; rows of one prompt consecutive, ``group_size =
@@ -185,13 +201,21 @@ class Generator:
             rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in fields}} for i in sources]
             environments = [self.environment() for _ in requests]
             trajectories, stats = run_multi_turn(
-                engine, requests, environments, rows, params, delta=self.chat_delta, max_turns=self.config.rollout.max_turns,
-                max_response_tokens=self.config.rollout.response_length, share=replicas.on_replica_leader,
+                engine,
+                requests,
+                environments,
+                rows,
+                params,
+                delta=self.chat_delta,
+                max_turns=self.config.rollout.max_turns,
+                max_response_tokens=self.config.rollout.response_length,
+                share=replicas.on_replica_leader,
                 environment_workers=self.config.rollout.environment_workers,
             )
             responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
             counters = {
-                "preemptions": stats.preemptions, "prefill_tokens": stats.prefill_tokens,
+                "preemptions": stats.preemptions,
+                "prefill_tokens": stats.prefill_tokens,
                 "cached_prefill_tokens": stats.cached_prefill_tokens,
             }
             per_row = {
@@ -211,12 +235,16 @@ class Generator:
         # is assembled on the host, as every role's results are: one copy here, not a device sync per prompt row.
         return prompts.to("cpu")
 
-    def requests(self, prompts: Batch, *, n: int, greedy: bool = False) -> tuple[list[list[int]], list[SamplingParams], list[int]]:
+    def requests(
+        self, prompts: Batch, *, n: int, greedy: bool = False
+    ) -> tuple[list[list[int]], list[SamplingParams], list[int]]:
         """The engine's requests for ``prompts`` (on the host): ``n`` per prompt, consecutive, each with its sampling
         seed; and the prompt row each answers."""
         rollout = self.config.rollout
         temperature = 0.0 if greedy else rollout.temperature
-        prompt_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
+        prompt_tokens = [
+            ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])
+        ]
         requests, params, sources = [], [], []
         for index, (tokens, uid) in enumerate(zip(prompt_tokens, prompts["uid"].tolist())):
             for sample in range(n):
@@ -224,16 +252,25 @@ class Generator:
                 sources.append(index)
                 params.append(
                     SamplingParams(
-                        temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p,
-                        max_new_tokens=rollout.max_new_tokens, stop_token_ids=self.stop_token_ids,
+                        temperature=temperature,
+                        top_k=rollout.top_k,
+                        top_p=rollout.top_p,
+                        max_new_tokens=rollout.max_new_tokens,
+                        stop_token_ids=self.stop_token_ids,
                         seed=sample_seed(self.config.trainer.seed, uid, sample, n),
                     )
                 )
         return requests, params, sources
 
     def assemble(
-        self, prompts: Batch, responses: list[tuple[list[int], list[int], list[float]]], counters: dict[str, float],
-        *, replicas: Replicas, n: int, per_row: dict[str, torch.Tensor] | None = None,
+        self,
+        prompts: Batch,
+        responses: list[tuple[list[int], list[int], list[float]]],
+        counters: dict[str, float],
+        *,
+        replicas: Replicas,
+        n: int,
+        per_row: dict[str, torch.Tensor] | None = None,
         carried: dict[str, torch.Tensor] | None = None,
     ) -> Batch:
         """The rollout batch of ``prompts`` (the DP shard) from this replica's ``responses`` (token ids after the
@@ -242,8 +279,13 @@ class Generator:
         per-row tensors kept in the batch as they are."""
         per_row, carried = per_row or {}, carried or {}
         gathered = replicas.gather_rows(
-            {**response_tensors(responses, width=self.config.rollout.response_length, pad_token_id=self.pad_token_id),
-             **per_row, **carried}
+            {
+                **response_tensors(
+                    responses, width=self.config.rollout.response_length, pad_token_id=self.pad_token_id
+                ),
+                **per_row,
+                **carried,
+            }
         )
         # Each replica counted its own engine work; the other DP groups' replicas add theirs below.
         counter_values = [replicas.sum_over_replicas(value) for value in counters.values()]
@@ -253,8 +295,15 @@ class Generator:
         lengths = trajectory_mask.sum(dim=1).double()
         per_row_sums = [float(gathered[key].double().sum()) for key in per_row]
         sums, (longest, negated_shortest) = self.reducer.totals(
-            [float(lengths.sum()), float(rows), float((trajectory_mask[:, -1] == 1).sum()),
-             float(repeated["attention_mask"].sum()), float(response_mask.sum()), *counter_values, *per_row_sums],
+            [
+                float(lengths.sum()),
+                float(rows),
+                float((trajectory_mask[:, -1] == 1).sum()),
+                float(repeated["attention_mask"].sum()),
+                float(response_mask.sum()),
+                *counter_values,
+                *per_row_sums,
+            ],
             [float(lengths.max()), -float(lengths.min())],
         )
         (length_sum, row_count, clipped, prompt_tokens, generated), sums = sums[:5], sums[5:]
@@ -277,7 +326,11 @@ class Generator:
 
     @staticmethod
     def rollout_batch(
-        repeated: Batch, generated: dict[str, torch.Tensor], metrics: dict[str, float], *, group_size: int,
+        repeated: Batch,
+        generated: dict[str, torch.Tensor],
+        metrics: dict[str, float],
+        *,
+        group_size: int,
         extra: tuple[str, ...] = (),
     ) -> Batch:
         """The rollout layout from the prompts (each repeated once per sample) and the generated tensors

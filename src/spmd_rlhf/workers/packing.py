@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..data.batch import Batch
+from spmd_rlhf.data.batch import Batch
 
 
 class MicroBatch:
@@ -74,9 +74,13 @@ class PackedRows(MicroBatch):
         lengths = attended.sum(dim=1)
         prompt_length = rows["prompts"].shape[1]
         if bool((attended[:, :prompt_length].sum(dim=1) == 0).any()):
-            raise ValueError("a row has no prompt token: its first response token would have nothing to be predicted from")
+            raise ValueError(
+                "a row has no prompt token: its first response token would have nothing to be predicted from"
+            )
         if bool((self.response_mask & ~attended[:, prompt_length:]).any()):
-            raise ValueError("a response token in response_mask is outside attention_mask: the model would never see it")
+            raise ValueError(
+                "a response token in response_mask is outside attention_mask: the model would never see it"
+            )
         # Index of each attended token within its own row, and where each row starts in the packed sequence.
         index_in_row = attended.long().cumsum(dim=1) - 1
         ends = lengths.cumsum(dim=0)
@@ -137,7 +141,9 @@ def stack_packed(micros: list[PackedRows], *, per_token: bool) -> tuple[torch.Te
     kwargs = {"position_ids": torch.stack(position_ids), "cu_seqlens": torch.stack(cu_seqlens)}
     if per_token:
         count = max(len(positions) for positions in output_positions)
-        kwargs["output_positions"] = torch.stack([F.pad(positions, (0, count - len(positions))) for positions in output_positions])
+        kwargs["output_positions"] = torch.stack(
+            [F.pad(positions, (0, count - len(positions))) for positions in output_positions]
+        )
     return torch.stack(input_ids), kwargs
 
 
@@ -146,7 +152,10 @@ class PaddedRows(MicroBatch):
     out of the full ``[rows, P + R, ...]`` outputs (for logits, ``response_tokens * vocab`` in the compute dtype)."""
 
     def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows["input_ids"].to(device), "attention_mask": self.rows["attention_mask"].to(device)}
+        return {
+            "input_ids": self.rows["input_ids"].to(device),
+            "attention_mask": self.rows["attention_mask"].to(device),
+        }
 
     def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
         response_length = self.response_mask.shape[1]

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather_flat
-from ..data.batch import Batch
-
+from spmd_rlhf.collectives import all_gather_flat
+from spmd_rlhf.data.batch import Batch
 
 
 class DPReducer:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..config_schema import FrameworkConfig
-from ..data.batch import Batch
-from ..runtime import RoleContext, data_parallel, one_to_all
-from .base import RoleWorker
-from .sharded_model import ShardedModel
+from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.runtime import RoleContext, data_parallel, one_to_all
+from spmd_rlhf.workers.base import RoleWorker
+from spmd_rlhf.workers.sharded_model import ShardedModel
 
 
 class ReferenceWorker(RoleWorker):
@@ -21,7 +21,9 @@ class ReferenceWorker(RoleWorker):
         """``ref_log_probs`` ``[rows, R]`` of the responses, at the rollout temperature like the actor's."""
         temperature = self.config.rollout.temperature or 1.0
         return self.model.forward_rows(
-            batch, "compute_log_probs", "ref_log_probs",
+            batch,
+            "compute_log_probs",
+            "ref_log_probs",
             lambda logits, micro: self.model.response_log_probs(logits, micro, temperature)[0],
         )
 

@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from ..config_schema import FrameworkConfig, ScoringRoleConfig
-from ..data.batch import Batch
-from ..rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
-from ..runtime import RoleContext, data_parallel
-from .base import RoleWorker
-from .sharded_model import ShardedModel
+from spmd_rlhf.config_schema import FrameworkConfig, ScoringRoleConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
+from spmd_rlhf.runtime import RoleContext, data_parallel
+from spmd_rlhf.workers.base import RoleWorker
+from spmd_rlhf.workers.sharded_model import ShardedModel
 
 
 class RewardWorker(RoleWorker):
@@ -33,11 +33,17 @@ class RewardWorker(RoleWorker):
         self.scorer: ShardedModel | None = None
         self.runner: RewardRunner | None = None
         if role_config.kind == "model":
-            self.scorer = ShardedModel(context, config, role_config, head="score", trainable=False, reducer=self.reducer)
+            self.scorer = ShardedModel(
+                context, config, role_config, head="score", trainable=False, reducer=self.reducer
+            )
         else:
             self.runner = RewardRunner(
-                role_config.rule, rule_kwargs=role_config.rule_kwargs, num_workers=role_config.num_workers,
-                timeout_s=role_config.timeout_s, on_error=role_config.on_error, name=role,
+                role_config.rule,
+                rule_kwargs=role_config.rule_kwargs,
+                num_workers=role_config.num_workers,
+                timeout_s=role_config.timeout_s,
+                on_error=role_config.on_error,
+                name=role,
             )
             self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
 
@@ -48,7 +54,9 @@ class RewardWorker(RoleWorker):
         DP ranks. Under a rule, more than ``<role>.max_failure_fraction`` of the step's calls failing is an error."""
         scored: RewardScores | None = None
         if self.scorer is not None:
-            scores = self.scorer.forward_rows(batch, "compute_rewards", "scores", lambda outputs, micro: outputs.float())["scores"]
+            scores = self.scorer.forward_rows(
+                batch, "compute_rewards", "scores", lambda outputs, micro: outputs.float()
+            )["scores"]
         else:
             scored = self.score_with_rule(batch)
             scores = torch.tensor(scored.scores, dtype=torch.float32)
@@ -69,8 +77,8 @@ class RewardWorker(RoleWorker):
         name = self.context.name
         metrics = {f"{name}/mean": totals["scores"][0] / totals["scores"][1]}
         for key in sorted(key for key in totals if key.startswith("extra/")):
-            metrics[f"{name}/{key[len('extra/'):]}/mean"] = totals[key][0] / max(totals[key][1], 1.0)
-        failed = {key[len("failed/"):]: int(total) for key, (total, _) in totals.items() if key.startswith("failed/")}
+            metrics[f"{name}/{key[len('extra/') :]}/mean"] = totals[key][0] / max(totals[key][1], 1.0)
+        failed = {key[len("failed/") :]: int(total) for key, (total, _) in totals.items() if key.startswith("failed/")}
         metrics.update({f"{name}/{metric}": float(count) for metric, count in failed.items()})
         if self.runner is not None:  # every DP rank holds the same totals, so every rank raises or none does
             check_failure_fraction(

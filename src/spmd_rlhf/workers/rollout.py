@@ -21,19 +21,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config_schema import FrameworkConfig
-from ..data.batch import Batch
-from ..engine import GenerationRun, LLMEngine
-from ..hybrid.weight_sync import SyncSides, receive_weights, sync_group_ranks
-from ..models.decoder import DecoderLM
-from ..models.parallelize import parallelize
-from ..models.weights import build_model
-from ..runtime import ParallelDims, RoleContext, data_parallel, one_to_all
-from ..runtime.device import check_thread
-from ..runtime.placement import role_pools
-from .base import RoleWorker
-from .generation import Generator, OneReplica
-
+from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.engine import GenerationRun, LLMEngine
+from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, sync_group_ranks
+from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.models.weights import build_model
+from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
+from spmd_rlhf.runtime.device import check_thread
+from spmd_rlhf.runtime.placement import role_pools
+from spmd_rlhf.workers.base import RoleWorker
+from spmd_rlhf.workers.generation import Generator, OneReplica
 
 GENERATED = ("responses", "response_mask", "trajectory_mask", "rollout_log_probs", "token_versions")
 """What generation adds to the prompts of a batch: what a checkpoint keeps of a batch in flight."""
@@ -75,11 +74,18 @@ class RolloutWorker(RoleWorker):
         super().__init__(context, config, config.rollout)
         path = config.actor.model_path or config.model.path
         self.model = generation_replica(
-            path, dtype=getattr(torch, config.model.dtype), tp_mesh=self.mesh["tp"], device=self.device,
+            path,
+            dtype=getattr(torch, config.model.dtype),
+            tp_mesh=self.mesh["tp"],
+            device=self.device,
             attention_backend=config.model.attention,
         )
         self.generator = Generator(
-            config, role=context.name, model_path=path, vocab_size=self.model.args.vocab_size, device=self.device,
+            config,
+            role=context.name,
+            model_path=path,
+            vocab_size=self.model.args.vocab_size,
+            device=self.device,
             reducer=self.reducer,
         )
         self.sides = sync_sides(config, context.groups)
@@ -162,7 +168,8 @@ class RolloutWorker(RoleWorker):
         engine.advance(run)
         versions = [run.token_versions(seq) for seq in run.seqs]
         counters = {
-            "preemptions": run.num_preemptions, "cuda_graphs": engine.stats.cuda_graphs,
+            "preemptions": run.num_preemptions,
+            "cuda_graphs": engine.stats.cuda_graphs,
             "mixed_version_responses": sum(len(set(tokens)) > 1 for tokens in versions),
         }
         responses = [(seq.generated_token_ids, [1] * seq.num_generated, seq.log_probs) for seq in run.seqs]
@@ -171,7 +178,11 @@ class RolloutWorker(RoleWorker):
         for row, tokens in enumerate(versions):
             token_versions[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         rows = self.generator.assemble(
-            self.generator.host_prompts(prompts), responses, counters, replicas=OneReplica(), n=self.config.rollout.n,
+            self.generator.host_prompts(prompts),
+            responses,
+            counters,
+            replicas=OneReplica(),
+            n=self.config.rollout.n,
             carried={"token_versions": token_versions},
         )
         rows.meta["metrics"]["rollout/policy_version"] = float(version)

@@ -22,24 +22,20 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
-from ..checkpoint import save_model_config
-from ..config_schema import FrameworkConfig, RoleConfig
-from ..data.batch import Batch
-from ..models import (
-    DecoderLM,
-    log_probs_and_entropy_from_logits,
-    log_probs_from_logits,
-)
-from ..models.attention import resolve_backend
-from ..models.lora import write_peft_adapter
-from ..models.parallelize import parallelize
-from ..models.pipeline import Pipeline, split_stage
-from ..models.sharded_save import save_sharded_pretrained
-from ..models.weights import build_model, load_weights
-from ..runtime import RoleContext
-from .micro_batches import row_chunks, token_balanced_micro_batches
-from .packing import MicroBatch, PackedRows, stack_packed
-from .reducer import DPReducer
+from spmd_rlhf.checkpoint import save_model_config
+from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.models import DecoderLM, log_probs_and_entropy_from_logits, log_probs_from_logits
+from spmd_rlhf.models.attention import resolve_backend
+from spmd_rlhf.models.lora import write_peft_adapter
+from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.models.pipeline import Pipeline, split_stage
+from spmd_rlhf.models.sharded_save import save_sharded_pretrained
+from spmd_rlhf.models.weights import build_model, load_weights
+from spmd_rlhf.runtime import RoleContext
+from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_batches
+from spmd_rlhf.workers.packing import MicroBatch, PackedRows, stack_packed
+from spmd_rlhf.workers.reducer import DPReducer
 
 MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 """(the model's output for one micro-batch, that micro-batch) -> a loss (training) or per-row results."""
@@ -56,7 +52,13 @@ class ShardedModel:
     and checks that every DP rank got as many rows."""
 
     def __init__(
-        self, context: RoleContext, config: FrameworkConfig, role_config: RoleConfig, *, head: str, trainable: bool,
+        self,
+        context: RoleContext,
+        config: FrameworkConfig,
+        role_config: RoleConfig,
+        *,
+        head: str,
+        trainable: bool,
         reducer: DPReducer,
     ) -> None:
         self.config = config
@@ -85,16 +87,24 @@ class ShardedModel:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         on_gpu = self.device.type == "cuda"
         self.adapters = parallelize(
-            model, tp_mesh=self.mesh["tp"], dp_mesh=self.mesh["dp"], mp_policy=policy, role=name, lora=self.lora,
+            model,
+            tp_mesh=self.mesh["tp"],
+            dp_mesh=self.mesh["dp"],
+            mp_policy=policy,
+            role=name,
+            lora=self.lora,
             activation_checkpointing=config.model.activation_checkpointing and trainable,
-            compile_layers=config.model.compile and on_gpu, offload=role_config.offload and on_gpu,
+            compile_layers=config.model.compile and on_gpu,
+            offload=role_config.offload and on_gpu,
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )
         load_weights(model, path, device=self.device)
         if self.adapters is not None:
             self.adapters.initialize(model, seed=config.trainer.seed)
-        self.one_fsdp_unit = dims.dp > 1 and dims.pp == 1 and not any(
-            isinstance(module, FSDPModule) for module in model.modules() if module is not model
+        self.one_fsdp_unit = (
+            dims.dp > 1
+            and dims.pp == 1
+            and not any(isinstance(module, FSDPModule) for module in model.modules() if module is not model)
         )
         """FSDP shards the whole model as one unit (a model smaller than the role's fsdp_unit_mb, not pipelined)."""
         if not trainable:
@@ -111,7 +121,11 @@ class ShardedModel:
         self.pipeline = None
         if dims.pp > 1:
             self.pipeline = Pipeline(
-                model, stage=coordinates.pp, stage_ranks=self.stage_ranks, group=self.pp_group, device=self.device,
+                model,
+                stage=coordinates.pp,
+                stage_ranks=self.stage_ranks,
+                group=self.pp_group,
+                device=self.device,
                 schedule=role_config.pp_schedule,
             )
 
@@ -130,7 +144,9 @@ class ShardedModel:
             return row_chunks(len(batch), rows_per_micro_batch)
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         return token_balanced_micro_batches(
-            lengths, max_tokens, lambda count: int(self.reducer.max(torch.tensor(count))),
+            lengths,
+            max_tokens,
+            lambda count: int(self.reducer.max(torch.tensor(count))),
             at_least=self.pipeline.min_micro_batches if self.pipeline is not None else 1,
         )
 
@@ -184,8 +200,10 @@ class ShardedModel:
         self.module.eval()
         with torch.no_grad():
             results, order = self.run_model(
-                batch, micro_batch_size=self.role_config.forward_micro_batch_size or self.role_config.micro_batch_size,
-                output_fn=output_fn, train=False,
+                batch,
+                micro_batch_size=self.role_config.forward_micro_batch_size or self.role_config.micro_batch_size,
+                output_fn=output_fn,
+                train=False,
             )
         values = None
         if results:
@@ -221,8 +239,12 @@ class ShardedModel:
         """The model config and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from a checkpoint alone
         (written by role rank 0)."""
         if self.context.role_rank == 0:
-            adapter_config = None if self.adapters is None else self.adapters.peft_config(self.model_path, head=self.module.head)
-            save_model_config(checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path, adapter_config=adapter_config)
+            adapter_config = (
+                None if self.adapters is None else self.adapters.peft_config(self.model_path, head=self.module.head)
+            )
+            save_model_config(
+                checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path, adapter_config=adapter_config
+            )
 
     def save_pretrained(self, out_dir: str) -> str:
         """With LoRA, the trained adapters as a PEFT adapter directory (``_save_adapter``). Otherwise write the
@@ -243,10 +265,15 @@ class ShardedModel:
         if role_rank == 0:
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         save_sharded_pretrained(
-            self.module, out_dir, stage=self.context.coordinates.pp,
+            self.module,
+            out_dir,
+            stage=self.context.coordinates.pp,
             stage_ranks=list(self.context.ranks[stage_start : stage_start + per_stage]),
-            writers_group=self.pp_group, group=self.role_group, dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
-            device=self.device, tokenizer=tokenizer,
+            writers_group=self.pp_group,
+            group=self.role_group,
+            dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
+            device=self.device,
+            tokenizer=tokenizer,
         )
         return out_dir
 
@@ -257,7 +284,8 @@ class ShardedModel:
         adapters meet on role rank 0, which writes."""
         tensors = {
             name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().float().cpu()
-            for name, param in self.module.named_parameters() if param.requires_grad
+            for name, param in self.module.named_parameters()
+            if param.requires_grad
         }
         if self.pp_group is not None:
             stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(self.pp_group))]

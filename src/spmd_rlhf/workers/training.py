@@ -17,20 +17,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..algos import Denominators
-from ..checkpoint import load_role_state, save_role_state
-from ..config_schema import TrainableRoleConfig
-from ..data.batch import Batch
-from .packing import MicroBatch
-from .reducer import DPReducer
-from .sharded_model import ShardedModel
-from .skipped_steps import SkippedSteps
+from spmd_rlhf.algos import Denominators
+from spmd_rlhf.checkpoint import load_role_state, save_role_state
+from spmd_rlhf.config_schema import TrainableRoleConfig
+from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.workers.packing import MicroBatch
+from spmd_rlhf.workers.reducer import DPReducer
+from spmd_rlhf.workers.sharded_model import ShardedModel
+from spmd_rlhf.workers.skipped_steps import SkippedSteps
 
 LossFunction = Callable[[torch.Tensor, MicroBatch, Denominators], tuple[torch.Tensor, dict[str, float]]]
 """(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss, metrics)."""
 
 
-def learning_rate_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int, min_lr_ratio: float) -> float:
+def learning_rate_factor(
+    step: int, *, warmup_steps: int, schedule: str, total_steps: int, min_lr_ratio: float
+) -> float:
     """Multiplier of the peak LR at optimizer-schedule step ``step``: linear warm-up from 0, then constant or cosine
     decay to ``min_lr_ratio`` at ``total_steps``."""
     if step < warmup_steps:
@@ -42,8 +44,12 @@ def learning_rate_factor(step: int, *, warmup_steps: int, schedule: str, total_s
 
 
 def clip_gradients(
-    gradients: list[torch.Tensor], max_norm: float | None, *, stage_groups: list[dist.ProcessGroup],
-    pipeline_group: dist.ProcessGroup | None, device: torch.device,
+    gradients: list[torch.Tensor],
+    max_norm: float | None,
+    *,
+    stage_groups: list[dist.ProcessGroup],
+    pipeline_group: dist.ProcessGroup | None,
+    device: torch.device,
 ) -> float:
     """Scale ``gradients`` in place so their global L2 norm is at most ``max_norm`` (None: no clipping); returns the
     norm before clipping.
@@ -61,7 +67,9 @@ def clip_gradients(
             local = gradient.to_local()
             placements = enumerate(gradient.placements)
             # Shard and FSDP's _StridedShard split a dimension; Replicate (and Partial, never left in a gradient) do not.
-            shards = math.prod(gradient.device_mesh.size(dim) for dim, placement in placements if not placement.is_replicate())
+            shards = math.prod(
+                gradient.device_mesh.size(dim) for dim, placement in placements if not placement.is_replicate()
+            )
         squares += torch.linalg.vector_norm(local.detach(), dtype=torch.float64).square() / (ranks_per_stage // shards)
     for group in [*stage_groups, pipeline_group]:
         if group is not None and group.size() > 1:
@@ -79,8 +87,14 @@ class Trainer:
     takes the statistics of each mini-batch over the DP group with ``reducer``."""
 
     def __init__(
-        self, model: ShardedModel, reducer: DPReducer, role_config: TrainableRoleConfig, *, total_steps: int,
-        max_response_length: int, max_skipped_steps: int,
+        self,
+        model: ShardedModel,
+        reducer: DPReducer,
+        role_config: TrainableRoleConfig,
+        *,
+        total_steps: int,
+        max_response_length: int,
+        max_skipped_steps: int,
     ) -> None:
         self.model = model
         self.reducer = reducer
@@ -91,14 +105,20 @@ class Trainer:
         # default loops over the parameters in Python, six passes each: 8x faster on CPU for 0.5B-sized layers.
         # Only trained parameters get optimizer state: with LoRA, the adapters (and a critic's head), not the base.
         self.optimizer = torch.optim.AdamW(
-            [param for param in model.module.parameters() if param.requires_grad], lr=role_config.lr, betas=tuple(role_config.betas),
-            weight_decay=role_config.weight_decay, fused=True,
+            [param for param in model.module.parameters() if param.requires_grad],
+            lr=role_config.lr,
+            betas=tuple(role_config.betas),
+            weight_decay=role_config.weight_decay,
+            fused=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: learning_rate_factor(
-                step, warmup_steps=role_config.warmup_steps, schedule=role_config.lr_schedule,
-                total_steps=total_steps, min_lr_ratio=role_config.min_lr_ratio,
+                step,
+                warmup_steps=role_config.warmup_steps,
+                schedule=role_config.lr_schedule,
+                total_steps=total_steps,
+                min_lr_ratio=role_config.min_lr_ratio,
             ),
         )
 
@@ -107,8 +127,7 @@ class Trainer:
         mini_batch_size = self.role_config.mini_batch_size
         if mini_batch_size % dp_size:
             raise ValueError(
-                f"{role}.mini_batch_size={mini_batch_size} must divide over {dp_size} DP ranks "
-                f"({role}.{method})"
+                f"{role}.mini_batch_size={mini_batch_size} must divide over {dp_size} DP ranks ({role}.{method})"
             )
         rows = mini_batch_size // dp_size
         if len(batch) % rows:
@@ -127,7 +146,9 @@ class Trainer:
         skipped_before = self.skipped.total
         minis = batch.chunk_rows(rows)
         # Every mini-batch's response tokens and rows over all DP ranks, in one collective for the whole update.
-        counts, _ = self.reducer.totals([float(value) for mini in minis for value in (mini["response_mask"].sum(), len(mini))])
+        counts, _ = self.reducer.totals(
+            [float(value) for mini in minis for value in (mini["response_mask"].sum(), len(mini))]
+        )
         local_losses: list[float] = []
         for _ in range(self.role_config.ppo_epochs):
             for index, mini in enumerate(minis):
@@ -147,7 +168,7 @@ class Trainer:
                 # A pipeline schedule may call the loss function on placeholder outputs first (torch >= 2.13 infers
                 # gradient shapes that way); the real micro-batches are the last len(results) calls.
                 mini_batch_loss = 0.0
-                for loss, micro_metrics in records[len(records) - len(results):]:
+                for loss, micro_metrics in records[len(records) - len(results) :]:
                     mini_batch_loss += loss
                     for key, value in micro_metrics.items():
                         metrics[key].append(value)
@@ -165,7 +186,10 @@ class Trainer:
         resume, plus the model config and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from it
         alone."""
         save_role_state(
-            checkpoint_dir, model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler,
+            checkpoint_dir,
+            model=self.model.module,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
             process_group=self.model.role_group,
         )
         self.model.save_config(checkpoint_dir)
@@ -173,7 +197,10 @@ class Trainer:
     def load(self, checkpoint_dir: str) -> None:
         """Restore what ``save`` wrote (any DP size can load it: DCP reshards on load)."""
         load_role_state(
-            checkpoint_dir, model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler,
+            checkpoint_dir,
+            model=self.model.module,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
             process_group=self.model.role_group,
         )
 
@@ -183,8 +210,11 @@ class Trainer:
         gradients = [p.grad for p in self.model.module.parameters() if p.grad is not None]
         model = self.model
         norm = clip_gradients(
-            gradients, self.role_config.grad_clip, stage_groups=[model.mesh["dp"].get_group(), model.mesh["tp"].get_group()],
-            pipeline_group=model.pp_group, device=model.device,
+            gradients,
+            self.role_config.grad_clip,
+            stage_groups=[model.mesh["dp"].get_group(), model.mesh["tp"].get_group()],
+            pipeline_group=model.pp_group,
+            device=model.device,
         )
         # The scheduler steps once per update, so its count is the training step being run (resumed with it).
         if self.skipped.allows(norm, step=self.scheduler.last_epoch + 1, stage=stage):

@@ -22,9 +22,23 @@ from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.parallelize import parallelize
 
 ARGS = DecoderArgs(
-    family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-    head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
-    tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+    family="llama",
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    o_bias=False,
+    mlp_bias=False,
+    qk_norm=False,
 )
 LOCAL_BLOCKS = (10, 40)
 """Each rank's own KV budget; the agreed one is the smaller."""
@@ -48,7 +62,9 @@ def run(model: DecoderLM, num_blocks: int) -> dict:
     engine.runner.run = recorded
     outputs = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=12))
     return {
-        "num_blocks": engine.runner.num_blocks, "preemptions": engine.num_preemptions, "steps": steps,
+        "num_blocks": engine.runner.num_blocks,
+        "preemptions": engine.num_preemptions,
+        "steps": steps,
         "tokens": [seq.generated_token_ids for seq in outputs],
     }
 

@@ -59,8 +59,13 @@ class MeasuredActor(ActorWorker):
         # buffers and the micro-DP gather hold at most a few of these at a time.
         dtype = getattr(torch, self.config.model.dtype)
         full = {name: p.numel() for name, p in meta_model(self.model.module.args).named_parameters()}
-        blocks = [sum(n for name, n in full.items() if name.startswith(f"model.layers.{i}.")) for i in range(self.model.module.args.num_layers)]
-        largest_block = max(*blocks, sum(n for name, n in full.items() if not name.startswith("model.layers."))) * dtype.itemsize
+        blocks = [
+            sum(n for name, n in full.items() if name.startswith(f"model.layers.{i}."))
+            for i in range(self.model.module.args.num_layers)
+        ]
+        largest_block = (
+            max(*blocks, sum(n for name, n in full.items() if not name.startswith("model.layers."))) * dtype.itemsize
+        )
         build = self.hybrid.generation_model
         reshard = PeakMemory(self.device)
 
@@ -73,10 +78,15 @@ class MeasuredActor(ActorWorker):
             batch = self.generate_sequences(prompts, greedy=True)
         del self.hybrid.generation_model
         return {
-            "loading_peak": self.loading_peak, "training_bytes": local_bytes(self.model.module),
+            "loading_peak": self.loading_peak,
+            "training_bytes": local_bytes(self.model.module),
             "largest_tensor_bytes": max(full.values()) * 4,
-            "peak_increase": memory.peak_increase, "reshard_peak_increase": reshard.peak_increase, "generation_bytes": self.generation_bytes, "kv_bytes": self.kv_bytes,
-            "block_bytes": largest_block, "full_model_bytes": sum(full.values()) * dtype.itemsize,
+            "peak_increase": memory.peak_increase,
+            "reshard_peak_increase": reshard.peak_increase,
+            "generation_bytes": self.generation_bytes,
+            "kv_bytes": self.kv_bytes,
+            "block_bytes": largest_block,
+            "full_model_bytes": sum(full.values()) * dtype.itemsize,
             "responses": batch["responses"].tolist(),
         }
 
@@ -100,13 +110,25 @@ def main(coordinator):
     for layout in layouts:
         *sizes, reversed_pool = re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+):(\d+)(r?)", layout).groups()
         dp, tp, pp, tp_g = (int(size) for size in sizes)
-        config = load_config(None, [
-            f"model.path={policy_dir}", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "rollout.max_new_tokens=8",
-            f"rollout.tp={tp_g}", f"actor.tp={tp}", f"actor.pp={pp}", "data.batch_size=8", "actor.lr=1e-2",
-            "actor.mini_batch_size=16", "actor.micro_batch_size=4",
-            # One FSDP unit per layer, as at real sizes, so the reshard's peak is bounded by one layer's buffers.
-            "actor.fsdp_unit_mb=0",
-        ])
+        config = load_config(
+            None,
+            [
+                f"model.path={policy_dir}",
+                "algorithm.name=grpo",
+                "critic.enabled=false",
+                "rollout.n=2",
+                "rollout.max_new_tokens=8",
+                f"rollout.tp={tp_g}",
+                f"actor.tp={tp}",
+                f"actor.pp={pp}",
+                "data.batch_size=8",
+                "actor.lr=1e-2",
+                "actor.mini_batch_size=16",
+                "actor.micro_batch_size=4",
+                # One FSDP unit per layer, as at real sizes, so the reshard's peak is bounded by one layer's buffers.
+                "actor.fsdp_unit_mb=0",
+            ],
+        )
         ranks = list(range(dp * tp * pp))
         if reversed_pool:  # the pool's TP blocks in descending order: stage 0 on the highest ranks
             ranks = [rank for start in reversed(range(0, len(ranks), tp)) for rank in range(start, start + tp)]
@@ -122,8 +144,19 @@ def main(coordinator):
             actor.update_actor(rollout_batch(16, 5, 6, vocab=100)).result()
             updated = actor.generate_sequences(prompts, greedy=True).result().fetch()["responses"]
             actor.save_pretrained(f"{out_dir}/{layout}_updated").result()
-            fresh_config = load_config(None, [f"model.path={out_dir}/{layout}_updated", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "rollout.max_new_tokens=8"])
-            fresh = coordinator.spawn(ActorWorker, fresh_config, name=f"fresh_{layout}", pool=ResourcePool([0]), dims=ParallelDims())
+            fresh_config = load_config(
+                None,
+                [
+                    f"model.path={out_dir}/{layout}_updated",
+                    "algorithm.name=grpo",
+                    "critic.enabled=false",
+                    "rollout.n=2",
+                    "rollout.max_new_tokens=8",
+                ],
+            )
+            fresh = coordinator.spawn(
+                ActorWorker, fresh_config, name=f"fresh_{layout}", pool=ResourcePool([0]), dims=ParallelDims()
+            )
             expected = fresh.generate_sequences(prompts, greedy=True).result().fetch()["responses"]
             results[layout]["updated"] = updated.tolist()
             results[layout]["fresh"] = expected.tolist()

@@ -30,13 +30,31 @@ def main(coordinator):
     policy_dir, out_dir = sys.argv[1:]
     results = {}
     for dtype, tp_g in CASES:
-        config = load_config(None, [
-            f"model.path={policy_dir}", f"model.dtype={dtype}", "algorithm.name=grpo", "critic.enabled=false",
-            "rollout.n=2", "rollout.max_new_tokens=8", f"rollout.temperature={TEMPERATURE}", "rollout.top_k=50",
-            f"rollout.tp={tp_g}", "actor.tp=2", "data.batch_size=8", "actor.mini_batch_size=16", "actor.micro_batch_size=4",
-        ])
-        actor = coordinator.spawn(ActorWorker, config, name=f"actor_{dtype}_{tp_g}", pool=ResourcePool([0, 1, 2, 3]),
-                                  dims=ParallelDims(dp=2, tp=2))
+        config = load_config(
+            None,
+            [
+                f"model.path={policy_dir}",
+                f"model.dtype={dtype}",
+                "algorithm.name=grpo",
+                "critic.enabled=false",
+                "rollout.n=2",
+                "rollout.max_new_tokens=8",
+                f"rollout.temperature={TEMPERATURE}",
+                "rollout.top_k=50",
+                f"rollout.tp={tp_g}",
+                "actor.tp=2",
+                "data.batch_size=8",
+                "actor.mini_batch_size=16",
+                "actor.micro_batch_size=4",
+            ],
+        )
+        actor = coordinator.spawn(
+            ActorWorker,
+            config,
+            name=f"actor_{dtype}_{tp_g}",
+            pool=ResourcePool([0, 1, 2, 3]),
+            dims=ParallelDims(dp=2, tp=2),
+        )
         rollout = actor.generate_sequences(prompts_batch(300)).result()
         old = actor.compute_log_probs(rollout).result()
         rows, recomputed = rollout.fetch(), old.fetch()

@@ -20,7 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from spmd_rlhf.hybrid.weight_sync import (
-    BackgroundSender, SyncSides, receive_weights, send_weights, snapshot, sync_group_ranks, trainer_parameters,
+    BackgroundSender,
+    SyncSides,
+    receive_weights,
+    send_weights,
+    snapshot,
+    sync_group_ranks,
+    trainer_parameters,
 )
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model, load_weights
@@ -48,8 +54,10 @@ class LargestAllocation(TorchDispatchMode):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.bytes = 0
-        self.own = {(param.to_local() if isinstance(param, DTensor) else param).untyped_storage().data_ptr()
-                    for param in model.parameters()}
+        self.own = {
+            (param.to_local() if isinstance(param, DTensor) else param).untyped_storage().data_ptr()
+            for param in model.parameters()
+        }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -77,8 +85,16 @@ def send_in_background(model, sides, rank, actor_group, snapshot_group, version)
     copy = snapshot(params, ROLLOUT_DTYPE)
     sent = {name: full(param).detach().clone() for name, param in copy.items()}
     sender = BackgroundSender(torch.device("cpu"), timeout_s=120.0)
-    sender.start(copy, sides=sides, rank=rank, trainer_group=snapshot_group, dtype=ROLLOUT_DTYPE,
-                 bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
+    sender.start(
+        copy,
+        sides=sides,
+        rank=rank,
+        trainer_group=snapshot_group,
+        dtype=ROLLOUT_DTYPE,
+        bucket_bytes=BUCKET_BYTES,
+        version=version,
+        device=torch.device("cpu"),
+    )
     for _ in range(20):  # training goes on meanwhile
         perturb(model, seed=100 + rank)
         dist.all_reduce(torch.ones(64), group=actor_group)
@@ -100,11 +116,17 @@ def main() -> None:
         sides = SyncSides(ACTOR[0], ROLLOUT, sync_group if rank in (ACTOR[0], *ROLLOUT) else None, timeout_s=120.0)
         if rank in ACTOR:
             model = build_model(policy, dtype=torch.float32)
-            parallelize(model, tp_mesh=actor_mesh["tp"], dp_mesh=actor_mesh["dp"],
-                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+            parallelize(
+                model,
+                tp_mesh=actor_mesh["tp"],
+                dp_mesh=actor_mesh["dp"],
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+            )
             load_weights(model, policy, device="cpu")
         else:
-            model = generation_replica(policy, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu"))
+            model = generation_replica(
+                policy, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu")
+            )
         for version in (0, 1):
             if rank in ACTOR:
                 if version:
@@ -115,9 +137,16 @@ def main() -> None:
                     metrics = {"changed_during_send": float(any(not now[name].equal(t) for name, t in tensors.items()))}
                 else:
                     with LargestAllocation(model) as largest:
-                        metrics = send_weights(trainer_parameters(model), sides=sides, rank=rank,
-                                               trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
-                                               bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
+                        metrics = send_weights(
+                            trainer_parameters(model),
+                            sides=sides,
+                            rank=rank,
+                            trainer_group=actor_group,
+                            dtype=ROLLOUT_DTYPE,
+                            bucket_bytes=BUCKET_BYTES,
+                            version=version,
+                            device=torch.device("cpu"),
+                        )
                     allocated = torch.tensor([largest.bytes])
                     dist.all_reduce(allocated, op=dist.ReduceOp.MAX, group=actor_group)
                     metrics["largest_allocation_bytes"] = int(allocated)
@@ -126,7 +155,9 @@ def main() -> None:
                     torch.save(tensors, out / f"{scenario}_v{version}_trainer.pt")
                     report[f"{scenario}_v{version}"] = metrics
             else:
-                receive_weights(model, sides=sides, bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu"))
+                receive_weights(
+                    model, sides=sides, bucket_bytes=BUCKET_BYTES, version=version, device=torch.device("cpu")
+                )
                 tensors = {name: full(param).detach() for name, param in model.named_parameters()}
                 torch.save(tensors, out / f"{scenario}_v{version}_rollout{rank}.pt")
     # A rollout of another model: the plan check fails on every rank of both sides.
@@ -140,10 +171,20 @@ def main() -> None:
             model = build_model(policy, dtype=torch.float32)
             parallelize(model, tp_mesh=actor_mesh["tp"], dp_mesh=actor_mesh["dp"])
             load_weights(model, policy, device="cpu")
-            send_weights(trainer_parameters(model), sides=sides, rank=rank, trainer_group=actor_group, dtype=ROLLOUT_DTYPE,
-                         bucket_bytes=BUCKET_BYTES, version=7, device=torch.device("cpu"))
+            send_weights(
+                trainer_parameters(model),
+                sides=sides,
+                rank=rank,
+                trainer_group=actor_group,
+                dtype=ROLLOUT_DTYPE,
+                bucket_bytes=BUCKET_BYTES,
+                version=7,
+                device=torch.device("cpu"),
+            )
         else:
-            model = generation_replica(other, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu"))
+            model = generation_replica(
+                other, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu")
+            )
             receive_weights(model, sides=sides, bucket_bytes=BUCKET_BYTES, version=7, device=torch.device("cpu"))
         error = None
     except RuntimeError as caught:

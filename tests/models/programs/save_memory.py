@@ -68,11 +68,21 @@ def run_layout(model_dir: str, out_dir: str, layout: str) -> tuple[dict, torch.n
     started = time.perf_counter()
     with ResidentRise() as save:
         save_sharded_pretrained(
-            model, f"{out_dir}/{layout}", stage=0, stage_ranks=list(range(dist.get_world_size())), writers_group=None,
-            group=None, dtype=torch.bfloat16, device=torch.device("cpu"), band_bytes=BAND_BYTES,
+            model,
+            f"{out_dir}/{layout}",
+            stage=0,
+            stage_ranks=list(range(dist.get_world_size())),
+            writers_group=None,
+            group=None,
+            dtype=torch.bfloat16,
+            device=torch.device("cpu"),
+            band_bytes=BAND_BYTES,
         )
     figures = {
-        "shard_bytes": shard_bytes, "save_rise": save.rise, "shard_copy_rise": control.rise, "save_s": time.perf_counter() - started,
+        "shard_bytes": shard_bytes,
+        "save_rise": save.rise,
+        "shard_copy_rise": control.rise,
+        "save_s": time.perf_counter() - started,
     }
     return figures, model
 
@@ -81,7 +91,9 @@ def export_figures(model_dir: str, out_dir: str, model: torch.nn.Module) -> dict
     """Save the role's DCP state from every rank into a checkpoint that rank 0 stages and renames (as the recipes
     do), then export it on rank 0 alone, measured, while the other ranks wait."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: the checkpoint is the model
-    parts = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    parts = dict(
+        model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    )
     run_dir = Path(out_dir, "run")
 
     def save_actor(staging: Path) -> None:
@@ -117,7 +129,9 @@ def main() -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, figures)
     if dist.get_rank() == 0:
-        ranks = [{"rank": rank, **{key: value for key, value in by_rank.items()}} for rank, by_rank in enumerate(gathered)]
+        ranks = [
+            {"rank": rank, **{key: value for key, value in by_rank.items()}} for rank, by_rank in enumerate(gathered)
+        ]
         Path(out_dir, "figures.json").write_text(
             json.dumps({"band_bytes": BAND_BYTES, "bucket_bytes": BUCKET_BYTES, "ranks": ranks})
         )

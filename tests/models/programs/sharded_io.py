@@ -52,13 +52,22 @@ def run_layout(model_dir: str, out_dir: str, layout: str, reference: dict[str, t
     resident_before = resident_bytes("VmRSS")
     with PeakMemory(torch.device("cpu")) as tensors:
         save_sharded_pretrained(
-            model, f"{out_dir}/{layout}", stage=stage, stage_ranks=mesh.mesh[stage].flatten().tolist(),
-            writers_group=mesh["pp"].get_group() if pp > 1 else None, group=None, dtype=torch.bfloat16, device=torch.device("cpu"),
+            model,
+            f"{out_dir}/{layout}",
+            stage=stage,
+            stage_ranks=mesh.mesh[stage].flatten().tolist(),
+            writers_group=mesh["pp"].get_group() if pp > 1 else None,
+            group=None,
+            dtype=torch.bfloat16,
+            device=torch.device("cpu"),
             band_bytes=BAND_BYTES,
         )
     figures = {
-        "rank": dist.get_rank(), "bytes_read": bytes_read, "shard_bytes": shard_bytes,
-        "save_tensor_peak": tensors.peak_increase, "save_resident_peak": resident_bytes("VmHWM") - resident_before,
+        "rank": dist.get_rank(),
+        "bytes_read": bytes_read,
+        "shard_bytes": shard_bytes,
+        "save_tensor_peak": tensors.peak_increase,
+        "save_resident_peak": resident_bytes("VmHWM") - resident_before,
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, figures)

@@ -39,9 +39,14 @@ def main(coordinator):
     batch = answer_batch(AutoTokenizer.from_pretrained(tokenizer_dir))
     results = {"responses": batch["responses"], "response_mask": batch["response_mask"]}
     for workers in (0, 1):
-        config = load_config(None, [
-            f"model.path={tokenizer_dir}", f"reward.rule={reward_file}:score", f"reward.num_workers={workers}",
-        ])
+        config = load_config(
+            None,
+            [
+                f"model.path={tokenizer_dir}",
+                f"reward.rule={reward_file}:score",
+                f"reward.num_workers={workers}",
+            ],
+        )
         reward = coordinator.spawn(
             RewardWorker, config, name=f"reward_{workers}", pool=ResourcePool([0, 1]), dims=ParallelDims(tp=2)
         )

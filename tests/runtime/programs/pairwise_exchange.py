@@ -39,7 +39,10 @@ def main() -> None:
     for transfer_id, grouped in enumerate((False, True)):
         # Consumer DP rank 0 sits on rank 1 and the other way round: both ranks send and receive in the same round.
         plan = plan_exchanges(
-            batch_id=5, shards=[ShardInfo(0, ROWS), ShardInfo(1, ROWS)], schema=schema, consumers=[[1], [0]],
+            batch_id=5,
+            shards=[ShardInfo(0, ROWS), ShardInfo(1, ROWS)],
+            schema=schema,
+            consumers=[[1], [0]],
             transfer_id=transfer_id,
         )
         mine = plan[rank]

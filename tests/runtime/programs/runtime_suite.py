@@ -1,6 +1,6 @@
 """Runtime behaviours on 4 ranks in one job; writes raw observations to JSON for tests/runtime/test_runtime_job.py.
 
-    torchrun --nproc-per-node 4 tests/runtime/programs/runtime_suite.py OUT.json
+torchrun --nproc-per-node 4 tests/runtime/programs/runtime_suite.py OUT.json
 """
 
 import gc
@@ -211,8 +211,12 @@ def observe(coordinator: Coordinator) -> dict:
     # Groups stay whole across a re-layout: 6 groups of 2 from 4 producers onto 3 consumers.
     grouped = trio.inspect(flat.make([4, 2, 4, 2], 3, group_size=2))
     fetched = grouped.result(timeout=60).fetch()
-    results["groups"] = {"id": fetched["id"].tolist(), "dp_rank": fetched["dp_rank"].tolist(),
-                         "group_size": fetched.group_size, "meta": fetched.meta}
+    results["groups"] = {
+        "id": fetched["id"].tolist(),
+        "dp_rank": fetched["dp_rank"].tolist(),
+        "group_size": fetched.group_size,
+        "meta": fetched.meta,
+    }
 
     # Colocated with the same DP layout: nothing moves on the data plane.
     before = flat.traffic().result(timeout=60)
@@ -222,8 +226,10 @@ def observe(coordinator: Coordinator) -> dict:
     results["colocated_traffic"] = sum(x["sent"] for x in after) - sum(x["sent"] for x in before)
 
     # A coordinator batch goes in through put.
-    prompts = Batch({"id": torch.arange(6), "payload": torch.arange(6)[:, None].float().expand(6, 2).clone()},
-                    {"text": [f"row {i}" for i in range(6)], "info": [{"id": i, "even": i % 2 == 0} for i in range(6)]})
+    prompts = Batch(
+        {"id": torch.arange(6), "payload": torch.arange(6)[:, None].float().expand(6, 2).clone()},
+        {"text": [f"row {i}" for i in range(6)], "info": [{"id": i, "even": i % 2 == 0} for i in range(6)]},
+    )
     results["put"] = coordinator.fetch(grid.inspect(prompts))["id"].tolist()
 
     # Three-role chain moving >= 10 MB: the coordinator sends and receives only control messages.

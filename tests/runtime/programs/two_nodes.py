@@ -18,8 +18,11 @@ from spmd_rlhf.runtime import Coordinator, ParallelDims, ResourcePool, Worker, a
 class Node(Worker):
     @all_to_all
     def where(self) -> dict:
-        return {"rank": self.context.rank, "local_rank": int(os.environ["LOCAL_RANK"]),
-                "group_rank": int(os.environ["GROUP_RANK"])}
+        return {
+            "rank": self.context.rank,
+            "local_rank": int(os.environ["LOCAL_RANK"]),
+            "group_rank": int(os.environ["GROUP_RANK"]),
+        }
 
     @data_parallel
     def make(self, rows: int) -> Batch:

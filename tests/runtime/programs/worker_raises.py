@@ -1,6 +1,6 @@
 """Rank 2 raises inside a method while the other ranks wait in a collective for it; the job must end with one error.
 
-    torchrun --nproc-per-node 4 tests/runtime/programs/worker_raises.py
+torchrun --nproc-per-node 4 tests/runtime/programs/worker_raises.py
 """
 
 import torch

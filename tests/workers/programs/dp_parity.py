@@ -43,24 +43,49 @@ def rollout_batch(rows: int, prompt_length: int, response_length: int, vocab: in
 
 def main(coordinator):
     model_dir, out_dir, aggregation = sys.argv[1], sys.argv[2], sys.argv[3]
-    config = load_config(None, [
-        f"model.path={model_dir}", "algorithm.name=grpo", "algorithm.kl_penalty=loss", "algorithm.entropy_coef=0.01",
-        f"algorithm.loss_aggregation={aggregation}", "critic.enabled=false", "rollout.n=2", "rollout.max_new_tokens=6",
-        "actor.lr=1e-3", "actor.mini_batch_size=16", "actor.micro_batch_size=2", "actor.ppo_epochs=2", "data.batch_size=8",
-        "data.max_prompt_length=5",
-    ])
+    config = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "algorithm.name=grpo",
+            "algorithm.kl_penalty=loss",
+            "algorithm.entropy_coef=0.01",
+            f"algorithm.loss_aggregation={aggregation}",
+            "critic.enabled=false",
+            "rollout.n=2",
+            "rollout.max_new_tokens=6",
+            "actor.lr=1e-3",
+            "actor.mini_batch_size=16",
+            "actor.micro_batch_size=2",
+            "actor.ppo_epochs=2",
+            "data.batch_size=8",
+            "data.max_prompt_length=5",
+        ],
+    )
     batch = rollout_batch(16, 5, 6, vocab=100)
     # dp=1 with micro-batches of 2, dp=2 and dp=4 with 2, and dp=1 with micro-batches of 8 rows.
-    runs = {"dp1": (1, config), "dp2": (2, config), "dp4": (4, config),
-            "dp1_micro8": (1, dataclasses.replace(config, actor=dataclasses.replace(config.actor, micro_batch_size=8))),
-            # Rows of 4 to 11 tokens under budgets of 11 (the longest row) and 30 tokens per micro-batch.
-            "dp2_tokens11": (2, dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=11))),
-            "dp1_tokens30": (1, dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=30))),
-            # The tiny model is one FSDP unit by default (gradients reduce-scattered once per mini-batch); here one
-            # unit per layer (reduce-scattered after every micro-batch).
-            "dp2_unit_per_layer": (2, dataclasses.replace(config, actor=dataclasses.replace(config.actor, fsdp_unit_mb=0)))}
+    runs = {
+        "dp1": (1, config),
+        "dp2": (2, config),
+        "dp4": (4, config),
+        "dp1_micro8": (1, dataclasses.replace(config, actor=dataclasses.replace(config.actor, micro_batch_size=8))),
+        # Rows of 4 to 11 tokens under budgets of 11 (the longest row) and 30 tokens per micro-batch.
+        "dp2_tokens11": (
+            2,
+            dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=11)),
+        ),
+        "dp1_tokens30": (
+            1,
+            dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=30)),
+        ),
+        # The tiny model is one FSDP unit by default (gradients reduce-scattered once per mini-batch); here one
+        # unit per layer (reduce-scattered after every micro-batch).
+        "dp2_unit_per_layer": (2, dataclasses.replace(config, actor=dataclasses.replace(config.actor, fsdp_unit_mb=0))),
+    }
     for name, (dp, run_config) in runs.items():
-        actor = coordinator.spawn(ActorWorker, run_config, name=f"actor_{name}", pool=ResourcePool(range(dp)), dims=ParallelDims(dp=dp))
+        actor = coordinator.spawn(
+            ActorWorker, run_config, name=f"actor_{name}", pool=ResourcePool(range(dp)), dims=ParallelDims(dp=dp)
+        )
         # Forward rows come back in the batch's row order however the micro-batches grouped them.
         torch.save(actor.compute_log_probs(batch).result().fetch()["old_log_probs"], f"{out_dir}/{name}_log_probs.pt")
         metrics = actor.update_actor(batch).result()  # one dict per DP rank

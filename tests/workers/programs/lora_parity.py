@@ -26,13 +26,28 @@ from hybrid_generation import prompts_batch  # noqa: E402
 
 def main(coordinator):
     policy_dir, out_dir, *layouts = sys.argv[1:]
-    config = load_config(None, [
-        f"model.path={policy_dir}", "algorithm.name=grpo", "critic.enabled=false", "reference.enabled=false",
-        "algorithm.kl_penalty=loss", "rollout.n=2", "rollout.max_new_tokens=6", "rollout.temperature=0.8",
-        "data.batch_size=8", "data.max_prompt_length=6", "actor.lr=2e-2", "actor.mini_batch_size=16",
-        "actor.micro_batch_size=2", "actor.fsdp_unit_mb=0",
-        "actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.target_modules=[all-linear]",
-    ])
+    config = load_config(
+        None,
+        [
+            f"model.path={policy_dir}",
+            "algorithm.name=grpo",
+            "critic.enabled=false",
+            "reference.enabled=false",
+            "algorithm.kl_penalty=loss",
+            "rollout.n=2",
+            "rollout.max_new_tokens=6",
+            "rollout.temperature=0.8",
+            "data.batch_size=8",
+            "data.max_prompt_length=6",
+            "actor.lr=2e-2",
+            "actor.mini_batch_size=16",
+            "actor.micro_batch_size=2",
+            "actor.fsdp_unit_mb=0",
+            "actor.lora.rank=4",
+            "actor.lora.alpha=8",
+            "actor.lora.target_modules=[all-linear]",
+        ],
+    )
     batch = rollout_batch(16, 5, 6, vocab=100)
     response_length = batch["responses"].shape[1]
     with torch.no_grad():
@@ -43,8 +58,13 @@ def main(coordinator):
     actors = {}
     for layout in layouts:
         dp, tp, pp = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)(?:pp(\d+))?", layout).groups(default="1"))
-        actor = coordinator.spawn(ActorWorker, config, name=f"actor_{layout}", pool=ResourcePool(range(dp * tp * pp)),
-                                  dims=ParallelDims(pp=pp, dp=dp, tp=tp))
+        actor = coordinator.spawn(
+            ActorWorker,
+            config,
+            name=f"actor_{layout}",
+            pool=ResourcePool(range(dp * tp * pp)),
+            dims=ParallelDims(pp=pp, dp=dp, tp=tp),
+        )
         results = {"initial": actor.compute_log_probs(batch).result().fetch()["old_log_probs"]}
         metrics = [actor.update_actor(batch).result() for _ in range(2)]
         results["trained"] = actor.compute_log_probs(batch).result().fetch()["old_log_probs"]
@@ -60,7 +80,9 @@ def main(coordinator):
         actors[layout] = actor
     saved = actors["dp2tp2"]
     saved.save_checkpoint(f"{out_dir}/checkpoint").result()
-    resumed = coordinator.spawn(ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(dp=4, tp=1))
+    resumed = coordinator.spawn(
+        ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(dp=4, tp=1)
+    )
     resumed.load_checkpoint(f"{out_dir}/checkpoint").result()
     metrics = {"saved": saved.update_actor(batch).result(), "resumed": resumed.update_actor(batch).result()}
     Path(f"{out_dir}/resume.json").write_text(json.dumps(metrics))

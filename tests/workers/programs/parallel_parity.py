@@ -24,23 +24,50 @@ from dp_parity import rollout_batch  # noqa: E402
 
 def main(coordinator):
     policy_dir, critic_dir, reward_dir, out_dir, *layouts = sys.argv[1:]
-    config = load_config(None, [
-        f"model.path={policy_dir}", "algorithm.name=ppo", "algorithm.kl_penalty=loss", "algorithm.entropy_coef=0.01",
-        "rollout.n=2", "rollout.max_new_tokens=6", "data.batch_size=8",
-        "actor.lr=1e-3", "actor.mini_batch_size=16", "actor.micro_batch_size=2", "actor.ppo_epochs=2",
-        "actor.forward_micro_batch_size=4", f"critic.model_path={critic_dir}", "critic.lr=1e-3",
-        "critic.mini_batch_size=16", "critic.micro_batch_size=4", "critic.pp_schedule=gpipe",
-        "critic.max_tokens_per_micro_batch=24", "data.max_prompt_length=5", "actor.max_tokens_per_micro_batch=200",
-        "reward.kind=model", f"reward.model_path={reward_dir}", "reward.micro_batch_size=2",
-        # FSDP units: the actor one per layer; the critic's layers (0.06 MiB each, less under TP) in runs of 2 or 4,
-        # or all in the root when they fall short; the reward model (default bound) the root alone.
-        "actor.fsdp_unit_mb=0", "critic.fsdp_unit_mb=0.1",
-    ])
+    config = load_config(
+        None,
+        [
+            f"model.path={policy_dir}",
+            "algorithm.name=ppo",
+            "algorithm.kl_penalty=loss",
+            "algorithm.entropy_coef=0.01",
+            "rollout.n=2",
+            "rollout.max_new_tokens=6",
+            "data.batch_size=8",
+            "actor.lr=1e-3",
+            "actor.mini_batch_size=16",
+            "actor.micro_batch_size=2",
+            "actor.ppo_epochs=2",
+            "actor.forward_micro_batch_size=4",
+            f"critic.model_path={critic_dir}",
+            "critic.lr=1e-3",
+            "critic.mini_batch_size=16",
+            "critic.micro_batch_size=4",
+            "critic.pp_schedule=gpipe",
+            "critic.max_tokens_per_micro_batch=24",
+            "data.max_prompt_length=5",
+            "actor.max_tokens_per_micro_batch=200",
+            "reward.kind=model",
+            f"reward.model_path={reward_dir}",
+            "reward.micro_batch_size=2",
+            # FSDP units: the actor one per layer; the critic's layers (0.06 MiB each, less under TP) in runs of 2 or 4,
+            # or all in the root when they fall short; the reward model (default bound) the root alone.
+            "actor.fsdp_unit_mb=0",
+            "critic.fsdp_unit_mb=0.1",
+        ],
+    )
     batch = rollout_batch(16, 5, 6, vocab=100)
     generator = torch.Generator().manual_seed(1)
     mask = batch["response_mask"].float()
-    batch = batch.union(type(batch)({"values": torch.randn(16, 6, generator=generator) * mask,
-                                     "returns": torch.randn(16, 6, generator=generator) * mask}, group_size=2))
+    batch = batch.union(
+        type(batch)(
+            {
+                "values": torch.randn(16, 6, generator=generator) * mask,
+                "returns": torch.randn(16, 6, generator=generator) * mask,
+            },
+            group_size=2,
+        )
+    )
     actors = {}
     for layout in layouts:
         dp, tp, pp = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)", layout).groups())
@@ -63,7 +90,9 @@ def main(coordinator):
         # A sharded checkpoint of the trained actor in one layout, resumed in another (tp and pp both change).
         saved = actors["dp2tp2pp1"]
         saved.save_checkpoint(f"{out_dir}/checkpoint").result()
-        resumed = coordinator.spawn(ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(pp=2, dp=1, tp=2))
+        resumed = coordinator.spawn(
+            ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(pp=2, dp=1, tp=2)
+        )
         resumed.load_checkpoint(f"{out_dir}/checkpoint").result()
         resumed.save_pretrained(f"{out_dir}/resumed_actor").result()
         # The next update from the restored weights and optimizer state equals the uninterrupted one.
