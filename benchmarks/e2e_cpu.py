@@ -408,8 +408,8 @@ def _table(result: dict) -> str:
     header = (
         f"GRPO `{result['name']}`: qwen2 hidden {spec['hidden_size']} x {spec['num_layers']} layers, vocab "
         f"{result['vocab']}; {spec['prompts']} prompts x {spec['n']} responses, {spec['max_new_tokens']} new tokens, "
-        f"micro-batch {spec['micro_batch_size']}{stops}; {spec['steps']} steps, first {result['warmup']} left out, medians per "
-        f"step, best of {result['rounds']} alternating round(s); CPU fp32, {result['cpus']} cores, "
+        f"micro-batch {spec['micro_batch_size']}{stops}; {spec['steps']} steps, first {result['warmup']} left out, "
+        f"medians per step, best of {result['rounds']} alternating round(s); CPU fp32, {result['cpus']} cores, "
         f"TRL {result['trl_version'] or 'not installed'}\n\n"
     )
     columns = ["", "spmd_rlhf", *(f"TRL ({name})" for name in trl), *(f"ratio vs TRL ({name})" for name in trl)]
@@ -633,8 +633,8 @@ def main() -> None:
         "rounds": args.rounds,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg()[0],
-        "command": f"python benchmarks/e2e_cpu.py --config {args.config} --nproc {args.nproc} --trl-launch {args.trl_launch} "
-        f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}"
+        "command": f"python benchmarks/e2e_cpu.py --config {args.config} --nproc {args.nproc} "
+        f"--trl-launch {args.trl_launch} --steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}"
         + (" --no-host-huge-pages" if args.no_host_huge_pages else "")
         + (" --trl-huge-pages" if args.trl_huge_pages else ""),
     }

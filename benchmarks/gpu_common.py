@@ -196,9 +196,9 @@ def copy_bandwidth(device: torch.device | str, *, nbytes: int, repeats: int = 5,
 
 @contextmanager
 def profiled(path: str | None, *, rows: int = 25) -> Iterator[None]:
-    """Run the block under ``torch.profiler`` (CPU, and CUDA where there is a GPU) when ``path`` is given (``--profile``)
-    and write there the ops' self times, by host time and by device time, ``rows`` of each: where a step's time goes,
-    on a machine that must be read in one lease. With ``path`` None, the block runs as it is."""
+    """Run the block under ``torch.profiler`` (CPU, and CUDA where there is a GPU) when ``path`` is given
+    (``--profile``) and write there the ops' self times, by host time and by device time, ``rows`` of each: where a
+    step's time goes, on a machine that must be read in one lease. With ``path`` None, the block runs as it is."""
     if path is None:
         yield
         return

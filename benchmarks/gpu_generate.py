@@ -232,13 +232,14 @@ def main() -> None:
     if "decode" in result:
         row = result["decode"]
         print(
-            f"| G1 batch-1 decode, tokens/s | {row['decode_tokens_per_s']:.1f} | HBM floor {row['floor_tokens_per_s']:.1f} "
-            f"({row['copy_bytes_per_s'] / 1e9:.0f} GB/s / {row['weight_bytes'] / 1e9:.2f} GB) | {row['ratio_to_floor']:.2f} "
-            f"| >= {DECODE_GOAL} |"
+            f"| G1 batch-1 decode, tokens/s | {row['decode_tokens_per_s']:.1f} "
+            f"| HBM floor {row['floor_tokens_per_s']:.1f} ({row['copy_bytes_per_s'] / 1e9:.0f} GB/s "
+            f"/ {row['weight_bytes'] / 1e9:.2f} GB) | {row['ratio_to_floor']:.2f} | >= {DECODE_GOAL} |"
         )
         print(
             f"| G1 with eager decode steps, tokens/s | {row['eager_tokens_per_s']:.1f} | CUDA graphs "
-            f"({row['cuda_graphs']} captured) {row['decode_tokens_per_s']:.1f} | graphs {row['graphs_speedup']:.2f}x | |"
+            f"({row['cuda_graphs']} captured) {row['decode_tokens_per_s']:.1f} "
+            f"| graphs {row['graphs_speedup']:.2f}x | |"
         )
     if "batch" in result:
         row = result["batch"]

@@ -181,11 +181,13 @@ def main() -> None:
         ""
         if fused["kernel_peak_over_logits"] is None
         else (
-            f"peak / logits: kernel {fused['kernel_peak_over_logits']:.2f}, torch {fused['reference_peak_over_logits']:.2f}"
+            f"peak / logits: kernel {fused['kernel_peak_over_logits']:.2f}, "
+            f"torch {fused['reference_peak_over_logits']:.2f}"
         )
     )
     print(
-        f"{'fused_logprob':<14} {fused['kernel_s']:>10.5f} {fused['reference_s']:>10.5f} {fused['speedup']:>9.2f}  {peaks}"
+        f"{'fused_logprob':<14} {fused['kernel_s']:>10.5f} {fused['reference_s']:>10.5f} "
+        f"{fused['speedup']:>9.2f}  {peaks}"
     )
     write_result(args.out, f"gpu_kernels_{torch.device(args.device).type}", result)
 

@@ -1,4 +1,5 @@
-"""G5: the 3D-HybridEngine's training -> generation reshard on GPU against the all-gather bound measured in the same run,
+"""G5: the 3D-HybridEngine's training -> generation reshard on GPU \
+against the all-gather bound measured in the same run,
 Qwen2.5-1.5B-shaped random model, bf16 compute.
 
     torchrun --nproc-per-node N benchmarks/gpu_reshard.py [--shape 1.5b] [--layouts dpNtp1pp1:1 ...] [--repeats 5]
@@ -142,7 +143,8 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
     for layout, row in results.items():
         if "degenerate" in row:
             print(
-                f"{layout}: train -> gen {row['seconds']['to_generation']:.4f} s; copy bound {row['copy_bound_s']:.4f} s "
+                f"{layout}: train -> gen {row['seconds']['to_generation']:.4f} s; "
+                f"copy bound {row['copy_bound_s']:.4f} s "
                 f"({row['copy_moved_bytes'] / 1e9:.2f} GB at {row['copy_bytes_per_s'] / 1e9:.0f} GB/s), ratio "
                 f"{row['ratio_to_copy_bound']:.2f}; no all-gather ratio: {row['degenerate']}"
             )

@@ -14,13 +14,16 @@ directory under the suite's work directory, built by the first of them that runs
 
 | step | what | its own JSON |
 | --- | --- | --- |
-| ``cuda_tests`` | every test marked ``gpu`` (kernels at real sizes, engine and model parity on CUDA) | pytest's junit XML |
+| ``cuda_tests`` | every test marked ``gpu`` (kernels at real sizes, engine and model parity on CUDA) \
+| pytest's junit XML |
 | ``kernels`` | both Triton kernels at real sizes against their torch references | ``gpu_kernels.py`` |
 | ``g1`` | G1 decode vs the HBM floor (with a profile of one decode run) | ``gpu_generate.py --measure decode`` |
-| ``g2`` | G2 engine vs ``transformers`` static-cache ``generate`` (whose compile takes minutes) | ``gpu_generate.py --measure batch`` |
+| ``g2`` | G2 engine vs ``transformers`` static-cache ``generate`` (whose compile takes minutes) \
+| ``gpu_generate.py --measure batch`` |
 | ``g3`` | ``update_actor`` MFU | ``gpu_update.py`` |
 | ``g5`` | reshard train -> generation (one GPU: the copy bound, see its docstring) | ``gpu_reshard.py`` |
-| ``scale`` | issue 17's per-stage peak memory (``max_memory_allocated``) vs the floor, GRPO at the 1.5B shape, 1 rank | ``scale.py`` |
+| ``scale`` | issue 17's per-stage peak memory (``max_memory_allocated``) vs the floor, GRPO at the 1.5B shape, \
+1 rank | ``scale.py`` |
 | ``g4`` | GRPO end to end against TRL ``GRPOTrainer`` | ``gpu_grpo.py`` |
 | ``two_process`` | the GRPO recipe as a two-process torchrun job on the one device | the recipe's metrics |
 

@@ -208,8 +208,8 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
         mfu = "—" if row["mfu"] is None else f"{row['mfu']:.3f}"
         with_attention = "—" if row["mfu_with_attention"] is None else f"{row['mfu_with_attention']:.3f}"
         print(
-            f"| {row['length']} | {row['rows']} x {row['micro_batch']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
-            f"| {row['tflops_per_device']:.1f} | {mfu} | {with_attention} | >= {MFU_GOAL} |"
+            f"| {row['length']} | {row['rows']} x {row['micro_batch']} | {row['step_s']:.3f} "
+            f"| {row['tokens_per_s']:.0f} | {row['tflops_per_device']:.1f} | {mfu} | {with_attention} | >= {MFU_GOAL} |"
         )
     write_result(args.out, f"gpu_update_{args.shape}_{environment_row['device']}", result)
 

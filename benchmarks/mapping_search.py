@@ -4,10 +4,10 @@ Figure 16), and which placement wins as the cluster and the critic/reward models
     python benchmarks/mapping_search.py [--profile h100] [--gpus 8 16 32 64 128 256 512 1024]
 
 PPO with actor, critic, reference and reward model; ``--prompts`` prompts (default 1024) of 1024 tokens, 1024 new
-tokens, micro-batch 8, mini-batch 256, 8 GPUs per node. Runtime table: every role the same size. Placement table: a 7B actor and reference
-with critic and reward of the given size; each cell is the winning placement and how much faster it is than
-colocating everything (1.00x: colocate wins). Writes ``benchmarks/results/mapping_search_<profile>_<prompts>.json`` and prints
-markdown tables.
+tokens, micro-batch 8, mini-batch 256, 8 GPUs per node. Runtime table: every role the same size. Placement table: a 7B
+actor and reference with critic and reward of the given size; each cell is the winning placement and how much faster it
+is than colocating everything (1.00x: colocate wins). Writes
+``benchmarks/results/mapping_search_<profile>_<prompts>.json`` and prints markdown tables.
 """
 
 from __future__ import annotations

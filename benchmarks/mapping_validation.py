@@ -68,8 +68,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def measure(
     recipe: Path, config_path: str, overrides: list[str], *, nproc: int, steps: int, warmup: int, scratch: Path
 ) -> dict[str, float]:
-    """Median seconds of the step and of each stage (``time/*``) of the recipe (run from the checkout, where the tiny assets live) with ``overrides``
-    after ``warmup`` steps; its run directory goes under ``scratch``."""
+    """Median seconds of the step and of each stage (``time/*``) of the recipe (run from the checkout, where the tiny
+    assets live) with ``overrides`` after ``warmup`` steps; its run directory goes under ``scratch``."""
     out_dir = scratch / f"run_{time.monotonic_ns()}"
     command = [
         sys.executable,
@@ -92,7 +92,8 @@ def measure(
     finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)
     if finished.returncode:
         raise RuntimeError(
-            f"{' '.join(command)} exited with {finished.returncode}:\n{finished.stdout[-3000:]}\n{finished.stderr[-3000:]}"
+            f"{' '.join(command)} exited with {finished.returncode}:\n"
+            f"{finished.stdout[-3000:]}\n{finished.stderr[-3000:]}"
         )
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
     return {
@@ -123,11 +124,8 @@ def main() -> None:
     roles, batch = config_dataflow(config)
     planner = Planner(roles, Cluster(args.nproc, args.nproc, profile), batch)
     mappings = sorted(planner.mappings(), key=lambda mapping: mapping.seconds)
-    recipe = (
-        ROOT
-        / "recipes"
-        / f"{'grpo' if config.algorithm.name in ('rloo', 'reinforce_pp', 'reinforce_pp_baseline') else config.algorithm.name}.py"
-    )
+    grpo_recipe = ("rloo", "reinforce_pp", "reinforce_pp_baseline")
+    recipe = ROOT / "recipes" / f"{'grpo' if config.algorithm.name in grpo_recipe else config.algorithm.name}.py"
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for mapping in mappings:
@@ -179,7 +177,8 @@ def main() -> None:
     for row in rows:
         print(f"| {row['mapping']} | {row['layouts']} | {row['predicted_s']:.4f} | {row['measured_s']:.3f} |")
     print(
-        f"\nSpearman rank correlation: {result['spearman']:.2f}; pick / fastest measured: {result['pick_over_fastest']:.2f}"
+        f"\nSpearman rank correlation: {result['spearman']:.2f}; "
+        f"pick / fastest measured: {result['pick_over_fastest']:.2f}"
     )
     out = ROOT / "benchmarks" / "results" / f"mapping_validation_cpu_{args.nproc}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

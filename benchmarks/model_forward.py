@@ -117,7 +117,8 @@ def main() -> None:
     baselines = {"forward": "transformers forward (sdpa)", "log_probs": "float32 log_softmax + gather"}
     for name, row in result["rows"].items():
         print(
-            f"{name:<10} {row['ours_s'] * 1e3:>10.1f} {row['baseline_s'] * 1e3:>14.1f} {row['ratio']:>6.2f}   {baselines[name]}"
+            f"{name:<10} {row['ours_s'] * 1e3:>10.1f} {row['baseline_s'] * 1e3:>14.1f} "
+            f"{row['ratio']:>6.2f}   {baselines[name]}"
         )
     os.makedirs(args.out, exist_ok=True)
     out_file = os.path.join(args.out, f"model_forward_{args.family}_{args.shape}_{args.device}_{args.dtype}.json")

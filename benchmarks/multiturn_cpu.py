@@ -4,7 +4,8 @@ saves, on the tool_products task.
     python benchmarks/multiturn_cpu.py [--nproc 2] [--steps 6] [--warmup 2] [--max-turns 3] [--block-size 16]
                                        [--environment-workers 16]
 
-The policy is the tiny llama warm-started on tool_products demonstrations (``tiny.warm_start.make_tool_products_policy``:
+The policy is the tiny llama warm-started on tool_products demonstrations \
+(``tiny.warm_start.make_tool_products_policy``:
 good calculator calls, broken calls and guesses), and the environment is the real one (``rollout.environment=tool``):
 its calls run the sandboxed calculator (a process start each), broken ones get error observations, and a turn without
 a call ends the trajectory.
@@ -201,7 +202,8 @@ def main() -> None:
     print(f"| mean turns per trajectory | {result['recipe']['mean_turns']:.2f} |")
     print(f"| prompt tokens whose prefill was skipped (recipe) | {cached / offered:.1%} |")
     print(
-        f"| prefill tokens, engine with cross-turn reuse / fresh cache per turn | {reuse['prefill_tokens']} / {fresh['prefill_tokens']} |"
+        "| prefill tokens, engine with cross-turn reuse / fresh cache per turn "
+        f"| {reuse['prefill_tokens']} / {fresh['prefill_tokens']} |"
     )
     print(f"| prefill saved by cross-turn reuse | {result['prefill_saved_by_cross_turn_reuse']:.1%} |")
     print(f"| engine time, reuse / fresh (one process) | {result['engine_time_ratio_reuse_over_fresh']:.2f} |")

@@ -9,7 +9,8 @@ the built-in engine on one process, in the rollout layout the workers receive (p
 longest, responses right-padded to ``rollout.max_new_tokens``). Then one log-prob pass over all rows, three ways:
 padded rows in micro-batches of ``actor.micro_batch_size`` (the layout before packing, logits at every position),
 the same row-count micro-batches packed, and token-balanced packed micro-batches under a budget of the longest row
-times ``actor.micro_batch_size``. Ratios are padded / packed. Writes ``benchmarks/results/packing_<config name>[_truncated].json``.
+times ``actor.micro_batch_size``. Ratios are padded / packed. Writes ``benchmarks/results/packing_<config
+name>[_truncated].json``.
 """
 
 from __future__ import annotations

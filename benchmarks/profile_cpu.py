@@ -207,7 +207,8 @@ def main() -> None:
                 "rate": args.rate,
                 "ms_per_step": result,
                 "top_frames": top_frames,
-                "command": f"python benchmarks/profile_cpu.py --config {args.config} --nproc {args.nproc} --steps {args.steps}",
+                "command": f"python benchmarks/profile_cpu.py --config {args.config} --nproc {args.nproc} "
+                f"--steps {args.steps}",
             },
             indent=2,
         )

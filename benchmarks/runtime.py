@@ -121,7 +121,8 @@ def _report(results: dict, args: argparse.Namespace, world: int) -> None:
     print("| measure | value |\n| --- | --- |")
     for size, latency in results["latency"].items():
         print(
-            f"| empty data-parallel call, {size} rank(s) | median {latency['median_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms |"
+            f"| empty data-parallel call, {size} rank(s) "
+            f"| median {latency['median_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms |"
         )
     if results["transfer"]:
         t = results["transfer"]

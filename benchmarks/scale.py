@@ -30,7 +30,8 @@ the samples are the resident set size. glibc's malloc keeps freed blocks below i
 32 MiB as large blocks are freed) in its heap, so by default RSS counts what the allocator keeps after tensors are
 freed; the ranks therefore run with ``MALLOC_MMAP_THRESHOLD_=65536`` and ``MALLOC_TRIM_THRESHOLD_=0``, which return
 every freed block of 64 KiB or more to the kernel at once, and RSS follows the live tensors (plus Python's small
-objects) — ``--keep-allocator-cache`` measures with glibc's defaults instead, an upper bound. On CUDA they are ``torch.cuda.max_memory_allocated`` between samples: live tensors only.
+objects) — ``--keep-allocator-cache`` measures with glibc's defaults instead, an upper bound. On CUDA they are
+``torch.cuda.max_memory_allocated`` between samples: live tensors only.
 
 Writes ``benchmarks/results/scale_<algo>_<shape>_l<layers>_<device>.json`` and prints, per stage: peak per rank (the
 larger rank), floor, peak / floor, whether the excess reaches one whole float32 copy of the model (a rank that
@@ -200,8 +201,9 @@ def _order(name: str) -> tuple[int, str]:
 def table(result: dict) -> str:
     lora = f", LoRA rank {result['lora_rank']} (floors: full fine-tuning's)" if result["lora_rank"] else ""
     lines = [
-        f"{result['algo']}{lora} at {result['shape']} ({result['layers']} layers, vocab {result['vocab']}), {result['nproc']} "
-        f"ranks, {result['dtype']}, {result['measurement']}; {result['steps']} steps of {result['prompts']} prompts x "
+        f"{result['algo']}{lora} at {result['shape']} ({result['layers']} layers, vocab {result['vocab']}), "
+        f"{result['nproc']} ranks, {result['dtype']}, {result['measurement']}; "
+        f"{result['steps']} steps of {result['prompts']} prompts x "
         f"{result['samples']} samples x {result['new_tokens']} new tokens",
         "",
         "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | floor + design buffers (GiB) | peak / that "

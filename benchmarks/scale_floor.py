@@ -2,8 +2,8 @@
 ``benchmarks/scale.py``. Not an entry point.
 
 Built on the device mapper's memory model (``spmd_rlhf.mapping``: the config's roles and batch from
-``config_dataflow``, 16 bytes per trained parameter, activations, response logits and log-prob chunks of one micro-batch from
-``working_bytes``), split by when each part must exist. On ``devices`` ranks with every role colocated and
+``config_dataflow``, 16 bytes per trained parameter, activations, response logits and log-prob chunks of one micro-batch
+from ``working_bytes``), split by when each part must exist. On ``devices`` ranks with every role colocated and
 sharded over all of them (FSDP), per rank:
 
 - from the load on: each trained role's float32 weights (4 bytes per parameter) and each frozen role's weights in
@@ -121,15 +121,15 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     if forward:
         largest = max(forward, key=lambda spec: working_bytes(spec, layout, batch))
         forward_parts = {
-            f"{largest.name} forward micro-batch (a layer's activations, response logits, float32 log-prob chunks)": working_bytes(
-                largest, layout, batch
-            ),
+            f"{largest.name} forward micro-batch "
+            "(a layer's activations, response logits, float32 log-prob chunks)": working_bytes(largest, layout, batch),
         }
 
     def update_parts(spec: RoleSpec) -> dict[str, float]:
         return {
             f"{spec.name} gradients (float32 shard)": parameters(spec) * GRADIENT_BYTES / devices,
-            f"{spec.name} micro-batch (activations, response logits and their gradient, float32 log-prob chunks)": working_bytes(
+            f"{spec.name} micro-batch "
+            "(activations, response logits and their gradient, float32 log-prob chunks)": working_bytes(
                 spec, layout, batch
             ),
         }

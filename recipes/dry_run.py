@@ -4,11 +4,12 @@ memory estimate per rank (``<recipe>.py --dry-run --world-size N``; no torchrun,
 The memory estimate is the device mapper's (``spmd_rlhf.mapping.cost``): weights and optimizer state, which dominate
 at scale and are exact given the layout. A trained role keeps float32 weights, float32 gradients and two Adam moments
 (``TRAINING_BYTES_PER_PARAMETER``), sharded over all its ranks (FSDP over dp, TP over tp, PP over pp); a frozen role
-keeps its weights in ``model.dtype``. While generating, each actor rank (each rollout rank, with a rollout role) holds its generation shard (the weights
-in ``model.dtype`` split ``rollout.tp`` ways) and its KV cache (sized here for the batch at full length). In a
-training or forward pass it also holds that pass's working set (``working_bytes``: one micro-batch's activations,
-its logits at the response positions and the log-prob path's float32 vocabulary chunks); the largest of its roles'
-is shown. The engine's working buffers and FSDP's gathered blocks (one block at a time) are not counted.
+keeps its weights in ``model.dtype``. While generating, each actor rank (each rollout rank, with a rollout role) holds
+its generation shard (the weights in ``model.dtype`` split ``rollout.tp`` ways) and its KV cache (sized here for the
+batch at full length). In a training or forward pass it also holds that pass's working set (``working_bytes``: one
+micro-batch's activations, its logits at the response positions and the log-prob path's float32 vocabulary chunks); the
+largest of its roles' is shown. The engine's working buffers and FSDP's gathered blocks (one block at a time) are not
+counted.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
             continue
         if name not in models:  # a rule reward or cost: no model
             lines.append(
-                f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'rule':>14}  none (reward.rule={role.rule})"
+                f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'rule':>14}  "
+                f"none (reward.rule={role.rule})"
             )
             continue
         spec = models[name]
@@ -61,7 +63,8 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
         state = resident_bytes(spec, len(pool), batch)
         what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
         lines.append(
-            f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  {_mib(state)} ({what})"
+            f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  "
+            f"{_mib(state)} ({what})"
         )
         working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp), batch)
         for rank in pool.ranks:

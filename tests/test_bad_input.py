@@ -204,7 +204,8 @@ CASES = {
         checkpoints=("step_1",),
     ),
     "chat_prompts_without_a_chat_template": case(
-        r"train\.parquet row 0: the prompt is chat messages but the tokenizer \(\S+/no_template\) has no chat template; "
+        r"train\.parquet row 0: the prompt is chat messages but the tokenizer \(\S+/no_template\) "
+        r"has no chat template; "
         r"point model\.tokenizer_path at a tokenizer with one",
         "model.tokenizer_path={assets}/no_template",
     ),

@@ -194,7 +194,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, tiny_m
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_1", "step_3"]
 
 
-# ---- export's memory ---------------------------------------------------------------------------------------------------
+# ---- export's memory -------------------------------------------------------------------------------------------------
 
 _EXPORT_SCRIPT = textwrap.dedent(
     """

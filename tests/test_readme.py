@@ -16,7 +16,8 @@ def test_config_reference_is_in_sync():
     text = REFERENCE.read_text()
     copied = text[text.index(START) + len(START) : text.index(END)]
     assert copied.strip() == config_reference(markdown=True).strip(), (
-        "docs/config.md's config reference is stale: paste the output of `spmd-rlhf config --keys --markdown` between the markers"
+        "docs/config.md's config reference is stale: paste the output of "
+        "`spmd-rlhf config --keys --markdown` between the markers"
     )
 
 

@@ -90,8 +90,8 @@ def alive(pid: int) -> bool:
 
 
 def run_recipe(name: str, workdir: Path, *overrides: str, nproc: int = 2) -> list[dict]:
-    """Run recipes/<name>.py with its default config on ``nproc`` ranks in ``workdir`` (tiny assets are built there on first
-    use) and ``trainer.output_dir=out``; returns the metrics records of ``workdir/out/metrics.jsonl``."""
+    """Run recipes/<name>.py with its default config on ``nproc`` ranks in ``workdir`` (tiny assets are built there on
+    first use) and ``trainer.output_dir=out``; returns the metrics records of ``workdir/out/metrics.jsonl``."""
     workdir.mkdir(parents=True, exist_ok=True)
     finished = torchrun(
         str(RECIPES / f"{name}.py"),

@@ -15,8 +15,8 @@ A checkpoint is written under ``step_4.tmp`` and renamed when whole; ``latest`` 
 leaves the previous checkpoint and ``latest`` as they were; ``*.tmp`` leftovers are never resumed from and are removed
 by the next save. The small files and the run directory are fsynced, so a power loss cannot leave ``latest`` naming a
 checkpoint whose rename was lost. Retention (``keep_last``) renames an old checkpoint to a ``*.tmp`` name before
-deleting it, so a crash mid-delete leaves a leftover, never a half-deleted checkpoint that looks finished. Export runs in one process, with no process group, whatever layout wrote the shards, a bucket of
-tensors at a time:
+deleting it, so a crash mid-delete leaves a leftover, never a half-deleted checkpoint that looks finished. Export runs
+in one process, with no process group, whatever layout wrote the shards, a bucket of tensors at a time:
 
     spmd-rlhf export outputs/grpo hf_out --roles actor critic
 """
@@ -117,7 +117,8 @@ def write_checkpoint(
     ``config.yaml`` (the resolved config, when given) and ``trainer_state.json`` go in, the directory is renamed to
     ``checkpoint_dir``, and ``<parent>/latest`` is replaced to name it. Leftover ``*.tmp`` entries of crashed saves in
     the run directory are removed first (only the job holding the run directory's lock saves into it:
-    ``spmd_rlhf.run_directory``). Then at most ``keep_last`` finished checkpoints stay (0: all; ``prune_checkpoints``)."""
+    ``spmd_rlhf.run_directory``). Then at most ``keep_last`` finished checkpoints stay (0: all;
+    ``prune_checkpoints``)."""
     final = Path(checkpoint_dir)
     run_dir = final.parent
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,8 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="empty a non-empty OUT_DIR first (without it, a non-empty OUT_DIR is refused: stale shards would be loaded)",
+        help="empty a non-empty OUT_DIR first "
+        "(without it, a non-empty OUT_DIR is refused: stale shards would be loaded)",
     )
     parser.add_argument(
         "--merge",

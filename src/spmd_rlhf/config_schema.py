@@ -15,8 +15,9 @@ from spmd_rlhf.envs import ENVIRONMENTS
 ALGORITHMS = tuple(dataflow.ALGORITHMS)
 # The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
-# spmd_rlhf.models.attention.DEFAULT_KV_BLOCK_SIZE (a test keeps them equal): the smaller of rollout.kv_block_size=null's
-# two block sizes, so the check of a fixed rollout.kv_cache_blocks budget holds whichever one a rank picks.
+# spmd_rlhf.models.attention.DEFAULT_KV_BLOCK_SIZE (a test keeps them equal): the smaller of
+# rollout.kv_block_size=null's two block sizes, so the check of a fixed rollout.kv_cache_blocks budget holds whichever
+# one a rank picks.
 DEFAULT_KV_BLOCK_SIZE = 16
 PLACEMENTS = ("colocate", "split", "standalone", "manual", "auto")
 DEVICE_SETTINGS = ("auto", "cuda", "cpu")
@@ -302,7 +303,8 @@ class RolloutConfig:
             self,
             "environment",
             self.environment is None or self.environment in ENVIRONMENTS or ".py:" in self.environment,
-            f"must be null, {', '.join(ENVIRONMENTS)}, or path/to/file.py:name (a class or function making an Environment)",
+            f"must be null, {', '.join(ENVIRONMENTS)}, or path/to/file.py:name "
+            "(a class or function making an Environment)",
         )
         _require(
             self,

@@ -26,7 +26,8 @@ STAGES = ("generation", "preparation", "training")
 
 PASSES = {"generate": "generation", "greedy": "generation", "forward": "preparation", "train": "training"}
 """A pass -> the stage it runs in: ``generate`` (sample the rollouts), ``greedy`` (ReMax's extra greedy rollout of
-one response per prompt), ``forward`` (log-probs, values, scores) or ``train`` (forward + backward + step, per epoch)."""
+one response per prompt), ``forward`` (log-probs, values, scores) or ``train`` (forward + backward + step, per
+epoch)."""
 
 
 @dataclass(frozen=True)

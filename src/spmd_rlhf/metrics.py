@@ -85,7 +85,8 @@ def step_flops(
 ) -> float:
     """Model FLOPs of one step, by the dense-transformer estimate of Kaplan et al. (2020):
 
-        FLOPs = 6 · (T · Σ B_train + R · Σ H_train)  +  2 · (T · Σ B_forward + R · Σ H_forward)  +  2 · G · (B + H)_generate
+        FLOPs = 6 · (T · Σ B_train + R · Σ H_train)  +  2 · (T · Σ B_forward + R · Σ H_forward)
+              +  2 · G · (B + H)_generate
 
     with T the step's prompt + response tokens, R its response tokens, G its generated tokens (R in an RL step, where
     every response token was generated) and B, H a model's body and head matmul parameters: a forward pass costs 2

@@ -57,7 +57,8 @@ class ParallelDims:
         derived = num_ranks // (pp * tp)
         if dp and dp != derived:
             raise ValueError(
-                f"{role}.dp={dp} but its pool of {num_ranks} ranks with pp={pp}, tp={tp} gives dp={derived}; set {role}.dp=0"
+                f"{role}.dp={dp} but its pool of {num_ranks} ranks with pp={pp}, tp={tp} gives dp={derived}; "
+                f"set {role}.dp=0"
             )
         return cls(pp=pp, dp=derived, tp=tp)
 

@@ -42,7 +42,8 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     """The records of a ``metrics.jsonl``."""
     if not path.is_file():
         raise PlotError(
-            f"{path} not found; pass the run's trainer.output_dir (it holds metrics.jsonl when trainer.loggers has jsonl)"
+            f"{path} not found; pass the run's trainer.output_dir "
+            "(it holds metrics.jsonl when trainer.loggers has jsonl)"
         )
     records = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):

@@ -127,7 +127,8 @@ def check_resume(
         shown = "; ".join(f"{key}: {saved_value!r} saved, {value!r} now" for key, (saved_value, value) in fixed.items())
         raise RunDirectoryError(
             f"{checkpoint_dir} was trained with another data order or model ({shown}); resume with the saved values, "
-            f"start a new run with another trainer.output_dir, or set trainer.resume_allow_changes=true to resume anyway"
+            "start a new run with another trainer.output_dir, "
+            "or set trainer.resume_allow_changes=true to resume anyway"
         )
     if step >= total_steps:
         raise RunDirectoryError(

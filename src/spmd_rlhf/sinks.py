@@ -8,8 +8,8 @@ install`` that fixes it.
   every ``trainer.timing_every`` steps and after the last, a table of each stage's mean seconds and share of the step.
 - ``jsonl``: one JSON object per logged step in ``<output_dir>/metrics.jsonl`` (what ``spmd-rlhf plot`` reads).
 - ``tensorboard``: scalars under ``<output_dir>/tensorboard`` (``tensorboard --logdir <output_dir>/tensorboard``).
-- ``wandb``: a run in ``trainer.wandb_project`` whose local files go under ``<output_dir>/wandb``; ``WANDB_MODE=offline``
-  keeps it on disk (``wandb sync`` uploads it later).
+- ``wandb``: a run in ``trainer.wandb_project`` whose local files go under ``<output_dir>/wandb``;
+  ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later).
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class ConsoleSink:
         width = 20
         filled = width * done // self.total_steps
         parts = [
-            f"step {done}/{self.total_steps} [{'#' * filled}{'-' * (width - filled)}] {100 * done // self.total_steps:3d}%"
+            f"step {done}/{self.total_steps} [{'#' * filled}{'-' * (width - filled)}] "
+            f"{100 * done // self.total_steps:3d}%"
         ]
         parts += [f"{label} {metrics[key]:.3g}" for key, label in CONSOLE_KEYS if key in metrics]
         parts += [f"{per_step:.2f} s/step", f"ETA {format_duration(per_step * (self.total_steps - done))}"]
@@ -127,7 +128,8 @@ class JsonlSink:
 
 def truncate_metrics(output_dir: str, start_step: int) -> None:
     """Keep only the records of steps before ``start_step`` in ``<output_dir>/metrics.jsonl`` (a resumed run logs the
-    steps after its checkpoint again; 0 empties it). Rewritten through a temporary file, so a crash keeps the old one."""
+    steps after its checkpoint again; 0 empties it). Rewritten through a temporary file, so a crash keeps the old
+    one."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
         return
@@ -198,8 +200,8 @@ SINKS = ("console", "jsonl", "tensorboard", "wandb")
 def build_sinks(
     trainer: TrainerConfig, *, run_config: dict[str, Any] | None = None, stream: TextIO | None = None
 ) -> list[Sink]:
-    """``metrics.jsonl`` and the other sinks ``trainer.loggers`` names, in ``SINKS`` order; ``run_config`` (the resolved config as a dict) becomes
-    the wandb run's config, ``stream`` replaces stdout for the console."""
+    """``metrics.jsonl`` and the other sinks ``trainer.loggers`` names, in ``SINKS`` order; ``run_config`` (the resolved
+    config as a dict) becomes the wandb run's config, ``stream`` replaces stdout for the console."""
     unknown = sorted(set(trainer.loggers) - set(SINKS))
     if unknown:
         raise ValueError(f"trainer.loggers: {unknown} are unknown; choose from {', '.join(SINKS)}")

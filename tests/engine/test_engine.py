@@ -69,7 +69,8 @@ def test_greedy_matches_transformers_with_and_without_preemption(checkpoint):
         assert [out.generated_token_ids for out in outputs] == expected
         assert all(len(out.log_probs) == len(out.generated_token_ids) for out in outputs)
     assert roomy.num_preemptions == 0 and tight.num_preemptions > 0
-    # The shared prefix (two blocks) and the repeated prompt (three blocks, last token recomputed) are not prefilled twice.
+    # The shared prefix (two blocks) and the repeated prompt (three blocks, last token recomputed) are not prefilled
+    # twice.
     assert roomy.stats.prefill_tokens == sum(map(len, prompts)) - 8 - 11
 
 

@@ -1,4 +1,5 @@
-"""The engine on CUDA: SDPA over gathered blocks, and flash-attn's paged kernel when installed (skipped without CUDA)."""
+"""The engine on CUDA: SDPA over gathered blocks, and flash-attn's paged kernel when installed (skipped without
+CUDA)."""
 
 from __future__ import annotations
 

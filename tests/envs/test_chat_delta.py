@@ -29,14 +29,17 @@ QWEN3 = (
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' and loop.index0 < ns.last_query and '</think>' in m.content %}"
     "{{- '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 LLAMA3 = (
     "{{- '<|begin_of_text|>' }}{%- for m in messages %}"
-    "{{- '<|start_header_id|>' + ('ipython' if m.role == 'tool' else m.role) + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    "{{- '<|start_header_id|>' + ('ipython' if m.role == 'tool' else m.role) "
+    "+ '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 MISTRAL = (
     "{{- '<s>' }}{%- for m in messages %}"

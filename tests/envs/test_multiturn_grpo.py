@@ -1,6 +1,6 @@
-"""Multi-turn GRPO through the recipe on 2 CPU ranks, one tensor-parallel generation replica: trajectories of several turns reach the actor's update, the
-engine's log-probs equal the training forward's on them, later turns reuse earlier turns' KV blocks, environment
-rewards reach the scores, and a resumed run repeats a step exactly."""
+"""Multi-turn GRPO through the recipe on 2 CPU ranks, one tensor-parallel generation replica: trajectories of several
+turns reach the actor's update, the engine's log-probs equal the training forward's on them, later turns reuse earlier
+turns' KV blocks, environment rewards reach the scores, and a resumed run repeats a step exactly."""
 
 from __future__ import annotations
 

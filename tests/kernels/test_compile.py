@@ -1,7 +1,7 @@
 """Every kernel compiles to a Hopper (sm_90) binary without a GPU, for each dtype it accepts.
 
-The interpreter runs the kernels' Python semantics but not Triton's compiler, whose type rules are stricter (loop-carried
-types, dot operand dtypes and shapes); compiling ahead of time catches those on a machine without CUDA.
+The interpreter runs the kernels' Python semantics but not Triton's compiler, whose type rules are stricter
+(loop-carried types, dot operand dtypes and shapes); compiling ahead of time catches those on a machine without CUDA.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Model shapes count what the decoder builds, and each algorithm's dataflow has the roles and stages its recipe runs."""
+"""Model shapes count what the decoder builds, and each algorithm's dataflow has the roles and stages its recipe
+runs."""
 
 from __future__ import annotations
 

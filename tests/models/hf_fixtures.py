@@ -83,7 +83,8 @@ def write_hf_model(name: str, out_dir: str, *, kind: str = "lm", seed: int = 0, 
 
 
 def padded_batch(*, batch: int, seq: int, side: str, vocab: int = 101, seed: int = 0):
-    """Random ids with rows of different lengths padded on ``side``; returns (input_ids, attention_mask, position_ids)."""
+    """Random ids with rows of different lengths padded on ``side``; returns (input_ids, attention_mask,
+    position_ids)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = [seq - 3 * row for row in range(batch)]
     input_ids = torch.full((batch, seq), PAD_ID, dtype=torch.long)

@@ -1,9 +1,9 @@
 """Asynchronous GRPO on 4 CPU ranks (2 training: actor and reference; 2 rollout replicas beside the rule reward):
 with algorithm.max_staleness=0 the split run's metrics equal the colocated synchronous run's exactly; with
 max_staleness=1 (and 2) it learns the tiny task, every batch is exactly one (two) updates old after the first (two),
-the bound holds for every token, and the importance weights are reported; resumed from a checkpoint with a batch in flight, it continues
-exactly as the uninterrupted run (k = 2 sends its weights from a background thread). PPO takes the same switches,
-its critic placed beside the rollout."""
+the bound holds for every token, and the importance weights are reported; resumed from a checkpoint with a batch in
+flight, it continues exactly as the uninterrupted run (k = 2 sends its weights from a background thread). PPO takes the
+same switches, its critic placed beside the rollout."""
 
 from __future__ import annotations
 

@@ -47,7 +47,8 @@ mode = os.environ.get("FAKE_SRUN", "record")
 if mode == "sleep":  # a run that, told to stop, saves and stops as the ranks do (stopped.json; torchrun exits 1)
     def stop(number, frame):
         (out / "srun_signal.txt").write_text(signal.Signals(number).name)
-        output_dir = Path(next(argument.split("=", 1)[1] for argument in arguments if argument.startswith("trainer.output_dir=")))
+        output_dir = Path(next(argument.split("=", 1)[1] for argument in arguments \
+if argument.startswith("trainer.output_dir=")))
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "stopped.json").write_text("{{}}")
         sys.exit(1)

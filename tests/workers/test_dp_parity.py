@@ -1,8 +1,8 @@
 """Data-parallel parity: update_actor with dp=2 and dp=4, with 4x larger micro-batches, or with token-balanced
 micro-batches (dp=2 ranks agreeing on their count), with the model one FSDP unit (gradients reduce-scattered once
-per mini-batch) or one unit per layer (after every micro-batch), leaves the same weights, loss and gradient norm as dp=1 on the
-same batch (two PPO epochs, gradient accumulation, KL and entropy terms), for token- and sequence-level aggregation;
-compute_log_probs gives the same log-probs in the batch's row order."""
+per mini-batch) or one unit per layer (after every micro-batch), leaves the same weights, loss and gradient norm as dp=1
+on the same batch (two PPO epochs, gradient accumulation, KL and entropy terms), for token- and sequence-level
+aggregation; compute_log_probs gives the same log-probs in the batch's row order."""
 
 from __future__ import annotations
 

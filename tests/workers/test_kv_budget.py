@@ -1,4 +1,5 @@
-"""The generation KV budget on a GPU: what rollout.memory_fraction leaves once the device's other tenants are counted."""
+"""The generation KV budget on a GPU: what rollout.memory_fraction leaves once the device's other tenants are
+counted."""
 
 import pytest
 

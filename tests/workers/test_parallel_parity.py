@@ -97,7 +97,8 @@ def test_tied_embeddings_under_tensor_parallelism(tmp_path):
     weights = hf_weights(f"{out}/dp2tp2pp1_actor")
     assert "lm_head.weight" not in weights  # still tied: saved once, as the embedding
     # Two Adam steps at lr 1e-3: an embedding row whose gradient is near Adam's eps (1e-8) moves by
-    # lr * g / (|g| + eps), whose slope lr * eps / (|g| + eps)^2 turns float32 summation-order noise of the vocab-sharded
+    # lr * g / (|g| + eps), whose slope lr * eps / (|g| + eps)^2 turns float32 summation-order noise of the
+    # vocab-sharded
     # gradient into up to a few 1e-6 (measured 2.2e-6 on one element of 9,600 since packed micro-batches).
     for name in reference:
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=4e-6, msg=name)

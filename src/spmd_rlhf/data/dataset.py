@@ -100,8 +100,8 @@ class PromptDataset:
                         token_ids = token_ids[-max_prompt_length:]
                     else:
                         raise DatasetError(
-                            f"{where} has {len(token_ids)} prompt tokens, over data.max_prompt_length={max_prompt_length}; "
-                            f"raise it or set data.overlong_prompts=skip or truncate"
+                            f"{where} has {len(token_ids)} prompt tokens, over data.max_prompt_length="
+                            f"{max_prompt_length}; raise it or set data.overlong_prompts=skip or truncate"
                         )
                 reward_model = _reward_model(row.get("reward_model"), where=where)
                 self.prompts.append(

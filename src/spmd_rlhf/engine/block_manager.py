@@ -73,7 +73,8 @@ class BlockManager:
         return blocks
 
     def try_allocate(self, seq: Sequence) -> bool:
-        """Give ``seq`` blocks for all its tokens, sharing cached prompt blocks; False (nothing taken) if they don't fit."""
+        """Give ``seq`` blocks for all its tokens, sharing cached prompt blocks; False (nothing taken) if they don't
+        fit."""
         assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
         keys = self._block_keys(seq, seq.num_prompt_tokens)
         cached = self._cached_prefix(keys)

@@ -65,7 +65,8 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_bytes={kv_cache_bytes} is less than one KV block ({self.block_bytes} bytes for "
-                f"{self.block_size} tokens{' besides the static decode step scratch block' if self._scratch_blocks else ''}); "
+                f"{self.block_size} tokens"
+                f"{' besides the static decode step scratch block' if self._scratch_blocks else ''}); "
                 "give the cache more memory or lower block_size"
             )
         return num_blocks

@@ -30,8 +30,8 @@ class Scheduler:
         if needed > manager.num_blocks:
             raise ValueError(
                 f"request {seq.seq_id} needs up to {needed} KV blocks ({len(seq)} prompt + {seq.params.max_new_tokens} "
-                f"new tokens, {manager.block_size} per block) but the cache has {manager.num_blocks}; give the KV cache "
-                f"more memory or lower max_new_tokens / the prompt length"
+                f"new tokens, {manager.block_size} per block) but the cache has {manager.num_blocks}; "
+                f"give the KV cache more memory or lower max_new_tokens / the prompt length"
             )
         self.waiting.append(seq)
 

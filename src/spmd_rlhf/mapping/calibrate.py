@@ -259,7 +259,8 @@ def _host_memory_bytes() -> int:
 
 def resolve_profile(choice: str) -> DeviceProfile:
     """``auto``: the calibrated profile at ``DEFAULT_PROFILE_PATH`` if there is one, else the built-in profile whose
-    name is in the visible GPU's name, else a quick calibration of this machine (CPU); anything else: ``load_profile``."""
+    name is in the visible GPU's name, else a quick calibration of this machine (CPU); anything else:
+    ``load_profile``."""
     if choice != "auto":
         return load_profile(choice)
     if DEFAULT_PROFILE_PATH.is_file():

@@ -226,8 +226,8 @@ class Planner:
         if not heap:
             raise ValueError(
                 f"no mapping fits: the roles do not fit in {self.cluster.devices} devices of "
-                f"{self.cluster.profile.device_memory / 2**30:.0f} GiB ({self.cluster.profile.name}); use more devices, "
-                f"smaller micro-batches, activation checkpointing or shorter sequences"
+                f"{self.cluster.profile.device_memory / 2**30:.0f} GiB ({self.cluster.profile.name}); "
+                "use more devices, smaller micro-batches, activation checkpointing or shorter sequences"
             )
         ranked = [entry[3] for entry in sorted(heap, reverse=True)]
         return PlanResult(

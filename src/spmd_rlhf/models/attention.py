@@ -180,7 +180,8 @@ def _flash_attention(
 
 def _flash_paged_attention(q: torch.Tensor, paged: PagedKV, layer_index: int, scale: float) -> torch.Tensor:
     """flash-attn reading K/V straight from the cache blocks: taken when the engine's block size is a multiple of
-    ``FLASH_PAGED_BLOCK_MULTIPLE``, as ``default_kv_block_size("flash")`` makes it (CUDA only: tests/engine/test_gpu_engine.py)."""
+    ``FLASH_PAGED_BLOCK_MULTIPLE``, as ``default_kv_block_size("flash")`` makes it (CUDA only:
+    tests/engine/test_gpu_engine.py)."""
     from flash_attn import flash_attn_varlen_func
 
     out = flash_attn_varlen_func(
@@ -280,7 +281,8 @@ def attend(
     scale: float,
     layer_index: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``q`` ``[b, s, heads, d]`` over ``k, v`` ``[b, s, kv_heads, d]``; returns ``[b, s, heads, d]``.
+    """Causal attention of ``q`` ``[b, s, heads, d]`` over ``k, v`` ``[b, s, kv_heads, d]``; returns ``[b, s, heads,
+    d]``.
 
     With a paged batch, ``k, v`` are the new tokens' keys and values: they are written into layer ``layer_index``'s
     cache and ``q`` attends over each sequence's whole cached context.

@@ -115,7 +115,8 @@ class Backbone(nn.Module):
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Sequence offsets of a packed row ``[1, total]`` whose position ids restart at 0; None if there is one sequence."""
+    """Sequence offsets of a packed row ``[1, total]`` whose position ids restart at 0; None if there is one
+    sequence."""
     if position_ids.shape[0] != 1:
         return None
     starts = (position_ids[0] == 0).nonzero().squeeze(1)

@@ -44,7 +44,8 @@ from spmd_rlhf.runtime.transfer import Schema, ShardInfo, plan_exchanges
 Handle = TypeVar("Handle", bound=RoleHandle)
 
 Transport = Callable[[int, int, bytes], torch.futures.Future]
-"""Sends (rank, sequence number, pickled envelope) to a remote rank's executor; the future completes with the pickled outcome."""
+"""Sends (rank, sequence number, pickled envelope) to a remote rank's executor; the future completes with the pickled
+outcome."""
 
 
 class Coordinator:
@@ -322,7 +323,8 @@ class Coordinator:
         return pickle.loads(payload)
 
     def wait(self, futures: dict[int, torch.futures.Future], timeout: float | None, description: str) -> None:
-        """Block until every future is done; raises the job's failure, or ``CallTimeout`` naming the ranks still running."""
+        """Block until every future is done; raises the job's failure, or ``CallTimeout`` naming the ranks still
+        running."""
         limit = self._call_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._changed:

@@ -66,7 +66,8 @@ def token_balanced_micro_batches(
 
 
 def row_chunks(rows: int, rows_per_micro_batch: int) -> list[list[int]]:
-    """Consecutive rows, ``rows_per_micro_batch`` at a time (the last may be shorter): today's row-count micro-batches."""
+    """Consecutive rows, ``rows_per_micro_batch`` at a time (the last may be shorter): today's row-count
+    micro-batches."""
     return [
         list(range(start, min(start + rows_per_micro_batch, rows))) for start in range(0, rows, rows_per_micro_batch)
     ]

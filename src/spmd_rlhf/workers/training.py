@@ -27,7 +27,8 @@ from spmd_rlhf.workers.sharded_model import ShardedModel
 from spmd_rlhf.workers.skipped_steps import SkippedSteps
 
 LossFunction = Callable[[torch.Tensor, MicroBatch, Denominators], tuple[torch.Tensor, dict[str, float]]]
-"""(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss, metrics)."""
+"""(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss,
+metrics)."""
 
 
 def learning_rate_factor(
@@ -66,7 +67,8 @@ def clip_gradients(
         if isinstance(gradient, DTensor):
             local = gradient.to_local()
             placements = enumerate(gradient.placements)
-            # Shard and FSDP's _StridedShard split a dimension; Replicate (and Partial, never left in a gradient) do not.
+            # Shard and FSDP's _StridedShard split a dimension; Replicate (and Partial, never left in a gradient) do
+            # not.
             shards = math.prod(
                 gradient.device_mesh.size(dim) for dim, placement in placements if not placement.is_replicate()
             )

@@ -7,7 +7,8 @@ Per layout: load the model sharded, save it as a Hugging Face directory in bfloa
 buckets of ``BUCKET_BYTES`` (export runs in one process), measured while the other ranks wait. Writes
 ``OUT_DIR/figures.json`` and ``OUT_DIR/<layout>/`` (the save), ``OUT_DIR/export/actor/`` (the export).
 
-    MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 8 tests/models/programs/save_memory.py MODEL_DIR OUT_DIR dp8tp1 dp4tp2
+    MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 8 tests/models/programs/save_memory.py \\
+        MODEL_DIR OUT_DIR dp8tp1 dp4tp2
 """
 
 import json

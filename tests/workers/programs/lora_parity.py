@@ -1,5 +1,5 @@
-"""A LoRA actor under several (dp, tp[, pp]) layouts on the same ranks, against the single-rank layout: log-probs with the
-adapters on and off (the reference), two updates, the trained adapters, generation with the adapters merged into the
+"""A LoRA actor under several (dp, tp[, pp]) layouts on the same ranks, against the single-rank layout: log-probs with
+the adapters on and off (the reference), two updates, the trained adapters, generation with the adapters merged into the
 generation weights (rollout log-probs against training log-probs), and a checkpoint saved by (dp, tp) = (2, 2)
 resumed by (4, 1).
 
