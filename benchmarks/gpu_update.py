@@ -11,7 +11,7 @@ synthetic rollouts built on each rank: ``--rows`` rows per step (one optimizer s
 --rows``), micro-batches of ``--micro-batch`` rows, every sequence ``length`` real tokens (a quarter prompt, the rest
 response; no padding). Per length: one warm-up update, then the median of ``--repeats`` timed updates.
 
-MFU = model FLOPs / (seconds x devices x peak FLOP/s), model FLOPs from ``spmd_rlhf.metrics.step_flops``:
+MFU = model FLOPs / (seconds x devices x peak FLOP/s), model FLOPs from ``spmd_rlhf.metrics.step_metrics.step_flops``:
 6 x (B x tokens + H x response tokens), B the body's matmul parameters (embedding lookup not included), H the LM
 head's (tied or not), which runs at the response positions only. ``mfu_with_attention`` adds
 the causal attention products, 6 x L x S x (heads x head_dim) per token for sequences of S tokens (forward
@@ -43,7 +43,7 @@ from gpu_common import (
 
 from spmd_rlhf.config import load_config
 from spmd_rlhf.data import Batch
-from spmd_rlhf.metrics import ModelPasses, matmul_parameters, step_flops
+from spmd_rlhf.metrics.step_metrics import ModelPasses, matmul_parameters, step_flops
 from spmd_rlhf.models import read_decoder_args
 from spmd_rlhf.runtime import Coordinator, ParallelDims, ResourcePool, launch, one_to_all
 from spmd_rlhf.workers import ActorWorker

@@ -31,8 +31,8 @@ from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models import DecoderLM, load_model, log_probs_from_logits
 from spmd_rlhf.tiny import ensure_tiny_assets
-from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_batches
-from spmd_rlhf.workers.packing import MicroBatch, PackedRows, PaddedRows
+from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
+from spmd_rlhf.training.packing import MicroBatch, PackedRows, PaddedRows
 
 
 def rollout_batch(config, model: DecoderLM, tokenizer, *, truncate: bool) -> Batch:

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from kernels.triton_support import launch_device, tl, triton, use_triton
+from spmd_rlhf.kernels.triton_support import launch_device, tl, triton, use_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

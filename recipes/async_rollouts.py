@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spmd_rlhf.data.dataset import PromptLoader
-from spmd_rlhf.metrics import StageTimer
+from spmd_rlhf.metrics.step_metrics import StageTimer
 from spmd_rlhf.runtime import BatchRef, CallFuture, wait_together
 
 

@@ -34,7 +34,9 @@ from spmd_rlhf.config import ConfigError, config_reference, load_config, to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.dataflow import KL_TO_ACTOR_BASE, ROLE_KINDS, Dataflow, algorithms_of, conditions
-from spmd_rlhf.metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
+from spmd_rlhf.mapping.role_pools import place_roles
+from spmd_rlhf.metrics.sinks import truncate_metrics
+from spmd_rlhf.metrics.step_metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.models.vocabulary import check_role_vocabularies
 from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
 from spmd_rlhf.recipes.dry_run import describe
@@ -53,8 +55,6 @@ from spmd_rlhf.runtime import (
 )
 from spmd_rlhf.runtime.device import select_device, visible_cuda_devices
 from spmd_rlhf.runtime.host_memory import restart_with_huge_pages
-from spmd_rlhf.runtime.placement import place_roles
-from spmd_rlhf.sinks import truncate_metrics
 from spmd_rlhf.tiny import ensure_tiny_assets
 
 
@@ -306,7 +306,7 @@ class RLRecipe:
         """The step's metrics: those the workers put in batch meta or returned per DP rank (an ``Experience``
         gives its ``batches``' and its own), stage times, step time, throughput (tokens per second in all and per
         device, generated tokens per second of generation) and model TFLOP/s per device and MFU
-        (``spmd_rlhf.metrics.throughput_metrics``)."""
+        (``spmd_rlhf.metrics.step_metrics.throughput_metrics``)."""
         metrics: dict[str, float] = {}
         for result in results:
             if isinstance(result, Experience):

@@ -19,8 +19,8 @@ from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.dataflow import dataflow_of
 from spmd_rlhf.mapping.cost import Layout, resident_bytes, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
+from spmd_rlhf.mapping.role_pools import place_roles
 from spmd_rlhf.mapping.workload import Batch, RoleSpec
-from spmd_rlhf.runtime.placement import place_roles
 
 
 def _mib(num_bytes: float) -> str:

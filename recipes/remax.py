@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from spmd_rlhf import dataflow
-from spmd_rlhf.metrics import StageTimer
+from spmd_rlhf.metrics.step_metrics import StageTimer
 from spmd_rlhf.recipes.base import RLRecipe, main
 
 

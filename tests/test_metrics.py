@@ -12,7 +12,8 @@ import pytest
 from transformers import Qwen2Config
 
 from spmd_rlhf.config_schema import ConfigError, FrameworkConfig, RolloutConfig, TrainerConfig
-from spmd_rlhf.metrics import (
+from spmd_rlhf.metrics.sinks import SINKS, ConsoleSink, build_sinks
+from spmd_rlhf.metrics.step_metrics import (
     MatmulParameters,
     MetricsLogger,
     ModelPasses,
@@ -23,7 +24,6 @@ from spmd_rlhf.metrics import (
     step_passes,
     throughput_metrics,
 )
-from spmd_rlhf.sinks import SINKS, ConsoleSink, build_sinks
 
 
 def run_config(tmp_path, **trainer) -> FrameworkConfig:

@@ -11,7 +11,7 @@ import sys
 import time
 
 from spmd_rlhf.config import load_config
-from spmd_rlhf.metrics import StageTimer
+from spmd_rlhf.metrics.step_metrics import StageTimer
 from spmd_rlhf.recipes.grpo import GRPORecipe
 from spmd_rlhf.runtime import launch
 

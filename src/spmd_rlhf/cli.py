@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {role} to {path}" for role, path in written.items()))
         return 0
     if args.command == "plot":
-        from spmd_rlhf.plot import PlotError, plot_run
+        from spmd_rlhf.metrics.plot import PlotError, plot_run
 
         try:
             written = plot_run(args.run_dir, out_dir=args.out, keys=args.keys)

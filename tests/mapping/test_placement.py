@@ -12,7 +12,7 @@ from torchrun_helpers import run_recipe
 from spmd_rlhf.config import load_config
 from spmd_rlhf.mapping.placement import apply_mapping, config_dataflow, plan_config
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
-from spmd_rlhf.runtime.placement import resolve_placement, role_pools
+from spmd_rlhf.mapping.role_pools import resolve_placement, role_pools
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

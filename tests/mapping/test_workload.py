@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spmd_rlhf.mapping.workload import NAMED_SHAPES, dataflow, model_shape
-from spmd_rlhf.metrics import matmul_parameters
+from spmd_rlhf.metrics.step_metrics import matmul_parameters
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models.args import read_decoder_args
 

@@ -48,7 +48,7 @@ def test_asynchronous_settings_are_checked(overrides, message):
 
 
 def test_split_places_the_rollout_beside_the_scorers():
-    from spmd_rlhf.runtime.placement import place_roles
+    from spmd_rlhf.mapping.role_pools import place_roles
 
     config = load_config(GRPO, [*ASYNC, "algorithm.max_staleness=2", "rollout.recompute_log_probs=true"])
     roles = place_roles(config, 4).roles

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spmd_rlhf.workers.training import learning_rate_factor
+from spmd_rlhf.training.trainer import learning_rate_factor
 
 
 def test_warmup_then_constant():

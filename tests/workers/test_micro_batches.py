@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torchrun_helpers import free_port
 
-from spmd_rlhf.workers.micro_batches import balanced_partition, fitting_parts, row_chunks, token_balanced_micro_batches
+from spmd_rlhf.training.micro_batches import balanced_partition, fitting_parts, row_chunks, token_balanced_micro_batches
 
 
 def test_balanced_partition():

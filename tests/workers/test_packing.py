@@ -12,9 +12,9 @@ import torch
 from spmd_rlhf.algos import Denominators, entropy_bonus, policy_loss
 from spmd_rlhf.data import Batch
 from spmd_rlhf.models import DecoderArgs, DecoderLM
-from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_batches
-from spmd_rlhf.workers.packing import PackedRows, PaddedRows, stack_packed
-from spmd_rlhf.workers.sharded_model import ShardedModel
+from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
+from spmd_rlhf.training.packing import PackedRows, PaddedRows, stack_packed
+from spmd_rlhf.training.sharded_model import ShardedModel
 
 PROMPT, RESPONSE, VOCAB = 7, 12, 97
 BUDGETS = [None, 19, 25, 40, 1000]

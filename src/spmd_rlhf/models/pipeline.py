@@ -6,7 +6,7 @@ checkpoints and Hugging Face names are unchanged); the first stage keeps the emb
 the head. Each stage is then tensor- / data-parallelized like a whole model (``parallelize.parallelize``).
 
 Every stage of a pipeline sees the same micro-batches, stacked along dim 0 at common shapes (a schedule needs every
-micro-batch to have the same shapes; ``workers.packing.stack_packed`` pads packed ones so). The first stage feeds
+micro-batch to have the same shapes; ``training.packing.stack_packed`` pads packed ones so). The first stage feeds
 ``input_ids``; every stage gets the keyword inputs (position ids, ``cu_seqlens``, output positions), which the
 schedule splits into the same ``[1, ...]`` micro-batches; the last stage turns each micro-batch's output into a
 result (a loss to back-propagate, or per-token values) with ``output_fn``, which receives the micro-batch's index

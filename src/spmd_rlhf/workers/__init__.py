@@ -6,14 +6,14 @@ Each is the runtime's ``Worker`` plus composed parts: a ``DPReducer`` over its D
 (``training.py``), and its own dispatched methods.
 """
 
+from spmd_rlhf.training.reducer import DPReducer
+from spmd_rlhf.training.sharded_model import ShardedModel
+from spmd_rlhf.training.trainer import Trainer
 from spmd_rlhf.workers.actor import ActorWorker
 from spmd_rlhf.workers.critic import CriticWorker
-from spmd_rlhf.workers.reducer import DPReducer
 from spmd_rlhf.workers.reference import ReferenceWorker
 from spmd_rlhf.workers.reward import RewardWorker
 from spmd_rlhf.workers.rollout import RolloutWorker
-from spmd_rlhf.workers.sharded_model import ShardedModel
-from spmd_rlhf.workers.training import Trainer
 
 __all__ = [
     "ActorWorker",

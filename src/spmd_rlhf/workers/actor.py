@@ -27,13 +27,13 @@ from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.hybrid import GenerationLayout, HybridEngine
 from spmd_rlhf.hybrid.weight_sync import BackgroundSender, send_weights, snapshot, sync_metrics, trainer_parameters
 from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
+from spmd_rlhf.training.packing import MicroBatch
+from spmd_rlhf.training.sharded_model import ShardedModel
+from spmd_rlhf.training.trainer import Trainer
 from spmd_rlhf.workers.advantages import old_log_probs, rollout_advantages
 from spmd_rlhf.workers.base import RoleWorker, union_all
 from spmd_rlhf.workers.generation import Generator
-from spmd_rlhf.workers.packing import MicroBatch
 from spmd_rlhf.workers.rollout import sync_sides, weight_sync_groups
-from spmd_rlhf.workers.sharded_model import ShardedModel
-from spmd_rlhf.workers.training import Trainer
 
 
 class ActorWorker(RoleWorker):

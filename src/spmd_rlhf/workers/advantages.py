@@ -33,7 +33,7 @@ from spmd_rlhf.algos import (
 )
 from spmd_rlhf.config_schema import AlgorithmConfig
 from spmd_rlhf.data.batch import Batch
-from spmd_rlhf.workers.reducer import DPReducer
+from spmd_rlhf.training.reducer import DPReducer
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline")
 SOURCES = {"reward": ("scores", "values", ""), "cost": ("costs", "cost_values", "cost_")}

@@ -1,6 +1,6 @@
 """What every role worker shares: the runtime's ``Worker`` (context, mesh, device) plus its config and a ``DPReducer``
-over its DP group. The rest of a role is composed, not inherited: a ``ShardedModel`` (``workers.sharded_model``) for
-the roles that hold a model, a ``Trainer`` (``workers.training``) for the ones that train it, and the role's own
+over its DP group. The rest of a role is composed, not inherited: a ``ShardedModel`` (``training.sharded_model``) for
+the roles that hold a model, a ``Trainer`` (``training.trainer``) for the ones that train it, and the role's own
 dispatched methods (one file per role).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.runtime import RoleContext, Worker
-from spmd_rlhf.workers.reducer import DPReducer
+from spmd_rlhf.training.reducer import DPReducer
 
 
 def union_all(parts: tuple[Batch, ...]) -> Batch:

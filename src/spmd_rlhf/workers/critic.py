@@ -12,10 +12,10 @@ from spmd_rlhf.algos import Denominators, masked_mean, value_loss
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.runtime import RoleContext, data_parallel, one_to_all
+from spmd_rlhf.training.packing import MicroBatch
+from spmd_rlhf.training.sharded_model import ShardedModel
+from spmd_rlhf.training.trainer import Trainer
 from spmd_rlhf.workers.base import RoleWorker, union_all
-from spmd_rlhf.workers.packing import MicroBatch
-from spmd_rlhf.workers.sharded_model import ShardedModel
-from spmd_rlhf.workers.training import Trainer
 
 CRITIC_ROLES = {"critic": "", "cost_critic": "cost_"}
 """Critic role -> prefix of the batch keys it reads and writes."""

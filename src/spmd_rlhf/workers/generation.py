@@ -1,7 +1,7 @@
 """Generating a batch of rollouts with the built-in engine: the part the actor (on its HybridEngine's generation
 layout) and the rollout role (on replicas of its own) share.
 
-``Generator.generate`` turns a DP shard of prompts into the rollout layout (``workers.sharded_model``): it builds the
+``Generator.generate`` turns a DP shard of prompts into the rollout layout (``training.sharded_model``): it builds the
 engine's requests (``rollout.n`` samples per prompt, each with a seed of its own that no DP split changes), runs them
 on the model it is given, and pads the responses and the engine's log-probs to ``rollout.max_new_tokens``. Where the
 rows of a DP shard are split over several generation replicas (the actor's micro-DP), ``Replicas`` says which rows
@@ -24,7 +24,7 @@ from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.envs import ChatDelta, environment_factory
 from spmd_rlhf.envs.rollout import response_tensors, run_multi_turn
 from spmd_rlhf.runtime.device import check_thread
-from spmd_rlhf.workers.reducer import DPReducer
+from spmd_rlhf.training.reducer import DPReducer
 
 _SEED_STRIDE = 1_000_003
 

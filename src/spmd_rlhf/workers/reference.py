@@ -5,8 +5,8 @@ from __future__ import annotations
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.runtime import RoleContext, data_parallel, one_to_all
+from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.workers.base import RoleWorker
-from spmd_rlhf.workers.sharded_model import ShardedModel
 
 
 class ReferenceWorker(RoleWorker):

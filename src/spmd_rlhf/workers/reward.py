@@ -19,8 +19,8 @@ from spmd_rlhf.config_schema import FrameworkConfig, ScoringRoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
 from spmd_rlhf.runtime import RoleContext, data_parallel
+from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.workers.base import RoleWorker
-from spmd_rlhf.workers.sharded_model import ShardedModel
 
 
 class RewardWorker(RoleWorker):

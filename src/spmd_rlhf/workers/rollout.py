@@ -25,12 +25,12 @@ from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.engine import GenerationRun, LLMEngine
 from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, sync_group_ranks
+from spmd_rlhf.mapping.role_pools import role_pools
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model
 from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from spmd_rlhf.runtime.device import check_thread
-from spmd_rlhf.runtime.placement import role_pools
 from spmd_rlhf.workers.base import RoleWorker
 from spmd_rlhf.workers.generation import Generator, OneReplica
 

@@ -1,5 +1,5 @@
 """Step metrics: stage timers, per-rank averaging, throughput and model-FLOP utilisation (MFU), and the
-``MetricsLogger`` that hands each step's metrics to the sinks of ``trainer.loggers`` (``spmd_rlhf.sinks``)."""
+``MetricsLogger`` that hands each step's metrics to the sinks of ``trainer.loggers`` (``spmd_rlhf.metrics.sinks``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.dataflow import ROLE_KINDS, dataflow_of
+from spmd_rlhf.metrics.sinks import build_sinks
 from spmd_rlhf.models import DecoderLM, read_decoder_args
-from spmd_rlhf.sinks import build_sinks
 
 
 class StageTimer:

@@ -1,6 +1,6 @@
 """How the rows of one micro-batch are fed to the model, and where each response token's output comes back.
 
-Two layouts of the same rows (the rollout layout of ``workers.sharded_model``):
+Two layouts of the same rows (the rollout layout of ``training.sharded_model``):
 
 - ``PackedRows`` (every training and log-prob pass): the attended tokens of all rows laid end to end in one
   ``[1, total_tokens]`` sequence, with ``cu_seqlens`` and position ids restarting at 0 for each row, so no padding

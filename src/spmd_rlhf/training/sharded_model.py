@@ -3,7 +3,7 @@
 ``ShardedModel`` is the part every model-holding role (actor, critic, reference, a reward or cost model) composes: it
 builds one ``DecoderLM`` on the meta device, keeps this rank's pipeline stage (``mesh["pp"]``), applies tensor
 parallelism over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]`` (``models.parallelize``), loads this rank's pieces of
-the weights, runs micro-batched forward passes over the rollout layout (fed packed, ``workers.packing``, with or
+the weights, runs micro-batched forward passes over the rollout layout (fed packed, ``training.packing``, with or
 without a pipeline) and writes a Hugging Face copy streamed from the shards (``models.sharded_save``).
 
 The rollout layout (made by ``ActorWorker.generate_sequences``): ``prompts`` ``[rows, P]`` left-padded, ``responses``
@@ -33,9 +33,9 @@ from spmd_rlhf.models.pipeline import Pipeline, split_stage
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import RoleContext
-from spmd_rlhf.workers.micro_batches import row_chunks, token_balanced_micro_batches
-from spmd_rlhf.workers.packing import MicroBatch, PackedRows, stack_packed
-from spmd_rlhf.workers.reducer import DPReducer
+from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
+from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
+from spmd_rlhf.training.reducer import DPReducer
 
 MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 """(the model's output for one micro-batch, that micro-batch) -> a loss (training) or per-row results."""

@@ -2,7 +2,7 @@
 micro-batches with gradient accumulation, global-norm clipping.
 
 Loss normalisation makes an update independent of the DP size and of how rows are grouped into micro-batches (row
-counts or token-balanced groups, ``workers.micro_batches``): each micro-batch's loss is its share of the whole
+counts or token-balanced groups, ``training.micro_batches``): each micro-batch's loss is its share of the whole
 mini-batch's loss (``algos.aggregation``, denominators counted over all DP ranks), its gradients are accumulated, and
 summed over DP ranks. Summed, that is exactly the gradient of the unsplit mini-batch.
 """
@@ -21,10 +21,10 @@ from spmd_rlhf.algos import Denominators
 from spmd_rlhf.checkpoint import load_role_state, save_role_state
 from spmd_rlhf.config_schema import TrainableRoleConfig
 from spmd_rlhf.data.batch import Batch
-from spmd_rlhf.workers.packing import MicroBatch
-from spmd_rlhf.workers.reducer import DPReducer
-from spmd_rlhf.workers.sharded_model import ShardedModel
-from spmd_rlhf.workers.skipped_steps import SkippedSteps
+from spmd_rlhf.training.packing import MicroBatch
+from spmd_rlhf.training.reducer import DPReducer
+from spmd_rlhf.training.sharded_model import ShardedModel
+from spmd_rlhf.training.skipped_steps import SkippedSteps
 
 LossFunction = Callable[[torch.Tensor, MicroBatch, Denominators], tuple[torch.Tensor, dict[str, float]]]
 """(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss,
