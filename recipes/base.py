@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spmd_rlhf import checkpoint, run_directory
+from spmd_rlhf import checkpoint
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
+from spmd_rlhf.checkpoint import run_directory
 from spmd_rlhf.config import ConfigError, config_reference, load_config, to_yaml
 from spmd_rlhf.config_schema import FrameworkConfig
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader

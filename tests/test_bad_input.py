@@ -28,8 +28,8 @@ import pytest
 from torchrun_helpers import RECIPES, alive, environment, torchrun
 
 from spmd_rlhf import checkpoint
+from spmd_rlhf.checkpoint.run_directory import RunLock
 from spmd_rlhf.data.dataset import DatasetError, PromptDataset
-from spmd_rlhf.run_directory import RunLock
 from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.tiny.task import make_task
 

@@ -6,6 +6,7 @@ Hugging Face copies (``trainer.save_hf``), the ``spmd-rlhf export`` errors, and 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -78,13 +79,13 @@ def test_save_cadence_by_steps_by_minutes_and_after_the_last():
 
 def test_small_files_and_the_directory_are_fsynced(tmp_path, monkeypatch):
     synced: list[str] = []
-    real_fsync = checkpoint.os.fsync
+    real_fsync = os.fsync
 
     def recording_fsync(descriptor: int) -> None:
         synced.append(Path(f"/proc/self/fd/{descriptor}").resolve().name)
         real_fsync(descriptor)
 
-    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
     state = {"step": 1, "recipe": "test"}
     checkpoint.write_checkpoint(tmp_path / "step_1", lambda staging: None, trainer_state=state, config_yaml="a: 1\n")
     # Each small file through its staging name, then its directory; the run directory after the rename and latest.

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from spmd_rlhf import checkpoint, run_directory
+from spmd_rlhf import checkpoint
+from spmd_rlhf.checkpoint import run_directory
+from spmd_rlhf.checkpoint.run_directory import RunDirectoryError, RunLock
 from spmd_rlhf.config import load_config, to_yaml
 from spmd_rlhf.metrics.sinks import truncate_metrics
-from spmd_rlhf.run_directory import RunDirectoryError, RunLock
 
 CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "grpo.yaml"
 

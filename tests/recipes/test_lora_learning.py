@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torchrun_helpers import run_recipe
 
-from spmd_rlhf import safe_dcp
+from spmd_rlhf.checkpoint import safe_load
 from spmd_rlhf.cli import main as cli_main
 from spmd_rlhf.models.lora import is_adapter
 from spmd_rlhf.tiny.model import make_tiny
@@ -56,7 +56,7 @@ def test_grpo_with_lora_raises_the_reward(run):
     assert not (workdir / "out" / "step_60" / "reference_state").exists()
     # The checkpoint holds the adapters and their optimizer state, not the frozen base.
     saved = [
-        key for key in safe_dcp.read_metadata(state).state_dict_metadata if key.startswith(("model.", "optimizer."))
+        key for key in safe_load.read_metadata(state).state_dict_metadata if key.startswith(("model.", "optimizer."))
     ]
     model_keys = [key for key in saved if key.startswith("model.")]
     assert len(model_keys) == 2 * 7 * 2 and all(is_adapter(key) for key in model_keys)

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from spmd_rlhf.checkpoint.errors import CheckpointError
+
 METADATA_FILE = ".metadata"
 
 _ADMITTED = {
@@ -46,10 +48,6 @@ _ADMITTED = {
 }
 """(module, name) pairs DCP's metadata pickles reference (torch 2.11 to 2.13), besides ``torch.<dtype>``; each
 builds plain data, nothing that runs a command."""
-
-
-class CheckpointError(ValueError):
-    """A path is not a usable checkpoint, or a checkpoint lacks what was asked of it."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):

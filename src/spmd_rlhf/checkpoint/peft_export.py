@@ -17,17 +17,17 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoTokenizer
 
-from spmd_rlhf import safe_dcp
+from spmd_rlhf.checkpoint import safe_load
+from spmd_rlhf.checkpoint.errors import CheckpointError
 from spmd_rlhf.models import DecoderLM, read_decoder_args
 from spmd_rlhf.models.lora import ADAPTER_SUFFIXES, write_peft_adapter
 from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, write_index
 from spmd_rlhf.models.weights import checkpoint_files, write_hf_metadata
-from spmd_rlhf.safe_dcp import CheckpointError
 
 
 def read_trained_tensors(state_dir: Path) -> dict[str, torch.Tensor]:
     """Every model tensor a role's DCP state holds (with LoRA: the adapters and a trained head), in one process."""
-    saved = safe_dcp.read_metadata(state_dir).state_dict_metadata
+    saved = safe_load.read_metadata(state_dir).state_dict_metadata
     tensors = {
         key.removeprefix("model."): torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         for key, entry in saved.items()
@@ -35,7 +35,7 @@ def read_trained_tensors(state_dir: Path) -> dict[str, torch.Tensor]:
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        safe_dcp.load({"model": tensors}, state_dir, no_dist=True)
+        safe_load.load({"model": tensors}, state_dir, no_dist=True)
     return tensors
 
 
