@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from spmd_rlhf import dataflow
+from spmd_rlhf.controller import RLRecipe, main
 from spmd_rlhf.metrics.step_metrics import StageTimer
-from spmd_rlhf.recipes.base import RLRecipe, main
 
 
 class ReMaxRecipe(RLRecipe):

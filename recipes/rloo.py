@@ -7,7 +7,7 @@ dataflow, as a named entry point with its own config, running ``algorithm.name=r
 
 from __future__ import annotations
 
-from spmd_rlhf.recipes.base import main
+from spmd_rlhf.controller import main
 from spmd_rlhf.recipes.grpo import GRPORecipe
 
 

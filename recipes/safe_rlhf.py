@@ -14,8 +14,8 @@ from typing import Any
 
 from spmd_rlhf import dataflow
 from spmd_rlhf.algos import LagrangeMultiplier
+from spmd_rlhf.controller import RLRecipe, main
 from spmd_rlhf.metrics.step_metrics import StageTimer
-from spmd_rlhf.recipes.base import RLRecipe, main
 
 
 class SafeRLHFRecipe(RLRecipe):

@@ -341,16 +341,16 @@ def test_kv_block_size_check_uses_the_smaller_default_block():
 def test_device_and_timeouts_reach_the_launch(monkeypatch):
     """trainer.device, trainer.timeout_s (calls) and trainer.collective_timeout_s (collectives) each reach their own
     RuntimeOptions field."""
-    from spmd_rlhf.recipes import base
+    from spmd_rlhf.controller import entry
     from spmd_rlhf.recipes.ppo import PPORecipe
 
     seen = {}
-    monkeypatch.setattr(base, "launch", lambda main, *, options: seen.setdefault("options", options))
-    monkeypatch.setattr(base.os, "_exit", lambda code: None)
+    monkeypatch.setattr(entry, "launch", lambda main, *, options: seen.setdefault("options", options))
+    monkeypatch.setattr(entry.os, "_exit", lambda code: None)
     monkeypatch.setattr(
         sys, "argv", ["ppo", "trainer.device=cpu", "trainer.timeout_s=123", "trainer.collective_timeout_s=45"]
     )
-    base.main(PPORecipe, str(base.Path(base.__file__).parent / "configs" / "ppo.yaml"))
+    entry.main(PPORecipe, str(Path(__file__).parents[1] / "recipes" / "configs" / "ppo.yaml"))
     options = seen["options"]
     assert (options.device, options.call_timeout_s, options.collective_timeout_s) == ("cpu", 123, 45)
 

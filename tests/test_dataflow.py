@@ -9,9 +9,9 @@ import pytest
 
 from spmd_rlhf import dataflow
 from spmd_rlhf.config import ConfigError, load_config
+from spmd_rlhf.controller.recipe import Experience
 from spmd_rlhf.mapping.workload import NAMED_SHAPES
 from spmd_rlhf.mapping.workload import dataflow as model_roles
-from spmd_rlhf.recipes.base import Experience
 from spmd_rlhf.recipes.grpo import GRPORecipe
 from spmd_rlhf.recipes.ppo import PPORecipe
 from spmd_rlhf.recipes.remax import ReMaxRecipe

@@ -1,4 +1,4 @@
-"""The asynchronous rollout schedule (``recipes.async_rollouts``) keeps every batch within the staleness bound, and
+"""The asynchronous rollout schedule (``controller.rollout_pipeline``) keeps every batch within the staleness bound, and
 asynchronous configs are checked at load, and in-flight batches saved for another staleness are refused on resume."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from spmd_rlhf.config import ConfigError, load_config
-from spmd_rlhf.recipes.async_rollouts import generation_version
+from spmd_rlhf.controller.rollout_pipeline import generation_version
 
 GRPO = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "grpo.yaml"
 ASYNC = ["placement=split", "rollout.enabled=true", "rollout.n_ranks=2"]
@@ -58,7 +58,7 @@ def test_split_places_the_rollout_beside_the_scorers():
 
 
 def test_a_checkpoint_in_flight_for_another_staleness_is_refused_naming_the_key():
-    from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
+    from spmd_rlhf.controller.rollout_pipeline import RolloutPipeline
 
     pipeline = RolloutPipeline(
         actor=None, rollout=None, reward=None, loader=None, max_staleness=1, total_steps=10, start=4, timeout_s=1.0
@@ -68,7 +68,7 @@ def test_a_checkpoint_in_flight_for_another_staleness_is_refused_naming_the_key(
 
 
 def test_a_checkpoint_in_flight_for_another_partial_rollouts_mode_is_refused_naming_the_key():
-    from spmd_rlhf.recipes.async_rollouts import RolloutPipeline
+    from spmd_rlhf.controller.rollout_pipeline import RolloutPipeline
 
     pipeline = RolloutPipeline(
         actor=None,

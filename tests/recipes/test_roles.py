@@ -7,8 +7,8 @@ import inspect
 
 import pytest
 
+from spmd_rlhf.controller.role_handles import WORKERS, ActorHandle
 from spmd_rlhf.parallel_dims import ParallelDims
-from spmd_rlhf.recipes.roles import WORKERS, ActorHandle
 from spmd_rlhf.runtime import RoleHandle
 from spmd_rlhf.runtime.dispatch import dispatch_mode
 from spmd_rlhf.runtime.handles import RoleRecord

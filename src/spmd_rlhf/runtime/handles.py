@@ -126,9 +126,9 @@ class RoleHandle:
     """The coordinator's view of a spawned role: ``handle.call("method", ...)`` calls the role's ``method`` under
     its dispatch mode and returns a future at once.
 
-    A typed handle (``spmd_rlhf.recipes.roles.ActorHandle``) subclasses this with one method per dispatched method of
-    its worker, each forwarding to ``call``; ``coordinator.spawn(..., handle=ActorHandle)`` returns one. A plain
-    ``RoleHandle`` also takes ``handle.method(...)`` for any method of a worker that has no typed handle."""
+    A typed handle (``spmd_rlhf.controller.role_handles.ActorHandle``) subclasses this with one method per dispatched
+    method of its worker, each forwarding to ``call``; ``coordinator.spawn(..., handle=ActorHandle)`` returns one. A
+    plain ``RoleHandle`` also takes ``handle.method(...)`` for any method of a worker that has no typed handle."""
 
     def __init__(self, coordinator: Dispatcher, record: RoleRecord, ready: CallFuture) -> None:
         self._coordinator = coordinator

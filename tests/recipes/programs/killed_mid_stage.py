@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from spmd_rlhf.recipes import base, roles
+from spmd_rlhf.controller import entry, role_handles
 from spmd_rlhf.recipes.grpo import GRPORecipe
 from spmd_rlhf.runtime import data_parallel
 from spmd_rlhf.workers import ActorWorker, RolloutWorker
@@ -66,6 +66,6 @@ class DyingRollout(RolloutWorker):
 if __name__ == "__main__":
     (RUN_DIR / f"pid.{os.environ['RANK']}").write_text(str(os.getpid()))
     del sys.argv[1:4]  # the rest is the recipe's own command line
-    roles.WORKERS["actor"] = (DyingActor, roles.ActorHandle)
-    roles.WORKERS["rollout"] = (DyingRollout, roles.RolloutHandle)
-    base.main(GRPORecipe, "recipes/configs/grpo.yaml")
+    role_handles.WORKERS["actor"] = (DyingActor, role_handles.ActorHandle)
+    role_handles.WORKERS["rollout"] = (DyingRollout, role_handles.RolloutHandle)
+    entry.main(GRPORecipe, "recipes/configs/grpo.yaml")

@@ -29,7 +29,7 @@ def _mib(num_bytes: float) -> str:
 
 def describe(config: FrameworkConfig, world_size: int) -> str:
     """The dry-run report: resolved config, pools, each role's layout and per-rank state, per-rank totals."""
-    from spmd_rlhf.recipes.base import ensure_tiny_assets
+    from spmd_rlhf.tiny import ensure_tiny_assets
 
     ensure_tiny_assets(config)
     placement = place_roles(config, world_size)

@@ -7,10 +7,10 @@ import torch
 
 from spmd_rlhf.algos import groups_with_signal
 from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.controller.role_handles import ActorHandle, RewardHandle
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.data.dataset import PromptLoader
 from spmd_rlhf.metrics.step_metrics import StageTimer
-from spmd_rlhf.recipes.roles import ActorHandle, RewardHandle
 from spmd_rlhf.runtime import BatchRef
 
 
