@@ -43,7 +43,7 @@ import dataclasses
 
 import torch
 
-from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.mapping.cost import GRADIENT_BYTES, TRAINING_BYTES_PER_PARAMETER, Layout, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.workload import RoleSpec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from spmd_rlhf import dataflow
+from spmd_rlhf.config import dataflow
 from spmd_rlhf.controller import RLRecipe, main
 from spmd_rlhf.metrics.step_metrics import StageTimer
 

@@ -1,5 +1,5 @@
 """RLOO (Ahmadian et al. 2024): GRPO's step with each sample's baseline the mean reward of its prompt's other
-samples. A recipe class is an algorithm family (``spmd_rlhf.dataflow``): this is ``GRPORecipe``, its loop and
+samples. A recipe class is an algorithm family (``spmd_rlhf.config.dataflow``): this is ``GRPORecipe``, its loop and
 dataflow, as a named entry point with its own config, running ``algorithm.name=rloo`` only.
 
     torchrun --nproc-per-node 4 recipes/rloo.py --config recipes/configs/rloo.yaml trainer.total_steps=20

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from spmd_rlhf import dataflow
 from spmd_rlhf.algos import LagrangeMultiplier
+from spmd_rlhf.config import dataflow
 from spmd_rlhf.controller import RLRecipe, main
 from spmd_rlhf.metrics.step_metrics import StageTimer
 

@@ -21,7 +21,7 @@ from torchrun_helpers import run_recipe, torchrun
 from spmd_rlhf import checkpoint
 from spmd_rlhf.checkpoint import CheckpointError
 from spmd_rlhf.cli import main as cli
-from spmd_rlhf.config_schema import TrainerConfig
+from spmd_rlhf.config import TrainerConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.tiny.model import make_tiny
 

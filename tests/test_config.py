@@ -14,11 +14,11 @@ from spmd_rlhf.config import (
     ConfigError,
     FrameworkConfig,
     RolloutConfig,
-    _attribute_docs,
     field_docs,
     load_config,
     to_yaml,
 )
+from spmd_rlhf.config.loader import _attribute_docs
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
@@ -309,14 +309,14 @@ def test_cli_reports_malformed_yaml(tmp_path: Path) -> None:
 
 
 def test_attention_choices_are_the_model_backends():
-    from spmd_rlhf.config_schema import ATTENTION_BACKENDS
+    from spmd_rlhf.config import ATTENTION_BACKENDS
     from spmd_rlhf.models.attention import BACKENDS
 
     assert ATTENTION_BACKENDS == BACKENDS
 
 
 def test_partial_rollout_choices_are_the_engine_modes():
-    from spmd_rlhf.config_schema import PARTIAL_ROLLOUTS
+    from spmd_rlhf.config import PARTIAL_ROLLOUTS
     from spmd_rlhf.engine import IN_FLIGHT
 
     assert PARTIAL_ROLLOUTS == ("off", *IN_FLIGHT)
@@ -325,7 +325,7 @@ def test_partial_rollout_choices_are_the_engine_modes():
 def test_kv_block_size_check_uses_the_smaller_default_block():
     """A fixed rollout.kv_cache_blocks budget is checked with the smaller of kv_block_size=null's two sizes, so it
     holds one sequence whichever a rank picks."""
-    from spmd_rlhf.config_schema import DEFAULT_KV_BLOCK_SIZE
+    from spmd_rlhf.config import DEFAULT_KV_BLOCK_SIZE
     from spmd_rlhf.models.attention import DEFAULT_KV_BLOCK_SIZE as ENGINE_DEFAULT
     from spmd_rlhf.models.attention import default_kv_block_size
 
@@ -377,7 +377,7 @@ def test_overrides_apply_to_a_built_config_and_are_validated():
 
 def test_lora_actor_serves_the_reference_from_its_base():
     from spmd_rlhf.config import load_config
-    from spmd_rlhf.dataflow import GRPO, conditions
+    from spmd_rlhf.config.dataflow import GRPO, conditions
 
     with pytest.raises(
         ConfigError, match=r"reference\.enabled=true: .*actor\.lora\.rank=8 .* set reference\.enabled=false"
@@ -409,3 +409,10 @@ def test_lora_actor_serves_the_reference_from_its_base():
     assert conditions(config)["kl_to_reference"] and not conditions(config)["kl_to_actor_base"]
     with pytest.raises(ConfigError, match=r"actor\.lora\.target_modules=\[lm_head\]"):
         load_config(None, ["actor.lora.rank=8", "actor.lora.target_modules=[lm_head]"])
+
+
+def test_environment_choices_are_the_registry():
+    from spmd_rlhf.config import ENVIRONMENTS
+    from spmd_rlhf.envs import ENVIRONMENTS as REGISTRY
+
+    assert ENVIRONMENTS == tuple(REGISTRY)

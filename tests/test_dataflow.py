@@ -1,5 +1,5 @@
-"""Each recipe family's dataflow is declared once (``spmd_rlhf.dataflow``) and the recipes, config validation, the
-mapper's workload and the recipes' role attributes follow it."""
+"""Each recipe family's dataflow is declared once (``spmd_rlhf.config.dataflow``) and the recipes, config validation,
+the mapper's workload and the recipes' role attributes follow it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd_rlhf import dataflow
-from spmd_rlhf.config import ConfigError, load_config
+from spmd_rlhf.config import ConfigError, dataflow, load_config
 from spmd_rlhf.controller.recipe import Experience
 from spmd_rlhf.mapping.workload import NAMED_SHAPES
 from spmd_rlhf.mapping.workload import dataflow as model_roles

@@ -11,7 +11,7 @@ import sys
 import pytest
 from transformers import Qwen2Config
 
-from spmd_rlhf.config_schema import ConfigError, FrameworkConfig, RolloutConfig, TrainerConfig
+from spmd_rlhf.config import ConfigError, FrameworkConfig, RolloutConfig, TrainerConfig
 from spmd_rlhf.metrics.sinks import SINKS, ConsoleSink, build_sinks
 from spmd_rlhf.metrics.step_metrics import (
     MatmulParameters,

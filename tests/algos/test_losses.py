@@ -117,6 +117,6 @@ def test_entropy_bonus_aggregates():
 
 def test_config_offers_exactly_the_aggregation_modes():
     from spmd_rlhf.algos import AGGREGATIONS
-    from spmd_rlhf.config_schema import LOSS_AGGREGATIONS
+    from spmd_rlhf.config import LOSS_AGGREGATIONS
 
     assert LOSS_AGGREGATIONS == AGGREGATIONS

@@ -116,7 +116,7 @@ def test_tool_environment_runs_the_calls_of_a_turn():
 
 
 def test_rollout_config_keys_are_checked():
-    from spmd_rlhf.config_schema import ConfigError, RolloutConfig
+    from spmd_rlhf.config import ConfigError, RolloutConfig
 
     assert RolloutConfig(environment="tool", max_turns=3, max_new_tokens=8).response_length == 24
     assert RolloutConfig(environment="tool", max_turns=3, max_response_tokens=100).response_length == 100

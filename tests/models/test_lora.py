@@ -7,7 +7,7 @@ import pytest
 import torch
 from hf_fixtures import FAMILIES, padded_batch, write_hf_model
 
-from spmd_rlhf.config_schema import LORA_TARGETS, ConfigError, LoRAConfig
+from spmd_rlhf.config import LORA_TARGETS, ConfigError, LoRAConfig
 from spmd_rlhf.models.lora import LoRAAdapters, is_adapter, layer_splits, merged_weight, write_peft_adapter
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model, load_weights

@@ -14,9 +14,8 @@ counted.
 
 from __future__ import annotations
 
-from spmd_rlhf.config import to_yaml
-from spmd_rlhf.config_schema import FrameworkConfig
-from spmd_rlhf.dataflow import dataflow_of
+from spmd_rlhf.config import FrameworkConfig, to_yaml
+from spmd_rlhf.config.dataflow import dataflow_of
 from spmd_rlhf.mapping.cost import Layout, resident_bytes, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.role_pools import place_roles

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rlhf.algos import groups_with_signal
-from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.controller.role_handles import ActorHandle, RewardHandle
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.data.dataset import PromptLoader

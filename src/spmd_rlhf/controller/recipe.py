@@ -25,8 +25,8 @@ from typing import Any
 
 from spmd_rlhf import checkpoint
 from spmd_rlhf.algos.kl import AdaptiveKLController, FixedKLController
-from spmd_rlhf.config import ConfigError, to_yaml
-from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.config import ConfigError, FrameworkConfig, to_yaml
+from spmd_rlhf.config.dataflow import KL_TO_ACTOR_BASE, ROLE_KINDS, Dataflow, algorithms_of, conditions
 from spmd_rlhf.controller.dynamic_sampling import sample_with_signal
 from spmd_rlhf.controller.role_handles import (
     WORKERS,
@@ -39,7 +39,6 @@ from spmd_rlhf.controller.role_handles import (
 from spmd_rlhf.controller.rollout_pipeline import RolloutPipeline
 from spmd_rlhf.controller.run import RecipeRun
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
-from spmd_rlhf.dataflow import KL_TO_ACTOR_BASE, ROLE_KINDS, Dataflow, algorithms_of, conditions
 from spmd_rlhf.mapping.role_pools import place_roles
 from spmd_rlhf.metrics.step_metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.models.vocabulary import check_role_vocabularies
@@ -83,8 +82,8 @@ class RLRecipe(RecipeRun):
 
     name = "rl"
     dataflow: Dataflow | None = None
-    """The roles the recipe's ``step`` uses and the work each does (``spmd_rlhf.dataflow``): config validation, the
-    roles ``setup`` spawns, the mapper's workload, MFU and the dry run all follow it."""
+    """The roles the recipe's ``step`` uses and the work each does (``spmd_rlhf.config.dataflow``): config validation,
+    the roles ``setup`` spawns, the mapper's workload, MFU and the dry run all follow it."""
     algorithms: tuple[str, ...] = ()
     """The ``algorithm.name`` values this recipe's ``step`` runs; empty: every one whose dataflow is ``dataflow``."""
 
@@ -119,7 +118,8 @@ class RLRecipe(RecipeRun):
         """The resolved config as given (before placement fills in layouts): saved at the run's start and in every
         checkpoint, and compared with a checkpoint's on resume."""
         self.pipeline: RolloutPipeline | None = None
-        """With a rollout role: the batches generated ahead (``controller.rollout_pipeline``), made at the first step."""
+        """With a rollout role: the batches generated ahead (``controller.rollout_pipeline``), made at the first
+        step."""
         self.stopped_by: str | None = None
         """Why ``fit`` ended before ``trainer.total_steps`` (``"SIGTERM on rank 1"``); None when it ran them all."""
 

@@ -3,7 +3,7 @@
 -> ``ActorWorker.update_actor``). Every call returns a ``CallFuture`` at once; batches go in as ``BatchRef`` s or
 futures of them and stay on the workers.
 
-``WORKERS`` says which worker class and handle serve each worker kind of ``spmd_rlhf.dataflow.ROLE_KINDS``.
+``WORKERS`` says which worker class and handle serve each worker kind of ``spmd_rlhf.config.dataflow.ROLE_KINDS``.
 """
 
 from __future__ import annotations

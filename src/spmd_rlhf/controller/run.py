@@ -11,7 +11,7 @@ from typing import Any
 from spmd_rlhf import checkpoint
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.checkpoint import run_directory
-from spmd_rlhf.dataflow import ROLE_KINDS
+from spmd_rlhf.config.dataflow import ROLE_KINDS
 from spmd_rlhf.metrics.sinks import truncate_metrics
 from spmd_rlhf.metrics.step_metrics import StageTimer
 from spmd_rlhf.runtime import (

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
-from spmd_rlhf.dataflow import ROLE_KINDS, dataflow_of
+from spmd_rlhf.config import FrameworkConfig, RoleConfig
+from spmd_rlhf.config.dataflow import ROLE_KINDS, dataflow_of
 from spmd_rlhf.mapping.calibrate import resolve_profile
 from spmd_rlhf.mapping.cost import Cluster
 from spmd_rlhf.mapping.profile import DeviceProfile

@@ -1,6 +1,6 @@
 """What the mapper places: the models (shapes, by name or config), the step's batch, and each algorithm's model
 roles with the work each does in the paper's stages (generation, preparation, training), from the algorithm's
-declared dataflow (``spmd_rlhf.dataflow``).
+declared dataflow (``spmd_rlhf.config.dataflow``).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from spmd_rlhf.dataflow import (
+from spmd_rlhf.config.dataflow import (
     KL_TO_ACTOR_BASE,
     KL_TO_REFERENCE,
     ON_ACTOR,
@@ -173,7 +173,7 @@ class RoleSpec:
     """lm (actor, reference), value (critics) or score (reward and cost models)."""
     trained: bool
     work: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Stage -> the passes the role runs in it (``spmd_rlhf.dataflow.PASSES``)."""
+    """Stage -> the passes the role runs in it (``spmd_rlhf.config.dataflow.PASSES``)."""
     micro_batch_size: int = 0
     """This role's micro-batch; 0: the batch's."""
     mini_batch_size: int = 0

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from spmd_rlhf.config_schema import TrainerConfig
+from spmd_rlhf.config import TrainerConfig
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward"),

@@ -13,8 +13,8 @@ from typing import TextIO
 
 import torch
 
-from spmd_rlhf.config_schema import FrameworkConfig
-from spmd_rlhf.dataflow import ROLE_KINDS, dataflow_of
+from spmd_rlhf.config import FrameworkConfig
+from spmd_rlhf.config.dataflow import ROLE_KINDS, dataflow_of
 from spmd_rlhf.metrics.sinks import build_sinks
 from spmd_rlhf.models import DecoderLM, read_decoder_args
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.models.args import read_decoder_args
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from spmd_rlhf.config_schema import DEVICE_SETTINGS
+from spmd_rlhf.config import DEVICE_SETTINGS
 
 
 def select_device(setting: str, *, local_rank: int, cuda_devices: int) -> tuple[torch.device, str]:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from spmd_rlhf.checkpoint import save_model_config
-from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
+from spmd_rlhf.config import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.models import DecoderLM, log_probs_and_entropy_from_logits, log_probs_from_logits
 from spmd_rlhf.models.attention import resolve_backend

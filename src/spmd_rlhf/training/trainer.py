@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.algos import Denominators
 from spmd_rlhf.checkpoint import load_role_state, save_role_state
-from spmd_rlhf.config_schema import TrainableRoleConfig
+from spmd_rlhf.config import TrainableRoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.training.packing import MicroBatch
 from spmd_rlhf.training.reducer import DPReducer

@@ -22,7 +22,7 @@ from spmd_rlhf.algos import (
     masked_mean,
     policy_loss,
 )
-from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.hybrid import GenerationLayout, HybridEngine
 from spmd_rlhf.hybrid.weight_sync import BackgroundSender, send_weights, snapshot, sync_metrics, trainer_parameters

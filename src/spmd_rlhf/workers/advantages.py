@@ -31,7 +31,7 @@ from spmd_rlhf.algos import (
     scores_to_token_rewards,
     whiten,
 )
-from spmd_rlhf.config_schema import AlgorithmConfig
+from spmd_rlhf.config import AlgorithmConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.training.reducer import DPReducer
 

@@ -6,7 +6,7 @@ dispatched methods (one file per role).
 
 from __future__ import annotations
 
-from spmd_rlhf.config_schema import FrameworkConfig, RoleConfig
+from spmd_rlhf.config import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.runtime import RoleContext, Worker
 from spmd_rlhf.training.reducer import DPReducer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rlhf.algos import Denominators, masked_mean, value_loss
-from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.runtime import RoleContext, data_parallel, one_to_all
 from spmd_rlhf.training.packing import MicroBatch

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 import torch
 from transformers import AutoTokenizer
 
-from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.envs import ChatDelta, environment_factory

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from spmd_rlhf.config_schema import FrameworkConfig, ScoringRoleConfig
+from spmd_rlhf.config import FrameworkConfig, ScoringRoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
 from spmd_rlhf.runtime import RoleContext, data_parallel

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import DeviceMesh
 
-from spmd_rlhf.config_schema import FrameworkConfig
+from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.engine import GenerationRun, LLMEngine
 from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, sync_group_ranks

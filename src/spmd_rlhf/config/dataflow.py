@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spmd_rlhf.config_schema import FrameworkConfig
+    from spmd_rlhf.config.framework import FrameworkConfig
 
 STAGES = ("generation", "preparation", "training")
 """The paper's three stages of an RLHF step, run one after another; roles in different pools overlap within one."""

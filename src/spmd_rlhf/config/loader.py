@@ -2,7 +2,7 @@
 
     spmd-rlhf config --show recipes/configs/ppo.yaml actor.lr=1e-6
 
-YAML and overrides are only inputs. OmegaConf merges them onto the dataclass schema of ``spmd_rlhf.config_schema``
+YAML and overrides are only inputs. OmegaConf merges them onto the dataclass schema of ``spmd_rlhf.config``
 (wrong types fail there), then the dataclasses are built bottom-up and validate themselves in ``__post_init__``.
 Every failure is one ``ConfigError`` line naming the full dotted key and what is allowed.
 """
@@ -21,41 +21,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from spmd_rlhf.config_schema import (
-    ALGORITHMS,
-    PLACEMENTS,
-    ROLES,
-    AlgorithmConfig,
-    ConfigError,
-    DataConfig,
-    FrameworkConfig,
-    ModelConfig,
-    RoleConfig,
-    RolloutConfig,
-    ScoringRoleConfig,
-    TrainableRoleConfig,
-    TrainerConfig,
-    format_value,
-)
-
-__all__ = [
-    "ALGORITHMS",
-    "PLACEMENTS",
-    "ROLES",
-    "AlgorithmConfig",
-    "ConfigError",
-    "DataConfig",
-    "FrameworkConfig",
-    "ModelConfig",
-    "RoleConfig",
-    "RolloutConfig",
-    "ScoringRoleConfig",
-    "TrainableRoleConfig",
-    "TrainerConfig",
-    "field_docs",
-    "load_config",
-    "to_yaml",
-]
+from spmd_rlhf.config.errors import ConfigError, format_value
+from spmd_rlhf.config.framework import FrameworkConfig
 
 ConfigT = TypeVar("ConfigT")
 

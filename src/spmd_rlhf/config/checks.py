@@ -1,0 +1,166 @@
+"""The checks across config sections: roles against the algorithm's dataflow, layouts against pool sizes, batch
+sizes against DP sizes, token budgets, the KV cache, and the switches of asynchronous RL."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from spmd_rlhf.config import dataflow
+from spmd_rlhf.config.choices import DEFAULT_KV_BLOCK_SIZE, PLACEMENTS
+from spmd_rlhf.config.dataflow import GROUP_ALGORITHMS, ROLES
+from spmd_rlhf.config.errors import format_value, one_of, require
+
+if TYPE_CHECKING:
+    from spmd_rlhf.config.framework import FrameworkConfig
+    from spmd_rlhf.config.roles import RoleConfig
+
+
+def check_framework(config: FrameworkConfig) -> None:
+    """The checks across sections, with full dotted keys (``actor.tp=3: must divide actor.n_ranks=8``)."""
+    one_of(config, "placement", PLACEMENTS)
+    _check_roles_match_algorithm(config)
+    for name, role in config.enabled_roles().items():
+        _check_layout(config, name, role)
+    _check_pools(config)
+    require(config, "rollout.tp", config.actor.tp % config.rollout.tp == 0, f"must divide actor.tp={config.actor.tp}")
+    _check_kv_cache(config)
+    if config.algorithm.name in GROUP_ALGORITHMS:
+        rule = f"algorithm.name={config.algorithm.name} needs >= 2 responses per prompt for its group baseline"
+        require(config, "rollout.n", config.rollout.n >= 2, rule)
+        rule = (
+            f"algorithm.name={config.algorithm.name} compares a prompt's responses with each other, and greedy "
+            f"decoding makes them all the same (every advantage 0); set a sampling temperature > 0, e.g. 1.0"
+        )
+        require(config, "rollout.temperature", config.rollout.temperature > 0, rule)
+    _check_training_batches(config)
+    _check_token_budgets(config)
+    _check_asynchronous(config)
+    for name in ("reward", "cost"):
+        role = getattr(config, name)
+        if role.enabled and role.kind == "model":
+            rule = f"{name}.kind=model needs the directory of a trained {name} model"
+            require(config, f"{name}.model_path", role.model_path is not None, rule)
+    rule = "needs data.val_files; list validation files or set trainer.val_every=0"
+    require(config, "trainer.val_every", config.trainer.val_every == 0 or bool(config.data.val_files), rule)
+
+
+def _check_roles_match_algorithm(config: FrameworkConfig) -> None:
+    # An enabled role the algorithm never calls would hold devices for nothing; say so rather than idle.
+    flow = dataflow.dataflow_of(config.algorithm.name)
+    for role in ROLES:
+        used, by = flow.requirement(role, config)
+        verb = "needs" if used else "never calls"
+        rule = f"{by} {verb} the {role}; set {role}.enabled={format_value(used)}"
+        require(config, f"{role}.enabled", getattr(config, role).enabled == used, rule)
+
+
+def _check_pools(config: FrameworkConfig) -> None:
+    for name, role in config.enabled_roles().items():
+        if config.placement == "manual":
+            require(config, f"{name}.pool", role.pool is not None, "placement=manual needs a pool for every role")
+        else:
+            rule = f"only used with placement=manual (placement={config.placement}); set {name}.pool=null"
+            require(config, f"{name}.pool", role.pool is None, rule)
+    for pool, members in config.resource_pools().items():
+        sized = [name for name in members if getattr(config, name).n_ranks]
+        for name in sized[1:]:
+            first_n_ranks = getattr(config, sized[0]).n_ranks
+            rule = (
+                f"must equal {sized[0]}.n_ranks={first_n_ranks}; "
+                f"roles sharing a pool (here {pool}, placement={config.placement}) span all of its ranks"
+            )
+            require(config, f"{name}.n_ranks", getattr(config, name).n_ranks == first_n_ranks, rule)
+
+
+def _check_asynchronous(config: FrameworkConfig) -> None:
+    rollout, staleness = config.rollout, config.algorithm.max_staleness
+    if rollout.enabled:
+        rule = (
+            f"the rollout role generates on ranks of its own; use placement=split (actor and reference | "
+            f"rollout and scorers), standalone or manual, or set rollout.enabled=false "
+            f"(placement={config.placement})"
+        )
+        require(config, "placement", config.placement in ("split", "standalone", "manual"), rule)
+        rule = "the rollout receives the actor's weights from one pipeline; set actor.pp=1 with rollout.enabled"
+        require(config, "actor.pp", config.actor.pp == 1, rule)
+        rule = (
+            "the weight sync sends the trained weights, not LoRA adapters merged into them; set "
+            "actor.lora.rank=0 or rollout.enabled=false"
+        )
+        require(config, "actor.lora.rank", not config.actor.lora.enabled, rule)
+        rule = "multi-turn environments run on the actor's generation only; set rollout.enabled=false with them"
+        require(config, "rollout.environment", rollout.environment is None, rule)
+        rule = "draws extra batches on the actor's devices, synchronously; set it false with rollout.enabled=true"
+        require(config, "algorithm.dynamic_sampling", not config.algorithm.dynamic_sampling, rule)
+    if staleness:
+        rule = f"algorithm.max_staleness={staleness} generates on a rollout role of its own; set rollout.enabled=true"
+        require(config, "rollout.enabled", rollout.enabled, rule)
+        rule = (
+            f"algorithm.max_staleness={staleness} corrects stale samples with pi_old / pi_behaviour, which "
+            f"needs the log-probs recomputed under the current policy; set rollout.recompute_log_probs=true"
+        )
+        require(config, "rollout.recompute_log_probs", rollout.recompute_log_probs, rule)
+    rule = (
+        "a response can only span a weight update when batches are generated ahead; set "
+        "algorithm.max_staleness >= 1 (and rollout.enabled=true), or rollout.partial_rollouts=off"
+    )
+    require(config, "rollout.partial_rollouts", rollout.partial_rollouts == "off" or staleness >= 1, rule)
+
+
+def _check_kv_cache(config: FrameworkConfig) -> None:
+    rollout = config.rollout
+    if not rollout.kv_cache_blocks:
+        return
+    longest = config.data.max_prompt_length + rollout.response_length
+    block_size = rollout.kv_block_size or DEFAULT_KV_BLOCK_SIZE
+    needed = -(-longest // block_size)
+    rule = (
+        f"holds {rollout.kv_cache_blocks * block_size} tokens, fewer than one sequence of "
+        f"data.max_prompt_length + {rollout.response_length_keys} = {longest}; set it to at least {needed} "
+        f"(blocks of {block_size} tokens: rollout.kv_block_size={format_value(rollout.kv_block_size)}) or 0 to "
+        f"size the cache for every request"
+    )
+    require(config, "rollout.kv_cache_blocks", rollout.kv_cache_blocks >= needed, rule)
+
+
+def _check_token_budgets(config: FrameworkConfig) -> None:
+    longest = config.data.max_prompt_length + config.rollout.response_length
+    for name, role in config.enabled_roles().items():
+        budget = role.max_tokens_per_micro_batch
+        rule = (
+            f"must hold the longest row, data.max_prompt_length + {config.rollout.response_length_keys} = {longest}; "
+            f"set it to at least {longest} or null"
+        )
+        require(config, f"{name}.max_tokens_per_micro_batch", budget is None or budget >= longest, rule)
+
+
+def _check_training_batches(config: FrameworkConfig) -> None:
+    rows = config.data.batch_size * config.rollout.n
+    for name in ("actor", "critic"):
+        role = getattr(config, name)
+        if not role.enabled:
+            continue
+        key = f"{name}.mini_batch_size"
+        require(config, key, rows % role.mini_batch_size == 0, f"must divide data.batch_size*rollout.n={rows}")
+        # Every data-parallel rank runs whole micro-batches of each mini-batch.
+        dp = role.dp_size()
+        per_pass = role.micro_batch_size * (dp or 1)
+        unit = f"{name}.micro_batch_size*dp={per_pass}" if dp else f"{name}.micro_batch_size={per_pass}"
+        require(config, key, role.mini_batch_size % per_pass == 0, f"must be a multiple of {unit}")
+        rule = f"must be <= trainer.total_steps={config.trainer.total_steps}"
+        require(config, f"{name}.warmup_steps", role.warmup_steps <= config.trainer.total_steps, rule)
+
+
+def _check_layout(config: FrameworkConfig, name: str, role: RoleConfig) -> None:
+    n_ranks = role.n_ranks
+    if not n_ranks:
+        return  # the pool's size is only known at start
+    require(config, f"{name}.tp", n_ranks % role.tp == 0, f"must divide {name}.n_ranks={n_ranks}")
+    model_parallel = role.pp * role.tp
+    rule = f"{name}.pp*{name}.tp={model_parallel} must divide {name}.n_ranks={n_ranks}"
+    require(config, f"{name}.pp", n_ranks % model_parallel == 0, rule)
+    rule = (
+        f"{name}.pp*{name}.dp*{name}.tp must equal {name}.n_ranks={n_ranks}; "
+        f"set {name}.dp={n_ranks // model_parallel} or 0 to derive it"
+    )
+    require(config, f"{name}.dp", role.dp in (0, n_ranks // model_parallel), rule)

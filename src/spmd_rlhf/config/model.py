@@ -1,0 +1,30 @@
+"""``model``: the policy model and how every model runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd_rlhf.config.choices import (
+    ATTENTION_BACKENDS,
+)
+from spmd_rlhf.config.errors import one_of
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny/model"
+    """Policy model directory in Hugging Face format; the actor and reference load it, the critic starts from it."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; null: model.path."""
+    dtype: str = "float32"
+    """Dtype of forward passes in training and generation: float32, bfloat16 or float16."""
+    attention: str = "auto"
+    """Attention backend: auto (flash when installed, else sdpa), flash, sdpa or torch (plain matmul, runs anywhere)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass of trained roles: less memory, more compute."""
+    compile: bool = False
+    """torch.compile each decoder block (GPU only; ignored on CPU)."""
+
+    def __post_init__(self) -> None:
+        one_of(self, "dtype", ("float32", "bfloat16", "float16"))
+        one_of(self, "attention", ATTENTION_BACKENDS)

@@ -1,0 +1,177 @@
+"""The role sections: every role's layout and batch sizes (``RoleConfig``), a trained role's optimizer and LoRA
+(``TrainableRoleConfig``, ``LoRAConfig``), and a scoring role's rule or model (``ScoringRoleConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spmd_rlhf.config.choices import (
+    LORA_TARGETS,
+)
+from spmd_rlhf.config.errors import at_least, one_of, require
+
+
+@dataclass
+class RoleConfig:
+    enabled: bool = True
+    """Run this role; must match the algorithm (GRPO has no critic, only safe_rlhf has a cost model)."""
+    model_path: str | None = None
+    """Model directory in Hugging Face format; null: model.path (a critic then starts with a fresh value head)."""
+    pool: str | None = None
+    """Resource pool name, with placement=manual only: roles naming the same pool are colocated on its ranks."""
+    n_ranks: int = 0
+    """Ranks (devices) the role spans; 0: all ranks of its pool, known at start from the world size."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages of consecutive layers; the model must not tie its embedding and LM head)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule when pp > 1: 1f1b (less activation memory) or gpipe."""
+    dp: int = 0
+    """Data-parallel (FSDP) degree; 0: derived as n_ranks / (pp * tp)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    micro_batch_size: int = 4
+    """Rows (responses) per forward and backward pass of training on each data-parallel rank."""
+    forward_micro_batch_size: int = 0
+    """Rows per forward-only pass (log-probs, values, scores), which keeps no activations; 0: micro_batch_size."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of one micro-batch on each data-parallel rank, for training and forward-only passes alike (verl's
+    ppo_max_token_len_per_gpu): rows are grouped into as few micro-batches of nearly equal token counts as fit it, so
+    short responses share a pass and long ones get their own; every DP rank runs the same number. Must hold the
+    longest row (data.max_prompt_length + rollout.max_new_tokens). null: micro_batch_size /
+    forward_micro_batch_size rows per micro-batch. Either way a micro-batch is fed as one packed sequence of its
+    rows' real tokens (no padding rows; with pp > 1, a few padding tokens give every micro-batch the same shapes)."""
+    fsdp_unit_mb: float = 32.0
+    """FSDP gathers (and reduce-scatters gradients of) one unit at a time, each at a fixed latency: consecutive decoder
+    layers share a unit until it holds at least this many MiB of this rank's TP shard, so real shapes (a 0.5B layer is
+    about 60 MB in float32) keep one layer per unit, and a model smaller than this is one unit with no per-layer
+    collectives. Gathered memory grows to about this size per unit. 0: one unit per layer."""
+    offload: bool = False
+    """GPU: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy), each block
+    copied to the device for its forward and backward, so colocated roles leave the device to each other."""
+
+    def __post_init__(self) -> None:
+        at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size", "fsdp_unit_mb")
+        at_least(self, 1, "pp", "tp", "micro_batch_size")
+        require(self, "pool", self.pool != "", "must be a name or null")
+        require(self, "pp_schedule", self.pp_schedule in ("1f1b", "gpipe"), "must be 1f1b or gpipe")
+        budget = self.max_tokens_per_micro_batch
+        require(self, "max_tokens_per_micro_batch", budget is None or budget >= 1, "must be >= 1 or null")
+
+    def dp_size(self) -> int | None:
+        """The data-parallel degree: ``dp``, else derived from ``n_ranks``; None while the pool size is unknown."""
+        if self.dp:
+            return self.dp
+        return self.n_ranks // (self.pp * self.tp) if self.n_ranks else None
+
+
+@dataclass
+class LoRAConfig:
+    rank: int | None = None
+    """Rank r of the LoRA adapters (Hu et al. 2021) on the decoder's linear layers: the base weights are frozen and only
+    the adapters (and a critic's value head) train; null or 0: off, the whole model trains."""
+    alpha: float = 16.0
+    """Scaling numerator: an adapter adds (alpha / rank) * B A x to its layer's output (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training (PEFT's lora_dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Which linear layers of every decoder layer get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj, or [all-linear] for all of them."""
+    adapter_path: str | None = None
+    """Start from an existing PEFT adapter directory (adapter_config.json + adapter_model.safetensors) instead of fresh
+    adapters (B = 0); its rank, alpha and target modules must match these keys."""
+
+    def __post_init__(self) -> None:
+        require(self, "rank", self.rank is None or self.rank >= 0, "must be >= 0 or null (0 and null: LoRA off)")
+        require(self, "alpha", self.alpha > 0, "must be > 0")
+        require(self, "dropout", 0 <= self.dropout < 1, "must be in [0, 1)")
+        targets = self.target_modules
+        allowed = targets == ["all-linear"] or (bool(targets) and set(targets) <= set(LORA_TARGETS))
+        require(
+            self, "target_modules", allowed, "must be [all-linear] or a non-empty list of " + ", ".join(LORA_TARGETS)
+        )
+        require(self, "adapter_path", self.adapter_path != "", "must be a PEFT adapter directory or null")
+        require(self, "adapter_path", self.adapter_path is None or self.enabled, "needs rank >= 1 (LoRA on)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rank)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The adapted layers' names, all-linear expanded."""
+        return LORA_TARGETS if self.target_modules == ["all-linear"] else tuple(self.target_modules)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank or 1)
+
+
+@dataclass
+class TrainableRoleConfig(RoleConfig):
+    lr: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW [beta1, beta2]."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Training steps of linear warm-up from 0 to lr."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant, or cosine decay to min_lr_ratio * lr at trainer.total_steps."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine schedule, as a fraction of lr."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this before each optimizer step; null: no clipping."""
+    mini_batch_size: int = 8
+    """Rows (responses) per optimizer step over all data-parallel ranks; must divide data.batch_size * rollout.n."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollout batch, each taking one optimizer step per mini-batch."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (docs/lora.md)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self, "lr", self.lr > 0, "must be > 0")
+        two_betas = len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas)
+        require(self, "betas", two_betas, "must be two numbers in [0, 1)")
+        at_least(self, 0, "weight_decay", "warmup_steps")
+        one_of(self, "lr_schedule", ("constant", "cosine"))
+        require(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        require(self, "grad_clip", self.grad_clip is None or self.grad_clip > 0, "must be > 0 or null")
+        at_least(self, 1, "mini_batch_size", "ppo_epochs")
+
+
+@dataclass
+class ScoringRoleConfig(RoleConfig):
+    kind: str = "rule"
+    """rule: a Python function scores each response; model: the scoring model at model_path does."""
+    rule: str = "auto"
+    """With kind=rule, the function's name in the spmd_rlhf.rewards registry, or path/to/file.py:function (verl's
+    signature); auto: chosen by each row's data_source."""
+    rule_kwargs: dict | None = None
+    """With kind=rule, keyword arguments for every call of the rule (verl's reward_kwargs), e.g. {strict: true,
+    format_score: 0.1} for gsm8k (with rule=auto, every data source's function must take them); null: none."""
+    num_workers: int = 0
+    """With kind=rule, processes per rank that score rows in parallel (started once, reused); 0: score in the rank's
+    own process, where a call cannot be stopped, so timeout_s does not apply."""
+    timeout_s: float | None = 10.0
+    """With kind=rule and num_workers >= 1, seconds one call may run before it is stopped and counts as a timeout;
+    null: no limit."""
+    on_error: str = "zero"
+    """With kind=rule, a call that raises, times out or returns a non-finite number: zero (score 0, logged, counted
+    in the <role>/errors, /timeouts and /non_finite metrics) or abort (stop with an error naming the function, the
+    row's data source and the cause)."""
+    max_failure_fraction: float | None = None
+    """With kind=rule and on_error=zero, a step where more than this fraction of the calls failed stops the run,
+    naming the counts (a reward that never works, e.g. rule=auto on a data_source it does not know, would train on
+    zeros); null: stop only when every call of the step failed; 1.0: never."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        one_of(self, "kind", ("rule", "model"))
+        fraction = self.max_failure_fraction
+        require(self, "max_failure_fraction", fraction is None or 0.0 <= fraction <= 1.0, "must be null or in [0, 1]")
+        require(self, "rule", self.rule != "", "must name a registered function or be auto")
+        at_least(self, 0, "num_workers")
+        require(self, "timeout_s", self.timeout_s is None or self.timeout_s > 0, "must be > 0 or null")
+        one_of(self, "on_error", ("zero", "abort"))
