@@ -91,7 +91,7 @@ def _engine_ablation(model_dir: str, task: str, args) -> dict[str, dict[str, flo
     from spmd_rlhf.data.dataset import read_rows
     from spmd_rlhf.engine import LLMEngine, SamplingParams
     from spmd_rlhf.envs import ChatDelta, ToolEnvironment
-    from spmd_rlhf.envs.rollout import run_multi_turn
+    from spmd_rlhf.envs.multi_turn import run_multi_turn
     from spmd_rlhf.models import load_model
 
     torch.set_num_threads(1)

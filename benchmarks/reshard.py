@@ -52,7 +52,7 @@ from transformers import AutoModelForCausalLM
 
 from spmd_rlhf.collectives import all_gather_flat
 from spmd_rlhf.config import load_config
-from spmd_rlhf.hybrid.memory import PeakMemory
+from spmd_rlhf.metrics.peak_memory import PeakMemory
 from spmd_rlhf.models import DecoderLM, model_from_tensors
 from spmd_rlhf.runtime import Coordinator, ParallelDims, ResourcePool, all_to_all, launch
 from spmd_rlhf.tiny.model import make_tiny

@@ -709,7 +709,7 @@ def test_a_role_model_with_another_tokenizer_of_the_same_size_is_refused(tmp_pat
     from transformers import AutoTokenizer
 
     from spmd_rlhf.config import load_config
-    from spmd_rlhf.models.vocabulary import check_role_vocabularies
+    from spmd_rlhf.controller.vocabularies import check_role_vocabularies
 
     other = tmp_path / "other_tokenizer"
     shutil.copytree(assets / "tiny" / "model", other)

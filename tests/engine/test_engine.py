@@ -7,7 +7,7 @@ import torch
 from hf_fixtures import write_hf_model
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
-from spmd_rlhf.engine import engine as engine_module
+from spmd_rlhf.engine import llm_engine as engine_module
 from spmd_rlhf.models import load_model, log_probs_from_logits
 
 EOS = 2

@@ -9,7 +9,7 @@ import torch
 
 from spmd_rlhf.engine.sampler import _MASK64, derive_seed, filter_logits, row_uniforms, sample
 from spmd_rlhf.engine.sequence import SamplingParams
-from spmd_rlhf.hybrid.memory import PeakMemory
+from spmd_rlhf.metrics.peak_memory import PeakMemory
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 LOGITS = PROBS.log()

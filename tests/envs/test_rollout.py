@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.envs import ChatDelta, Environment, StepResult, TrajectoryDriftError
-from spmd_rlhf.envs.rollout import response_tensors, run_multi_turn
+from spmd_rlhf.envs.multi_turn import response_tensors, run_multi_turn
 from spmd_rlhf.models import load_model, log_probs_from_logits
 from spmd_rlhf.tiny.model import make_tiny, raise_eos_logit
 

@@ -80,7 +80,7 @@ def test_head_outputs_are_what_the_log_prob_path_allocates(trained):
     log-prob and entropy path allocates (tensor storages counted after every op), forward only and with backward."""
     import torch
 
-    from spmd_rlhf.hybrid.memory import PeakMemory
+    from spmd_rlhf.metrics.peak_memory import PeakMemory
     from spmd_rlhf.models.logprob import log_probs_and_entropy_from_logits
 
     shape = dataclasses.replace(NAMED_SHAPES["7b"], hidden=64, vocab=32_000)

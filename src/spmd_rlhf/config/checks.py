@@ -3,19 +3,30 @@ sizes against DP sizes, token budgets, the KV cache, and the switches of asynchr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from spmd_rlhf.config import dataflow
 from spmd_rlhf.config.choices import DEFAULT_KV_BLOCK_SIZE, PLACEMENTS
-from spmd_rlhf.config.dataflow import GROUP_ALGORITHMS, ROLES
+from spmd_rlhf.config.dataflow import GROUP_ALGORITHMS, ROLES, RunSettings
 from spmd_rlhf.config.errors import format_value, one_of, require
-
-if TYPE_CHECKING:
-    from spmd_rlhf.config.framework import FrameworkConfig
-    from spmd_rlhf.config.roles import RoleConfig
+from spmd_rlhf.config.roles import RoleConfig
 
 
-def check_framework(config: FrameworkConfig) -> None:
+class CheckedConfig(RunSettings, Protocol):
+    """What the checks read of a ``FrameworkConfig`` (declared here: the config calls the checks, not the reverse)."""
+
+    placement: str
+    data: Any
+    trainer: Any
+    critic: Any
+    cost_critic: Any
+
+    def enabled_roles(self) -> dict[str, RoleConfig]: ...
+
+    def resource_pools(self) -> dict[str, list[str]]: ...
+
+
+def check_framework(config: CheckedConfig) -> None:
     """The checks across sections, with full dotted keys (``actor.tp=3: must divide actor.n_ranks=8``)."""
     one_of(config, "placement", PLACEMENTS)
     _check_roles_match_algorithm(config)
@@ -44,7 +55,7 @@ def check_framework(config: FrameworkConfig) -> None:
     require(config, "trainer.val_every", config.trainer.val_every == 0 or bool(config.data.val_files), rule)
 
 
-def _check_roles_match_algorithm(config: FrameworkConfig) -> None:
+def _check_roles_match_algorithm(config: CheckedConfig) -> None:
     # An enabled role the algorithm never calls would hold devices for nothing; say so rather than idle.
     flow = dataflow.dataflow_of(config.algorithm.name)
     for role in ROLES:
@@ -54,7 +65,7 @@ def _check_roles_match_algorithm(config: FrameworkConfig) -> None:
         require(config, f"{role}.enabled", getattr(config, role).enabled == used, rule)
 
 
-def _check_pools(config: FrameworkConfig) -> None:
+def _check_pools(config: CheckedConfig) -> None:
     for name, role in config.enabled_roles().items():
         if config.placement == "manual":
             require(config, f"{name}.pool", role.pool is not None, "placement=manual needs a pool for every role")
@@ -72,7 +83,7 @@ def _check_pools(config: FrameworkConfig) -> None:
             require(config, f"{name}.n_ranks", getattr(config, name).n_ranks == first_n_ranks, rule)
 
 
-def _check_asynchronous(config: FrameworkConfig) -> None:
+def _check_asynchronous(config: CheckedConfig) -> None:
     rollout, staleness = config.rollout, config.algorithm.max_staleness
     if rollout.enabled:
         rule = (
@@ -107,7 +118,7 @@ def _check_asynchronous(config: FrameworkConfig) -> None:
     require(config, "rollout.partial_rollouts", rollout.partial_rollouts == "off" or staleness >= 1, rule)
 
 
-def _check_kv_cache(config: FrameworkConfig) -> None:
+def _check_kv_cache(config: CheckedConfig) -> None:
     rollout = config.rollout
     if not rollout.kv_cache_blocks:
         return
@@ -123,7 +134,7 @@ def _check_kv_cache(config: FrameworkConfig) -> None:
     require(config, "rollout.kv_cache_blocks", rollout.kv_cache_blocks >= needed, rule)
 
 
-def _check_token_budgets(config: FrameworkConfig) -> None:
+def _check_token_budgets(config: CheckedConfig) -> None:
     longest = config.data.max_prompt_length + config.rollout.response_length
     for name, role in config.enabled_roles().items():
         budget = role.max_tokens_per_micro_batch
@@ -134,7 +145,7 @@ def _check_token_budgets(config: FrameworkConfig) -> None:
         require(config, f"{name}.max_tokens_per_micro_batch", budget is None or budget >= longest, rule)
 
 
-def _check_training_batches(config: FrameworkConfig) -> None:
+def _check_training_batches(config: CheckedConfig) -> None:
     rows = config.data.batch_size * config.rollout.n
     for name in ("actor", "critic"):
         role = getattr(config, name)
@@ -151,7 +162,7 @@ def _check_training_batches(config: FrameworkConfig) -> None:
         require(config, f"{name}.warmup_steps", role.warmup_steps <= config.trainer.total_steps, rule)
 
 
-def _check_layout(config: FrameworkConfig, name: str, role: RoleConfig) -> None:
+def _check_layout(config: CheckedConfig, name: str, role: RoleConfig) -> None:
     n_ranks = role.n_ranks
     if not n_ranks:
         return  # the pool's size is only known at start

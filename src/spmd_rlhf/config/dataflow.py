@@ -16,10 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from spmd_rlhf.config.framework import FrameworkConfig
+
+class RunSettings(Protocol):
+    """What the dataflow reads of a config: its sections (a ``RunSettings``; declared here so that the dataflow,
+    which the config's checks use, does not import the config back)."""
+
+    algorithm: Any
+    rollout: Any
+    actor: Any
+    reference: Any
+    reward: Any
+    cost: Any
+
 
 STAGES = ("generation", "preparation", "training")
 """The paper's three stages of an RLHF step, run one after another; roles in different pools overlap within one."""
@@ -63,19 +73,19 @@ class Condition:
     """A switch of the config that adds work to a step."""
 
     name: str
-    holds: Callable[[FrameworkConfig], bool]
-    setting: Callable[[FrameworkConfig], str]
+    holds: Callable[[RunSettings], bool]
+    setting: Callable[[RunSettings], str]
     """The key and value that decide it, as a message names them (``algorithm.kl_penalty=reward``)."""
 
 
-def reference_is_actor_base(config: FrameworkConfig) -> bool:
+def reference_is_actor_base(config: RunSettings) -> bool:
     """The actor trains LoRA adapters and no other reference model is named: the reference policy is the actor's
     frozen base with its adapters switched off, so the actor computes the reference log-probs and no reference role
     (no second copy of the model) exists."""
     return config.actor.lora.enabled and config.reference.model_path is None
 
 
-def _kl_setting(config: FrameworkConfig) -> str:
+def _kl_setting(config: RunSettings) -> str:
     setting = f"algorithm.kl_penalty={config.algorithm.kl_penalty}"
     if reference_is_actor_base(config):
         setting += f" with actor.lora.rank={config.actor.lora.rank} (the reference is the actor's base, adapters off)"
@@ -154,21 +164,21 @@ class Dataflow:
             result[role] = {stage: tuple(item.kind for item in active if item.stage == stage) for stage in stages}
         return result
 
-    def roles_of(self, config: FrameworkConfig) -> dict[str, dict[str, tuple[str, ...]]]:
+    def roles_of(self, config: RunSettings) -> dict[str, dict[str, tuple[str, ...]]]:
         """``roles`` with the conditions resolved against ``config``."""
         return self.roles(conditions(config))
 
-    def models_of(self, config: FrameworkConfig) -> dict[str, dict[str, tuple[str, ...]]]:
+    def models_of(self, config: RunSettings) -> dict[str, dict[str, tuple[str, ...]]]:
         """``roles_of`` without the roles that are rules under ``config`` (``reward.kind=rule``): the models."""
         return {role: work for role, work in self.roles_of(config).items() if is_model(role, config)}
 
-    def passes(self, config: FrameworkConfig) -> list[Work]:
+    def passes(self, config: RunSettings) -> list[Work]:
         """The step's model passes under ``config``, in the order the step issues them."""
         return [
             item for item in self.work if (item.when is None or item.when.holds(config)) and is_model(item.role, config)
         ]
 
-    def requirement(self, role: str, config: FrameworkConfig) -> tuple[bool, str]:
+    def requirement(self, role: str, config: RunSettings) -> tuple[bool, str]:
         """Whether the step under ``config`` calls ``role``, and the setting that decides it, as a config error
         names it: ``every algorithm``, ``algorithm.name=grpo`` or a condition's key (``algorithm.kl_penalty=none``)."""
         declared = [item for item in self.work if item.role == role]
@@ -196,12 +206,12 @@ ON_ACTOR = Condition(
 CONDITIONS = (KL_TO_REFERENCE, KL_TO_ACTOR_BASE, RECOMPUTE_LOG_PROBS, ROLLOUT_ROLE, ON_ACTOR)
 
 
-def is_model(role: str, config: FrameworkConfig) -> bool:
+def is_model(role: str, config: RunSettings) -> bool:
     """The role runs a model under ``config`` (a rule reward or cost does not)."""
     return not ROLE_KINDS[role].may_be_rule or getattr(config, role).kind == "model"
 
 
-def conditions(config: FrameworkConfig) -> dict[str, bool]:
+def conditions(config: RunSettings) -> dict[str, bool]:
     """Every condition's name -> whether it holds under ``config``."""
     return {condition.name: condition.holds(config) for condition in CONDITIONS}
 

@@ -38,10 +38,10 @@ from spmd_rlhf.controller.role_handles import (
 )
 from spmd_rlhf.controller.rollout_pipeline import RolloutPipeline
 from spmd_rlhf.controller.run import RecipeRun
+from spmd_rlhf.controller.vocabularies import check_role_vocabularies
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.mapping.role_pools import place_roles
 from spmd_rlhf.metrics.step_metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
-from spmd_rlhf.models.vocabulary import check_role_vocabularies
 from spmd_rlhf.runtime import (
     BatchRef,
     CallFuture,

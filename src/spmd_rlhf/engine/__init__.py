@@ -9,8 +9,8 @@ per-request seeds, log-probs of sampled tokens), ``model_runner`` (cache tensors
 ``engine`` (the loop) and ``partial`` (a generation held across weight updates: partial rollouts).
 """
 
-from spmd_rlhf.engine.engine import GenerationStats, LLMEngine
-from spmd_rlhf.engine.partial import IN_FLIGHT, GenerationRun
+from spmd_rlhf.engine.generation_run import IN_FLIGHT, GenerationRun
+from spmd_rlhf.engine.llm_engine import GenerationStats, LLMEngine
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 
 __all__ = ["IN_FLIGHT", "GenerationRun", "GenerationStats", "LLMEngine", "SamplingParams", "Sequence"]

@@ -2,8 +2,9 @@
 
     spmd-rlhf forward --model tiny/model --prompt "3+4="
 
-Decoding recomputes the whole sequence each step (no KV cache); it exists to show the loading path end to end and
-is replaced as the README's main job by the RL recipes once they land.
+Decoding recomputes the whole sequence each step (no KV cache and no engine): it checks the loading path and the
+model code end to end on any directory, with nothing else of the framework involved. Generation for training runs in
+the engine (``spmd_rlhf.engine``).
 """
 
 from __future__ import annotations

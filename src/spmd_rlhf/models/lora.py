@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.shard_pieces import local_piece
+from spmd_rlhf.models.tp_plan import DECODER_LAYER_PLAN
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a base model's parameter name in adapter_model.safetensors."""
@@ -56,8 +57,6 @@ def is_adapter(name: str) -> bool:
 
 def layer_splits() -> dict[str, str]:
     """Adaptable layer name -> ``column`` or ``row``, read from the TP plan (one fact, one place)."""
-    from spmd_rlhf.models.parallelize import DECODER_LAYER_PLAN
-
     return {
         key.rsplit(".", 1)[1]: "column" if isinstance(style, ColwiseParallel) else "row"
         for key, style in DECODER_LAYER_PLAN.items()

@@ -27,17 +27,7 @@ from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
 from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary
-
-DECODER_LAYER_PLAN: dict[str, ParallelStyle] = {
-    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-    "model.layers.*.mlp.up_proj": ColwiseParallel(),
-    "model.layers.*.mlp.down_proj": RowwiseParallel(),
-}
-"""The linear layers of every decoder layer and their TP split (LoRA adapters split the same way, ``models.lora``)."""
+from spmd_rlhf.models.tp_plan import DECODER_LAYER_PLAN
 
 
 def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, ParallelStyle]:

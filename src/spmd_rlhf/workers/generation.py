@@ -22,7 +22,7 @@ from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.envs import ChatDelta, environment_factory
-from spmd_rlhf.envs.rollout import response_tensors, run_multi_turn
+from spmd_rlhf.envs.multi_turn import response_tensors, run_multi_turn
 from spmd_rlhf.runtime.device import check_thread
 from spmd_rlhf.training.reducer import DPReducer
 

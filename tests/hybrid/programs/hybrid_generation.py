@@ -15,7 +15,7 @@ import torch
 
 from spmd_rlhf.config import load_config
 from spmd_rlhf.data import Batch
-from spmd_rlhf.hybrid.memory import PeakMemory
+from spmd_rlhf.metrics.peak_memory import PeakMemory
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.runtime import ParallelDims, ResourcePool, all_to_all, launch
 from spmd_rlhf.workers import ActorWorker

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from spmd_rlhf.hybrid.memory import PeakMemory
+from spmd_rlhf.metrics.peak_memory import PeakMemory
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.pipeline import split_stage

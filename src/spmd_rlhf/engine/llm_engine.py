@@ -28,8 +28,8 @@ import torch
 from spmd_rlhf.engine.agreement import agree_minimum, schedule_groups
 from spmd_rlhf.engine.block_manager import BlockManager
 from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_supported
+from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
-from spmd_rlhf.engine.partial import GenerationRun
 from spmd_rlhf.engine.sampler import derive_seed, sample
 from spmd_rlhf.engine.scheduler import Scheduler
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
