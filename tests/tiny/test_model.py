@@ -123,8 +123,18 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_make_tiny_and_make_task(tmp_path):
     model_dir = tmp_path / "model"
     _run_cli(
-        "make-tiny", "--family", "mistral", "--out", str(model_dir), "--hidden", "32", "--layers", "1",
-        "--tokenizer-tasks", "arithmetic", "tool_products",
+        "make-tiny",
+        "--family",
+        "mistral",
+        "--out",
+        str(model_dir),
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--tokenizer-tasks",
+        "arithmetic",
+        "tool_products",
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert type(model).__name__ == "MistralForCausalLM"

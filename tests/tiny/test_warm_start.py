@@ -24,8 +24,13 @@ def product_tool() -> dict[str, Tool]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    return make_tiny(family="llama", out_dir=str(tmp_path_factory.mktemp("model")), hidden_size=32, num_layers=1,
-                     tokenizer_tasks=("arithmetic", "tool_products"))
+    return make_tiny(
+        family="llama",
+        out_dir=str(tmp_path_factory.mktemp("model")),
+        hidden_size=32,
+        num_layers=1,
+        tokenizer_tasks=("arithmetic", "tool_products"),
+    )
 
 
 def test_demonstration_tokens_mask_exactly_the_assistant_turns(tiny):

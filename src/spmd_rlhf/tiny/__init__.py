@@ -16,7 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..config_schema import FrameworkConfig
+    from spmd_rlhf.config import FrameworkConfig
 
 TINY_MODEL_DIR = "tiny/model"
 TINY_TASK_DIR = "tiny/task"
@@ -25,10 +25,10 @@ TINY_TASK_DIR = "tiny/task"
 def ensure_tiny_assets(config: FrameworkConfig) -> None:
     """Build the tiny model and task at their default paths on first use (no network needed)."""
     if config.model.path == TINY_MODEL_DIR and not os.path.isdir(TINY_MODEL_DIR):
-        from .model import make_tiny
+        from spmd_rlhf.tiny.model import make_tiny
 
         make_tiny(family="qwen2", out_dir=TINY_MODEL_DIR)
     if any(path.startswith(TINY_TASK_DIR + "/") and not os.path.exists(path) for path in config.data.train_files):
-        from .task import make_task
+        from spmd_rlhf.tiny.task import make_task
 
         make_task(task="arithmetic", out_dir=TINY_TASK_DIR)

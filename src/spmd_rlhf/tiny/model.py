@@ -5,8 +5,8 @@
 
 The directory holds what a real checkpoint does (config.json, model.safetensors, tokenizer files, chat template and,
 for LM heads, generation_config.json), so every loader in the package can be tested against it and against
-`transformers` itself. The tokenizer is trained on the arithmetic task's text (and optionally the tool task's), so the model can learn that
-task with RL.
+`transformers` itself. The tokenizer is trained on the arithmetic task's text (and optionally the tool task's), so
+the model can learn that task with RL.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from .task import task_corpus
-from .tokenizer import train_tokenizer
+from spmd_rlhf.tiny.task import task_corpus
+from spmd_rlhf.tiny.tokenizer import train_tokenizer
 
 HEADS = ("lm", "score")
 
@@ -92,7 +92,8 @@ def make_tiny(
     tokenizer = train_tokenizer(corpus + _GENERIC_TEXT, vocab_size=vocab_size)
     if model_vocab_size is not None and model_vocab_size < len(tokenizer):
         raise ValueError(
-            f"model_vocab_size={model_vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; give at least "
+            f"model_vocab_size={model_vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; "
+            f"give at least "
             f"{len(tokenizer)} or leave it out"
         )
     config_class, family_fields = _FAMILIES[family]
@@ -141,7 +142,7 @@ def raise_eos_logit(model_dir: str, *, scale: float = 10.0) -> None:
     almost never. Multi-turn tests and benchmarks need turns that end, as a trained model's do."""
     from safetensors.torch import load_file, save_file
 
-    from ..models import load_model
+    from spmd_rlhf.models import load_model
 
     model = load_model(model_dir, head="lm", dtype=torch.float32, attention_backend="torch")
     if model.args.tie_word_embeddings:

@@ -62,14 +62,20 @@ def _arithmetic_row(a: int, b: int, *, split: str, index: int) -> dict:
 
 
 def _tool_products_row(a: int, b: int, *, split: str, index: int) -> dict:
-    from ..envs.sandbox import sandboxed_tool
+    from spmd_rlhf.envs.sandbox import sandboxed_tool
 
     return {
         "data_source": "synthetic/tool_products",
         "prompt": [{"role": "user", "content": f"{a}*{b}="}],
         "ability": "arithmetic",
         "reward_model": {"style": "rule", "ground_truth": str(a * b)},
-        "extra_info": {"split": split, "index": index, "a": a, "b": b, "tools": [sandboxed_tool("calculator").schema()]},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "a": a,
+            "b": b,
+            "tools": [sandboxed_tool("calculator").schema()],
+        },
     }
 
 
@@ -135,7 +141,7 @@ def task_corpus(task: str) -> list[str]:
 
 
 def _calculator_call(a: int, b: int) -> str:
-    from ..envs.tools import format_tool_call
+    from spmd_rlhf.envs.tools import format_tool_call
 
     return format_tool_call("calculator", {"expression": f"{a}*{b}"})
 

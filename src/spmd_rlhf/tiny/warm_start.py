@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..data.dataset import encode_prompt, normalize_prompt
-from ..envs.base import Environment
-from ..envs.chat_delta import ChatDelta
-from ..envs.tool_env import ToolEnvironment
-from .model import make_tiny
-from .task import TOOL_DEMONSTRATION_KINDS, make_rows, tool_products_demonstration
+from spmd_rlhf.data.dataset import encode_prompt, normalize_prompt
+from spmd_rlhf.envs.base import Environment
+from spmd_rlhf.envs.chat_delta import ChatDelta
+from spmd_rlhf.envs.tool_env import ToolEnvironment
+from spmd_rlhf.tiny.model import make_tiny
+from spmd_rlhf.tiny.task import TOOL_DEMONSTRATION_KINDS, make_rows, tool_products_demonstration
 
 
 def demonstration_tokens(
@@ -61,8 +61,13 @@ def demonstration_tokens(
 
 
 def warm_start(
-    model_dir: str, demonstrations: list[tuple[list[int], list[int]]], *, steps: int, batch_size: int = 32,
-    lr: float = 3e-3, seed: int = 0,
+    model_dir: str,
+    demonstrations: list[tuple[list[int], list[int]]],
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
 ) -> list[float]:
     """Fit the causal LM at ``model_dir`` to ``demonstrations`` ((token ids, loss mask) pairs) for ``steps`` AdamW
     steps of ``batch_size`` rows drawn with a generator seeded by ``seed``; save it back in place. Returns each step's
@@ -105,7 +110,10 @@ def make_tool_products_policy(out_dir: str, *, demonstrations: int = 192, steps:
     kinds = TOOL_DEMONSTRATION_KINDS * len(rows)
     laid_out = [
         demonstration_tokens(
-            tokenizer, delta, row, tool_products_demonstration(row, kind=kind, guess=rng.randint(100, 9801)),
+            tokenizer,
+            delta,
+            row,
+            tool_products_demonstration(row, kind=kind, guess=rng.randint(100, 9801)),
             environment,
         )
         for row, kind in zip(rows, kinds)

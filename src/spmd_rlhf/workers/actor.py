@@ -31,12 +31,12 @@ from spmd_rlhf.training.packing import MicroBatch
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.training.trainer import Trainer
 from spmd_rlhf.workers.advantages import old_log_probs, rollout_advantages
-from spmd_rlhf.workers.base import RoleWorker, union_all
+from spmd_rlhf.workers.base import TrainedRoleWorker, union_all
 from spmd_rlhf.workers.generation import Generator
 from spmd_rlhf.workers.rollout import sync_sides, weight_sync_groups
 
 
-class ActorWorker(RoleWorker):
+class ActorWorker(TrainedRoleWorker):
     """The policy: a ``ShardedModel`` with an LM head, its ``Trainer``, and the ``HybridEngine`` that generates
     with the same weights in the generation layout."""
 
@@ -307,22 +307,3 @@ class ActorWorker(RoleWorker):
         data = union_all(parts)
         staleness = {} if policy_version is None else self._staleness_metrics(data, policy_version)
         return {**self.trainer.update(data, loss, method="update_actor", prefix="actor"), **staleness}
-
-    # ---- checkpoints and the Hugging Face copy -----------------------------------------------------------------
-
-    @one_to_all
-    def save_checkpoint(self, checkpoint_dir: str) -> None:
-        """Sharded training state (weights, optimizer, LR schedule, RNG) for an exact resume, plus the model config
-        and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from it alone."""
-        self.trainer.save(checkpoint_dir)
-
-    @one_to_all
-    def load_checkpoint(self, checkpoint_dir: str) -> None:
-        """Restore what ``save_checkpoint`` wrote, whatever the DP size that wrote it."""
-        self.trainer.load(checkpoint_dir)
-
-    @one_to_all
-    def save_pretrained(self, out_dir: str) -> str:
-        """The current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default ``model.dtype``),
-        streamed from the shards (``ShardedModel.save_pretrained``); returns ``out_dir``."""
-        return self.model.save_pretrained(out_dir)

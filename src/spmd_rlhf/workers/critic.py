@@ -11,17 +11,17 @@ import torch
 from spmd_rlhf.algos import Denominators, masked_mean, value_loss
 from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
-from spmd_rlhf.runtime import RoleContext, data_parallel, one_to_all
+from spmd_rlhf.runtime import RoleContext, data_parallel
 from spmd_rlhf.training.packing import MicroBatch
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.training.trainer import Trainer
-from spmd_rlhf.workers.base import RoleWorker, union_all
+from spmd_rlhf.workers.base import TrainedRoleWorker, union_all
 
 CRITIC_ROLES = {"critic": "", "cost_critic": "cost_"}
 """Critic role -> prefix of the batch keys it reads and writes."""
 
 
-class CriticWorker(RoleWorker):
+class CriticWorker(TrainedRoleWorker):
     """A value model: a ``ShardedModel`` with a value head and its ``Trainer``."""
 
     def __init__(self, context: RoleContext, config: FrameworkConfig, *, role: str = "critic") -> None:
@@ -75,22 +75,3 @@ class CriticWorker(RoleWorker):
         """Epochs of clipped value-loss steps over the rows of ``parts`` (together: the rollout, ``values`` from
         before the update and ``returns``, or their ``cost_`` versions)."""
         return self.trainer.update(union_all(parts), self._value_loss, method="update_critic", prefix=self.role)
-
-    # ---- checkpoints and the Hugging Face copy -----------------------------------------------------------------
-
-    @one_to_all
-    def save_checkpoint(self, checkpoint_dir: str) -> None:
-        """Sharded training state (weights, optimizer, LR schedule, RNG) for an exact resume, plus the model config
-        and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from it alone."""
-        self.trainer.save(checkpoint_dir)
-
-    @one_to_all
-    def load_checkpoint(self, checkpoint_dir: str) -> None:
-        """Restore what ``save_checkpoint`` wrote, whatever the DP size that wrote it."""
-        self.trainer.load(checkpoint_dir)
-
-    @one_to_all
-    def save_pretrained(self, out_dir: str) -> str:
-        """The current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default ``model.dtype``),
-        streamed from the shards (``ShardedModel.save_pretrained``); returns ``out_dir``."""
-        return self.model.save_pretrained(out_dir)
