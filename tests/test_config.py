@@ -17,6 +17,7 @@ from spmd_rlhf.config import (
     field_docs,
     load_config,
     to_yaml,
+    with_overrides,
 )
 from spmd_rlhf.config.loader import _attribute_docs
 
@@ -152,11 +153,15 @@ BAD_COMBINATIONS = [
     (["placement=manual"], "actor.pool=null", "placement=manual needs a pool"),
     (["actor.pool=gpu0"], "actor.pool=gpu0", "only used with placement=manual"),
     (["rollout.tp=2"], "rollout.tp=2", "must divide actor.tp=1"),
-    (["algorithm.name=grpo"], "critic.enabled=true", "never calls the critic; set critic.enabled=false"),
-    (["algorithm.name=grpo", "critic.enabled=false"], "rollout.n=1", "needs >= 2 responses per prompt"),
-    (["algorithm.name=safe_rlhf"], "cost.enabled=false", "needs the cost; set cost.enabled=true"),
     (
-        ["algorithm.name=safe_rlhf", "cost.enabled=true", "cost_critic.enabled=true"],
+        ["algorithm.name=grpo", "critic.enabled=true"],
+        "critic.enabled=true",
+        "never calls the critic; set critic.enabled=false",
+    ),
+    (["algorithm.name=grpo", "critic.enabled=false"], "rollout.n=1", "needs >= 2 responses per prompt"),
+    (["algorithm.name=safe_rlhf", "cost.enabled=false"], "cost.enabled=false", "needs the cost; set cost.enabled=true"),
+    (
+        ["algorithm.name=safe_rlhf"],
         "cost.model_path=null",
         "cost.kind=model needs",
     ),
@@ -241,7 +246,7 @@ def test_field_docs_cover_every_leaf_with_docstring_and_default() -> None:
     assert all(docstring for _, docstring in docs.values()), [key for key, (_, doc) in docs.items() if not doc]
     assert docs["trainer.total_steps"] == ("20", "Training steps to run, each one rollout batch and its updates.")
     assert docs["critic.lr"][0] == "0.0001"  # per-role default from the section's factory
-    assert docs["cost.enabled"][0] == "false"
+    assert docs["cost.enabled"][0] == "null"  # derived from the algorithm, so left null
     assert docs["model.tokenizer_path"][0] == "null"
     assert docs["actor.tp"][1] == "Tensor-parallel degree."  # inherited fields find their base class's docstring
 
@@ -365,7 +370,6 @@ def test_cli_lists_every_key_with_default_and_doc() -> None:
 
 
 def test_overrides_apply_to_a_built_config_and_are_validated():
-    from spmd_rlhf.config import with_overrides
 
     config = load_config(None, ["actor.lr=0.5"])
     changed = with_overrides(config, ["actor.tp=2", "rollout.n=4"])
@@ -379,14 +383,13 @@ def test_lora_actor_serves_the_reference_from_its_base():
     from spmd_rlhf.config import load_config
     from spmd_rlhf.config.dataflow import GRPO, conditions
 
+    lora = ["algorithm.name=grpo", "rollout.n=2", "actor.lora.rank=8"]
     with pytest.raises(
         ConfigError, match=r"reference\.enabled=true: .*actor\.lora\.rank=8 .* set reference\.enabled=false"
     ):
-        load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8"])
-    config = load_config(
-        None,
-        ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", "actor.lora.rank=8", "reference.enabled=false"],
-    )
+        load_config(None, [*lora, "reference.enabled=true"])
+    config = load_config(None, lora)  # the reference role is derived away: the actor's base serves it
+    assert config.reference.enabled is False and "reference.enabled" in config.derived
     assert conditions(config) == {
         "kl_to_reference": False,
         "kl_to_actor_base": True,
@@ -416,3 +419,37 @@ def test_environment_choices_are_the_registry():
     from spmd_rlhf.envs import ENVIRONMENTS as REGISTRY
 
     assert ENVIRONMENTS == tuple(REGISTRY)
+
+
+def test_one_key_turns_on_asynchronous_rl_and_the_rest_is_derived(tmp_path):
+    """algorithm.max_staleness=1 alone: the rollout role, recomputed log-probs and a split placement follow; a key
+    set against them is refused, and with_overrides derives them again from the new values."""
+    grpo = REPO / "recipes" / "configs" / "grpo.yaml"
+    config = load_config(grpo, ["algorithm.max_staleness=1"])
+    assert (config.rollout.enabled, config.rollout.recompute_log_probs, config.placement) == (True, True, "split")
+    assert config.derived["rollout.enabled"] == (True, "algorithm.max_staleness=1")
+    with pytest.raises(ConfigError, match="rollout.recompute_log_probs=false: algorithm.max_staleness=1"):
+        load_config(grpo, ["algorithm.max_staleness=1", "rollout.recompute_log_probs=false"])
+    synchronous = load_config(grpo, [])
+    assert (synchronous.rollout.enabled, synchronous.placement) == (False, "colocate")
+    again = with_overrides(synchronous, ["algorithm.max_staleness=1"])
+    assert (again.rollout.enabled, again.placement) == (True, "split")
+    assert load_config(None, [*GRPO, "actor.lora.rank=8"]).derived["reference.enabled"][0] is False
+    shown = subprocess.run(
+        [sys.executable, "-m", "spmd_rlhf.cli", "config", "--show", str(grpo), "algorithm.max_staleness=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "# derived: rollout.enabled=true (algorithm.max_staleness=1)" in shown.stdout, shown.stderr
+
+
+def test_every_independent_problem_is_named_in_one_error():
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["algorithm.name=grpo", "critic.enabled=true", "cost_critic.enabled=true"])
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("critic.enabled=true: ") and "; also cost_critic.enabled=true: " in message
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [*GRPO, "rollout.n=1", "trainer.val_every=5"])
+    assert "rollout.n=1: " in str(caught.value) and "; also trainer.val_every=5: " in str(caught.value)

@@ -49,8 +49,9 @@ def test_conditions_switch_work_on_and_off():
     assert roles["reference"] == {"preparation": ("forward",)}
     config = load_config(RECIPES / "configs" / "grpo.yaml", ["algorithm.kl_penalty=none", "reference.enabled=false"])
     assert "reference" not in dataflow.GRPO.roles_of(config)
+    assert not load_config(RECIPES / "configs" / "grpo.yaml", ["algorithm.kl_penalty=none"]).reference.enabled
     with pytest.raises(ConfigError, match="algorithm.kl_penalty=none never calls the reference"):
-        load_config(RECIPES / "configs" / "grpo.yaml", ["algorithm.kl_penalty=none"])
+        load_config(RECIPES / "configs" / "grpo.yaml", ["algorithm.kl_penalty=none", "reference.enabled=true"])
     shape = NAMED_SHAPES["7b"]
     actor = model_roles("ppo", actor=shape, critic=shape, recompute_log_probs=True)[0]
     assert actor.work["preparation"] == ("forward",)

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"wrote {path}" for path in paths))
         return 0
     if args.command == "config":
-        from spmd_rlhf.config import ConfigError, config_reference, load_config, to_yaml
+        from spmd_rlhf.config import ConfigError, config_reference, format_value, load_config, to_yaml
 
         if args.keys:
             print(config_reference(markdown=args.markdown), end="")
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as error:
             print(f"config error: {error}", file=sys.stderr)
             return 2
+        for key, (value, why) in config.derived.items():
+            print(f"# derived: {key}={format_value(value)} ({why})")
         print(to_yaml(config), end="")
         return 0
     if args.command == "forward":

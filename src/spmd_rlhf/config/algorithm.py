@@ -71,7 +71,7 @@ class AlgorithmConfig:
     max_staleness: int = 0
     """Asynchronous RL: how many policy updates a step's samples may lag the policy they train (k). 0: every step
     trains on samples of its own weights (synchronous); 1: one-step-off (the next batch is generated while this one
-    trains); k: a k-deep pipeline. k > 0 needs rollout.enabled and rollout.recompute_log_probs."""
+    trains); k: a k-deep pipeline. k > 0 turns on rollout.enabled and rollout.recompute_log_probs (left null)."""
     off_policy_correction: str = "truncated"
     """With max_staleness > 0, the importance weight w = pi_old / pi_behaviour (recomputed over engine log-probs) of
     each token: truncated (min(w, importance_cap)) or masked (tokens with w > importance_cap leave the loss)."""

@@ -3,12 +3,13 @@ sizes against DP sizes, token budgets, the KV cache, and the switches of asynchr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from spmd_rlhf.config import dataflow
 from spmd_rlhf.config.choices import DEFAULT_KV_BLOCK_SIZE, PLACEMENTS
 from spmd_rlhf.config.dataflow import GROUP_ALGORITHMS, ROLES, RunSettings
-from spmd_rlhf.config.errors import format_value, one_of, require
+from spmd_rlhf.config.errors import ConfigError, format_value, one_of, require
 from spmd_rlhf.config.roles import RoleConfig
 
 
@@ -27,14 +28,52 @@ class CheckedConfig(RunSettings, Protocol):
 
 
 def check_framework(config: CheckedConfig) -> None:
-    """The checks across sections, with full dotted keys (``actor.tp=3: must divide actor.n_ranks=8``)."""
-    one_of(config, "placement", PLACEMENTS)
-    _check_roles_match_algorithm(config)
-    for name, role in config.enabled_roles().items():
-        _check_layout(config, name, role)
-    _check_pools(config)
-    require(config, "rollout.tp", config.actor.tp % config.rollout.tp == 0, f"must divide actor.tp={config.actor.tp}")
-    _check_kv_cache(config)
+    """The checks across sections, with full dotted keys (``actor.tp=3: must divide actor.n_ranks=8``). Every check
+    runs, so one ``ConfigError`` line names every problem at once (``a=..: ...; also b=..: ...``); the layout checks
+    run only once the roles and the placement are right, and the rest once the layouts are, since they read them."""
+    problems: list[str] = []
+
+    def check(function: Callable[..., None], *args: Any) -> None:
+        try:
+            function(*args)
+        except ConfigError as error:
+            problems.append(str(error))
+        except Exception:
+            if not problems:
+                raise
+            # A check that assumed an earlier one passed; the earlier problems are the ones to report.
+
+    check(one_of, config, "placement", PLACEMENTS)
+    for role in ROLES:
+        check(_check_role_matches_algorithm, config, role)
+    if not problems:
+        for name, role in config.enabled_roles().items():
+            check(_check_layout, config, name, role)
+        check(_check_pools, config)
+    if problems:
+        _raise(problems)  # what follows reads the roles and their layouts
+    tp_rule = f"must divide actor.tp={config.actor.tp}"
+    check(require, config, "rollout.tp", config.actor.tp % config.rollout.tp == 0, tp_rule)
+    for function in (
+        _check_kv_cache,
+        _check_group_baseline,
+        _check_training_batches,
+        _check_token_budgets,
+        _check_asynchronous,
+        _check_scoring_models,
+    ):
+        check(function, config)
+    rule = "needs data.val_files; list validation files or set trainer.val_every=0"
+    check(require, config, "trainer.val_every", config.trainer.val_every == 0 or bool(config.data.val_files), rule)
+    if problems:
+        _raise(problems)
+
+
+def _raise(problems: list[str]) -> None:
+    raise ConfigError("; also ".join(problems))
+
+
+def _check_group_baseline(config: CheckedConfig) -> None:
     if config.algorithm.name in GROUP_ALGORITHMS:
         rule = f"algorithm.name={config.algorithm.name} needs >= 2 responses per prompt for its group baseline"
         require(config, "rollout.n", config.rollout.n >= 2, rule)
@@ -43,26 +82,22 @@ def check_framework(config: CheckedConfig) -> None:
             f"decoding makes them all the same (every advantage 0); set a sampling temperature > 0, e.g. 1.0"
         )
         require(config, "rollout.temperature", config.rollout.temperature > 0, rule)
-    _check_training_batches(config)
-    _check_token_budgets(config)
-    _check_asynchronous(config)
+
+
+def _check_scoring_models(config: CheckedConfig) -> None:
     for name in ("reward", "cost"):
         role = getattr(config, name)
         if role.enabled and role.kind == "model":
             rule = f"{name}.kind=model needs the directory of a trained {name} model"
             require(config, f"{name}.model_path", role.model_path is not None, rule)
-    rule = "needs data.val_files; list validation files or set trainer.val_every=0"
-    require(config, "trainer.val_every", config.trainer.val_every == 0 or bool(config.data.val_files), rule)
 
 
-def _check_roles_match_algorithm(config: CheckedConfig) -> None:
+def _check_role_matches_algorithm(config: CheckedConfig, role: str) -> None:
     # An enabled role the algorithm never calls would hold devices for nothing; say so rather than idle.
-    flow = dataflow.dataflow_of(config.algorithm.name)
-    for role in ROLES:
-        used, by = flow.requirement(role, config)
-        verb = "needs" if used else "never calls"
-        rule = f"{by} {verb} the {role}; set {role}.enabled={format_value(used)}"
-        require(config, f"{role}.enabled", getattr(config, role).enabled == used, rule)
+    used, by = dataflow.dataflow_of(config.algorithm.name).requirement(role, config)
+    verb = "needs" if used else "never calls"
+    rule = f"{by} {verb} the {role}; set {role}.enabled={format_value(used)} or leave it out (null derives it)"
+    require(config, f"{role}.enabled", getattr(config, role).enabled == used, rule)
 
 
 def _check_pools(config: CheckedConfig) -> None:
@@ -85,6 +120,8 @@ def _check_pools(config: CheckedConfig) -> None:
 
 def _check_asynchronous(config: CheckedConfig) -> None:
     rollout, staleness = config.rollout, config.algorithm.max_staleness
+    rule = "needs rollout.enabled=true (it sends the actor's weights to a rollout role)"
+    require(config, "rollout.background_sync", rollout.enabled or not rollout.background_sync, rule)
     if rollout.enabled:
         rule = (
             f"the rollout role generates on ranks of its own; use placement=split (actor and reference | "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from spmd_rlhf.config.algorithm import AlgorithmConfig
 from spmd_rlhf.config.checks import check_framework
 from spmd_rlhf.config.dataflow import ROLE_KINDS, ROLES
+from spmd_rlhf.config.derive import derive
 from spmd_rlhf.config.model import ModelConfig
 from spmd_rlhf.config.roles import RoleConfig, ScoringRoleConfig, TrainableRoleConfig
 from spmd_rlhf.config.rollout import RolloutConfig
@@ -24,9 +25,10 @@ class FrameworkConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Response generation: sampling and the engine; with rollout.enabled, the rollout role that generates on ranks
     of its own (asynchronous RL)."""
-    placement: str = "colocate"
+    placement: str | None = None
     """Roles on devices: colocate (one pool), split (actor+reference | rest, a rollout role included), standalone,
-    manual (by pool), or auto (the device mapper picks the pools and every role's pp/tp and rollout.tp; see mapping)."""
+    manual (by pool), or auto (the device mapper picks the pools and every role's pp/tp and rollout.tp; see mapping).
+    null: split with a rollout role (rollout.enabled), else colocate."""
     mapping: MappingConfig = field(default_factory=MappingConfig)
     """How placement=auto models the devices."""
     actor: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)
@@ -37,14 +39,16 @@ class FrameworkConfig:
     """Frozen copy of the initial policy for the KL term."""
     reward: ScoringRoleConfig = field(default_factory=ScoringRoleConfig)
     """Scores each response: a rule function or a reward model."""
-    cost: ScoringRoleConfig = field(default_factory=lambda: ScoringRoleConfig(enabled=False, kind="model"))
+    cost: ScoringRoleConfig = field(default_factory=lambda: ScoringRoleConfig(kind="model"))
     """Safe-RLHF cost model: scores how harmful each response is (safe_rlhf only)."""
-    cost_critic: TrainableRoleConfig = field(default_factory=lambda: TrainableRoleConfig(enabled=False, lr=1e-4))
+    cost_critic: TrainableRoleConfig = field(default_factory=lambda: TrainableRoleConfig(lr=1e-4))
     """Safe-RLHF cost value model, trained on the cost returns beside the reward critic (safe_rlhf only)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Step count, checkpoints, logging and the run's directory."""
 
     def __post_init__(self) -> None:
+        self.derived = derive(self)
+        """Key -> (value, why) for every key left null whose value followed from the others (``config.derive``)."""
         check_framework(self)
 
     def enabled_roles(self) -> dict[str, RoleConfig]:

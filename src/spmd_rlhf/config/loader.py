@@ -40,8 +40,12 @@ def load_config(
 
 
 def with_overrides(config: ConfigT, overrides: list[str]) -> ConfigT:
-    """``config`` with ``key=value`` overrides applied, validated as ``load_config`` validates a file."""
-    return _merge(type(config), [OmegaConf.structured(config)] + [_parse_override(item) for item in overrides])
+    """``config`` with ``key=value`` overrides applied, validated as ``load_config`` validates a file; the keys
+    ``config`` derived are derived again."""
+    base = OmegaConf.structured(config)
+    for key in getattr(config, "derived", {}):
+        OmegaConf.update(base, key, None)  # derived again from the overridden values
+    return _merge(type(config), [base] + [_parse_override(item) for item in overrides])
 
 
 def _merge(schema: type[ConfigT], sources: list[DictConfig]) -> ConfigT:
@@ -62,8 +66,13 @@ def to_yaml(config: object) -> str:
 
 
 def field_docs(schema: type = FrameworkConfig) -> dict[str, tuple[str, str]]:
-    """Every leaf key of ``schema``, dotted, -> (its default as written in YAML, its docstring), in schema order."""
-    return dict(_leaf_docs(schema(), ""))
+    """Every leaf key of ``schema``, dotted, -> (its default as written in YAML, its docstring), in schema order; a
+    derived key's default is null (what a config leaves it), not the value the defaults derive."""
+    defaults = schema()
+    for key in getattr(defaults, "derived", {}):
+        *sections, name = key.split(".")
+        setattr(functools.reduce(getattr, sections, defaults), name, None)
+    return dict(_leaf_docs(defaults, ""))
 
 
 def config_reference(*, markdown: bool = False) -> str:

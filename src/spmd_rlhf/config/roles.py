@@ -13,8 +13,9 @@ from spmd_rlhf.config.errors import at_least, one_of, require
 
 @dataclass
 class RoleConfig:
-    enabled: bool = True
-    """Run this role; must match the algorithm (GRPO has no critic, only safe_rlhf has a cost model)."""
+    enabled: bool | None = None
+    """Run this role; null: when the algorithm's step calls it (GRPO has no critic, only safe_rlhf has a cost model,
+    LoRA with no reference model_path makes the actor's base the reference); true or false must agree with that."""
     model_path: str | None = None
     """Model directory in Hugging Face format; null: model.path (a critic then starts with a fresh value head)."""
     pool: str | None = None

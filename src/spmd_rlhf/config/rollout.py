@@ -57,13 +57,15 @@ class RolloutConfig:
     max_response_tokens: int | None = None
     """With an environment: most tokens per trajectory after the prompt, generated and observation tokens together
     (the width of the response rows); null: max_turns x max_new_tokens."""
-    recompute_log_probs: bool = False
+    recompute_log_probs: bool | None = None
     """Recompute the rollouts' log-probs with a training forward pass; false uses the engine's, which are the same
-    numbers (same model code; equal within 1e-6 in float32) and saves that pass."""
-    enabled: bool = False
+    numbers (same model code; equal within 1e-6 in float32) and saves that pass. null: true exactly when
+    algorithm.max_staleness >= 1 (its correction needs the log-probs under the current policy)."""
+    enabled: bool | None = None
     """Generate on a rollout role of its own (generation-only replicas on their own ranks, fed the actor's weights
     by a mesh-to-mesh sync) instead of on the actor's devices; needs placement split, standalone or manual, and is
-    what algorithm.max_staleness > 0 runs on. false: the actor generates (the synchronous HybridEngine path)."""
+    what algorithm.max_staleness > 0 runs on. false: the actor generates (the synchronous HybridEngine path). null:
+    true exactly when algorithm.max_staleness >= 1."""
     pool: str | None = None
     """With enabled and placement=manual: the rollout role's resource pool."""
     n_ranks: int = 0
@@ -120,12 +122,6 @@ class RolloutConfig:
         at_least(self, 0, "n_ranks")
         require(self, "pool", self.pool != "", "must be a name or null")
         require(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "must be > 0")
-        require(
-            self,
-            "background_sync",
-            self.enabled or not self.background_sync,
-            "needs rollout.enabled=true (it sends the actor's weights to a rollout role)",
-        )
         one_of(self, "partial_rollouts", PARTIAL_ROLLOUTS)
         at_least(self, 1, "partial_segment_tokens")
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 from spmd_rlhf.config import ConfigError, config_reference, load_config
+from spmd_rlhf.config.derive import describe_derived
 from spmd_rlhf.controller.dry_run import describe
 from spmd_rlhf.controller.recipe import RLRecipe
 from spmd_rlhf.runtime import (
@@ -57,6 +58,8 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
         parser.exit(2, f"{recipe_class.name}: {error}\n")
     if config.trainer.host_huge_pages and on_cpu:
         restart_with_huge_pages()
+    if int(os.environ.get("RANK", "0")) == 0 and config.derived:
+        print(describe_derived(config.derived), flush=True)
     trainer = config.trainer
     runtime = RuntimeOptions(
         call_timeout_s=trainer.timeout_s,
