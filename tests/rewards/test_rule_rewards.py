@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from spmd_rlhf.rewards import NonFiniteReward, RuleReward
-from spmd_rlhf.tiny.task import cost_arithmetic
+from spmd_rlhf.rewards.synthetic import cost_arithmetic
 
 
 def test_auto_picks_the_rule_of_each_data_source():

@@ -9,7 +9,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from spmd_rlhf.tiny.task import make_rows, make_task, score_arithmetic, task_corpus
+from spmd_rlhf.rewards.synthetic import score_arithmetic
+from spmd_rlhf.tiny.task import make_rows, make_task, task_corpus
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -100,7 +101,7 @@ def test_score_arithmetic(response, ground_truth, reward):
 
 def test_tool_products_rows_list_the_calculator_and_score_the_final_answer():
     from spmd_rlhf.rewards import RULES
-    from spmd_rlhf.tiny.task import score_tool_product
+    from spmd_rlhf.rewards.synthetic import score_tool_product
 
     rows = make_rows(task="tool_products", train_size=4, val_size=2, seed=0)
     row = rows["train"][0]

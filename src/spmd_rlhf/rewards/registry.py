@@ -13,6 +13,7 @@ from typing import Any
 from spmd_rlhf.rewards.format import boxed_format, think_answer_format
 from spmd_rlhf.rewards.gsm8k import gsm8k_score
 from spmd_rlhf.rewards.math_answers import MATH_DATA_SOURCES, math_score
+from spmd_rlhf.rewards.synthetic import cost_arithmetic, score_arithmetic, score_tool_product
 
 RewardFunction = Callable[..., "float | dict[str, float]"]
 """verl's signature: ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs) -> float | dict``."""
@@ -29,24 +30,16 @@ class NonFiniteReward(ValueError):
 
 def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """The synthetic arithmetic task: 1 for the right sum, 0.1 for a wrong integer, 0 for no integer."""
-    # Imported here: the tiny task module imports pyarrow (to write its files), which reward worker processes scoring
-    # other rules never need.
-    from spmd_rlhf.tiny.task import score_arithmetic
-
     return score_arithmetic(solution_str, str(ground_truth))
 
 
 def tool_products(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """The synthetic tool task: ``arithmetic``'s score of the answer after the last tool call."""
-    from spmd_rlhf.tiny.task import score_tool_product
-
     return score_tool_product(solution_str, str(ground_truth))
 
 
 def arithmetic_cost(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """The synthetic arithmetic task's cost in the Safe-RLHF demo (``spmd_rlhf.tiny.task.cost_arithmetic``)."""
-    from spmd_rlhf.tiny.task import cost_arithmetic
-
+    """The synthetic arithmetic task's cost in the Safe-RLHF demo (``rewards.synthetic.cost_arithmetic``)."""
     return cost_arithmetic(solution_str)
 
 
