@@ -17,7 +17,7 @@ from spmd_rlhf.recipes.remax import ReMaxRecipe
 from spmd_rlhf.recipes.rloo import RLOORecipe
 from spmd_rlhf.recipes.safe_rlhf import SafeRLHFRecipe
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 RECIPE_CLASSES = {
     "ppo": PPORecipe,
     "grpo": GRPORecipe,

@@ -31,9 +31,12 @@ def test_every_batch_is_within_the_bound_and_issued_at_its_own_version(max_stale
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["algorithm.max_staleness=1"], "set rollout.enabled=true"),
-        ([*ASYNC, "algorithm.max_staleness=1"], "set rollout.recompute_log_probs=true"),
-        (["rollout.enabled=true"], "use placement=split"),
+        (["algorithm.max_staleness=1", "rollout.enabled=false"], "set rollout.enabled=true"),
+        (
+            [*ASYNC, "algorithm.max_staleness=1", "rollout.recompute_log_probs=false"],
+            "set rollout.recompute_log_probs=",
+        ),
+        (["rollout.enabled=true", "placement=colocate"], "use placement=split"),
         (["rollout.background_sync=true"], "needs rollout.enabled=true"),
         ([*ASYNC, "algorithm.dynamic_sampling=true"], "set it false with rollout.enabled=true"),
         ([*ASYNC, "algorithm.off_policy_correction=clip"], "algorithm.off_policy_correction"),

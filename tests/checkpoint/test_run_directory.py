@@ -17,7 +17,7 @@ from spmd_rlhf.checkpoint.run_directory import RunDirectoryError, RunLock
 from spmd_rlhf.config import load_config, to_yaml
 from spmd_rlhf.metrics.sinks import truncate_metrics
 
-CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "grpo.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "grpo.yaml"
 
 
 def test_a_second_lock_fails_naming_the_holder_and_leaves_the_first_jobs_staging(tmp_path, monkeypatch):

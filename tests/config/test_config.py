@@ -21,7 +21,7 @@ from spmd_rlhf.config import (
 )
 from spmd_rlhf.config.loader import _attribute_docs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
 GRPO = ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=4", "algorithm.kl_penalty=loss"]
 
@@ -355,7 +355,7 @@ def test_device_and_timeouts_reach_the_launch(monkeypatch):
     monkeypatch.setattr(
         sys, "argv", ["ppo", "trainer.device=cpu", "trainer.timeout_s=123", "trainer.collective_timeout_s=45"]
     )
-    entry.main(PPORecipe, str(Path(__file__).parents[1] / "recipes" / "configs" / "ppo.yaml"))
+    entry.main(PPORecipe, str(Path(__file__).parents[2] / "recipes" / "configs" / "ppo.yaml"))
     options = seen["options"]
     assert (options.device, options.call_timeout_s, options.collective_timeout_s) == ("cpu", 123, 45)
 
