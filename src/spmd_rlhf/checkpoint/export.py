@@ -125,7 +125,7 @@ def export_hf(
     one saved chunk being read and one tensor converted to ``dtype``; never the whole model.
 
     A role that trained LoRA adapters is written as a PEFT adapter directory, or with ``merge`` as a full model with
-    the adapters merged into the base read from its model directory (``lora_export``)."""
+    the adapters merged into the base read from its model directory (``checkpoint.peft_export``)."""
     from transformers import AutoTokenizer
 
     checkpoint_dir = resolve_checkpoint(checkpoint_or_run_dir)

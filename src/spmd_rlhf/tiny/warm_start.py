@@ -8,7 +8,7 @@ demonstrations, so an RL test can start from a policy that uses it some of the t
     make_tool_products_policy("tiny/tool_policy")     # all of it for the tool task: model, demonstrations, fit
 
 A demonstration is a dataset row and the assistant's turns as text. ``demonstration_tokens`` lays it out token for
-token as a multi-turn rollout would (``envs.rollout``): the prompt as the dataset encodes it, each turn's tokens and
+token as a multi-turn rollout would (``envs.multi_turn``): the prompt as the dataset encodes it, each turn's tokens and
 the template's end of turn, then the environment's real answer as the chat template's delta; the loss mask covers the
 assistant's tokens only. ``warm_start`` fits the model on them with ``transformers`` and writes it back in place.
 """

@@ -181,7 +181,7 @@ class Generator:
         ``greedy`` (validation, ReMax's baseline): one greedy response per prompt. The engine and its KV cache are
         dropped before this returns.
 
-        With ``rollout.environment``, each response is a multi-turn trajectory (``envs.rollout``): ``response_mask``
+        With ``rollout.environment``, each response is a multi-turn trajectory (``envs.multi_turn``): ``response_mask``
         marks the tokens the policy generated (loss, KL, log-probs), ``attention_mask`` every token after the prompt
         too, and ``env_reward`` is each trajectory's environment reward; a GRPO group is the n trajectories of a
         prompt."""

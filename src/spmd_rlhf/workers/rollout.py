@@ -7,7 +7,7 @@ from the actor by ``receive_weights`` (``hybrid.weight_sync``, over the ``weight
 each sync carries the policy version (updates the actor had taken), and every generated token is tagged with the
 version that produced it (``token_versions``), which is how the trainer measures and bounds staleness. With
 ``rollout.partial_rollouts`` a batch is generated in segments (``start_generation``, ``continue_generation``,
-``finish_generation``) and held between them, so that later syncs land mid-generation (``engine.partial``).
+``finish_generation``) and held between them, so that later syncs land mid-generation (``engine.generation_run``).
 """
 
 from __future__ import annotations
