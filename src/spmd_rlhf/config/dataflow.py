@@ -3,9 +3,9 @@ role does in the paper's three stages (generation, preparation, training).
 
 Everything that must know an algorithm's roles derives from these declarations: config validation (which roles a
 run enables), the recipes' ``setup`` (which workers to spawn), the device mapper's workload
-(``mapping.workload.dataflow``), MFU's pass count (``metrics.step_metrics.step_passes``) and the dry run. A recipe class carries
-its family's declaration beside its ``step`` (``PPORecipe.dataflow = PPO``); this module holds no torch and no
-recipe, so the config layer can validate a config before any recipe is imported.
+(``mapping.workload.dataflow``), MFU's pass count (``metrics.step_metrics.step_passes``) and the dry run. A recipe
+class carries its family's declaration beside its ``step`` (``PPORecipe.dataflow = PPO``); this module holds no torch
+and no recipe, so the config layer can validate a config before any recipe is imported.
 
 A recipe class is an algorithm family: one ``step``, one dataflow. ``algorithm.name`` picks the member of the family
 (the GRPO family's advantage estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline); ``recipes/rloo.py`` is the
