@@ -5,9 +5,11 @@ Safe-RLHF differ from their neighbours in only a few lines."""
 
 from __future__ import annotations
 
+import ast
 import difflib
 import inspect
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -78,8 +80,11 @@ def test_reinforce_pp_dynamic_sampling_and_overlong_shaping_run(assets):
 
 
 def changed_lines(first, second) -> int:
-    """Lines added or removed going from one step method to the other."""
-    a, b = (inspect.getsource(method).splitlines() for method in (first, second))
+    """Statement lines added or removed going from one step method to the other, as ``ast.unparse`` writes them
+    (one line per simple statement), so the formatter's line breaks inside a call do not count."""
+    a, b = (
+        ast.unparse(ast.parse(textwrap.dedent(inspect.getsource(method)))).splitlines() for method in (first, second)
+    )
     return sum(
         1
         for line in difflib.unified_diff(a, b, lineterm="", n=0)
