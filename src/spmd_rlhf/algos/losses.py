@@ -11,6 +11,9 @@ own log-probability (s_i,t = sg[s_i] · π_t / sg[π_t]), so the ratio is that o
 through every token.
 
 Clipped value loss: l = ½·max((V − R)², (V_old + clip(V − V_old, −ε_v, ε_v) − R)²).
+
+Metrics come back as 0-dim tensors on the loss's device: a trainer reads them once per update, not once per
+micro-batch (each read waits for the device).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def policy_loss(
     denominators: Denominators | None = None,
     ratio_level: str = "token",
     token_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The aggregated PPO policy loss and its metrics (clip fractions, approximate KL to π_old).
     ``ratio_level``: ``token`` (PPO) or ``sequence`` (GSPO). ``token_weights``: constants multiplying each token's
     loss before aggregation (the off-policy importance weights, ``off_policy.importance_weights``); None: 1."""
@@ -61,9 +64,9 @@ def policy_loss(
         loss = loss * token_weights
     with torch.no_grad():
         metrics = {
-            "actor/clip_fraction": float(masked_mean((clipped > unclipped).float(), mask)),
-            "actor/dual_clip_fraction": float(masked_mean(dual_clipped.float(), mask)),
-            "actor/approx_kl": float(masked_mean(0.5 * log_ratio.square(), mask)),
+            "actor/clip_fraction": masked_mean((clipped > unclipped).float(), mask),
+            "actor/dual_clip_fraction": masked_mean(dual_clipped.float(), mask),
+            "actor/approx_kl": masked_mean(0.5 * log_ratio.square(), mask),
         }
     return aggregate(loss, mask, aggregation, denominators), metrics
 
@@ -77,7 +80,7 @@ def value_loss(
     clip: float | None,
     aggregation: str = "token_mean",
     denominators: Denominators | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The aggregated (clipped) value loss and the fraction of tokens where the clipped term was larger."""
     unclipped = (values - returns).square()
     if clip is None:
@@ -86,7 +89,7 @@ def value_loss(
         clipped_values = old_values + (values - old_values).clamp(-clip, clip)
         clipped = (clipped_values - returns).square()
         loss, clipped_more = torch.maximum(unclipped, clipped), clipped > unclipped
-    metrics = {"critic/clip_fraction": float(masked_mean(clipped_more.float(), mask).detach())}
+    metrics = {"critic/clip_fraction": masked_mean(clipped_more.float(), mask).detach()}
     return aggregate(0.5 * loss, mask, aggregation, denominators), metrics
 
 

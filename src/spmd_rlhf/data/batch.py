@@ -15,6 +15,15 @@ from typing import Any
 import torch
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device``: itself when it is there already; from the host to a GPU through pinned memory without
+    blocking the host (a pageable or blocking copy waits for the GPU to drain its queue first)."""
+    device = torch.device(device)
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass
 class Batch:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -52,8 +61,10 @@ class Batch:
         """The given rows in the given order; ``group_size`` of the result (row selection may break groups)."""
         index = torch.as_tensor(rows, dtype=torch.long)
         positions = index.tolist()
+        # One copy of the index per device the fields are on (usually one), not one per field.
+        indices = {device: to_device(index, device) for device in {value.device for value in self.tensors.values()}}
         return Batch(
-            {name: value.index_select(0, index.to(value.device)) for name, value in self.tensors.items()},
+            {name: value.index_select(0, indices[value.device]) for name, value in self.tensors.items()},
             {name: [value[i] for i in positions] for name, value in self.non_tensors.items()},
             dict(self.meta),
             group_size,
@@ -154,6 +165,10 @@ class Batch:
         return Batch.concat([self, padding]), missing * self.group_size
 
     def to(self, device: torch.device | str) -> Batch:
+        """The batch with its tensors on ``device`` (``to_device``: from the host to a GPU without blocking)."""
         return Batch(
-            {n: v.to(device) for n, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta), self.group_size
+            {n: to_device(v, device) for n, v in self.tensors.items()},
+            dict(self.non_tensors),
+            dict(self.meta),
+            self.group_size,
         )

@@ -68,7 +68,10 @@ class AttentionBatch:
         device: torch.device,
         dtype: torch.dtype,
         paged: PagedKV | None = None,
+        max_seqlen: int | None = None,
     ) -> AttentionBatch:
+        """``max_seqlen``: the longest packed sequence's length when the caller knows it on the host (a packer does);
+        otherwise it is read back from ``cu_seqlens``, a device sync (and a graph break under ``torch.compile``)."""
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError("pass either attention_mask (padded rows) or cu_seqlens (packed sequences), not both")
         if backend == "auto":
@@ -87,10 +90,13 @@ class AttentionBatch:
         if cu_seqlens is not None:
             if batch_size != 1:
                 raise ValueError(f"packed sequences go in one row (batch size 1), got batch size {batch_size}")
-            if int(cu_seqlens[-1]) != seq_len:
-                raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the packed row has {seq_len} tokens")
             cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if max_seqlen is None:
+                if int(cu_seqlens[-1]) != seq_len:
+                    raise ValueError(
+                        f"cu_seqlens ends at {int(cu_seqlens[-1])} but the packed row has {seq_len} tokens"
+                    )
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         else:
             max_seqlen = seq_len
         if attention_mask is not None:

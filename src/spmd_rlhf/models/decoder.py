@@ -196,11 +196,13 @@ class DecoderLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         *,
         paged: PagedKV | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states ``[batch, seq, hidden]``, before any head.
 
         ``paged`` (generation engine): ``input_ids`` ``[1, tokens]`` are the new tokens of one engine step with their
         absolute ``position_ids``; each layer writes their K/V into the paged cache and attends over the cached context.
+        ``max_seqlen``: the longest packed sequence's length, known on the host (``AttentionBatch.build``).
         """
         if paged is not None:
             if position_ids is None:
@@ -218,6 +220,7 @@ class DecoderLM(nn.Module):
             device=input_ids.device,
             dtype=self.compute_dtype(input_ids),
             paged=paged,
+            max_seqlen=max_seqlen,
         )
         return self.model(input_ids, position_ids, batch)
 
@@ -228,13 +231,15 @@ class DecoderLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         output_positions: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Logits, values or scores for ``input_ids`` ``[batch, seq]`` (see the class docstring).
 
         Padded rows: ``attention_mask`` ``[batch, seq]`` (1 = real token), left or right padding; position ids
         default to counting real tokens. Packed: ``input_ids`` ``[1, total]`` with ``cu_seqlens`` ``[n + 1]``, or
         with ``position_ids`` that restart at 0 for each sequence; outputs equal the separate forwards of the n
-        sequences.
+        sequences. ``max_seqlen``: the longest packed sequence's length when the caller packed on the host (saves
+        reading it back from ``cu_seqlens``).
 
         ``output_positions`` (LM and value heads): flat indices into the ``batch * seq`` positions; the head runs on
         the hidden states of those positions only and the result is ``[len(output_positions), ...]`` (logits
@@ -247,7 +252,7 @@ class DecoderLM(nn.Module):
                 "output_positions selects per-token outputs; the score head reads each sequence's last token"
             )
         cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens)
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen=max_seqlen)
         if self.model.norm is None:  # a pipeline stage before the last: hand the hidden states on
             return hidden
         if output_positions is not None:

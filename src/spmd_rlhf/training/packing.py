@@ -21,7 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.data.batch import Batch, to_device
+
+PACKED_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
+"""The fields of the rollout layout that a micro-batch reads to lay its rows out and find its response tokens."""
 
 
 class MicroBatch:
@@ -33,6 +36,7 @@ class MicroBatch:
         self.response_mask = rows["response_mask"].bool()
         self.response_index = self.response_mask.nonzero(as_tuple=True)
         """(row, column) of each response token, row-major: the order of every flat per-token tensor."""
+        self._device_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -41,7 +45,7 @@ class MicroBatch:
     def response_tokens(self) -> int:
         return len(self.response_index[0])
 
-    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor]:
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
         """Keyword arguments of ``DecoderLM.forward`` for these rows; ``per_token``: the head's outputs are wanted
         per token (LM, value heads), not per sequence (score head)."""
         raise NotImplementedError
@@ -52,35 +56,48 @@ class MicroBatch:
 
     def response_labels(self, device: torch.device) -> torch.Tensor:
         """The response token ids ``[response_tokens]``, in the order of ``response_outputs``."""
-        return self.rows["responses"][self.response_index].to(device)
+        return to_device(self.rows["responses"][self.response_index], device)
+
+    def device_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``response_index`` on ``device``, copied there once for every per-token tensor of the micro-batch."""
+        if device not in self._device_index:
+            self._device_index[device] = tuple(to_device(part, device) for part in self.response_index)
+        return self._device_index[device]
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """Per-token ``values`` ``[response_tokens]`` as ``[rows, R]``, zero where ``response_mask`` is 0;
         differentiable w.r.t. ``values``."""
         full = values.new_zeros(self.response_mask.shape)
-        index = tuple(part.to(values.device) for part in self.response_index)
-        return full.index_put(index, values)
+        return full.index_put(self.device_index(values.device), values)
 
 
 class PackedRows(MicroBatch):
     """The rows' attended tokens packed into one sequence (see the module docstring).
 
     Holds ``[total_tokens]`` token ids and positions and ``[response_tokens]`` output positions: no ``[rows, P + R]``
-    copies beyond the rows themselves."""
+    copies beyond the rows themselves. Built on the host from host rows (``Trainer.update`` packs there), it reads
+    them once, so the longest sequence's length is known without reading anything back from the device."""
 
     def __init__(self, rows: Batch) -> None:
         super().__init__(rows)
         attended = rows["attention_mask"].bool()
         lengths = attended.sum(dim=1)
         prompt_length = rows["prompts"].shape[1]
-        if bool((attended[:, :prompt_length].sum(dim=1) == 0).any()):
+        prompt_tokens = attended[:, :prompt_length].sum(dim=1)
+        unseen_response_tokens = (self.response_mask & ~attended[:, prompt_length:]).sum(dim=1)
+        row_lengths, prompt_tokens, unseen_response_tokens = torch.stack(
+            [lengths, prompt_tokens, unseen_response_tokens]
+        ).tolist()
+        if 0 in prompt_tokens:
             raise ValueError(
                 "a row has no prompt token: its first response token would have nothing to be predicted from"
             )
-        if bool((self.response_mask & ~attended[:, prompt_length:]).any()):
+        if any(unseen_response_tokens):
             raise ValueError(
                 "a response token in response_mask is outside attention_mask: the model would never see it"
             )
+        self.max_seqlen = max(row_lengths, default=0)
+        """The longest row's attended tokens: the attention backends' bound, as a host value."""
         # Index of each attended token within its own row, and where each row starts in the packed sequence.
         index_in_row = attended.long().cumsum(dim=1) - 1
         ends = lengths.cumsum(dim=0)
@@ -96,14 +113,15 @@ class PackedRows(MicroBatch):
     def total_tokens(self) -> int:
         return self.input_ids.shape[1]
 
-    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor]:
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
         inputs = {
-            "input_ids": self.input_ids.to(device),
-            "position_ids": self.position_ids.to(device),
-            "cu_seqlens": self.cu_seqlens.to(device),
+            "input_ids": to_device(self.input_ids, device),
+            "position_ids": to_device(self.position_ids, device),
+            "cu_seqlens": to_device(self.cu_seqlens, device),
+            "max_seqlen": self.max_seqlen,
         }
         if per_token:
-            inputs["output_positions"] = self.output_positions.to(device)
+            inputs["output_positions"] = to_device(self.output_positions, device)
         return inputs
 
     def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -151,14 +169,13 @@ class PaddedRows(MicroBatch):
     """The rows as the padded ``[rows, P + R]`` batch. ``response_outputs`` copies the response positions' outputs
     out of the full ``[rows, P + R, ...]`` outputs (for logits, ``response_tokens * vocab`` in the compute dtype)."""
 
-    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor]:
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
         return {
-            "input_ids": self.rows["input_ids"].to(device),
-            "attention_mask": self.rows["attention_mask"].to(device),
+            "input_ids": to_device(self.rows["input_ids"], device),
+            "attention_mask": to_device(self.rows["attention_mask"], device),
         }
 
     def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
         response_length = self.response_mask.shape[1]
         prompt_length = self.rows["input_ids"].shape[1] - response_length
-        index = tuple(part.to(outputs.device) for part in self.response_index)
-        return outputs[:, prompt_length - 1 : -1][index]
+        return outputs[:, prompt_length - 1 : -1][self.device_index(outputs.device)]

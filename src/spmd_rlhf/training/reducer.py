@@ -60,9 +60,9 @@ class DPReducer:
 
     def check_equal_shards(self, batch: Batch, method: str) -> None:
         """FSDP runs a collective per forward, so every DP rank must run the same number of micro-batches."""
-        rows = self.max(torch.tensor([len(batch), -len(batch)], dtype=torch.float64))
-        if int(rows[0]) != -int(rows[1]):
+        most, negated_fewest = map(int, self.max(torch.tensor([len(batch), -len(batch)], dtype=torch.float64)).tolist())
+        if most != -negated_fewest:
             raise ValueError(
-                f"{self.role}.{method}: DP ranks got between {-int(rows[1])} and {int(rows[0])} rows; make the "
+                f"{self.role}.{method}: DP ranks got between {-negated_fewest} and {most} rows; make the "
                 f"batch (data.batch_size x rollout.n responses) divide evenly over {self.size} DP ranks"
             )

@@ -21,14 +21,18 @@ from spmd_rlhf.algos import Denominators
 from spmd_rlhf.checkpoint import load_role_state, save_role_state
 from spmd_rlhf.config import TrainableRoleConfig
 from spmd_rlhf.data.batch import Batch
-from spmd_rlhf.training.packing import MicroBatch
+from spmd_rlhf.training.packing import PACKED_FIELDS, MicroBatch
 from spmd_rlhf.training.reducer import DPReducer
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.training.skipped_steps import SkippedSteps
 
-LossFunction = Callable[[torch.Tensor, MicroBatch, Denominators], tuple[torch.Tensor, dict[str, float]]]
-"""(model outputs, micro-batch, mini-batch denominators) -> (this micro-batch's share of the mini-batch loss,
-metrics)."""
+LossFunction = Callable[[torch.Tensor, MicroBatch, Batch, Denominators], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(model outputs, micro-batch, its rows on the model's device, mini-batch denominators) -> (this micro-batch's share
+of the mini-batch loss, metrics as 0-dim tensors on the device)."""
+
+MINI_BATCH_ROW = "mini_batch_row"
+"""Field of the rows that ``Trainer.update`` packs: each row's place in its mini-batch, by which a micro-batch finds
+its rows in the mini-batch already on the device."""
 
 
 def learning_rate_factor(
@@ -61,7 +65,9 @@ def clip_gradients(
     replicated over TP), so summing over all groups gives the exact global norm, however the parameters are laid out.
     """
     ranks_per_stage = math.prod(group.size() for group in stage_groups)
-    squares = torch.zeros((), dtype=torch.float64, device=device)
+    # The local pieces by how many ranks hold each, so that each kind takes one fused norm (torch._foreach_norm), not
+    # one call per parameter.
+    pieces: dict[int, list[torch.Tensor]] = defaultdict(list)
     for gradient in gradients:
         local, shards = gradient, 1
         if isinstance(gradient, DTensor):
@@ -72,15 +78,17 @@ def clip_gradients(
             shards = math.prod(
                 gradient.device_mesh.size(dim) for dim, placement in placements if not placement.is_replicate()
             )
-        squares += torch.linalg.vector_norm(local.detach(), dtype=torch.float64).square() / (ranks_per_stage // shards)
+        pieces[ranks_per_stage // shards].append(local.detach())
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for holders, locals_ in pieces.items():
+        squares += torch.stack(torch._foreach_norm(locals_, 2, dtype=torch.float64)).square().sum() / holders
     for group in [*stage_groups, pipeline_group]:
         if group is not None and group.size() > 1:
             dist.all_reduce(squares, group=group)
+    # The step's one read: whether to clip and whether to skip are decided on the host.
     norm = float(squares.sqrt())
     if max_norm is not None and math.isfinite(norm) and norm > max_norm:
-        coefficient = max_norm / (norm + 1e-6)
-        for gradient in gradients:
-            (gradient.to_local() if isinstance(gradient, DTensor) else gradient).mul_(coefficient)
+        torch._foreach_mul_([piece for locals_ in pieces.values() for piece in locals_], max_norm / (norm + 1e-6))
     return norm
 
 
@@ -140,26 +148,36 @@ class Trainer:
         return rows
 
     def update(self, batch: Batch, loss_function: LossFunction, *, method: str, prefix: str) -> dict[str, float]:
-        """PPO epochs over ``batch`` (this rank's rows), one optimizer step per mini-batch; returns mean metrics."""
+        """PPO epochs over ``batch`` (this rank's rows), one optimizer step per mini-batch; returns mean metrics.
+
+        Nothing is read from the device inside the micro-batch loop: the rows are packed from a host copy of their
+        layout (``PACKED_FIELDS``), the fields the losses read move to the model's device once, and every loss and
+        metric stays there until one read at the end. The gradient norm is read once per optimizer step (whether to
+        clip and whether to skip the step are decided on the host)."""
         self.reducer.check_equal_shards(batch, method)
         rows = self.rows_per_mini_batch(batch, method)
         self.model.module.train()
-        metrics: dict[str, list[float]] = defaultdict(list)
         skipped_before = self.skipped.total
-        minis = batch.chunk_rows(rows)
+        layout = {key: batch[key] for key in PACKED_FIELDS} | {MINI_BATCH_ROW: torch.arange(len(batch)) % rows}
+        host_minis = Batch(layout, group_size=batch.group_size).to("cpu").chunk_rows(rows)
+        device_minis = Batch(dict(batch.tensors), group_size=batch.group_size).to(self.model.device).chunk_rows(rows)
         # Every mini-batch's response tokens and rows over all DP ranks, in one collective for the whole update.
+        tokens = torch.stack([mini["response_mask"].sum() for mini in host_minis]).tolist() if host_minis else []
         counts, _ = self.reducer.totals(
-            [float(value) for mini in minis for value in (mini["response_mask"].sum(), len(mini))]
+            [float(value) for count, mini in zip(tokens, host_minis) for value in (count, len(mini))]
         )
-        local_losses: list[float] = []
+        step_losses: list[list[torch.Tensor]] = []
+        device_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
+        grad_norms: list[float] = []
         for _ in range(self.role_config.ppo_epochs):
-            for index, mini in enumerate(minis):
+            for index, (mini, device_mini) in enumerate(zip(host_minis, device_minis)):
                 denominators = Denominators(counts[2 * index], counts[2 * index + 1], float(self.max_response_length))
-                records: list[tuple[float, dict[str, float]]] = []
+                records: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
 
                 def micro_batch_loss(outputs: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
-                    loss, micro_metrics = loss_function(outputs, micro, denominators)
-                    records.append((float(loss.detach()), micro_metrics))
+                    on_device = device_mini.select(micro.rows[MINI_BATCH_ROW])
+                    loss, micro_metrics = loss_function(outputs, micro, on_device, denominators)
+                    records.append((loss.detach(), micro_metrics))
                     # FSDP averages gradients over DP ranks; each rank's loss is already its share of the global
                     # mini-batch loss, so scale by the DP size to make the average a sum (gloo has no pre-scaled sum).
                     return loss * self.reducer.size
@@ -169,16 +187,21 @@ class Trainer:
                 )
                 # A pipeline schedule may call the loss function on placeholder outputs first (torch >= 2.13 infers
                 # gradient shapes that way); the real micro-batches are the last len(results) calls.
-                mini_batch_loss = 0.0
-                for loss, micro_metrics in records[len(records) - len(results) :]:
-                    mini_batch_loss += loss
+                real = records[len(records) - len(results) :]
+                step_losses.append([loss for loss, _ in real])
+                for _, micro_metrics in real:
                     for key, value in micro_metrics.items():
-                        metrics[key].append(value)
-                local_losses.append(mini_batch_loss)
-                metrics[f"{prefix}/grad_norm"].append(self._step(f"{self.model.context.name}.{method}"))
+                        device_metrics[key].append(value)
+                grad_norms.append(self._step(f"{self.model.context.name}.{method}"))
+        # The update's one read of what it measured on the device, in the order it was recorded.
+        recorded = [tensor for tensors in [*step_losses, *device_metrics.values()] for tensor in tensors]
+        read = iter(torch.stack(recorded).tolist() if recorded else [])
+        local_losses = [sum(next(read) for _ in losses) for losses in step_losses]
+        metrics = {key: [next(read) for _ in tensors] for key, tensors in device_metrics.items()}
+        metrics[f"{prefix}/grad_norm"] = grad_norms
         # Each mini-batch's loss summed over DP ranks, all of them in one collective.
         metrics[f"{prefix}/loss"] = self.reducer.totals(local_losses)[0]
-        metrics[f"{prefix}/lr"].append(self.scheduler.get_last_lr()[0])
+        metrics[f"{prefix}/lr"] = [self.scheduler.get_last_lr()[0]]
         self.scheduler.step()
         means = {key: sum(values) / len(values) for key, values in metrics.items()}
         return {**means, f"{prefix}/skipped_steps": float(self.skipped.total - skipped_before)}

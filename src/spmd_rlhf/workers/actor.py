@@ -13,6 +13,7 @@ import functools
 import torch
 
 from spmd_rlhf.algos import (
+    Denominators,
     aggregate,
     combine_advantages,
     entropy_bonus,
@@ -208,12 +209,19 @@ class ActorWorker(TrainedRoleWorker):
     # ---- training ----------------------------------------------------------------------------------------------
 
     def _policy_loss(
-        self, logits: torch.Tensor, micro: MicroBatch, denominators, *, kl_coef: float, cost_multiplier: float | None
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+        self,
+        logits: torch.Tensor,
+        micro: MicroBatch,
+        rows: Batch,
+        denominators: Denominators,
+        *,
+        kl_coef: float,
+        cost_multiplier: float | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The ``Trainer``'s loss function: ``rows`` are the micro-batch's rows on the model's device."""
         algorithm = self.config.algorithm
         aggregation = algorithm.loss_aggregation
-        rows = micro.rows
-        mask = rows["response_mask"].to(self.device)
+        mask = rows["response_mask"]
         log_probs, entropy = self.model.response_log_probs(logits, micro, self.temperature, with_entropy=True)
         advantages = rows["advantages"]
         if cost_multiplier is not None:
@@ -226,11 +234,10 @@ class ActorWorker(TrainedRoleWorker):
                 mode=algorithm.off_policy_correction,
                 cap=algorithm.importance_cap,
             )
-            token_weights = token_weights.to(self.device)
         loss, metrics = policy_loss(
             log_probs,
-            old_log_probs(rows).to(self.device),
-            advantages.to(self.device),
+            old_log_probs(rows),
+            advantages,
             mask,
             token_weights=token_weights,
             clip_low=algorithm.clip_ratio_low,
@@ -244,10 +251,10 @@ class ActorWorker(TrainedRoleWorker):
                 entropy, mask, aggregation=aggregation, denominators=denominators
             )
         if algorithm.kl_penalty == "loss":
-            kl = kl_estimate(log_probs, rows["ref_log_probs"].to(self.device), algorithm.kl_estimator)
+            kl = kl_estimate(log_probs, rows["ref_log_probs"], algorithm.kl_estimator)
             loss = loss + kl_coef * aggregate(kl, mask, aggregation, denominators)
-            metrics["actor/kl_loss"] = float(masked_mean(kl.detach(), mask))
-        metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+            metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
         # FSDP sums gradients over DP ranks; the loss is this micro-batch's share of the global mini-batch loss.
         return loss, metrics
 

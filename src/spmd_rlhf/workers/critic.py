@@ -52,22 +52,22 @@ class CriticWorker(TrainedRoleWorker):
         )
 
     def _value_loss(
-        self, outputs: torch.Tensor, micro: MicroBatch, denominators: Denominators
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        rows = micro.rows
-        mask = rows["response_mask"].to(self.device)
+        self, outputs: torch.Tensor, micro: MicroBatch, rows: Batch, denominators: Denominators
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The ``Trainer``'s loss function: ``rows`` are the micro-batch's rows on the model's device."""
+        mask = rows["response_mask"]
         values = micro.scatter(micro.response_outputs(outputs).float())
         loss, metrics = value_loss(
             values,
-            rows[f"{self.keys}values"].to(self.device),
-            rows[f"{self.keys}returns"].to(self.device),
+            rows[f"{self.keys}values"],
+            rows[f"{self.keys}returns"],
             mask,
             clip=self.config.algorithm.value_clip,
             aggregation=self.config.algorithm.loss_aggregation,
             denominators=denominators,
         )
         metrics = {key.replace("critic/", f"{self.role}/"): value for key, value in metrics.items()}
-        metrics[f"{self.role}/values_mean"] = float(masked_mean(values.detach(), mask))
+        metrics[f"{self.role}/values_mean"] = masked_mean(values.detach(), mask)
         return loss, metrics
 
     @data_parallel
