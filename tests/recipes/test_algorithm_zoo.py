@@ -1,7 +1,7 @@
 """The algorithm zoo end to end on the tiny model and task, 2 CPU ranks: ReMax and RLOO raise the reward;
 Safe-RLHF drives the mean cost under its limit while the reward still rises, and checkpoints its multiplier;
-REINFORCE++ and DAPO's dynamic sampling and overlong shaping run; and the controller loops of PPO, ReMax and
-Safe-RLHF differ from their neighbours in only a few lines."""
+REINFORCE++, DAPO's dynamic sampling and overlong shaping, and GSPO's sequence-level loss run (in one job); and the
+controller loops of PPO, ReMax and Safe-RLHF differ from their neighbours in only a few lines."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_safe_rlhf_meets_the_cost_limit_while_the_reward_rises(assets):
     assert state["algorithm"]["lambda"] > 0  # the multiplier is part of the checkpoint
 
 
-def test_reinforce_pp_dynamic_sampling_and_overlong_shaping_run(assets):
+def test_reinforce_pp_dynamic_sampling_overlong_shaping_and_gspo_run(assets):
     records = run_recipe(
         "grpo",
         assets / "dapo",
@@ -62,9 +62,11 @@ def test_reinforce_pp_dynamic_sampling_and_overlong_shaping_run(assets):
         "algorithm.dynamic_sampling=true",
         "algorithm.overlong_buffer=2",
         "algorithm.clip_ratio_high=0.28",
+        "algorithm.policy_loss=gspo",
         "trainer.total_steps=4",
         "trainer.val_every=0",
     )
+    assert len(records) == 4
     for record in records:
         # A first round where every prompt had signal fills the batch at once; otherwise more rounds were run.
         if record["sampling/signal_fraction"] == 1.0:
@@ -73,10 +75,6 @@ def test_reinforce_pp_dynamic_sampling_and_overlong_shaping_run(assets):
             assert record["sampling/rounds"] in (2.0, 3.0)
         assert record["reward/overlong_penalty"] < 0  # 4-token responses sit inside the 2-token buffer
         assert record["actor/loss"] == record["actor/loss"]  # finite, not NaN
-    records = run_recipe(
-        "grpo", assets / "gspo", "algorithm.policy_loss=gspo", "trainer.total_steps=2", "trainer.val_every=0"
-    )
-    assert len(records) == 2
 
 
 def changed_lines(first, second) -> int:
