@@ -19,11 +19,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from spmd_rlhf.models.decoder import DecoderLM
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+SCHEDULES = ("1f1b", "gpipe")
+"""The pipeline schedules of ``torch.distributed.pipelining`` a role may use (imported when a pipeline runs: the
+package pulls in ``torch.export`` and dynamo, about a second of every process's start)."""
 
 OutputFunction = Callable[[torch.Tensor, int], torch.Tensor]
 """(last stage's output for one micro-batch, that micro-batch's index) -> a loss (training) or a result tensor."""
@@ -104,9 +105,12 @@ class Pipeline:
         num_micro_batches = input_ids.shape[0]
         # A fresh stage per call: PipelineStage infers activation shapes on first use, and they change with the
         # micro-batch sizes from one call to the next.
-        stage = PipelineStage(self.module, self.stage, self.num_stages, self.device, group=self.group)
+        from torch.distributed import pipelining
+
+        stage = pipelining.PipelineStage(self.module, self.stage, self.num_stages, self.device, group=self.group)
         stage.stage_index_to_group_rank = dict(self.stage_to_group_rank)
-        schedule = SCHEDULES[self.schedule](
+        schedule_class = {"1f1b": pipelining.Schedule1F1B, "gpipe": pipelining.ScheduleGPipe}[self.schedule]
+        schedule = schedule_class(
             stage, num_micro_batches, loss_fn=lambda output, index: output_fn(output, int(index)), scale_grads=False
         )
         args = (input_ids.to(self.device),) if self.stage == 0 else ()
