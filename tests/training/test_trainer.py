@@ -1,7 +1,7 @@
 """``Trainer.update`` reads nothing back from the device inside its micro-batch loop: counted with ``DispatchCounts``
 around the real ``ActorWorker.update_actor`` on one CPU rank (``benchmarks/host_overhead.py``'s harness), an update
-makes as many scalar reads at 8 micro-batches as at 2. ``clip_gradients`` (fused norms) clips plain tensors as
-``torch.nn.utils.clip_grad_norm_`` does."""
+makes as many scalar reads at 8 micro-batches as at 2, and at dp = 1 as many reduce-scatters. ``clip_gradients``
+(fused norms) clips plain tensors as ``torch.nn.utils.clip_grad_norm_`` does."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def test_scalar_reads_per_update_do_not_grow_with_the_micro_batch_count(tmp_path
     assert counts[2].scalar_reads == counts[8].scalar_reads, (
         f"2 micro-batches: {dict(counts[2].scalar_read_sites)}; 8 micro-batches: {dict(counts[8].scalar_read_sites)}"
     )
+    # At dp = 1 the gradients stay unsharded across the micro-batches: one reduce-scatter (FSDP's chunk_cat copy-in)
+    # per unit per mini-batch, whatever the micro-batch count.
+    reduce_scatters = {micro_batches: counts[micro_batches].fsdp_copies["fsdp.chunk_cat"] for micro_batches in (2, 8)}
+    assert reduce_scatters[2] == reduce_scatters[8] > 0, reduce_scatters
 
 
 class _OneRank:
