@@ -20,6 +20,7 @@ from spmd_rlhf.mapping.cost import Layout, resident_bytes, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.role_pools import place_roles
 from spmd_rlhf.mapping.workload import Batch, RoleSpec
+from spmd_rlhf.tiny import ensure_tiny_assets
 
 
 def _mib(num_bytes: float) -> str:
@@ -28,8 +29,6 @@ def _mib(num_bytes: float) -> str:
 
 def describe(config: FrameworkConfig, world_size: int) -> str:
     """The dry-run report: resolved config, pools, each role's layout and per-rank state, per-rank totals."""
-    from spmd_rlhf.tiny import ensure_tiny_assets
-
     ensure_tiny_assets(config)
     placement = place_roles(config, world_size)
     config, plan = placement.config, placement.plan

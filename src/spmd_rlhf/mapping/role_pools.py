@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spmd_rlhf.config import FrameworkConfig
+from spmd_rlhf.mapping.calibrate import resolve_profile
+from spmd_rlhf.mapping.placement import apply_mapping, describe_plan, plan_config
 from spmd_rlhf.parallel_dims import ParallelDims
 from spmd_rlhf.runtime.layout import ResourcePool
 
@@ -40,9 +42,6 @@ def resolve_placement(config: FrameworkConfig, world_size: int) -> tuple[Framewo
     n_ranks, pp, tp, rollout.tp); and the plan as text ('' when there is none)."""
     if config.placement != "auto":
         return config, ""
-    from spmd_rlhf.mapping.calibrate import resolve_profile
-    from spmd_rlhf.mapping.placement import apply_mapping, describe_plan, plan_config
-
     profile = resolve_profile(config.mapping.profile)
     result = plan_config(config, world_size, profile=profile)
     return apply_mapping(config, result.best), describe_plan(result, devices=world_size, profile=profile)

@@ -101,14 +101,9 @@ class ShardedModel:
         load_weights(model, path, device=self.device)
         if self.adapters is not None:
             self.adapters.initialize(model, seed=config.trainer.seed)
-        self.one_fsdp_unit = (
-            dims.dp > 1
-            and dims.pp == 1
-            and not any(isinstance(module, FSDPModule) for module in model.modules() if module is not model)
-        )
-        """FSDP shards the whole model as one unit (a model smaller than the role's fsdp_unit_mb, not pipelined)."""
+        one_unit = not any(isinstance(module, FSDPModule) for module in model.modules() if module is not model)
         self.accumulate_unsharded = (
-            trainable and dims.pp == 1 and isinstance(model, FSDPModule) and (self.one_fsdp_unit or dims.dp == 1)
+            trainable and dims.pp == 1 and isinstance(model, FSDPModule) and (one_unit or dims.dp == 1)
         )
         """A mini-batch's micro-batches keep the parameters gathered after their backward and the gradients
         unsharded (accumulated in the reduce dtype), with one reduce-scatter after the last: when the model is one
