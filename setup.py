@@ -28,6 +28,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",
             "matplotlib>=3.8",
             "tensorboard>=2.16",
             "wandb>=0.17",

@@ -3,3 +3,30 @@ import sys
 
 # Shared helpers (torchrun_helpers) live in tests/; make them importable whatever directory pytest starts in.
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+# The longest modules first: under pytest-xdist (``-n 2 --dist loadfile`` in pytest.ini) each module runs whole on one
+# worker, in collection order, so a long module collected last would leave the other worker idle at the end.
+LONGEST_FIRST = (
+    "test_bad_input.py",
+    "test_async_learning.py",
+    "test_algorithm_zoo.py",
+    "test_learning.py",
+    "test_launch.py",
+    "test_checkpoint.py",
+    "test_partial_rollouts.py",
+    "test_stop_on_signal.py",
+    "test_gpu_benchmarks.py",
+    "test_tool_learning.py",
+    "test_parallel_parity.py",
+    "test_hybrid_engine.py",
+    "test_slurm.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        name = os.path.basename(str(item.fspath))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within each module is kept
