@@ -5,9 +5,9 @@
 tokens) or to the end. Between segments the model's weights may change; ``update_weights`` then tells the run the new
 policy version and what to do with the requests in flight (``IN_FLIGHT``):
 
-- ``keep_kv``: go on from the K/V computed under the old weights (AReaL's partial rollouts);
+- ``keep_kv``: go on from the K/V computed under the old weights (as PipelineRL's in-flight weight updates do);
 - ``recompute_kv``: drop every request's K/V; the next prefill recomputes prompt and response so far under the new
-  weights (the tokens and their log-probs stay, as the old policy sampled them);
+  weights (the tokens and their log-probs stay, as the old policy sampled them): AReaL's interruptible generation;
 - ``drop``: restart every unfinished request from its prompt under the new weights (its seed makes the restart draw
   the same random numbers), so no response mixes versions.
 
