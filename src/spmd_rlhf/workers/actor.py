@@ -31,7 +31,7 @@ from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_a
 from spmd_rlhf.training.packing import MicroBatch
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.training.trainer import Trainer
-from spmd_rlhf.workers.advantages import old_log_probs, rollout_advantages
+from spmd_rlhf.workers.advantages import behaviour_log_probs, old_log_probs, rollout_advantages
 from spmd_rlhf.workers.base import TrainedRoleWorker, union_all
 from spmd_rlhf.workers.generation import Generator
 from spmd_rlhf.workers.rollout import sync_sides, weight_sync_groups
@@ -230,7 +230,7 @@ class ActorWorker(TrainedRoleWorker):
         if algorithm.max_staleness:
             token_weights, _ = importance_weights(
                 old_log_probs(rows),
-                rows["rollout_log_probs"],
+                behaviour_log_probs(rows),
                 mode=algorithm.off_policy_correction,
                 cap=algorithm.importance_cap,
             )
@@ -276,7 +276,7 @@ class ActorWorker(TrainedRoleWorker):
         if algorithm.max_staleness:
             _, raw = importance_weights(
                 old_log_probs(data),
-                data["rollout_log_probs"],
+                behaviour_log_probs(data),
                 mode=algorithm.off_policy_correction,
                 cap=algorithm.importance_cap,
             )
