@@ -92,8 +92,10 @@ def main() -> None:
             results.append(run(preset, staleness, args.steps))
             print(json.dumps(results[-1]), flush=True)
             output.write_text(json.dumps(results, indent=1) + "\n")
-    print("| k | preset | reward first 5 → last 5 | rejected tokens | rejected responses | truncated | max weight "
-          "| gap | k3 KL | s |")
+    print(
+        "| k | preset | reward first 5 → last 5 | rejected tokens | rejected responses | truncated | max weight "
+        "| gap | k3 KL | s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         print(

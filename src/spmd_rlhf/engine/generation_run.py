@@ -95,13 +95,14 @@ class GenerationRun:
             if restart:
                 del seq.token_ids[seq.num_prompt_tokens :]
                 seq.log_probs.clear()
+                seq.sampling_log_probs.clear()
                 self.version_starts[seq.seq_id] = [(0, self.version)]
             self.scheduler.add(seq)
 
     def snapshot(self) -> dict:
-        """This run as it stands between segments (JSON-able; floats round-trip exactly): each request's tokens,
-        log-probs, finish reason, version starts and blocks, the scheduler's queues and the block manager. With the
-        K/V of ``kv_blocks`` (the model runner's ``read_blocks``), ``restore`` makes the same run again."""
+        """This run as it stands between segments (JSON-able; floats round-trip exactly): each request's tokens, their
+        two log-probs, finish reason, version starts and blocks, the scheduler's queues and the block manager. With
+        the K/V of ``kv_blocks`` (the model runner's ``read_blocks``), ``restore`` makes the same run again."""
         scheduler = self.scheduler
         return {
             "version": self.version,
@@ -114,6 +115,7 @@ class GenerationRun:
                 {
                     "tokens": seq.generated_token_ids,
                     "log_probs": seq.log_probs,
+                    "sampling_log_probs": seq.sampling_log_probs,
                     "finish_reason": seq.finish_reason,
                     "status": seq.status.value,
                     "block_table": seq.block_table,
@@ -139,6 +141,7 @@ class GenerationRun:
         for seq, request in zip(self.seqs, saved):
             seq.token_ids[seq.num_prompt_tokens :] = request["tokens"]
             seq.log_probs = list(request["log_probs"])
+            seq.sampling_log_probs = list(request["sampling_log_probs"])
             seq.finish_reason = request["finish_reason"]
             seq.status = SequenceStatus(request["status"])
             seq.block_table, seq.num_cached_tokens = list(request["block_table"]), request["num_cached_tokens"]

@@ -36,7 +36,7 @@ from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_a
 from spmd_rlhf.training.packing import MicroBatch
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.training.trainer import LOSS_MASK, Trainer
-from spmd_rlhf.workers.advantages import old_log_probs, rollout_advantages
+from spmd_rlhf.workers.advantages import behaviour_log_probs, old_log_probs, rollout_advantages
 from spmd_rlhf.workers.base import TrainedRoleWorker, union_all
 from spmd_rlhf.workers.generation import Generator
 from spmd_rlhf.workers.rollout import sync_sides, weight_sync_groups
@@ -276,7 +276,7 @@ class ActorWorker(TrainedRoleWorker):
         when its log-probs were recomputed, and the correction's metrics over the DP group; else ``data`` as it is.
         Computed once per update: both log-probs are constants of it."""
         if "old_log_probs" not in data.tensors or "rollout_log_probs" not in data.tensors:
-            return data, {}
+            return data, {}  # pi_old is the behaviour policy's own log-probs: nothing to correct
         settings = self.config.algorithm.correction
         correction = Correction(
             is_level=settings.is_level,
@@ -287,7 +287,7 @@ class ActorWorker(TrainedRoleWorker):
             veto_threshold=settings.veto_threshold,
         )
         mask = data["response_mask"]
-        corrected = correct(data["old_log_probs"], data["rollout_log_probs"], mask, correction)
+        corrected = correct(data["old_log_probs"], behaviour_log_probs(data), mask, correction)
         local = torch.stack([corrected.metrics[key] for key in (*SUMMED, "weight_max", "weight_min")]).tolist()
         sums, (largest, negated_smallest) = self.reducer.totals(local[: len(SUMMED)], [local[-2], -local[-1]])
         if not sums[0]:  # no response token on any rank
