@@ -59,29 +59,29 @@ def test_allocation_counts_blocks_and_append_needs_a_block_at_boundaries():
     seq = _seq(1, [1, 2, 3])
     assert manager.try_allocate(seq)
     assert len(seq.block_table) == 2 and manager.num_free_blocks == 1
-    seq.append(9, -0.1)  # 4 tokens: still two blocks
+    seq.append(9, -0.1, -0.1)  # 4 tokens: still two blocks
     assert manager.can_append(seq)
     manager.may_append(seq)
     assert len(seq.block_table) == 2
-    seq.append(9, -0.1)  # 5 tokens: the fifth starts a third block
+    seq.append(9, -0.1, -0.1)  # 5 tokens: the fifth starts a third block
     manager.may_append(seq)
     assert len(seq.block_table) == 3 and manager.num_free_blocks == 0
-    seq.append(9, -0.1)
-    seq.append(9, -0.1)  # 7 tokens: a fourth block is needed and none is free
+    seq.append(9, -0.1, -0.1)
+    seq.append(9, -0.1, -0.1)  # 7 tokens: a fourth block is needed and none is free
     assert not manager.can_append(seq)
 
 
 def test_sequence_stops_on_eos_stop_ids_and_length():
     eos = _seq(0, [5])
-    eos.append(0, -1.0)
+    eos.append(0, -1.0, -1.0)
     assert eos.status is SequenceStatus.FINISHED and eos.finish_reason == "stop"
     stop = _seq(1, [5], SamplingParams(stop_token_ids=(7,)))
-    stop.append(7, -1.0)
+    stop.append(7, -1.0, -1.0)
     assert stop.finish_reason == "stop" and stop.generated_token_ids == [7]
     length = _seq(2, [5], SamplingParams(max_new_tokens=2))
-    length.append(3, -1.0)
+    length.append(3, -1.0, -1.0)
     assert not length.is_finished
-    length.append(3, -1.0)
+    length.append(3, -1.0, -1.0)
     assert length.finish_reason == "length" and length.log_probs == [-1.0, -1.0]
 
 

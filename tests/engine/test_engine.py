@@ -1,4 +1,5 @@
-"""The engine against references: ``transformers`` greedy generation, full-forward log-probs, per-request seeds."""
+"""The engine against references: ``transformers`` greedy generation, full-forward log-probs (unfiltered, and under
+the top-k / top-p distribution each token was drawn from), per-request seeds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hf_fixtures import write_hf_model
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.engine import llm_engine as engine_module
+from spmd_rlhf.engine.sampler import filter_logits
 from spmd_rlhf.models import load_model, log_probs_from_logits
 
 EOS = 2
@@ -46,12 +48,17 @@ def _transformers_greedy(hf_model, prompt: list[int], max_new_tokens: int, eos_t
     return out[0, len(prompt) :].tolist()
 
 
-def _training_log_probs(model, seq, temperature: float) -> torch.Tensor:
-    """What the trainer computes for a rollout: one full forward over prompt + response."""
-    ids = torch.tensor([seq.token_ids])
+def _response_logits(model, seq) -> torch.Tensor:
+    """One full forward over prompt + response: the logits that predict each generated token, [generated, vocab]."""
     with torch.no_grad():
-        logits = model(ids)
-    return log_probs_from_logits(logits[:, :-1], ids[:, 1:], temperature=temperature)[0, seq.num_prompt_tokens - 1 :]
+        logits = model(torch.tensor([seq.token_ids]))
+    return logits[0, seq.num_prompt_tokens - 1 : -1]
+
+
+def _training_log_probs(model, seq, temperature: float) -> torch.Tensor:
+    """What the trainer computes for a rollout: the label log-probs of a full forward at the temperature."""
+    labels = torch.tensor([seq.generated_token_ids])
+    return log_probs_from_logits(_response_logits(model, seq)[None], labels, temperature=temperature)[0]
 
 
 def test_greedy_matches_transformers_with_and_without_preemption(checkpoint):
@@ -68,6 +75,7 @@ def test_greedy_matches_transformers_with_and_without_preemption(checkpoint):
         outputs = engine.generate(prompts, GREEDY)
         assert [out.generated_token_ids for out in outputs] == expected
         assert all(len(out.log_probs) == len(out.generated_token_ids) for out in outputs)
+        assert all(out.sampling_log_probs == out.log_probs for out in outputs)  # greedy: the unfiltered value
     assert roomy.num_preemptions == 0 and tight.num_preemptions > 0
     # The shared prefix (two blocks) and the repeated prompt (three blocks, last token recomputed) are not prefilled
     # twice.
@@ -102,6 +110,8 @@ def test_eos_stop_tokens_and_length_end_a_response(checkpoint):
     ids=["t1", "t0.7-topk", "t1.3-topp"],
 )
 def test_sampled_log_probs_equal_training_log_probs(checkpoint, sampling):
+    """Both log-probs of every generated token: the unfiltered one equals the trainer's; the sampled one equals the
+    full forward's logits filtered and renormalised, and is the unfiltered one bit for bit when nothing filters."""
     model, _ = checkpoint
     params = SamplingParams(max_new_tokens=10, **sampling)
     engine = LLMEngine(model, eos_token_id=EOS, block_size=4, num_blocks=12, seed=3)
@@ -110,6 +120,12 @@ def test_sampled_log_probs_equal_training_log_probs(checkpoint, sampling):
     for seq in outputs:
         expected = _training_log_probs(model, seq, params.temperature)
         torch.testing.assert_close(torch.tensor(seq.log_probs), expected, atol=1e-6, rtol=0)
+        scaled = _response_logits(model, seq) / params.temperature
+        filtered = filter_logits(scaled, top_k=params.top_k, top_p=params.top_p).log_softmax(-1)
+        under_filter = filtered.gather(1, torch.tensor(seq.generated_token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(seq.sampling_log_probs), under_filter, atol=1e-6, rtol=0)
+    equal = [seq.sampling_log_probs == seq.log_probs for seq in outputs]
+    assert all(equal) if params.top_k == 0 and params.top_p == 1 else not any(equal)
 
 
 def test_a_seeded_request_samples_the_same_tokens_alone_in_a_batch_and_under_preemption(checkpoint):

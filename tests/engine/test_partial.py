@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hf_fixtures import write_hf_model
@@ -125,15 +127,18 @@ def test_dropped_requests_restart_from_the_prompt_under_the_new_weights(paths):
         else:  # what the new weights generate from the prompt with the request's seed, one version throughout
             assert seq.generated_token_ids == reference.generated_token_ids and versions == [1] * seq.num_generated
             torch.testing.assert_close(seq.log_probs, reference.log_probs, atol=1e-6, rtol=0)
+            assert seq.sampling_log_probs == seq.log_probs  # cleared with the tokens at the restart
 
 
 @pytest.mark.parametrize("in_flight", ["keep_kv", "recompute_kv", "drop"])
 def test_a_run_snapshotted_between_segments_and_restored_goes_on_exactly(paths, in_flight, tmp_path):
     """A checkpoint in flight: snapshot (through JSON) and K/V blocks taken after a segment, restored into a fresh
-    engine; both then take the new weights and finish. Everything equals, bit for bit."""
+    engine; both then take the new weights and finish. Everything equals, bit for bit, both log-probs included
+    (top-p makes them differ)."""
     import json
 
     requests, params = _requests()
+    params = [replace(row_params, top_p=0.9) for row_params in params]
     results = []
     for restored in (False, True):
         engine = LLMEngine(_model(paths[0]), eos_token_id=EOS, block_size=4, num_blocks=14)
@@ -149,7 +154,10 @@ def test_a_run_snapshotted_between_segments_and_restored_goes_on_exactly(paths, 
         _swap(engine.runner.model, paths[1])
         run.update_weights(1, in_flight)
         engine.advance(run)
-        results.append([(seq.token_ids, seq.log_probs, run.token_versions(seq)) for seq in run.seqs])
+        results.append(
+            [(seq.token_ids, seq.log_probs, seq.sampling_log_probs, run.token_versions(seq)) for seq in run.seqs]
+        )
         results[-1].append(run.num_preemptions)
     assert results[1] == results[0]
+    assert all(log_probs != sampling_log_probs for _, log_probs, sampling_log_probs, _ in results[0][:-1])
     assert results[0][-1] > 0  # a cache tight enough to preempt

@@ -1,6 +1,7 @@
 """The device-side sampler: supports, chi-square fits of the sampled distributions (with top-k, top-p, T != 1, per-row
-parameters in one batch), batch-independence of seeded requests, log-probs, the hash against exact integer arithmetic,
-and the peak memory its docstring states."""
+parameters in one batch), batch-independence of seeded requests, log-probs (unfiltered, and under the filtered
+distribution each token was drawn from), the hash against exact integer arithmetic, and the peak memory its docstring
+states."""
 
 import math
 
@@ -27,7 +28,7 @@ def _sample(logits, params, seeds, positions):
 
 def _draw(logits_row: torch.Tensor, params: SamplingParams, seed: int) -> list[int]:
     """DRAWS tokens of one request from the same logits, at positions 0..DRAWS-1, in one batch."""
-    tokens, _ = _sample(logits_row.expand(DRAWS, -1), [params] * DRAWS, [seed] * DRAWS, list(range(DRAWS)))
+    tokens, _, _ = _sample(logits_row.expand(DRAWS, -1), [params] * DRAWS, [seed] * DRAWS, list(range(DRAWS)))
     return tokens
 
 
@@ -45,7 +46,7 @@ def _assert_fits(tokens: list[int], expected: torch.Tensor) -> None:
 
 def test_greedy_takes_the_argmax_with_its_plain_log_prob():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
-    tokens, log_probs = _sample(logits, [SamplingParams(temperature=0)] * 2, [0, 0], [0, 0])
+    tokens, log_probs, _ = _sample(logits, [SamplingParams(temperature=0)] * 2, [0, 0], [0, 0])
     assert tokens == [1, 0]
     expected = logits.log_softmax(-1)[[0, 1], [1, 0]]
     torch.testing.assert_close(torch.tensor(log_probs), expected)
@@ -117,21 +118,65 @@ def test_per_row_params_in_one_batch():
     rows = DRAWS * len(kinds)
     params = [kinds[row % len(kinds)] for row in range(rows)]
     seeds, positions = [row % 97 for row in range(rows)], [row // 4 for row in range(rows)]
-    tokens, log_probs = _sample(LOGITS.expand(rows, -1), params, seeds, positions)
+    tokens, log_probs, _ = _sample(LOGITS.expand(rows, -1), params, seeds, positions)
     assert set(tokens[0::4]) == {0} and all(lp == pytest.approx(math.log(0.5), abs=1e-6) for lp in log_probs[0::4])
     for kind in range(1, len(kinds)):
         _assert_fits(tokens[kind::4], expected[kind])
     for row in (1, 2, 3, 6, 7, 4005, 4006, 4007):
-        alone, _ = _sample(LOGITS, [params[row]], [seeds[row]], [positions[row]])
+        alone, _, _ = _sample(LOGITS, [params[row]], [seeds[row]], [positions[row]])
         assert alone == [tokens[row]]
 
 
 def test_log_prob_is_at_temperature_and_before_filtering():
     params = SamplingParams(temperature=0.5, top_k=2)
-    tokens, log_probs = _sample(LOGITS.expand(64, -1), [params] * 64, [1] * 64, list(range(64)))
+    tokens, log_probs, _ = _sample(LOGITS.expand(64, -1), [params] * 64, [1] * 64, list(range(64)))
     assert set(tokens) == {0, 1}
     expected = (LOGITS / 0.5).log_softmax(-1)[0, tokens]
     torch.testing.assert_close(torch.tensor(log_probs), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.7, top_k=8, top_p=0.8),
+    ],
+    ids=["t0.8-topp0.9", "t1.3-topk5", "t0.7-topk8-topp0.8"],
+)
+def test_sampling_log_prob_is_under_the_filtered_renormalised_distribution(params):
+    """The sampled log-prob is the chosen token's under log_softmax of the explicitly filtered logits; the unfiltered
+    one stays log_softmax(logits / T)."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(6)) * 2
+    rows = 64
+    tokens, log_probs, sampling_log_probs = _sample(
+        logits.expand(rows, -1), [params] * rows, [5] * rows, list(range(rows))
+    )
+    scaled = logits / params.temperature
+    filtered = filter_logits(scaled, top_k=params.top_k, top_p=params.top_p)
+    assert 1 < int((~torch.isinf(filtered)).sum()) < 50 and len(set(tokens)) > 1  # the case filters and samples
+    torch.testing.assert_close(torch.tensor(log_probs), scaled.log_softmax(-1)[0, tokens], atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor(sampling_log_probs), filtered.log_softmax(-1)[0, tokens], atol=1e-6, rtol=0)
+
+
+def test_rows_that_keep_every_token_record_the_unfiltered_log_prob_exactly():
+    """Greedy rows and rows without top-k / top-p (top_k at least the vocabulary keeps all) record the unfiltered
+    log-prob bit for bit, beside filtering rows in one batch and in batches where no row filters."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(7)) * 2
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=0.9, top_p=0.5),
+        SamplingParams(temperature=1.1, top_k=50),
+        SamplingParams(temperature=1.1, top_k=3),
+    ]
+    rows = len(params)
+    _, log_probs, sampling_log_probs = _sample(logits.expand(rows, -1), params, [1] * rows, [0] * rows)
+    assert [sampling_log_probs[row] == log_probs[row] for row in range(rows)] == [True, True, False, True, False]
+    assert sampling_log_probs[2] > log_probs[2] and sampling_log_probs[4] > log_probs[4]
+    for unfiltered in ([params[0]] * 2, [params[1], params[3]], [params[0], params[1]]):
+        _, log_probs, sampling_log_probs = _sample(logits.expand(2, -1), unfiltered, [1, 2], [0, 0])
+        assert sampling_log_probs == log_probs
 
 
 def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch_and_row():
@@ -148,14 +193,14 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch_and_row():
         batch_params = other_params[:row] + [params] + other_params[row:]
         seeds = [100, 101, 7, 102, 103][:row] + [7] + [100, 101, 7, 102, 103][row:]
         positions = [3, 4, 5, 6, 7][:row] + [position] + [3, 4, 5, 6, 7][row:]
-        tokens, _ = _sample(batch, batch_params, seeds, positions)
+        tokens, _, _ = _sample(batch, batch_params, seeds, positions)
         assert tokens[row] == alone[position]
     other_seed = [_sample(logits, [params], [8], [position])[0][0] for position in range(20)]
     assert other_seed != alone
 
 
 def test_temperature_sharpens():
-    (token,), (log_prob,) = _sample(LOGITS, [SamplingParams(temperature=1e-3)], [0], [0])
+    (token,), (log_prob,), _ = _sample(LOGITS, [SamplingParams(temperature=1e-3)], [0], [0])
     assert token == 0 and log_prob == pytest.approx(0.0, abs=1e-6)
     assert math.isfinite(log_prob)
 
@@ -163,7 +208,7 @@ def test_temperature_sharpens():
 def test_low_precision_logits_are_scaled_in_float32():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     params = [SamplingParams(temperature=0.7, seed=0)] * 3
-    tokens, log_probs = _sample(logits, params, [1, 2, 3], [0, 0, 0])
+    tokens, log_probs, _ = _sample(logits, params, [1, 2, 3], [0, 0, 0])
     expected = (logits.float() / 0.7).log_softmax(-1)[[0, 1, 2], tokens]
     torch.testing.assert_close(torch.tensor(log_probs), expected, atol=1e-6, rtol=0)
 
@@ -192,7 +237,7 @@ def test_a_token_outside_the_support_is_never_drawn():
     logits = torch.tensor([[0.0, 50.0, 0.0, 0.0], [-1e30, 0.0, 0.0, -1e30]])
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0)]
     for seed in range(200):
-        tokens, _ = _sample(logits, params, [seed, seed], [0, 0])
+        tokens, _, _ = _sample(logits, params, [seed, seed], [0, 0])
         assert tokens[0] == 1 and tokens[1] in (1, 2)
 
 

@@ -23,10 +23,10 @@ def test_prefill_then_decode_until_finished():
         scheduler.add(seq)
     batch, prefill = scheduler.schedule()
     assert prefill and batch == seqs
-    assert scheduler.finish_step(batch, [1, 1, 1], [0.0] * 3) == []
+    assert scheduler.finish_step(batch, [1, 1, 1], [0.0] * 3, [0.0] * 3) == []
     batch, prefill = scheduler.schedule()
     assert not prefill and batch == seqs
-    assert scheduler.finish_step(batch, [2, 2, 2], [0.0] * 3) == seqs
+    assert scheduler.finish_step(batch, [2, 2, 2], [0.0] * 3, [0.0] * 3) == seqs
     assert not scheduler.has_work() and scheduler.block_manager.num_free_blocks == 16
 
 
@@ -55,7 +55,7 @@ def test_running_out_of_blocks_preempts_the_newest_and_everything_still_finishes
         assert batch, "the scheduler must always make progress"
         used = sum(len(s.block_table) for s in scheduler.running)
         assert used <= 4
-        scheduler.finish_step(batch, [7] * len(batch), [-0.5] * len(batch))
+        scheduler.finish_step(batch, [7] * len(batch), [-0.5] * len(batch), [-0.5] * len(batch))
         steps += 1
         assert steps < 100
     assert scheduler.num_preemptions > 0
@@ -77,7 +77,7 @@ def test_random_workloads_never_leak_blocks():
                 break
             batch, _ = scheduler.schedule()
             assert batch
-            scheduler.finish_step(batch, [rng.randint(1, 50) for _ in batch], [0.0] * len(batch))
+            scheduler.finish_step(batch, [rng.randint(1, 50) for _ in batch], [0.0] * len(batch), [0.0] * len(batch))
         assert all(seq.is_finished for seq in seqs), trial
         assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
 

@@ -122,12 +122,16 @@ def test_masks_log_probs_limits_and_rewards(setup):
             ]
         mask = torch.tensor(t.generated_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(t.log_probs)[mask], expected[mask], atol=2e-5, rtol=0)
-    tensors = response_tensors(
-        [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories], width=BUDGET, pad_token_id=0
-    )
+        assert t.sampling_log_probs == t.log_probs  # nothing filtered: the sampled distribution is the full one
+    tensors = response_tensors([t.response for t in trajectories], width=BUDGET, pad_token_id=0)
     assert tensors["response_mask"].sum() == sum(sum(t.generated_mask) for t in trajectories)
     assert bool((tensors["response_mask"] <= tensors["trajectory_mask"]).all())
     assert tensors["trajectory_mask"].sum() == sum(len(t.response_token_ids) for t in trajectories)
+    for row, t in enumerate(trajectories):
+        length = len(t.response_token_ids)
+        assert tensors["rollout_log_probs"][row, :length].tolist() == torch.tensor(t.log_probs).tolist()
+        assert not tensors["rollout_log_probs"][row, length:].any()
+    assert torch.equal(tensors["sampling_log_probs"], tensors["rollout_log_probs"])
 
 
 def test_prefix_reuse_across_turns_changes_no_token(setup):

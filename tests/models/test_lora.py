@@ -1,5 +1,6 @@
 """LoRA adapters against PEFT on the same weights, for every family: the adapted forward, the base with adapters off,
-a PEFT adapter as the starting point, and the merged weights."""
+a PEFT adapter as the starting point (with rsLoRA and per-layer ranks and alphas too), and the merged weights; the
+PEFT adapters that are refused (DoRA, regular-expression target modules)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import torch
 from hf_fixtures import FAMILIES, padded_batch, write_hf_model
 
 from spmd_rlhf.config import LORA_TARGETS, ConfigError, LoRAConfig
-from spmd_rlhf.models.lora import LoRAAdapters, is_adapter, layer_splits, merged_weight, write_peft_adapter
+from spmd_rlhf.models.lora import (
+    LoRAAdapters,
+    is_adapter,
+    layer_splits,
+    lora_config_of,
+    merged_weight,
+    write_peft_adapter,
+)
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model, load_weights
 
@@ -90,9 +98,109 @@ def test_peft_adapter_is_a_starting_point_and_merges_like_peft(tmp_path):
     params = dict(model.named_parameters())
     for layer in adapters.layers:
         ours_merged = merged_weight(
-            params[f"{layer}.weight"], params[f"{layer}.lora_A.weight"], params[f"{layer}.lora_B.weight"], config.scale
+            params[f"{layer}.weight"],
+            params[f"{layer}.lora_A.weight"],
+            params[f"{layer}.lora_B.weight"],
+            config.scale_of(layer),
         )
         torch.testing.assert_close(ours_merged, merged[f"{layer}.weight"], atol=1e-6, rtol=1e-6)
+
+
+SCALINGS = {
+    "rslora": dict(use_rslora=True),
+    "alpha_pattern": dict(alpha_pattern={"q_proj": 64.0, "layers.1.mlp.down_proj": 2.0}),
+    "rank_pattern": dict(rank_pattern={"v_proj": 2, "layers.0.self_attn.q_proj": 8}),
+    "all_three": dict(use_rslora=True, rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 4.0}),
+}
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS.values()), ids=list(SCALINGS))
+def test_peft_adapter_with_its_own_scales_loads_merges_and_saves_like_peft(scaling, tmp_path):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path / "base")
+    hf_model = write_hf_model("qwen2_untied", path)
+    peft_model = get_peft_model(
+        hf_model, PeftLoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False, **scaling)
+    )
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    config = LoRAConfig(rank=4, alpha=16.0, adapter_path=str(tmp_path / "adapter"), **scaling)
+    model, adapters = lora_model(path, config)
+    input_ids, attention_mask, position_ids = padded_batch(batch=2, seq=10, side="left")
+    real = attention_mask.bool()
+    with torch.no_grad():
+        expected = peft_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        ours = model(input_ids, attention_mask=attention_mask)
+    assert (ours[real] - expected[real]).abs().max().item() <= 1e-5
+    params = dict(model.named_parameters())
+    for layer in adapters.layers:
+        assert (
+            params[f"{layer}.lora_A.weight"].shape[0] == peft_model.base_model.model.get_submodule(layer).r["default"]
+        )
+    # Our own adapter file of the same adapters: PEFT reads the same scales from it, and so does a merged export.
+    exported = lora_config_of(adapters.peft_config(path))
+    assert all(exported.scale_of(layer) == config.scale_of(layer) for layer in adapters.layers)
+    write_peft_adapter(
+        str(tmp_path / "ours"), {name: params[name] for name in params if is_adapter(name)}, adapters.peft_config(path)
+    )
+    base = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with torch.no_grad():
+        merged = peft_model.merge_and_unload().state_dict()
+        reloaded = PeftModel.from_pretrained(base, str(tmp_path / "ours")).eval()
+        again = reloaded(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    assert (again[real] - expected[real]).abs().max().item() <= 1e-5
+    for layer in adapters.layers:
+        ours_merged = merged_weight(
+            params[f"{layer}.weight"],
+            params[f"{layer}.lora_A.weight"],
+            params[f"{layer}.lora_B.weight"],
+            config.scale_of(layer),
+        )
+        torch.testing.assert_close(ours_merged, merged[f"{layer}.weight"], atol=1e-6, rtol=1e-6)
+
+
+def test_pattern_keys_match_layers_as_in_peft():
+    from peft.utils.other import get_pattern_key
+
+    patterns = {"0.self_attn.q_proj": 1, "self_attn.(k|v)_proj": 2, "layers.1.mlp.down_proj": 3, "up_proj": 5}
+    config = LoRAConfig(rank=8, rank_pattern=patterns)
+    for index in (0, 1, 10):
+        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj", "mlp.up_proj"):
+            layer = f"model.layers.{index}.{module}"
+            assert config.rank_of(layer) == patterns.get(get_pattern_key(list(patterns), layer), 8), layer
+    assert config.rank_of("model.layers.10.self_attn.q_proj") == 8  # a key matches after a dot, not inside a name
+
+
+@pytest.mark.parametrize(
+    "peft_settings, our_settings, message",
+    [
+        (dict(use_dora=True), {}, "is a DoRA adapter \\(use_dora=true\\).*use a LoRA adapter"),
+        (dict(target_modules=r".*\.self_attn\.q_proj"), {}, "target_modules='.*a regular expression.*list of layer"),
+        (dict(use_rslora=True), {}, "has use_rslora=true; set lora.use_rslora to match \\(now false\\)"),
+        (dict(rank_pattern={"q_proj": 8}), {}, "has rank_pattern=.*set lora.rank_pattern"),
+        # PEFT saves the keys sorted, so q_proj comes first and wins for every q_proj.
+        (
+            dict(rank_pattern={"self_attn.q_proj": 6, "q_proj": 4}),
+            dict(rank_pattern={"self_attn.q_proj": 6, "q_proj": 4}),
+            "self_attn.q_proj \\(rank, scale\\) \\(4, 4.0\\), lora.* gives it \\(6, .*pattern keys overlap",
+        ),
+    ],
+    ids=["dora", "regex_targets", "rslora_unset", "rank_pattern_unset", "patterns_in_another_order"],
+)
+def test_peft_adapter_of_another_kind_is_refused_by_name(peft_settings, our_settings, message, tmp_path):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    path = str(tmp_path / "base")
+    settings = dict(r=2, lora_alpha=16, target_modules=["q_proj"]) | peft_settings
+    get_peft_model(write_hf_model("llama3", path), PeftLoraConfig(**settings)).save_pretrained(
+        str(tmp_path / "adapter")
+    )
+    config = LoRAConfig(rank=2, target_modules=["q_proj"], adapter_path=str(tmp_path / "adapter"), **our_settings)
+    with pytest.raises(ValueError, match=message):
+        lora_model(path, config)
 
 
 def test_mismatched_peft_adapter_names_the_key(tmp_path):
@@ -125,6 +233,8 @@ def test_fresh_adapters_start_at_the_base_model(family):
         (dict(rank=4, target_modules=["lm_head"]), "target_modules"),
         (dict(rank=4, dropout=1.0), "dropout"),
         (dict(rank=None, adapter_path="x"), "adapter_path"),
+        (dict(rank=4, rank_pattern={"q_proj": 0}), "rank_pattern"),
+        (dict(rank=4, alpha_pattern={"(q_proj": 2.0}), "alpha_pattern"),
     ],
 )
 def test_config_rejects(settings, message):
@@ -134,7 +244,10 @@ def test_config_rejects(settings, message):
 
 def test_lora_is_off_by_default_and_scales_by_alpha_over_rank():
     assert not LoRAConfig().enabled and not LoRAConfig(rank=0).enabled
-    assert LoRAConfig(rank=8, alpha=16).scale == 2.0
+    layer = "model.layers.0.self_attn.q_proj"
+    assert LoRAConfig(rank=8, alpha=16).scale_of(layer) == 2.0
+    assert LoRAConfig(rank=4, alpha=16, use_rslora=True).scale_of(layer) == 8.0
+    assert LoRAConfig(rank=8, alpha=16, rank_pattern={"q_proj": 2}, alpha_pattern={"q_proj": 4}).scale_of(layer) == 2.0
     adapters = LoRAAdapters(LoRAConfig(rank=2), {})
     with adapters.disabled():
         assert not adapters.enabled

@@ -16,13 +16,23 @@ from spmd_rlhf.algos.advantages import (
 from spmd_rlhf.algos.aggregation import AGGREGATIONS, Denominators, aggregate, masked_mean
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.algos.kl import ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_estimate
-from spmd_rlhf.algos.losses import RATIO_LEVELS, entropy_bonus, policy_loss, value_loss
-from spmd_rlhf.algos.off_policy import CORRECTIONS, importance_metrics, importance_weights
+from spmd_rlhf.algos.losses import (
+    RATIO_LEVELS,
+    cispo_loss,
+    entropy_bonus,
+    gmpo_loss,
+    policy_loss,
+    sapo_loss,
+    value_loss,
+)
+from spmd_rlhf.algos.off_policy import LEVELS, Corrected, Correction, correct, correction_metrics
 from spmd_rlhf.algos.safe_rlhf import LagrangeMultiplier, combine_advantages
 
 __all__ = [
     "AGGREGATIONS",
-    "CORRECTIONS",
+    "LEVELS",
+    "Corrected",
+    "Correction",
     "ESTIMATORS",
     "AdaptiveKLController",
     "LagrangeMultiplier",
@@ -38,8 +48,10 @@ __all__ = [
     "gae",
     "group_advantages",
     "groups_with_signal",
-    "importance_metrics",
-    "importance_weights",
+    "cispo_loss",
+    "correct",
+    "correction_metrics",
+    "gmpo_loss",
     "kl_estimate",
     "masked_mean",
     "overlong_penalty",
@@ -47,6 +59,7 @@ __all__ = [
     "policy_loss",
     "remax_advantages",
     "rloo_advantages",
+    "sapo_loss",
     "scores_to_token_rewards",
     "value_loss",
     "whiten",

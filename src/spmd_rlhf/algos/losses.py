@@ -10,6 +10,9 @@ token ratios, s_i = exp(mean_t(log π − log π_old)), clipped as above; each t
 own log-probability (s_i,t = sg[s_i] · π_t / sg[π_t]), so the ratio is that of the sequence and the gradient flows
 through every token.
 
+CISPO, GMPO and SAPO (``cispo_loss``, ``gmpo_loss``, ``sapo_loss``) follow verl's ``cispo``, ``geo_mean`` and ``sapo``
+policy losses term for term (tests compare them within 1e-6).
+
 Clipped value loss: l = ½·max((V − R)², (V_old + clip(V − V_old, −ε_v, ε_v) − R)²).
 
 Metrics come back as 0-dim tensors on the loss's device: a trainer reads them once per update, not once per
@@ -68,6 +71,101 @@ def policy_loss(
             "actor/dual_clip_fraction": masked_mean(dual_clipped.float(), mask),
             "actor/approx_kl": masked_mean(0.5 * log_ratio.square(), mask),
         }
+    return aggregate(loss, mask, aggregation, denominators), metrics
+
+
+def cispo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    aggregation: str = "token_mean",
+    denominators: Denominators | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025): l = −sg[clip(ρ, 1 − ε_low, 1 + ε_high)]·A·log π. The clipped ratio is
+    a constant weight of the REINFORCE term, so a token beyond the clip range keeps its gradient (PPO's clip zeroes
+    it). verl's ``cispo``."""
+    ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0).exp()
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    loss = -clipped * advantages * log_probs
+    if token_weights is not None:
+        loss = loss * token_weights
+    with torch.no_grad():
+        metrics = {
+            "actor/clip_fraction": masked_mean((clipped != ratio).float(), mask),
+            "actor/approx_kl": masked_mean(0.5 * (log_probs - old_log_probs).square(), mask),
+        }
+    return aggregate(loss, mask, aggregation, denominators), metrics
+
+
+def gmpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    denominators: Denominators | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (Zhao et al. 2025): one ratio per response, the geometric mean of its token ratios with each token's
+    log-ratio clipped to [−ε_low, ε_high] in log space on the side the advantage's sign makes pessimistic:
+
+        s_i = exp(mean_t min(sgn(A)·δ_t, sgn(A)·clip(δ_t, −ε_low, ε_high)) · sgn(A)),   l_i = −mean_t(A_t) · s_i
+
+    averaged over the responses (the paper's clip range (e^−0.4, e^0.4) is clip_ratio_low = clip_ratio_high = 0.4).
+    ``token_weights`` enter as the geometric mean of each response's weights (a sequence-level correction). verl's
+    ``geo_mean``."""
+    mask_f = mask.to(log_probs.dtype)
+    lengths = mask_f.sum(dim=1)
+    log_ratio = log_probs - old_log_probs
+    sign = torch.sign(advantages)
+    clipped = log_ratio.clamp(-clip_low, clip_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    ratio = torch.exp((pessimistic * mask_f).sum(dim=1) / (lengths + 1e-8))
+    advantage = (advantages * mask_f).sum(dim=1) / (lengths + 1e-8)
+    loss = -advantage * ratio
+    if token_weights is not None:
+        loss = loss * torch.exp((torch.log(token_weights + 1e-10) * mask_f).sum(dim=1) / (lengths + 1e-8)).detach()
+    sequences = denominators.sequences if denominators is not None else float(mask.shape[0])
+    with torch.no_grad():
+        metrics = {
+            "actor/clip_fraction": masked_mean((clipped != log_ratio).float(), mask),
+            "actor/approx_kl": masked_mean(0.5 * log_ratio.square(), mask),
+        }
+    return loss.sum() / max(sequences, 1.0), metrics
+
+
+def sapo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    tau_positive: float,
+    tau_negative: float,
+    aggregation: str = "token_mean",
+    denominators: Denominators | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Gao et al. 2025): a smooth gate in place of the hard clip, f(ρ) = σ(τ·(ρ − 1))·4/τ, l = −f(ρ)·A, with
+    τ = τ_pos for A > 0 and τ_neg otherwise; at ρ = 1 its gradient equals the policy gradient, and it fades as ρ
+    leaves 1 (faster for the larger τ). verl's ``sapo``."""
+    if tau_positive <= 0 or tau_negative <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0 (tau_positive={tau_positive}, tau_negative={tau_negative})")
+    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    tau = torch.where(advantages > 0, tau_positive, tau_negative).to(ratio.dtype)
+    loss = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
+    if token_weights is not None:
+        loss = loss * token_weights
+    with torch.no_grad():
+        metrics = {"actor/approx_kl": masked_mean(0.5 * log_ratio.square(), mask)}
     return aggregate(loss, mask, aggregation, denominators), metrics
 
 

@@ -2,7 +2,8 @@
 not the frozen base, which is read again from the base model directory named in the adapter config.
 
 Without ``merge`` the role becomes a PEFT adapter directory (``peft.PeftModel.from_pretrained(base, dir)`` loads it);
-with ``merge`` a full Hugging Face model whose adapted weights are ``W + (alpha / r) B A``, written tensor by tensor:
+with ``merge`` a full Hugging Face model whose adapted weights are ``W + s B A`` (``s`` each layer's scale,
+``LoRAConfig.scale_of``), written tensor by tensor:
 at peak one base tensor and its merged copy beside the adapters (``r x (in + out)`` per layer).
 """
 
@@ -19,8 +20,9 @@ from transformers import AutoTokenizer
 
 from spmd_rlhf.checkpoint import safe_load
 from spmd_rlhf.checkpoint.errors import CheckpointError
+from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.models import DecoderLM, read_decoder_args
-from spmd_rlhf.models.lora import ADAPTER_SUFFIXES, write_peft_adapter
+from spmd_rlhf.models.lora import ADAPTER_SUFFIXES, lora_config_of, write_peft_adapter
 from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, write_index
 from spmd_rlhf.models.weights import checkpoint_files, write_hf_metadata
 
@@ -61,19 +63,19 @@ def export_lora(config_dir: Path, out: Path, *, merge: bool, dtype: torch.dtype,
     with torch.device("meta"):
         model = DecoderLM(args, head=head)
     entries = [TensorEntry(name, tuple(param.shape), dtype) for name, param in model.named_parameters()]
-    scale = adapter_config["lora_alpha"] / adapter_config["r"]
+    scales = lora_config_of(adapter_config)
     planned_files = plan_files([entries], max_shard_bytes=max_shard_bytes)
     for planned in planned_files:
         with SafetensorsWriter(out, planned) as file:
             for entry in planned.entries:
-                file.write(_merged(entry.name, trained, files, scale).to(dtype))
+                file.write(_merged(entry.name, trained, files, scales).to(dtype))
     write_index(out, planned_files)
     write_hf_metadata(out, args, head=head, dtype=dtype, tokenizer=tokenizer)
 
 
-def _merged(name: str, trained: dict[str, torch.Tensor], files: dict[str, str], scale: float) -> torch.Tensor:
+def _merged(name: str, trained: dict[str, torch.Tensor], files: dict[str, str], scales: LoRAConfig) -> torch.Tensor:
     """The exported value of parameter ``name``: trained in full (a critic's head), or the base tensor plus its
-    adapter's ``scale * B A`` when its layer has one, in float32."""
+    adapter's ``s B A`` (``s`` its layer's ``scales.scale_of``) when its layer has one, in float32."""
     if name in trained:
         return trained[name].float()
     with safe_open(files[name], framework="pt", device="cpu") as handle:
@@ -81,5 +83,5 @@ def _merged(name: str, trained: dict[str, torch.Tensor], files: dict[str, str], 
     layer = name.removesuffix(".weight")
     lora_a, lora_b = (trained.get(layer + suffix) for suffix in ADAPTER_SUFFIXES)
     if lora_a is not None and lora_b is not None:
-        tensor += scale * (lora_b.float() @ lora_a.float())
+        tensor += scales.scale_of(layer) * (lora_b.float() @ lora_a.float())
     return tensor

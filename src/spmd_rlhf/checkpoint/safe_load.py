@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
@@ -80,7 +81,27 @@ def read_metadata(state_dir: str | os.PathLike) -> Metadata:
         raise CheckpointError(f"{path} is not readable DCP metadata ({type(error).__name__}: {error})") from error
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    for info in (metadata.storage_data or {}).values():
+        _check_confined(getattr(info, "relative_path", None), path)
     return metadata
+
+
+def _check_confined(relative_path: Any, metadata_path: Path) -> None:
+    """A storage file of the metadata must be a plain file name inside the checkpoint's directory: DCP writes
+    ``__<rank>_<n>.distcp`` beside ``.metadata``; an absolute or ``..`` path would read any file of the machine."""
+    name = str(relative_path)
+    inside = (
+        isinstance(relative_path, str)
+        and name not in ("", ".", "..")
+        and not os.path.isabs(name)
+        and ".." not in Path(name).parts
+        and "\\" not in name
+    )
+    if not inside:
+        raise CheckpointError(
+            f"{metadata_path} points a shard at {name!r}, outside the checkpoint's directory; the file was not "
+            f"written by DCP (or was altered) and is not loaded. Resume or export only checkpoints your own jobs wrote"
+        )
 
 
 class _Reader(dcp.FileSystemReader):
@@ -122,11 +143,20 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
 ) -> None:
-    """``dcp.load`` of ``state`` from ``state_dir`` (in place, resharded), reading no code from the files."""
-    dcp.load(
-        state,
-        storage_reader=_Reader(str(state_dir)),
-        planner=_Planner(str(state_dir)),
-        process_group=process_group,
-        no_dist=no_dist,
-    )
+    """``dcp.load`` of ``state`` from ``state_dir`` (in place, resharded), reading no code from the files. A refusal
+    is raised as the ``CheckpointError`` naming it, not inside DCP's ``CheckpointException`` (a ``BaseException``
+    that carries every rank's traceback)."""
+    read_metadata(state_dir)  # DCP would fold a refusal of its metadata into an AssertionError of its own
+    try:
+        dcp.load(
+            state,
+            storage_reader=_Reader(str(state_dir)),
+            planner=_Planner(str(state_dir)),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
+    except CheckpointException as error:
+        refusals = [failure for failure, _ in error.failures.values() if isinstance(failure, CheckpointError)]
+        if refusals:
+            raise refusals[0] from None
+        raise

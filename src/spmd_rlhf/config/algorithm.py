@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from spmd_rlhf.config import dataflow
 from spmd_rlhf.config.dataflow import GROUP_ALGORITHMS
@@ -14,6 +14,109 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", 
 
 ALGORITHMS = tuple(dataflow.ALGORITHMS)
 """Every ``algorithm.name``: the members of every family's dataflow."""
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
+CORRECTION_PRESETS: dict[str, dict] = {
+    "disabled": {"is_level": None, "rs_level": None},
+    "decoupled_token_is": {"is_level": "token", "is_threshold": 2.0, "rs_level": None},
+    "decoupled_seq_is": {"is_level": "sequence", "is_threshold": 2.0, "rs_level": None},
+    "decoupled_seq_is_rs": {
+        "is_level": "sequence",
+        "is_threshold": 2.0,
+        "rs_level": "sequence",
+        "rs_threshold": 2.0,
+        "rs_threshold_lower": 0.5,
+    },
+    "decoupled_geo_rs": {
+        "is_level": None,
+        "rs_level": "geometric",
+        "rs_threshold": 1.001,
+        "rs_threshold_lower": 0.999,
+        "veto_threshold": 1e-4,
+    },
+    "token_is_rs": {
+        "is_level": "token",
+        "is_threshold": 2.0,
+        "rs_level": "token",
+        "rs_threshold": 2.0,
+        "rs_threshold_lower": 0.5,
+    },
+    "token_rs": {"is_level": None, "rs_level": "token", "rs_threshold": 2.0, "rs_threshold_lower": 0.5},
+    "seq_rs": {"is_level": None, "rs_level": "sequence", "rs_threshold": 2.0, "rs_threshold_lower": 0.5},
+    "icepop": {"is_level": None, "rs_level": "token", "rs_threshold": 5.0, "rs_threshold_lower": 0.5},
+}
+"""``algorithm.correction.preset``: verl's decoupled presets (``RolloutCorrectionConfig.<name>()``), the combinations
+its guide lists without a method (``token_is_rs``, ``token_rs``, ``seq_rs``), and ICEPOP's token mask outside
+[0.5, 5]. Keys a preset does not name keep their defaults."""
+UNSUPPORTED_PRESETS = {
+    "ppo_is_bypass": "verl's bypass mode is rollout.recompute_log_probs=false here (PPO's ratio is then taken against "
+    "the engine's log-probs and there is nothing to correct); leave algorithm.correction.preset null",
+    "pg_is": "it trains with verl's policy-gradient loss without clipping, which this project does not have; use "
+    "decoupled_seq_is, or algorithm.policy_loss=cispo (a clipped IS weight that keeps every token's gradient)",
+    "pg_rs": "it trains with verl's policy-gradient loss without clipping, which this project does not have; use "
+    "decoupled_geo_rs",
+}
+
+
+@dataclass
+class CorrectionConfig:
+    """Rollout correction (``algos.off_policy``): weights and rejection for the gap between the engine that sampled a
+    response (behaviour log-probs) and the trainer's recomputed log-probs (pi_old), at any staleness. Applied
+    whenever the log-probs are recomputed (rollout.recompute_log_probs: derived true at max_staleness >= 1 or with a
+    preset other than disabled); verl's algorithm.rollout_correction, key for key."""
+
+    preset: str | None = None
+    """A named combination that sets the keys below (a key also set to another non-default value is refused):
+    decoupled_token_is, decoupled_seq_is, decoupled_seq_is_rs, decoupled_geo_rs, token_is_rs, token_rs, seq_rs,
+    icepop or disabled. null: the keys as given."""
+    is_level: str | None = "token"
+    """Importance weights (verl's rollout_is): token (w_t = pi_old/mu per token), sequence (their product),
+    geometric (their geometric mean), or null (no weights)."""
+    is_threshold: float = 2.0
+    """Truncation of the importance weights: min(w, is_threshold) (> 1; verl's rollout_is_threshold)."""
+    rs_level: str | None = None
+    """Rejection (verl's rollout_rs): tokens (token) or whole responses (sequence, geometric) whose ratio leaves
+    [rs_threshold_lower, rs_threshold] leave the loss and its token count; null: none."""
+    rs_threshold: float | None = None
+    """Upper bound of the rejection (> 1); null: is_threshold."""
+    rs_threshold_lower: float | None = None
+    """Lower bound of the rejection (in [0, 1)); null: 1 / rs_threshold."""
+    veto_threshold: float | None = None
+    """A response with any token whose ratio is below this (in (0, 1), e.g. 1e-4) is rejected whole (verl's
+    rollout_token_veto_threshold); null: no veto."""
+
+    def __post_init__(self) -> None:
+        if self.preset in UNSUPPORTED_PRESETS:
+            require(self, "preset", False, UNSUPPORTED_PRESETS[self.preset])
+        names = ", ".join(CORRECTION_PRESETS)
+        require(self, "preset", self.preset is None or self.preset in CORRECTION_PRESETS, f"must be {names} or null")
+        if self.preset is not None:
+            defaults = {item.name: item.default for item in fields(CorrectionConfig)}
+            for key, value in CORRECTION_PRESETS[self.preset].items():
+                current = getattr(self, key)
+                rule = f"preset {self.preset} sets it to {value}; leave it unset or set preset=null"
+                require(self, key, current in (defaults[key], value), rule)
+                setattr(self, key, value)
+        for key in ("is_level", "rs_level"):
+            level = getattr(self, key)
+            require(
+                self, key, level is None or level in CORRECTION_LEVELS, "must be token, sequence, geometric or null"
+            )
+        require(self, "is_threshold", self.is_threshold > 1, "must be > 1")
+        require(self, "rs_threshold", self.rs_threshold is None or self.rs_threshold > 1, "must be > 1 or null")
+        lower = self.rs_threshold_lower
+        require(self, "rs_threshold_lower", lower is None or 0 <= lower < 1, "must be in [0, 1) or null")
+        veto = self.veto_threshold
+        require(self, "veto_threshold", veto is None or 0 < veto < 1, "must be in (0, 1) or null")
+
+    @property
+    def rs_upper(self) -> float:
+        return self.is_threshold if self.rs_threshold is None else self.rs_threshold
+
+    @property
+    def rs_lower(self) -> float:
+        return 1.0 / self.rs_upper if self.rs_threshold_lower is None else self.rs_threshold_lower
 
 
 @dataclass
@@ -49,8 +152,16 @@ class AlgorithmConfig:
     """Per-token losses to one number over the global batch: token_mean, seq_mean_token_mean, seq_mean_token_sum or
     seq_mean_token_sum_norm (Dr. GRPO: divide by sequences x max response length)."""
     policy_loss: str = "ppo"
-    """Importance ratio of the clipped policy loss: ppo (per token) or gspo (per sequence, Zheng et al. 2025; use
-    small clip ratios such as 3e-4 / 4e-4)."""
+    """The policy loss: ppo (clipped ratio per token), gspo (clipped ratio per sequence, Zheng et al. 2025; use small
+    clip ratios such as 3e-4 / 4e-4), cispo (the clipped ratio as a constant weight of the policy gradient, MiniMax-M1;
+    every token keeps its gradient), gmpo (geometric mean of the token ratios, clipped in log space, Zhao et al. 2025;
+    clip ratios such as 0.4) or sapo (a smooth gate in place of the clip, Gao et al. 2025: sapo_tau_positive and
+    sapo_tau_negative). clip_ratio_low / clip_ratio_high bound the ratio of ppo, gspo and cispo, and the log-ratio of
+    gmpo."""
+    sapo_tau_positive: float = 1.0
+    """SAPO: temperature of the gate for tokens with a positive advantage (> 0)."""
+    sapo_tau_negative: float = 1.05
+    """SAPO: temperature of the gate for tokens with a zero or negative advantage (> 0)."""
     dynamic_sampling: bool = False
     """DAPO: drop prompts whose samples all scored the same and refill the batch from further prompts (grpo family)."""
     max_sampling_rounds: int = 3
@@ -72,11 +183,8 @@ class AlgorithmConfig:
     """Asynchronous RL: how many policy updates a step's samples may lag the policy they train (k). 0: every step
     trains on samples of its own weights (synchronous); 1: one-step-off (the next batch is generated while this one
     trains); k: a k-deep pipeline. k > 0 turns on rollout.enabled and rollout.recompute_log_probs (left null)."""
-    off_policy_correction: str = "truncated"
-    """With max_staleness > 0, the importance weight w = pi_old / pi_behaviour (recomputed over engine log-probs) of
-    each token: truncated (min(w, importance_cap)) or masked (tokens with w > importance_cap leave the loss)."""
-    importance_cap: float = 2.0
-    """With max_staleness > 0: the cap of the importance weights (> 1)."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Rollout correction of the engine-vs-trainer gap and of stale samples (docs/async.md)."""
 
     def __post_init__(self) -> None:
         one_of(self, "name", ALGORITHMS)
@@ -93,10 +201,10 @@ class AlgorithmConfig:
         one_of(self, "loss_aggregation", LOSS_AGGREGATIONS)
         require(self, "lambda_lr", self.lambda_lr > 0, "must be > 0")
         require(self, "lambda_init", self.lambda_init > 0, "must be > 0 (the multiplier is log-parameterised)")
-        one_of(self, "policy_loss", ("ppo", "gspo"))
+        one_of(self, "policy_loss", POLICY_LOSSES)
+        for key in ("sapo_tau_positive", "sapo_tau_negative"):
+            require(self, key, getattr(self, key) > 0, "must be > 0")
         at_least(self, 1, "max_sampling_rounds")
         at_least(self, 0, "overlong_buffer", "overlong_penalty", "max_staleness")
-        one_of(self, "off_policy_correction", ("truncated", "masked"))
-        require(self, "importance_cap", self.importance_cap > 1, "must be > 1")
         rule = f"dynamic sampling filters groups of samples; use {listed(GROUP_ALGORITHMS)}"
         require(self, "dynamic_sampling", not self.dynamic_sampling or self.name in GROUP_ALGORITHMS, rule)

@@ -1,7 +1,8 @@
 """Keys whose value follows from the others: left null, they take that value; set, they must agree with it (the
 checks say so, naming both keys). A user turns a feature on with one key, not three.
 
-- ``rollout.enabled`` and ``rollout.recompute_log_probs``: true exactly when ``algorithm.max_staleness >= 1``.
+- ``rollout.enabled``: true exactly when ``algorithm.max_staleness >= 1``; ``rollout.recompute_log_probs`` then too, or
+  with a rollout-correction preset other than ``disabled`` (the correction compares recomputed and engine log-probs).
 - ``placement``: ``split`` with a rollout role (it generates on ranks of its own), else ``colocate``.
 - ``<role>.enabled``: whether the algorithm's step calls the role under this config (its dataflow), so GRPO has no
   critic and LoRA without a reference ``model_path`` has no reference role (the actor's base is the reference).
@@ -31,7 +32,10 @@ def derive(config: RunSettings) -> dict[str, tuple[Any, str]]:
     staleness = config.algorithm.max_staleness
     because = f"algorithm.max_staleness={staleness}"
     fill(config.rollout, "rollout.enabled", staleness >= 1, because)
-    fill(config.rollout, "rollout.recompute_log_probs", staleness >= 1, because)
+    preset = config.algorithm.correction.preset
+    corrects = preset not in (None, "disabled")
+    reason = because if staleness >= 1 or not corrects else f"algorithm.correction.preset={preset}"
+    fill(config.rollout, "rollout.recompute_log_probs", staleness >= 1 or corrects, reason)
     fill(
         config,
         "placement",

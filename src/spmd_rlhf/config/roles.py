@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 from spmd_rlhf.config.choices import (
@@ -72,6 +74,14 @@ class LoRAConfig:
     the adapters (and a critic's value head) train; null or 0: off, the whole model trains."""
     alpha: float = 16.0
     """Scaling numerator: an adapter adds (alpha / rank) * B A x to its layer's output (PEFT's lora_alpha)."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA (Kalajdzievski 2023, PEFT's use_rslora): scale by alpha / sqrt(rank) instead."""
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    """Ranks of some layers instead of rank, by PEFT's rule: a key is a regular expression that must match the end of
+    the layer's full name after a dot, e.g. {q_proj: 8} or {layers.0.self_attn.v_proj: 2}; the first key that
+    matches wins."""
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    """Alphas of some layers instead of alpha, matched like rank_pattern."""
     dropout: float = 0.0
     """Dropout on an adapter's input while training (PEFT's lora_dropout)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
@@ -79,7 +89,8 @@ class LoRAConfig:
     gate_proj, up_proj, down_proj, or [all-linear] for all of them."""
     adapter_path: str | None = None
     """Start from an existing PEFT adapter directory (adapter_config.json + adapter_model.safetensors) instead of fresh
-    adapters (B = 0); its rank, alpha and target modules must match these keys."""
+    adapters (B = 0); its rank, alpha, use_rslora, rank_pattern, alpha_pattern and target modules must match these
+    keys. A DoRA adapter, or one whose target_modules is a regular expression, is refused."""
 
     def __post_init__(self) -> None:
         require(self, "rank", self.rank is None or self.rank >= 0, "must be >= 0 or null (0 and null: LoRA off)")
@@ -90,6 +101,11 @@ class LoRAConfig:
         require(
             self, "target_modules", allowed, "must be [all-linear] or a non-empty list of " + ", ".join(LORA_TARGETS)
         )
+        ranks, alphas = self.rank_pattern, self.alpha_pattern
+        valid_ranks = _are_regular_expressions(ranks) and all(rank >= 1 for rank in ranks.values())
+        require(self, "rank_pattern", valid_ranks, "must map regular expressions over layer names to ranks >= 1")
+        valid_alphas = _are_regular_expressions(alphas) and all(alpha > 0 for alpha in alphas.values())
+        require(self, "alpha_pattern", valid_alphas, "must map regular expressions over layer names to alphas > 0")
         require(self, "adapter_path", self.adapter_path != "", "must be a PEFT adapter directory or null")
         require(self, "adapter_path", self.adapter_path is None or self.enabled, "needs rank >= 1 (LoRA on)")
 
@@ -102,9 +118,32 @@ class LoRAConfig:
         """The adapted layers' names, all-linear expanded."""
         return LORA_TARGETS if self.target_modules == ["all-linear"] else tuple(self.target_modules)
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / (self.rank or 1)
+    def rank_of(self, layer: str) -> int:
+        """The adapter rank of ``layer``, a full module name (``model.layers.0.self_attn.q_proj``)."""
+        return _pattern_value(self.rank_pattern, layer, self.rank)
+
+    def scale_of(self, layer: str) -> float:
+        """What ``layer``'s adapter output ``B A x`` is multiplied by: its alpha over its rank, or over the rank's
+        square root with use_rslora."""
+        rank = self.rank_of(layer)
+        alpha = _pattern_value(self.alpha_pattern, layer, self.alpha)
+        return alpha / (math.sqrt(rank) if self.use_rslora else rank)
+
+
+def _pattern_value(patterns: dict[str, float], layer: str, default: float) -> float:
+    """PEFT's rule for rank_pattern and alpha_pattern: the value of the first key that, as a regular expression, matches
+    all of ``layer`` or its end after a dot; ``default`` when none does."""
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(?:.*\.)?(?:{key})", layer):
+            return value
+    return default
+
+
+def _are_regular_expressions(patterns: dict[str, float]) -> bool:
+    try:
+        return all(key and re.compile(key) for key in patterns)
+    except (re.error, TypeError):
+        return False
 
 
 @dataclass

@@ -80,9 +80,9 @@ class RolloutConfig:
     partial_rollouts: str = "off"
     """With algorithm.max_staleness > 0: generate each batch in segments of partial_segment_tokens, one per step it
     is in flight, so that weight syncs land between segments and the requests in flight go on under the new weights,
-    each token tagged with its version: keep_kv (their K/V kept, AReaL-style), recompute_kv (their K/V recomputed
-    under the new weights) or drop (restarted from the prompt: no response mixes versions). off: a batch generates
-    whole under the version it was issued with."""
+    each token tagged with its version: keep_kv (their K/V kept, as PipelineRL does), recompute_kv (their K/V
+    recomputed under the new weights, as AReaL's interruptible generation does) or drop (restarted from the prompt:
+    no response mixes versions). off: a batch generates whole under the version it was issued with."""
     partial_segment_tokens: int = 8
     """With partial_rollouts: tokens each unfinished request generates per segment (the last segment, issued when
     the step that trains on the batch comes, runs to the end)."""

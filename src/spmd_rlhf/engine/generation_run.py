@@ -5,9 +5,9 @@
 tokens) or to the end. Between segments the model's weights may change; ``update_weights`` then tells the run the new
 policy version and what to do with the requests in flight (``IN_FLIGHT``):
 
-- ``keep_kv``: go on from the K/V computed under the old weights (AReaL's partial rollouts);
+- ``keep_kv``: go on from the K/V computed under the old weights (as PipelineRL's in-flight weight updates do);
 - ``recompute_kv``: drop every request's K/V; the next prefill recomputes prompt and response so far under the new
-  weights (the tokens and their log-probs stay, as the old policy sampled them);
+  weights (the tokens and their log-probs stay, as the old policy sampled them): AReaL's interruptible generation;
 - ``drop``: restart every unfinished request from its prompt under the new weights (its seed makes the restart draw
   the same random numbers), so no response mixes versions.
 
@@ -95,13 +95,14 @@ class GenerationRun:
             if restart:
                 del seq.token_ids[seq.num_prompt_tokens :]
                 seq.log_probs.clear()
+                seq.sampling_log_probs.clear()
                 self.version_starts[seq.seq_id] = [(0, self.version)]
             self.scheduler.add(seq)
 
     def snapshot(self) -> dict:
-        """This run as it stands between segments (JSON-able; floats round-trip exactly): each request's tokens,
-        log-probs, finish reason, version starts and blocks, the scheduler's queues and the block manager. With the
-        K/V of ``kv_blocks`` (the model runner's ``read_blocks``), ``restore`` makes the same run again."""
+        """This run as it stands between segments (JSON-able; floats round-trip exactly): each request's tokens, their
+        two log-probs, finish reason, version starts and blocks, the scheduler's queues and the block manager. With
+        the K/V of ``kv_blocks`` (the model runner's ``read_blocks``), ``restore`` makes the same run again."""
         scheduler = self.scheduler
         return {
             "version": self.version,
@@ -114,6 +115,7 @@ class GenerationRun:
                 {
                     "tokens": seq.generated_token_ids,
                     "log_probs": seq.log_probs,
+                    "sampling_log_probs": seq.sampling_log_probs,
                     "finish_reason": seq.finish_reason,
                     "status": seq.status.value,
                     "block_table": seq.block_table,
@@ -139,6 +141,7 @@ class GenerationRun:
         for seq, request in zip(self.seqs, saved):
             seq.token_ids[seq.num_prompt_tokens :] = request["tokens"]
             seq.log_probs = list(request["log_probs"])
+            seq.sampling_log_probs = list(request["sampling_log_probs"])
             seq.finish_reason = request["finish_reason"]
             seq.status = SequenceStatus(request["status"])
             seq.block_table, seq.num_cached_tokens = list(request["block_table"]), request["num_cached_tokens"]

@@ -152,7 +152,8 @@ class LLMEngine:
         self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[Sequence]:
         """Generate a response to every prompt; outputs in input order, with ``generated_token_ids``, ``log_probs``
-        (log softmax(logits / T) of each generated token) and ``finish_reason`` ("stop" or "length")."""
+        (log softmax(logits / T) of each generated token, before top-k / top-p), ``sampling_log_probs`` (under the
+        filtered, renormalised distribution it was drawn from) and ``finish_reason`` ("stop" or "length")."""
         run = self.start(prompt_token_ids, params)
         self.advance(run)
         return run.seqs
@@ -228,13 +229,13 @@ class LLMEngine:
             else:
                 stats.decode_steps += 1
             logits = self.runner.run(batch, is_prefill=is_prefill)
-            tokens, log_probs = sample(
+            tokens, log_probs, sampling_log_probs = sample(
                 logits,
                 [seq.params for seq in batch],
                 seeds=[run.seeds[seq.seq_id] for seq in batch],
                 positions=[seq.num_generated for seq in batch],
             )
-            scheduler.finish_step(batch, tokens, log_probs)
+            scheduler.finish_step(batch, tokens, log_probs, sampling_log_probs)
             stats.generated_tokens += len(batch)
         stats.preemptions = run.num_preemptions
         stats.cuda_graphs = self.runner.graphs_captured

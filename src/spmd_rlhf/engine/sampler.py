@@ -7,12 +7,21 @@ top-p support, summed in float64) exceeds u times the support's mass, with u a c
 request's tokens depend only on its seed, its positions and its own logits: never on the other rows of the batch,
 their order, preemption, or how many steps ran before. One uniform per row (where Gumbel-max needs one per
 vocabulary entry) keeps the step to a softmax, a cumulative sum and a search, which at a 151,936-token vocabulary
-is what decides the sampler's time. Only the chosen ids and their log-probs (two [rows] vectors) reach the host, in
-one copy per step.
+is what decides the sampler's time. Only the chosen ids and their two log-probs (three [rows] vectors) reach the
+host, in one copy per step.
 
-The returned log-prob of a token is log softmax(logits / T) at that token (T = 1 for greedy), before top-k / top-p
-filtering: the same quantity the trainer's ``compute_log_probs`` computes at that temperature, so rollout and
-training log-probs agree without correction.
+Each chosen token comes with two log-probs:
+
+- log softmax(logits / T) at the token (T = 1 for greedy), before top-k / top-p filtering: the same quantity the
+  trainer's ``compute_log_probs`` computes at that temperature, so rollout and training log-probs agree to rounding
+  (``rollout_log_probs``);
+- its log-prob under the distribution it was drawn from, that softmax restricted to the top-k / top-p support and
+  renormalised: the unfiltered log-prob minus log Z, Z the support's mass (the last entry of the cumulative sum the
+  draw already needs, so it costs no extra pass over the vocabulary). This is the behaviour policy of an importance
+  correction (``sampling_log_probs``). A row that keeps every token (top_k 0 or at least the vocabulary, and top_p
+  1) records the unfiltered value exactly, not less the log of a float sum near 1. So does a greedy row: its draw
+  is a point mass (log-prob 0), but greedy responses (validation, ReMax's baseline) are never trained on, and the
+  unfiltered value keeps the two fields equal wherever nothing was filtered.
 """
 
 from __future__ import annotations
@@ -100,10 +109,11 @@ def filter_logits(logits: torch.Tensor, *, top_k: int | Sequence[int], top_p: fl
 
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], *, seeds: Sequence[int], positions: Sequence[int]
-) -> tuple[list[int], list[float]]:
-    """One token and its log-prob per row of ``logits`` [rows, vocab] (any float dtype, any device), row r under
-    ``params[r]``, its draw keyed by ``seeds[r]`` and ``positions[r]`` (the index of the token in its response).
-    Greedy and sampled rows, and rows with different temperatures, top-k and top-p, mix freely in one batch.
+) -> tuple[list[int], list[float], list[float]]:
+    """One token per row of ``logits`` [rows, vocab] (any float dtype, any device) with its unfiltered and its sampled
+    log-prob (module docstring), row r under ``params[r]``, its draw keyed by ``seeds[r]`` and ``positions[r]`` (the
+    index of the token in its response). Greedy and sampled rows, and rows with different temperatures, top-k and
+    top-p, mix freely in one batch.
 
     Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T, the float32
     probabilities over the support and their float64 cumulative sum (16 bytes per [rows, vocab] element); greedy-only
@@ -115,26 +125,33 @@ def sample(
     temperature = [1.0 if row_params.greedy else row_params.temperature for row_params in params]
     scaled = logits / _to_device(temperature, torch.float32, device)[:, None]  # float32 (or wider) whatever came in
     log_normaliser = torch.logsumexp(scaled, dim=-1)
+    log_support_mass = None
     if all(greedy):
         tokens = scaled.argmax(dim=-1)
     else:
-        floor = _support_floor(
-            scaled,
-            [0 if row_params.greedy else row_params.top_k for row_params in params],
-            [1.0 if row_params.greedy else row_params.top_p for row_params in params],
-        )
+        top_k = [0 if row_params.greedy else row_params.top_k for row_params in params]
+        top_p = [1.0 if row_params.greedy else row_params.top_p for row_params in params]
+        floor = _support_floor(scaled, top_k, top_p)
         probs = (scaled - log_normaliser[:, None]).exp_()
         if floor is not None:
             probs.masked_fill_(scaled < floor[:, None], 0.0)
         cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
         del probs
-        targets = _to_device(row_uniforms(seeds, positions), torch.float64, device) * cumulative[:, -1]
+        support_mass = cumulative[:, -1]
+        if floor is not None:
+            filters = [p < 1 or 0 < k < vocab_size for k, p in zip(top_k, top_p)]
+            # A row that keeps every token gets log Z = 0 exactly, not the log of a float sum near 1.
+            log_support_mass = torch.where(_to_device(filters, torch.bool, device), support_mass.log(), 0.0)
+        targets = _to_device(row_uniforms(seeds, positions), torch.float64, device) * support_mass
         # The first token whose cumulative mass passes the target: its own mass is positive, so it is in the support.
         tokens = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1).clamp_(max=vocab_size - 1)
-        del cumulative
+        del cumulative, support_mass
         if any(greedy):
             tokens = torch.where(_to_device(greedy, torch.bool, device), scaled.argmax(dim=-1), tokens)
-    # The chosen token is always in the support, so its unfiltered log-prob is finite.
+    # The chosen token is always in the support, so both its log-probs are finite.
     chosen_log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_normaliser
-    token_row, log_prob_row = torch.stack([tokens.to(torch.float32), chosen_log_probs.to(torch.float32)]).tolist()
-    return [int(token) for token in token_row], log_prob_row
+    sampling_log_probs = chosen_log_probs if log_support_mass is None else chosen_log_probs.double() - log_support_mass
+    token_row, log_prob_row, sampling_log_prob_row = torch.stack(
+        [tokens.to(torch.float32), chosen_log_probs.to(torch.float32), sampling_log_probs.to(torch.float32)]
+    ).tolist()
+    return [int(token) for token in token_row], log_prob_row, sampling_log_prob_row

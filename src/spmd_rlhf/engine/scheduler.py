@@ -76,11 +76,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish_step(self, seqs: list[Sequence], token_ids: list[int], log_probs: list[float]) -> list[Sequence]:
-        """Append each sequence's new token; free and return the sequences that finished."""
+    def finish_step(
+        self, seqs: list[Sequence], token_ids: list[int], log_probs: list[float], sampling_log_probs: list[float]
+    ) -> list[Sequence]:
+        """Append each sequence's new token and its two log-probs (``sample``'s); free and return the sequences that
+        finished."""
         finished = []
-        for seq, token_id, log_prob in zip(seqs, token_ids, log_probs):
-            seq.append(token_id, log_prob)
+        for seq, token_id, log_prob, sampling_log_prob in zip(seqs, token_ids, log_probs, sampling_log_probs):
+            seq.append(token_id, log_prob, sampling_log_prob)
             if seq.is_finished:
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)

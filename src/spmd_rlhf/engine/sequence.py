@@ -61,6 +61,9 @@ class Sequence:
         self.num_cached_tokens = 0
         """Leading tokens whose K/V are already in the cache (shared prefix blocks); prefill computes the rest."""
         self.log_probs: list[float] = []
+        """Each generated token's log-prob under softmax(logits / T), before top-k / top-p (what training computes)."""
+        self.sampling_log_probs: list[float] = []
+        """Each generated token's log-prob under the top-k / top-p distribution it was drawn from (``sampler``)."""
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
@@ -88,10 +91,12 @@ class Sequence:
     def block_tokens(self, index: int, block_size: int) -> list[int]:
         return self.token_ids[index * block_size : (index + 1) * block_size]
 
-    def append(self, token_id: int, log_prob: float) -> None:
-        """Add a sampled token; finishes the sequence on EOS, a stop token or the length limit."""
+    def append(self, token_id: int, log_prob: float, sampling_log_prob: float) -> None:
+        """Add a sampled token with its two log-probs; finishes the sequence on EOS, a stop token or the length
+        limit."""
         self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
+        self.sampling_log_probs.append(sampling_log_prob)
         if token_id == self.eos_token_id or token_id in self.params.stop_token_ids:
             self.finish_reason = "stop"
         elif self.num_generated >= self.params.max_new_tokens:

@@ -23,12 +23,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.engine import LLMEngine, SamplingParams, Sequence
 from spmd_rlhf.engine.sampler import derive_seed
 from spmd_rlhf.envs.base import Environment, StepResult
 from spmd_rlhf.envs.chat_delta import ChatDelta, check_prefix_extension
 
 T = TypeVar("T")
+
+Response = tuple[list[int], list[int], list[float], list[float]]
+"""One response as ``response_tensors`` takes it: token ids after the prompt, generated mask (1 where the policy
+sampled the token), the engine's log-probs before top-k / top-p and under the distribution each token was drawn from
+(both 0 on observation tokens)."""
 
 
 def _run_here(compute: Callable[[], T]) -> T:
@@ -57,7 +62,10 @@ class Trajectory:
     generated_mask: list[int] = field(default_factory=list)
     """1 where the policy sampled the token of ``response_token_ids``, 0 on observation (template) tokens."""
     log_probs: list[float] = field(default_factory=list)
-    """The engine's log-prob of each generated token; 0 on observation tokens."""
+    """The engine's log-prob of each generated token (before top-k / top-p); 0 on observation tokens."""
+    sampling_log_probs: list[float] = field(default_factory=list)
+    """The engine's log-prob of each generated token under the distribution it was drawn from; 0 on observation
+    tokens."""
     env_reward: float = 0.0
     env_metrics: dict[str, float] = field(default_factory=dict)
     """The environment's ``metrics()`` once the rollout has ended."""
@@ -69,10 +77,22 @@ class Trajectory:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.response_token_ids
 
-    def extend(self, token_ids: list[int], *, generated: bool, log_probs: Sequence_[float] | None = None) -> None:
+    def extend(
+        self,
+        token_ids: list[int],
+        *,
+        generated: bool,
+        log_probs: Sequence_[float] | None = None,
+        sampling_log_probs: Sequence_[float] | None = None,
+    ) -> None:
         self.response_token_ids += token_ids
         self.generated_mask += [int(generated)] * len(token_ids)
         self.log_probs += list(log_probs) if generated else [0.0] * len(token_ids)
+        self.sampling_log_probs += list(sampling_log_probs) if generated else [0.0] * len(token_ids)
+
+    @property
+    def response(self) -> Response:
+        return self.response_token_ids, self.generated_mask, self.log_probs, self.sampling_log_probs
 
 
 def run_multi_turn(
@@ -126,7 +146,12 @@ def run_multi_turn(
             texts = [delta.tokenizer.decode(output.generated_token_ids, skip_special_tokens=True) for output in outputs]
             for index, request, output in zip(live, requests, outputs):
                 check_prefix_extension(request, output.token_ids, where=f"trajectory {index} turn {turn}")
-                trajectories[index].extend(output.generated_token_ids, generated=True, log_probs=output.log_probs)
+                trajectories[index].extend(
+                    output.generated_token_ids,
+                    generated=True,
+                    log_probs=output.log_probs,
+                    sampling_log_probs=output.sampling_log_probs,
+                )
                 trajectories[index].num_turns += 1
 
             def answer_turn() -> list[_Answer]:
@@ -225,24 +250,31 @@ def _end_reason(generated: list[int], done: bool, last_turn: bool, delta: ChatDe
     return None
 
 
-def response_tensors(
-    responses: list[tuple[list[int], list[int], list[float]]], *, width: int, pad_token_id: int
-) -> dict[str, torch.Tensor]:
-    """Rows of (token ids after the prompt, generated mask, log-probs) as right-padded ``[rows, width]`` tensors:
-    ``responses``, ``response_mask`` (the generated tokens: what the loss and the KL see), ``trajectory_mask`` (every
-    token after the prompt, observations included: what attention sees) and ``rollout_log_probs`` (0 elsewhere)."""
+def single_turn_response(seq: Sequence) -> Response:
+    """An engine output as a response: every token after the prompt generated."""
+    return seq.generated_token_ids, [1] * seq.num_generated, seq.log_probs, seq.sampling_log_probs
+
+
+def response_tensors(responses: list[Response], *, width: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``Response`` rows as right-padded ``[rows, width]`` tensors: ``responses``, ``response_mask`` (the generated
+    tokens: what the loss and the KL see), ``trajectory_mask`` (every token after the prompt, observations included:
+    what attention sees), ``rollout_log_probs`` (the engine's unfiltered log-probs, what training computes) and
+    ``sampling_log_probs`` (under the top-k / top-p distribution each token was drawn from: the behaviour policy),
+    both 0 elsewhere."""
     rows = len(responses)
     tensors = {
         "responses": torch.full((rows, width), pad_token_id, dtype=torch.long),
         "response_mask": torch.zeros((rows, width), dtype=torch.long),
         "trajectory_mask": torch.zeros((rows, width), dtype=torch.long),
         "rollout_log_probs": torch.zeros((rows, width), dtype=torch.float32),
+        "sampling_log_probs": torch.zeros((rows, width), dtype=torch.float32),
     }
-    for row, (token_ids, generated_mask, log_probs) in enumerate(responses):
+    for row, (token_ids, generated_mask, log_probs, sampling_log_probs) in enumerate(responses):
         length = len(token_ids)
         assert length <= width, f"a response of {length} tokens is over the {width} budget"
         tensors["responses"][row, :length] = torch.tensor(token_ids, dtype=torch.long)
         tensors["response_mask"][row, :length] = torch.tensor(generated_mask, dtype=torch.long)
         tensors["trajectory_mask"][row, :length] = 1
         tensors["rollout_log_probs"][row, :length] = torch.tensor(log_probs, dtype=torch.float32)
+        tensors["sampling_log_probs"][row, :length] = torch.tensor(sampling_log_probs, dtype=torch.float32)
     return tensors

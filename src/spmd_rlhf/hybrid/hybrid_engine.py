@@ -171,7 +171,7 @@ class HybridEngine:
                 layer = name.removesuffix(ADAPTER_SUFFIXES[0])
                 weight = targets[f"{layer}.weight"]
                 lora_a, lora_b = destinations[name], destinations[layer + ADAPTER_SUFFIXES[1]]
-                weight.copy_(merged_weight(weight, lora_a, lora_b, self.adapters.config.scale))
+                weight.copy_(merged_weight(weight, lora_a, lora_b, self.adapters.config.scale_of(layer)))
 
     def _gather_sharded(
         self, sharded: list[tuple[str, torch.Size, int]], flat: torch.Tensor, targets: dict[str, torch.Tensor]

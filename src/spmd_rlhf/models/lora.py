@@ -1,9 +1,12 @@
 """LoRA adapters (Hu et al. 2021) on a ``DecoderLM``'s linear layers, applied from outside the model like the TP plan.
 
-An adapted layer ``y = W x`` becomes ``y = W x + (alpha / r) * B A dropout(x)`` with ``A: [r, in]`` and ``B: [out, r]``
-held as ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight`` (PEFT's names, so a PEFT adapter file maps onto them by
-dropping its ``base_model.model.`` prefix). The base weights are frozen and may stay in the model's dtype; the adapters
-are float32 and are the only parameters that get gradients (a critic's value head trains too).
+An adapted layer ``y = W x`` becomes ``y = W x + s * B A dropout(x)`` with ``A: [r, in]`` and ``B: [out, r]`` held as
+``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight`` (PEFT's names, so a PEFT adapter file maps onto them by dropping
+its ``base_model.model.`` prefix). The scale ``s`` is ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA, and ``r`` and
+``alpha`` may differ per layer (PEFT's ``rank_pattern`` and ``alpha_pattern``; ``LoRAConfig.scale_of``). PEFT adapters
+of another kind (DoRA, target modules given as a regular expression) are refused by name. The base weights are frozen
+and may stay in the model's dtype; the adapters are float32 and are the only parameters that get gradients (a critic's
+value head trains too).
 
 Under tensor parallelism each adapter is split like its base layer (the split read from the TP plan):
 
@@ -18,7 +21,7 @@ and a reduce-scatter of the adapters' gradients only (FSDP2 reduces the paramete
 weights cost no gradient or optimizer memory while adding no collective of their own.
 
 The reference policy is the base with the adapters switched off (``LoRAAdapters.disabled``); generation and export
-merge ``W + (alpha / r) B A`` into a copy of the weights (``merged_weight``), never into the training weights.
+merge ``W + s B A`` into a copy of the weights (``merged_weight``), never into the training weights.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from spmd_rlhf.config import LoRAConfig
+from spmd_rlhf.config import LoRAConfig, format_value
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.shard_pieces import local_piece
 from spmd_rlhf.models.tp_plan import DECODER_LAYER_PLAN
@@ -47,6 +50,14 @@ PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a base model's parameter name in adapter_model.safetensors."""
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_KEYS = {
+    "rank": "r",
+    "alpha": "lora_alpha",
+    "use_rslora": "use_rslora",
+    "rank_pattern": "rank_pattern",
+    "alpha_pattern": "alpha_pattern",
+}
+"""``LoRAConfig`` field -> its adapter_config.json key, for the fields that set an adapter's shape and scale."""
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
@@ -104,6 +115,7 @@ class _AdapterHook:
     adapters: LoRAAdapters
     split: str
     group: dist.ProcessGroup | None
+    scale: float
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         if not self.adapters.enabled:
@@ -114,7 +126,7 @@ class _AdapterHook:
         hidden = F.linear(x, lora_a)
         if self.group is not None:
             hidden = (_SumGradientOverGroup if self.split == "column" else _SumOverGroup).apply(hidden, self.group)
-        return output + (F.linear(hidden, lora_b) * self.adapters.config.scale).to(output.dtype)
+        return output + (F.linear(hidden, lora_b) * self.scale).to(output.dtype)
 
 
 class LoRAAdapters:
@@ -170,14 +182,12 @@ class LoRAAdapters:
             "peft_type": "LORA",
             "task_type": task,
             "base_model_name_or_path": os.path.abspath(base_model),
-            "r": self.config.rank,
-            "lora_alpha": self.config.alpha,
+            **{peft_key: getattr(self.config, key) for key, peft_key in PEFT_KEYS.items()},
             "lora_dropout": self.config.dropout,
             "target_modules": sorted(self.config.modules),
             "bias": "none",
             "fan_in_fan_out": False,
             "inference_mode": True,
-            "use_rslora": False,
             "use_dora": False,
             "init_lora_weights": True,
             "modules_to_save": None if head == "lm" else ["score"],
@@ -193,13 +203,13 @@ def apply_lora(model: DecoderLM, config: LoRAConfig, *, tp_mesh: DeviceMesh | No
     group = tp_mesh.get_group() if tensor_parallel else None
     model.requires_grad_(False)
     adapters = LoRAAdapters(config, {})
-    rank = config.rank
     for layer_name, layer in model.model.layers.items():
         for module_name, module in layer.named_modules():
             short = module_name.rsplit(".", 1)[-1]
             if short not in config.modules:
                 continue
-            split = splits[short]
+            split, full_name = splits[short], f"model.layers.{layer_name}.{module_name}"
+            rank = config.rank_of(full_name)
             out_features, in_features = module.weight.shape  # global shape, also of a TP DTensor
             device = module.weight.device
             pieces = {
@@ -213,8 +223,8 @@ def apply_lora(model: DecoderLM, config: LoRAConfig, *, tp_mesh: DeviceMesh | No
                 holder = nn.Module()
                 holder.weight = nn.Parameter(weight)
                 module.add_module(piece_name, holder)
-            module.register_forward_hook(_AdapterHook(adapters, split, group))
-            adapters.layers[f"model.layers.{layer_name}.{module_name}"] = split
+            module.register_forward_hook(_AdapterHook(adapters, split, group, config.scale_of(full_name)))
+            adapters.layers[full_name] = split
     head = getattr(model, "score", None)
     if head is not None:
         head.to(torch.float32).requires_grad_(True)
@@ -226,9 +236,22 @@ def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
     return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
 
 
+def lora_config_of(saved: dict) -> LoRAConfig:
+    """The ranks and scales of the adapters that adapter_config.json ``saved`` describes (``PEFT_KEYS``, PEFT's
+    defaults for the optional ones it lacks); its target modules are not read."""
+    return LoRAConfig(
+        rank=saved["r"],
+        alpha=saved["lora_alpha"],
+        use_rslora=bool(saved.get("use_rslora")),
+        rank_pattern=dict(saved.get("rank_pattern") or {}),
+        alpha_pattern=dict(saved.get("alpha_pattern") or {}),
+    )
+
+
 def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
     """The adapter tensors of the PEFT directory ``config.adapter_path``, under this model's names; an error naming
-    what to change when its rank, alpha or target modules differ from ``config``."""
+    what to change when its ranks, scales or target modules differ from ``config``, or it is a kind of adapter these
+    layers are not (DoRA, target modules given as a regular expression)."""
     from safetensors.torch import load_file
 
     path = config.adapter_path
@@ -239,22 +262,48 @@ def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
         )
     with open(config_file, encoding="utf-8") as handle:
         saved = json.load(handle)
+    if saved.get("use_dora"):
+        raise ValueError(
+            f"lora.adapter_path={path} is a DoRA adapter (use_dora=true), whose magnitude vectors rescale each weight "
+            "column, which these LoRA layers cannot; use a LoRA adapter (use_dora=false), or merge it into the base "
+            "with PEFT's merge_and_unload and set model.path to the merged model"
+        )
     targets = saved.get("target_modules")
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ValueError(
+            f"lora.adapter_path={path} has target_modules={targets!r}, a regular expression over module names, which "
+            f"is not read; replace it in {PEFT_CONFIG} by the list of layer names it matches (e.g. "
+            '["q_proj", "v_proj"]), which must be the same in every decoder layer'
+        )
     # PEFT writes all-linear, short names, or (after expanding all-linear) full module names.
     targets = (
         sorted(layer_splits())
         if targets == "all-linear"
         else sorted({name.rsplit(".", 1)[-1] for name in targets or []})
     )
-    expected = {"r": config.rank, "lora_alpha": config.alpha, "target_modules": sorted(config.modules)}
-    found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"), "target_modules": targets}
-    keys = {"r": "rank", "lora_alpha": "alpha", "target_modules": "target_modules"}
-    for key, value in expected.items():
-        if found[key] != value:
+    if targets != sorted(config.modules):
+        raise ValueError(
+            f"lora.adapter_path={path} has target_modules={targets}; set lora.target_modules to match "
+            f"(now {sorted(config.modules)})"
+        )
+    found = lora_config_of(saved)
+    for key, peft_key in PEFT_KEYS.items():
+        theirs, ours = getattr(found, key), getattr(config, key)
+        if theirs != ours:
             raise ValueError(
-                f"lora.adapter_path={path} has {key}={found[key]}; set lora.{keys[key]} to match (now {value})"
+                f"lora.adapter_path={path} has {peft_key}={format_value(theirs)}; set lora.{key} to match "
+                f"(now {format_value(ours)})"
             )
-    return {name.removeprefix(PEFT_PREFIX): tensor.float() for name, tensor in load_file(weights_file).items()}
+    tensors = {name.removeprefix(PEFT_PREFIX): tensor.float() for name, tensor in load_file(weights_file).items()}
+    # The first pattern key that matches a layer wins, so equal patterns in another order can still differ.
+    for layer in (name.removesuffix(ADAPTER_SUFFIXES[0]) for name in tensors if name.endswith(ADAPTER_SUFFIXES[0])):
+        theirs, ours = (found.rank_of(layer), found.scale_of(layer)), (config.rank_of(layer), config.scale_of(layer))
+        if theirs != ours:
+            raise ValueError(
+                f"lora.adapter_path={path} gives {layer} (rank, scale) {theirs}, lora.* gives it {ours}: their pattern "
+                f"keys overlap; write lora.rank_pattern and lora.alpha_pattern in the order of its {PEFT_CONFIG}"
+            )
+    return tensors
 
 
 def write_peft_adapter(out_dir: str, tensors: dict[str, torch.Tensor], adapters_config: dict) -> list[str]:

@@ -33,6 +33,9 @@ of the mini-batch loss, metrics as 0-dim tensors on the device)."""
 MINI_BATCH_ROW = "mini_batch_row"
 """Field of the rows that ``Trainer.update`` packs: each row's place in its mini-batch, by which a micro-batch finds
 its rows in the mini-batch already on the device."""
+LOSS_MASK = "loss_mask"
+"""A batch field: the response tokens the losses count (a rollout correction's rejection leaves some out); without
+it, ``response_mask``."""
 
 
 def learning_rate_factor(
@@ -158,11 +161,14 @@ class Trainer:
         rows = self.rows_per_mini_batch(batch, method)
         self.model.module.train()
         skipped_before = self.skipped.total
-        layout = {key: batch[key] for key in PACKED_FIELDS} | {MINI_BATCH_ROW: torch.arange(len(batch)) % rows}
+        # The tokens the losses count: ``loss_mask`` where a rollout correction rejected some, else the responses.
+        counted = LOSS_MASK if LOSS_MASK in batch.tensors else "response_mask"
+        layout = {key: batch[key] for key in dict.fromkeys([*PACKED_FIELDS, counted])}
+        layout[MINI_BATCH_ROW] = torch.arange(len(batch)) % rows
         host_minis = Batch(layout, group_size=batch.group_size).to("cpu").chunk_rows(rows)
         device_minis = Batch(dict(batch.tensors), group_size=batch.group_size).to(self.model.device).chunk_rows(rows)
-        # Every mini-batch's response tokens and rows over all DP ranks, in one collective for the whole update.
-        tokens = torch.stack([mini["response_mask"].sum() for mini in host_minis]).tolist() if host_minis else []
+        # Every mini-batch's counted tokens and rows over all DP ranks, in one collective for the whole update.
+        tokens = torch.stack([mini[counted].sum() for mini in host_minis]).tolist() if host_minis else []
         counts, _ = self.reducer.totals(
             [float(value) for count, mini in zip(tokens, host_minis) for value in (count, len(mini))]
         )

@@ -13,16 +13,21 @@ import functools
 import torch
 
 from spmd_rlhf.algos import (
+    Correction,
     Denominators,
     aggregate,
+    cispo_loss,
     combine_advantages,
+    correct,
+    correction_metrics,
     entropy_bonus,
-    importance_metrics,
-    importance_weights,
+    gmpo_loss,
     kl_estimate,
     masked_mean,
     policy_loss,
+    sapo_loss,
 )
+from spmd_rlhf.algos.off_policy import SUMMED
 from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.hybrid import GenerationLayout, HybridEngine
@@ -30,8 +35,8 @@ from spmd_rlhf.hybrid.weight_sync import BackgroundSender, send_weights, snapsho
 from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from spmd_rlhf.training.packing import MicroBatch
 from spmd_rlhf.training.sharded_model import ShardedModel
-from spmd_rlhf.training.trainer import Trainer
-from spmd_rlhf.workers.advantages import old_log_probs, rollout_advantages
+from spmd_rlhf.training.trainer import LOSS_MASK, Trainer
+from spmd_rlhf.workers.advantages import behaviour_log_probs, old_log_probs, rollout_advantages
 from spmd_rlhf.workers.base import TrainedRoleWorker, union_all
 from spmd_rlhf.workers.generation import Generator
 from spmd_rlhf.workers.rollout import sync_sides, weight_sync_groups
@@ -221,31 +226,13 @@ class ActorWorker(TrainedRoleWorker):
         """The ``Trainer``'s loss function: ``rows`` are the micro-batch's rows on the model's device."""
         algorithm = self.config.algorithm
         aggregation = algorithm.loss_aggregation
-        mask = rows["response_mask"]
+        # The response tokens the rollout correction kept (all of them without rejection).
+        mask = rows[LOSS_MASK] if LOSS_MASK in rows.tensors else rows["response_mask"]
         log_probs, entropy = self.model.response_log_probs(logits, micro, self.temperature, with_entropy=True)
         advantages = rows["advantages"]
         if cost_multiplier is not None:
             advantages = combine_advantages(advantages, rows["cost_advantages"], cost_multiplier)
-        token_weights = None
-        if algorithm.max_staleness:
-            token_weights, _ = importance_weights(
-                old_log_probs(rows),
-                rows["rollout_log_probs"],
-                mode=algorithm.off_policy_correction,
-                cap=algorithm.importance_cap,
-            )
-        loss, metrics = policy_loss(
-            log_probs,
-            old_log_probs(rows),
-            advantages,
-            mask,
-            token_weights=token_weights,
-            clip_low=algorithm.clip_ratio_low,
-            clip_high=algorithm.clip_ratio_high,
-            aggregation=aggregation,
-            denominators=denominators,
-            ratio_level="sequence" if algorithm.policy_loss == "gspo" else "token",
-        )
+        loss, metrics = self._surrogate(log_probs, old_log_probs(rows), advantages, mask, rows, denominators)
         if algorithm.entropy_coef:
             loss = loss - algorithm.entropy_coef * entropy_bonus(
                 entropy, mask, aggregation=aggregation, denominators=denominators
@@ -258,9 +245,62 @@ class ActorWorker(TrainedRoleWorker):
         # FSDP sums gradients over DP ranks; the loss is this micro-batch's share of the global mini-batch loss.
         return loss, metrics
 
+    def _surrogate(
+        self,
+        log_probs: torch.Tensor,
+        proximal_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        rows: Batch,
+        denominators: Denominators,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``algorithm.policy_loss`` of the micro-batch, each token weighted by the rollout correction's weights."""
+        algorithm = self.config.algorithm
+        weights = rows["correction_weights"] if "correction_weights" in rows.tensors else None
+        clip = {"clip_low": algorithm.clip_ratio_low, "clip_high": algorithm.clip_ratio_high}
+        common = {"denominators": denominators, "token_weights": weights}
+        arguments = (log_probs, proximal_log_probs, advantages, mask)
+        aggregation = algorithm.loss_aggregation
+        if algorithm.policy_loss == "cispo":
+            return cispo_loss(*arguments, **clip, aggregation=aggregation, **common)
+        if algorithm.policy_loss == "gmpo":  # its own mean over responses, whatever loss_aggregation says
+            return gmpo_loss(*arguments, **clip, **common)
+        if algorithm.policy_loss == "sapo":
+            taus = {"tau_positive": algorithm.sapo_tau_positive, "tau_negative": algorithm.sapo_tau_negative}
+            return sapo_loss(*arguments, **taus, aggregation=aggregation, **common)
+        level = "sequence" if algorithm.policy_loss == "gspo" else "token"
+        return policy_loss(*arguments, **clip, aggregation=aggregation, ratio_level=level, **common)
+
+    def _corrected(self, data: Batch) -> tuple[Batch, dict[str, float]]:
+        """``data`` with the rollout correction's ``loss_mask`` (and ``correction_weights`` with importance weights)
+        when its log-probs were recomputed, and the correction's metrics over the DP group; else ``data`` as it is.
+        Computed once per update: both log-probs are constants of it."""
+        if "old_log_probs" not in data.tensors or "rollout_log_probs" not in data.tensors:
+            return data, {}  # pi_old is the behaviour policy's own log-probs: nothing to correct
+        settings = self.config.algorithm.correction
+        correction = Correction(
+            is_level=settings.is_level,
+            is_threshold=settings.is_threshold,
+            rs_level=settings.rs_level,
+            rs_upper=settings.rs_upper,
+            rs_lower=settings.rs_lower,
+            veto_threshold=settings.veto_threshold,
+        )
+        mask = data["response_mask"]
+        corrected = correct(data["old_log_probs"], behaviour_log_probs(data), mask, correction)
+        local = torch.stack([corrected.metrics[key] for key in (*SUMMED, "weight_max", "weight_min")]).tolist()
+        sums, (largest, negated_smallest) = self.reducer.totals(local[: len(SUMMED)], [local[-2], -local[-1]])
+        if not sums[0]:  # no response token on any rank
+            return data, {}
+        added = {LOSS_MASK: corrected.loss_mask.to(mask.dtype)}
+        if correction.is_level is not None:
+            added["correction_weights"] = corrected.weights.to(data["old_log_probs"].dtype)
+        metrics = correction_metrics(dict(zip(SUMMED, sums)), -negated_smallest, largest)
+        return data.union(Batch(added)), metrics
+
     def _staleness_metrics(self, data: Batch, policy_version: int) -> dict[str, float]:
         """How many updates behind the policy that trains them the response tokens are, over the whole batch, and the
-        importance weights' range; a token beyond ``algorithm.max_staleness`` is a scheduling bug and stops the run."""
+        a token beyond ``algorithm.max_staleness`` is a scheduling bug and stops the run."""
         algorithm = self.config.algorithm
         mask = data["response_mask"].bool()
         staleness = (policy_version - data["token_versions"])[mask].double()
@@ -272,27 +312,7 @@ class ActorWorker(TrainedRoleWorker):
                 f"update_actor at policy version {policy_version} got tokens {largest:g} versions old, beyond "
                 f"algorithm.max_staleness={algorithm.max_staleness}: the coordinator's rollout schedule is wrong"
             )
-        metrics = {"off_policy/staleness_max": largest, "off_policy/staleness_mean": total / max(count, 1.0)}
-        if algorithm.max_staleness:
-            _, raw = importance_weights(
-                old_log_probs(data),
-                data["rollout_log_probs"],
-                mode=algorithm.off_policy_correction,
-                cap=algorithm.importance_cap,
-            )
-            local = importance_metrics(raw, data["response_mask"], cap=algorithm.importance_cap)
-            (beyond, tokens), (largest_weight, negated_smallest) = self.reducer.totals(
-                [local["off_policy/beyond_cap_fraction"] * float(mask.sum()), float(mask.sum())],
-                [local["off_policy/importance_weight_max"], -local["off_policy/importance_weight_min"]],
-            )
-            metrics.update(
-                {
-                    "off_policy/importance_weight_max": largest_weight,
-                    "off_policy/importance_weight_min": -negated_smallest,
-                    "off_policy/beyond_cap_fraction": beyond / max(tokens, 1.0),
-                }
-            )
-        return metrics
+        return {"off_policy/staleness_max": largest, "off_policy/staleness_mean": total / max(count, 1.0)}
 
     @data_parallel
     def update_actor(
@@ -307,10 +327,11 @@ class ActorWorker(TrainedRoleWorker):
         ``kl_coef``: the KL loss weight of this step (an adaptive controller's), else ``algorithm.kl_coef``.
         ``cost_multiplier`` (Safe-RLHF's λ): the policy follows (A_reward − λ·A_cost) / (1 + λ), with
         ``cost_advantages`` among ``parts``. ``policy_version`` (with a rollout role: the updates taken so far):
-        the rows' ``token_versions`` give their staleness; with ``algorithm.max_staleness`` > 0 each token's loss
-        is weighted by its importance weight (``algos.off_policy``)."""
+        the rows' ``token_versions`` give their staleness. With recomputed ``old_log_probs`` the rollout correction
+        (``algorithm.correction``) weights and rejects tokens by pi_old / pi_behaviour (``algos.off_policy``)."""
         coef = self.config.algorithm.kl_coef if kl_coef is None else kl_coef
         loss = functools.partial(self._policy_loss, kl_coef=coef, cost_multiplier=cost_multiplier)
         data = union_all(parts)
         staleness = {} if policy_version is None else self._staleness_metrics(data, policy_version)
-        return {**self.trainer.update(data, loss, method="update_actor", prefix="actor"), **staleness}
+        data, correction = self._corrected(data)
+        return {**self.trainer.update(data, loss, method="update_actor", prefix="actor"), **staleness, **correction}

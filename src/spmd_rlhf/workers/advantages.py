@@ -45,6 +45,12 @@ def old_log_probs(batch: Batch) -> torch.Tensor:
     return batch["old_log_probs"] if "old_log_probs" in batch.tensors else batch["rollout_log_probs"]
 
 
+def behaviour_log_probs(batch: Batch) -> torch.Tensor:
+    """μ of the importance correction: the engine's ``sampling_log_probs`` (under the top-k / top-p distribution each
+    token was drawn from) when present, else its ``rollout_log_probs`` (the same wherever nothing was filtered)."""
+    return batch["sampling_log_probs"] if "sampling_log_probs" in batch.tensors else batch["rollout_log_probs"]
+
+
 def rollout_advantages(
     data: Batch,
     *,

@@ -22,7 +22,7 @@ from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.envs import ChatDelta, environment_factory
-from spmd_rlhf.envs.multi_turn import response_tensors, run_multi_turn
+from spmd_rlhf.envs.multi_turn import Response, response_tensors, run_multi_turn, single_turn_response
 from spmd_rlhf.runtime.device import check_thread
 from spmd_rlhf.training.reducer import DPReducer
 
@@ -194,7 +194,7 @@ class Generator:
         per_row: dict[str, torch.Tensor] = {}
         if self.environment is None:
             outputs = engine.generate(requests, params)
-            responses = [(out.generated_token_ids, [1] * out.num_generated, out.log_probs) for out in outputs]
+            responses = [single_turn_response(out) for out in outputs]
             counters = {"preemptions": engine.num_preemptions}
         else:
             fields = ("data_source", "ground_truth", "extra_info")
@@ -212,7 +212,7 @@ class Generator:
                 share=replicas.on_replica_leader,
                 environment_workers=self.config.rollout.environment_workers,
             )
-            responses = [(t.response_token_ids, t.generated_mask, t.log_probs) for t in trajectories]
+            responses = [t.response for t in trajectories]
             counters = {
                 "preemptions": stats.preemptions,
                 "prefill_tokens": stats.prefill_tokens,
@@ -265,7 +265,7 @@ class Generator:
     def assemble(
         self,
         prompts: Batch,
-        responses: list[tuple[list[int], list[int], list[float]]],
+        responses: list[Response],
         counters: dict[str, float],
         *,
         replicas: Replicas,
@@ -273,10 +273,9 @@ class Generator:
         per_row: dict[str, torch.Tensor] | None = None,
         carried: dict[str, torch.Tensor] | None = None,
     ) -> Batch:
-        """The rollout batch of ``prompts`` (the DP shard) from this replica's ``responses`` (token ids after the
-        prompt, generated mask, log-probs), with its metrics: ``counters`` (engine work, each summed over replicas
-        and DP shards as ``rollout/<name>``), ``per_row`` values (summed, and their means reported), and ``carried``
-        per-row tensors kept in the batch as they are."""
+        """The rollout batch of ``prompts`` (the DP shard) from this replica's ``responses``, with its metrics:
+        ``counters`` (engine work, each summed over replicas and DP shards as ``rollout/<name>``), ``per_row`` values
+        (summed, and their means reported), and ``carried`` per-row tensors kept in the batch as they are."""
         per_row, carried = per_row or {}, carried or {}
         gathered = replicas.gather_rows(
             {
@@ -334,8 +333,8 @@ class Generator:
         extra: tuple[str, ...] = (),
     ) -> Batch:
         """The rollout layout from the prompts (each repeated once per sample) and the generated tensors
-        (``responses``, ``response_mask``, ``trajectory_mask``, ``rollout_log_probs``), with the ``extra`` keys of
-        ``generated`` carried along (``env_reward``, ``token_versions``)."""
+        (``responses``, ``response_mask``, ``trajectory_mask``, ``rollout_log_probs``, ``sampling_log_probs``), with
+        the ``extra`` keys of ``generated`` carried along (``env_reward``, ``token_versions``)."""
         responses = generated["responses"]
         tensors = {
             "prompts": repeated["input_ids"],
@@ -344,6 +343,7 @@ class Generator:
             "input_ids": torch.cat([repeated["input_ids"], responses], dim=1),
             "attention_mask": torch.cat([repeated["attention_mask"], generated["trajectory_mask"]], dim=1),
             "rollout_log_probs": generated["rollout_log_probs"],
+            "sampling_log_probs": generated["sampling_log_probs"],
             "uid": repeated["uid"],
             **{key: generated[key] for key in extra},
         }

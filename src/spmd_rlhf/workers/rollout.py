@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.engine import GenerationRun, LLMEngine
+from spmd_rlhf.envs.multi_turn import single_turn_response
 from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, sync_group_ranks
 from spmd_rlhf.mapping.role_pools import role_pools
 from spmd_rlhf.models.decoder import DecoderLM
@@ -34,7 +35,14 @@ from spmd_rlhf.runtime.device import check_thread
 from spmd_rlhf.workers.base import RoleWorker
 from spmd_rlhf.workers.generation import Generator, OneReplica
 
-GENERATED = ("responses", "response_mask", "trajectory_mask", "rollout_log_probs", "token_versions")
+GENERATED = (
+    "responses",
+    "response_mask",
+    "trajectory_mask",
+    "rollout_log_probs",
+    "sampling_log_probs",
+    "token_versions",
+)
 """What generation adds to the prompts of a batch: what a checkpoint keeps of a batch in flight."""
 
 
@@ -172,7 +180,7 @@ class RolloutWorker(RoleWorker):
             "cuda_graphs": engine.stats.cuda_graphs,
             "mixed_version_responses": sum(len(set(tokens)) > 1 for tokens in versions),
         }
-        responses = [(seq.generated_token_ids, [1] * seq.num_generated, seq.log_probs) for seq in run.seqs]
+        responses = [single_turn_response(seq) for seq in run.seqs]
         del engine, run  # the KV cache goes
         token_versions = torch.zeros((len(versions), self.config.rollout.response_length), dtype=torch.long)
         for row, tokens in enumerate(versions):
@@ -232,7 +240,7 @@ class RolloutWorker(RoleWorker):
     @data_parallel
     def save_rows(self, batch: Batch, directory: str) -> None:
         """Write this replica's rows of a generated batch still in flight (what generation made: responses, masks,
-        engine log-probs, token versions; and its metrics) into ``directory``, one file per replica."""
+        both engine log-probs, token versions; and its metrics) into ``directory``, one file per replica."""
         if self.tp_rank != 0:
             return  # the replica's TP ranks hold the same rows
         Path(directory).mkdir(parents=True, exist_ok=True)
