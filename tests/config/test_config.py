@@ -27,9 +27,11 @@ GRPO = ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=4", "algorithm
 
 
 def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
+    """Dotted keys of the leaves; an empty mapping (a dict-valued key's default, e.g. lora.rank_pattern) is a leaf, as
+    no section is empty."""
     keys = []
     for key, value in tree.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             keys += _leaf_keys(value, f"{prefix}{key}.")
         else:
             keys.append(prefix + key)
