@@ -1,54 +1,128 @@
-"""Token-exact turns across chat templates: a trajectory built from generated tokens plus observation deltas equals
-the template's own rendering of the conversation where the template keeps earlier turns as they were (ChatML as the
-tiny models ship it, Qwen2.5 with tools, Llama 3, Mistral), and keeps the generated tokens where the template would
-rewrite them (Qwen3 drops earlier turns' <think>); a template that rewrites earlier text is refused."""
+"""Token-exact turns across chat templates. The templates here are our own, each reproducing a behaviour of a family's
+published template: ChatML as the tiny models ship it; Qwen2.5's tool responses and tools in the system message;
+Qwen3's think blocks (kept after the last user query, stripped before it, an empty one on the last assistant message
+that goes once a message follows) with thinking on and off, and the thinking-only variant whose generation prompt
+opens the block; Llama 3's tools in the first user message and ``ipython`` role; Mistral's tools and system message
+moved in front of the last user message and its nine-character tool_call_id; Llama 2's ``' ' + content + ' ' +
+eos``; and two that rewrite by design. Each either builds trajectories equal to its own rendering of the whole
+conversation, token for token, or is refused when ``ChatDelta`` is made (at the start of a run), with the reason."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
+from jinja2 import TemplateError
 
-from spmd_rlhf.envs import ChatDelta, TemplateDeltaError, TrajectoryDriftError, check_prefix_extension
+from spmd_rlhf.envs import (
+    ChatDelta,
+    TemplateDeltaError,
+    Tool,
+    ToolEnvironment,
+    TrajectoryDriftError,
+    check_prefix_extension,
+    format_tool_call,
+)
+from spmd_rlhf.envs.chat_delta import template_context
 from spmd_rlhf.tiny.task import task_corpus
 from spmd_rlhf.tiny.tokenizer import CHAT_TEMPLATE, train_tokenizer
 
-QWEN25 = (
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+# Jinja pieces the templates share: a leading system message split off, a system block with tools, consecutive tool
+# messages as one user message of <tool_response> blocks.
+_SPLIT_SYSTEM = (
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = none %}{%- set rest = messages %}{%- endif %}"
 )
-# Qwen3's rule: an assistant turn before the last user query loses its <think>...</think> block.
+_SYSTEM_WITH_TOOLS = (
+    "{%- if system is not none or tools %}{{- '<|im_start|>system\\n' + (system or '') }}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools>' }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+)
+_TOOL_RESPONSES = (
+    "{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+)
+_CHATML_MESSAGE = "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+
+QWEN25 = (
+    _SPLIT_SYSTEM
+    + "{%- if system is none %}{%- set system = 'You are a helpful assistant.' %}{%- endif %}"
+    + _SYSTEM_WITH_TOOLS
+    + "{%- for m in rest %}{%- if m.role == 'tool' %}"
+    + _TOOL_RESPONSES
+    + "{%- else %}"
+    + _CHATML_MESSAGE
+    + "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_QWEN3_MESSAGES = (
+    _SPLIT_SYSTEM + _SYSTEM_WITH_TOOLS + "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in rest %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in rest %}{%- if m.role == 'assistant' %}"
+    "{%- set answer = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in m.content %}"
+    "{%- set answer = m.content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- set reasoning = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- endif %}"
+    # After the last user query a turn keeps its reasoning, and the last message shows a block even when empty.
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + answer + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + answer + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m.role == 'tool' %}" + _TOOL_RESPONSES + "{%- else %}" + _CHATML_MESSAGE + "{%- endif %}{%- endfor %}"
+)
 QWEN3 = (
-    "{%- set ns = namespace(last_query=0) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and loop.index0 < ns.last_query and '</think>' in m.content %}"
-    "{{- '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    _QWEN3_MESSAGES + "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+QWEN3_THINKING = (
+    _QWEN3_MESSAGES + "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
 )
 LLAMA3 = (
-    "{{- '<|begin_of_text|>' }}{%- for m in messages %}"
-    "{{- '<|start_header_id|>' + ('ipython' if m.role == 'tool' else m.role) "
-    "+ '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    "{{- '<|begin_of_text|>' }}"
+    + _SPLIT_SYSTEM
+    + "{%- if system is not none or tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if tools %}{{- 'Environment: ipython\\n\\n' }}{%- endif %}{{- (system or '') + '<|eot_id|>' }}{%- endif %}"
+    "{%- for m in rest %}{%- if m.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' }}"
+    "{%- if tools and loop.first and m.role == 'user' %}{{- 'Functions you may call:\\n' }}"
+    "{%- for tool in tools %}{{- (tool | tojson) + '\\n' }}{%- endfor %}{{- '\\n' }}{%- endif %}"
+    "{{- m.content + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 MISTRAL = (
-    "{{- '<s>' }}{%- for m in messages %}"
-    "{%- if m.role == 'user' %}{{- '[INST] ' + m.content + ' [/INST]' }}"
-    "{%- elif m.role == 'tool' %}{{- '[TOOL_RESULTS] ' + m.content + '[/TOOL_RESULTS]' }}"
-    "{%- else %}{{- ' ' + m.content + '</s>' }}{%- endif %}{%- endfor %}"
+    _SPLIT_SYSTEM + "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in rest %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{{- '<s>' }}{%- for m in rest %}{%- if m.role == 'user' %}"
+    # Only the last user message carries the tools and the system message.
+    "{%- if loop.index0 == ns.last_user and tools %}"
+    "{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- if loop.index0 == ns.last_user and system is not none %}"
+    "{{- '[INST]' + system + '\\n\\n' + m.content + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' + m.content + '[/INST]' }}{%- endif %}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if m.tool_call_id is not defined or m.tool_call_id | length != 9 or not m.tool_call_id.isalnum() %}"
+    "{{- raise_exception('a tool message needs a tool_call_id of 9 letters and digits') }}{%- endif %}"
+    "{{- '[TOOL_RESULTS]{\"content\": ' + (m.content | tojson) + ', \"call_id\": \"' + m.tool_call_id + '\"}' }}"
+    "{{- '[/TOOL_RESULTS]' }}"
+    "{%- else %}{{- m.content + '</s>' }}{%- endif %}{%- endfor %}"
 )
-# Rewrites its header whenever a message is added: no delta can exist.
+LLAMA2 = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- ' ' + m.content + ' ' + eos_token }}"
+    "{%- else %}{{- '<s>[INST] ' + m.content + ' [/INST]' }}{%- endif %}{%- endfor %}"
+)
+# Rewrites its header whenever a message is added.
 COUNTING = "{{- messages|length|string + ' messages\\n' }}" + CHAT_TEMPLATE
+# Numbers tool results through the conversation: each delta, rendered after placeholders, says "result 1".
+NUMBERED = (
+    "{%- set ns = namespace(results=0) %}{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "{%- set ns.results = ns.results + 1 %}"
+    "{{- '<|im_start|>tool\\nresult ' + ns.results|string + ': ' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}" + _CHATML_MESSAGE + "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 SPECIALS = [
     "<|begin_of_text|>",
@@ -59,18 +133,27 @@ SPECIALS = [
     "</s>",
     "[INST]",
     "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
     "[TOOL_RESULTS]",
     "[/TOOL_RESULTS]",
+]
+CALCULATOR = Tool(
+    "calculator",
+    "Evaluates a product",
+    {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    lambda expression: str(math.prod(int(factor) for factor in expression.split("*"))),
+)
+TURNS = [
+    "<think>\nI should use the calculator.\n</think>\n\n" + format_tool_call("calculator", {"expression": "12*34"}),
+    "<think>\nCheck it once more.\n</think>\n\n" + format_tool_call("calculator", {"expression": "34*12"}),
+    "<think>\nIt said 408 twice.\n</think>\n\nThe answer is 408.",
 ]
 
 
 @pytest.fixture(scope="module")
 def base_tokenizer():
-    corpus = task_corpus("arithmetic") + [
-        '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
-        "<think>I should use the calculator.</think>",
-        "<tool_response>408</tool_response>",
-    ]
+    corpus = task_corpus("arithmetic") + [*TURNS, "<tool_response>408</tool_response>", "Placeholder answer."]
     tokenizer = train_tokenizer(corpus, vocab_size=400)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *SPECIALS]})
     return tokenizer
@@ -82,78 +165,150 @@ def _tokenizer(base, template):
     return tokenizer
 
 
-TURNS = [
-    "<think>I should use the calculator.</think>"
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
-    "<think>It said 408.</think>The answer is 408.",
-]
-
-
-def _trajectory(tokenizer, messages, *, lead: str = ""):
+def _trajectory(tokenizer, delta, *, system, tools, opens_think):
     """Prompt tokens, then per turn the 'generated' tokens (the turn's text encoded, plus the end-of-turn token) and
-    the observation's delta: what the rollout loop builds, guarded as it guards. ``lead``: what the model writes
-    before the message content (Mistral's templates put a space after [/INST])."""
-    delta = ChatDelta(tokenizer)
-    tokens = tokenizer.encode(
-        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
-    )
+    the tool environment's answer as the template's delta: what the rollout loop builds, guarded as it guards.
+    ``opens_think``: the generation prompt opens the think block, so the policy writes from inside it."""
+    environment = ToolEnvironment({"calculator": CALCULATOR})
+    prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "12*34?"}]
+    schemas = [CALCULATOR.schema()] if tools else None
+    row = {"prompt": prompt, "extra_info": {"tools": schemas} if tools else {}}
+    conversation, context = environment.reset(row), template_context(row)
+    assert context == {"system": system, "tools": schemas}
+    text = tokenizer.apply_chat_template(conversation, tools=schemas, tokenize=False, add_generation_prompt=True)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
     generated_mask = [0] * len(tokens)
-    conversation = list(messages)
-    for turn, text in enumerate(TURNS):
+    for turn in TURNS:
         before = list(tokens)
-        generated = tokenizer.encode(lead + text, add_special_tokens=False) + [delta.turn_end_id]
+        turn = turn.removeprefix("<think>\n") if opens_think else turn
+        generated = tokenizer.encode(turn, add_special_tokens=False) + [delta.turn_end_id]
         tokens += generated
         generated_mask += [1] * len(generated)
-        conversation.append({"role": "assistant", "content": text})
-        if turn + 1 < len(TURNS):
-            observation = [{"role": "tool", "content": "408"}]
-            ids = delta.observation_ids(observation)
+        result = environment.step(conversation, turn)
+        conversation.append({"role": "assistant", "content": turn})
+        if not result.done:
+            ids = delta.observation_ids(result.observations, **context)
             tokens += ids
             generated_mask += [0] * len(ids)
-            conversation += observation
-        check_prefix_extension(before, tokens, where=f"turn {turn}")
-    return tokens, generated_mask, conversation, delta
+            conversation += result.observations
+        check_prefix_extension(before, tokens, where="turn")
+    assert result.done and environment.calls == 2
+    rendered = tokenizer.apply_chat_template(conversation, tools=schemas, tokenize=False)
+    after = delta.after_turn_end(**context)
+    return tokens, generated_mask, tokenizer.encode(rendered, add_special_tokens=False), after
 
 
-@pytest.mark.parametrize(
-    "template", [CHAT_TEMPLATE, QWEN25, LLAMA3, MISTRAL], ids=["chatml", "qwen2.5", "llama3", "mistral"]
-)
-def test_trajectory_equals_the_templates_rendering(base_tokenizer, template):
+# id: (template, chat_template_kwargs, whether the generation prompt opens the think block)
+FOLLOWED = {
+    "chatml": (CHAT_TEMPLATE, {}, False),
+    "qwen2.5": (QWEN25, {}, False),
+    "qwen3": (QWEN3, {}, False),
+    "qwen3-thinking": (QWEN3_THINKING, {}, True),
+    "llama3": (LLAMA3, {}, False),
+    "mistral": (MISTRAL, {}, False),
+}
+
+
+@pytest.mark.parametrize("context", ["bare", "system", "system+tools"])
+@pytest.mark.parametrize("name", FOLLOWED)
+def test_trajectory_equals_the_templates_rendering(base_tokenizer, name, context):
+    template, kwargs, opens_think = FOLLOWED[name]
     tokenizer = _tokenizer(base_tokenizer, template)
-    messages = [{"role": "user", "content": "What is 12*34?"}]
-    lead = " " if template == MISTRAL else ""
-    tokens, mask, conversation, delta = _trajectory(tokenizer, messages, lead=lead)
-    rendered = tokenizer.encode(tokenizer.apply_chat_template(conversation, tokenize=False), add_special_tokens=False)
-    # The rendering goes on past the last end-of-turn token with what the template puts between turns.
-    assert rendered == tokens + tokenizer.encode(delta.after_turn_end, add_special_tokens=False)
-    # The mask covers exactly the generated tokens: each turn's text and its end-of-turn token.
-    generated = [token for token, bit in zip(tokens, mask) if bit]
-    assert generated == [
-        token
-        for text in TURNS
-        for token in tokenizer.encode(lead + text, add_special_tokens=False) + [delta.turn_end_id]
-    ]
-
-
-def test_think_stripping_template_keeps_the_generated_tokens(base_tokenizer):
-    tokenizer = _tokenizer(base_tokenizer, QWEN3)
-    messages = [{"role": "user", "content": "What is 12*34?"}]
-    tokens, mask, conversation, delta = _trajectory(tokenizer, messages)
-    as_generated = tokenizer.encode(
-        _tokenizer(base_tokenizer, QWEN25).apply_chat_template(conversation, tokenize=False), add_special_tokens=False
+    delta = ChatDelta(tokenizer, observation_roles=ToolEnvironment.observation_roles, chat_template_kwargs=kwargs)
+    system = "You add numbers." if context != "bare" else None
+    tokens, mask, rendered, after = _trajectory(
+        tokenizer, delta, system=system, tools=context == "system+tools", opens_think=opens_think
     )
-    assert tokens + tokenizer.encode(delta.after_turn_end, add_special_tokens=False) == as_generated
-    # Had the next turn started from a re-rendered history with a new user message, the first turn's <think> would be
-    # gone from under the policy: that is what building from deltas prevents.
-    rerendered = tokenizer.apply_chat_template(conversation + [{"role": "user", "content": "Thanks"}], tokenize=False)
-    assert "I should use the calculator." not in rerendered
-    assert "I should use the calculator." in tokenizer.decode(tokens)
+    # The rendering goes on past the last end-of-turn token with what the template puts between turns.
+    assert rendered == tokens + tokenizer.encode(after, add_special_tokens=False)
+    # The mask covers exactly the generated tokens: each turn's text and its end-of-turn token.
+    turns = [turn.removeprefix("<think>\n") if opens_think else turn for turn in TURNS]
+    assert [token for token, bit in zip(tokens, mask) if bit] == [
+        token for turn in turns for token in tokenizer.encode(turn, add_special_tokens=False) + [delta.turn_end_id]
+    ]
+    if name == "mistral" and context == "system+tools":
+        assert "[AVAILABLE_TOOLS]" in tokenizer.decode(tokens[: mask.index(1)])  # the prompt has them, once
+        assert tokenizer.decode(tokens).count("[AVAILABLE_TOOLS]") == 1
 
 
-def test_template_that_rewrites_earlier_text_is_refused(base_tokenizer):
-    delta = ChatDelta(_tokenizer(base_tokenizer, COUNTING))
-    with pytest.raises(TemplateDeltaError, match="changes how the chat template renders"):
-        delta.observation_ids([{"role": "tool", "content": "408"}])
+@pytest.mark.parametrize("name", ["chatml", "qwen2.5", "llama3"])
+def test_templates_that_only_append_take_user_observations_too(base_tokenizer, name):
+    delta = ChatDelta(_tokenizer(base_tokenizer, FOLLOWED[name][0]))  # checks tool and user observations
+    assert delta.observation_ids([{"role": "user", "content": "Thanks"}])
+
+
+REFUSED = {
+    # id: (template, chat_template_kwargs, observation roles, the reason)
+    "qwen3 thinking off": (
+        QWEN3,
+        {"enable_thinking": False},
+        ("tool",),
+        r"appending \['tool'\] messages changes how the template renders the conversation before them "
+        r"\('.*assistant\\n<think>\\n\\n</think>\\n\\nPlaceholder answer\..*' becomes "
+        r"'.*assistant\\nPlaceholder answer\.<\|im_end\|>",
+    ),
+    "qwen3 user observations": (QWEN3, {}, ("tool", "user"), r"appending \['user'\] messages changes how"),
+    "qwen3-thinking user observations": (
+        QWEN3_THINKING,
+        {},
+        ("tool", "user"),
+        r"appending \['user'\] messages changes",
+    ),
+    "mistral user observations": (
+        MISTRAL,
+        {},
+        ("tool", "user"),
+        r"appending \['user'\] messages \(with a system message\) changes how",
+    ),
+    "llama2": (
+        LLAMA2,
+        {},
+        ("tool",),
+        r"the first token after an assistant message's content is ' ' .*not a special token or the EOS",
+    ),
+    "numbered": (
+        NUMBERED,
+        {},
+        ("tool",),
+        r"with tool observations, the turns' tokens differ from its rendering of the whole conversation at token "
+        r"\d+: the rendering has '2: .*' where the turns have '1: ",
+    ),
+    "counting": (
+        COUNTING,
+        {},
+        ("tool",),
+        r"its rendering of an assistant message does not continue its generation prompt "
+        r"\('1 messages.*' becomes '2 messages",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_template_that_cannot_be_followed_is_refused_at_start(base_tokenizer, name):
+    template, kwargs, roles, reason = REFUSED[name]
+    source = f"tests/{name.replace(' ', '-')}"
+    with pytest.raises(TemplateDeltaError, match=f"cannot use the chat template of {source}: {reason}"):
+        ChatDelta(
+            _tokenizer(base_tokenizer, template), source=source, observation_roles=roles, chat_template_kwargs=kwargs
+        )
+
+
+def test_mistral_needs_the_tool_environments_call_ids(base_tokenizer):
+    tokenizer = _tokenizer(base_tokenizer, MISTRAL)
+    messages = [{"role": "user", "content": "12*34?"}, {"role": "assistant", "content": "call"}]
+    with pytest.raises(TemplateError, match="tool_call_id of 9 letters and digits"):
+        tokenizer.apply_chat_template(messages + [{"role": "tool", "content": "408"}], tokenize=False)
+    environment = ToolEnvironment({"calculator": CALCULATOR})
+    environment.reset({"prompt": "12*34?"})
+    observations = environment.step(messages, TURNS[0]).observations
+    assert observations[0]["tool_call_id"] == "call00000"
+    assert 'call_id": "call00000"' in tokenizer.apply_chat_template(messages + observations, tokenize=False)
+
+
+def test_an_unchecked_observation_role_is_an_error(base_tokenizer):
+    delta = ChatDelta(_tokenizer(base_tokenizer, QWEN3), observation_roles=("tool",))
+    with pytest.raises(TemplateDeltaError, match=r"checked at start for \['tool'\] only; add them"):
+        delta.observation_ids([{"role": "user", "content": "Thanks"}])
 
 
 def test_guard_fails_loudly_on_drift():

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
-from spmd_rlhf.envs import ChatDelta, Environment, StepResult, TrajectoryDriftError
+from spmd_rlhf.envs import ChatDelta, Environment, StepResult, TrajectoryDriftError, initial_messages
 from spmd_rlhf.envs.multi_turn import response_tensors, run_multi_turn
 from spmd_rlhf.models import load_model, log_probs_from_logits
 from spmd_rlhf.tiny.model import make_tiny, raise_eos_logit
@@ -173,3 +173,46 @@ def test_a_drifted_prefix_fails_loudly(setup, monkeypatch):
     monkeypatch.setattr(engine, "generate", drifting)
     with pytest.raises(TrajectoryDriftError, match="trajectory 0 turn 0"):
         _rollout(model, tokenizer, prompts, engine=engine)
+
+
+class FromRow(Scripted):
+    """Scripted, starting from the row's messages (a system message among them)."""
+
+    def reset(self, row):
+        return initial_messages(row)
+
+
+class RecordingDelta(ChatDelta):
+    """A ChatDelta that records the context each observation delta is rendered in."""
+
+    def __init__(self, tokenizer):
+        self.contexts = []
+        super().__init__(tokenizer)
+        self.contexts.clear()  # the start-of-run check's own deltas
+
+    def observation_ids(self, observations, *, system=None, tools=None):
+        self.contexts.append((system, tools))
+        return super().observation_ids(observations, system=system, tools=tools)
+
+
+def test_deltas_are_rendered_with_the_rows_system_message_and_tools(setup):
+    model, tokenizer, prompts = setup
+    delta = RecordingDelta(tokenizer)
+    schema = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+    rows = [
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]},
+        {"prompt": "q", "extra_info": {"tools": [schema, "python"]}},  # a bare name is left to the prompt's text
+    ]
+    samples = 4
+    run_multi_turn(
+        LLMEngine(model, eos_token_id=tokenizer.eos_token_id, block_size=4),
+        [tokens for tokens in prompts[:2] for _ in range(samples)],
+        [FromRow() for _ in range(2 * samples)],
+        [row for row in rows for _ in range(samples)],
+        [SamplingParams(temperature=TEMPERATURE, max_new_tokens=PER_TURN, seed=seed) for seed in range(2 * samples)],
+        delta=delta,
+        max_turns=MAX_TURNS,
+        max_response_tokens=BUDGET,
+    )
+    assert all(context in [("Be brief.", None), (None, [schema])] for context in delta.contexts)
+    assert ("Be brief.", None) in delta.contexts and (None, [schema]) in delta.contexts

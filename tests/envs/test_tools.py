@@ -9,6 +9,7 @@ import pytest
 
 from spmd_rlhf.envs import Tool, ToolCall, ToolEnvironment, call_tool, format_tool_call, parse_tool_calls
 from spmd_rlhf.envs.sandbox import SandboxError, run_sandboxed, sandboxed_tool
+from spmd_rlhf.envs.tools import tool_call_id
 
 NO_ARGS = {"type": "object", "properties": {}}
 
@@ -107,12 +108,22 @@ def test_tool_environment_runs_the_calls_of_a_turn():
         '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
         '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>',
     )
-    assert not result.done and result.observations[0] == {"role": "tool", "content": "408"}
+    assert not result.done
+    assert result.observations[0] == {"role": "tool", "content": "408", "tool_call_id": "call00000"}
     assert result.observations[1]["content"].startswith("Error: unknown tool 'echo'")
+    assert result.observations[1]["tool_call_id"] == "call00001"  # ids count a trajectory's calls, failed or not
     assert environment.metrics() == {"tool_calls": 2.0, "tool_errors": 1.0}
     assert environment.step(row["prompt"], "408").done
     with pytest.raises(ValueError, match="does not have"):
         environment.reset({"prompt": "x", "extra_info": {"tools": ["search"]}})
+
+
+def test_tool_call_ids_are_nine_letters_and_digits():
+    ids = [tool_call_id(index) for index in (0, 1, 99_999)]
+    assert ids == ["call00000", "call00001", "call99999"]
+    assert all(len(id_) == 9 and id_.isalnum() for id_ in ids)  # what Mistral's templates require
+    with pytest.raises(ValueError, match="outside 0..99999"):
+        tool_call_id(100_000)
 
 
 def test_rollout_config_keys_are_checked():

@@ -168,9 +168,18 @@ def encode_prompt(tokenizer, prompt: str | list[dict[str, Any]], *, where: str, 
             f"template; point model.tokenizer_path at a tokenizer with one (an instruct model's), or give prompts "
             f"as plain text"
         )
-    schemas = [tool for tool in tools or [] if isinstance(tool, dict)]
-    text = tokenizer.apply_chat_template(prompt, tools=schemas or None, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        prompt, tools=template_tools(tools), add_generation_prompt=True, tokenize=False
+    )
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_tools(tools: list | None) -> list[dict[str, Any]] | None:
+    """What the chat template gets of a row's ``extra_info.tools``: its OpenAI schemas (tool names alone are left to
+    the prompt's text), or None when it has none. The prompt and a multi-turn rollout's observation deltas are
+    rendered with the same."""
+    schemas = [tool for tool in tools or [] if isinstance(tool, dict)]
+    return schemas or None
 
 
 def _message_text(content: Any, *, where: str) -> str:

@@ -32,6 +32,11 @@ class StepResult:
 
 
 class Environment(ABC):
+    observation_roles: tuple[str, ...] = ("tool", "user")
+    """The roles of the messages ``step`` answers with. When a run starts, the chat template is checked for each
+    (``chat_delta.ChatDelta``): a template that cannot append one token for token is refused then, so name only the
+    roles the environment uses."""
+
     @abstractmethod
     def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """Start a trajectory for dataset ``row`` (verl's fields: ``prompt``, ``data_source``, ``ground_truth``,

@@ -26,7 +26,7 @@ import torch
 from spmd_rlhf.engine import LLMEngine, SamplingParams, Sequence
 from spmd_rlhf.engine.sampler import derive_seed
 from spmd_rlhf.envs.base import Environment, StepResult
-from spmd_rlhf.envs.chat_delta import ChatDelta, check_prefix_extension
+from spmd_rlhf.envs.chat_delta import ChatDelta, check_prefix_extension, template_context
 
 T = TypeVar("T")
 
@@ -57,6 +57,9 @@ class Trajectory:
     prompt_token_ids: list[int]
     messages: list[dict[str, Any]]
     """The conversation as text: the initial messages, then each assistant turn and its observations."""
+    template_context: dict[str, Any] = field(default_factory=dict)
+    """The system message and tools the prompt was rendered with (``chat_delta.template_context``); observation
+    deltas are rendered with them."""
     response_token_ids: list[int] = field(default_factory=list)
     """Everything after the prompt: generated and observation tokens, in order."""
     generated_mask: list[int] = field(default_factory=list)
@@ -123,7 +126,7 @@ def run_multi_turn(
     so they are independent; tools waiting on a subprocess or the network overlap); the answers are taken in
     trajectory order, so the result does not depend on the count."""
     trajectories = [
-        Trajectory(list(tokens), environment.reset(row))
+        Trajectory(list(tokens), environment.reset(row), template_context(row))
         for tokens, environment, row in zip(prompt_token_ids, environments, rows, strict=True)
     ]
     stats = MultiTurnStats()
@@ -226,7 +229,7 @@ def _answer(
     reason = _end_reason(generated, result.done, last_turn, delta)
     observation_ids: list[int] = []
     if reason is None:
-        observation_ids = delta.observation_ids(result.observations)
+        observation_ids = delta.observation_ids(result.observations, **trajectory.template_context)
         # The next turn needs room for at least one token after the observation.
         if len(trajectory.response_token_ids) + len(observation_ids) >= max_response_tokens:
             reason = "budget"

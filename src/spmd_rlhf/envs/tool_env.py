@@ -1,5 +1,6 @@
 """The tool environment: the policy calls tools in its chat template's format, the environment runs them and answers
-with ``tool`` messages; a turn without a tool call is the final answer and ends the trajectory.
+with ``tool`` messages (each with a ``tool_call_id``: ``tools.tool_call_id``); a turn without a tool call is the
+final answer and ends the trajectory.
 
 The tools of a row are those its ``extra_info["tools"]`` lists (OpenAI schemas, or bare names), looked up by name
 among the environment's tools; the dataset also passes those schemas to the chat template, which puts them in the
@@ -12,7 +13,7 @@ from typing import Any
 
 from spmd_rlhf.envs.base import Environment, StepResult, initial_messages
 from spmd_rlhf.envs.sandbox import sandboxed_tool
-from spmd_rlhf.envs.tools import Tool, call_tool, parse_tool_calls
+from spmd_rlhf.envs.tools import Tool, call_tool, parse_tool_calls, tool_call_id
 
 
 def builtin_tools() -> dict[str, Tool]:
@@ -37,6 +38,8 @@ def row_tool_names(row: dict[str, Any]) -> list[str] | None:
 
 
 class ToolEnvironment(Environment):
+    observation_roles = ("tool",)
+
     def __init__(self, tools: dict[str, Tool] | None = None) -> None:
         self.all_tools = builtin_tools() if tools is None else tools
         self.tools: dict[str, Tool] = {}
@@ -64,9 +67,9 @@ class ToolEnvironment(Environment):
         observations = []
         for call in calls:
             text, failed = call_tool(self.tools, call)
+            observations.append({"role": "tool", "content": text, "tool_call_id": tool_call_id(self.calls)})
             self.calls += 1
             self.errors += failed
-            observations.append({"role": "tool", "content": text})
         return StepResult(observations)
 
     def metrics(self) -> dict[str, float]:

@@ -8,7 +8,7 @@ never raise: a tool that raises, hangs or returns something other than text give
 A model calls tools the way Qwen2.5 / Qwen3 / Hermes chat templates teach it, one JSON object per block:
 ``<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>``. ``parse_tool_calls`` reads them;
 ``format_tool_call`` writes one as those templates render an assistant's call; ``call_tool`` runs one and returns the
-text of the ``tool`` message.
+text of the ``tool`` message, which carries ``tool_call_id(n)`` for the trajectory's n-th call.
 """
 
 from __future__ import annotations
@@ -82,6 +82,15 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     """One call as Qwen2.5 / Hermes chat templates render an assistant's ``tool_calls``: the JSON object on its own
     line between the tags (``parse_tool_calls`` reads it back)."""
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def tool_call_id(index: int) -> str:
+    """The ``tool_call_id`` of a trajectory's ``index``-th tool call (from 0): ``call00000``, ``call00001``, ...
+    Deterministic, and nine letters and digits, as Mistral's chat templates require of every tool message (they
+    refuse to render one without); templates that ignore the id are not affected."""
+    if not 0 <= index < 100_000:
+        raise ValueError(f"tool call index {index} is outside 0..99999: a trajectory's ids have five digits")
+    return f"call{index:05d}"
 
 
 def _as_text(value: Any) -> str:

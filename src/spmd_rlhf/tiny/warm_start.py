@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spmd_rlhf.data.dataset import encode_prompt, normalize_prompt
 from spmd_rlhf.envs.base import Environment
-from spmd_rlhf.envs.chat_delta import ChatDelta
+from spmd_rlhf.envs.chat_delta import ChatDelta, template_context
 from spmd_rlhf.envs.tool_env import ToolEnvironment
 from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.tiny.task import TOOL_DEMONSTRATION_KINDS, make_rows, tool_products_demonstration
@@ -53,7 +53,7 @@ def demonstration_tokens(
                 f"a {len(turns)}-turn demonstration ({text!r:.80})"
             )
         if not last:
-            observation_ids = delta.observation_ids(result.observations)
+            observation_ids = delta.observation_ids(result.observations, **template_context({**row, "prompt": prompt}))
             token_ids += observation_ids
             loss_mask += [0] * len(observation_ids)
             messages += result.observations

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.engine import LLMEngine, SamplingParams
-from spmd_rlhf.envs import ChatDelta, environment_factory
+from spmd_rlhf.envs import ChatDelta, Environment, environment_factory
 from spmd_rlhf.envs.multi_turn import Response, response_tensors, run_multi_turn, single_turn_response
 from spmd_rlhf.runtime.device import check_thread
 from spmd_rlhf.training.reducer import DPReducer
@@ -132,7 +132,9 @@ class Generator:
         self.environment = self.chat_delta = None
         if config.rollout.environment is not None:
             self.environment = environment_factory(config.rollout.environment)
-            self.chat_delta = ChatDelta(self.tokenizer)
+            # The template is checked here, once: one that cannot be followed token for token fails the run at start.
+            roles = getattr(self.environment, "observation_roles", Environment.observation_roles)
+            self.chat_delta = ChatDelta(self.tokenizer, source=tokenizer_path, observation_roles=roles)
             # A turn must be able to end where the template ends an assistant turn, or no observation can follow.
             self.stop_token_ids |= {self.chat_delta.turn_end_id}
 
