@@ -538,14 +538,15 @@ def test_a_kv_cache_of_a_few_sequences_preempts_and_finishes(runs, name):
 
 
 @pytest.mark.parametrize("config_error", CONFIG_ERRORS)
-def test_cli_config_check_names_the_bad_key(config_error):
+def test_cli_config_check_names_the_bad_key(config_error, capsys):
+    """``spmd-rlhf config --show``'s entry function, in this process (tests/config runs the console command)."""
+    from spmd_rlhf import cli
+
     entry = CONFIG_ERRORS[config_error]
-    command = [sys.executable, "-m", "spmd_rlhf.cli", "config", "--show", str(RECIPES / "configs" / "grpo.yaml")]
-    finished = subprocess.run(
-        [*command, *entry.overrides], capture_output=True, text=True, timeout=120, env=environment()
-    )
-    assert finished.returncode == 2, finished.stdout + finished.stderr
-    assert re.search(entry.expected, finished.stderr), finished.stderr
+    code = cli.main(["config", "--show", str(RECIPES / "configs" / "grpo.yaml"), *entry.overrides])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    assert re.search(entry.expected, captured.err), captured.err
 
 
 def test_a_second_job_on_a_locked_output_dir_fails_naming_the_holder_and_touches_nothing(tmp_path):

@@ -1,6 +1,8 @@
 """Config schema, loading, error messages and the ``spmd-rlhf config --show`` command."""
 
+import contextlib
 import dataclasses
+import io
 import os
 import subprocess
 import sys
@@ -264,15 +266,28 @@ def test_every_field_has_a_docstring() -> None:
     assert not missing
 
 
-def _run_cli(*args: str, action: str = "--show") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spmd_rlhf.cli", "config", action, *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-        timeout=120,
-    )
+def _run_cli(*args: str, action: str = "--show", in_process: bool = True) -> subprocess.CompletedProcess[str]:
+    """``spmd-rlhf config ACTION ARGS``: the command's entry function in this process (a fresh interpreter costs
+    seconds of imports per case), or with ``in_process=False`` the console command itself in a subprocess."""
+    command = ["config", action, *args]
+    if not in_process:
+        return subprocess.run(
+            [sys.executable, "-m", "spmd_rlhf.cli", *command],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+            timeout=120,
+        )
+    from spmd_rlhf import cli
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = cli.main(command)
+        except SystemExit as exit:  # argparse's usage errors
+            code = exit.code
+    return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
 
 
 @pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda path: path.name)
@@ -365,7 +380,7 @@ def test_device_and_timeouts_reach_the_launch(monkeypatch):
 def test_cli_lists_every_key_with_default_and_doc() -> None:
     from spmd_rlhf.config import field_docs
 
-    result = _run_cli(action="--keys")
+    result = _run_cli(action="--keys", in_process=False)
     assert result.returncode == 0
     for key, (default, doc) in field_docs().items():
         assert f"{key} = {default}\n    {doc}" in result.stdout
