@@ -186,8 +186,20 @@ def test_pattern_keys_match_layers_as_in_peft():
             dict(rank_pattern={"self_attn.q_proj": 6, "q_proj": 4}),
             "self_attn.q_proj \\(rank, scale\\) \\(4, 4.0\\), lora.* gives it \\(6, .*pattern keys overlap",
         ),
+        (dict(layers_to_transform=[0]), {}, "has layers_to_transform=\\[0\\]: adapters on some decoder layers only"),
+        (dict(bias="lora_only"), {}, "has bias='lora_only': trained biases, which these LoRA layers do not do"),
+        (dict(modules_to_save=["lm_head"]), {}, "has modules_to_save=\\['lm_head'\\]: whole modules trained"),
     ],
-    ids=["dora", "regex_targets", "rslora_unset", "rank_pattern_unset", "patterns_in_another_order"],
+    ids=[
+        "dora",
+        "regex_targets",
+        "rslora_unset",
+        "rank_pattern_unset",
+        "patterns_in_another_order",
+        "layers_to_transform",
+        "bias",
+        "modules_to_save",
+    ],
 )
 def test_peft_adapter_of_another_kind_is_refused_by_name(peft_settings, our_settings, message, tmp_path):
     from peft import LoraConfig as PeftLoraConfig

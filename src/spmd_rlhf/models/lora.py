@@ -248,6 +248,22 @@ def lora_config_of(saved: dict) -> LoRAConfig:
     )
 
 
+UNREAD_PEFT_OPTIONS = {
+    "layers_to_transform": (None, "adapters on some decoder layers only"),
+    "layers_pattern": (None, "adapters on some decoder layers only"),
+    "exclude_modules": (None, "target modules less some layers"),
+    "layer_replication": (None, "decoder layers repeated"),
+    "bias": ("none", "trained biases"),
+    "lora_bias": (False, "a trained bias on the adapters' B"),
+    "modules_to_save": (None, "whole modules trained beside the adapters"),
+    "trainable_token_indices": (None, "trained embedding rows"),
+    "target_parameters": (None, "adapters on parameters, not layers"),
+    "fan_in_fan_out": (False, "transposed (Conv1D) weights"),
+}
+"""PEFT ``adapter_config.json`` keys that change which layers carry adapters or what they compute, with their default
+(at which an adapter is plain LoRA) and what they mean; an adapter with another value is refused by name."""
+
+
 def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
     """The adapter tensors of the PEFT directory ``config.adapter_path``, under this model's names; an error naming
     what to change when its ranks, scales or target modules differ from ``config``, or it is a kind of adapter these
@@ -268,6 +284,12 @@ def read_peft_adapter(config: LoRAConfig) -> dict[str, torch.Tensor]:
             "column, which these LoRA layers cannot; use a LoRA adapter (use_dora=false), or merge it into the base "
             "with PEFT's merge_and_unload and set model.path to the merged model"
         )
+    for key, (default, why) in UNREAD_PEFT_OPTIONS.items():
+        if saved.get(key, default) not in (default, None, [], {}):
+            raise ValueError(
+                f"lora.adapter_path={path} has {key}={saved[key]!r}: {why}, which these LoRA layers do not do; "
+                f"merge it into the base with PEFT's merge_and_unload and set model.path to the merged model"
+            )
     targets = saved.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
         raise ValueError(
