@@ -96,7 +96,12 @@ class Backbone(nn.Module):
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # nn.Embedding's own N(0, 1) initialisation, skipped on the meta device: there torch runs normal_ through a
+        # Python reference that imports TorchDynamo, a second of CPU in every process that builds a model shell.
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         # A ModuleDict keyed by layer index keeps HF names and lets pipeline stages drop layers without renumbering.
         self.layers = nn.ModuleDict(
             {str(index): DecoderLayer(args, layer_index=index) for index in range(args.num_layers)}
