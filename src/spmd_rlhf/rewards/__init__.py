@@ -17,6 +17,10 @@ Registered rules:
   ``strict`` the last number) against the ground truth; ``format_score`` for a wrong answer;
 - ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``, ``math``: ``math_score``,
   the last ``\\boxed{}`` against the ground truth after normalising both; ``format_score`` for a wrong answer;
+- ``code``, ``codecontests``, ``apps``, ``taco``, ``codeforces``, ``livecodebench``: ``code_score``, the response's
+  last ```` ```python ```` block run against the row's tests (stdin/stdout, call-based or assert-style), each in a
+  limited child process; the share that pass (``all_or_nothing`` for 1/0), with counts per outcome (``passed``,
+  ``wrong_answer``, ``runtime_error``, ``syntax_error``, ``timeout``, ``memory``, ``output_limit``) as metrics;
 - ``format/think_answer``, ``format/boxed``: 1 when the response is laid out as ``<think>...</think>`` then an
   answer, or holds a ``\\boxed{}`` answer;
 - ``synthetic/arithmetic``, ``synthetic/arithmetic_cost``: the synthetic task of ``spmd_rlhf.tiny.task``, its score
@@ -36,6 +40,7 @@ Correctness and format combine in a user file (``reward.rule=my_reward.py:score`
 timed out, non-finite) counted, logged and either scored 0 or raised (``on_error``).
 """
 
+from spmd_rlhf.rewards.code import CODE_DATA_SOURCES, code_score
 from spmd_rlhf.rewards.extract import last_boxed, parse_number
 from spmd_rlhf.rewards.format import boxed_format, think_answer_format
 from spmd_rlhf.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score
@@ -59,6 +64,7 @@ from spmd_rlhf.rewards.runner import (
 )
 
 __all__ = [
+    "CODE_DATA_SOURCES",
     "MATH_DATA_SOURCES",
     "NonFiniteReward",
     "RULES",
@@ -71,6 +77,7 @@ __all__ = [
     "RuleReward",
     "arithmetic",
     "check_failure_fraction",
+    "code_score",
     "arithmetic_cost",
     "boxed_format",
     "extract_gsm8k_answer",

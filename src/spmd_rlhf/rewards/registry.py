@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spmd_rlhf.rewards.code import CODE_DATA_SOURCES, code_score
 from spmd_rlhf.rewards.format import boxed_format, think_answer_format
 from spmd_rlhf.rewards.gsm8k import gsm8k_score
 from spmd_rlhf.rewards.math_answers import MATH_DATA_SOURCES, math_score
@@ -50,6 +51,7 @@ RULES: dict[str, RewardFunction] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
     **dict.fromkeys(MATH_DATA_SOURCES, math_score),
+    **dict.fromkeys(CODE_DATA_SOURCES, code_score),
     "format/think_answer": think_answer_format,
     "format/boxed": boxed_format,
 }
