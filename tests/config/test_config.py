@@ -21,6 +21,7 @@ from spmd_rlhf.config import (
     to_yaml,
     with_overrides,
 )
+from spmd_rlhf.config.dataflow import is_model
 from spmd_rlhf.config.loader import _attribute_docs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +57,17 @@ def test_defaults_construct_and_validate() -> None:
     assert config.cost.enabled is False
     assert list(config.enabled_roles()) == ["actor", "critic", "reference", "reward"]
     assert config.resource_pools() == {"all": ["actor", "critic", "reference", "reward"]}
+
+
+def test_a_remote_reward_takes_its_url_and_runs_no_model() -> None:
+    config = load_config(None, ["reward.kind=remote", "reward.url=https://scorer.internal/v1/score"])
+    assert config.reward.url == "https://scorer.internal/v1/score"
+    assert (config.reward.remote_batch_size, config.reward.remote_timeout_s, config.reward.remote_retries) == (
+        64,
+        30,
+        3,
+    )
+    assert not is_model("reward", config)
 
 
 def test_yaml_then_overrides_in_order(tmp_path: Path) -> None:
@@ -177,6 +189,12 @@ BAD_COMBINATIONS = [
     (["actor.warmup_steps=100"], "actor.warmup_steps=100", "must be <= trainer.total_steps=20"),
     (["trainer.val_every=5"], "trainer.val_every=5", "needs data.val_files"),
     (["reward.kind=model"], "reward.model_path=null", "reward.kind=model needs"),
+    (["reward.kind=remote"], "reward.url=null", "kind=remote needs the reward service's URL"),
+    (["reward.url=http://scorer:8000/score"], "reward.url=http://scorer:8000/score", "only used with kind=remote"),
+    (["reward.kind=remote", "reward.url=scorer:8000"], "reward.url=scorer:8000", "must be an http:// or https://"),
+    (["reward.kind=remote", "reward.url=http://s", "reward.remote_batch_size=0"], "reward.remote_batch_size=0", ">= 1"),
+    (["reward.kind=remote", "reward.url=http://s", "reward.remote_retries=-1"], "reward.remote_retries=-1", ">= 0"),
+    (["reward.kind=remote", "reward.url=http://s", "reward.remote_timeout_s=0"], "reward.remote_timeout_s=0", "> 0"),
     (["rollout.partial_rollouts=keep_kv"], "rollout.partial_rollouts=keep_kv", "set algorithm.max_staleness >= 1"),
     (["rollout.partial_rollouts=halfway"], "rollout.partial_rollouts=halfway", "must be one of off, keep_kv"),
     (["rollout.partial_segment_tokens=0"], "rollout.partial_segment_tokens=0", "must be >= 1"),

@@ -51,7 +51,8 @@ class RoleKind:
     """The model's output: lm (a policy: actor, reference), value (critics) or score (reward and cost models)."""
     trained: bool
     may_be_rule: bool = False
-    """``<role>.kind=rule`` makes it a Python function instead of a model: it runs no model pass."""
+    """``<role>.kind=rule`` (a Python function) or ``remote`` (a service) instead of a model: it runs no model
+    pass."""
 
 
 ROLE_KINDS: dict[str, RoleKind] = {
@@ -169,7 +170,8 @@ class Dataflow:
         return self.roles(conditions(config))
 
     def models_of(self, config: RunSettings) -> dict[str, dict[str, tuple[str, ...]]]:
-        """``roles_of`` without the roles that are rules under ``config`` (``reward.kind=rule``): the models."""
+        """``roles_of`` without the roles that are rules or services under ``config`` (``reward.kind=rule``): the
+        models."""
         return {role: work for role, work in self.roles_of(config).items() if is_model(role, config)}
 
     def passes(self, config: RunSettings) -> list[Work]:
@@ -207,7 +209,7 @@ CONDITIONS = (KL_TO_REFERENCE, KL_TO_ACTOR_BASE, RECOMPUTE_LOG_PROBS, ROLLOUT_RO
 
 
 def is_model(role: str, config: RunSettings) -> bool:
-    """The role runs a model under ``config`` (a rule reward or cost does not)."""
+    """The role runs a model under ``config`` (a rule or remote reward or cost does not)."""
     return not ROLE_KINDS[role].may_be_rule or getattr(config, role).kind == "model"
 
 

@@ -184,7 +184,8 @@ class TrainableRoleConfig(RoleConfig):
 @dataclass
 class ScoringRoleConfig(RoleConfig):
     kind: str = "rule"
-    """rule: a Python function scores each response; model: the scoring model at model_path does."""
+    """rule: a Python function scores each response; model: the scoring model at model_path does; remote: a service at
+    url does (batches of rows POSTed as JSON, scores back: spmd_rlhf.rewards.remote, docs/recipes.md)."""
     rule: str = "auto"
     """With kind=rule, the function's name in the spmd_rlhf.rewards registry, or path/to/file.py:function (verl's
     signature); auto: chosen by each row's data_source."""
@@ -197,18 +198,39 @@ class ScoringRoleConfig(RoleConfig):
     timeout_s: float | None = 10.0
     """With kind=rule and num_workers >= 1, seconds one call may run before it is stopped and counts as a timeout;
     null: no limit."""
+    url: str | None = None
+    """With kind=remote (required there, refused with the other kinds), the http:// or https:// URL of the reward
+    service that rows are POSTed to."""
+    remote_batch_size: int = 64
+    """With kind=remote, rows per request; each rank sends its share of the rows one request after another."""
+    remote_timeout_s: float = 30.0
+    """With kind=remote, seconds a request may wait to connect and for each read of the answer before it counts as
+    timed out (then retried)."""
+    remote_retries: int = 3
+    """With kind=remote, times a request that timed out, lost its connection, got HTTP 5xx, 408 or 429 or an answer
+    that is not a scores list of the right length is sent again, after 0.5 s, 1 s, 2 s, ... (at most 8 s); then its
+    rows count as failures under on_error. The resends are the <role>/remote_retries metric."""
     on_error: str = "zero"
-    """With kind=rule, a call that raises, times out or returns a non-finite number: zero (score 0, logged, counted
-    in the <role>/errors, /timeouts and /non_finite metrics) or abort (stop with an error naming the function, the
-    row's data source and the cause)."""
+    """With kind=rule or remote, a call (row) that raises, times out or returns a non-finite number: zero (score 0,
+    logged, counted in the <role>/errors, /timeouts and /non_finite metrics) or abort (stop with an error naming the
+    function or URL, the row's data source and the cause)."""
     max_failure_fraction: float | None = None
-    """With kind=rule and on_error=zero, a step where more than this fraction of the calls failed stops the run,
-    naming the counts (a reward that never works, e.g. rule=auto on a data_source it does not know, would train on
-    zeros); null: stop only when every call of the step failed; 1.0: never."""
+    """With kind=rule or remote and on_error=zero, a step where more than this fraction of the calls (rows) failed stops
+    the run, naming the counts (a reward that never works, e.g. rule=auto on a data_source it does not know, or a
+    service that is down, would train on zeros); null: stop only when every call of the step failed; 1.0: never."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        one_of(self, "kind", ("rule", "model"))
+        one_of(self, "kind", ("rule", "model", "remote"))
+        if self.kind == "remote":
+            require(self, "url", self.url is not None, "kind=remote needs the reward service's URL")
+        else:
+            require(self, "url", self.url is None, f"is only used with kind=remote (kind={self.kind}); remove it")
+        valid_url = self.url is None or self.url.startswith(("http://", "https://"))
+        require(self, "url", valid_url, "must be an http:// or https:// URL")
+        at_least(self, 1, "remote_batch_size")
+        at_least(self, 0, "remote_retries")
+        require(self, "remote_timeout_s", self.remote_timeout_s > 0, "must be > 0")
         fraction = self.max_failure_fraction
         require(self, "max_failure_fraction", fraction is None or 0.0 <= fraction <= 1.0, "must be null or in [0, 1]")
         require(self, "rule", self.rule != "", "must name a registered function or be auto")

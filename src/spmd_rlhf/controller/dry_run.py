@@ -50,11 +50,9 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
                 f"generation shard + KV cache only (the actor's weights, {config.model.dtype})"
             )
             continue
-        if name not in models:  # a rule reward or cost: no model
-            lines.append(
-                f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'rule':>14}  "
-                f"none (reward.rule={role.rule})"
-            )
+        if name not in models:  # a rule or remote reward or cost: no model
+            what = f"{name}.url={role.url}" if role.kind == "remote" else f"{name}.rule={role.rule}"
+            lines.append(f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {role.kind:>14}  none ({what})")
             continue
         spec = models[name]
         count = spec.shape.parameters(spec.head)

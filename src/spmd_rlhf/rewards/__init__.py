@@ -37,7 +37,8 @@ Correctness and format combine in a user file (``reward.rule=my_reward.py:score`
         return {"score": correct + 0.1 * layout, "correct": correct, "format": layout}
 
 ``RewardRunner`` scores many rows inline or in worker processes, each call under a timeout, with failures (raised,
-timed out, non-finite) counted, logged and either scored 0 or raised (``on_error``).
+timed out, non-finite) counted, logged and either scored 0 or raised (``on_error``). ``RemoteReward``
+(``reward.kind=remote``) instead POSTs them to a scoring service, with its failures handled the same way.
 """
 
 from spmd_rlhf.rewards.code import CODE_DATA_SOURCES, code_score
@@ -53,7 +54,9 @@ from spmd_rlhf.rewards.registry import (
     arithmetic,
     arithmetic_cost,
     load_function,
+    parse_score,
 )
+from spmd_rlhf.rewards.remote import RemoteReward
 from spmd_rlhf.rewards.runner import (
     RewardError,
     RewardOutcome,
@@ -68,6 +71,7 @@ __all__ = [
     "MATH_DATA_SOURCES",
     "NonFiniteReward",
     "RULES",
+    "RemoteReward",
     "RewardError",
     "RewardFunction",
     "RewardOutcome",
@@ -88,5 +92,6 @@ __all__ = [
     "math_score",
     "normalize_math_answer",
     "parse_number",
+    "parse_score",
     "think_answer_format",
 ]

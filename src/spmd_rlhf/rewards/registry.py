@@ -123,24 +123,32 @@ class RuleReward:
     def score(
         self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict
     ) -> tuple[float, dict[str, float]]:
-        """(score, extra metrics) of one response. A dict result needs a ``"score"`` entry; its other numeric entries
-        are the extras (others, such as a predicted answer string, are left out). A non-finite score or extra, or a
-        score beyond float32's range, raises ``NonFiniteReward``."""
+        """(score, extra metrics) of one response, as ``parse_score`` reads the function's result."""
         result = self.function_for(data_source)(data_source, solution_str, ground_truth, extra_info, **self.kwargs)
-        extras: dict[str, float] = {}
-        if isinstance(result, dict):
-            if "score" not in result:
-                raise ValueError(f"returned a dict without a 'score' key: {result}")
-            numbers = {key: value for key, value in result.items() if hasattr(type(value), "__float__")}
-            extras = {key: float(value) for key, value in numbers.items() if key != "score"}
-            result = result["score"]
-        score = float(result)
-        for key, value in {"score": score, **extras}.items():
-            if not math.isfinite(value):
-                raise NonFiniteReward(f"returned {value} as {key!r}")
-        if abs(score) > FLOAT32_MAX:
-            raise NonFiniteReward(
-                f"returned {score} as 'score', beyond float32's range (±{FLOAT32_MAX:.4g}) in which scores are kept; "
-                f"scale it down"
-            )
-        return score, extras
+        return parse_score(result)
+
+
+def parse_score(result: Any) -> tuple[float, dict[str, float]]:
+    """(score, extra metrics) of what a reward returned for one response: a number, or a dict with a ``"score"`` entry
+    whose other numeric entries are the extras (others, such as a predicted answer string, are left out). A result
+    that is neither raises ``ValueError`` or ``TypeError``; a non-finite score or extra, or a score beyond float32's
+    range, raises ``NonFiniteReward``."""
+    extras: dict[str, float] = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"returned a dict without a 'score' key: {result}")
+        numbers = {key: value for key, value in result.items() if hasattr(type(value), "__float__")}
+        extras = {key: float(value) for key, value in numbers.items() if key != "score"}
+        result = result["score"]
+    if isinstance(result, str | bytes):  # float() would parse "0.5": a string is not a score
+        raise TypeError(f"returned {result!r}, a string, as 'score'")
+    score = float(result)
+    for key, value in {"score": score, **extras}.items():
+        if not math.isfinite(value):
+            raise NonFiniteReward(f"returned {value} as {key!r}")
+    if abs(score) > FLOAT32_MAX:
+        raise NonFiniteReward(
+            f"returned {score} as 'score', beyond float32's range (±{FLOAT32_MAX:.4g}) in which scores are kept; "
+            f"scale it down"
+        )
+    return score, extras

@@ -68,6 +68,8 @@ class RewardRow:
     solution_str: str
     ground_truth: Any
     extra_info: dict
+    prompt: str = ""
+    """The prompt's text, for a remote reward service (rules are not given it)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class RewardOutcome:
     extras: dict[str, float] = field(default_factory=dict)
     failure: str | None = None
     message: str = ""
+    retries: int = 0
+    """Times the request that carried this row to a remote reward service was resent, on the request's first row only
+    (0 on the others), so that a sum over outcomes counts resent requests."""
 
 
 @dataclass(frozen=True)
@@ -91,18 +96,29 @@ class RewardScores:
     """Each extra number over the rows that returned it."""
     failures: dict[str, int]
     """Failed rows by metric name (``errors``, ``timeouts``, ``non_finite``), all three always present."""
+    retries: int = 0
+    """Requests to a remote reward service that were resent (``RewardOutcome.retries`` summed)."""
 
 
 class RewardError(RuntimeError):
     """A reward call failed under ``on_error=abort``."""
 
 
+RULE_FIX = "Fix the reward function"
+"""How a failure message tells the user to fix a rule reward; a remote reward names its service instead."""
+
+
 def check_failure_fraction(
-    failures: dict[str, int], calls: int, *, max_failure_fraction: float | None, name: str
+    failures: dict[str, int],
+    calls: int,
+    *,
+    max_failure_fraction: float | None,
+    name: str,
+    fix: str | None = None,
 ) -> None:
     """Raise a ``RewardError`` when more than ``max_failure_fraction`` of ``calls`` failed, or with None when every
     call failed (``failures``: the counts by metric name, as in ``RewardScores.failures``, summed over every rank
-    that scored part of the step)."""
+    that scored part of the step; ``fix``: what the message tells the user to fix, by default the rule)."""
     failed = sum(failures.values())
     if not calls:
         return
@@ -115,16 +131,48 @@ def check_failure_fraction(
     else:
         return
     counts = ", ".join(f"{metric} {count}" for metric, count in failures.items())
+    fix = fix or f"{RULE_FIX} (or the rows' data_source, under {name}.rule=auto)"
     raise RewardError(
         f"{name}: {failed} of {calls} calls failed at this step ({counts}), {limit}; the logged failures say why. "
-        f"Fix the reward function (or the rows' data_source, under {name}.rule=auto), or set "
-        f"{name}.max_failure_fraction=1 to train on zeros anyway"
+        f"{fix}, or set {name}.max_failure_fraction=1 to train on zeros anyway"
     )
 
 
 class _CallTimeout(BaseException):
     """Raised by the timer inside a worker process; a BaseException so that a user function's ``except Exception``
     cannot swallow it."""
+
+
+def log_failures(outcomes: Sequence[RewardOutcome], name: str) -> None:
+    """Log the first few failed outcomes in full and count the rest in one line (``name``: the config section)."""
+    failed = [outcome for outcome in outcomes if outcome.failure]
+    for outcome in failed[:LOGGED_FAILURES]:
+        logger.warning("%s: %s", name, outcome.message)
+    if len(failed) > LOGGED_FAILURES:
+        logger.warning("%s: %d more of %d rows failed", name, len(failed) - LOGGED_FAILURES, len(outcomes))
+
+
+def summarize_outcomes(outcomes: Sequence[RewardOutcome], *, on_error: str, name: str, fix: str) -> RewardScores:
+    """Scores, extras, failure counts and retries of ``outcomes``; under ``on_error=abort``, a ``RewardError`` for the
+    first failure instead, telling the user to ``fix`` it (``RULE_FIX``, or the remote service)."""
+    failed = [outcome for outcome in outcomes if outcome.failure]
+    if failed and on_error == "abort":
+        others = f" ({len(failed) - 1} more of {len(outcomes)} rows failed too)" if len(failed) > 1 else ""
+        raise RewardError(
+            f"{name}: {failed[0].message}{others}. {fix}, or set {name}.on_error=zero to score failed rows 0 and "
+            f"count them"
+        )
+    extras: dict[str, list[float]] = {}
+    for outcome in outcomes:
+        for key, value in outcome.extras.items():
+            extras.setdefault(key, []).append(value)
+    counts = Counter(outcome.failure for outcome in failed)
+    return RewardScores(
+        [outcome.score for outcome in outcomes],
+        extras,
+        {metric: counts[kind] for kind, metric in FAILURE_METRICS.items()},
+        sum(outcome.retries for outcome in outcomes),
+    )
 
 
 def score_row(reward: RuleReward, row: RewardRow, *, timeout_s: float | None = None) -> RewardOutcome:
@@ -138,17 +186,17 @@ def score_row(reward: RuleReward, row: RewardRow, *, timeout_s: float | None = N
     except NonFiniteReward as error:
         return _failed("non_finite", str(error), reward, row)
     except Exception as error:
-        return _failed("error", f"raised {type(error).__name__}: {_shorten(str(error))}", reward, row)
+        return _failed("error", f"raised {type(error).__name__}: {shorten(str(error))}", reward, row)
     return RewardOutcome(score, extras)
 
 
 def _failed(kind: str, cause: str, reward: RuleReward, row: RewardRow) -> RewardOutcome:
-    response = _shorten(row.solution_str)
+    response = shorten(row.solution_str)
     message = f"{reward.describe(row.data_source)} {cause} (data_source={row.data_source!r}, response {response!r})"
     return RewardOutcome(0.0, failure=kind, message=message)
 
 
-def _shorten(text: str) -> str:
+def shorten(text: str) -> str:
     return text[:SHOWN_CHARS] + ("..." if len(text) > SHOWN_CHARS else "")
 
 
@@ -252,33 +300,13 @@ class RewardRunner:
             outcomes = self._score_in_pool(list(rows))
         else:
             outcomes = [score_row(self.reward, row) for row in rows]
-        failed = [outcome for outcome in outcomes if outcome.failure]
-        for outcome in failed[:LOGGED_FAILURES]:
-            logger.warning("%s: %s", self.name, outcome.message)
-        if len(failed) > LOGGED_FAILURES:
-            logger.warning("%s: %d more of %d rows failed", self.name, len(failed) - LOGGED_FAILURES, len(outcomes))
+        log_failures(outcomes, self.name)
         return outcomes
 
     def summarize(self, outcomes: Sequence[RewardOutcome]) -> RewardScores:
         """Scores, extras and failure counts of ``outcomes``; under ``on_error=abort``, a ``RewardError`` for the first
         failure instead."""
-        failed = [outcome for outcome in outcomes if outcome.failure]
-        if failed and self.on_error == "abort":
-            others = f" ({len(failed) - 1} more of {len(outcomes)} rows failed too)" if len(failed) > 1 else ""
-            raise RewardError(
-                f"{self.name}: {failed[0].message}{others}. Fix the reward function, or set {self.name}.on_error=zero "
-                f"to score failed rows 0 and count them"
-            )
-        extras: dict[str, list[float]] = {}
-        for outcome in outcomes:
-            for key, value in outcome.extras.items():
-                extras.setdefault(key, []).append(value)
-        counts = Counter(outcome.failure for outcome in failed)
-        return RewardScores(
-            [outcome.score for outcome in outcomes],
-            extras,
-            {metric: counts[kind] for kind, metric in FAILURE_METRICS.items()},
-        )
+        return summarize_outcomes(outcomes, on_error=self.on_error, name=self.name, fix=RULE_FIX)
 
     def close(self) -> None:
         """Stop the worker processes (a later ``score`` starts new ones)."""

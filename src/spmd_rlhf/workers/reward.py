@@ -1,12 +1,14 @@
-"""Scoring roles: rule-based rewards (``spmd_rlhf.rewards``) or a reward / cost model with a score head.
+"""Scoring roles: rule-based rewards (``spmd_rlhf.rewards``), a remote reward service
+(``spmd_rlhf.rewards.remote``) or a reward / cost model with a score head.
 
-Both give one score per response, ``scores`` ``[rows]`` (the cost role's output is named ``costs``). A rule sees the
-decoded response text without special tokens; a model scores prompt + response as token ids, so a scoring model must
-share the policy's tokenizer (reward models with their own tokenizer and chat template are not supported yet).
+All give one score per response, ``scores`` ``[rows]`` (the cost role's output is named ``costs``). A rule sees the
+decoded response text without special tokens; a remote service sees it too, with the prompt's text; a model scores
+prompt + response as token ids, so a scoring model must share the policy's tokenizer (reward models with their own
+tokenizer and chat template are not supported yet).
 
-Every rank of a DP replica holds the same rows, so under a rule the replica's TP x PP ranks each decode and score a
-slice of them (in ``reward.num_workers`` processes each, or inline) and gather the outcomes, and every rank ends with
-all of them.
+Every rank of a DP replica holds the same rows, so under a rule or a service the replica's TP x PP ranks each decode
+and score a slice of them (in ``reward.num_workers`` processes each, or inline, or in requests to the service) and
+gather the outcomes, and every rank ends with all of them.
 """
 
 from __future__ import annotations
@@ -18,23 +20,34 @@ from transformers import AutoTokenizer
 from spmd_rlhf.config import FrameworkConfig, ScoringRoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
+from spmd_rlhf.rewards.remote import RemoteReward
 from spmd_rlhf.runtime import RoleContext, data_parallel
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.workers.base import RoleWorker
 
 
 class RewardWorker(RoleWorker):
-    """A scorer: a frozen ``ShardedModel`` with a score head (``kind: model``), or a ``RewardRunner`` of a rule."""
+    """A scorer: a frozen ``ShardedModel`` with a score head (``kind: model``), a ``RewardRunner`` of a rule, or a
+    ``RemoteReward`` client of a service (``kind: remote``)."""
 
     def __init__(self, context: RoleContext, config: FrameworkConfig, *, role: str = "reward") -> None:
         role_config: ScoringRoleConfig = getattr(config, role)
         super().__init__(context, config, role_config)
         self.output_key = "scores" if role == "reward" else "costs"
         self.scorer: ShardedModel | None = None
-        self.runner: RewardRunner | None = None
+        self.runner: RewardRunner | RemoteReward | None = None
         if role_config.kind == "model":
             self.scorer = ShardedModel(
                 context, config, role_config, head="score", trainable=False, reducer=self.reducer
+            )
+        elif role_config.kind == "remote":
+            self.runner = RemoteReward(
+                role_config.url,
+                batch_size=role_config.remote_batch_size,
+                timeout_s=role_config.remote_timeout_s,
+                retries=role_config.remote_retries,
+                on_error=role_config.on_error,
+                name=role,
             )
         else:
             self.runner = RewardRunner(
@@ -45,20 +58,22 @@ class RewardWorker(RoleWorker):
                 on_error=role_config.on_error,
                 name=role,
             )
+        if self.runner is not None:
             self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
 
     @data_parallel
     def compute_rewards(self, batch: Batch) -> Batch:
         """One score per response. The batch meta carries their mean, the mean of each extra number a rule returned
-        and, for a rule, the rows whose call failed (``<role>/errors``, ``/timeouts``, ``/non_finite``), over all
-        DP ranks. Under a rule, more than ``<role>.max_failure_fraction`` of the step's calls failing is an error."""
+        and, for a rule or a service, the rows whose call failed (``<role>/errors``, ``/timeouts``, ``/non_finite``),
+        over all DP ranks, and for a service the resent requests (``<role>/remote_retries``). Under a rule or a
+        service, more than ``<role>.max_failure_fraction`` of the step's calls failing is an error."""
         scored: RewardScores | None = None
         if self.scorer is not None:
             scores = self.scorer.forward_rows(
                 batch, "compute_rewards", "scores", lambda outputs, micro: outputs.float()
             )["scores"]
         else:
-            scored = self.score_with_rule(batch)
+            scored = self.score_rows(batch)
             scores = torch.tensor(scored.scores, dtype=torch.float32)
         extras = scored.extras if scored else {}
         failures = scored.failures if scored else {}
@@ -68,6 +83,9 @@ class RewardWorker(RoleWorker):
             **{f"extra/{key}": (float(sum(values)), float(len(values))) for key, values in extras.items()},
             **{f"failed/{metric}": (float(count), 0.0) for metric, count in failures.items()},
         }
+        remote = isinstance(self.runner, RemoteReward)
+        if remote:
+            partial["remote_retries"] = (float(scored.retries), 0.0)
         totals: dict[str, list[float]] = {}
         for rank_partial in self.reducer.gather_objects(partial):
             for key, (total, count) in rank_partial.items():
@@ -80,15 +98,22 @@ class RewardWorker(RoleWorker):
             metrics[f"{name}/{key[len('extra/') :]}/mean"] = totals[key][0] / max(totals[key][1], 1.0)
         failed = {key[len("failed/") :]: int(total) for key, (total, _) in totals.items() if key.startswith("failed/")}
         metrics.update({f"{name}/{metric}": float(count) for metric, count in failed.items()})
+        if remote:
+            metrics[f"{name}/remote_retries"] = totals["remote_retries"][0]
         if self.runner is not None:  # every DP rank holds the same totals, so every rank raises or none does
             check_failure_fraction(
-                failed, int(totals["scores"][1]), max_failure_fraction=self.role_config.max_failure_fraction, name=name
+                failed,
+                int(totals["scores"][1]),
+                max_failure_fraction=self.role_config.max_failure_fraction,
+                name=name,
+                fix=self.runner.fix if remote else None,
             )
         return Batch({self.output_key: scores}, meta={"metrics": metrics}, group_size=batch.group_size)
 
-    def score_with_rule(self, batch: Batch) -> RewardScores:
-        """The rule's scores of every row: this rank decodes and scores its slice of the replica's rows, the
-        replica's ranks gather the outcomes, then each summarizes them (under ``on_error=abort``, all raise)."""
+    def score_rows(self, batch: Batch) -> RewardScores:
+        """The rule's or the service's scores of every row: this rank decodes and scores its slice of the replica's
+        rows, the replica's ranks gather the outcomes, then each summarizes them (under ``on_error=abort``, all
+        raise). A service is also sent each prompt's text (decoded with its special tokens, without padding)."""
         dims = self.context.dims
         position, replica_size = self.pp_rank * dims.tp + self.tp_rank, dims.pp * dims.tp
         start, stop = len(batch) * position // replica_size, len(batch) * (position + 1) // replica_size
@@ -97,7 +122,12 @@ class RewardWorker(RoleWorker):
             [row[mask.bool()].tolist() for row, mask in zip(responses, masks)], skip_special_tokens=True
         )
         sources, truths, extra_infos = (batch[key][start:stop] for key in ("data_source", "ground_truth", "extra_info"))
-        rows = [RewardRow(*fields) for fields in zip(sources, texts, truths, extra_infos)]
+        prompts = [""] * len(texts)
+        if isinstance(self.runner, RemoteReward):  # rules are not given the prompt: decode it only for a service
+            prompt_ids, prompt_masks = batch["prompts"][start:stop], batch["attention_mask"][start:stop]
+            prompt_masks = prompt_masks[:, : prompt_ids.shape[1]].bool()
+            prompts = self.tokenizer.batch_decode([row[mask].tolist() for row, mask in zip(prompt_ids, prompt_masks)])
+        rows = [RewardRow(*fields) for fields in zip(sources, texts, truths, extra_infos, prompts)]
         return self.runner.summarize(self.gather_over_replica(position, self.runner.score(rows)))
 
     def gather_over_replica(self, position: int, outcomes: list[RewardOutcome]) -> list[RewardOutcome]:
