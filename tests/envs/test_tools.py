@@ -84,6 +84,10 @@ def test_sandboxed_calculator_and_python():
         ("x = bytearray(2 * 1024**3)", "MemoryError"),  # over RLIMIT_AS
         ("import sys; sys.stdout = sys.__stdout__; print('not json'); import os; os._exit(0)", "unreadable output"),
         ("raise KeyError('k')", "KeyError"),
+        # RLIMIT_NPROC = 0 alone lets root fork; the audit hook refuses it for any user.
+        ("import os; os.fork()", "os.fork is not allowed in the sandbox"),
+        ("import subprocess; subprocess.run(['true'])", "is not allowed in the sandbox"),
+        ("import ctypes", "import is not allowed in the sandbox"),
     ],
 )
 def test_sandboxed_python_failures_become_error_observations(code, message):

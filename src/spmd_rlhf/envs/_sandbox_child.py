@@ -66,12 +66,39 @@ def python(code):
 
 TOOLS = {"calculator": calculator, "python": python}
 
+REFUSED_EVENTS = frozenset(
+    (
+        "os.fork",
+        "os.forkpty",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.system",
+        "os.kill",
+        "os.killpg",
+        "subprocess.Popen",
+        "pty.spawn",
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "resource.setrlimit",
+        "resource.prlimit",
+    )
+)
+"""Audit events the tool's code may not raise: RLIMIT_NPROC = 0 does not stop root from forking, and a process
+started here would outlive the parent's kill of this one."""
+
+
+def refuse(event, arguments):
+    if event in REFUSED_EVENTS or (event == "import" and arguments[0] in ("ctypes", "_ctypes")):
+        raise PermissionError(f"{event} is not allowed in the sandbox")
+
 
 def main():
     request = json.loads(sys.stdin.readline())
     resource.setrlimit(resource.RLIMIT_AS, (request["memory_bytes"], request["memory_bytes"]))
     resource.setrlimit(resource.RLIMIT_CPU, (request["cpu_seconds"], request["cpu_seconds"]))
     resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    sys.addaudithook(refuse)
     try:
         arguments = request["arguments"]
         if not isinstance(arguments, dict):
