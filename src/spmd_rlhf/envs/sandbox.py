@@ -5,9 +5,9 @@ Each call starts a bare interpreter (``python -I -S``, no site packages, nothing
 ``_sandbox_child.py`` in a fresh temporary directory. The child sets ``RLIMIT_AS`` (memory), ``RLIMIT_CPU`` and
 ``RLIMIT_NPROC`` = 0 (no forking) on itself before it looks at the arguments, and an audit hook that refuses starting
 processes, ``ctypes`` and raising limits (``RLIMIT_NPROC`` does not bind root); the parent kills it past the
-wall-clock timeout. A crash, a kill by a limit, a hang or unreadable output is an error observation, never an exception in the
-rollout. This limits resources; it is not isolation: the Python tool can read what the user running the job can read.
-Run untrusted policies' code in a container as well.
+wall-clock timeout. A crash, a kill by a limit, a hang or unreadable output is an error observation, never an exception
+in the rollout. This limits resources; it is not isolation: the Python tool can read what the user running the job can
+read. Run untrusted policies' code in a container as well.
 """
 
 from __future__ import annotations
