@@ -1,6 +1,8 @@
 """What the GPU benchmarks (``benchmarks/gpu_*.py``) share: the model shapes they run, the random-init model directory,
 the device facts every result records (name, versions, measured copy bandwidth, peak FLOP/s), ``--smoke`` handling
-and the JSON writer. Not an entry point.
+and the JSON writer. As a script it builds models for the suite (``benchmarks/gpu_suite.py``'s ``model`` step):
+
+    python benchmarks/gpu_common.py 1.5b=/tmp/spmd_gpu_suite/model_1.5b 0.5b=/tmp/spmd_gpu_suite/model_0.5b
 
 Every figure a GPU benchmark reports is a ratio to a baseline measured in the same run. ``--smoke`` runs the same code
 on a tiny model with small sizes (on CPU when there is no GPU, in seconds; ``tests/benchmarks`` runs it), and the JSON
@@ -279,3 +281,18 @@ def write_result(out_dir: str, name: str, result: dict) -> str:
         json.dump(result, handle, indent=2)
     print(f"wrote {path}")
     return path
+
+
+def main() -> None:
+    """Build each ``SHAPE=DIR`` of the command line (``shaped_model``: a directory holding that shape is kept)."""
+    for spec in sys.argv[1:]:
+        shape, _, directory = spec.partition("=")
+        if shape not in SHAPES or not directory:
+            sys.exit(f"give SHAPE=DIR with SHAPE one of {sorted(SHAPES)}, not {spec!r}")
+        started = time.perf_counter()
+        with shaped_model(shape, directory):
+            print(f"{shape} model in {directory} ({time.perf_counter() - started:.1f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

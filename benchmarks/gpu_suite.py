@@ -1,36 +1,34 @@
-"""Everything a machine with one GPU can tell us, in one command (``benchmarks/gpu_suite.sh`` calls this):
+"""Everything a machine with one GPU can tell us, in one command (``benchmarks/gpu_suite.sh`` calls this, after
+installing the wheels ``benchmarks/gpu_wheels.sh`` put in ``.whl/``; docs/benchmarks.md says how to read the result):
 
-    bash benchmarks/gpu_suite.sh --part 1         # each part fits one 10-minute call on one H100 / H200
-    bash benchmarks/gpu_suite.sh --part 2
-    bash benchmarks/gpu_suite.sh --part 3
-    python benchmarks/gpu_suite.py --only kernels g1 --out /tmp/suite
-    python benchmarks/gpu_suite.py --smoke        # every step on tiny sizes, on CPU: checks the suite itself
+    bash benchmarks/gpu_suite.sh --out "$OUT"          # one 10-minute call on a bare H100 / H200: about 8 minutes
+    bash benchmarks/gpu_suite.sh --only g2_static      # an optional step, or any steps by name
+    python benchmarks/gpu_suite.py --smoke             # every step on tiny sizes, on CPU: checks the suite itself
 
-Steps, in order, each a subprocess under its own time limit (a step that runs past it is killed and reported as
-``timed_out``; steps that no longer fit in ``--budget-s`` are reported as ``skipped``, never dropped silently). With no
-``--part`` or ``--only`` every step runs (about 25 minutes at real sizes: the first H100 session found that one
-10-minute call holds about a third of it, hence the parts, ``PARTS``). G1, G2, G3 and G5 share one 1.5B-shaped model
-directory under the suite's work directory, built by the first of them that runs.
+Steps, in order (``STEPS``), each a subprocess under its own time limit: a step that runs past it is killed and
+reported as ``timed_out``, one that fails as ``failed`` with its output's tail, and steps that no longer fit in
+``--budget-s`` as ``skipped``: none is dropped silently, and the suite's JSON is written again after every step, so a
+call cut short still returns what it measured. ``model`` builds the random-init 1.5B- and 0.5B-shaped models once in
+``--work`` (a fixed directory: a second call on the same machine reuses them), and every later step reads them there.
 
-| step | what | its own JSON |
+| step | what | limit |
 | --- | --- | --- |
-| ``cuda_tests`` | every test marked ``gpu`` (kernels at real sizes, engine and model parity on CUDA) \
-| pytest's junit XML |
-| ``kernels`` | both Triton kernels at real sizes against their torch references | ``gpu_kernels.py`` |
-| ``g1`` | G1 decode vs the HBM floor (with a profile of one decode run) | ``gpu_generate.py --measure decode`` |
-| ``g2`` | G2 engine vs ``transformers`` static-cache ``generate`` (whose compile takes minutes) \
-| ``gpu_generate.py --measure batch`` |
-| ``g3`` | ``update_actor`` MFU | ``gpu_update.py`` |
-| ``g5`` | reshard train -> generation (one GPU: the copy bound, see its docstring) | ``gpu_reshard.py`` |
-| ``scale`` | issue 17's per-stage peak memory (``max_memory_allocated``) vs the floor, GRPO at the 1.5B shape, \
-1 rank | ``scale.py`` |
-| ``g4`` | GRPO end to end against TRL ``GRPOTrainer`` | ``gpu_grpo.py`` |
-| ``two_process`` | the GRPO recipe as a two-process torchrun job on the one device | the recipe's metrics |
+| ``model`` | the 1.5B-shaped (G1, G2, G3, G5, scale) and 0.5B-shaped (G4) models, built once | 150 s |
+| ``cuda_tests`` | one CUDA test from each file that has them (``FAST_CUDA_TESTS``) | 60 s |
+| ``g1`` | G1: batch-1 and batch-64 decode against the HBM floor, graph vs eager | 150 s |
+| ``g3`` | G3: ``update_actor`` MFU, 1.5B bf16, 32 rows x 1024 and 2048 tokens | 150 s |
+| ``g4`` | G4: GRPO end to end against TRL ``GRPOTrainer`` without vLLM, 0.5B | 240 s |
+| ``g2`` | G2: 256 prompts x 512 new tokens against ``generate`` with the dynamic cache | 180 s |
+| ``kernels`` | both Triton kernels at real sizes against their torch references | 60 s |
+| ``g5`` | the reshard train -> generation against the device-copy bound for the same bytes | 60 s |
+| ``scale`` | per-stage ``max_memory_allocated`` against the floor, GRPO at the 1.5B shape, 1 rank | 150 s |
 
-NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so on a one-GPU machine ``two_process`` is expected to
-fail with that message, which the report then shows; on CPU (``--smoke``) it runs on gloo. Writes one JSON file,
-``<out>/gpu_suite_<device>.json``, holding every step's status, time, headline figures and its full JSON, and prints
-a table.
+Optional steps (``OPTIONAL``), run only when named in ``--only``: ``cuda_tests_full`` (every test marked ``gpu``),
+``g2_static`` (G2 against the compiled static cache: a compile of minutes) and ``two_process`` (the GRPO recipe as a
+two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPUs, or CPU under ``--smoke``).
+
+Writes ``<out>/gpu_suite_<device>[_smoke].json``: the versions found, every step's status, time, headline figures and
+its full JSON, and prints a table.
 """
 
 from __future__ import annotations
@@ -38,12 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -51,6 +50,19 @@ from gpu_common import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
+DEFAULT_WORK = Path("/tmp/spmd_gpu_suite")
+VERSIONS = ("torch", "triton", "transformers", "peft", "safetensors", "numpy", "pyarrow", "omegaconf", "trl")
+VERSIONS += ("datasets", "accelerate", "fsspec", "spmd_rlhf")
+"""The packages whose versions the report records (``None``: not installed)."""
+
+FAST_CUDA_TESTS = (
+    "tests/models/test_gpu_parity.py::test_packed_equals_separate_on_cuda",
+    "tests/engine/test_gpu_engine.py::test_flash_paged_kernel_log_probs_match_training_in_bf16",
+    "tests/engine/test_decode_graphs.py::test_cuda_graph_decode_equals_eager_decode",
+    "tests/kernels/test_paged_attention.py::test_cuda_decode_step_through_attend_matches_the_gather_path",
+    "tests/kernels/test_fused_logprob.py::test_cuda_forward_and_backward_allocate_no_float32_table",
+)
+"""``cuda_tests``: one test from each file that holds CUDA tests (the whole ``-m gpu`` run took 50 s on an H100)."""
 
 
 @dataclass
@@ -64,11 +76,16 @@ class Step:
     """Figure name -> dotted path into that JSON."""
 
 
-def steps(python: str, smoke: bool, work: Path) -> list[Step]:
-    """The suite's steps; ``--smoke`` passes ``--smoke`` to each benchmark and runs the recipe job on tiny sizes."""
+def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
+    """Every step, ``STEPS`` then ``OPTIONAL``; ``--smoke`` passes ``--smoke`` to each benchmark and builds the
+    models at the smoke shape."""
     smoke_flag = ["--smoke"] if smoke else []
-    out = lambda name: ["--out", str(work / name)]  # noqa: E731 (one line per step reads best)
-    model = [] if smoke else ["--model-dir", str(work / "model_1.5b")]
+    large, small = ("smoke", "smoke") if smoke else ("1.5b", "0.5b")
+    model_dir = {shape: work / f"model_{shape}" for shape in (large, small)}
+    large_model = ["--shape", large, "--model-dir", str(model_dir[large])]
+    small_model = ["--shape", small, "--model-dir", str(model_dir[small])]
+    step_out = lambda name: ["--out", str(work / name)]  # noqa: E731 (one line per step reads best)
+    pytest = [python, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider"]
     recipe_overrides = [
         "trainer.total_steps=2",
         "trainer.save_every=0",
@@ -76,16 +93,78 @@ def steps(python: str, smoke: bool, work: Path) -> list[Step]:
         f"trainer.output_dir={work / 'two_process'}",
         "trainer.loggers=[jsonl]",
     ]
+    generate = [python, str(BENCHMARKS / "gpu_generate.py"), *large_model, *smoke_flag]
     return [
         Step(
+            "model",
+            [python, str(BENCHMARKS / "gpu_common.py"), *(f"{shape}={path}" for shape, path in model_dir.items())],
+            150,
+        ),
+        Step(
             "cuda_tests",
-            [python, "-m", "pytest", "-q", "-m", "gpu", "tests", f"--junitxml={work / 'cuda_tests.xml'}"],
+            [*pytest, "-m", "gpu", *FAST_CUDA_TESTS, f"--junitxml={work / 'cuda_tests.xml'}"],
+            60,
+        ),
+        Step(
+            "g1",
+            [
+                *generate,
+                "--measure",
+                "decode",
+                *([] if smoke else ["--decode-tokens", "128", "--repeats", "2"]),
+                *step_out("g1"),
+                "--profile",
+                str(out / "g1_decode_profile.txt"),
+            ],
+            150,
+            "*.json",
+            {
+                "G1_batch1_over_floor": "decode.1.ratio_to_floor",
+                "G1_batch1_tokens_per_s": "decode.1.decode_tokens_per_s",
+                "G1_largest_batch_over_floor": "decode.-1.ratio_to_floor",
+                "G1_graphs_speedup": "decode.1.graphs_speedup",
+                "G1_first_mismatch": "decode.1.graph_eager_first_mismatch",
+            },
+        ),
+        Step(
+            "g3",
+            [
+                python,
+                str(BENCHMARKS / "gpu_update.py"),
+                *large_model,
+                *smoke_flag,
+                *([] if smoke else ["--repeats", "2"]),
+                *step_out("g3"),
+            ],
+            150,
+            "*.json",
+            {"G3_mfu": "per_length.0.mfu", "G3_mfu_longest": "per_length.-1.mfu"},
+        ),
+        Step(
+            "g4",
+            [
+                python,
+                str(BENCHMARKS / "gpu_grpo.py"),
+                *small_model,
+                *smoke_flag,
+                *([] if smoke else ["--prompts", "16", "--steps", "3", "--warmup", "1"]),
+                *step_out("g4"),
+            ],
             240,
+            "*.json",
+            {"G4_tokens_per_s_ratio": "tokens_per_s_ratio"},
+        ),
+        Step(
+            "g2",
+            [*generate, "--measure", "batch", *([] if smoke else ["--repeats", "1"]), *step_out("g2")],
+            180,
+            "*.json",
+            {"G2_speedup_over_dynamic": "batch.dynamic.speedup", "G2_engine_tokens_per_s": "batch.engine_tokens_per_s"},
         ),
         Step(
             "kernels",
-            [python, str(BENCHMARKS / "gpu_kernels.py"), *smoke_flag, *out("kernels")],
-            90,
+            [python, str(BENCHMARKS / "gpu_kernels.py"), *smoke_flag, *step_out("kernels")],
+            60,
             "*.json",
             {
                 "paged_decode_speedup": "paged_decode.speedup",
@@ -95,45 +174,11 @@ def steps(python: str, smoke: bool, work: Path) -> list[Step]:
             },
         ),
         Step(
-            "g1",
-            [
-                python,
-                str(BENCHMARKS / "gpu_generate.py"),
-                "--measure",
-                "decode",
-                *model,
-                *smoke_flag,
-                *out("g1"),
-                "--profile",
-                str(work / "g1" / "decode_profile.txt"),
-            ],
-            150,
-            "*.json",
-            {"G1_decode_over_floor": "decode.ratio_to_floor"},
-        ),
-        Step(
-            "g2",
-            [python, str(BENCHMARKS / "gpu_generate.py"), "--measure", "batch", *model, *smoke_flag, *out("g2")],
-            420,
-            "*.json",
-            {"G2_speedup": "batch.speedup"},
-        ),
-        Step(
-            "g3",
-            [python, str(BENCHMARKS / "gpu_update.py"), *model, *smoke_flag, *out("g3")],
-            150,
-            "*.json",
-            {"G3_mfu": "per_length.0.mfu", "G3_mfu_longest": "per_length.-1.mfu"},
-        ),
-        Step(
             "g5",
-            [python, str(BENCHMARKS / "gpu_reshard.py"), *model, *smoke_flag, *out("g5")],
-            90,
+            [python, str(BENCHMARKS / "gpu_reshard.py"), *large_model, *smoke_flag, *step_out("g5")],
+            60,
             "*.json",
-            {
-                "G5_ratio_to_bound": "results.*.ratio_to_bound",
-                "G5_ratio_to_copy_bound": "results.*.ratio_to_copy_bound",
-            },
+            {"G5_ratio_to_copy_bound": "results.*.ratio_to_copy_bound"},
         ),
         Step(
             "scale",
@@ -142,29 +187,26 @@ def steps(python: str, smoke: bool, work: Path) -> list[Step]:
                 str(BENCHMARKS / "scale.py"),
                 "--algo",
                 "grpo",
-                "--shape",
-                "smoke" if smoke else "1.5b",
                 "--nproc",
                 "1",
-                *model,
-                *out("scale"),
+                *large_model,
+                *step_out("scale"),
             ],
-            180,
+            150,
             "*.json",
             {"scale_worst_peak_over_floor": "worst_peak_over_floor"},
         ),
         Step(
-            "g4",
-            [
-                python,
-                str(BENCHMARKS / "gpu_grpo.py"),
-                *smoke_flag,
-                *(["--steps", "4", "--warmup", "1"] if not smoke else []),
-                *out("g4"),
-            ],
-            300,
+            "cuda_tests_full",
+            [*pytest, "-m", "gpu", "tests", f"--junitxml={work / 'cuda_tests_full.xml'}"],
+            240,
+        ),
+        Step(
+            "g2_static",
+            [*generate, "--measure", "batch", "--baselines", "static", *step_out("g2_static")],
+            420,
             "*.json",
-            {"G4_tokens_per_s_ratio": "tokens_per_s_ratio"},
+            {"G2_speedup_over_static": "batch.static.speedup"},
         ),
         Step(
             "two_process",
@@ -182,22 +224,24 @@ def steps(python: str, smoke: bool, work: Path) -> list[Step]:
     ]
 
 
-PARTS = {
-    "1": ["cuda_tests", "kernels", "g1", "g3", "g5", "scale"],
-    "2": ["g4", "two_process"],
-    "3": ["g2"],
-}
-"""Groups of steps that each fit one 10-minute call at real sizes (each within the 570 s budget; measured on H100:
-cuda_tests 50 s, kernels 17 s, G1 about 100 s with the model's build, G3 about 120 s, G5 40 s; scale not yet run)."""
+STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5", "scale")
+"""What a plain call runs, in this order: G1, G3 and G4 first (about 5 minutes with the model's build on an H100),
+the rest after them (about 8 minutes in all); see the module docstring for each step's limit."""
+OPTIONAL = ("cuda_tests_full", "g2_static", "two_process")
+"""Run only when named in ``--only``."""
+MODEL_USERS = ("g1", "g3", "g4", "g2", "g5", "scale", "g2_static")
+"""Steps that read the models ``model`` builds."""
 
 
 def dig(value, path: str):
-    """``value`` followed along ``a.b.0`` (list indices may be negative; ``*`` is a dict's first value); None where the
-    path does not exist."""
+    """``value`` followed along ``a.b.0`` (list indices may be negative, and a number that is not a dict's key indexes
+    its values the same way; ``*`` is a dict's first value); None where the path does not exist."""
     for key in path.split("."):
         try:
             if key == "*":
                 value = next(iter(value.values()))
+            elif isinstance(value, dict) and key not in value and key.lstrip("-").isdigit():
+                value = list(value.values())[int(key)]  # a dict's n-th value (-1: its last), as for a list
             else:
                 value = value[int(key)] if isinstance(value, list) else value[key]
         except (KeyError, IndexError, ValueError, TypeError, AttributeError, StopIteration):
@@ -221,18 +265,21 @@ def run_step(step: Step, work: Path, remaining_s: float) -> dict:
         return {"status": "skipped", "reason": "the suite's --budget-s ran out before this step"}
     limit = min(step.limit_s, remaining_s)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS), os.environ.get("PYTHONPATH", "")])}
+    log = work / f"{step.name}.log"
     started = time.perf_counter()
-    try:
-        finished = subprocess.run(
-            step.command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=limit
+    with open(log, "w") as output_file:
+        # Its own process group: a step past its limit is killed whole, torchrun's ranks with it, so that nothing it
+        # started holds the GPU while the next step runs.
+        process = subprocess.Popen(
+            step.command, cwd=ROOT, env=env, stdout=output_file, stderr=subprocess.STDOUT, start_new_session=True
         )
-        status = "passed" if finished.returncode == 0 else "failed"
-        output = finished.stdout
-    except subprocess.TimeoutExpired as expired:
-        status = "timed_out"
-        output = (
-            expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        )
+        try:
+            status = "passed" if process.wait(timeout=limit) == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            status = "timed_out"
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    output = log.read_text(errors="replace")
     record = {
         "status": status,
         "seconds": round(time.perf_counter() - started, 1),
@@ -245,8 +292,8 @@ def run_step(step: Step, work: Path, remaining_s: float) -> dict:
         if found:
             record["result"] = json.loads(found[-1].read_text())
             record["figures"] = {name: dig(record["result"], path) for name, path in step.headline.items()}
-    if step.name == "cuda_tests":
-        record["tests"] = junit_counts(work / "cuda_tests.xml")
+    if step.name.startswith("cuda_tests"):
+        record["tests"] = junit_counts(work / f"{step.name}.xml")
     return record
 
 
@@ -264,35 +311,79 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def package_versions() -> dict[str, str | None]:
+    found = {}
+    for name in VERSIONS:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def stale_files() -> list[str]:
+    """Files of the tree's package that the imported ``spmd_rlhf`` does not hold as they are here (an installed wheel
+    older than the tree: ``benchmarks/gpu_wheels.sh`` was not run again after a change); empty when the tree itself is
+    what is imported (an editable install) or the two agree."""
+    import spmd_rlhf
+
+    installed = Path(spmd_rlhf.__file__).resolve().parent
+    if installed == ROOT / "src" / "spmd_rlhf":
+        return []
+    shipped = [*(ROOT / "src" / "spmd_rlhf").rglob("*.py"), *(ROOT / "kernels").glob("*.py")]
+    shipped += [*(ROOT / "recipes").glob("*.py"), *(ROOT / "recipes" / "configs").glob("*.yaml")]  # as setup.py ships
+    stale = []
+    for path in sorted(shipped):
+        relative = path.relative_to(ROOT / "src" / "spmd_rlhf") if path.is_relative_to(ROOT / "src") else None
+        copy = installed / (relative or path.relative_to(ROOT))
+        if not copy.is_file() or copy.read_bytes() != path.read_bytes():
+            stale.append(str(path.relative_to(ROOT)))
+    return stale
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): checks the suite, measures nothing")
-    parser.add_argument("--only", nargs="+", help="run only these steps")
-    parser.add_argument(
-        "--part", choices=sorted(PARTS), help="run one group of steps that fits a 10-minute call (PARTS)"
-    )
-    parser.add_argument("--budget-s", type=float, default=570.0, help="wall-clock budget for all steps together")
+    parser.add_argument("--only", nargs="+", help="run only these steps (STEPS and OPTIONAL), in the suite's order")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget for all steps together")
+    parser.add_argument("--work", default=str(DEFAULT_WORK), help="where the models and each step's files go")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    stale = stale_files()
+    if stale:
+        sys.exit(
+            f"the installed spmd_rlhf is older than this tree ({len(stale)} files differ, e.g. {stale[:3]}): run "
+            "`bash benchmarks/gpu_wheels.sh` here again before the GPU call"
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    work = Path(tempfile.mkdtemp(prefix="gpu_suite_"))
-    if args.part and args.only:
-        parser.error("give --part or --only, not both")
-    wanted = PARTS[args.part] if args.part else args.only
-    chosen = [step for step in steps(sys.executable, args.smoke, work) if not wanted or step.name in wanted]
-    unknown = set(wanted or ()) - {step.name for step in steps(sys.executable, args.smoke, work)}
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    every = steps(sys.executable, args.smoke, work, out)
+    unknown = set(args.only or ()) - {step.name for step in every}
     if unknown:
-        parser.error(f"unknown steps {sorted(unknown)}")
-    report = {"smoke": args.smoke, "environment": environment(device), "steps": {}}
+        parser.error(f"unknown steps {sorted(unknown)}; the steps are {[step.name for step in every]}")
+    wanted = args.only or STEPS
+    chosen = [step for step in every if step.name in wanted]
+    if "model" not in wanted and any(step.name in MODEL_USERS for step in chosen):
+        chosen.insert(0, every[0])  # builds what is missing, in seconds where the models are there already
+    report = {"smoke": args.smoke, "environment": environment(device), "versions": package_versions(), "steps": {}}
+    path = out / f"gpu_suite_{device}{'_smoke' if args.smoke else ''}.json"
+    for line in (f"{name} {found}" for name, found in report["versions"].items()):
+        print(line, flush=True)
     deadline = time.perf_counter() + args.budget_s
     for step in chosen:
-        print(f"== {step.name}: {' '.join(step.command)}", flush=True)
-        report["steps"][step.name] = run_step(step, work, deadline - time.perf_counter())
-        print(f"   {report['steps'][step.name]['status']}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    part = f"_part{args.part}" if args.part else ""
-    path = Path(args.out) / f"gpu_suite_{device}{part}{'_smoke' if args.smoke else ''}.json"
-    path.write_text(json.dumps(report, indent=2))
+        print(f"== {step.name} (limit {step.limit_s} s): {' '.join(step.command)}", flush=True)
+        record = report["steps"][step.name] = run_step(step, work, deadline - time.perf_counter())
+        write_report(report, path)
+        figures = ", ".join(f"{key} {value}" for key, value in (record.get("figures") or {}).items())
+        print(f"   {record['status']} {record.get('seconds', '-')} s {figures}", flush=True)
+        if record["status"] in ("failed", "timed_out"):
+            print(record["output_tail"][-1500:], flush=True)
     if args.smoke:
         print("SMOKE RUN: not a GPU figure")
     print(table(report))

@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
-# A machine with one H100 or H200: every CUDA test, both kernels at real sizes, G1-G5 and a two-process job; one JSON
-# file under benchmarks/results/ and a table per call (see benchmarks/gpu_suite.py). All of it takes about 25 minutes;
-# each --part fits one 10-minute call.
+# One call on a bare GPU machine (one H100 or H200, no network): installs the wheels that benchmarks/gpu_wheels.sh put
+# in .whl/ (the call names .whl in `carry`), prints the versions it found, and runs benchmarks/gpu_suite.py, which
+# builds the models once and runs every step under its own limit, writing its JSON after each (docs/benchmarks.md).
 #
-#     bash benchmarks/gpu_suite.sh --part 1|2|3 [--budget-s 570]
-#     bash benchmarks/gpu_suite.sh [--only kernels g1 ...]
+#     bash benchmarks/gpu_suite.sh --out "$OUT"            # about 8 minutes on an H100; --budget-s 480 by default
+#     bash benchmarks/gpu_suite.sh --only g2_static --out "$OUT"
+#     bash benchmarks/gpu_suite.sh --smoke --out /tmp/s    # tiny sizes, CPU: checks the suite (tests do this cold)
+#
+# SPMD_WHEELS (default .whl) is where the wheels are, SPMD_SITE (default /tmp/spmd_site) where they are installed; with no
+# wheels there, the packages already importable are used.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+SITE=${SPMD_SITE:-/tmp/spmd_site}
+WHEELS=${SPMD_WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --disable-pip-version-check \
+        --target "$SITE" "$WHEELS"/*.whl
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-exec python benchmarks/gpu_suite.py "$@"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec "$PYTHON" benchmarks/gpu_suite.py "$@"

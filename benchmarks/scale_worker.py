@@ -57,8 +57,12 @@ class MemorySampler(threading.Thread):
             self._stopped.wait(self.interval)
 
     def stop(self) -> dict:
+        """The samples, ending with one taken now: a thread starved of the GIL under load may not have sampled since
+        the run's last stage ended, and a record must cover the whole run."""
         self._stopped.set()
         self.join()
+        self.times.append(time.time())
+        self.values.append(self._read())
         return {"times": self.times, "bytes": self.values}
 
 

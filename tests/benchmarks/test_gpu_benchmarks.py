@@ -1,9 +1,12 @@
-"""The GPU benchmarks (``benchmarks/gpu_*.py``) in their ``--smoke`` mode: each script end to end on a tiny model, on
-whatever device this machine has, writing JSON that holds every figure (finite, consistent with each other), names
-the device it ran on and never claims a GPU result. Speed itself is not asserted."""
+"""The GPU suite (``benchmarks/gpu_suite.sh``) started cold, as on a bare GPU machine, in ``--smoke`` mode: a fresh
+virtual environment that sees only the packages the GPU image holds (``IMAGE_PACKAGES``), the wheels
+``benchmarks/gpu_wheels.sh`` builds, no index. Every step runs end to end on a tiny model on whatever device this
+machine has, and each benchmark's JSON (inside the suite's one report) holds every figure, finite and consistent with
+each other, names the device it ran on and never claims a GPU result. Speed itself is not asserted."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -19,29 +22,129 @@ BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from gpu_common import known_peak_tflops, meets_goal, peak_tflops, shaped_model  # noqa: E402
+from gpu_suite import STEPS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+IMAGE_PACKAGES = """
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
+cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax
+fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize
+hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2
+joblib kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-
+it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions
+nanobind narwhals networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc
+nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse
+nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir
+onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging
+pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow
+pybind11 py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-
+mock pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors
+scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham
+simplejson six sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore
+threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics
+torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig
+werkzeug wheel wrapt xarray xxhash yarl zipp
+""".split()
+"""The GPU image's Python packages (as the device tool's KINDS.md lists them, read there on 2026-11-17);
+omegaconf, trl, datasets, dill, multiprocess and spmd_rlhf itself are not among them: they travel as wheels."""
 
-def run_smoke(script: str, out_dir: Path, *extra: str) -> tuple[dict, str]:
-    """Run ``benchmarks/<script> --smoke`` with one OpenMP thread; its JSON result and its output."""
-    finished = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out_dir), *extra],
+
+CARRIED = ("omegaconf", "trl", "datasets", "dill", "multiprocess", "spmd-rlhf")
+"""What ``gpu_wheels.sh`` carries: the image lacks these."""
+
+
+def _normal(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def image_distributions() -> dict[str, importlib.metadata.Distribution]:
+    """This machine's distributions that the image holds: ``IMAGE_PACKAGES`` and what they need here (this machine's
+    versions may need packages the image's do not), never one of ``CARRIED``."""
+    from packaging.requirements import Requirement
+
+    installed = {_normal(d.metadata["Name"]): d for d in importlib.metadata.distributions()}
+    chosen: dict[str, importlib.metadata.Distribution] = {}
+    waiting = [name for name in IMAGE_PACKAGES if name in installed]
+    while waiting:
+        name = waiting.pop()
+        if name in chosen or name in CARRIED or name not in installed:
+            continue
+        chosen[name] = installed[name]
+        for line in chosen[name].requires or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                waiting.append(_normal(requirement.name))
+    return chosen
+
+
+def image_environment(root: Path) -> Path:
+    """A virtual environment under ``root`` whose Python sees, of this machine's packages, only
+    ``image_distributions`` (links to them in one folder, put on its path by a ``.pth`` file): the GPU image's
+    Python, as far as this machine can hold it. Returns its ``python``."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
+    packages = root / "image_site"
+    packages.mkdir()
+    for distribution in image_distributions().values():
+        for top in {file.parts[0] for file in distribution.files or () if file.parts[0] != ".."}:
+            link, target = packages / top, Path(distribution.locate_file(top))
+            if target.exists() and not link.exists() and top != "__pycache__":
+                link.symlink_to(target)
+    (site,) = (root / "venv").glob("lib/python*/site-packages")
+    (site / "image.pth").write_text(f"{packages}\n")
+    return root / "venv" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory) -> dict:
+    """``gpu_wheels.sh`` then ``gpu_suite.sh --smoke`` in the image's environment: the suite's report."""
+    root = tmp_path_factory.mktemp("cold_start")
+    wheels = root / "wheels"
+    built = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_wheels.sh"), str(wheels)],
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "WHEELS_PYTHON": f"{sys.version_info.major}.{sys.version_info.minor}"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=300,
     )
+    assert built.returncode == 0, built.stdout[-3000:]
+    python = image_environment(root)
+    for carried in ("omegaconf", "trl", "datasets", "spmd_rlhf"):  # the image's environment, not this machine's
+        assert subprocess.run([python, "-c", f"import {carried}"], capture_output=True).returncode != 0, carried
+    environment = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", str(root)),
+        "OMP_NUM_THREADS": "1",
+        "PYTHON": str(python),
+        "SPMD_WHEELS": str(wheels),
+        "SPMD_SITE": str(root / "site"),
+    }
+    finished = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_suite.sh"), "--smoke", "--work", str(root / "work"), "--out", str(root)],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert finished.returncode == 0, finished.stdout[-6000:]
-    (path,) = out_dir.glob("*.json")
-    result = json.loads(path.read_text())
+    assert "SMOKE RUN: not a GPU figure" in finished.stdout
+    return json.loads((root / f"gpu_suite_{DEVICE}_smoke.json").read_text())
+
+
+def result_of(suite: dict, step: str) -> dict:
+    """The JSON of one step of the suite, checked for what every benchmark's JSON says of itself."""
+    record = suite["steps"][step]
+    assert record["status"] == "passed", record["output_tail"]
+    result = record["result"]
     assert result["smoke"] is True
     assert result["environment"]["device"] == DEVICE
-    assert result["environment"]["command"].startswith(f"python {BENCHMARKS / script} --smoke")
-    assert "SMOKE RUN: not a GPU figure" in finished.stdout
-    return result, finished.stdout
+    assert " --smoke" in result["environment"]["command"]
+    return result
 
 
 def assert_positive_finite(values: dict, *keys: str) -> None:
@@ -52,43 +155,61 @@ def assert_positive_finite(values: dict, *keys: str) -> None:
         )
 
 
-def test_generate_decode_and_batch(tmp_path):
-    result, _ = run_smoke("gpu_generate.py", tmp_path)
-    decode, batch = result["decode"], result["batch"]
-    assert_positive_finite(decode, "decode_tokens_per_s", "floor_tokens_per_s", "ratio_to_floor", "copy_bytes_per_s")
-    assert (
-        decode["weight_bytes"]
-        == result["parameters"] * torch.empty((), dtype=getattr(torch, result["dtype"])).element_size()
-    )
-    assert decode["floor_tokens_per_s"] == pytest.approx(decode["copy_bytes_per_s"] / decode["weight_bytes"])
-    assert decode["ratio_to_floor"] == pytest.approx(decode["decode_tokens_per_s"] / decode["floor_tokens_per_s"])
-    for mode in ("auto", "off"):
-        assert decode["seconds"][f"{mode}_to_last_token"] > decode["seconds"][f"{mode}_to_first_token"]
-    assert decode["graphs_speedup"] == pytest.approx(decode["decode_tokens_per_s"] / decode["eager_tokens_per_s"])
-    assert decode["cuda_graphs"] == 0  # CPU: eager decode steps in both engines
-    assert_positive_finite(
-        batch, "engine_s", "transformers_s", "speedup", "engine_tokens_per_s", "transformers_tokens_per_s"
-    )
-    assert batch["speedup"] == pytest.approx(batch["transformers_s"] / batch["engine_s"])
+def test_cold_start_runs_every_step_with_the_carried_wheels(suite):
+    assert list(suite["steps"]) == list(STEPS)
+    assert {name: record["status"] for name, record in suite["steps"].items()} == dict.fromkeys(STEPS, "passed")
+    versions = suite["versions"]
+    assert versions["spmd_rlhf"] and versions["omegaconf"] == "2.4.0" and versions["trl"] == "1.16.0"
+    assert suite["steps"]["cuda_tests"]["tests"]["tests"] >= 5  # every one of FAST_CUDA_TESTS was collected
+
+
+def test_generate_decode_and_batch(suite):
+    decode = result_of(suite, "g1")["decode"]
+    generate = result_of(suite, "g2")
+    batch = generate["batch"]
+    assert list(decode) == ["1", "3"]  # the smoke's --decode-batches
+    for size, row in decode.items():
+        assert row["batch"] == int(size)
+        assert_positive_finite(row, "decode_tokens_per_s", "floor_tokens_per_s", "ratio_to_floor", "copy_bytes_per_s")
+        element = torch.empty((), dtype=getattr(torch, generate["dtype"])).element_size()
+        assert row["weight_bytes"] == generate["parameters"] * element
+        floor = row["batch"] * row["copy_bytes_per_s"] / (row["weight_bytes"] + row["kv_bytes_per_step"])
+        assert row["floor_tokens_per_s"] == pytest.approx(floor)
+        assert row["ratio_to_floor"] == pytest.approx(row["decode_tokens_per_s"] / row["floor_tokens_per_s"])
+        for mode in ("auto", "off"):
+            assert row["seconds"][f"{mode}_to_last_token"] > row["seconds"][f"{mode}_to_first_token"]
+        assert row["graphs_speedup"] == pytest.approx(row["decode_tokens_per_s"] / row["eager_tokens_per_s"])
+        assert row["cuda_graphs"] == 0  # CPU: eager decode steps in both engines
+        assert row["graph_eager_first_mismatch"] is None  # float32 on CPU: the same steps twice
+        assert row["meets_goal"] is None
+    assert decode["3"]["kv_bytes_per_step"] == 3 * decode["1"]["kv_bytes_per_step"] > 0
+    assert_positive_finite(batch, "engine_s", "engine_tokens_per_s", "speedup")
+    dynamic = batch["dynamic"]
+    assert dynamic["speedup"] == batch["speedup"] == pytest.approx(dynamic["seconds"] / batch["engine_s"])
+    assert "dynamic cache" in dynamic["baseline"] and "static" not in batch
     assert batch["engine_stats"]["generated_tokens"] == batch["batch"] * batch["new_tokens"]
-    assert decode["meets_goal"] is None and batch["meets_goal"] is None
+    assert batch["meets_goal"] is None
 
 
-def test_update_actor_mfu(tmp_path):
-    result, _ = run_smoke("gpu_update.py", tmp_path, "--peak-tflops", "0.1")
-    assert result["peak_tflops"] == 0.1
+def test_first_mismatch_names_the_row_and_position():
+    from gpu_generate import first_mismatch
+
+    assert first_mismatch([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
+    assert first_mismatch([[1, 2], [3, 4, 5]], [[1, 2], [3, 9, 5]]) == {"row": 1, "position": 1}
+    assert first_mismatch([[1, 2]], [[1, 2, 3]]) == {"row": 0, "position": 2}
+
+
+def test_update_actor_mfu(suite):
+    result = result_of(suite, "g3")
     assert [row["length"] for row in result["per_length"]] == [16, 24]
     for row in result["per_length"]:
-        assert_positive_finite(row, "step_s", "tokens_per_s", "tflops_per_device", "mfu", "mfu_with_attention")
+        assert_positive_finite(row, "step_s", "tokens_per_s")
         assert row["tokens_per_step"] == row["rows"] * row["length"]
-        assert row["mfu"] == pytest.approx(row["tflops_per_device"] / 0.1)
-        assert row["mfu"] < row["mfu_with_attention"]
-        assert row["meets_goal"] is None
+        assert row["mfu"] is None and row["meets_goal"] is None  # CPU: no known peak, so no MFU
 
 
-def test_grpo_against_trl(tmp_path):
-    pytest.importorskip("trl")
-    result, _ = run_smoke("gpu_grpo.py", tmp_path)
+def test_grpo_against_trl(suite):
+    result = result_of(suite, "g4")
     config = result["config"]
     samples = config["prompts"] * config["n"]
     for name in ("spmd_rlhf", "trl"):
@@ -103,14 +224,19 @@ def test_grpo_against_trl(tmp_path):
     assert result["meets_goal"] is None
 
 
-def test_reshard_on_one_rank_reports_no_all_gather_ratio(tmp_path):
-    result, _ = run_smoke("gpu_reshard.py", tmp_path)
-    (row,) = result["results"].values()
+def test_reshard_on_one_rank_reports_no_all_gather_ratio(suite):
+    (row,) = result_of(suite, "g5")["results"].values()
     assert row["ratio_to_bound"] is None and row["meets_goal"] is None
     assert row["degenerate"].startswith("world size 1")
     assert_positive_finite(row, "ratio_to_copy_bound", "copy_bound_s", "copy_bytes_per_s", "naive_ratio")
     assert_positive_finite(row["seconds"], "to_generation", "naive")
     assert row["copy_bound_s"] == pytest.approx(row["copy_moved_bytes"] / row["copy_bytes_per_s"])
+
+
+def test_scale_step_reports_every_stage(suite):
+    record = suite["steps"]["scale"]
+    assert record["status"] == "passed", record["output_tail"]
+    assert record["figures"]["scale_worst_peak_over_floor"] > 0
 
 
 def test_model_dir_is_reused_only_for_its_shape(tmp_path):
@@ -142,8 +268,8 @@ def test_peak_and_goal_rules():
     assert meets_goal(0.6, 0.5, at_least=True, real_run=False) is None
 
 
-def test_kernels_at_real_sizes_script(tmp_path):
-    result, _ = run_smoke("gpu_kernels.py", tmp_path)
+def test_kernels_at_real_sizes_script(suite):
+    result = result_of(suite, "kernels")
     paged, fused = result["paged_decode"], result["fused_logprob"]
     assert_positive_finite(paged, "kernel_s", "reference_s", "speedup", "floor_s", "kernel_over_floor")
     assert paged["speedup"] == pytest.approx(paged["reference_s"] / paged["kernel_s"])
@@ -152,33 +278,22 @@ def test_kernels_at_real_sizes_script(tmp_path):
     assert paged["meets_goal"] is None and fused["meets_goal"] is None
 
 
-def test_gpu_suite_runs_steps_and_reports_the_budget(tmp_path):
-    """The suite in smoke mode: one real step with its figures in the one JSON file, and a budget too small for any
-    step reports every step as skipped instead of dropping it."""
-
-    def suite(*arguments: str) -> dict:
-        finished = subprocess.run(
-            [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--smoke", "--out", str(tmp_path), *arguments],
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=300,
-        )
-        assert finished.returncode == 0, finished.stdout[-4000:]
-        assert "SMOKE RUN: not a GPU figure" in finished.stdout
-        return json.loads((tmp_path / f"gpu_suite_{DEVICE}_smoke.json").read_text())
-
-    report = suite("--only", "kernels")
-    step = report["steps"]["kernels"]
-    assert step["status"] == "passed" and set(report["steps"]) == {"kernels"}
-    assert step["figures"]["paged_decode_speedup"] == step["result"]["paged_decode"]["speedup"]
-    report = suite("--budget-s", "0")
-    assert [record["status"] for record in report["steps"].values()] == ["skipped"] * 9
-    from gpu_suite import PARTS
-
-    assert sorted(sum(PARTS.values(), [])) == sorted(report["steps"]), "every step belongs to exactly one part"
+def test_gpu_suite_reports_every_step_it_had_no_time_for(tmp_path):
+    """A budget too small for any step reports every step as skipped instead of dropping it, in the suite's order."""
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--smoke", "--budget-s", "0", "--work", str(tmp_path)]
+        + ["--out", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    assert finished.returncode == 0, finished.stdout[-4000:]
+    report = json.loads((tmp_path / f"gpu_suite_{DEVICE}_smoke.json").read_text())
+    assert list(report["steps"]) == list(STEPS)
+    assert [record["status"] for record in report["steps"].values()] == ["skipped"] * len(STEPS)
 
 
 def test_suite_digs_figures_out_of_nested_results():
@@ -187,3 +302,4 @@ def test_suite_digs_figures_out_of_nested_results():
     result = {"a": [{"x": 1}, {"x": 2}], "results": {"dp1": {"ratio": 0.5}}}
     assert dig(result, "a.-1.x") == 2 and dig(result, "results.*.ratio") == 0.5
     assert dig(result, "a.5.x") is None and dig(result, "missing.key") is None
+    assert dig({"decode": {"1": {"r": 0.1}, "64": {"r": 0.7}}}, "decode.-1.r") == 0.7
