@@ -64,6 +64,7 @@ from spmd_rlhf.tiny.task import make_task  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "scale_worker.py"
 GIB = 2**30
+KV_BLOCK_SIZE = 16
 RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 """glibc malloc settings under which a freed block of 64 KiB or more goes back to the kernel at once (CPU only)."""
 
@@ -266,6 +267,12 @@ def main() -> None:
         overrides = recipe_overrides(
             args, model_dir=str(Path(model_dir).resolve()), task_dir=str(scratch / "task"), run_dir=str(scratch / "run")
         )
+        config = load_config(config_path, overrides)
+        # The KV cache sized for this batch, as on CPU: on CUDA the engine otherwise takes what
+        # rollout.memory_fraction leaves of the free memory (a pool by design, not a floor this benchmark checks).
+        longest = config.data.max_prompt_length + config.rollout.response_length
+        blocks = -(-config.data.batch_size * config.rollout.n // args.nproc) * -(-longest // KV_BLOCK_SIZE)
+        overrides += [f"rollout.kv_block_size={KV_BLOCK_SIZE}", f"rollout.kv_cache_blocks={blocks}"]
         config = load_config(config_path, overrides)
         floors = stage_floors(config, devices=args.nproc)
         buffers = design_parts(config, devices=args.nproc)
