@@ -70,10 +70,12 @@ class RewardWorker(RoleWorker):
 
     @data_parallel
     def compute_rewards(self, batch: Batch) -> Batch:
-        """One score per response. The batch meta carries their mean, the mean of each extra number a rule returned
-        and, for a rule or a service, the rows whose call failed (``<role>/errors``, ``/timeouts``, ``/non_finite``),
-        over all DP ranks, and for a service the resent requests (``<role>/remote_retries``). Under a rule or a
-        service, more than ``<role>.max_failure_fraction`` of the step's calls failing is an error."""
+        """One score per response (a model with a tokenizer of its own scores each row's conversation rebuilt in its
+        chat template and tokens, from the row's ``raw_prompt`` and decoded response). The batch meta carries their
+        mean, the mean of each extra number a rule returned and, for a rule or a service, the rows whose call failed
+        (``<role>/errors``, ``/timeouts``, ``/non_finite``), over all DP ranks, and for a service the resent requests
+        (``<role>/remote_retries``). Under a rule or a service, more than ``<role>.max_failure_fraction`` of the
+        step's calls failing is an error."""
         scored: RewardScores | None = None
         if self.scorer is not None:
             rows = batch if self.rebuild is None else self.rebuild(batch)
