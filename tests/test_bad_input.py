@@ -30,6 +30,7 @@ from torchrun_helpers import RECIPES, alive, environment, torchrun
 from spmd_rlhf import checkpoint
 from spmd_rlhf.checkpoint.run_directory import RunLock
 from spmd_rlhf.data.dataset import DatasetError, PromptDataset
+from spmd_rlhf.data.retokenize import TOKENIZER_FILES
 from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.tiny.task import make_task
 
@@ -218,10 +219,12 @@ CASES = {
         r"tokenizer \(tiny/model\); reference reads the actor's token ids, so it must be a model of the same tokenizer",
         "reference.model_path={assets}/small_vocab",
     ),
+    # A reward model with a tokenizer of its own scores rebuilt text (data.retokenize); one without must fit the ids.
     "reward_model_of_another_vocabulary": case(
-        r"reward\.model_path=\S+/small_vocab has vocab_size=300, fewer than the \d+ tokens of the policy's tokenizer",
+        r"reward\.model_path=\S+/small_vocab_untokenized has vocab_size=300, fewer than the \d+ tokens of the "
+        r"policy's tokenizer .*, or reward\.tokenizer_path at the tokenizer it was trained with",
         "reward.kind=model",
-        "reward.model_path={assets}/small_vocab",
+        "reward.model_path={assets}/small_vocab_untokenized",
         recipe="ppo",
     ),
     # Resuming a checkpoint that does not fit the run.
@@ -303,6 +306,9 @@ def build_assets(root: Path) -> Path:
     make_tiny(family="qwen2", out_dir=str(root / "tiny" / "model"))
     make_task(task="arithmetic", out_dir=str(root / "tiny" / "task"))
     make_tiny(family="qwen2", out_dir=str(root / "small_vocab"), vocab_size=300)
+    shutil.copytree(root / "small_vocab", root / "small_vocab_untokenized")
+    for file in (*TOKENIZER_FILES, "chat_template.jinja"):
+        (root / "small_vocab_untokenized" / file).unlink(missing_ok=True)
     make_tiny(family="qwen2", out_dir=str(root / "wide"), hidden_size=128)
     shutil.copytree(root / "tiny" / "model", root / "truncated")
     weights = root / "truncated" / "model.safetensors"

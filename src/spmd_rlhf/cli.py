@@ -42,6 +42,12 @@ def _add_make_tiny(subparsers: argparse._SubParsersAction) -> None:
         choices=["arithmetic", "tool_products"],
         help="tasks whose text trains the tokenizer (tool_products: calculator calls in about 30 tokens)",
     )
+    parser.add_argument(
+        "--chat-template",
+        default="chatml",
+        choices=["chatml", "role_colon"],
+        help="the tokenizer's chat template (role_colon: 'User: ...', for a reward model of another family)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=args.vocab_size,
             head=args.head,
             tokenizer_tasks=tuple(args.tokenizer_tasks),
+            chat_template=args.chat_template,
             seed=args.seed,
         )
         print(f"wrote {args.family} model and tokenizer to {args.out}")

@@ -97,3 +97,13 @@ def test_same_corpus_gives_same_tokenizer(tokenizer):
     again = train_tokenizer(CORPUS, vocab_size=512)
     assert again.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
     assert again.chat_template == tokenizer.chat_template
+
+
+def test_the_role_colon_template_lays_a_chat_out_without_markers():
+    tokenizer = train_tokenizer(CORPUS, vocab_size=512, chat_template="role_colon")
+    messages = [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": "7"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == "User: 3+4=\n\nAssistant: 7\n\n"
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt == "User: 3+4=\n\nAssistant:"
+    with pytest.raises(ValueError, match=r"unknown chat template 'alpaca'; allowed: chatml, role_colon"):
+        train_tokenizer(CORPUS, chat_template="alpaca")

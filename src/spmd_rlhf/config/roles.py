@@ -186,6 +186,12 @@ class ScoringRoleConfig(RoleConfig):
     kind: str = "rule"
     """rule: a Python function scores each response; model: the scoring model at model_path does; remote: a service at
     url does (batches of rows POSTed as JSON, scores back: spmd_rlhf.rewards.remote, docs/recipes.md)."""
+    tokenizer_path: str | None = None
+    """With kind=model, the directory of the tokenizer the scoring model was trained with, where model_path holds
+    none or another one; null: model_path's own tokenizer files, else the policy's. A tokenizer whose vocabulary or
+    chat template differs from the policy's engages the foreign path: each response is decoded, the conversation
+    (the row's prompt messages and the response) rebuilt with this tokenizer's chat template and tokenized again, and
+    its score lands on the policy's last response token as any score does (docs/recipes.md)."""
     rule: str = "auto"
     """With kind=rule, the function's name in the spmd_rlhf.rewards registry, or path/to/file.py:function (verl's
     signature); auto: chosen by each row's data_source."""
@@ -226,6 +232,14 @@ class ScoringRoleConfig(RoleConfig):
             require(self, "url", self.url is not None, "kind=remote needs the reward service's URL")
         else:
             require(self, "url", self.url is None, f"is only used with kind=remote (kind={self.kind}); remove it")
+        require(self, "tokenizer_path", self.tokenizer_path != "", "must be a tokenizer directory or null")
+        if self.kind != "model":
+            require(
+                self,
+                "tokenizer_path",
+                self.tokenizer_path is None,
+                f"is only used with kind=model (kind={self.kind}); remove it",
+            )
         valid_url = self.url is None or self.url.startswith(("http://", "https://"))
         require(self, "url", valid_url, "must be an http:// or https:// URL")
         at_least(self, 1, "remote_batch_size")

@@ -67,6 +67,7 @@ def make_tiny(
     head: str = "lm",
     tie_word_embeddings: bool | None = None,
     tokenizer_tasks: tuple[str, ...] = ("arithmetic",),
+    chat_template: str = "chatml",
     seed: int = 0,
 ) -> str:
     """Train a tokenizer, build a random-init `family` model seeded by `seed`, save both to `out_dir`; return it.
@@ -78,6 +79,8 @@ def make_tiny(
     4 x `hidden_size`. `tie_word_embeddings` overrides the family's default (qwen2 ties, like Qwen2.5-0.5B; its 7B
     and larger do not). `tokenizer_tasks` are the tasks whose text the tokenizer is trained on (``task_corpus``):
     add "tool_products" for a tokenizer that writes a calculator call in about 30 tokens instead of 77.
+    `chat_template` names the tokenizer's template (``tokenizer.CHAT_TEMPLATES``): ChatML, or ``role_colon`` for a
+    model that reads conversations unlike the policy (a reward model of another family).
     """
     if family not in _FAMILIES:
         raise ValueError(f"unknown family {family!r}; allowed families: {', '.join(_FAMILIES)}")
@@ -89,7 +92,7 @@ def make_tiny(
             "num_heads must divide hidden_size and num_kv_heads must divide num_heads"
         )
     corpus = [text for task in tokenizer_tasks for text in task_corpus(task)]
-    tokenizer = train_tokenizer(corpus + _GENERIC_TEXT, vocab_size=vocab_size)
+    tokenizer = train_tokenizer(corpus + _GENERIC_TEXT, vocab_size=vocab_size, chat_template=chat_template)
     if model_vocab_size is not None and model_vocab_size < len(tokenizer):
         raise ValueError(
             f"model_vocab_size={model_vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; "

@@ -47,15 +47,34 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+# A second layout, for a scoring model that reads conversations unlike the policy (a reward model of another family):
+# "User: 3+4=\n\nAssistant: 7\n\n", no chat markers at all.
+ROLE_COLON_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- message['role'] | capitalize + ': ' + message['content'] + '\\n\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- 'Assistant:' }}"
+    "{%- endif %}"
+)
+
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "role_colon": ROLE_COLON_CHAT_TEMPLATE}
+"""The chat templates ``train_tokenizer`` can give its tokenizer, by name."""
+
 _SPECIAL_TOKEN_PATTERN = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
 
 
-def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on `corpus` and wrap it for `transformers`.
+def train_tokenizer(
+    corpus: Iterable[str], *, vocab_size: int = 512, chat_template: str = "chatml"
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on `corpus` and wrap it for `transformers`, with the chat template named
+    `chat_template` (``CHAT_TEMPLATES``: ChatML, or ``role_colon``'s "User: ...").
 
     `vocab_size` is an upper bound that includes the 256 byte tokens and the special tokens: a small corpus runs out of
     pairs to merge earlier, so use `len(tokenizer)` as the model's vocabulary size. Same corpus, same tokenizer.
     """
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"unknown chat template {chat_template!r}; allowed: {', '.join(CHAT_TEMPLATES)}")
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size={vocab_size} is too small: the byte alphabet and special tokens need {minimum}")
@@ -87,5 +106,5 @@ def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 512) -> PreTrain
         additional_special_tokens=[IM_START_TOKEN],
         clean_up_tokenization_spaces=False,
     )
-    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.chat_template = CHAT_TEMPLATES[chat_template]
     return wrapped

@@ -3,8 +3,9 @@
 
 All give one score per response, ``scores`` ``[rows]`` (the cost role's output is named ``costs``). A rule sees the
 decoded response text without special tokens; a remote service sees it too, with the prompt's text; a model scores
-prompt + response as token ids, so a scoring model must share the policy's tokenizer (reward models with their own
-tokenizer and chat template are not supported yet).
+prompt + response as the policy's token ids when it shares the policy's tokenizer, and otherwise (a tokenizer of its
+own with another vocabulary or chat template: ``data.retokenize``) the conversation rebuilt as text in its own chat
+template and tokens.
 
 Every rank of a DP replica holds the same rows, so under a rule or a service the replica's TP x PP ranks each decode
 and score a slice of them (in ``reward.num_workers`` processes each, or inline, or in requests to the service) and
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer
 
 from spmd_rlhf.config import FrameworkConfig, ScoringRoleConfig
 from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.data.retokenize import ChatRebuild, foreign_tokenizer, response_texts
 from spmd_rlhf.rewards import RewardOutcome, RewardRow, RewardRunner, RewardScores, check_failure_fraction
 from spmd_rlhf.rewards.remote import RemoteReward
 from spmd_rlhf.runtime import RoleContext, data_parallel
@@ -27,8 +29,9 @@ from spmd_rlhf.workers.base import RoleWorker
 
 
 class RewardWorker(RoleWorker):
-    """A scorer: a frozen ``ShardedModel`` with a score head (``kind: model``), a ``RewardRunner`` of a rule, or a
-    ``RemoteReward`` client of a service (``kind: remote``)."""
+    """A scorer: a frozen ``ShardedModel`` with a score head (``kind: model``; with ``rebuild`` when the model has a
+    tokenizer of its own), a ``RewardRunner`` of a rule, or a ``RemoteReward`` client of a service
+    (``kind: remote``)."""
 
     def __init__(self, context: RoleContext, config: FrameworkConfig, *, role: str = "reward") -> None:
         role_config: ScoringRoleConfig = getattr(config, role)
@@ -36,10 +39,16 @@ class RewardWorker(RoleWorker):
         self.output_key = "scores" if role == "reward" else "costs"
         self.scorer: ShardedModel | None = None
         self.runner: RewardRunner | RemoteReward | None = None
+        self.rebuild: ChatRebuild | None = None
+        """The model's own chat template and tokens, when they are not the policy's (``data.retokenize``)."""
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         if role_config.kind == "model":
             self.scorer = ShardedModel(
                 context, config, role_config, head="score", trainable=False, reducer=self.reducer
             )
+            own_tokenizer = foreign_tokenizer(role_config, self.tokenizer)
+            if own_tokenizer is not None:
+                self.rebuild = ChatRebuild(self.tokenizer, own_tokenizer, role=role)
         elif role_config.kind == "remote":
             self.runner = RemoteReward(
                 role_config.url,
@@ -58,19 +67,20 @@ class RewardWorker(RoleWorker):
                 on_error=role_config.on_error,
                 name=role,
             )
-        if self.runner is not None:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
 
     @data_parallel
     def compute_rewards(self, batch: Batch) -> Batch:
-        """One score per response. The batch meta carries their mean, the mean of each extra number a rule returned
-        and, for a rule or a service, the rows whose call failed (``<role>/errors``, ``/timeouts``, ``/non_finite``),
-        over all DP ranks, and for a service the resent requests (``<role>/remote_retries``). Under a rule or a
-        service, more than ``<role>.max_failure_fraction`` of the step's calls failing is an error."""
+        """One score per response (a model with a tokenizer of its own scores each row's conversation rebuilt in its
+        chat template and tokens, from the row's ``raw_prompt`` and decoded response). The batch meta carries their
+        mean, the mean of each extra number a rule returned and, for a rule or a service, the rows whose call failed
+        (``<role>/errors``, ``/timeouts``, ``/non_finite``), over all DP ranks, and for a service the resent requests
+        (``<role>/remote_retries``). Under a rule or a service, more than ``<role>.max_failure_fraction`` of the
+        step's calls failing is an error."""
         scored: RewardScores | None = None
         if self.scorer is not None:
+            rows = batch if self.rebuild is None else self.rebuild(batch)
             scores = self.scorer.forward_rows(
-                batch, "compute_rewards", "scores", lambda outputs, micro: outputs.float()
+                rows, "compute_rewards", "scores", lambda outputs, micro: outputs.float()
             )["scores"]
         else:
             scored = self.score_rows(batch)
@@ -118,9 +128,7 @@ class RewardWorker(RoleWorker):
         position, replica_size = self.pp_rank * dims.tp + self.tp_rank, dims.pp * dims.tp
         start, stop = len(batch) * position // replica_size, len(batch) * (position + 1) // replica_size
         responses, masks = batch["responses"][start:stop], batch["response_mask"][start:stop]
-        texts = self.tokenizer.batch_decode(
-            [row[mask.bool()].tolist() for row, mask in zip(responses, masks)], skip_special_tokens=True
-        )
+        texts = response_texts(self.tokenizer, responses, masks)
         sources, truths, extra_infos = (batch[key][start:stop] for key in ("data_source", "ground_truth", "extra_info"))
         prompts = [""] * len(texts)
         if isinstance(self.runner, RemoteReward):  # rules are not given the prompt: decode it only for a service
