@@ -1,6 +1,6 @@
 """``Trainer.update`` reads nothing back from the device inside its micro-batch loop: counted with ``DispatchCounts``
 around the real ``ActorWorker.update_actor`` on one CPU rank (``benchmarks/host_overhead.py``'s harness), an update
-makes as many scalar reads at 8 micro-batches as at 2, and at dp = 1 as many reduce-scatters. ``clip_gradients``
+makes as many scalar reads at 8 micro-batches as at 2, and at dp = 1 as many FSDP copies. ``clip_gradients``
 (fused norms) clips plain tensors as ``torch.nn.utils.clip_grad_norm_`` does."""
 
 from __future__ import annotations
@@ -22,22 +22,34 @@ from host_overhead import count_update  # noqa: E402
 ROWS = 8
 
 
-def test_scalar_reads_per_update_do_not_grow_with_the_micro_batch_count(tmp_path):
+def test_an_update_reads_and_copies_as_much_at_8_micro_batches_as_at_2(tmp_path):
     model_dir = make_tiny(family="qwen2", out_dir=str(tmp_path / "model"), hidden_size=32, vocab_size=300)
+    per_micro_batch = ("actor.unsharded_accumulation_mb=0",)  # FSDP's default: gather, reshard, sync each time
     try:  # a one-rank gloo job in this process, started by the first actor
         counts = {
-            micro_batches: count_update(model_dir, rows=ROWS, length=12, micro_batch=ROWS // micro_batches)
+            (micro_batches, overrides): count_update(
+                model_dir, rows=ROWS, length=12, micro_batch=ROWS // micro_batches, overrides=overrides
+            )
             for micro_batches in (2, 8)
+            for overrides in ((), per_micro_batch)
         }
     finally:
         dist.destroy_process_group()
-    assert counts[2].scalar_reads == counts[8].scalar_reads, (
-        f"2 micro-batches: {dict(counts[2].scalar_read_sites)}; 8 micro-batches: {dict(counts[8].scalar_read_sites)}"
+    few, many = counts[2, ()], counts[8, ()]
+    assert few.scalar_reads == many.scalar_reads, (
+        f"2 micro-batches: {dict(few.scalar_read_sites)}; 8 micro-batches: {dict(many.scalar_read_sites)}"
     )
-    # At dp = 1 the gradients stay unsharded across the micro-batches: one reduce-scatter (FSDP's chunk_cat copy-in)
-    # per unit per mini-batch, whatever the micro-batch count.
-    reduce_scatters = {micro_batches: counts[micro_batches].fsdp_copies["fsdp.chunk_cat"] for micro_batches in (2, 8)}
-    assert reduce_scatters[2] == reduce_scatters[8] > 0, reduce_scatters
+    # At dp = 1 a mini-batch gathers each unit once and reduce-scatters its gradient once (FSDP's chunk_cat copy-in),
+    # whatever the micro-batch count: no FSDP copy per micro-batch.
+    assert few.fsdp_copies == many.fsdp_copies and few.fsdp_copies["fsdp.chunk_cat"] > 0, (
+        dict(few.fsdp_copies),
+        dict(many.fsdp_copies),
+    )
+    # The same count with gathers and reduce-scatters in every micro-batch grows with them (the count can fail).
+    copies = {
+        micro_batches: sum(counts[micro_batches, per_micro_batch].fsdp_copies.values()) for micro_batches in (2, 8)
+    }
+    assert copies[8] > copies[2] > sum(few.fsdp_copies.values()), copies
 
 
 class _OneRank:

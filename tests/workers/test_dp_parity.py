@@ -1,8 +1,8 @@
 """Data-parallel parity: update_actor with dp=2 and dp=4, with 4x larger micro-batches, or with token-balanced
-micro-batches (dp=2 ranks agreeing on their count), with the model one FSDP unit (gradients reduce-scattered once
-per mini-batch) or one unit per layer (after every micro-batch), leaves the same weights, loss and gradient norm as dp=1
-on the same batch (two PPO epochs, gradient accumulation, KL and entropy terms), for token- and sequence-level
-aggregation; compute_log_probs gives the same log-probs in the batch's row order."""
+micro-batches (dp=2 ranks agreeing on their count), with the model one FSDP unit or one unit per layer (each
+gathered and its gradient reduce-scattered once per mini-batch, or in every micro-batch), leaves the same weights,
+loss and gradient norm as dp=1 on the same batch (two PPO epochs, gradient accumulation, KL and entropy terms), for
+token- and sequence-level aggregation; compute_log_probs gives the same log-probs in the batch's row order."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_update_actor_is_independent_of_dp_size(model_dir, tmp_path, aggregation
     moved = max(float((reference[name] - initial[name]).abs().max()) for name in reference)
     assert moved > 1e-4  # the update really changed the weights
     reference_metrics = json.loads((tmp_path / "dp1.json").read_text())[0]
-    for run in ("dp2", "dp4", "dp1_micro8", "dp2_tokens11", "dp1_tokens30", "dp2_unit_per_layer"):
+    runs = ("dp2", "dp4", "dp1_micro8", "dp2_tokens11", "dp1_tokens30")
+    for run in (*runs, "dp2_unit_per_layer", "dp2_unit_per_layer_per_micro_batch"):
         for rank_metrics in json.loads((tmp_path / f"{run}.json").read_text()):
             # Global quantities: the same on every rank and for every DP size.
             for key in ("actor/grad_norm", "actor/loss"):

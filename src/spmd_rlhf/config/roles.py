@@ -168,6 +168,15 @@ class TrainableRoleConfig(RoleConfig):
     """Passes over each step's rollout batch, each taking one optimizer step per mini-batch."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters instead of full fine-tuning (docs/lora.md)."""
+    unsharded_accumulation_mb: float | None = 4096.0
+    """Keep a mini-batch's parameters gathered and its gradients unsharded across its micro-batches, with one FSDP
+    gather per unit in the first forward and one gradient reduce-scatter in the last backward (otherwise each
+    micro-batch gathers every unit in its forward and again in its backward, and reduce-scatters it: at dp = 1, only
+    copies), when that holds at most this many MiB more per rank than FSDP does: this rank's TP shard of the stage's
+    parameters in model.dtype and of its trained parameters' gradients in float32, less the 1/dp of those gradients
+    FSDP keeps anyway (2 bytes per parameter at dp = 1 with bf16, 5.5 at dp = 8: 3 GiB and 8 GiB at 1.5B). null:
+    always; 0: only where it costs nothing (a model of one FSDP unit, gathered whole anyway). Never with pp > 1 or
+    offload."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -179,6 +188,8 @@ class TrainableRoleConfig(RoleConfig):
         require(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
         require(self, "grad_clip", self.grad_clip is None or self.grad_clip > 0, "must be > 0 or null")
         at_least(self, 1, "mini_batch_size", "ppo_epochs")
+        budget = self.unsharded_accumulation_mb
+        require(self, "unsharded_accumulation_mb", budget is None or budget >= 0, "must be >= 0 or null")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
-from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary
+from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary, vocabulary_stream
 from spmd_rlhf.models.tp_plan import DECODER_LAYER_PLAN
 
 
@@ -132,6 +132,30 @@ def streamed_vocabularies(
     embedding, head = model.model.embed_tokens, getattr(model, "lm_head", None)
     groups = [[embedding, head]] if _tied(model) else [[module] for module in (embedding, head) if module is not None]
     return [group for group in groups if _local_bytes(group[0]) >= min_unit_bytes]
+
+
+def unsharded_accumulation_bytes(model: DecoderLM, *, dp: int, compute_dtype: torch.dtype) -> int:
+    """Bytes per rank that keeping the parallelized ``model`` gathered, with its gradients unsharded, across a
+    mini-batch's micro-batches holds beyond what FSDP holds: each parameter's TP shard in ``compute_dtype`` and, for
+    the trained ones, its float32 gradient (FSDP accumulates unsharded gradients in the reduce dtype) less the 1/dp of
+    it that FSDP's sharded gradient holds anyway. Streamed vocabulary weights are left out: they gather and reduce
+    one step of rows at a time whatever FSDP does."""
+    streamed = {
+        id(param)
+        for module in model.modules()
+        if vocabulary_stream(module) is not None
+        for param in module.parameters()
+    }
+    held = 0.0
+    for param in model.parameters():
+        if id(param) in streamed:
+            continue
+        # FSDP shards dim 0 over dp: the local piece times dp is the TP shard (up to FSDP's padding).
+        elements = (param.to_local() if isinstance(param, DTensor) else param).numel() * dp
+        held += elements * compute_dtype.itemsize
+        if param.requires_grad:
+            held += elements * 4 * (1 - 1 / dp)
+    return int(held)
 
 
 def parallelize(

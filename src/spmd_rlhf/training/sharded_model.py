@@ -13,8 +13,9 @@ The rollout layout (made by ``ActorWorker.generate_sequences``): ``prompts`` ``[
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.models import DecoderLM, log_probs_and_entropy_from_logits, log_probs_from_logits
 from spmd_rlhf.models.attention import resolve_backend
 from spmd_rlhf.models.lora import write_peft_adapter
-from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.models.parallelize import parallelize, unsharded_accumulation_bytes
 from spmd_rlhf.models.pipeline import Pipeline, split_stage
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
@@ -101,16 +102,20 @@ class ShardedModel:
         load_weights(model, path, device=self.device)
         if self.adapters is not None:
             self.adapters.initialize(model, seed=config.trainer.seed)
-        one_unit = not any(isinstance(module, FSDPModule) for module in model.modules() if module is not model)
-        self.accumulate_unsharded = (
-            trainable and dims.pp == 1 and isinstance(model, FSDPModule) and (one_unit or dims.dp == 1)
-        )
-        """A mini-batch's micro-batches keep the parameters gathered after their backward and the gradients
-        unsharded (accumulated in the reduce dtype), with one reduce-scatter after the last: when the model is one
-        FSDP unit (bounded by fsdp_unit_mb), and at dp = 1, where FSDP's gathers and reduce-scatters are copies only
-        (one rank, one unit per layer, benchmarks/host_overhead.py --train: 26.7 copies per layer per micro-batch
-        before, 15.5 with this: the reduce-scatter's once per mini-batch, the gather before each backward remains).
-        Costs the gathered parameters (compute dtype) held from a micro-batch's backward to the next one's forward."""
+        self.accumulate_unsharded = trainable and dims.pp == 1 and isinstance(model, FSDPModule)
+        """A mini-batch's micro-batches keep the parameters gathered from the first forward on and the gradients
+        unsharded (accumulated in the reduce dtype), with one reduce-scatter and reshard in the last backward: one
+        FSDP gather and one reduce-scatter per unit per mini-batch, whatever its micro-batch count (at dp = 1 no FSDP
+        copy per micro-batch: benchmarks/host_overhead.py --train). Always for a model of one FSDP unit (gathered
+        whole anyway, bounded by fsdp_unit_mb); otherwise when what it holds beyond FSDP fits the role's
+        unsharded_accumulation_mb (``unsharded_accumulation_bytes``), and never with offload."""
+        if self.accumulate_unsharded and any(
+            isinstance(module, FSDPModule) for module in model.modules() if module is not model
+        ):
+            budget = getattr(role_config, "unsharded_accumulation_mb", 0.0)
+            held = unsharded_accumulation_bytes(model, dp=dims.dp, compute_dtype=compute_dtype)
+            offloaded = role_config.offload and on_gpu
+            self.accumulate_unsharded = not offloaded and (budget is None or held <= budget * 2**20)
         if not trainable:
             model.requires_grad_(False)
         self.module: DecoderLM = model
@@ -181,21 +186,37 @@ class ShardedModel:
 
             results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
             return [result.detach() for result in results], order
-        results = []
         accumulate = train and self.accumulate_unsharded and len(micros) > 1
-        for index, micro in enumerate(micros):
-            if accumulate:
-                # Keep the model gathered and its gradient unsharded across the micro-batches and reduce-scatter once
-                # after the last (``accumulate_unsharded``): one reduce-scatter per mini-batch, whatever its
-                # micro-batch count, and no gather in a forward that follows a backward.
-                last = index == len(micros) - 1
-                self.module.set_requires_gradient_sync(last)
-                self.module.set_reshard_after_backward(last)
-            result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
-            if train:
-                result.backward()
-            results.append(result.detach())
+        results = []
+        with self._gathered_across_micro_batches() if accumulate else contextlib.nullcontext():
+            for index, micro in enumerate(micros):
+                if accumulate:
+                    last = index == len(micros) - 1
+                    self.module.set_requires_gradient_sync(last)
+                    self.module.set_reshard_after_backward(last)
+                result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
+                if train:
+                    result.backward()
+                results.append(result.detach())
         return results, order
+
+    @contextlib.contextmanager
+    def _gathered_across_micro_batches(self) -> Iterator[None]:
+        """The FSDP units below the root (which FSDP never reshards after its forward) stay gathered after their
+        forward while inside (``accumulate_unsharded``); on the way out every unit reshards after its forward and
+        backward and syncs its gradients again, as FSDP does by default, even when a micro-batch raised."""
+        units = [
+            module for module in self.module.modules() if isinstance(module, FSDPModule) and module is not self.module
+        ]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_reshard_after_forward(True, recurse=False)
+            self.module.set_requires_gradient_sync(True)
+            self.module.set_reshard_after_backward(True)
 
     def forward_rows(self, batch: Batch, method: str, key: str, output_fn: MicroBatchFunction) -> Batch:
         """``Batch({key: output_fn results of every row})`` in ``batch``'s row order, forward only, on every rank of

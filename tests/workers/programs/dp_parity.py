@@ -78,9 +78,15 @@ def main(coordinator):
             1,
             dataclasses.replace(config, actor=dataclasses.replace(config.actor, max_tokens_per_micro_batch=30)),
         ),
-        # The tiny model is one FSDP unit by default (gradients reduce-scattered once per mini-batch); here one
-        # unit per layer (reduce-scattered after every micro-batch).
+        # The tiny model is one FSDP unit by default; here one unit per layer, each gathered once and its gradient
+        # reduce-scattered once per mini-batch (actor.unsharded_accumulation_mb), or in every micro-batch (0).
         "dp2_unit_per_layer": (2, dataclasses.replace(config, actor=dataclasses.replace(config.actor, fsdp_unit_mb=0))),
+        "dp2_unit_per_layer_per_micro_batch": (
+            2,
+            dataclasses.replace(
+                config, actor=dataclasses.replace(config.actor, fsdp_unit_mb=0, unsharded_accumulation_mb=0)
+            ),
+        ),
     }
     for name, (dp, run_config) in runs.items():
         actor = coordinator.spawn(
