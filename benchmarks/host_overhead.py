@@ -162,7 +162,7 @@ def train_figures(args: argparse.Namespace, scratch: str) -> list[dict]:
             shape=f"{scalar_rows} rows x {args.length} tokens, {small} layers, 2 and 8 micro-batches",
             per_update={micro: copies[micro] for micro in (2, 8)},
             by_op={micro: dict(reads[micro].fsdp_copies) for micro in (2, 8)},
-            per_layer_per_micro_batch=slope(lambda c: sum(c.fsdp_copies.values())),
+            per_layer_per_mini_batch=slope(lambda c: sum(c.fsdp_copies.values())) * micro_batches,
             note=(
                 "what remains is per mini-batch: each unit's gather in the first forward and its gradient's "
                 "reduce-scatter in the last backward (actor.unsharded_accumulation_mb)"
