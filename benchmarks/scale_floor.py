@@ -22,9 +22,11 @@ Beyond that strict floor, the design itself needs transient buffers that are not
 - FSDP's gathered unit: FSDP2 all-gathers one unit at a time (a run of decoder layers of at least the role's
   ``fsdp_unit_mb``, one layer at these shapes; the root: the final norm, a value or score head, vocabulary weights
   below the unit size), in the compute dtype. The root stays gathered from the forward to the end of the backward,
-  and the backward makes each unit's unsharded gradient before the reduce-scatter. The HybridEngine's reshard
-  gathers the same units one at a time beside the generation copy, and a forward-only pass of a sharded frozen role
-  gathers its units one at a time.
+  and the backward makes each unit's unsharded gradient before the reduce-scatter. Where a trained role's
+  ``unsharded_accumulation_mb`` lets it, its update instead keeps every unit gathered and the float32 gradients
+  unsharded across a mini-batch's micro-batches (less the gradient shard the strict floor holds). The HybridEngine's
+  reshard gathers the same units one at a time beside the generation copy, and a forward-only pass of a sharded
+  frozen role gathers its units one at a time.
 - Vocabulary weights of at least the unit size (an embedding, an LM head, a tied pair) stream outside FSDP
   (``spmd_rlhf.models.streamed_vocabulary``): a pass holds one step's gathered rows, and in the backward their
   gradient; the HybridEngine's reshard gathers each weight whole, as it gathers a unit.
@@ -201,9 +203,24 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
             f"{spec.name} FSDP root gathered + its unsharded gradient": 2 * root,
             f"{spec.name} largest other FSDP unit gathered + its unsharded gradient": 2 * unit,
         }
+        held = unsharded_accumulation(spec)
+        if held:
+            parts = {f"{spec.name} every FSDP unit gathered + float32 gradients unsharded across micro-batches": held}
         if streamed(spec):
             parts[f"{spec.name} streamed vocabulary: one step's rows gathered + their gradient"] = 2 * streamed(spec)
         return parts
+
+    def unsharded_accumulation(spec: RoleSpec) -> float:
+        """What a trained role's update holds beyond FSDP when its units stay gathered and its gradients unsharded
+        across a mini-batch's micro-batches (``models.parallelize.unsharded_accumulation_bytes``, on where it fits
+        ``<role>.unsharded_accumulation_mb`` and the model is more than one unit); 0 when that is off."""
+        role = getattr(config, spec.name)
+        root, unit = units(spec)
+        vocabulary_modules = 1 if spec.head != "lm" or spec.shape.tied else 2
+        streamed_parameters = vocabulary_modules * spec.shape.vocab * spec.shape.hidden if streamed(spec) else 0
+        held = (spec.shape.parameters(spec.head) - streamed_parameters) * (b + GRADIENT_BYTES * (1 - 1 / devices))
+        budget = role.unsharded_accumulation_mb
+        return held if unit and (budget is None or held <= budget * 2**20) else 0
 
     def reshard(spec: RoleSpec) -> float:
         """What the HybridEngine gathers at once: an FSDP unit, or a streamed vocabulary weight whole."""

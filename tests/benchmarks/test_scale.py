@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -137,10 +138,25 @@ def test_floor_parts_at_a_real_shape(tmp_path):
     # untied embedding streams too) over the actor's.
     critic_root = shape.parameters("value") - shape.layers * shape.block_parameters - vocabulary
     assert critic_root > 896
+    # By default its units stay gathered and its float32 gradients unsharded across the micro-batches (all but the
+    # streamed vocabulary; the gradient shard is in the strict floor); with unsharded_accumulation_mb=0 one unit at
+    # a time.
+    streamed_rows = {"critic streamed vocabulary: one step's rows gathered + their gradient": 2 * STREAM_CHUNK_BYTES}
     assert buffers["update"] == {
+        "critic every FSDP unit gathered + float32 gradients unsharded across micro-batches": (
+            (shape.parameters("value") - vocabulary) * (4 + 4 * (1 - 1 / 2))
+        ),
+        **streamed_rows,
+    }
+    per_unit = dataclasses.replace(
+        config,
+        actor=dataclasses.replace(config.actor, unsharded_accumulation_mb=0),
+        critic=dataclasses.replace(config.critic, unsharded_accumulation_mb=0),
+    )
+    assert design_parts(per_unit, devices=2)["update"] == {
         "critic FSDP root gathered + its unsharded gradient": 2 * critic_root * 4,
         "critic largest other FSDP unit gathered + its unsharded gradient": 2 * shape.block_parameters * 4,
-        "critic streamed vocabulary: one step's rows gathered + their gradient": 2 * STREAM_CHUNK_BYTES,
+        **streamed_rows,
     }
     assert buffers["export"] == {"save band being assembled + one piece": 2 * min(vocabulary * 4, DEFAULT_BAND_BYTES)}
     assert buffers["load"] == buffers["save"] == buffers["resume"] == {}
