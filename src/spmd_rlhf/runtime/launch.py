@@ -202,7 +202,7 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
     timeout = timedelta(seconds=options.collective_timeout_s)
     store = round_store(rank=rank, world_size=world_size, timeout=timeout)
     dist.init_process_group(
-        backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=world_size, timeout=timeout
+        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout
     )
     if device.type == "cuda":
         # Form the world group's NCCL communicator now, on every rank: batched point-to-point transfers between a

@@ -108,13 +108,13 @@ def round_store(*, rank: int, world_size: int, timeout: timedelta) -> dist.Prefi
     store = _job_store(rank=rank, world_size=world_size, timeout=timeout)
     deadline = time.monotonic() + timeout.total_seconds()
     token = _announce(store, world_size, deadline) if rank == 0 else _join(store, rank, deadline)
-    return dist.PrefixStore(f"spmd_rlhf/{token}/", store)
+    return dist.PrefixStore(f"spmd_rlhf/{token}", store)  # PrefixStore puts the "/" in
 
 
 def rpc_init_method(store: dist.Store, name: str) -> str:
     """An ``init_method`` for ``TensorPipeRpcBackendOptions`` that makes ``init_rpc`` use ``store`` (under the
     prefix ``name/``, on a connection of its own) instead of a store it would make."""
-    _stores[name] = dist.PrefixStore(f"{name}/", store.clone())  # its own connection: init_rpc sets its timeout
+    _stores[name] = dist.PrefixStore(name, store.clone())  # its own connection: init_rpc sets its timeout
     return f"{SCHEME}://{name}"
 
 
