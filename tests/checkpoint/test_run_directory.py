@@ -15,7 +15,7 @@ from spmd_rlhf import checkpoint
 from spmd_rlhf.checkpoint import run_directory
 from spmd_rlhf.checkpoint.run_directory import RunDirectoryError, RunLock
 from spmd_rlhf.config import load_config, to_yaml
-from spmd_rlhf.metrics.sinks import truncate_metrics
+from spmd_rlhf.metrics.sinks import restart_metrics, truncate_metrics
 
 CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "grpo.yaml"
 
@@ -96,3 +96,19 @@ def test_metrics_are_cut_back_to_the_step_resumed_from(tmp_path):
     truncate_metrics(str(tmp_path), 0)
     assert path.read_text() == ""
     truncate_metrics(str(tmp_path / "missing"), 3)  # no file: nothing to do
+
+
+def test_steps_done_again_are_counted_over_every_resume(tmp_path, monkeypatch):
+    """A first launch logged steps 0-5 and resumes from step 4: steps 4 and 5 are done again. A second restart
+    resumes from step 7 after steps up to 8 were logged: two more, four in all."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step}) + "\n" for step in range(6)))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    first = restart_metrics(truncate_metrics(str(tmp_path), 4), 4)
+    assert first == {"faults/restarts": 1, "faults/steps_redone": 2}
+    with path.open("a") as handle:
+        handle.write("".join(json.dumps({"step": step, **first}) + "\n" for step in range(4, 9)))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert restart_metrics(truncate_metrics(str(tmp_path), 7), 7) == {"faults/restarts": 2, "faults/steps_redone": 4}
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert restart_metrics([], 0) == {"faults/restarts": 0, "faults/steps_redone": 0}  # a fresh run, not under torchrun

@@ -1,7 +1,9 @@
 """A run stopped by a signal loses nothing: SIGTERM to the torchrun agent (which forwards it to every rank) or SIGUSR1
 to one worker rank mid-run makes the coordinator save after the step in flight and exit with the requeue code; the
-same command run again resumes from that save and ends with the metrics of an uninterrupted run. Two CPU ranks, the
-tiny GRPO recipe: four short runs."""
+same command run again resumes from that save and ends with the metrics of an uninterrupted run. A rank killed
+mid-save loses only the steps since the checkpoint before: torchrun's next round (``--max-restarts``) resumes from
+it and ends with the uninterrupted run's parameters, bit for bit. Two CPU ranks, the tiny GRPO recipe: five short
+runs, one of them restarted."""
 
 from __future__ import annotations
 
@@ -9,14 +11,20 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from torchrun_helpers import RECIPES, environment, free_port, run_recipe, torchrun_command
 
 from spmd_rlhf.runtime import REQUEUE_EXIT_CODE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from fault_soak import final_weights, run_faulty_grpo, struck_faults, training_rows  # noqa: E402
 
 RUN = ("trainer.total_steps=4", "trainer.val_every=0", "trainer.save_every=0", "algorithm.kl_target=0.001")
 """No periodic saves: the only checkpoint before the last step is the one the signal asks for."""
@@ -28,8 +36,16 @@ def without_timings(records: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[dict]:
-    return run_recipe("grpo", tmp_path_factory.mktemp("uninterrupted"), *RUN)
+def uninterrupted_dir(tmp_path_factory) -> Path:
+    """The workdir of an uninterrupted run of ``RUN``; its run directory is ``out``."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    run_recipe("grpo", workdir, *RUN)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_dir) -> list[dict]:
+    return [json.loads(line) for line in (uninterrupted_dir / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
 def rank_pids(agent: subprocess.Popen) -> dict[int, int]:
@@ -118,3 +134,30 @@ def test_a_stop_that_outlasts_stop_timeout_s_exits_at_once_with_the_requeue_code
     assert not (tmp_path / "out" / "stopped.json").exists()
     latest = tmp_path / "out" / "latest"
     assert not latest.exists() or (tmp_path / "out" / latest.read_text() / "trainer_state.json").is_file()
+
+
+KILLED_MID_SAVE = {"round": 0, "rank": 1, "at": "save_checkpoint", "call": 3, "kind": "SIGKILL"}
+"""With a save after every step the third is step_3's: rank 1 dies with its shards written into step_3.tmp, before
+trainer_state.json (``benchmarks/faulty_grpo.py`` injects it)."""
+
+
+def test_a_rank_killed_mid_save_restarts_from_the_previous_checkpoint_and_ends_as_an_uninterrupted_run(
+    tmp_path, uninterrupted_dir
+):
+    overrides = [*RUN, "trainer.save_every=1", "trainer.keep_last=0"]
+    faulted = run_faulty_grpo(tmp_path, "out", overrides, plan=[KILLED_MID_SAVE], nproc=2, timeout_s=300)
+    assert faulted.returncode == 0, faulted.stdout[-6000:]
+    assert [fault["at"] for fault in struck_faults(tmp_path, "out")] == ["save_checkpoint"]
+    assert "was lost" in faulted.stdout  # the first round ended on the lost rank ...
+    assert "resuming from out/step_2" in faulted.stdout  # ... and the next took the checkpoint before the cut save
+    run_dir = tmp_path / "out"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]  # the metrics file goes on from the checkpoint: no step twice
+    assert [(row["faults/restarts"], row["faults/steps_redone"]) for row in rows] == [(0, 0), (0, 0), (1, 1), (1, 1)]
+    assert training_rows(run_dir) == training_rows(uninterrupted_dir / "out")
+    assert json.loads((run_dir / "step_3" / "trainer_state.json").read_text())["step"] == 3  # saved again, whole
+    assert not list(run_dir.glob("*.tmp"))
+    expected, final = final_weights(uninterrupted_dir / "out"), final_weights(run_dir)
+    assert expected.keys() == final.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), name

@@ -12,7 +12,7 @@ from spmd_rlhf import checkpoint
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.checkpoint import run_directory
 from spmd_rlhf.config.dataflow import ROLE_KINDS
-from spmd_rlhf.metrics.sinks import truncate_metrics
+from spmd_rlhf.metrics.sinks import restart_metrics, truncate_metrics
 from spmd_rlhf.metrics.step_metrics import StageTimer
 from spmd_rlhf.runtime import (
     stop_requested,
@@ -22,14 +22,19 @@ from spmd_rlhf.runtime import (
 class RecipeRun:
     """The run's lifecycle, shared by every recipe; ``RLRecipe`` adds the roles and the experience a step uses."""
 
+    fault_metrics: dict[str, int] = {}
+    """``faults/restarts`` and ``faults/steps_redone`` (``metrics.sinks.restart_metrics``), set by ``fit`` and logged
+    with every step."""
+
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def fit(self) -> list[dict[str, float]]:
         """Run up to ``trainer.total_steps`` steps (resuming as ``trainer.resume`` says), logging each and saving as
         configured; returns the metrics of the steps run. The run directory is locked for the whole run
         (``run_directory.RunLock``); the resolved config goes into it, and ``metrics.jsonl`` keeps only the steps
-        before the one resumed from. On SIGTERM/SIGUSR1 (``runtime.stop_requested``) it saves after the step in
-        flight and ends early, naming the cause in ``stopped_by``."""
+        before the one resumed from (what it cut counts as steps redone: ``fault_metrics``). On SIGTERM/SIGUSR1
+        (``runtime.stop_requested``) it saves after the step in flight and ends early, naming the cause in
+        ``stopped_by``."""
         output_dir = self.config.trainer.output_dir
         lock = run_directory.RunLock(output_dir)
         lock.acquire()  # before any model loads: a second job on this directory fails at once, naming the holder
@@ -40,7 +45,13 @@ class RecipeRun:
             run_directory.clear_stopped(output_dir)
             start = self.load(checkpoint_dir) if checkpoint_dir else 0
             run_directory.write_run_config(output_dir, self.config_yaml)
-            truncate_metrics(output_dir, start)
+            self.fault_metrics = restart_metrics(truncate_metrics(output_dir, start), start)
+            if self.fault_metrics["faults/restarts"]:
+                print(
+                    f"torchrun restart {self.fault_metrics['faults/restarts']}: continuing from step {start}; "
+                    f"{self.fault_metrics['faults/steps_redone']} steps of this run directory done again so far",
+                    flush=True,
+                )
             return self.train_steps(start)
         finally:
             lock.release()
@@ -59,6 +70,7 @@ class RecipeRun:
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
             metrics = self.step(step)
             metrics.update(self.data_metrics)
+            metrics.update(self.fault_metrics)
             metrics["kl/coef"] = self.kl_controller.coef
             if "kl/mean" in metrics:
                 self.kl_controller.update(metrics["kl/mean"], steps=self.config.data.batch_size * self.config.rollout.n)

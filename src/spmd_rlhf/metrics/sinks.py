@@ -15,6 +15,7 @@ install`` that fixes it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -126,23 +127,40 @@ class JsonlSink:
         pass
 
 
-def truncate_metrics(output_dir: str, start_step: int) -> None:
+def truncate_metrics(output_dir: str, start_step: int) -> list[dict[str, Any]]:
     """Keep only the records of steps before ``start_step`` in ``<output_dir>/metrics.jsonl`` (a resumed run logs the
     steps after its checkpoint again; 0 empties it). Rewritten through a temporary file, so a crash keeps the old
-    one."""
+    one. Returns every whole record the file held, the removed ones too (``restart_metrics`` counts the steps done
+    again from them)."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
-        return
-    kept = []
+        return []
+    kept, records = [], []
     for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
         try:
-            if json.loads(line)["step"] < start_step:
+            record = json.loads(line)
+            if record["step"] < start_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
         except (ValueError, KeyError, TypeError):  # a line torn by a crash mid-write
             continue
+        records.append(record)
     staging = path.with_name(path.name + ".tmp")
     staging.write_text("".join(kept), encoding="utf-8")
     staging.replace(path)
+    return records
+
+
+def restart_metrics(records: list[dict[str, Any]], start_step: int) -> dict[str, int]:
+    """What faults cost the run so far, logged with every step: ``faults/restarts``, the rounds torchrun restarted
+    this job (``TORCHELASTIC_RESTART_COUNT``), and ``faults/steps_redone``, the logged steps at or after
+    ``start_step`` in ``records`` (the metrics file before a resume cut it back: steps done again) added to the
+    count the earlier records carry, so it sums over every resume of the run directory."""
+    redone_before = max((int(record.get("faults/steps_redone", 0)) for record in records), default=0)
+    lost = [record["step"] for record in records if record["step"] >= start_step]
+    return {
+        "faults/restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "faults/steps_redone": redone_before + (max(lost) + 1 - start_step if lost else 0),
+    }
 
 
 def _missing_package(logger: str, package: str, error: ImportError) -> ImportError:

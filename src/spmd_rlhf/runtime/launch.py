@@ -5,10 +5,10 @@
 
 Every rank picks its device from ``RuntimeOptions.device`` (``runtime.device.select_device``: cpu -> gloo;
 cuda -> ``cuda:<LOCAL_RANK>`` with NCCL for device tensors and gloo for host ones), binds its threads to it, joins the
-global process group and RPC (TensorPipe, ``env://``: a ``tcp://`` init hangs under torchrun's agent store) and starts
-its executor. Rank 0 runs ``main(coordinator)`` on its
-main thread while its executor serves as a worker; the other ranks serve until the coordinator stops them. Run
-without torchrun, it is a one-rank job.
+global process group and RPC (TensorPipe) over this launch round's store (``runtime.rendezvous.round_store``: a round
+that ``torchrun --max-restarts`` starts again never reads the keys of the round that failed) and starts its executor.
+Rank 0 runs ``main(coordinator)`` on its main thread while its executor serves as a worker; the other ranks serve
+until the coordinator stops them. Run without torchrun, it is a one-rank job.
 
 Failure handling: the coordinator pings every rank; a worker exception, a lost rank, or an exception in ``main``
 prints one error naming the rank, then every reachable rank exits with code 1 (``os._exit``: a rank stuck in a
@@ -44,6 +44,7 @@ from spmd_rlhf.runtime.coordinator import Coordinator
 from spmd_rlhf.runtime.device import bind_thread, select_device, visible_cuda_devices
 from spmd_rlhf.runtime.errors import RankLostError, RuntimeFailure
 from spmd_rlhf.runtime.executor import Executor
+from spmd_rlhf.runtime.rendezvous import round_store, rpc_init_method
 
 Result = TypeVar("Result")
 
@@ -198,7 +199,11 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
     executor = Executor(rank, device)
     _state["executor"] = executor
     _state["last_heard"] = time.monotonic()
-    dist.init_process_group(backend, timeout=timedelta(seconds=options.collective_timeout_s))
+    timeout = timedelta(seconds=options.collective_timeout_s)
+    store = round_store(rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout
+    )
     if device.type == "cuda":
         # Form the world group's NCCL communicator now, on every rank: batched point-to-point transfers between a
         # subset of ranks (runtime.transfer) are undefined when they are that group's first NCCL call.
@@ -211,7 +216,7 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
             rank=rank,
             world_size=world_size,
             rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                init_method="env://",
+                init_method=rpc_init_method(store, "rpc"),
                 rpc_timeout=options.failure_timeout_s,
                 num_worker_threads=options.rpc_threads,
                 # TensorPipe's shared-memory transport busy-polls a core per process; control messages are small.
