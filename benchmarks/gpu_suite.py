@@ -187,8 +187,8 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 str(BENCHMARKS / "scale.py"),
                 "--algo",
                 "grpo",
-                "--nproc",
-                "1",
+                # On CPU (--smoke) two ranks on gloo: the sharded floors; one GPU holds one rank.
+                *(["--smoke", "--nproc", "2", "--steps", "1", "--new-tokens", "4"] if smoke else ["--nproc", "1"]),
                 *large_model,
                 *step_out("scale"),
             ],
@@ -285,6 +285,7 @@ def run_step(step: Step, work: Path, remaining_s: float) -> dict:
         "seconds": round(time.perf_counter() - started, 1),
         "limit_s": limit,
         "command": " ".join(step.command),
+        "log": str(log),
         "output_tail": output[-3000:],
     }
     if step.json_glob:

@@ -233,10 +233,34 @@ def test_reshard_on_one_rank_reports_no_all_gather_ratio(suite):
     assert row["copy_bound_s"] == pytest.approx(row["copy_moved_bytes"] / row["copy_bytes_per_s"])
 
 
-def test_scale_step_reports_every_stage(suite):
+def test_scale_step_reports_every_stage_on_two_ranks(suite):
+    """``benchmarks/scale.py`` in the suite (``--smoke`` on CPU: GRPO on two gloo ranks), every stage measured and
+    given a floor."""
+    from scale_floor import STAGES
+
     record = suite["steps"]["scale"]
-    assert record["status"] == "passed", record["output_tail"]
-    assert record["figures"]["scale_worst_peak_over_floor"] > 0
+    result = result_of(suite, "scale")
+    assert result["nproc"] == 2 and result["algo"] == "grpo"
+    assert record["figures"]["scale_worst_peak_over_floor"] == max(row["peak_over_floor"] for row in result["stages"])
+    names = [stage["stage"] for stage in result["stages"]]
+    assert names == [name for name in STAGES if name in names]
+    assert {"load", "generate", "log_probs", "update", "save", "export", "resume"} <= set(names)
+    for stage in result["stages"]:
+        assert len(stage["peak_bytes_per_rank"]) == 2
+        assert max(stage["peak_bytes_per_rank"]) == stage["peak_bytes"]
+        assert stage["floor_bytes"] == pytest.approx(sum(stage["floor_parts"].values()))
+        for key in ("floor_bytes", "peak_over_floor", "seconds"):
+            assert math.isfinite(stage[key]) and stage[key] > 0, (stage["stage"], key, stage[key])
+        assert stage["peak_over_floor"] == pytest.approx(stage["peak_bytes"] / stage["floor_bytes"])
+        assert stage["design_floor_bytes"] == pytest.approx(stage["floor_bytes"] + sum(stage["design_parts"].values()))
+        assert stage["peak_over_design_floor"] == pytest.approx(stage["peak_bytes"] / stage["design_floor_bytes"])
+    # Building the model and the optimizer cannot leave a rank's memory where it was before the load.
+    assert all(peak > 0 for peak in result["stages"][0]["peak_bytes_per_rank"])
+    assert result["measurement"].startswith("RSS, freed blocks >= 64 KiB returned to the kernel")
+    assert (
+        "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | floor + design buffers (GiB) | peak / that | "
+        "whole-model copy? | rise in stage (GiB) | seconds |"
+    ) in Path(record["log"]).read_text()
 
 
 def test_model_dir_is_reused_only_for_its_shape(tmp_path):

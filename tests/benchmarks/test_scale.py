@@ -4,10 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from scale_floor import ADAM_BYTES, STAGES, design_parts, stage_floors  # noqa: E402
+from scale_floor import ADAM_BYTES, design_parts, stage_floors  # noqa: E402
 
 from spmd_rlhf.config import load_config  # noqa: E402
 from spmd_rlhf.mapping.cost import Layout, working_bytes  # noqa: E402
@@ -25,51 +21,6 @@ from spmd_rlhf.mapping.placement import config_dataflow  # noqa: E402
 from spmd_rlhf.mapping.workload import model_shape  # noqa: E402
 from spmd_rlhf.models.sharded_save import DEFAULT_BAND_BYTES  # noqa: E402
 from spmd_rlhf.models.streamed_vocabulary import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES  # noqa: E402
-
-
-def test_smoke_run_reports_every_stage(tmp_path):
-    finished = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "scale.py"),
-            "--smoke",
-            "--steps",
-            "1",
-            "--new-tokens",
-            "4",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=240,
-    )
-    assert finished.returncode == 0, finished.stdout[-6000:]
-    (path,) = tmp_path.glob("scale_grpo_smoke_l2_*.json")
-    result = json.loads(path.read_text())
-    assert result["smoke"] is True and result["nproc"] == 2 and result["algo"] == "grpo"
-    names = [stage["stage"] for stage in result["stages"]]
-    assert names == [name for name in STAGES if name in names]
-    assert {"load", "generate", "log_probs", "update", "save", "export", "resume"} <= set(names)
-    for stage in result["stages"]:
-        assert len(stage["peak_bytes_per_rank"]) == 2
-        assert max(stage["peak_bytes_per_rank"]) == stage["peak_bytes"]
-        assert stage["floor_bytes"] == pytest.approx(sum(stage["floor_parts"].values()))
-        for key in ("floor_bytes", "peak_over_floor", "seconds"):
-            assert math.isfinite(stage[key]) and stage[key] > 0, (stage["stage"], key, stage[key])
-        assert stage["peak_over_floor"] == pytest.approx(stage["peak_bytes"] / stage["floor_bytes"])
-        assert stage["design_floor_bytes"] == pytest.approx(stage["floor_bytes"] + sum(stage["design_parts"].values()))
-        assert stage["peak_over_design_floor"] == pytest.approx(stage["peak_bytes"] / stage["design_floor_bytes"])
-    # Building the model and the optimizer cannot leave a rank's memory where it was before the load.
-    assert all(peak > 0 for peak in result["stages"][0]["peak_bytes_per_rank"])
-    assert result["measurement"].startswith("RSS, freed blocks >= 64 KiB returned to the kernel")
-    assert (
-        "| stage | peak per rank (GiB) | floor (GiB) | peak / floor | floor + design buffers (GiB) | peak / that | "
-        "whole-model copy? | rise in stage (GiB) | seconds |"
-    ) in finished.stdout
 
 
 def actor_spec(config):
