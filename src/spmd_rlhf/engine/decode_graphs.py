@@ -13,10 +13,10 @@ sampler run after it eagerly (one matmul and the sampler's few calls; a captured
 ``[rows, vocab]`` logits buffer per batch size). The same class without capture (``capture=False``) runs the identical
 padded, fixed-address inputs eagerly; that is how the padding and scratch-block logic is tested on CPU.
 
-When the graphs apply (``graphs_supported``): a CUDA model whose decode attention is the Triton paged kernel (which
-reads the context lengths and block tables from device tensors; the flash-attn paged path takes host integers, and the
-SDPA fallback gathers shapes that change every step), and no DTensor parameters (a tensor-parallel step has
-collectives in it: capturing those is not done here yet).
+When the graphs apply (``graphs_unsupported`` says why not, once in the log): a CUDA model whose decode attention is the
+Triton paged kernel (which reads the context lengths and block tables from device tensors; the flash-attn paged path
+takes host integers, and the SDPA fallback gathers shapes that change every step), and no DTensor parameters (a
+tensor-parallel step has collectives in it: capturing those is not done here yet).
 
 Holds, besides the model and the cache: the input buffers (``max_rows`` x (4 + ``max_blocks_per_seq``) integers), one
 hidden-state output per captured batch size, and the graphs' shared memory pool (the intermediates of the largest
@@ -26,6 +26,8 @@ it) before the next replay starts.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -34,6 +36,8 @@ from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
+
+logger = logging.getLogger(__name__)
 
 DECODE_MODES = ("auto", "off", "static")
 """``auto``: CUDA graphs where ``graphs_supported``, else eager steps; ``off``: eager steps; ``static``: the graphs'
@@ -51,14 +55,42 @@ def decode_buckets(max_rows: int) -> list[int]:
     return [*buckets, max_rows]
 
 
-def graphs_supported(model: DecoderLM, *, block_size: int) -> bool:
-    """Whether this model's decode steps can be captured (the module docstring says why each condition matters)."""
+def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
+    """Why this model's decode steps cannot be captured, or None when they can (the module docstring says why each
+    condition matters)."""
     weight = model.model.embed_tokens.weight
-    if weight.device.type != "cuda" or any(isinstance(param, DTensor) for param in model.parameters()):
-        return False
+    if weight.device.type != "cuda":
+        return f"the model is on {weight.device.type}, not a CUDA device"
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        return "the model is tensor-parallel (rollout.tp > 1), and its collectives are not captured yet"
     backend = resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype)
-    flash_reads_cache = backend == "flash" and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
-    return backend != "torch" and not flash_reads_cache and use_triton(weight.device, "auto")
+    if backend == "torch":
+        return "decode attention is the pure-torch path (model.attention), whose gathered shapes change every step"
+    if backend == "flash" and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
+        return (
+            f"flash-attn reads the paged cache at kv block size {block_size}, from host integers each step; "
+            "rollout.kv_block_size=16 decodes through the capturable Triton kernel instead"
+        )
+    if not use_triton(weight.device, "auto"):
+        return "the Triton paged decode kernel is not available (Triton missing)"
+    return None
+
+
+def graphs_supported(model: DecoderLM, *, block_size: int) -> bool:
+    """Whether this model's decode steps can be captured."""
+    return graphs_unsupported(model, block_size=block_size) is None
+
+
+_said: set[str] = set()
+
+
+def say_once(key: str, message: str, *, device: torch.device) -> None:
+    """Log ``message`` the first time this process meets ``key``: a warning on CUDA, where graphs were expected,
+    else at info level (decode off CUDA is eager by design)."""
+    if key in _said:
+        return
+    _said.add(key)
+    logger.log(logging.WARNING if device.type == "cuda" else logging.INFO, message)
 
 
 class StaticDecodeStep:
