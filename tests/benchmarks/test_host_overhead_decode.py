@@ -12,7 +12,7 @@ from host_overhead_decode import decode_figures  # noqa: E402
 
 
 def _figures(layers: int) -> dict[str, dict]:
-    args = argparse.Namespace(decode_layers=layers, decode_batch=4, decode_steps=2)
+    args = argparse.Namespace(decode_layers=layers, decode_batch=4, decode_steps=2, decode_max_len=64)
     return {row["figure"]: row for row in decode_figures(args)}
 
 
