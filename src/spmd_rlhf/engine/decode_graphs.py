@@ -116,12 +116,26 @@ class StaticDecodeStep:
         self.max_blocks_per_seq = max_blocks_per_seq
         device = key_cache.device
         with torch.inference_mode():
-            self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-            self.slot_mapping = torch.zeros(max_rows, dtype=torch.int64, device=device)
+            # Token ids, positions and cache slots: rows of one buffer, so one copy sends a step's three vectors.
+            self.vectors = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
+            self.input_ids, self.positions, self.slot_mapping = self.vectors
             self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
             self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token per row
+        # Their host side, pinned on CUDA so the copies are true asynchronous DMA; written through numpy views, which
+        # cost no dispatcher call. The block tables are kept: a row is rewritten only when its sequence changes or
+        # grows a block (every block_size steps), and sent only when some row was.
+        pinned = device.type == "cuda"
+        self._host_vectors = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pinned)
+        self._host_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned)
+        self._vectors_view, self._tables_view = self._host_vectors.numpy(), self._host_tables.numpy()
+        self._row_tables: list[list[int] | None] = [None] * max_rows
+        """The block-table list each row mirrors (a sequence's list is only appended to; a reset replaces it)."""
+        self._row_lengths = [0] * max_rows
+        self._padding_table = [scratch_block]
+        self._tables_stale = False
+        self._copied = torch.cuda.Event() if pinned else None
+        """Recorded after each step's copies: the pinned buffers are not rewritten before the copies have read them."""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         """Each captured bucket's output: the trunk's hidden states ``[rows, hidden]``, overwritten by every replay."""
@@ -150,26 +164,46 @@ class StaticDecodeStep:
             return self.model.lm_head(hidden[: len(seqs)])
 
     def _fill(self, seqs: list[Sequence], rows: int) -> None:
-        """Copy the step's inputs into the first ``rows`` entries of the buffers, padding rows after the real ones."""
-        padding = rows - len(seqs)
-        scratch_slot = self.scratch_block * self.block_size
-        width = self.max_blocks_per_seq
-        values = {
-            self.input_ids: [seq.token_ids[-1] for seq in seqs] + [0] * padding,
-            self.positions: [len(seq) - 1 for seq in seqs] + [0] * padding,
-            self.slot_mapping: [
-                seq.block_table[(len(seq) - 1) // self.block_size] * self.block_size + (len(seq) - 1) % self.block_size
-                for seq in seqs
-            ]
-            + [scratch_slot] * padding,
-            self.context_lens: [len(seq) for seq in seqs] + [1] * padding,
-            self.block_tables: [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
-            + [[self.scratch_block] + [0] * (width - 1)] * padding,
-        }
-        for buffer, host in values.items():
-            # From pageable host memory a non-blocking copy is staged at once: the host does not wait for the queued
-            # steps, and the copy is ordered before the replay on the same stream.
-            buffer[:rows].copy_(torch.tensor(host, dtype=buffer.dtype), non_blocking=True)
+        """Copy the step's inputs into the first ``rows`` entries of the buffers, padding rows after the real ones
+        (token 0 at position 0, writing and reading the scratch block)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the pinned buffers (at once when synchronous)
+        block_size, count = self.block_size, len(seqs)
+        vectors = self._vectors_view
+        positions = [len(seq.token_ids) - 1 for seq in seqs]
+        vectors[0, :count] = [seq.token_ids[-1] for seq in seqs]
+        vectors[1, :count] = positions
+        vectors[2, :count] = [
+            seq.block_table[position // block_size] * block_size + position % block_size
+            for seq, position in zip(seqs, positions)
+        ]
+        vectors[:2, count:rows] = 0
+        vectors[2, count:rows] = self.scratch_block * block_size
+        for row, seq in enumerate(seqs):
+            table = seq.block_table
+            if self._row_tables[row] is not table or self._row_lengths[row] != len(table):
+                self._write_row(row, table)
+        for row in range(count, rows):
+            if self._row_tables[row] is not self._padding_table:
+                self._write_row(row, self._padding_table)
+        # Non-blocking copies, ordered before the replay on the same stream; the host does not wait for queued steps.
+        self.vectors.copy_(self._host_vectors, non_blocking=True)  # all rows: contiguous, so one DMA (24 B a row)
+        if self._tables_stale:
+            self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
+            self._tables_stale = False
+        if self._copied is not None:
+            self._copied.record()
+        # Each row sees its tokens up to its own (padding rows: position 0, one key).
+        torch.add(self.positions[:rows], 1, out=self.context_lens[:rows])
+
+    def _write_row(self, row: int, table: list[int]) -> None:
+        """Mirror ``table`` in host block-table row ``row``: only its new entries when the row already mirrors it."""
+        start = self._row_lengths[row] if self._row_tables[row] is table else 0
+        self._tables_view[row, start : len(table)] = table[start:]
+        if start == 0:
+            self._tables_view[row, len(table) :] = 0
+        self._row_tables[row], self._row_lengths[row] = table, len(table)
+        self._tables_stale = True
 
     def _trunk(self, rows: int) -> torch.Tensor:
         """The model's trunk on the first ``rows`` entries of the buffers: hidden states ``[rows, hidden]``."""
