@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from gpu_common import environment, write_result
 from gpu_update import GROUP_SIZE, synthetic_rollout
+from host_overhead_decode import add_decode_arguments, decode_figures, decode_result
 
 from spmd_rlhf.config import load_config
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts
@@ -190,9 +191,19 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=64, help="tokens per row (a quarter prompt)")
     parser.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch of the per-layer counts")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--decode", action="store_true", help="count decode steps (host_overhead_decode.py)")
+    add_decode_arguments(parser)
     args = parser.parse_args()
+    if args.decode:
+        figures = decode_figures(args)
+        print_table(figures)
+        write_result(
+            args.out, "host_overhead_decode", {**decode_result(args, figures), "environment": environment("cpu")}
+        )
     if not args.train:
-        parser.error("choose what to count: --train")
+        if not args.decode:
+            parser.error("choose what to count: --train and/or --decode")
+        return
     with tempfile.TemporaryDirectory() as scratch:
         figures = train_figures(args, scratch)
     print_table(figures)

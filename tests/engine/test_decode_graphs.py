@@ -101,3 +101,33 @@ def test_cuda_graph_decode_equals_eager_decode(model_path, dtype):
         )
     again, _ = _generate(model, "auto")  # a second engine captures again: graphs never outlive their cache
     assert [seq.generated_token_ids for seq in again] == [seq.generated_token_ids for seq in graphs]
+
+
+def test_kept_block_tables_and_inputs_equal_a_rebuild_at_every_step(model_path, monkeypatch):
+    """The static step rewrites a block-table row only when its sequence changes or grows, and sends the tables only
+    then: after every fill, each row the step reads still equals the table built afresh (through preemptions, new
+    block lists, a shrinking batch and padding rows)."""
+    model = load_model(model_path, dtype=torch.float32)
+    fill, checked = StaticDecodeStep._fill, []
+
+    def checked_fill(step, seqs, rows):
+        fill(step, seqs, rows)
+        size = step.block_size
+        for row, seq in enumerate(seqs):
+            position = len(seq) - 1
+            table = seq.block_table
+            assert step.block_tables[row, : len(table)].tolist() == table
+            assert [step.input_ids[row].item(), step.positions[row].item(), step.context_lens[row].item()] == [
+                seq.token_ids[-1],
+                position,
+                len(seq),
+            ]
+            assert step.slot_mapping[row].item() == table[position // size] * size + position % size
+        for row in range(len(seqs), rows):
+            assert step.block_tables[row, 0].item() == step.scratch_block and step.context_lens[row].item() == 1
+            assert step.slot_mapping[row].item() == step.scratch_block * size and step.positions[row].item() == 0
+        checked.append(rows)
+
+    monkeypatch.setattr(StaticDecodeStep, "_fill", checked_fill)
+    _, engine = _generate(model, "static", num_blocks=12, max_num_seqs=3)
+    assert engine.num_preemptions > 0 and len(checked) == engine.stats.decode_steps

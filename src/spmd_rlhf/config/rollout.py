@@ -44,6 +44,11 @@ class RolloutConfig:
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs, one per batch-size bucket, where they apply (a CUDA replica of one rank
     whose decode attention is the Triton paged kernel); false: eager decode steps. Elsewhere decode is eager anyway."""
+    keep_engine: bool = True
+    """Keep each generating role's engine for the run: the actor's generation-layout copy of the weights (rewritten in
+    place by every reshard), the KV cache and the CUDA graphs captured on them stay allocated between generations, so
+    graphs are captured once per run, not once per step. Costs the actor that copy and the KV cache during training
+    (lower memory_fraction to leave training room); false: built for each generation and dropped after it."""
     environment: str | None = None
     """Multi-turn rollouts (docs/multiturn.md): the environment that answers each turn, ``tool`` (tool calls in the
     Hermes / Qwen format run on the sandboxed calculator and Python tools) or path/to/file.py:name (a class or

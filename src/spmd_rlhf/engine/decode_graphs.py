@@ -13,10 +13,10 @@ sampler run after it eagerly (one matmul and the sampler's few calls; a captured
 ``[rows, vocab]`` logits buffer per batch size). The same class without capture (``capture=False``) runs the identical
 padded, fixed-address inputs eagerly; that is how the padding and scratch-block logic is tested on CPU.
 
-When the graphs apply (``graphs_supported``): a CUDA model whose decode attention is the Triton paged kernel (which
-reads the context lengths and block tables from device tensors; the flash-attn paged path takes host integers, and the
-SDPA fallback gathers shapes that change every step), and no DTensor parameters (a tensor-parallel step has
-collectives in it: capturing those is not done here yet).
+When the graphs apply (``graphs_unsupported`` says why not, once in the log): a CUDA model whose decode attention is the
+Triton paged kernel (which reads the context lengths and block tables from device tensors; the flash-attn paged path
+takes host integers, and the SDPA fallback gathers shapes that change every step), and no DTensor parameters (a
+tensor-parallel step has collectives in it: capturing those is not done here yet).
 
 Holds, besides the model and the cache: the input buffers (``max_rows`` x (4 + ``max_blocks_per_seq``) integers), one
 hidden-state output per captured batch size, and the graphs' shared memory pool (the intermediates of the largest
@@ -26,6 +26,8 @@ it) before the next replay starts.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -34,6 +36,8 @@ from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
+
+logger = logging.getLogger(__name__)
 
 DECODE_MODES = ("auto", "off", "static")
 """``auto``: CUDA graphs where ``graphs_supported``, else eager steps; ``off``: eager steps; ``static``: the graphs'
@@ -51,14 +55,42 @@ def decode_buckets(max_rows: int) -> list[int]:
     return [*buckets, max_rows]
 
 
-def graphs_supported(model: DecoderLM, *, block_size: int) -> bool:
-    """Whether this model's decode steps can be captured (the module docstring says why each condition matters)."""
+def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
+    """Why this model's decode steps cannot be captured, or None when they can (the module docstring says why each
+    condition matters)."""
     weight = model.model.embed_tokens.weight
-    if weight.device.type != "cuda" or any(isinstance(param, DTensor) for param in model.parameters()):
-        return False
+    if weight.device.type != "cuda":
+        return f"the model is on {weight.device.type}, not a CUDA device"
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        return "the model is tensor-parallel (rollout.tp > 1), and its collectives are not captured yet"
     backend = resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype)
-    flash_reads_cache = backend == "flash" and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
-    return backend != "torch" and not flash_reads_cache and use_triton(weight.device, "auto")
+    if backend == "torch":
+        return "decode attention is the pure-torch path (model.attention), whose gathered shapes change every step"
+    if backend == "flash" and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
+        return (
+            f"flash-attn reads the paged cache at kv block size {block_size}, from host integers each step; "
+            "rollout.kv_block_size=16 decodes through the capturable Triton kernel instead"
+        )
+    if not use_triton(weight.device, "auto"):
+        return "the Triton paged decode kernel is not available (Triton missing)"
+    return None
+
+
+def graphs_supported(model: DecoderLM, *, block_size: int) -> bool:
+    """Whether this model's decode steps can be captured."""
+    return graphs_unsupported(model, block_size=block_size) is None
+
+
+_said: set[str] = set()
+
+
+def say_once(key: str, message: str, *, device: torch.device) -> None:
+    """Log ``message`` the first time this process meets ``key``: a warning on CUDA, where graphs were expected,
+    else at info level (decode off CUDA is eager by design)."""
+    if key in _said:
+        return
+    _said.add(key)
+    logger.log(logging.WARNING if device.type == "cuda" else logging.INFO, message)
 
 
 class StaticDecodeStep:
@@ -84,12 +116,26 @@ class StaticDecodeStep:
         self.max_blocks_per_seq = max_blocks_per_seq
         device = key_cache.device
         with torch.inference_mode():
-            self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-            self.slot_mapping = torch.zeros(max_rows, dtype=torch.int64, device=device)
+            # Token ids, positions and cache slots: rows of one buffer, so one copy sends a step's three vectors.
+            self.vectors = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
+            self.input_ids, self.positions, self.slot_mapping = self.vectors
             self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
             self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token per row
+        # Their host side, pinned on CUDA so the copies are true asynchronous DMA; written through numpy views, which
+        # cost no dispatcher call. The block tables are kept: a row is rewritten only when its sequence changes or
+        # grows a block (every block_size steps), and sent only when some row was.
+        pinned = device.type == "cuda"
+        self._host_vectors = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pinned)
+        self._host_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned)
+        self._vectors_view, self._tables_view = self._host_vectors.numpy(), self._host_tables.numpy()
+        self._row_tables: list[list[int] | None] = [None] * max_rows
+        """The block-table list each row mirrors (a sequence's list is only appended to; a reset replaces it)."""
+        self._row_lengths = [0] * max_rows
+        self._padding_table = [scratch_block]
+        self._tables_stale = False
+        self._copied = torch.cuda.Event() if pinned else None
+        """Recorded after each step's copies: the pinned buffers are not rewritten before the copies have read them."""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         """Each captured bucket's output: the trunk's hidden states ``[rows, hidden]``, overwritten by every replay."""
@@ -118,26 +164,46 @@ class StaticDecodeStep:
             return self.model.lm_head(hidden[: len(seqs)])
 
     def _fill(self, seqs: list[Sequence], rows: int) -> None:
-        """Copy the step's inputs into the first ``rows`` entries of the buffers, padding rows after the real ones."""
-        padding = rows - len(seqs)
-        scratch_slot = self.scratch_block * self.block_size
-        width = self.max_blocks_per_seq
-        values = {
-            self.input_ids: [seq.token_ids[-1] for seq in seqs] + [0] * padding,
-            self.positions: [len(seq) - 1 for seq in seqs] + [0] * padding,
-            self.slot_mapping: [
-                seq.block_table[(len(seq) - 1) // self.block_size] * self.block_size + (len(seq) - 1) % self.block_size
-                for seq in seqs
-            ]
-            + [scratch_slot] * padding,
-            self.context_lens: [len(seq) for seq in seqs] + [1] * padding,
-            self.block_tables: [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
-            + [[self.scratch_block] + [0] * (width - 1)] * padding,
-        }
-        for buffer, host in values.items():
-            # From pageable host memory a non-blocking copy is staged at once: the host does not wait for the queued
-            # steps, and the copy is ordered before the replay on the same stream.
-            buffer[:rows].copy_(torch.tensor(host, dtype=buffer.dtype), non_blocking=True)
+        """Copy the step's inputs into the first ``rows`` entries of the buffers, padding rows after the real ones
+        (token 0 at position 0, writing and reading the scratch block)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the pinned buffers (at once when synchronous)
+        block_size, count = self.block_size, len(seqs)
+        vectors = self._vectors_view
+        positions = [len(seq.token_ids) - 1 for seq in seqs]
+        vectors[0, :count] = [seq.token_ids[-1] for seq in seqs]
+        vectors[1, :count] = positions
+        vectors[2, :count] = [
+            seq.block_table[position // block_size] * block_size + position % block_size
+            for seq, position in zip(seqs, positions)
+        ]
+        vectors[:2, count:rows] = 0
+        vectors[2, count:rows] = self.scratch_block * block_size
+        for row, seq in enumerate(seqs):
+            table = seq.block_table
+            if self._row_tables[row] is not table or self._row_lengths[row] != len(table):
+                self._write_row(row, table)
+        for row in range(count, rows):
+            if self._row_tables[row] is not self._padding_table:
+                self._write_row(row, self._padding_table)
+        # Non-blocking copies, ordered before the replay on the same stream; the host does not wait for queued steps.
+        self.vectors.copy_(self._host_vectors, non_blocking=True)  # all rows: contiguous, so one DMA (24 B a row)
+        if self._tables_stale:
+            self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
+            self._tables_stale = False
+        if self._copied is not None:
+            self._copied.record()
+        # Each row sees its tokens up to its own (padding rows: position 0, one key).
+        torch.add(self.positions[:rows], 1, out=self.context_lens[:rows])
+
+    def _write_row(self, row: int, table: list[int]) -> None:
+        """Mirror ``table`` in host block-table row ``row``: only its new entries when the row already mirrors it."""
+        start = self._row_lengths[row] if self._row_tables[row] is table else 0
+        self._tables_view[row, start : len(table)] = table[start:]
+        if start == 0:
+            self._tables_view[row, len(table) :] = 0
+        self._row_tables[row], self._row_lengths[row] = table, len(table)
+        self._tables_stale = True
 
     def _trunk(self, rows: int) -> torch.Tensor:
         """The model's trunk on the first ``rows`` entries of the buffers: hidden states ``[rows, hidden]``."""

@@ -27,7 +27,7 @@ import torch
 
 from spmd_rlhf.engine.agreement import agree_minimum, schedule_groups
 from spmd_rlhf.engine.block_manager import BlockManager
-from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_supported
+from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_unsupported, say_once
 from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.engine.sampler import derive_seed, sample
@@ -53,6 +53,8 @@ class GenerationStats:
     """Peak KV blocks held at once: how big the cache needed to be."""
     cuda_graphs: int = 0
     """Decode batch sizes replayed from CUDA graphs so far by this engine (0: eager decode steps)."""
+    cuda_graph_captures: int = 0
+    """CUDA graphs captured during this call (0 once every bucket the call needs was captured by an earlier one)."""
 
 
 _UNLIMITED = 2**62
@@ -72,13 +74,18 @@ class LLMEngine:
         max_num_batched_tokens: int = 4096,
         seed: int = 0,
         decode_graphs: str = "auto",
+        max_model_len: int | None = None,
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size; with neither, each call gets a cache that holds
-        all its requests at full length (no preemption). ``block_size`` None: ``default_kv_block_size`` of the
-        model's attention backend (256 where flash-attn reads the cache, else 16). A request without its own seed gets
+        all its requests at full length (no preemption). ``block_size`` None: ``default_kv_block_size`` of the model's
+        attention backend (256 where flash-attn reads the cache, else 16). A request without its own seed gets
         ``derive_seed(seed, n)`` for the n-th request this engine has received (counted across ``generate`` calls, so
-        repeating a call draws new samples). The cache is allocated on the first ``generate``. ``decode_graphs``: one
-        of ``decode_graphs.DECODE_MODES``; ``auto`` replays decode steps from CUDA graphs where they apply.
+        repeating a call draws new samples). The cache is allocated on the first ``generate``. ``decode_graphs``: one of
+        ``decode_graphs.DECODE_MODES``; ``auto`` replays decode steps from CUDA graphs where they apply (where not, the
+        log says why, once). ``max_model_len``: the most tokens of any request (prompt and everything generated); given,
+        the static decode step is prepared once for ``max_num_seqs`` rows that long, so the graphs captured in one call
+        serve every later call on the same cache (a longer request decodes eagerly); None: prepared for each call's
+        requests, and captured again when a call needs more rows or longer rows than any before.
 
         A tensor-parallel model's ranks must all build their engines together: each of these numbers becomes its
         minimum over the model's mesh (two small all-reduces), so ranks that measured different free memory still
@@ -99,13 +106,19 @@ class LLMEngine:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         if decode_graphs not in DECODE_MODES:
             raise ValueError(f"decode_graphs={decode_graphs!r} is unknown; choose one of {', '.join(DECODE_MODES)}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len} must be >= 1 or None")
         groups = schedule_groups(model)
         device = model.model.embed_tokens.weight.device
         self.block_size, self.max_num_seqs, self.max_num_batched_tokens = agree_minimum(
             [block_size, max_num_seqs, max_num_batched_tokens], groups, device
         )
         self.eos_token_id = eos_token_id
-        capture = decode_graphs == "auto" and graphs_supported(model, block_size=self.block_size)
+        unsupported = graphs_unsupported(model, block_size=self.block_size) if decode_graphs == "auto" else None
+        if unsupported is not None:
+            say_once(unsupported, f"decode steps run eagerly, without CUDA graphs: {unsupported}", device=device)
+        capture = decode_graphs == "auto" and unsupported is None
+        self.max_model_len = max_model_len
         self.runner = ModelRunner(
             model,
             block_size=self.block_size,
@@ -122,6 +135,7 @@ class LLMEngine:
         self.num_requests = 0
         """Requests received so far, across calls: numbers the unseeded ones' seeds."""
         self.stats = GenerationStats()
+        self._captures_at_start = 0
         self._session: BlockManager | None = None
 
     @property
@@ -171,7 +185,11 @@ class LLMEngine:
         elif manager is None:
             self.runner.allocate_cache(self.fixed_num_blocks or self._blocks_to_finish_at_once(seqs))
             manager = BlockManager(self.runner.num_blocks, self.block_size)
-        if seqs:
+        if seqs and self.max_model_len is not None:
+            self.runner.prepare_decode(
+                max_rows=self.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // self.block_size)
+            )
+        elif seqs:
             self.runner.prepare_decode(
                 max_rows=min(self.max_num_seqs, len(seqs)),
                 max_blocks_per_seq=max(seq.max_blocks(self.block_size) for seq in seqs),
@@ -187,6 +205,7 @@ class LLMEngine:
         ]
         self.num_requests += len(seqs)
         self.stats = GenerationStats()
+        self._captures_at_start = self.runner.graphs_ever_captured
         return GenerationRun(seqs, seeds, scheduler, version)
 
     def resume(
@@ -239,6 +258,7 @@ class LLMEngine:
             stats.generated_tokens += len(batch)
         stats.preemptions = run.num_preemptions
         stats.cuda_graphs = self.runner.graphs_captured
+        stats.cuda_graph_captures = self.runner.graphs_ever_captured - self._captures_at_start
         if scheduler.has_work():
             return False
         manager = scheduler.block_manager

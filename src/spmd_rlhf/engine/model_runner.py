@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
+from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, say_once
 from spmd_rlhf.engine.sequence import Sequence
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
@@ -40,6 +40,8 @@ class ModelRunner:
         self._scratch_blocks = 1 if static_decode else 0
         """Cache blocks past the block manager's: padding rows of a static decode step write and read one."""
         self._static_step: StaticDecodeStep | None = None
+        self._retired_captures = 0
+        """Graphs of static decode steps dropped so far (``graphs_ever_captured``)."""
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.num_kv_heads = local_kv_heads(model)
@@ -101,6 +103,7 @@ class ModelRunner:
         """Drop the cache tensors (their memory returns to the allocator; the next ``allocate_cache`` makes new ones),
         and the static decode step and graphs, which hold their addresses."""
         self._key_cache = self._value_cache = None
+        self._retired_captures = self.graphs_ever_captured
         self._static_step = None
 
     def prepare_decode(self, *, max_rows: int, max_blocks_per_seq: int) -> None:
@@ -112,6 +115,7 @@ class ModelRunner:
             step is not None and step.max_rows >= max_rows and step.max_blocks_per_seq >= max_blocks_per_seq
         ):
             return
+        self._retired_captures = self.graphs_ever_captured
         self._static_step = StaticDecodeStep(
             self.model,
             key_cache=self._key_cache,
@@ -127,6 +131,16 @@ class ModelRunner:
         """Decode batch sizes captured into CUDA graphs so far (0 without graphs)."""
         return 0 if self._static_step is None else len(self._static_step.graphs)
 
+    @property
+    def graphs_ever_captured(self) -> int:
+        """CUDA graphs this runner has captured, those of dropped static decode steps included."""
+        return self._retired_captures + self.graphs_captured
+
+    @property
+    def static_step(self) -> StaticDecodeStep | None:
+        """The prepared static decode step (with its buffers and graphs), if any."""
+        return self._static_step
+
     def run(self, seqs: list[Sequence], *, is_prefill: bool) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one.
 
@@ -134,8 +148,17 @@ class ModelRunner:
         already in the cache); a decode step computes each sequence's last token.
         """
         assert self._key_cache is not None, "allocate_cache before run"
-        if not is_prefill and self._static_step is not None and self._static_step.fits(seqs):
-            return self._static_step.run(seqs)
+        step = self._static_step
+        if not is_prefill and step is not None:
+            if step.fits(seqs):
+                return step.run(seqs)
+            say_once(
+                "decode-past-static-step",
+                f"a decode step of {len(seqs)} rows with block tables up to "
+                f"{max(len(seq.block_table) for seq in seqs)} blocks runs eagerly, without CUDA graphs: the static "
+                f"decode step holds {step.max_rows} rows of {step.max_blocks_per_seq} blocks",
+                device=self.device,
+            )
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

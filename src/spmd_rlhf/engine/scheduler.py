@@ -86,6 +86,10 @@ class Scheduler:
             seq.append(token_id, log_prob, sampling_log_prob)
             if seq.is_finished:
                 self.block_manager.deallocate(seq)
-                self.running.remove(seq)
                 finished.append(seq)
+        if finished:
+            # One pass, not a deque.remove (O(running)) per finished sequence: O(n^2) when a whole batch ends at once.
+            remaining = [seq for seq in self.running if not seq.is_finished]
+            self.running.clear()
+            self.running.extend(remaining)
         return finished

@@ -58,6 +58,8 @@ class Sequence:
         self.eos_token_id = eos_token_id
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        """KV blocks in order. Only appended to; every reset (preemption, a new allocation, a restore) assigns a new
+        list, which is how the static decode step tells a grown table from a replaced one."""
         self.num_cached_tokens = 0
         """Leading tokens whose K/V are already in the cache (shared prefix blocks); prefill computes the rest."""
         self.log_probs: list[float] = []

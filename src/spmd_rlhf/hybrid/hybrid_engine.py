@@ -9,7 +9,9 @@ Training -> generation (``generation_model``), one decoder block at a time:
      generation TP group with the same plan as training, except that the LM head gathers the logits).
 With pipeline stages, each stage's ranks then broadcast their stages' generation shards to the ranks holding the
 same shard on the other stages, so every rank has all layers. Generation -> training is dropping the generation
-model: training never stopped owning its shards, so nothing moves.
+model: training never stopped owning its shards, so nothing moves. With ``keep_generation`` the generation model is
+kept instead and every later reshard writes into its parameters in place: the same storage, so the CUDA graphs a
+generation engine captured on it stay valid for the run.
 
 Per rank the peak is the training state + the generation shard + the KV cache + one block's gathered buffers.
 """
@@ -71,11 +73,15 @@ class HybridEngine:
         device: torch.device,
         attention_backend: str,
         adapters: LoRAAdapters | None = None,
+        keep_generation: bool = False,
     ) -> None:
         """``groups``: this rank's ``generation_tp``, ``micro_dp`` and ``rollout_rows`` groups, made by the runtime
         from ``layout.process_groups()``; ``stage_ranks``: the global rank of each stage of this rank's pipeline;
-        ``adapters``: the training model's LoRA adapters, merged into the generation weights as they are gathered."""
+        ``adapters``: the training model's LoRA adapters, merged into the generation weights as they are gathered;
+        ``keep_generation``: ``generation_model`` returns one model for the run, resharded into in place."""
         self.model, self.layout, self.rank, self.adapters = model, layout, rank, adapters
+        self.keep_generation = keep_generation
+        self._kept: DecoderLM | None = None
         self.pp_group, self.stage_ranks = pp_group, stage_ranks
         self.device, self.attention_backend = device, attention_backend
         self.tp_group = groups["generation_tp"] if layout.tp > 1 else None
@@ -91,22 +97,32 @@ class HybridEngine:
 
     @torch.no_grad()
     def generation_model(self, dtype: torch.dtype) -> DecoderLM:
-        """A fresh generation model holding this rank's generation shard of the current weights (every rank of the
-        actor must call it). Drop it (``del``) to go back to the training layout."""
-        args, head = self.model.args, self.model.head
-        with torch.device("meta"):
-            generation = DecoderLM(args, head=head, attention_backend=self.attention_backend).to(dtype)
-        parallelize(generation, tp_mesh=self.tp_mesh, dp_mesh=None, gather_logits=True, role="rollout")
-        generation.to_empty(device=self.device)
-        generation.tie_weights()
-        generation.reset_buffers()
-        generation.requires_grad_(False)
+        """A generation model holding this rank's generation shard of the current weights (every rank of the actor
+        must call it): a fresh one to drop (``del``) before training resumes, or with ``keep_generation`` the same
+        model every call, its parameters overwritten in place."""
+        generation = self._kept
+        if generation is None or generation.model.embed_tokens.weight.dtype != dtype:
+            self._kept = None  # a kept model of another dtype goes before its replacement is allocated
+            generation = self._new_generation_model(dtype)
+        if self.keep_generation:
+            self._kept = generation
         targets = {name: _local(param) for name, param in generation.named_parameters(remove_duplicate=False)}
         for unit in self._blocks():
             self._gather_block(unit, targets)
         if self.pp_group is not None:
             self._exchange_stages(targets)
-        return generation.eval()
+        return generation
+
+    def _new_generation_model(self, dtype: torch.dtype) -> DecoderLM:
+        """The generation layout's model in ``dtype``, allocated on this rank's device but not filled."""
+        with torch.device("meta"):
+            generation = DecoderLM(self.model.args, head=self.model.head, attention_backend=self.attention_backend)
+            generation = generation.to(dtype)
+        parallelize(generation, tp_mesh=self.tp_mesh, dp_mesh=None, gather_logits=True, role="rollout")
+        generation.to_empty(device=self.device)
+        generation.tie_weights()
+        generation.reset_buffers()
+        return generation.requires_grad_(False).eval()
 
     def _blocks(self):
         """The FSDP units, one at a time, each as its modules' (module, prefix of its parameter names in the whole

@@ -2,7 +2,9 @@
 estimates advantages where its DP shards already are, and takes PPO steps.
 
 Generation runs in the 3D-HybridEngine's generation layout (``rollout.tp`` dividing ``actor.tp``, every rank holding
-all layers of its generation shard), built from the training shards just before the rollouts and dropped right after.
+all layers of its generation shard), written from the training shards just before the rollouts: into the same model
+and engine every step with ``rollout.keep_engine`` (so CUDA graphs are captured once per run), else into a fresh model
+dropped right after.
 The engine runs the same model code as training, so rollout log-probs equal ``compute_log_probs`` on the same weights.
 """
 
@@ -75,6 +77,7 @@ class ActorWorker(TrainedRoleWorker):
             device=self.device,
             attention_backend=config.model.attention,
             adapters=self.model.adapters,
+            keep_generation=config.rollout.keep_engine,
         )
         self.background_sender = (
             BackgroundSender(self.device, timeout_s=config.trainer.collective_timeout_s)
@@ -103,12 +106,12 @@ class ActorWorker(TrainedRoleWorker):
 
     @data_parallel
     def generate_sequences(self, prompts: Batch, *, greedy: bool = False, samples: int | None = None) -> Batch:
-        """``Generator.generate`` in the HybridEngine's generation layout, built from the training shards for this
-        call and dropped before it returns (``rollout.n`` responses per prompt, ``samples`` if given; ``greedy``:
-        one greedy response per prompt)."""
+        """``Generator.generate`` in the HybridEngine's generation layout, written from the training shards for
+        this call (kept for the next with ``rollout.keep_engine``, else dropped before this returns; ``rollout.n``
+        responses per prompt, ``samples`` if given; ``greedy``: one greedy response per prompt)."""
         model = self.hybrid.generation_model(getattr(torch, self.config.model.dtype))
         batch = self.generator.generate(prompts, model, self.hybrid, greedy=greedy, samples=samples)
-        del model  # the generation shard goes before training resumes
+        del model  # without rollout.keep_engine, the generation shard goes before training resumes
         return batch
 
     @one_to_all

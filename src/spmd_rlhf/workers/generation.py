@@ -117,6 +117,8 @@ class Generator:
         reducer: DPReducer,
     ) -> None:
         self.config, self.device, self.reducer, self.role = config, device, reducer, role
+        self._idle_engines: list[LLMEngine] = []
+        """With rollout.keep_engine: engines between generations, each with its KV cache and CUDA graphs."""
         tokenizer_path = config.model.tokenizer_path or config.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         if len(self.tokenizer) > vocab_size:
@@ -139,10 +141,15 @@ class Generator:
             self.stop_token_ids |= {self.chat_delta.turn_end_id}
 
     def engine(self, model: torch.nn.Module, *, shares: int = 1) -> LLMEngine:
-        """A generation engine over ``model`` with the rollout config's cache, batch and sampling settings.
-        ``shares``: on GPU without rollout.kv_cache_blocks, the engine's cache takes 1 / ``shares`` of the memory
+        """A generation engine over ``model`` with the rollout config's cache, batch and sampling settings: one that
+        ``release`` kept (with its KV cache and CUDA graphs), else a new one. Give it back with ``release``.
+        ``shares``: on GPU without rollout.kv_cache_blocks, a new engine's cache takes 1 / ``shares`` of the memory
         left, so that ``shares`` caches made one after another get equal parts (partial rollouts hold one per batch
         in flight)."""
+        # Engines over another model (a replaced generation copy) can never run again: their memory goes first.
+        self._idle_engines = [engine for engine in self._idle_engines if engine.runner.model is model]
+        if self._idle_engines:
+            return self._idle_engines.pop()
         rollout = self.config.rollout
         sizing = {}
         if rollout.kv_cache_blocks:
@@ -166,8 +173,18 @@ class Generator:
             max_num_seqs=rollout.max_num_seqs,
             seed=self.config.trainer.seed,
             decode_graphs="auto" if rollout.cuda_graphs else "off",
+            # Decode is prepared once for the longest row, so graphs captured in one step serve every later one.
+            max_model_len=self.config.data.max_prompt_length + rollout.response_length,
             **sizing,
         )
+
+    def release(self, engine: LLMEngine) -> None:
+        """Done with ``engine`` for now: with rollout.keep_engine it is kept for the next ``engine`` call over the
+        same model, its KV cache and CUDA graphs with it; otherwise its KV cache is freed."""
+        if self.config.rollout.keep_engine:
+            self._idle_engines.append(engine)
+        else:
+            engine.free_cache()
 
     def generate(
         self,
@@ -181,7 +198,7 @@ class Generator:
         """``rollout.n`` responses per prompt (``samples`` if given; rows of one prompt consecutive, ``group_size =
         n``) from ``model``, responses padded to ``rollout.response_length`` so every DP shard has the same shape.
         ``greedy`` (validation, ReMax's baseline): one greedy response per prompt. The engine and its KV cache are
-        dropped before this returns.
+        kept for the next call with rollout.keep_engine, else dropped before this returns.
 
         With ``rollout.environment``, each response is a multi-turn trajectory (``envs.multi_turn``): ``response_mask``
         marks the tokens the policy generated (loss, KL, log-probs), ``attention_mask`` every token after the prompt
@@ -227,7 +244,8 @@ class Generator:
             for key in trajectories[0].env_metrics if trajectories else ():
                 per_row[f"env/{key}"] = torch.tensor([float(t.env_metrics[key]) for t in trajectories])
         counters["cuda_graphs"] = engine.stats.cuda_graphs
-        del engine  # the KV cache goes before training resumes
+        counters["cuda_graph_captures"] = engine.stats.cuda_graph_captures
+        self.release(engine)  # without rollout.keep_engine, the KV cache goes before training resumes
         return self.assemble(prompts, responses, counters, replicas=replicas, n=n, per_row=per_row)
 
     def host_prompts(self, prompts: Batch) -> Batch:

@@ -178,10 +178,12 @@ class RolloutWorker(RoleWorker):
         counters = {
             "preemptions": run.num_preemptions,
             "cuda_graphs": engine.stats.cuda_graphs,
+            "cuda_graph_captures": engine.stats.cuda_graph_captures,
             "mixed_version_responses": sum(len(set(tokens)) > 1 for tokens in versions),
         }
         responses = [single_turn_response(seq) for seq in run.seqs]
-        del engine, run  # the KV cache goes
+        self.generator.release(engine)  # kept for the next batch with rollout.keep_engine, else its KV cache goes
+        del engine, run
         token_versions = torch.zeros((len(versions), self.config.rollout.response_length), dtype=torch.long)
         for row, tokens in enumerate(versions):
             token_versions[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)

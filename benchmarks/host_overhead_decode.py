@@ -1,0 +1,304 @@
+"""Host overhead of decode, counted exactly on CPU: ``python benchmarks/host_overhead.py --decode`` (this module holds
+that side of ``host_overhead.py``).
+
+A random qwen2-shaped model (hidden 64, ``--decode-layers`` layers, a 512-token vocabulary) runs the real
+``LLMEngine``. The counts take the engine's CUDA attention path: on CPU decode attention would gather the cache
+(the pure-torch path), so the Triton paged kernel is stood in for by what its wrapper dispatches (one ``empty``) plus
+one call for the kernel launch. Figures, each with its goal from issue 34:
+
+- dispatcher calls and non-view calls (about one kernel each on a GPU) per decode step in bf16: the eager engine
+  step, the trunk a CUDA graph captures (``StaticDecodeStep._trunk``), and the work left outside the graph (input
+  copies, LM head, sampler, scheduler) for greedy and sampled rows; goal <= 500 kernels per step (trunk + outside);
+- host µs per decode step with the trunk replaced by a no-op (a stand-in graph whose replay does nothing), at batch
+  1 and ``--decode-batch`` rows, greedy and sampled, float32, the engine prepared for rows of ``--decode-max-len``
+  tokens as the rollout prepares it (the LM head and sampler still compute, on a vocabulary small enough that their
+  arithmetic is small; this thread's CPU time, the best of 3 runs); goal <= 50 µs at batch 1 and <= 500 µs at batch
+  256;
+- syncs per decode step in steady state (``aten._local_scalar_dense``: ``.item()``, ``int()``; and ``.tolist()``), with
+  the lines that made them; goal 0.
+
+Steady state: the requests are prefilled and take one decode step in a first segment (``advance`` with
+``segment_tokens=2``), then their last ``--decode-steps`` decode steps are measured, every row decoding to its length
+limit (no EOS), the last step finishing them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
+from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
+from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
+from spmd_rlhf.models import DecoderLM, attention
+from spmd_rlhf.models.args import DecoderArgs
+
+KERNEL_GOAL = 500
+"""Kernels (non-view calls) per decode step in bf16, graphed trunk and the work outside it together."""
+HOST_GOALS_US = {1: 50.0, 256: 500.0}
+"""Host µs per decode step outside the graph, by batch size."""
+HOST_TIME_REPEATS = 3
+"""Host time is the best of this many runs: on a shared machine the other tenants only ever add time."""
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+
+
+def decode_model(layers: int, dtype: torch.dtype) -> DecoderLM:
+    """A random qwen2-shaped model (tied head, q/k/v biases) of ``layers`` layers in ``dtype``."""
+    args = DecoderArgs(
+        family="qwen2",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=256,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+    )
+    torch.manual_seed(0)
+    model = DecoderLM(args, head="lm")
+    model.reset_buffers()
+    return model.to(dtype).requires_grad_(False).eval()
+
+
+def _kernel_stand_in(q, key_cache, value_cache, block_tables, context_lens, *, scale):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # what the wrapper allocates
+    return out.zero_()  # one call for the Triton kernel's launch
+
+
+@contextmanager
+def cuda_attention_path() -> Iterator[None]:
+    """Decode attention takes the branch it takes on CUDA (the Triton paged kernel, stood in for)."""
+    saved = attention._is_triton_decode, attention.paged_decode_attention
+    attention._is_triton_decode = lambda q, paged, backend: (
+        paged.max_seqlen_q == 1 and q.shape[1] == paged.context_lens.shape[0]
+    )
+    attention.paged_decode_attention = _kernel_stand_in
+    try:
+        yield
+    finally:
+        attention._is_triton_decode, attention.paged_decode_attention = saved
+
+
+class _NoOpGraph:
+    def replay(self) -> None:
+        pass
+
+
+@contextmanager
+def graphs_on_cpu(*, trunk: bool) -> Iterator[None]:
+    """Engines capture decode steps on CPU: a stand-in graph that replays the trunk (``trunk``) or does nothing (the
+    trunk replaced by a no-op: what is left is the host's work outside the graph)."""
+
+    def capture(step: StaticDecodeStep, rows: int) -> None:
+        hidden = step.model.args.hidden_size
+        step.hidden[rows] = step._trunk(rows) if trunk else step.key_cache.new_zeros(rows, hidden)
+        graph = _NoOpGraph()
+        if trunk:
+            graph.replay = lambda: step.hidden[rows].copy_(step._trunk(rows))
+        step.graphs[rows] = graph
+
+    saved = llm_engine.graphs_unsupported, StaticDecodeStep._capture
+    llm_engine.graphs_unsupported = lambda model, block_size: None
+    StaticDecodeStep._capture = capture
+    try:
+        yield
+    finally:
+        llm_engine.graphs_unsupported, StaticDecodeStep._capture = saved
+
+
+class SyncCounts(DispatchCounts):
+    """``DispatchCounts`` plus ``.tolist()`` calls (a device-to-host copy and a wait on a GPU, which on CPU
+    dispatches nothing), with their sites among ``scalar_read_sites``."""
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        counts = self
+
+        def tolist(tensor):
+            counts.scalar_read_sites[f"tolist at {_innermost_package_line()}"] += 1
+            return counts._tolist(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def _params(sampled: bool, steps: int) -> SamplingParams:
+    if sampled:
+        return SamplingParams(temperature=1.0, max_new_tokens=steps + 2, seed=1)
+    return SamplingParams(temperature=0, max_new_tokens=steps + 2)
+
+
+def steady_decode(
+    model: DecoderLM, *, rows: int, steps: int, sampled: bool, mode: str, measure, max_len: int = 0
+) -> None:
+    """Prefill ``rows`` requests and run one decode step (which captures its bucket's graph), then the last ``steps``
+    decode steps inside ``measure`` (the last one finishes every request)."""
+    engine = LLMEngine(
+        model,
+        eos_token_id=None,
+        block_size=16,
+        max_num_seqs=rows,
+        decode_graphs=mode,
+        max_model_len=max(max_len, len(PROMPT) + steps + 2),
+    )
+    run = engine.start([PROMPT] * rows, _params(sampled, steps))
+    engine.advance(run, segment_tokens=2)
+    with measure:
+        engine.advance(run)
+    assert engine.stats.decode_steps == steps + 1 and engine.stats.prefill_steps == 1  # stats count the whole run
+
+
+class _Timer:
+    """CPU time of this thread: on a shared machine wall time also counts the other tenants' turns."""
+
+    def __enter__(self):
+        self.start = time.thread_time()
+
+    def __exit__(self, *exc):
+        self.seconds = time.thread_time() - self.start
+
+
+@contextmanager
+def _trunk_counts(counts: DispatchCounts) -> Iterator[None]:
+    """``counts`` active only inside ``StaticDecodeStep._trunk``."""
+    trunk = StaticDecodeStep._trunk
+
+    def counted(step, rows):
+        with counts:
+            return trunk(step, rows)
+
+    StaticDecodeStep._trunk = counted
+    try:
+        yield
+    finally:
+        StaticDecodeStep._trunk = trunk
+
+
+def _figure(name: str, value, goal: str, meets: bool | None, **details) -> dict:
+    return {"figure": name, "value": value, "goal": goal, "meets_goal": meets, **details}
+
+
+def decode_figures(args: argparse.Namespace) -> list[dict]:
+    layers, steps = args.decode_layers, args.decode_steps
+    figures = []
+    with cuda_attention_path():
+        bf16 = decode_model(layers, torch.bfloat16)
+        eager = DispatchCounts()
+        steady_decode(bf16, rows=1, steps=steps, sampled=False, mode="off", measure=eager)
+        trunk = DispatchCounts()
+        with graphs_on_cpu(trunk=True):
+            steady_decode(bf16, rows=1, steps=steps, sampled=False, mode="auto", measure=_trunk_counts(trunk))
+        outside = {}
+        for sampled in (False, True):
+            outside[sampled] = DispatchCounts()
+            with graphs_on_cpu(trunk=False):
+                steady_decode(bf16, rows=1, steps=steps, sampled=sampled, mode="auto", measure=outside[sampled])
+    shape = f"batch 1, {layers} layers, bf16, per decode step"
+    paths = {"engine eager": eager, "graphed trunk": trunk}
+    paths |= {f"outside the graph, {'sampled' if sampled else 'greedy'}": outside[sampled] for sampled in outside}
+    for path, counts in paths.items():
+        details = {"by_op": {name: n / steps for name, n in sorted(counts.calls.items())}} if "outside" in path else {}
+        figures.append(_figure(f"dispatcher calls per step, {path}", counts.total_calls / steps, "none", None))
+        figures.append(
+            _figure(f"non-view calls per step, {path}", counts.non_view_calls / steps, "none", None, **details)
+        )
+    for sampled, label in ((False, "greedy"), (True, "sampled")):
+        kernels = (trunk.non_view_calls + outside[sampled].non_view_calls) / steps
+        figures.append(
+            _figure(
+                f"kernels per graphed step, {label}",
+                kernels,
+                f"<= {KERNEL_GOAL}",
+                kernels <= KERNEL_GOAL,
+                shape=shape,
+                note="non-view calls of the graphed trunk plus those outside the graph",
+            )
+        )
+    float32 = decode_model(layers, torch.float32)
+    for rows in (1, args.decode_batch):
+        goal = HOST_GOALS_US.get(rows)
+        for sampled, label in ((False, "greedy"), (True, "sampled")):
+            seconds = []
+            for _ in range(HOST_TIME_REPEATS):
+                timer = _Timer()
+                with graphs_on_cpu(trunk=False):
+                    steady_decode(
+                        float32,
+                        rows=rows,
+                        steps=steps,
+                        sampled=sampled,
+                        mode="auto",
+                        measure=timer,
+                        max_len=args.decode_max_len,
+                    )
+                seconds.append(timer.seconds)
+            micros = min(seconds) / steps * 1e6
+            figures.append(
+                _figure(
+                    f"host µs per step, trunk a no-op, batch {rows}, {label}",
+                    round(micros, 1),
+                    "none" if goal is None else f"<= {goal:g}",
+                    None if goal is None else micros <= goal,
+                    shape=(
+                        f"batch {rows}, float32, engine prepared for rows of {args.decode_max_len} tokens, mean of "
+                        f"{steps} decode steps, best of {HOST_TIME_REPEATS} runs"
+                    ),
+                )
+            )
+    for mode, label in (("off", "eager"), ("auto", "graphed")):
+        syncs = SyncCounts()
+        with cuda_attention_path(), graphs_on_cpu(trunk=True):
+            steady_decode(float32, rows=4, steps=steps, sampled=True, mode=mode, measure=syncs)
+        figures.append(
+            _figure(
+                f"syncs per step, {label}",
+                syncs.scalar_reads / steps,
+                "0 in steady state",
+                syncs.scalar_reads == 0,
+                shape="batch 4, sampled",
+                sites={site: count / steps for site, count in syncs.scalar_read_sites.items()},
+            )
+        )
+    return figures
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--decode-layers", type=int, default=28, help="model depth of the decode counts")
+    parser.add_argument("--decode-batch", type=int, default=256, help="the large batch of the host-time figure")
+    parser.add_argument("--decode-steps", type=int, default=32, help="decode steps measured per figure")
+    parser.add_argument(
+        "--decode-max-len",
+        type=int,
+        default=2048,
+        help="the longest row the engine is prepared for in the host-time figures (what the rollout sets: "
+        "data.max_prompt_length + the response length); it sets the static decode step's block-table width",
+    )
+
+
+def decode_result(args: argparse.Namespace, figures: list[dict]) -> dict:
+    return {
+        "benchmark": "host_overhead --decode",
+        "layers": args.decode_layers,
+        "batch": args.decode_batch,
+        "steps": args.decode_steps,
+        "max_len": args.decode_max_len,
+        "attention": "the CUDA path: the Triton paged decode kernel stood in for (empty + one launch)",
+        "figures": figures,
+    }

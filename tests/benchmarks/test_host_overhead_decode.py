@@ -1,0 +1,37 @@
+"""``benchmarks/host_overhead.py --decode`` on small models: the work outside the graph does not depend on the depth,
+the graphed trunk grows by the same calls per layer as the eager step, and each figure carries its goal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from host_overhead_decode import decode_figures  # noqa: E402
+
+
+def _figures(layers: int) -> dict[str, dict]:
+    args = argparse.Namespace(decode_layers=layers, decode_batch=4, decode_steps=2, decode_max_len=64)
+    return {row["figure"]: row for row in decode_figures(args)}
+
+
+def test_decode_counts_split_the_step_at_the_graph():
+    two, three = _figures(2), _figures(3)
+    for path in ("outside the graph, greedy", "outside the graph, sampled"):
+        assert (
+            two[f"dispatcher calls per step, {path}"]["value"] == three[f"dispatcher calls per step, {path}"]["value"]
+        )
+        assert 0 < two[f"non-view calls per step, {path}"]["value"] < 60
+    per_layer = {
+        path: three[f"dispatcher calls per step, {path}"]["value"] - two[f"dispatcher calls per step, {path}"]["value"]
+        for path in ("engine eager", "graphed trunk")
+    }
+    assert per_layer["engine eager"] == per_layer["graphed trunk"] > 0
+    assert two["kernels per graphed step, greedy"]["meets_goal"] is True  # two layers: far under 500
+    syncs = two["syncs per step, graphed"]
+    assert syncs["goal"] == "0 in steady state" and syncs["meets_goal"] == (syncs["value"] == 0)
+    assert {
+        "host µs per step, trunk a no-op, batch 1, greedy",
+        "host µs per step, trunk a no-op, batch 4, sampled",
+    } <= set(two)
