@@ -29,6 +29,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+TIMING_PREFIXES = ("time/", "throughput/", "coordinator/", "faults/")
+"""Metric prefixes a resumed run need not reproduce to equal an uninterrupted one: timings, and the run directory's
+own history (``faults/steps_redone`` counts the steps a resume does again)."""
+
+
 def torchrun_command(
     program: str, *args: str, nproc: int, nnodes: int = 1, port: int, monitor_interval_s: float | None = None
 ) -> list[str]:

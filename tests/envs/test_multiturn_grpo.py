@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchrun_helpers import run_recipe
+from torchrun_helpers import TIMING_PREFIXES, run_recipe
 
 from spmd_rlhf.tiny.model import make_tiny, raise_eos_logit
 from spmd_rlhf.tiny.task import make_task
-
-TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
 
 PROGRAMS = Path(__file__).parent / "programs"
 

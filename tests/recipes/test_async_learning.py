@@ -12,13 +12,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import run_recipe
+from torchrun_helpers import TIMING_PREFIXES, run_recipe
 
 SHORT = ("trainer.val_every=0", "trainer.save_every=1000")
 SPLIT = ("placement=split", "rollout.enabled=true", "rollout.n_ranks=2")
 FORTY_STEPS = ("trainer.total_steps=40", "trainer.val_every=0", *SPLIT, "rollout.recompute_log_probs=true")
 ONE_STEP_OFF = (*FORTY_STEPS, "trainer.save_every=20", "algorithm.max_staleness=1")
-TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
 
 
 def without_timings(record: dict) -> dict:

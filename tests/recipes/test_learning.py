@@ -7,9 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import run_recipe
-
-TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
+from torchrun_helpers import TIMING_PREFIXES, run_recipe
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from torchrun_helpers import run_recipe
+from torchrun_helpers import TIMING_PREFIXES, run_recipe
 
 TWO_STEPS_OFF = (
     "trainer.val_every=0",
@@ -20,7 +20,6 @@ TWO_STEPS_OFF = (
     "algorithm.max_staleness=2",
     "rollout.partial_segment_tokens=1",
 )
-TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
 
 
 def without_timings(record: dict) -> dict:

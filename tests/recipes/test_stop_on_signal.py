@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_helpers import RECIPES, environment, free_port, run_recipe, torchrun_command
+from torchrun_helpers import RECIPES, TIMING_PREFIXES, environment, free_port, run_recipe, torchrun_command
 
 from spmd_rlhf.runtime import REQUEUE_EXIT_CODE
 
@@ -28,7 +28,6 @@ from fault_soak import final_weights, run_faulty_grpo, struck_faults, training_r
 
 RUN = ("trainer.total_steps=4", "trainer.val_every=0", "trainer.save_every=0", "algorithm.kl_target=0.001")
 """No periodic saves: the only checkpoint before the last step is the one the signal asks for."""
-TIMING_PREFIXES = ("time/", "throughput/", "coordinator/")
 
 
 def without_timings(records: list[dict]) -> list[dict]:
