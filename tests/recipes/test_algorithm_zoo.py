@@ -26,23 +26,28 @@ def assets(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("zoo")
 
 
+STEPS = "trainer.total_steps=100"
+"""Shorter than the configs' 150 (which users run): on this machine the gains at 100 steps are 0.16 (ReMax), 0.16
+(RLOO) and 0.08 (Safe-RLHF, its cost then 0.003), each at least the margin its test asks."""
+
+
 def mean(records: list[dict], key: str) -> float:
     return sum(record[key] for record in records) / len(records)
 
 
 def test_remax_raises_the_reward(assets):
-    records = run_recipe("remax", assets / "remax", "trainer.val_every=0")
+    records = run_recipe("remax", assets / "remax", "trainer.val_every=0", STEPS)
     assert mean(records[-5:], "reward/mean") > mean(records[:5], "reward/mean") + 0.08
     assert "baseline/reward/mean" in records[-1]  # the greedy baseline was scored every step
 
 
 def test_rloo_raises_the_reward(assets):
-    records = run_recipe("rloo", assets / "rloo", "trainer.val_every=0")
+    records = run_recipe("rloo", assets / "rloo", "trainer.val_every=0", STEPS)
     assert mean(records[-5:], "reward/mean") > mean(records[:5], "reward/mean") + 0.08
 
 
 def test_safe_rlhf_meets_the_cost_limit_while_the_reward_rises(assets):
-    records = run_recipe("safe_rlhf", assets / "safe_rlhf", "trainer.val_every=0")
+    records = run_recipe("safe_rlhf", assets / "safe_rlhf", "trainer.val_every=0", STEPS)
     limit = 0.2  # algorithm.cost_limit in recipes/configs/safe_rlhf.yaml
     assert mean(records[:5], "cost/mean") > 0.5  # most random-init responses break the constraint
     assert mean(records[-10:], "cost/mean") < limit
@@ -50,7 +55,7 @@ def test_safe_rlhf_meets_the_cost_limit_while_the_reward_rises(assets):
     assert max(record["lambda"] for record in records) > records[0]["lambda"]  # λ rose while the cost was too high
     for key in ("cost_critic/loss", "cost_advantages/mean", "critic/loss"):
         assert key in records[-1], key
-    state = json.loads((assets / "safe_rlhf" / "out" / "step_150" / "trainer_state.json").read_text())
+    state = json.loads((assets / "safe_rlhf" / "out" / "step_100" / "trainer_state.json").read_text())
     assert state["algorithm"]["lambda"] > 0  # the multiplier is part of the checkpoint
 
 
