@@ -27,7 +27,10 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
         if kind.worker == "rollout":
             continue  # the mapper models the synchronous HybridEngine; a rollout role holds a generation shard only
         shape = model_shape(role.model_path or config.model.path)
-        specs.append(_with_batch_sizes(RoleSpec(name, shape, kind.head, kind.trained, work), role))
+        # A generative judge is a causal LM: its weights and its pass over prompt + response (the prefill of its
+        # verdict) are counted with the LM head; the verdict's decode steps are not modelled.
+        head = "lm" if getattr(role, "kind", None) == "generative" else kind.head
+        specs.append(_with_batch_sizes(RoleSpec(name, shape, head, kind.trained, work), role))
     actor = config.actor
     batch = Batch(
         prompts=config.data.batch_size,
