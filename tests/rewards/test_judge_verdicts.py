@@ -53,6 +53,8 @@ def test_the_template_is_filled_with_the_prompt_response_and_reference():
     assert judge.user_message([{"role": "user", "content": "hi"}], "yo", None) == "Q: hi\nA: yo\nRef: \n{json}"
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert prompt_text(conversation) == "system: be brief\nuser: hi"
+    default = parser().user_message("2+2?", "4", None)  # judge_template=null: the built-in template
+    assert "Prompt:\n2+2?" in default and "Response:\n4" in default and "Score: N" in default
 
 
 @pytest.mark.parametrize(

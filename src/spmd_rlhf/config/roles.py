@@ -240,10 +240,12 @@ class ScoringRoleConfig(RoleConfig):
     the run, naming the counts (a reward that never works, e.g. rule=auto on a data_source it does not know, or a
     service that is down, would train on zeros); null: stop only when every call of the step failed; 1.0: never."""
 
-    judge_template: str = DEFAULT_JUDGE_TEMPLATE
+    judge_template: str | None = None
     """With kind=generative, the judge's user message as a Python format string over {prompt} (the policy's prompt as
     text), {response} (the response decoded without special tokens; required) and {reference} (the row's
-    ground_truth, empty when it has none); rendered with the judge's own chat template. Literal braces are doubled."""
+    ground_truth, empty when it has none); rendered with the judge's own chat template. Literal braces are doubled.
+    null: spmd_rlhf.config.judge.DEFAULT_JUDGE_TEMPLATE (a 0-10 rating of the response against the prompt and the
+    reference, ending with 'Score: N')."""
     judge_score_pattern: str = r"(-?\d+(?:\.\d+)?)"
     """With kind=generative, a regular expression with a group: the first group of its last match in the judge's
     output is the score (the default: the last number); an output it does not match counts as unparsed."""
@@ -266,7 +268,7 @@ class ScoringRoleConfig(RoleConfig):
         one_of(self, "kind", ("rule", "model", "remote", "generative"))
         if self.kind == "generative":
             require(self, "pp", self.pp == 1, "kind=generative generates on tp ranks only; set pp=1")
-            template_problem = judge_template_problem(self.judge_template)
+            template_problem = judge_template_problem(self.judge_template_text)
             require(self, "judge_template", template_problem is None, str(template_problem))
             pattern_problem = score_pattern_problem(self.judge_score_pattern)
             require(self, "judge_score_pattern", pattern_problem is None, str(pattern_problem))
@@ -299,3 +301,8 @@ class ScoringRoleConfig(RoleConfig):
         at_least(self, 0, "num_workers")
         require(self, "timeout_s", self.timeout_s is None or self.timeout_s > 0, "must be > 0 or null")
         one_of(self, "on_error", ("zero", "abort"))
+
+    @property
+    def judge_template_text(self) -> str:
+        """The judge's template: ``judge_template``, else the default."""
+        return DEFAULT_JUDGE_TEMPLATE if self.judge_template is None else self.judge_template

@@ -58,7 +58,7 @@ class JudgeParser:
 
     def __init__(self, role_config: ScoringRoleConfig, *, role: str) -> None:
         self.role = role
-        self.template = role_config.judge_template
+        self.template = role_config.judge_template_text
         self.pattern = re.compile(role_config.judge_score_pattern)
         self.low, self.high = role_config.judge_score_range
         self.fallback = role_config.judge_fallback_score
