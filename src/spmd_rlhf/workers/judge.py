@@ -11,7 +11,7 @@ call's requests and freed when it returns, so the judge holds only its weights b
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,8 +21,11 @@ from spmd_rlhf.data.retokenize import judge_tokenizer, response_texts
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.rewards.judge import JudgeParser
 from spmd_rlhf.runtime import RoleContext
-from spmd_rlhf.workers.generation import stop_token_ids
+from spmd_rlhf.workers.generation import sample_seed, stop_token_ids
 from spmd_rlhf.workers.rollout import generation_replica
+
+JUDGE_SEED_OFFSET = 7919
+"""Added to trainer.seed for the judge's sampling seeds, so that its draws are not the policy's."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class Judge:
             max_new_tokens=role_config.judge_max_new_tokens,
             stop_token_ids=stop_token_ids([], path, self.model.args.vocab_size),
         )
+        self.seed = config.trainer.seed + JUDGE_SEED_OFFSET
 
     def prompt_ids(self, batch: Batch) -> list[list[int]]:
         """Each row's judge prompt in the judge's chat template and tokens (``rewards.judge``)."""
@@ -80,11 +84,21 @@ class Judge:
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
+    def request_params(self, batch: Batch) -> list[SamplingParams]:
+        """The sampling settings of each row's verdict, seeded by the row's prompt (``uid``) and its place among the
+        prompt's ``group_size`` responses, as the policy's samples are, but from a stream of the judge's own: a
+        sampled verdict is the same whatever the role's DP layout."""
+        group_size = batch.group_size
+        return [
+            replace(self.params, seed=sample_seed(self.seed, uid, row % group_size, group_size))
+            for row, uid in enumerate(batch["uid"].tolist())
+        ]
+
     def judge(self, batch: Batch) -> Judged:
         """Every row of ``batch`` judged: generated, decoded without special tokens and parsed. The TP ranks of a
         replica run the same requests with the same seeds, so they write (and parse) the same verdicts."""
         start = time.perf_counter()
-        outputs = self.engine.generate(self.prompt_ids(batch), self.params)
+        outputs = self.engine.generate(self.prompt_ids(batch), self.request_params(batch))
         self.engine.free_cache()
         written = [out.generated_token_ids for out in outputs]
         verdicts = self.parser.verdicts(self.tokenizer.batch_decode(written, skip_special_tokens=True))
