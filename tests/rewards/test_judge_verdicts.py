@@ -3,13 +3,17 @@ the fallback and its count, the judge settings refused when the config is read, 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from transformers import AutoTokenizer
 
 from spmd_rlhf.config import ConfigError, ScoringRoleConfig, load_config
 from spmd_rlhf.controller.dry_run import describe
+from spmd_rlhf.controller.vocabularies import check_role_vocabularies
 from spmd_rlhf.data.retokenize import judge_tokenizer
 from spmd_rlhf.rewards.judge import JudgeParser, prompt_text
 from spmd_rlhf.tiny.model import make_tiny
@@ -92,3 +96,25 @@ def test_the_dry_run_counts_the_judge_as_a_replica_and_its_cache(tmp_path, monke
     report = describe(load_config(RECIPES / "configs" / "grpo.yaml", overrides), 2)
     (line,) = [line for line in report.splitlines() if line.startswith("reward ")]
     assert "a judge replica per DP rank" in line and "up to 48 tokens per response" in line
+
+
+def test_a_judge_that_cannot_read_its_prompts_is_refused_at_start(tmp_path):
+    judge = make_tiny(family="llama", out_dir=str(tmp_path / "judge"), hidden_size=32, chat_template="role_colon")
+    tokenizer = AutoTokenizer.from_pretrained(judge)
+
+    def check(model_path: str, *overrides: str) -> None:
+        grpo = str(RECIPES / "configs" / "grpo.yaml")
+        overrides = [f"model.path={judge}", "reward.kind=generative", f"reward.model_path={model_path}", *overrides]
+        check_role_vocabularies(load_config(grpo, overrides), tokenizer)
+
+    check(judge)
+    with pytest.raises(ValueError, match=r"rollout\.environment=tool .* a generative judge cannot read as text yet"):
+        check(judge, "rollout.environment=tool")
+    no_template = tmp_path / "no_template"
+    shutil.copytree(judge, no_template)
+    settings = json.loads((no_template / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(settings))
+    (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=r"judge's tokenizer \(\S+/no_template\) has no chat template.*tokenizer_path"):
+        check(str(no_template))
