@@ -3,13 +3,14 @@ run, d_cost adds and maxes as the paper defines, and the plan is the cheapest of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from spmd_rlhf.mapping.cost import Cluster
+from spmd_rlhf.mapping.cost import Cluster, Layout
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
-from spmd_rlhf.mapping.search import Planner, allocations, candidate_layouts, placements
+from spmd_rlhf.mapping.search import Planner, allocations, candidate_layouts, placements, role_stage_seconds
 from spmd_rlhf.mapping.workload import NAMED_SHAPES, STAGES, Batch, dataflow
 
 H100 = BUILTIN_PROFILES["h100"]
@@ -116,3 +117,21 @@ def test_cpu_ranks_sharing_cores_slow_each_other_down():
         free.stage_seconds["generation"]
     )  # only the actor's 8 ranks
     assert busy.stage_seconds["training"] == pytest.approx(2 * free.stage_seconds["training"])  # all 16 ranks
+
+
+def test_a_generative_judge_is_costed_as_generation_on_replicas_of_one_stage():
+    cluster = Cluster(8, 8, H100)
+    batch = Batch(prompts=64, samples=4, prompt_length=512, response_length=512, micro_batch_size=8)
+    scorer = next(
+        role for role in dataflow("grpo", actor=NAMED_SHAPES["7b"], reward=NAMED_SHAPES["7b"]) if role.name == "reward"
+    )
+    judge = dataclasses.replace(scorer, head="lm", judge_tokens=256)
+    layout = Layout(pp=1, dp=8, tp=1)
+
+    def preparation(role) -> float:
+        return role_stage_seconds(role, layout, cluster, batch, free_bytes=H100.device_memory)["preparation"]
+
+    # Writing verdicts costs more than one forward pass over the same rows, and more the longer they may be.
+    assert preparation(scorer) < preparation(judge) < preparation(dataclasses.replace(judge, judge_tokens=512))
+    assert {candidate.pp for candidate in candidate_layouts(scorer, 8, cluster, batch)} != {1}
+    assert {candidate.pp for candidate in candidate_layouts(judge, 8, cluster, batch)} == {1}

@@ -143,5 +143,7 @@ def test_scoring_models_that_cannot_read_the_policy_or_be_rebuilt_are_refused_at
         check_role_vocabularies(
             config(policy, f"reward.model_path={scorer}", "rollout.environment=tool"), policy_tokenizer
         )
-    with pytest.raises(ConfigError, match=r"reward\.tokenizer_path.*only used with kind=model \(kind=rule\)"):
+    with pytest.raises(
+        ConfigError, match=r"reward\.tokenizer_path.*only used with kind=model or generative \(kind=rule\)"
+    ):
         load_config(None, ["reward.kind=rule", f"reward.tokenizer_path={scorer}"])

@@ -1,7 +1,9 @@
 """Each kind of reward a user brings, end to end in one GRPO step of the tiny setup on 2 CPU ranks: code executed
 against a row's tests (``reward.rule=code``), a reward service (``reward.kind=remote``) and a reward model with a
 tokenizer and chat template of its own. The tiny policy writes no working programs and the models are random: these
-check the plumbing (what reaches each scorer, what comes back into the step's metrics), not the rewards' values."""
+check the plumbing (what reaches each scorer, what comes back into the step's metrics), not the rewards' values.
+A generative judge (``reward.kind=generative``), a tiny random causal LM of its own tokenizer and chat template,
+runs the same way."""
 
 from __future__ import annotations
 
@@ -82,4 +84,32 @@ def test_a_reward_model_of_another_family_and_tokenizer_scores_a_grpo_step(tmp_p
     )
     (record,) = run_recipe("grpo", tmp_path, *ONE_SMALL_STEP, "reward.kind=model", f"reward.model_path={scorer}")
     assert math.isfinite(record["reward/mean"]) and record["reward/mean"] != 0
+    assert math.isfinite(record["actor/loss"])
+
+
+def test_a_generative_judge_scores_a_grpo_step(tmp_path):
+    # A random judge samples random tokens, about 1 in 40 of them a digit: each verdict's last digit is its score on
+    # [0, 9], and one with no digit gets the fallback -1, so the step's mean must agree with the unparsed count.
+    # With 32 tokens a verdict, all 8 lacking a digit has a chance of about 0.2% (and the seed is fixed).
+    judge = make_tiny(
+        family="llama", out_dir=str(tmp_path / "judge"), hidden_size=32, chat_template="role_colon", seed=2
+    )
+    (record,) = run_recipe(
+        "grpo",
+        tmp_path,
+        *ONE_SMALL_STEP,
+        "reward.kind=generative",
+        f"reward.model_path={judge}",
+        "reward.judge_score_pattern=([0-9])",
+        "reward.judge_score_range=[0, 9]",
+        "reward.judge_fallback_score=-1",
+        "reward.judge_max_new_tokens=32",
+        "reward.judge_temperature=1.0",
+        "reward.max_failure_fraction=1.0",
+    )
+    unparsed = record["reward/judge_unparsed"]
+    assert unparsed == int(unparsed) and 0 <= unparsed < ROWS
+    parsed_sum = record["reward/mean"] * ROWS + unparsed  # the parsed verdicts' scores, each in [0, 1]
+    assert -1e-5 <= parsed_sum <= ROWS - unparsed + 1e-5
+    assert 0 < record["reward/judge_tokens"] <= ROWS * 32 and record["reward/judge_seconds"] > 0
     assert math.isfinite(record["actor/loss"])

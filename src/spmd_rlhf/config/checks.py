@@ -87,8 +87,9 @@ def _check_group_baseline(config: CheckedConfig) -> None:
 def _check_scoring_models(config: CheckedConfig) -> None:
     for name in ("reward", "cost"):
         role = getattr(config, name)
-        if role.enabled and role.kind == "model":
-            rule = f"{name}.kind=model needs the directory of a trained {name} model"
+        if role.enabled and role.kind in ("model", "generative"):
+            what = "a causal LM to judge with" if role.kind == "generative" else f"a trained {name} model"
+            rule = f"{name}.kind={role.kind} needs the directory of {what}"
             require(config, f"{name}.model_path", role.model_path is not None, rule)
 
 

@@ -209,8 +209,9 @@ CONDITIONS = (KL_TO_REFERENCE, KL_TO_ACTOR_BASE, RECOMPUTE_LOG_PROBS, ROLLOUT_RO
 
 
 def is_model(role: str, config: RunSettings) -> bool:
-    """The role runs a model under ``config`` (a rule or remote reward or cost does not)."""
-    return not ROLE_KINDS[role].may_be_rule or getattr(config, role).kind == "model"
+    """The role runs a model under ``config``: a scoring model or a generative judge (a rule or remote reward or cost
+    does not)."""
+    return not ROLE_KINDS[role].may_be_rule or getattr(config, role).kind in ("model", "generative")
 
 
 def conditions(config: RunSettings) -> dict[str, bool]:

@@ -11,6 +11,7 @@ from spmd_rlhf.config.choices import (
     LORA_TARGETS,
 )
 from spmd_rlhf.config.errors import at_least, one_of, require
+from spmd_rlhf.config.judge import DEFAULT_JUDGE_TEMPLATE, judge_template_problem, score_pattern_problem
 
 
 @dataclass
@@ -196,13 +197,16 @@ class TrainableRoleConfig(RoleConfig):
 class ScoringRoleConfig(RoleConfig):
     kind: str = "rule"
     """rule: a Python function scores each response; model: the scoring model at model_path does; remote: a service at
-    url does (batches of rows POSTed as JSON, scores back: spmd_rlhf.rewards.remote, docs/recipes.md)."""
+    url does (batches of rows POSTed as JSON, scores back: spmd_rlhf.rewards.remote, docs/rewards.md); generative: the
+    causal LM at model_path (a judge) writes a verdict through the generation engine, and judge_score_pattern reads
+    the score from it (spmd_rlhf.rewards.judge)."""
     tokenizer_path: str | None = None
-    """With kind=model, the directory of the tokenizer the scoring model was trained with, where model_path holds
-    none or another one; null: model_path's own tokenizer files, else the policy's. A tokenizer whose vocabulary or
-    chat template differs from the policy's engages the foreign path: each response is decoded, the conversation
-    (the row's prompt messages and the response) rebuilt with this tokenizer's chat template and tokenized again, and
-    its score lands on the policy's last response token as any score does (docs/recipes.md)."""
+    """With kind=model or generative, the directory of the tokenizer the scoring model was trained with, where
+    model_path holds none or another one; null: model_path's own tokenizer files, else the policy's. With kind=model,
+    a tokenizer whose vocabulary or chat template differs from the policy's engages the foreign path: each response
+    is decoded, the conversation (the row's prompt messages and the response) rebuilt with this tokenizer's chat
+    template and tokenized again, and its score lands on the policy's last response token as any score does
+    (docs/rewards.md). A judge always reads text in its own tokenizer's chat template."""
     rule: str = "auto"
     """With kind=rule, the function's name in the spmd_rlhf.rewards registry, or path/to/file.py:function (verl's
     signature); auto: chosen by each row's data_source."""
@@ -236,20 +240,55 @@ class ScoringRoleConfig(RoleConfig):
     the run, naming the counts (a reward that never works, e.g. rule=auto on a data_source it does not know, or a
     service that is down, would train on zeros); null: stop only when every call of the step failed; 1.0: never."""
 
+    judge_template: str | None = None
+    """With kind=generative, the judge's user message as a Python format string over {prompt} (the policy's prompt as
+    text), {response} (the response decoded without special tokens; required) and {reference} (the row's
+    ground_truth, empty when it has none); rendered with the judge's own chat template. Literal braces are doubled.
+    null: spmd_rlhf.config.judge.DEFAULT_JUDGE_TEMPLATE (a 0-10 rating of the response against the prompt and the
+    reference, ending with 'Score: N')."""
+    judge_score_pattern: str = r"(-?\d+(?:\.\d+)?)"
+    """With kind=generative, a regular expression with a group: the first group of its last match in the judge's
+    output is the score (the default: the last number); an output it does not match counts as unparsed."""
+    judge_score_range: list[float] = field(default_factory=lambda: [0.0, 10.0])
+    """With kind=generative, [low, high]: a parsed score s becomes (s - low) / (high - low), so the reward is in [0, 1];
+    a number outside the range counts as unparsed."""
+    judge_fallback_score: float = 0.0
+    """With kind=generative, the reward (in normalised units) of a response whose verdict did not parse; such rows are
+    counted in <role>/judge_unparsed, and max_failure_fraction applies to them as to failed rule calls."""
+    judge_temperature: float = 0.0
+    """With kind=generative, the judge's sampling temperature; 0: greedy."""
+    judge_top_p: float = 1.0
+    """With kind=generative, the judge's nucleus sampling threshold; 1 keeps every token."""
+    judge_max_new_tokens: int = 64
+    """With kind=generative, the most tokens the judge writes per response (a verdict cut off there is parsed as it
+    is)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        one_of(self, "kind", ("rule", "model", "remote"))
+        one_of(self, "kind", ("rule", "model", "remote", "generative"))
+        if self.kind == "generative":
+            require(self, "pp", self.pp == 1, "kind=generative generates on tp ranks only; set pp=1")
+            template_problem = judge_template_problem(self.judge_template_text)
+            require(self, "judge_template", template_problem is None, str(template_problem))
+            pattern_problem = score_pattern_problem(self.judge_score_pattern)
+            require(self, "judge_score_pattern", pattern_problem is None, str(pattern_problem))
+            low_high = len(self.judge_score_range) == 2 and self.judge_score_range[0] < self.judge_score_range[1]
+            require(self, "judge_score_range", low_high, "must be [low, high] with low < high, e.g. [0, 10]")
+            require(self, "judge_temperature", self.judge_temperature >= 0, "must be >= 0 (0: greedy)")
+            require(self, "judge_top_p", 0 < self.judge_top_p <= 1, "must be in (0, 1]")
+            at_least(self, 1, "judge_max_new_tokens")
+            require(self, "judge_fallback_score", math.isfinite(self.judge_fallback_score), "must be a finite number")
         if self.kind == "remote":
             require(self, "url", self.url is not None, "kind=remote needs the reward service's URL")
         else:
             require(self, "url", self.url is None, f"is only used with kind=remote (kind={self.kind}); remove it")
         require(self, "tokenizer_path", self.tokenizer_path != "", "must be a tokenizer directory or null")
-        if self.kind != "model":
+        if self.kind not in ("model", "generative"):
             require(
                 self,
                 "tokenizer_path",
                 self.tokenizer_path is None,
-                f"is only used with kind=model (kind={self.kind}); remove it",
+                f"is only used with kind=model or generative (kind={self.kind}); remove it",
             )
         valid_url = self.url is None or self.url.startswith(("http://", "https://"))
         require(self, "url", valid_url, "must be an http:// or https:// URL")
@@ -262,3 +301,8 @@ class ScoringRoleConfig(RoleConfig):
         at_least(self, 0, "num_workers")
         require(self, "timeout_s", self.timeout_s is None or self.timeout_s > 0, "must be > 0 or null")
         one_of(self, "on_error", ("zero", "abort"))
+
+    @property
+    def judge_template_text(self) -> str:
+        """The judge's template: ``judge_template``, else the default."""
+        return DEFAULT_JUDGE_TEMPLATE if self.judge_template is None else self.judge_template

@@ -8,13 +8,14 @@ keeps its weights in ``model.dtype``. While generating, each actor rank (each ro
 its generation shard (the weights in ``model.dtype`` split ``rollout.tp`` ways) and its KV cache (sized here for the
 batch at full length). In a training or forward pass it also holds that pass's working set (``working_bytes``: one
 micro-batch's activations, its logits at the response positions and the log-prob path's float32 vocabulary chunks); the
-largest of its roles' is shown. The engine's working buffers and FSDP's gathered blocks (one block at a time) are not
-counted.
+largest of its roles' is shown. A generative judge (``reward.kind=generative``) holds a whole TP-sharded replica per DP
+rank and, while judging, the KV cache of its DP shard's prompts, responses and verdicts. The engine's working buffers
+and FSDP's gathered blocks (one block at a time) are not counted.
 """
 
 from __future__ import annotations
 
-from spmd_rlhf.config import FrameworkConfig, to_yaml
+from spmd_rlhf.config import FrameworkConfig, ScoringRoleConfig, to_yaml
 from spmd_rlhf.config.dataflow import dataflow_of
 from spmd_rlhf.mapping.cost import Layout, resident_bytes, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
@@ -56,13 +57,20 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
             continue
         spec = models[name]
         count = spec.shape.parameters(spec.head)
-        state = resident_bytes(spec, len(pool), batch)
-        what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
+        if getattr(role, "kind", None) == "generative":
+            state, working = _judge_bytes(role, spec, batch, dp=dims.dp, tp=dims.tp)
+            what = (
+                f"a judge replica per DP rank, {config.model.dtype}; + {_mib(working)} KV cache while it writes up "
+                f"to {role.judge_max_new_tokens} tokens per response"
+            )
+        else:
+            state = resident_bytes(spec, len(pool), batch)
+            what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
+            working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp), batch)
         lines.append(
             f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  "
             f"{_mib(state)} ({what})"
         )
-        working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp), batch)
         for rank in pool.ranks:
             per_rank[rank] += state
             largest_pass[rank] = max(largest_pass[rank], working)
@@ -84,6 +92,16 @@ def _generation_bytes(config: FrameworkConfig, actor: RoleSpec, batch: Batch, ge
     rows = -(-batch.prompts * batch.samples // (generating_ranks // tp))
     tokens = rows * (batch.prompt_length + batch.response_length)
     return shard + tokens * actor.shape.kv_bytes_per_token(batch.dtype_bytes) / tp
+
+
+def _judge_bytes(role: ScoringRoleConfig, spec: RoleSpec, batch: Batch, *, dp: int, tp: int) -> tuple[float, float]:
+    """A generative judge's weights on one rank (its TP shard of a whole replica: the judge is not FSDP-sharded) and
+    its KV cache with its DP shard's requests at full length (prompt, response and verdict; the template's own
+    text not counted)."""
+    weights = spec.shape.parameters("lm") * batch.dtype_bytes / tp
+    rows = -(-batch.prompts * batch.samples // dp)
+    tokens = rows * (batch.prompt_length + batch.response_length + role.judge_max_new_tokens)
+    return weights, tokens * spec.shape.kv_bytes_per_token(batch.dtype_bytes) / tp
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -11,7 +11,13 @@ differs from the policy's scores the conversation rebuilt as text in its tokens 
 from __future__ import annotations
 
 from spmd_rlhf.config import FrameworkConfig, ScoringRoleConfig
-from spmd_rlhf.data.retokenize import ChatRebuild, foreign_tokenizer, has_tokenizer, scorer_tokenizer_path
+from spmd_rlhf.data.retokenize import (
+    ChatRebuild,
+    foreign_tokenizer,
+    has_tokenizer,
+    judge_tokenizer,
+    scorer_tokenizer_path,
+)
 from spmd_rlhf.models.args import read_decoder_args
 
 
@@ -26,6 +32,9 @@ def check_role_vocabularies(config: FrameworkConfig, tokenizer) -> None:
     tokenizer_path = config.model.tokenizer_path or config.model.path
     for name, role in config.enabled_roles().items():
         if name == "actor":
+            continue
+        if isinstance(role, ScoringRoleConfig) and role.kind == "generative":
+            _check_judge(config, name, role, tokenizer)
             continue
         scoring_model = isinstance(role, ScoringRoleConfig) and role.kind == "model"
         if scoring_model:
@@ -72,4 +81,22 @@ def _check_rebuildable(config: FrameworkConfig, name: str, own_tokenizer, tokeni
             f"rollout.environment={config.rollout.environment} makes multi-turn trajectories, which cannot be "
             f"rebuilt in its chat template yet; score them with a model of the policy's tokenizer, a rule or a "
             f"remote service"
+        )
+
+
+def _check_judge(config: FrameworkConfig, name: str, role: ScoringRoleConfig, tokenizer) -> None:
+    """A generative judge reads text in its own tokenizer (or the policy's, when its directory holds none): one with a
+    chat template, whose ids all fit the judge's embedding; multi-turn trajectories have no text rebuild yet."""
+    own = judge_tokenizer(role, tokenizer, role=name)
+    vocab_size = read_decoder_args(role.model_path).vocab_size
+    if len(own) > vocab_size:
+        raise ValueError(
+            f"{name}.model_path={role.model_path} has vocab_size={vocab_size}, fewer than the {len(own)} tokens of "
+            f"the tokenizer the judge would read with ({own.name_or_path}); set {name}.tokenizer_path to the "
+            f"judge's own tokenizer"
+        )
+    if config.rollout.environment is not None:
+        raise ValueError(
+            f"{name}: rollout.environment={config.rollout.environment} makes multi-turn trajectories, which a "
+            f"generative judge cannot read as text yet; score them with a rule, a reward model or a remote service"
         )

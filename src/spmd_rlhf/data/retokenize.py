@@ -62,6 +62,22 @@ def foreign_tokenizer(role_config: ScoringRoleConfig, policy_tokenizer) -> Any |
     return tokenizer
 
 
+def judge_tokenizer(role_config: ScoringRoleConfig, policy_tokenizer, *, role: str) -> Any:
+    """A generative judge's tokenizer: its own (``scorer_tokenizer_path``), else the policy's. A judge is given its
+    prompt as a conversation in this tokenizer's chat template, so one without a template is refused."""
+    from transformers import AutoTokenizer
+
+    path = scorer_tokenizer_path(role_config)
+    tokenizer = policy_tokenizer if path is None else AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{role}: the judge's tokenizer ({tokenizer.name_or_path}) has no chat template, so its prompt cannot be "
+            f"laid out as the conversation it was tuned on; point {role}.tokenizer_path at a tokenizer with one (an "
+            f"instruction-tuned model's)"
+        )
+    return tokenizer
+
+
 def response_texts(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
     """Each row's response tokens (where ``response_mask`` is set) decoded without special tokens."""
     return tokenizer.batch_decode(

@@ -196,11 +196,19 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
 
 
 def generation_seconds(
-    role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, rows: int, free_bytes: float
+    role: RoleSpec,
+    layout: Layout,
+    cluster: Cluster,
+    batch: Batch,
+    *,
+    rows: int,
+    free_bytes: float,
+    reshard: bool = True,
 ) -> float:
     """Seconds for the actor to generate ``rows`` responses with tp_g-way replicas, including resharding into the
-    generation layout; ``free_bytes`` is what each device has left after every colocated role's resident state.
-    ``math.inf`` if the generation shard and one sequence's KV cache do not fit."""
+    generation layout (not with ``reshard`` False: a generative judge's replicas hold their weights as they are);
+    ``free_bytes`` is what each device has left after every colocated role's resident state. ``math.inf`` if the
+    generation shard and one sequence's KV cache do not fit."""
     shape, profile, b = role.shape, cluster.profile, batch.dtype_bytes
     tp_g = layout.tp_g
     parameters = shape.parameters(role.head)
@@ -234,6 +242,8 @@ def generation_seconds(
         + shape.layers * OPS_PER_LAYER * profile.op_latency
     )
     generate = waves * (prefill + batch.response_length * decode_step)
+    if not reshard:
+        return generate
     micro_dp = layout.tp // tp_g
     reshard = (
         cluster.all_gather(parameters * b / (layout.tp * layout.pp), layout.dp, extent=layout.dp * layout.tp)

@@ -27,7 +27,12 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
         if kind.worker == "rollout":
             continue  # the mapper models the synchronous HybridEngine; a rollout role holds a generation shard only
         shape = model_shape(role.model_path or config.model.path)
-        specs.append(_with_batch_sizes(RoleSpec(name, shape, kind.head, kind.trained, work), role))
+        # A generative judge is a causal LM whose pass writes verdicts: its weights count with the LM head, and its
+        # pass is generation (``search.judge_seconds``).
+        judge = getattr(role, "kind", None) == "generative"
+        head = "lm" if judge else kind.head
+        spec = RoleSpec(name, shape, head, kind.trained, work, judge_tokens=role.judge_max_new_tokens if judge else 0)
+        specs.append(_with_batch_sizes(spec, role))
     actor = config.actor
     batch = Batch(
         prompts=config.data.batch_size,

@@ -18,7 +18,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from spmd_rlhf.mapping.cost import Cluster, Layout, generation_seconds, pass_seconds, resident_bytes, working_bytes
 from spmd_rlhf.mapping.workload import STAGES, Batch, RoleSpec
@@ -97,7 +97,7 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
         if tp > cluster.gpus_per_node or any(size % tp for size in sizes):
             continue
         for pp in _divisors(devices // tp):
-            if pp > shape.layers or (pp > 1 and role.head == "lm" and shape.tied):
+            if pp > shape.layers or (pp > 1 and role.head == "lm" and shape.tied) or (pp > 1 and role.judge_tokens):
                 continue
             dp = devices // (tp * pp)
             if batch.rows % dp or (role.trained and mini % (micro * dp)):
@@ -118,10 +118,21 @@ def role_stage_seconds(
             if kind in ("generate", "greedy"):
                 rows = batch.rows if kind == "generate" else batch.prompts
                 total += generation_seconds(role, layout, cluster, batch, rows=rows, free_bytes=free_bytes)
+            elif kind == "forward" and role.judge_tokens:
+                total += judge_seconds(role, layout, cluster, batch, free_bytes=free_bytes)
             else:
                 total += pass_seconds(role, layout, cluster, batch, train=kind == "train")
         seconds[stage] = total
     return seconds
+
+
+def judge_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, free_bytes: float) -> float:
+    """Simulated seconds of a generative judge's verdicts: each DP rank a replica TP-sharded over the layout's tp (no
+    reshard), prefilling every row's prompt and response and writing up to ``role.judge_tokens`` tokens (the
+    template's own text not counted)."""
+    verdicts = replace(batch, prompt_length=batch.sequence_length, response_length=role.judge_tokens)
+    replicas = replace(layout, tp_g=layout.tp)
+    return generation_seconds(role, replicas, cluster, verdicts, rows=batch.rows, free_bytes=free_bytes, reshard=False)
 
 
 class Planner:

@@ -178,6 +178,9 @@ class RoleSpec:
     """This role's micro-batch; 0: the batch's."""
     mini_batch_size: int = 0
     """This role's rows per optimizer step; 0: the batch's."""
+    judge_tokens: int = 0
+    """A generative judge's most tokens written per response (``reward.judge_max_new_tokens``); 0: not a judge. Its
+    forward pass is then generation over prompt + response by TP-only replicas (``search.role_stage_seconds``)."""
 
 
 def dataflow(

@@ -1,11 +1,11 @@
 """Scoring roles: rule-based rewards (``spmd_rlhf.rewards``), a remote reward service
-(``spmd_rlhf.rewards.remote``) or a reward / cost model with a score head.
+(``spmd_rlhf.rewards.remote``), a reward / cost model with a score head, or a generative judge (``workers.judge``).
 
 All give one score per response, ``scores`` ``[rows]`` (the cost role's output is named ``costs``). A rule sees the
 decoded response text without special tokens; a remote service sees it too, with the prompt's text; a model scores
 prompt + response as the policy's token ids when it shares the policy's tokenizer, and otherwise (a tokenizer of its
 own with another vocabulary or chat template: ``data.retokenize``) the conversation rebuilt as text in its own chat
-template and tokens.
+template and tokens; a judge reads the prompt and response as text in its own chat template and writes a verdict.
 
 Every rank of a DP replica holds the same rows, so under a rule or a service the replica's TP x PP ranks each decode
 and score a slice of them (in ``reward.num_workers`` processes each, or inline, or in requests to the service) and
@@ -26,12 +26,13 @@ from spmd_rlhf.rewards.remote import RemoteReward
 from spmd_rlhf.runtime import RoleContext, data_parallel
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.workers.base import RoleWorker
+from spmd_rlhf.workers.judge import Judge, Judged
 
 
 class RewardWorker(RoleWorker):
     """A scorer: a frozen ``ShardedModel`` with a score head (``kind: model``; with ``rebuild`` when the model has a
     tokenizer of its own), a ``RewardRunner`` of a rule, or a ``RemoteReward`` client of a service
-    (``kind: remote``)."""
+    (``kind: remote``), or a generative ``Judge`` (``kind: generative``)."""
 
     def __init__(self, context: RoleContext, config: FrameworkConfig, *, role: str = "reward") -> None:
         role_config: ScoringRoleConfig = getattr(config, role)
@@ -39,6 +40,7 @@ class RewardWorker(RoleWorker):
         self.output_key = "scores" if role == "reward" else "costs"
         self.scorer: ShardedModel | None = None
         self.runner: RewardRunner | RemoteReward | None = None
+        self.judge: Judge | None = None
         self.rebuild: ChatRebuild | None = None
         """The model's own chat template and tokens, when they are not the policy's (``data.retokenize``)."""
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
@@ -49,6 +51,8 @@ class RewardWorker(RoleWorker):
             own_tokenizer = foreign_tokenizer(role_config, self.tokenizer)
             if own_tokenizer is not None:
                 self.rebuild = ChatRebuild(self.tokenizer, own_tokenizer, role=role)
+        elif role_config.kind == "generative":
+            self.judge = Judge(context, config, role_config, policy_tokenizer=self.tokenizer)
         elif role_config.kind == "remote":
             self.runner = RemoteReward(
                 role_config.url,
@@ -74,10 +78,16 @@ class RewardWorker(RoleWorker):
         chat template and tokens, from the row's ``raw_prompt`` and decoded response). The batch meta carries their
         mean, the mean of each extra number a rule returned and, for a rule or a service, the rows whose call failed
         (``<role>/errors``, ``/timeouts``, ``/non_finite``), over all DP ranks, and for a service the resent requests
-        (``<role>/remote_retries``). Under a rule or a service, more than ``<role>.max_failure_fraction`` of the
-        step's calls failing is an error."""
+        (``<role>/remote_retries``); for a judge, the verdicts that did not parse (``<role>/judge_unparsed``), the
+        tokens it wrote (``<role>/judge_tokens``, over all DP ranks) and its seconds (``<role>/judge_seconds``, the
+        slowest DP rank's). Under a rule, a service or a judge, more than ``<role>.max_failure_fraction`` of the
+        step's calls (rows) failing is an error."""
         scored: RewardScores | None = None
-        if self.scorer is not None:
+        judged: Judged | None = None
+        if self.judge is not None:
+            judged = self.judge.judge(batch)
+            scores = judged.scores
+        elif self.scorer is not None:
             rows = batch if self.rebuild is None else self.rebuild(batch)
             scores = self.scorer.forward_rows(
                 rows, "compute_rewards", "scores", lambda outputs, micro: outputs.float()
@@ -86,7 +96,7 @@ class RewardWorker(RoleWorker):
             scored = self.score_rows(batch)
             scores = torch.tensor(scored.scores, dtype=torch.float32)
         extras = scored.extras if scored else {}
-        failures = scored.failures if scored else {}
+        failures = scored.failures if scored else {"judge_unparsed": judged.unparsed} if judged else {}
         # One object all-gather for every statistic: rules may return different extra numbers on different ranks.
         partial = {
             "scores": (float(scores.double().sum()), float(len(scores))),
@@ -96,8 +106,12 @@ class RewardWorker(RoleWorker):
         remote = isinstance(self.runner, RemoteReward)
         if remote:
             partial["remote_retries"] = (float(scored.retries), 0.0)
+        if judged is not None:
+            partial["judge_tokens"] = (float(judged.generated_tokens), 0.0)
+            partial["judge_seconds"] = (judged.seconds, 0.0)
         totals: dict[str, list[float]] = {}
-        for rank_partial in self.reducer.gather_objects(partial):
+        partials = self.reducer.gather_objects(partial)
+        for rank_partial in partials:
             for key, (total, count) in rank_partial.items():
                 sums = totals.setdefault(key, [0.0, 0.0])
                 sums[0] += total
@@ -110,13 +124,21 @@ class RewardWorker(RoleWorker):
         metrics.update({f"{name}/{metric}": float(count) for metric, count in failed.items()})
         if remote:
             metrics[f"{name}/remote_retries"] = totals["remote_retries"][0]
-        if self.runner is not None:  # every DP rank holds the same totals, so every rank raises or none does
+        judge_fix = None
+        if judged is not None:
+            metrics[f"{name}/judge_tokens"] = totals["judge_tokens"][0]
+            metrics[f"{name}/judge_seconds"] = max(rank_partial["judge_seconds"][0] for rank_partial in partials)
+            judge_fix = (
+                f"the judge's verdicts did not match {name}.judge_score_pattern within {name}.judge_score_range; "
+                f"check them against {name}.judge_template"
+            )
+        if self.scorer is None:  # every DP rank holds the same totals, so every rank raises or none does
             check_failure_fraction(
                 failed,
                 int(totals["scores"][1]),
                 max_failure_fraction=self.role_config.max_failure_fraction,
                 name=name,
-                fix=self.runner.fix if remote else None,
+                fix=judge_fix or (self.runner.fix if remote else None),
             )
         return Batch({self.output_key: scores}, meta={"metrics": metrics}, group_size=batch.group_size)
 

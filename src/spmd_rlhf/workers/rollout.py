@@ -29,7 +29,7 @@ from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, sync_group_
 from spmd_rlhf.mapping.role_pools import role_pools
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.parallelize import parallelize
-from spmd_rlhf.models.weights import build_model
+from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from spmd_rlhf.runtime.device import check_thread
 from spmd_rlhf.workers.base import RoleWorker
@@ -56,15 +56,26 @@ def weight_sync_groups(config: FrameworkConfig) -> dict[str, list[list[int]]]:
 
 
 def generation_replica(
-    path: str, *, dtype: torch.dtype, tp_mesh: DeviceMesh, device: torch.device, attention_backend: str = "auto"
+    path: str,
+    *,
+    dtype: torch.dtype,
+    tp_mesh: DeviceMesh,
+    device: torch.device,
+    attention_backend: str = "auto",
+    role: str = "rollout",
+    load: bool = False,
 ) -> DecoderLM:
     """The model at ``path`` TP-sharded over ``tp_mesh`` in ``dtype`` for generation (the LM head gathers the
-    logits), its parameters allocated but not filled: the weight sync fills them before any generation."""
+    logits), its parameters allocated but not filled (the weight sync fills them before any generation), or with
+    ``load`` filled from ``path``'s checkpoint (each rank reading its own TP pieces: a generative judge)."""
     model = build_model(path, head="lm", dtype=dtype, attention_backend=attention_backend)
-    parallelize(model, tp_mesh=tp_mesh, dp_mesh=None, gather_logits=True, role="rollout")
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.reset_buffers()
+    parallelize(model, tp_mesh=tp_mesh, dp_mesh=None, gather_logits=True, role=role)
+    if load:
+        load_weights(model, path, device=device)
+    else:
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.reset_buffers()
     return model.requires_grad_(False).eval()
 
 
