@@ -259,7 +259,7 @@ def test_the_reward_worker_sends_prompt_and_response_text_and_reports_retries() 
             name="reward", dims=SimpleNamespace(tp=1, pp=1), coordinates=SimpleNamespace(tp=0, pp=0)
         )
         worker.role_config = load_config(None, ["reward.kind=remote", f"reward.url={service.url}"]).reward
-        worker.output_key, worker.scorer, worker.tokenizer = "scores", None, tokenizer
+        worker.output_key, worker.scorer, worker.judge, worker.tokenizer = "scores", None, None, tokenizer
         worker.runner = client(service.url)
         worker.reducer = SimpleNamespace(gather_objects=lambda value: [value])
         scored = worker.compute_rewards(batch)
