@@ -55,16 +55,13 @@ CARRIED = ("omegaconf", "trl", "datasets", "dill", "multiprocess", "spmd-rlhf")
 """What ``gpu_wheels.sh`` carries: the image lacks these."""
 
 
-def _normal(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
 def image_distributions() -> dict[str, importlib.metadata.Distribution]:
     """This machine's distributions that the image holds: ``IMAGE_PACKAGES`` and what they need here (this machine's
     versions may need packages the image's do not), never one of ``CARRIED``."""
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
-    installed = {_normal(d.metadata["Name"]): d for d in importlib.metadata.distributions()}
+    installed = {canonicalize_name(d.metadata["Name"]): d for d in importlib.metadata.distributions()}
     chosen: dict[str, importlib.metadata.Distribution] = {}
     waiting = [name for name in IMAGE_PACKAGES if name in installed]
     while waiting:
@@ -75,7 +72,7 @@ def image_distributions() -> dict[str, importlib.metadata.Distribution]:
         for line in chosen[name].requires or ():
             requirement = Requirement(line)
             if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                waiting.append(_normal(requirement.name))
+                waiting.append(canonicalize_name(requirement.name))
     return chosen
 
 

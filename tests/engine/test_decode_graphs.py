@@ -8,7 +8,7 @@ import torch
 from hf_fixtures import write_hf_model
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
-from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, decode_buckets, graphs_supported
+from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, decode_buckets, graphs_unsupported
 from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.models import load_model
 
@@ -81,7 +81,7 @@ def test_static_decode_keeps_a_scratch_block_outside_the_budget(model_path):
 
 def test_graphs_apply_only_to_a_single_device_cuda_model_with_the_triton_decode_kernel(model_path):
     model = load_model(model_path, dtype=torch.float32)
-    assert not graphs_supported(model, block_size=16)  # CPU
+    assert graphs_unsupported(model, block_size=16) is not None  # CPU
 
 
 @pytest.mark.gpu
@@ -89,7 +89,7 @@ def test_graphs_apply_only_to_a_single_device_cuda_model_with_the_triton_decode_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode_equals_eager_decode(model_path, dtype):
     model = load_model(model_path, dtype=dtype, device="cuda", attention_backend="sdpa")
-    assert graphs_supported(model, block_size=4)
+    assert graphs_unsupported(model, block_size=4) is None
     eager, _ = _generate(model, "off")
     graphs, engine = _generate(model, "auto")
     assert engine.stats.cuda_graphs >= 4  # buckets 8, 4, 2, 1 at least

@@ -40,8 +40,9 @@ from spmd_rlhf.models.paged_kv import PagedKV
 logger = logging.getLogger(__name__)
 
 DECODE_MODES = ("auto", "off", "static")
-"""``auto``: CUDA graphs where ``graphs_supported``, else eager steps; ``off``: eager steps; ``static``: the graphs'
-padded fixed-address inputs run eagerly (no capture), on any device: what the graphs replay, checkable on CPU."""
+"""``auto``: CUDA graphs unless ``graphs_unsupported`` names a reason, else eager steps; ``off``: eager steps;
+``static``: the graphs' padded fixed-address inputs run eagerly (no capture), on any device: what the graphs replay,
+checkable on CPU."""
 
 
 def decode_buckets(max_rows: int) -> list[int]:
@@ -74,11 +75,6 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
     if not use_triton(weight.device, "auto"):
         return "the Triton paged decode kernel is not available (Triton missing)"
     return None
-
-
-def graphs_supported(model: DecoderLM, *, block_size: int) -> bool:
-    """Whether this model's decode steps can be captured."""
-    return graphs_unsupported(model, block_size=block_size) is None
 
 
 _said: set[str] = set()
