@@ -124,7 +124,8 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
     command = _torchrun(spec["nproc"]) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
     wall = _run(command, cwd=str(workdir), threads=spec["threads"], log=workdir / "spmd.log")
     with open(out_dir / "metrics.jsonl") as lines:
-        steps = [json.loads(line) for line in lines][warmup:]
+        every_step = [json.loads(line) for line in lines]
+    steps = every_step[warmup:]
     tokens = [row["rollout/prompt_tokens"] + row["rollout/generated_tokens"] for row in steps]
     summary = _summary(
         launch=f"torchrun, {spec['nproc']} rank(s)",
@@ -142,6 +143,10 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
         **summary,
         "tokens_per_step": statistics.fmean(tokens),
         "tokens_per_s": statistics.fmean(tokens) / summary["step_s"],
+        # Kept engines (rollout.keep_engine) capture their graphs once: every step after the first should read 0.
+        "cuda_graph_captures_per_step": [row.get("rollout/cuda_graph_captures") for row in every_step],
+        "peak_allocated_gib_per_step": [row.get("memory/peak_allocated_gib") for row in every_step],
+        "peak_reserved_gib_per_step": [row.get("memory/peak_reserved_gib") for row in every_step],
     }
 
 

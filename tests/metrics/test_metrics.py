@@ -210,3 +210,23 @@ def test_throughput_metrics():
         }
     )
     assert "perf/mfu" not in throughput_metrics(metrics, world_size=4, passes=passes, peak_flops_per_device=0.0)
+
+
+def test_step_memory_metrics_empty_without_cuda_and_resets_the_peak_on_cuda(monkeypatch):
+    from spmd_rlhf.metrics import peak_memory
+
+    monkeypatch.setattr(peak_memory.torch.cuda, "is_initialized", lambda: False)
+    assert peak_memory.step_memory_metrics() == {}
+    resets = []
+    monkeypatch.setattr(peak_memory.torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(peak_memory.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(peak_memory.torch.cuda, "max_memory_allocated", lambda device: 3 * 2**30)
+    monkeypatch.setattr(peak_memory.torch.cuda, "max_memory_reserved", lambda device: 4 * 2**30)
+    monkeypatch.setattr(peak_memory.torch.cuda, "memory_reserved", lambda device: 2**29)
+    monkeypatch.setattr(peak_memory.torch.cuda, "reset_peak_memory_stats", resets.append)
+    assert peak_memory.step_memory_metrics() == {
+        "memory/peak_allocated_gib": 3.0,
+        "memory/peak_reserved_gib": 4.0,
+        "memory/reserved_gib": 0.5,
+    }
+    assert resets == [3]

@@ -41,6 +41,7 @@ from spmd_rlhf.controller.run import RecipeRun
 from spmd_rlhf.controller.vocabularies import check_role_vocabularies
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.mapping.role_pools import place_roles
+from spmd_rlhf.metrics.peak_memory import step_memory_metrics
 from spmd_rlhf.metrics.step_metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.runtime import (
     BatchRef,
@@ -301,7 +302,8 @@ class RLRecipe(RecipeRun):
         """The step's metrics: those the workers put in batch meta or returned per DP rank (an ``Experience``
         gives its ``batches``' and its own), stage times, step time, throughput (tokens per second in all and per
         device, generated tokens per second of generation) and model TFLOP/s per device and MFU
-        (``spmd_rlhf.metrics.step_metrics.throughput_metrics``)."""
+        (``spmd_rlhf.metrics.step_metrics.throughput_metrics``) and, on CUDA, rank 0's peak device memory over the
+        step (``spmd_rlhf.metrics.peak_memory.step_memory_metrics``)."""
         metrics: dict[str, float] = {}
         for result in results:
             if isinstance(result, Experience):
@@ -314,6 +316,7 @@ class RLRecipe(RecipeRun):
                 metrics.update(result.meta.get("metrics", {}))
         metrics.update(timer.metrics())
         metrics["time/step"] = time.perf_counter() - started
+        metrics.update(step_memory_metrics())
         metrics.update(
             throughput_metrics(
                 metrics,

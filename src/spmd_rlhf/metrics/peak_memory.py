@@ -80,3 +80,24 @@ class PeakMemory:
         else:
             self._counter.__exit__(*exc_info)
             self.peak_increase = self._counter.peak
+
+
+GIB = 2**30
+
+
+def step_memory_metrics() -> dict[str, float]:
+    """This process's CUDA memory since the previous call (one step): ``memory/peak_allocated_gib`` (the
+    allocator's high-water mark of live tensors), ``memory/peak_reserved_gib`` (of what the caching allocator held)
+    and ``memory/reserved_gib`` (held now); then resets the high-water marks. Reading them is host bookkeeping, no
+    device sync. Empty where CUDA was never initialised (CPU runs, also on a GPU machine with ``trainer.device=cpu``).
+    The caller's thread must be bound to its rank's device (``runtime.device.bind_thread``)."""
+    if not torch.cuda.is_initialized():
+        return {}
+    device = torch.cuda.current_device()
+    metrics = {
+        "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        "memory/reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+    }
+    torch.cuda.reset_peak_memory_stats(device)
+    return metrics
