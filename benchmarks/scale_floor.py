@@ -12,7 +12,9 @@ sharded over all of them (FSDP), per rank:
   an update also the role's float32 gradients (4 bytes per parameter), sharded, plus its micro-batch's activations
   and response logits and the log-prob path's float32 chunks (``mapping.cost.working_bytes``);
 - while generating: the actor's generation copy (the whole model in the compute dtype, split ``rollout.tp`` ways)
-  and the KV cache of the replica's rows at full length;
+  and the KV cache of the replica's rows at full length; with ``rollout.keep_engine`` (the default) both stay from
+  the first generation on, through every later stage of the run (a resumed run's first stages come before its first
+  generation);
 - while computing log-probs and values: one forward micro-batch's working set (a layer's activations and the
   response logits and float32 chunks) of the largest such pass.
 
@@ -137,14 +139,17 @@ def stage_floors(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
         }
 
     update = max((update_parts(spec) for spec in trained), key=lambda parts: sum(parts.values()))
+    # rollout.keep_engine: the generation copy and the KV cache stay from the first generation to the end of the run.
+    kept = {f"{part}, kept (rollout.keep_engine)": size for part, size in generation.items()}
+    kept = kept if config.rollout.keep_engine else {}
     return {
         "load": dict(weights),
         "generate": {**in_step, **generation},
-        "log_probs": {**in_step, **forward_parts},
-        "advantages": dict(in_step),
-        "update": {**weights, **adam, **update},
-        "save": {**weights, **adam},
-        "export": {**weights, **adam},
+        "log_probs": {**in_step, **forward_parts, **kept},
+        "advantages": {**in_step, **kept},
+        "update": {**weights, **adam, **update, **kept},
+        "save": {**weights, **adam, **kept},
+        "export": {**weights, **adam, **kept},
         "resume": {**weights, **adam},
     }
 

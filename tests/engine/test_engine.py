@@ -174,6 +174,15 @@ def test_cache_is_allocated_on_demand_and_can_be_freed(checkpoint):
     assert engine.stats.generated_tokens == sum(map(len, first)) and engine.stats.decode_steps > 0
 
 
+def test_a_memory_sized_cache_is_no_larger_than_max_num_seqs_rows_at_max_model_len(checkpoint):
+    model, _ = checkpoint
+    huge = 1 << 40  # what a mostly empty GPU's memory_fraction would offer
+    engine = LLMEngine(model, eos_token_id=EOS, block_size=4, max_num_seqs=3, max_model_len=10, kv_cache_bytes=huge)
+    assert engine.fixed_num_blocks == 3 * 3  # 3 rows of ceil(10 / 4) blocks
+    assert LLMEngine(model, eos_token_id=EOS, block_size=4, kv_cache_bytes=huge).fixed_num_blocks > 10**6
+    assert LLMEngine(model, eos_token_id=EOS, block_size=4, max_model_len=10, num_blocks=50).fixed_num_blocks == 50
+
+
 def test_bad_requests_are_refused_with_the_fix_named(checkpoint):
     model, _ = checkpoint
     engine = LLMEngine(model, eos_token_id=EOS, block_size=4, num_blocks=4)

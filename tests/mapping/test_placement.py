@@ -102,3 +102,36 @@ def test_a_recipe_runs_on_the_mappers_placement(tmp_path, monkeypatch):
     )
     assert len(records) == 2 and all(record["actor/loss"] == record["actor/loss"] for record in records)
     assert {"time/update_actor", "time/update_critic", "time/values", "time/ref_log_probs"} <= set(records[-1])
+
+
+def test_auto_placement_releases_the_engine_where_keeping_it_fits_nowhere(tiny_model_dir):
+    import dataclasses
+
+    from spmd_rlhf.mapping.cost import Cluster
+    from spmd_rlhf.mapping.placement import describe_plan
+    from spmd_rlhf.mapping.search import Planner
+
+    config = ppo_config(tiny_model_dir, "rollout.keep_engine=true")
+    specs, batch = config_dataflow(config)
+    assert batch.keep_engine
+
+    def fits(memory: float, keep: bool) -> bool:
+        profile = dataclasses.replace(BUILTIN_PROFILES["h100"], device_memory=memory)
+        try:
+            Planner(specs, Cluster(2, 2, profile), dataclasses.replace(batch, keep_engine=keep)).plan()
+            return True
+        except ValueError:
+            return False
+
+    # The smallest device (in 1 % steps) on which the roles fit with the engine released: keeping it does not.
+    memory = 2**20
+    while not fits(memory, keep=False):
+        memory *= 1.01
+    assert not fits(memory, keep=True)
+    profile = dataclasses.replace(BUILTIN_PROFILES["h100"], device_memory=memory)
+    result = plan_config(config, 2, profile=profile)
+    assert result.engine_released and not result.best.keep_engine
+    assert apply_mapping(config, result.best).rollout.keep_engine is False
+    assert "released after each generation" in describe_plan(result, devices=2, profile=profile)
+    roomy = plan_config(config, 2, profile=BUILTIN_PROFILES["h100"])
+    assert not roomy.engine_released and apply_mapping(config, roomy.best).rollout.keep_engine is True

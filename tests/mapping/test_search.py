@@ -135,3 +135,17 @@ def test_a_generative_judge_is_costed_as_generation_on_replicas_of_one_stage():
     assert preparation(scorer) < preparation(judge) < preparation(dataclasses.replace(judge, judge_tokens=512))
     assert {candidate.pp for candidate in candidate_layouts(scorer, 8, cluster, batch)} != {1}
     assert {candidate.pp for candidate in candidate_layouts(judge, 8, cluster, batch)} == {1}
+
+
+def test_a_kept_engine_takes_memory_through_training():
+    # rollout.keep_engine holds the 7B actor's generation shard and KV cache beside every other pass: on 8 H100s
+    # nothing then fits, on 16 the roles split; released after each generation, colocating them all still wins.
+    import dataclasses
+
+    kept = dataclasses.replace(BATCH, keep_engine=True)
+    with pytest.raises(ValueError, match="no mapping fits.*rollout.keep_engine=false"):
+        Planner(ppo(), Cluster(8, 8, H100), kept).plan()
+    released = Planner(ppo(), Cluster(16, 8, H100), BATCH).plan().best
+    holding = Planner(ppo(), Cluster(16, 8, H100), kept).plan().best
+    assert released.sets == (("actor", "critic", "reference", "reward"),) and not released.keep_engine
+    assert len(holding.sets) == 2 and holding.keep_engine

@@ -52,7 +52,7 @@ def test_dry_run_prints_the_plan_and_launches_nothing(name, workdir):
     assert [line.split(":")[0] for line in shown.stdout.splitlines() if line.startswith("rank ")] == [
         f"rank {r}" for r in range(4)
     ]
-    assert "while generating" in shown.stdout
+    assert "from the first generation on (rollout.keep_engine)" in shown.stdout
 
 
 def test_bad_key_is_one_line_and_exit_code_2(workdir):

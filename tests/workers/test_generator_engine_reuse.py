@@ -32,7 +32,7 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def _generator(policy: str, keep: bool) -> Generator:
+def _generator(policy: str, keep: bool, *more: str) -> Generator:
     config = load_config(
         None,
         [
@@ -42,6 +42,7 @@ def _generator(policy: str, keep: bool) -> Generator:
             "rollout.n=2",
             "rollout.max_new_tokens=5",
             f"rollout.keep_engine={str(keep).lower()}",
+            *more,
         ],
     )
     vocab = load_model(policy, dtype=torch.float32).args.vocab_size
@@ -85,3 +86,24 @@ def test_without_keep_engine_each_generation_frees_its_cache(policy):
     engine.generate([[7, 8, 9]], SamplingParams(temperature=0, max_new_tokens=2))
     generator.release(engine)
     assert engine.runner._key_cache is None and not generator._idle_engines
+
+
+def test_a_memory_sized_engine_is_sized_for_its_call_and_replaced_when_a_wider_call_comes(policy, monkeypatch):
+    """On GPU without rollout.kv_cache_blocks the cache comes from free memory: a new engine then decodes at most its
+    call's rows (its cache no larger than they fill, since a kept engine holds it through training); a later call
+    with more rows replaces it instead of decoding in waves."""
+    generator = _generator(policy, True, "rollout.max_num_seqs=6")
+    generator.device = torch.device("cuda")  # only the cache sizing reads it; the model stays on the CPU
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    model = load_model(policy, dtype=torch.float32)
+    small = generator.engine(model, rows=2)
+    longest = generator.config.data.max_prompt_length + generator.config.rollout.response_length
+    assert small.max_num_seqs == 2
+    assert small.fixed_num_blocks == 2 * -(-longest // small.block_size)
+    generator.release(small)
+    assert generator.engine(model, rows=1) is small  # narrower calls reuse it
+    generator.release(small)
+    wide = generator.engine(model, rows=10)
+    assert wide is not small and wide.max_num_seqs == 6 and not generator._idle_engines

@@ -47,8 +47,10 @@ class RolloutConfig:
     keep_engine: bool = True
     """Keep each generating role's engine for the run: the actor's generation-layout copy of the weights (rewritten in
     place by every reshard), the KV cache and the CUDA graphs captured on them stay allocated between generations, so
-    graphs are captured once per run, not once per step. Costs the actor that copy and the KV cache during training
-    (lower memory_fraction to leave training room); false: built for each generation and dropped after it."""
+    graphs are captured once per run, not once per step. Costs the actor that copy and the KV cache during training: a
+    cache sized from free memory is therefore no larger than the first generation's rows (at most max_num_seqs) fill
+    at full length, the dry run counts both on the actor's ranks, and placement=auto turns the key off when the kept
+    engine fits beside training in no mapping; false: built for each generation and dropped after it."""
     environment: str | None = None
     """Multi-turn rollouts (docs/multiturn.md): the environment that answers each turn, ``tool`` (tool calls in the
     Hermes / Qwen format run on the sandboxed calculator and Python tools) or path/to/file.py:name (a class or

@@ -6,7 +6,8 @@ at scale and are exact given the layout. A trained role keeps float32 weights, f
 (``TRAINING_BYTES_PER_PARAMETER``), sharded over all its ranks (FSDP over dp, TP over tp, PP over pp); a frozen role
 keeps its weights in ``model.dtype``. While generating, each actor rank (each rollout rank, with a rollout role) holds
 its generation shard (the weights in ``model.dtype`` split ``rollout.tp`` ways) and its KV cache (sized here for the
-batch at full length). In a training or forward pass it also holds that pass's working set (``working_bytes``: one
+batch at full length), with ``rollout.keep_engine`` (the default) from its first generation to the end of the run,
+through every training pass. In a training or forward pass it also holds that pass's working set (``working_bytes``: one
 micro-batch's activations, its logits at the response positions and the log-prob path's float32 vocabulary chunks); the
 largest of its roles' is shown. A generative judge (``reward.kind=generative``) holds a whole TP-sharded replica per DP
 rank and, while judging, the KV cache of its DP shard's prompts, responses and verdicts. The engine's working buffers
@@ -78,8 +79,11 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
     generating = placement.roles["rollout" if "rollout" in placement.roles else "actor"][0].ranks
     generation = _generation_bytes(config, models["actor"], batch, len(generating))
     lines += ["", "# memory per rank (weights and optimizer state, plus what generation or the largest pass adds)"]
+    # A kept engine (rollout.keep_engine) holds the shard and KV cache from the first generation on; the KV cache
+    # here is the batch's at full length, what a cache sized from free memory stops at.
+    when = "from the first generation on (rollout.keep_engine)" if config.rollout.keep_engine else "while generating"
     for rank, state in enumerate(per_rank):
-        extra = f" + {_mib(generation)} while generating" if rank in generating else ""
+        extra = f" + {_mib(generation)} {when}" if rank in generating else ""
         lines.append(f"rank {rank}: {_mib(state)}{extra} + {_mib(largest_pass[rank])} in its largest pass")
     return "\n".join(lines) + "\n"
 

@@ -76,7 +76,8 @@ class LLMEngine:
         decode_graphs: str = "auto",
         max_model_len: int | None = None,
     ) -> None:
-        """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size; with neither, each call gets a cache that holds
+        """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size (``kv_cache_bytes`` at most what ``max_num_seqs``
+        rows of ``max_model_len`` tokens fill, when that is given); with neither, each call gets a cache that holds
         all its requests at full length (no preemption). ``block_size`` None: ``default_kv_block_size`` of the model's
         attention backend (256 where flash-attn reads the cache, else 16). A request without its own seed gets
         ``derive_seed(seed, n)`` for the n-th request this engine has received (counted across ``generate`` calls, so
@@ -128,6 +129,10 @@ class LLMEngine:
         # Blocks from bytes after the block size is agreed: every rank of the mesh holds an equal shard, so one
         # block costs the same bytes everywhere.
         local_blocks = self.runner.blocks_for_bytes(kv_cache_bytes) if kv_cache_bytes is not None else num_blocks
+        if kv_cache_bytes is not None and max_model_len is not None:
+            # A budget from free memory can far exceed what the engine can ever fill (max_num_seqs rows at
+            # max_model_len tokens); a kept engine would hold the excess through training.
+            local_blocks = min(local_blocks, self.max_num_seqs * -(-max_model_len // self.block_size))
         (agreed_blocks,) = agree_minimum([_UNLIMITED if local_blocks is None else local_blocks], groups, device)
         self.fixed_num_blocks = None if agreed_blocks == _UNLIMITED else agreed_blocks
         """Cache size in blocks, or None to size it for each call's requests."""

@@ -104,6 +104,21 @@ def resident_bytes(role: RoleSpec, devices: int, batch: Batch) -> float:
     return parameters * per_parameter / devices
 
 
+def kept_generation_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_bytes: float) -> float:
+    """Bytes per device a generating role's kept engine holds between generations (``batch.keep_engine``): the
+    generation shard and its KV cache, which holds the rows a replica decodes at once at full length, or what
+    ``free_bytes`` (the device's room beside every resident state) leaves beside the shard, whichever is less (as
+    ``workers.generation`` sizes it); 0 for a layout that does not generate or an engine that is not kept."""
+    if not (batch.keep_engine and layout.tp_g):
+        return 0.0
+    shape, b = role.shape, batch.dtype_bytes
+    shard = shape.parameters(role.head) * b / layout.tp_g
+    replicas = layout.devices // layout.tp_g
+    running = min(math.ceil(batch.rows / replicas), MAX_DECODE_BATCH)
+    kv_cache = running * batch.sequence_length * shape.kv_bytes_per_token(b) / layout.tp_g
+    return shard + max(0.0, min(kv_cache, free_bytes - shard))
+
+
 def _micro_batch(role: RoleSpec, batch: Batch) -> int:
     return role.micro_batch_size or batch.micro_batch_size
 

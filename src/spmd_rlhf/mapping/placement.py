@@ -45,6 +45,7 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
         dtype_bytes=_DTYPE_BYTES[config.model.dtype],
         activation_checkpointing=config.model.activation_checkpointing,
         memory_fraction=config.rollout.memory_fraction,
+        keep_engine=config.rollout.keep_engine,
     )
     return specs, batch
 
@@ -62,10 +63,18 @@ def gpus_per_node(config: FrameworkConfig, world_size: int) -> int:
 
 
 def plan_config(config: FrameworkConfig, world_size: int, *, profile: DeviceProfile | None = None) -> PlanResult:
-    """Algorithm 1 for ``config``'s dataflow on ``world_size`` devices."""
+    """Algorithm 1 for ``config``'s dataflow on ``world_size`` devices. With ``rollout.keep_engine`` and no mapping
+    that holds the kept engine beside training, the mappings that release it after each generation (its mapping's
+    ``keep_engine`` is then false, and ``mapping_overrides`` turns the key off)."""
     specs, batch = config_dataflow(config)
     cluster = Cluster(world_size, gpus_per_node(config, world_size), profile or resolve_profile(config.mapping.profile))
-    return Planner(specs, cluster, batch).plan()
+    try:
+        return Planner(specs, cluster, batch).plan()
+    except ValueError:
+        if not batch.keep_engine:
+            raise
+        released = Planner(specs, cluster, dataclasses.replace(batch, keep_engine=False)).plan()
+        return dataclasses.replace(released, engine_released=True)
 
 
 def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
@@ -88,6 +97,8 @@ def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
             f"{name}.tp={tp}",
         ]
     overrides.append(f"rollout.tp={mapping.layouts['actor'].tp_g}")
+    if config.rollout.keep_engine and not mapping.keep_engine:
+        overrides.append("rollout.keep_engine=false")  # the kept engine fits beside training nowhere (describe_plan)
     return overrides
 
 
@@ -110,7 +121,13 @@ def describe_plan(result: PlanResult, *, devices: int, profile: DeviceProfile) -
         for name in roles:
             lines.append(f"{name:<12} {count:>7}  {best.layouts[name]}")
     stages = "  ".join(f"{stage} {seconds:.3g} s" for stage, seconds in best.stage_seconds.items())
-    lines += [f"estimated step: {best.seconds:.3g} s ({stages})", "", "# runners-up"]
+    lines.append(f"estimated step: {best.seconds:.3g} s ({stages})")
+    if result.engine_released:
+        lines.append(
+            "the actor's engine (generation copy, KV cache, CUDA graphs) is released after each generation: kept, it "
+            "fits beside training in no mapping (rollout.keep_engine=false)"
+        )
+    lines += ["", "# runners-up"]
     for mapping in result.runners_up:
         lines.append(
             f"{mapping.seconds:10.3g} s  {mapping.describe()}  "

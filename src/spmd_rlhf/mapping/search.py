@@ -20,7 +20,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from spmd_rlhf.mapping.cost import Cluster, Layout, generation_seconds, pass_seconds, resident_bytes, working_bytes
+from spmd_rlhf.mapping.cost import (
+    Cluster,
+    Layout,
+    generation_seconds,
+    kept_generation_bytes,
+    pass_seconds,
+    resident_bytes,
+    working_bytes,
+)
 from spmd_rlhf.mapping.workload import STAGES, Batch, RoleSpec
 
 
@@ -34,6 +42,8 @@ class Mapping:
     layouts: dict[str, Layout] = field(compare=False)
     stage_seconds: dict[str, float] = field(compare=False)
     """Simulated seconds of each stage (the slowest set's)."""
+    keep_engine: bool = field(default=False, compare=False)
+    """Whether the actor's engine stays between generations in this mapping (``Batch.keep_engine``)."""
 
     @property
     def seconds(self) -> float:
@@ -52,6 +62,9 @@ class PlanResult:
     """The next cheapest mappings, cheapest first."""
     mappings_evaluated: int
     search_seconds: float
+    engine_released: bool = False
+    """Set by ``placement.plan_config`` when no mapping held ``rollout.keep_engine``'s kept engine beside training
+    and these mappings release it after each generation instead."""
 
 
 def placements(names: list[str]) -> Iterator[tuple[tuple[str, ...], ...]]:
@@ -169,16 +182,22 @@ class Planner:
     def _auto_parallel(
         self, role: RoleSpec, devices: int, colocated: tuple[str, ...]
     ) -> tuple[Layout, dict[str, float]] | None:
-        free = self.budget - sum(resident_bytes(self.roles[name], devices, self.batch) for name in colocated)
+        free = self.free_bytes(devices, colocated)
         best = None
         for layout in candidate_layouts(role, devices, self.cluster, self.batch):
-            if working_bytes(role, layout, self.batch) > free:
+            # A kept engine's generation copy and KV cache sit beside the role's own passes.
+            kept = kept_generation_bytes(role, layout, self.batch, free_bytes=free)
+            if working_bytes(role, layout, self.batch) + kept > free:
                 continue
             seconds = role_stage_seconds(role, layout, self.cluster, self.batch, free_bytes=free)
             total = sum(seconds.values())
             if math.isfinite(total) and (best is None or total < best[0]):
                 best = (total, layout, seconds)
         return None if best is None else (best[1], best[2])
+
+    def free_bytes(self, devices: int, colocated: tuple[str, ...]) -> float:
+        """What each of ``devices`` devices has for passes once every role of ``colocated`` holds its resident state."""
+        return self.budget - sum(resident_bytes(self.roles[name], devices, self.batch) for name in colocated)
 
     def minimal_units(self, colocated: tuple[str, ...]) -> int | None:
         """The fewest allocation units on which every role of the set fits, or None if none does."""
@@ -200,6 +219,14 @@ class Planner:
                 layouts[name] = chosen[0]
                 for stage, seconds in chosen[1].items():
                     set_seconds[stage] += seconds
+            # Each layout was chosen alone; a kept engine of the set also stays through the other roles' passes.
+            free = self.free_bytes(count, colocated)
+            kept = sum(
+                kept_generation_bytes(self.roles[name], layouts[name], self.batch, free_bytes=free)
+                for name in colocated
+            )
+            if any(working_bytes(self.roles[name], layouts[name], self.batch) + kept > free for name in colocated):
+                return None
             per_set.append(set_seconds)
         cores = self.cluster.profile.shared_cores
         for stage in STAGES:
@@ -207,7 +234,9 @@ class Planner:
             if cores:  # CPU ranks sharing cores: the sets busy in this stage slow each other down
                 busy = sum(count for seconds, count in zip(per_set, devices) if seconds[stage] > 0)
                 stage_seconds[stage] *= max(1.0, busy / cores)
-        return Mapping(sets=sets, devices=devices, layouts=layouts, stage_seconds=stage_seconds)
+        return Mapping(
+            sets=sets, devices=devices, layouts=layouts, stage_seconds=stage_seconds, keep_engine=self.batch.keep_engine
+        )
 
     def mappings(self) -> Iterator[Mapping]:
         """Every feasible mapping (placement x allocation) with its auto_parallel layouts."""
@@ -239,6 +268,12 @@ class Planner:
                 f"no mapping fits: the roles do not fit in {self.cluster.devices} devices of "
                 f"{self.cluster.profile.device_memory / 2**30:.0f} GiB ({self.cluster.profile.name}); "
                 "use more devices, smaller micro-batches, activation checkpointing or shorter sequences"
+                + (
+                    ", or rollout.keep_engine=false (the kept generation copy and KV cache take memory through "
+                    "training)"
+                    if self.batch.keep_engine
+                    else ""
+                )
             )
         ranked = [entry[3] for entry in sorted(heap, reverse=True)]
         return PlanResult(

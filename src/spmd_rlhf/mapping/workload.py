@@ -148,6 +148,9 @@ class Batch:
     activation_checkpointing: bool = False
     memory_fraction: float = 0.9
     """Fraction of device memory the mapper may plan to fill."""
+    keep_engine: bool = False
+    """The actor keeps its generation copy and KV cache from one generation to the next (``rollout.keep_engine``):
+    they then take memory in every other stage too."""
 
     @property
     def rows(self) -> int:

@@ -140,17 +140,27 @@ class Generator:
             # A turn must be able to end where the template ends an assistant turn, or no observation can follow.
             self.stop_token_ids |= {self.chat_delta.turn_end_id}
 
-    def engine(self, model: torch.nn.Module, *, shares: int = 1) -> LLMEngine:
+    def engine(self, model: torch.nn.Module, *, shares: int = 1, rows: int | None = None) -> LLMEngine:
         """A generation engine over ``model`` with the rollout config's cache, batch and sampling settings: one that
         ``release`` kept (with its KV cache and CUDA graphs), else a new one. Give it back with ``release``.
         ``shares``: on GPU without rollout.kv_cache_blocks, a new engine's cache takes 1 / ``shares`` of the memory
         left, so that ``shares`` caches made one after another get equal parts (partial rollouts hold one per batch
-        in flight)."""
+        in flight). ``rows``: the requests of the call the engine is built for; with a cache sized from free memory,
+        a new engine decodes at most that many at once (and at most rollout.max_num_seqs), so its KV cache and
+        static decode buffers are no larger than such a call fills: a kept engine holds them through training."""
         # Engines over another model (a replaced generation copy) can never run again: their memory goes first.
-        self._idle_engines = [engine for engine in self._idle_engines if engine.runner.model is model]
+        rollout = self.config.rollout
+        kept = []
+        for engine in self._idle_engines:
+            # One built for a smaller call (validation first) would decode this one in waves: replaced, once.
+            narrow = rows is not None and engine.max_num_seqs < min(rows, rollout.max_num_seqs)
+            if engine.runner.model is model and not narrow:
+                kept.append(engine)
+            else:
+                engine.free_cache()
+        self._idle_engines = kept
         if self._idle_engines:
             return self._idle_engines.pop()
-        rollout = self.config.rollout
         sizing = {}
         if rollout.kv_cache_blocks:
             sizing["num_blocks"] = rollout.kv_cache_blocks
@@ -163,6 +173,9 @@ class Generator:
                 kv_cache_budget(fraction=rollout.memory_fraction, total=total, free=free, cached=cached, role=self.role)
                 // shares
             )
+        max_num_seqs = rollout.max_num_seqs
+        if "kv_cache_bytes" in sizing and rows is not None:
+            max_num_seqs = min(max_num_seqs, max(rows, 1))
         # Otherwise the engine sizes its cache to run every request to full length (host memory is plentiful
         # relative to the caches of CPU-sized models), so nothing is ever preempted. A null kv_block_size lets the
         # engine pick it from the attention backend (256 for flash-attn's paged kernel, else 16).
@@ -170,7 +183,7 @@ class Generator:
             model,
             eos_token_id=self.tokenizer.eos_token_id,
             block_size=rollout.kv_block_size,
-            max_num_seqs=rollout.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             seed=self.config.trainer.seed,
             decode_graphs="auto" if rollout.cuda_graphs else "off",
             # Decode is prepared once for the longest row, so graphs captured in one step serve every later one.
@@ -209,7 +222,7 @@ class Generator:
         # This rank's generation replica answers a share of the DP group's prompts; the rows are gathered back below.
         mine = prompts.select(replicas.replica_rows(len(prompts)))
         requests, params, sources = self.requests(mine, n=n, greedy=greedy)
-        engine = self.engine(model)
+        engine = self.engine(model, rows=len(requests))
         per_row: dict[str, torch.Tensor] = {}
         if self.environment is None:
             outputs = engine.generate(requests, params)
