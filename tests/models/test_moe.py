@@ -6,6 +6,7 @@ for tensor parallelism."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -113,6 +114,18 @@ def test_experts_load_from_the_published_per_expert_tensors(moe_checkpoint):
         for e in range(4):
             name = PUBLISHED_EXPERT[family].format(e=e, projection=published)
             assert torch.equal(parameter[e], stored[name]), name
+
+
+def test_experts_load_from_transformers_fused_in_memory_layout(moe_checkpoint, tmp_path):
+    """A transformers 5 model's own state dict (``experts.gate_up_proj`` fused, Mixtral's block named ``mlp``) saved
+    as is loads to the same logits."""
+    _, path, hf_model = moe_checkpoint
+    state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    shutil.copy(f"{path}/config.json", tmp_path)
+    model = load_model(str(tmp_path), attention_backend="torch")
+    assert max_logit_difference(model, hf_model, padded_batch(batch=3, seq=14, side="left")) <= 1e-5
 
 
 def test_export_writes_the_published_layout_and_transformers_reads_it(moe_checkpoint, tmp_path):

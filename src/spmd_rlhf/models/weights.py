@@ -7,6 +7,7 @@ save_pretrained(model, "out/hf", tokenizer=tokenizer)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -87,21 +88,24 @@ def _tensor_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def model_layout(model: DecoderLM) -> dict[str, list[StoredTensor]]:
-    """Each parameter of ``model`` (whole shapes, also when it is sharded) -> the checkpoint tensors holding it."""
-    return checkpoint_layout(model.args.family, {name: tuple(p.shape) for name, p in model.named_parameters()})
+def model_layout(model: DecoderLM, stored_names: set[str] | None = None) -> dict[str, list[StoredTensor]]:
+    """Each parameter of ``model`` (whole shapes, also when it is sharded) -> the checkpoint tensors holding it, as
+    published, or as a checkpoint of ``stored_names`` holds them (``checkpoint_layout``)."""
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    return checkpoint_layout(model.args.family, shapes, stored_names)
 
 
 def _plan_load(model: DecoderLM, shapes: dict[str, tuple[int, ...]]) -> tuple[list[str], list[str]]:
     """Decide which parameters come from the checkpoint; raise one error listing every mismatch.
 
     Returns ``(parameters loaded from the checkpoint, parameters left to initialise)``. Checkpoint tensors are
-    named as published (``checkpoint_names``: an MoE layer's experts one tensor each). Rules beyond exact name
+    named as published (``checkpoint_names``: an MoE layer's experts one tensor each) or fused as transformers 5
+    holds them in memory. Rules beyond exact name
     matches: a tied LM head ignores a stored ``lm_head.weight`` copy; a value head (critic) built from a causal-LM
     checkpoint ignores ``lm_head.weight`` and starts with a zero ``score`` layer, and built from a reward model takes
     its ``score.weight`` and starts with a zero bias.
     """
-    layout = model_layout(model)
+    layout = model_layout(model, set(shapes))
     expected = {stored.name: stored.shape for parts in layout.values() for stored in parts}
     ignorable = set()
     to_initialise = []
@@ -179,7 +183,7 @@ def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> 
     files = checkpoint_files(path)
     in_checkpoint, to_initialise = _plan_load(_meta_copy(model), _tensor_shapes(files))
     in_checkpoint = set(in_checkpoint)
-    layout = model_layout(model)
+    layout = model_layout(model, set(files))
     model.to_empty(device=device)
     model.tie_weights()
     model.reset_buffers()
@@ -198,6 +202,10 @@ def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> 
             target, part = local_piece(param, stored.expert)
             if not target.numel():
                 continue
+            if stored.row_offset:
+                part = dataclasses.replace(
+                    part, offset=(part.offset[0], part.offset[1] + stored.row_offset, *part.offset[2:])
+                )
             # One open per tensor: the file's pages touched through the memory map are released with it.
             with _open(files[stored.name]) as handle:
                 data = handle.get_slice(stored.name)[part.slices()]
