@@ -10,12 +10,19 @@ import shutil
 
 import pytest
 import torch
-from hf_fixtures import MOE_FAMILIES, padded_batch, write_hf_model
+from hf_fixtures import MOE_FAMILIES, hf_config, padded_batch, write_hf_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torchrun_helpers import torchrun
 
-from spmd_rlhf.models import CheckpointMismatchError, load_model, read_decoder_args, save_pretrained
+from spmd_rlhf.models import (
+    CheckpointMismatchError,
+    ModelConfigError,
+    args_from_hf_config,
+    load_model,
+    read_decoder_args,
+    save_pretrained,
+)
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.moe import MoEBlock, Routing, expert_load, grouped_mm_supported
 from spmd_rlhf.models.parallelize import check_tensor_parallel
@@ -156,6 +163,11 @@ def test_a_missing_expert_tensor_is_one_error_naming_it(tmp_path):
     assert "\n" not in str(error.value)
 
 
+def test_router_jitter_is_refused():
+    with pytest.raises(ModelConfigError, match=r"^router_jitter_noise=0.1 is not supported"):
+        args_from_hf_config(hf_config("mixtral", router_jitter_noise=0.1))
+
+
 def test_tensor_parallelism_refuses_moe_layers(tmp_path):
     write_hf_model("qwen3_moe", str(tmp_path), vocab_size=102)
     args = read_decoder_args(str(tmp_path))
@@ -168,9 +180,9 @@ def test_tensor_parallelism_refuses_moe_layers(tmp_path):
     check_tensor_parallel(dense_layers_only, 2, role="actor")
 
 
-def test_fsdp_on_two_ranks_loads_computes_and_saves_experts(tmp_path):
-    """Each of 2 FSDP ranks holds half of the experts (``programs/moe_sharded.py`` checks its pieces, logits and
-    expert gradients against one process); the streamed save equals transformers' own checkpoint."""
+def test_fsdp_on_one_and_two_ranks_loads_computes_and_saves_experts(tmp_path):
+    """FSDP2 over 1 rank, and over 2 ranks that each hold half of the experts (``programs/moe_sharded.py`` checks the
+    pieces, logits and expert gradients against one process); the streamed save equals transformers' checkpoint."""
     write_hf_model("qwen2_moe", str(tmp_path / "model"))
     finished = torchrun("moe_sharded.py", str(tmp_path / "model"), str(tmp_path / "out"), nproc=2, timeout=120)
     assert finished.returncode == 0, finished.stdout[-6000:]

@@ -1,6 +1,6 @@
-"""A mixture-of-experts model under FSDP2 on 2 gloo ranks (each rank holds half of every layer's experts): each
-rank's loaded pieces equal a single-process load, the logits and the input gradient of the embedding equal the
-single-process model's, and the streamed save writes the published per-expert layout to ``OUT_DIR``.
+"""A mixture-of-experts model under FSDP2 on 1 rank and on 2 gloo ranks (each then holds half of every layer's
+experts): each rank's loaded pieces equal a single-process load, the logits and the experts' gradients equal the
+single-process model's, and the streamed save from 2 ranks writes the published per-expert layout to ``OUT_DIR``.
 
     torchrun --nproc-per-node 2 tests/models/programs/moe_sharded.py MODEL_DIR OUT_DIR
 """
@@ -18,21 +18,22 @@ from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    model_dir, out_dir = sys.argv[1:]
-    reference = load_model(model_dir, attention_backend="torch")
+def sharded_like_one_process(model_dir: str, dp_mesh, reference) -> torch.nn.Module:
+    """The model under FSDP2 over ``dp_mesh``, checked against ``reference`` (one process): the loaded pieces, the
+    logits, and the expert gradients."""
     model = build_model(model_dir, attention_backend="torch")
-    parallelize(model, tp_mesh=None, dp_mesh=init_device_mesh("cpu", (2,)))
+    parallelize(model, tp_mesh=None, dp_mesh=dp_mesh)
     load_weights(model, model_dir, device="cpu")
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         local, piece = local_piece(param)
         torch.testing.assert_close(local, expected[name][piece.slices()], rtol=0, atol=0, msg=name)
     experts = model.model.layers["0"].mlp.experts.gate_proj
-    assert local_piece(experts)[1].shape[0] == experts.shape[0] // 2, "each rank holds half of the experts"
+    held = local_piece(experts)[1].shape[0]
+    assert held == experts.shape[0] // dp_mesh.size(), f"{held} of {experts.shape[0]} experts on {dp_mesh.size()} ranks"
 
     ids = torch.randint(3, reference.args.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    reference.zero_grad()
     logits = model(ids)
     torch.testing.assert_close(logits, reference(ids), rtol=0, atol=1e-5)
     logits.logsumexp(-1).sum().backward()
@@ -41,7 +42,16 @@ def main() -> None:
         if "experts" in name:
             local, piece = local_piece(param.grad)
             torch.testing.assert_close(local, expected[name].grad[piece.slices()], rtol=1e-5, atol=1e-6, msg=name)
+    return model
 
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    model_dir, out_dir = sys.argv[1:]
+    reference = load_model(model_dir, attention_backend="torch")
+    one_rank = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replica", "dp"))["dp"]
+    sharded_like_one_process(model_dir, one_rank, reference)
+    model = sharded_like_one_process(model_dir, init_device_mesh("cpu", (2,)), reference)
     save_sharded_pretrained(
         model,
         out_dir,
