@@ -24,7 +24,9 @@ def _add_make_tiny(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "make-tiny", help="write a random-init model in Hugging Face format plus a locally trained tokenizer"
     )
-    parser.add_argument("--family", required=True, choices=["llama", "qwen2", "qwen3", "mistral"])
+    parser.add_argument(
+        "--family", required=True, choices=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"]
+    )
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size")
     parser.add_argument("--layers", type=int, default=2, help="number of decoder layers")

@@ -31,13 +31,42 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=None, head_dim=16),
 }
 
+# Mixture-of-experts families, at widths _grouped_mm takes (rows of 16-byte multiples). Qwen3-MoE: top-2 of 4
+# renormalised, QK-norm, a dense layer (mlp_only_layers); Qwen2-MoE: top-2 of 4 without renormalisation, a gated
+# shared expert, q/k/v bias; Mixtral: top-2 of 4, always renormalised, experts of intermediate_size.
+MOE_FAMILIES = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+    ),
+    "mixtral": dict(
+        model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
+}
+
 PAD_ID = 0
 
 
 def hf_config(name: str, **overrides):
     from transformers import AutoConfig
 
-    settings = dict(FAMILIES[name])
+    settings = dict({**FAMILIES, **MOE_FAMILIES}[name])
     model_type = settings.pop("model_type")
     base = dict(
         vocab_size=101,

@@ -25,6 +25,7 @@ from spmd_rlhf.checkpoint.directory import (
 )
 from spmd_rlhf.checkpoint.errors import CheckpointError
 from spmd_rlhf.models import DecoderArgs, DecoderLM, read_decoder_args
+from spmd_rlhf.models.checkpoint_names import checkpoint_layout
 from spmd_rlhf.models.safetensors_stream import SafetensorsWriter, TensorEntry, plan_files, split_by_bytes, write_index
 from spmd_rlhf.models.weights import write_hf_metadata
 
@@ -143,18 +144,27 @@ def export_hf(
             export_lora(config_dir, role_dir, merge=merge, dtype=dtype, max_shard_bytes=max_shard_bytes)
             continue
         _, args, head, saved = _role_model_entries(checkpoint_dir, role)
-        entries = [TensorEntry(name, tuple(entry.size), dtype) for name, entry in saved.items()]
+        # Written as published (``checkpoint_names``): an expert parameter one tensor per expert.
+        layout = checkpoint_layout(args.family, {name: tuple(entry.size) for name, entry in saved.items()})
+        stored = {part.name: part for parts in layout.values() for part in parts}
+        entries = [TensorEntry(name, part.shape, dtype) for name, part in stored.items()]
         files = plan_files([entries], max_shard_bytes=max_shard_bytes)
         buckets = read_role_tensors(checkpoint_dir, role, bucket_bytes=bucket_bytes)
         bucket: dict[str, torch.Tensor] = {}
         for planned in files:
             with SafetensorsWriter(role_dir, planned) as file:
                 for entry in planned.entries:
-                    if entry.name not in bucket:
+                    part = stored[entry.name]
+                    if part.parameter not in bucket:
                         bucket = {}  # dropped before the next is read
                         bucket = next(buckets)
-                    # Popped, so each tensor goes as soon as it is written (the reader holds the same dict).
-                    file.write(bucket.pop(entry.name).to(dtype))
+                    if part.expert is None or part.expert == layout[part.parameter][-1].expert:
+                        # Popped after its last tensor, so each parameter goes as soon as it is written (the reader
+                        # holds the same dict).
+                        tensor = bucket.pop(part.parameter)
+                    else:
+                        tensor = bucket[part.parameter]
+                    file.write((tensor if part.expert is None else tensor[part.expert]).to(dtype))
         write_index(role_dir, files)
         write_hf_metadata(
             role_dir, args, head=head, dtype=dtype, tokenizer=AutoTokenizer.from_pretrained(str(config_dir))

@@ -214,10 +214,11 @@ def send_weights(
     actor_ranks = dist.get_process_group_ranks(trainer_group)
     stage_ranks = [sides.source, *(other for other in actor_ranks if other != sides.source)]
     ready_point_to_point(trainer_group, device)
-    sending, pieces = exchange_pieces(params, entries, stage_ranks=stage_ranks, group=trainer_group)
+    held = {name: local_piece(param) for name, param in named}
+    sending, pieces = exchange_pieces(held, entries, stage_ranks=stage_ranks, group=trainer_group)
     if not sender:
         send_band_pieces(
-            params, entries, sending, writer=sides.source, band_bytes=bucket_bytes, device=device, group=trainer_group
+            held, entries, sending, writer=sides.source, band_bytes=bucket_bytes, device=device, group=trainer_group
         )
     else:
         assembled = (
@@ -225,7 +226,7 @@ def send_weights(
             for entry in entries
             for _, band in assembled_bands(
                 entry,
-                params[entry.name],
+                held[entry.name][0],
                 pieces[entry.name],
                 band_bytes=bucket_bytes,
                 device=device,

@@ -1,6 +1,7 @@
 """Decoder hyper-parameters read from a Hugging Face ``config.json``, with every field checked.
 
-One ``DecoderArgs`` describes every supported family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral without sliding window).
+One ``DecoderArgs`` describes every supported family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral without sliding window,
+and the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral, whose expert settings are ``DecoderArgs.moe``).
 A key in ``config.json`` that this model cannot honour is a ``ModelConfigError`` naming the key, never ignored.
 """
 
@@ -16,7 +17,8 @@ class ModelConfigError(ValueError):
     """A Hugging Face config asks for something the spmd_rlhf decoder cannot honour."""
 
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Keys that do not change the math of a forward pass (bookkeeping, generation defaults, tokenizer ids, init ranges),
@@ -72,6 +74,42 @@ _COMMON_KEYS = {
     "partial_rotary_factor",
 }
 
+# The mixture-of-experts keys, read by ``_moe_args`` (router_aux_loss_coef is kept for the load-balancing loss;
+# output_router_logits only asks transformers to return the logits).
+_MOE_KEYS = {
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "shared_expert_intermediate_size",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+    "output_router_logits",
+    "qkv_bias",
+}
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """The mixture-of-experts settings of a model whose feed-forward blocks route tokens to experts."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int
+    """Each routed expert's SwiGLU width (Mixtral: ``intermediate_size``)."""
+    norm_topk_prob: bool
+    """Renormalise the chosen experts' probabilities to sum to 1 (Mixtral always does)."""
+    shared_expert_intermediate_size: int
+    """Qwen2-MoE's always-on shared expert's width, gated per token by a sigmoid; 0: none."""
+    layers: tuple[int, ...]
+    """Indices of the layers with an MoE block; the others keep a dense MLP of ``intermediate_size``."""
+    router_aux_loss_coef: float
+    """The config's load-balancing loss coefficient (not applied by the model)."""
+
 
 @dataclass(frozen=True)
 class DecoderArgs:
@@ -94,6 +132,8 @@ class DecoderArgs:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    moe: MoEArgs | None = None
+    """Mixture-of-experts settings; None for a dense model."""
     hf_config: Any = field(default=None, compare=False, repr=False)
     """The ``transformers`` config object this was read from; written back unchanged by ``save_pretrained``."""
 
@@ -138,7 +178,7 @@ def _rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
 def _check_attention_window(family: str, hf_config: Any) -> None:
     window = getattr(hf_config, "sliding_window", None)
     max_positions = hf_config.max_position_embeddings
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         needs_window = window is not None and window < max_positions
     else:
         needs_window = (
@@ -165,7 +205,7 @@ def args_from_hf_config(hf_config: Any, raw: dict[str, Any] | None = None) -> De
     if family not in SUPPORTED_FAMILIES:
         raise ModelConfigError(f"model_type={family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
     if raw is not None:
-        unknown = sorted(set(raw) - _COMMON_KEYS)
+        unknown = sorted(set(raw) - _COMMON_KEYS - (_MOE_KEYS if family in MOE_FAMILIES else set()))
         if unknown:
             raise ModelConfigError(
                 f"config.json key(s) {', '.join(unknown)} are not supported for model_type={family!r}"
@@ -185,9 +225,10 @@ def args_from_hf_config(hf_config: Any, raw: dict[str, Any] | None = None) -> De
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     if head_dim % 2:
         raise ModelConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
-    # Transformers reads these two flags only for some families; read them exactly where it does.
-    attention_bias = family in ("llama", "qwen3") and bool(getattr(hf_config, "attention_bias", False))
+    # Transformers reads these flags only for some families; read them exactly where it does.
+    attention_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(getattr(hf_config, "attention_bias", False))
     mlp_bias = family == "llama" and bool(getattr(hf_config, "mlp_bias", False))
+    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(getattr(hf_config, "qkv_bias", True)))
     return DecoderArgs(
         family=family,
         vocab_size=hf_config.vocab_size,
@@ -202,11 +243,44 @@ def args_from_hf_config(hf_config: Any, raw: dict[str, Any] | None = None) -> De
         rope_scaling=scaling,
         max_position_embeddings=hf_config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=True if family == "qwen2" else attention_bias,
-        o_bias=False if family == "qwen2" else attention_bias,
+        qkv_bias=qkv_bias or attention_bias,
+        o_bias=attention_bias,
         mlp_bias=mlp_bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        moe=_moe_args(hf_config) if family in MOE_FAMILIES else None,
         hf_config=hf_config,
+    )
+
+
+def _moe_args(hf_config: Any) -> MoEArgs:
+    """The expert settings of a Qwen2-MoE / Qwen3-MoE / Mixtral config, read the way transformers reads them."""
+    family = hf_config.model_type
+    if family == "mixtral":
+        num_experts, width, renormalize = hf_config.num_local_experts, hf_config.intermediate_size, True
+        layers = tuple(range(hf_config.num_hidden_layers))
+        jitter = getattr(hf_config, "router_jitter_noise", 0.0)
+        if jitter:
+            raise ModelConfigError(f"router_jitter_noise={jitter} is not supported; only 0.0")
+    else:
+        num_experts, width = hf_config.num_experts, hf_config.moe_intermediate_size
+        renormalize = bool(hf_config.norm_topk_prob)
+        step, dense_layers = hf_config.decoder_sparse_step, set(hf_config.mlp_only_layers or [])
+        layers = tuple(
+            index
+            for index in range(hf_config.num_hidden_layers)
+            if index not in dense_layers and num_experts > 0 and (index + 1) % step == 0
+        )
+    top_k = hf_config.num_experts_per_tok
+    if not 0 < top_k <= num_experts:
+        raise ModelConfigError(f"num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts")
+    return MoEArgs(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=renormalize,
+        shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size if family == "qwen2_moe" else 0,
+        layers=layers,
+        router_aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
     )
 
 

@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by every role and by the generation engine.
+"""The decoder-only transformer shared by every role and by the generation engine; each layer's feed-forward block is
+a SwiGLU MLP or, in a mixture-of-experts model's MoE layers, an ``moe.MoEBlock``.
 
 Plain ``nn.Module``s with Hugging Face parameter names (``model.layers.3.self_attn.q_proj.weight``), so safetensors
 checkpoints load without renaming. No parallelism or rank logic here: tensor / pipeline / data parallelism are applied
@@ -8,11 +9,11 @@ from outside by plans in ``parallelize.py``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.attention import AttentionBatch, attend
+from spmd_rlhf.models.moe import MoEBlock, SwiGLU
 from spmd_rlhf.models.paged_kv import PagedKV
 from spmd_rlhf.models.rope import RotaryEmbedding, apply_rotary
 
@@ -65,26 +66,16 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(batch_size, seq_len, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, args: DecoderArgs) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: DecoderArgs, *, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_index=layer_index)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        if args.moe is not None and layer_index in args.moe.layers:
+            self.mlp = MoEBlock(args)
+        else:
+            self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, batch)

@@ -42,8 +42,14 @@ def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, 
 
 
 def check_tensor_parallel(model: DecoderLM, tp: int, *, role: str) -> None:
-    """Raise a ``ValueError`` naming the fix when ``tp`` does not divide the sizes it splits."""
+    """Raise a ``ValueError`` naming the fix when ``tp`` does not divide the sizes it splits, or the model has
+    mixture-of-experts layers (the TP plan has no split for their experts and router)."""
     args = model.args
+    if args.moe is not None and args.moe.layers:
+        raise ValueError(
+            f"{role}.tp={tp}: tensor parallelism does not split the mixture-of-experts layers of this "
+            f"{args.family} model yet; use {role}.tp=1"
+        )
     sizes = {
         "num_attention_heads": args.num_heads,
         "num_key_value_heads": args.num_kv_heads,

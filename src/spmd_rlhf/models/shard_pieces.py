@@ -49,13 +49,21 @@ class Piece:
         return view
 
 
-def local_piece(param: torch.Tensor) -> tuple[torch.Tensor, Piece]:
+def local_piece(param: torch.Tensor, expert: int | None = None) -> tuple[torch.Tensor, Piece]:
     """This rank's data of a parameter (sharing its storage) and where it sits in the full tensor: a DTensor's
     local shard (the unpadded chunk of each ``Shard`` placement; empty on ranks past an uneven split), a plain
-    tensor whole."""
+    tensor whole. ``expert``: the same for ``param[expert]``, one expert of a 3-D expert parameter (empty where this
+    rank holds none of it)."""
     if not isinstance(param, DTensor):
-        return param.detach(), Piece((0,) * param.dim(), tuple(param.shape))
-    local = param.to_local().detach()
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    assert tuple(shape) == tuple(local.shape), (param.placements, shape, local.shape)
-    return local, Piece(tuple(offset), tuple(shape))
+        local, piece = param.detach(), Piece((0,) * param.dim(), tuple(param.shape))
+    else:
+        local = param.to_local().detach()
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        assert tuple(shape) == tuple(local.shape), (param.placements, shape, local.shape)
+        piece = Piece(tuple(offset), tuple(shape))
+    if expert is None:
+        return local, piece
+    first = piece.offset[0]
+    if not first <= expert < first + piece.shape[0]:
+        return local.new_empty(0), Piece((0,), (0,))
+    return local[expert - first], Piece(piece.offset[1:], piece.shape[1:])

@@ -33,7 +33,7 @@ from spmd_rlhf.models.safetensors_stream import (
     write_index,
 )
 from spmd_rlhf.models.shard_pieces import Piece, local_piece
-from spmd_rlhf.models.weights import write_hf_metadata
+from spmd_rlhf.models.weights import model_layout, write_hf_metadata
 
 DEFAULT_BAND_BYTES = 64 * 2**20
 """The most bytes of one tensor a writer assembles at a time (a band of whole rows; one row if a row is larger)."""
@@ -93,25 +93,24 @@ def ready_point_to_point(group: dist.ProcessGroup | None, device: torch.device) 
 
 
 def exchange_pieces(
-    params: dict[str, torch.Tensor],
+    held: dict[str, tuple[torch.Tensor, Piece]],
     entries: list[TensorEntry],
     *,
     stage_ranks: list[int],
     group: dist.ProcessGroup | None,
 ) -> tuple[set[str], dict[str, dict[int, Piece]]]:
-    """Tell the writer which pieces this rank holds and learn which to send. Returns (the names whose piece this
-    rank sends, and on the writer, for every tensor, each sending rank's piece)."""
+    """Tell the writer which pieces this rank holds (``held``: each entry's local data and piece, ``local_piece``)
+    and learn which to send. Returns (the names whose piece this rank sends, and on the writer, for every tensor,
+    each sending rank's piece)."""
     writer = stage_ranks[0]
-    mine = {
-        name: piece for name, (local, piece) in ((name, local_piece(p)) for name, p in params.items()) if local.numel()
-    }
+    mine = {name: piece for name, (local, piece) in held.items() if local.numel()}
     if dist.get_rank() != writer:
         _send_json({name: [piece.offset, piece.shape] for name, piece in mine.items()}, writer, group)
         return set(_recv_json(writer, group)), {}
     pieces = {writer: mine}
     for other in stage_ranks[1:]:
-        held = _recv_json(other, group)
-        pieces[other] = {name: Piece(tuple(offset), tuple(shape)) for name, (offset, shape) in held.items()}
+        theirs = _recv_json(other, group)
+        pieces[other] = {name: Piece(tuple(offset), tuple(shape)) for name, (offset, shape) in theirs.items()}
     senders = _assign_senders(pieces, entries, writer)
     for other in stage_ranks[1:]:
         _send_json(senders[other], other, group)
@@ -164,23 +163,26 @@ def save_sharded_pretrained(
     ready_point_to_point(group, device)
     # named_parameters drops the tied lm_head alias, exactly as Hugging Face stores tied checkpoints.
     params = dict(model.named_parameters())
-    entries = [TensorEntry(name, tuple(param.shape), dtype) for name, param in params.items()]
-    sending, pieces = exchange_pieces(params, entries, stage_ranks=stage_ranks, group=group)
+    # The tensors as published (``checkpoint_names``): an expert parameter is one tensor per expert.
+    stored = [part for parts in model_layout(model).values() for part in parts]
+    entries = [TensorEntry(part.name, part.shape, dtype) for part in stored]
+    held = {part.name: local_piece(params[part.parameter], part.expert) for part in stored}
+    sending, pieces = exchange_pieces(held, entries, stage_ranks=stage_ranks, group=group)
     writer = stage_ranks[0]
     if dist.get_rank() != writer:
-        send_band_pieces(params, entries, sending, writer=writer, band_bytes=band_bytes, device=device, group=group)
+        send_band_pieces(held, entries, sending, writer=writer, band_bytes=band_bytes, device=device, group=group)
         return []
     os.makedirs(out_dir, exist_ok=True)
     files = _plan(entries, stage=stage, writers_group=writers_group, max_shard_bytes=max_shard_bytes)
     written = []
     for planned in files:
-        if planned.entries[0].name not in params:
+        if planned.entries[0].name not in held:
             continue  # another stage's file
         with SafetensorsWriter(out_dir, planned) as file:
             for entry in planned.entries:
                 bands = assembled_bands(
                     entry,
-                    params[entry.name],
+                    held[entry.name][0],
                     pieces[entry.name],
                     band_bytes=band_bytes,
                     device=device,
@@ -203,7 +205,7 @@ def _rows_of(tensor: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
 
 
 def send_band_pieces(
-    params: dict[str, torch.Tensor],
+    held: dict[str, tuple[torch.Tensor, Piece]],
     entries: list[TensorEntry],
     sending: set[str],
     *,
@@ -218,7 +220,7 @@ def send_band_pieces(
     for entry in entries:
         if entry.name not in sending:
             continue
-        local, piece = local_piece(params[entry.name])
+        local, piece = held[entry.name]
         for start, stop in row_bands(entry.shape, entry.dtype.itemsize, band_bytes):
             rows = piece.rows(start, stop)
             if rows is not None:
@@ -229,7 +231,7 @@ def send_band_pieces(
 
 def assembled_bands(
     entry: TensorEntry,
-    param: torch.Tensor,
+    local: torch.Tensor,
     senders: dict[int, Piece],
     *,
     band_bytes: int,
@@ -238,8 +240,8 @@ def assembled_bands(
     band_device: torch.device,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """The writer: each row band of one tensor, assembled on ``band_device`` from its senders' pieces (the writer's
-    own, and the others' in the order ``send_band_pieces`` sends them), with its first row. Holds one band, one
-    received piece and, while it is copied, one of its own pieces converted."""
+    own, ``local``, and the others' in the order ``send_band_pieces`` sends them), with its first row. Holds one
+    band, one received piece and, while it is copied, one of its own pieces converted."""
     writer = dist.get_rank()
     for start, stop in row_bands(entry.shape, entry.dtype.itemsize, band_bytes):
         band = torch.empty(
@@ -251,7 +253,7 @@ def assembled_bands(
             if rows is None:
                 continue
             if sender == writer:
-                received = _rows_of(local_piece(param)[0], rows).to(dtype=entry.dtype)
+                received = _rows_of(local, rows).to(dtype=entry.dtype)
             else:
                 received = torch.empty(
                     (rows[1] - rows[0], *piece.shape[1:]) if piece.shape else (), dtype=entry.dtype, device=device

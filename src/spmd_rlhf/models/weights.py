@@ -7,6 +7,7 @@ save_pretrained(model, "out/hf", tokenizer=tokenizer)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -16,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from spmd_rlhf.models.args import DecoderArgs, read_decoder_args
+from spmd_rlhf.models.checkpoint_names import StoredTensor, checkpoint_layout
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.safetensors_stream import (
     INDEX_FILE,
@@ -27,7 +29,15 @@ from spmd_rlhf.models.safetensors_stream import (
 )
 from spmd_rlhf.models.shard_pieces import local_piece
 
-_ARCHITECTURE_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+_ARCHITECTURE_PREFIX = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "qwen2_moe": "Qwen2Moe",
+    "qwen3_moe": "Qwen3Moe",
+    "mixtral": "Mixtral",
+}
 _ARCHITECTURE_SUFFIX = {"lm": "ForCausalLM", "value": "ForTokenClassification", "score": "ForSequenceClassification"}
 
 
@@ -78,15 +88,25 @@ def _tensor_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def model_layout(model: DecoderLM, stored_names: set[str] | None = None) -> dict[str, list[StoredTensor]]:
+    """Each parameter of ``model`` (whole shapes, also when it is sharded) -> the checkpoint tensors holding it, as
+    published, or as a checkpoint of ``stored_names`` holds them (``checkpoint_layout``)."""
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    return checkpoint_layout(model.args.family, shapes, stored_names)
+
+
 def _plan_load(model: DecoderLM, shapes: dict[str, tuple[int, ...]]) -> tuple[list[str], list[str]]:
     """Decide which parameters come from the checkpoint; raise one error listing every mismatch.
 
-    Returns ``(parameters loaded from the checkpoint, parameters left to initialise)``. Rules
-    beyond exact name matches: a tied LM head ignores a stored ``lm_head.weight`` copy; a value head (critic) built
-    from a causal-LM checkpoint ignores ``lm_head.weight`` and starts with a zero ``score`` layer, and built from a
-    reward model takes its ``score.weight`` and starts with a zero bias.
+    Returns ``(parameters loaded from the checkpoint, parameters left to initialise)``. Checkpoint tensors are
+    named as published (``checkpoint_names``: an MoE layer's experts one tensor each) or fused as transformers 5
+    holds them in memory. Rules beyond exact name
+    matches: a tied LM head ignores a stored ``lm_head.weight`` copy; a value head (critic) built from a causal-LM
+    checkpoint ignores ``lm_head.weight`` and starts with a zero ``score`` layer, and built from a reward model takes
+    its ``score.weight`` and starts with a zero bias.
     """
-    expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    layout = model_layout(model, set(shapes))
+    expected = {stored.name: stored.shape for parts in layout.values() for stored in parts}
     ignorable = set()
     to_initialise = []
     if model.head == "lm" and model.args.tie_word_embeddings:
@@ -110,7 +130,7 @@ def _plan_load(model: DecoderLM, shapes: dict[str, tuple[int, ...]]) -> tuple[li
         raise CheckpointMismatchError(
             f"checkpoint does not match a {model.args.family} model with head={model.head!r}: " + "; ".join(problems)
         )
-    return [name for name in expected if name in shapes], to_initialise
+    return [name for name, parts in layout.items() if parts[0].name in shapes], to_initialise
 
 
 def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor, *, parameter: bool) -> None:
@@ -163,6 +183,7 @@ def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> 
     files = checkpoint_files(path)
     in_checkpoint, to_initialise = _plan_load(_meta_copy(model), _tensor_shapes(files))
     in_checkpoint = set(in_checkpoint)
+    layout = model_layout(model, set(files))
     model.to_empty(device=device)
     model.tie_weights()
     model.reset_buffers()
@@ -176,12 +197,21 @@ def load_weights(model: DecoderLM, path: str, *, device: torch.device | str) -> 
             continue  # added from outside the architecture (LoRA adapters): their owner fills them
         if not local.numel():
             continue
-        # One open per tensor: the file's pages touched through the memory map are released with it.
-        with _open(files[name]) as handle:
-            stored = handle.get_slice(name)[piece.slices()]
-        read += stored.nbytes
-        local.copy_(stored.to(device=device, dtype=local.dtype))
-        del stored
+        for stored in layout[name]:
+            # Each checkpoint tensor's rectangle of this rank's piece (an expert's, for a 3-D expert parameter).
+            target, part = local_piece(param, stored.expert)
+            if not target.numel():
+                continue
+            if stored.row_offset:
+                part = dataclasses.replace(
+                    part, offset=(part.offset[0], part.offset[1] + stored.row_offset, *part.offset[2:])
+                )
+            # One open per tensor: the file's pages touched through the memory map are released with it.
+            with _open(files[stored.name]) as handle:
+                data = handle.get_slice(stored.name)[part.slices()]
+            read += data.nbytes
+            target.copy_(data.to(device=device, dtype=target.dtype))
+            del data
     return read
 
 
@@ -246,21 +276,26 @@ def save_pretrained(
     loads, in ``dtype`` (None: the parameters' own).
 
     Tensors go into ``model.safetensors``, or into ``model-0000i-of-0000n.safetensors`` shards of at most
-    ``max_shard_bytes`` (a single larger tensor gets its own shard) with an index. Each tensor is converted and
-    written on its own: at peak this holds the model plus one converted tensor. Returns the files written.
+    ``max_shard_bytes`` (a single larger tensor gets its own shard) with an index, named as published
+    (``checkpoint_names``: experts one tensor each). Each tensor (each expert) is converted and written on its own: at
+    peak this holds the model plus one converted tensor. Returns the files written.
     """
     os.makedirs(out_dir, exist_ok=True)
     # named_parameters drops the tied lm_head alias, exactly as Hugging Face stores tied checkpoints.
     params = dict(model.named_parameters())
     dtype = dtype or next(iter(params.values())).dtype
+    stored = {part.name: part for parts in model_layout(model).values() for part in parts}
     files = plan_files(
-        [[TensorEntry(name, tuple(p.shape), dtype) for name, p in params.items()]], max_shard_bytes=max_shard_bytes
+        [[TensorEntry(name, part.shape, dtype) for name, part in stored.items()]], max_shard_bytes=max_shard_bytes
     )
     written = []
     for planned in files:
         with SafetensorsWriter(out_dir, planned) as file:
             for entry in planned.entries:
-                file.write(params[entry.name].detach().to(device="cpu", dtype=dtype))
+                part = stored[entry.name]
+                tensor = params[part.parameter].detach()
+                tensor = tensor if part.expert is None else tensor[part.expert]
+                file.write(tensor.to(device="cpu", dtype=dtype))
         written.append(str(file.path))
     index = write_index(out_dir, files)
     written.extend([index] if index else [])

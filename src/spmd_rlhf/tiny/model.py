@@ -20,9 +20,12 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from spmd_rlhf.tiny.task import task_corpus
@@ -38,8 +41,13 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "qwen2": (Qwen2Config, {"tie_word_embeddings": True, "use_sliding_window": False}),
     "qwen3": (Qwen3Config, {"tie_word_embeddings": False, "use_sliding_window": False}),
     "mistral": (MistralConfig, {"tie_word_embeddings": False, "sliding_window": None}),
+    # Mixture of experts: Qwen3-MoE renormalises its top-k like Qwen3-30B-A3B; Qwen2-MoE adds its gated shared
+    # expert; Mixtral's experts are intermediate_size wide.
+    "qwen3_moe": (Qwen3MoeConfig, {"tie_word_embeddings": False, "use_sliding_window": False, "norm_topk_prob": True}),
+    "qwen2_moe": (Qwen2MoeConfig, {"tie_word_embeddings": False, "use_sliding_window": False}),
+    "mixtral": (MixtralConfig, {"tie_word_embeddings": False, "sliding_window": None}),
 }
-_FAMILIES_WITH_HEAD_DIM = ("llama", "qwen3", "mistral")
+_FAMILIES_WITH_HEAD_DIM = ("llama", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 # A little ordinary prose so the tokenizer learns some letter merges and is not arithmetic-only.
 _GENERIC_TEXT = [
@@ -68,6 +76,9 @@ def make_tiny(
     tie_word_embeddings: bool | None = None,
     tokenizer_tasks: tuple[str, ...] = ("arithmetic",),
     chat_template: str = "chatml",
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
     seed: int = 0,
 ) -> str:
     """Train a tokenizer, build a random-init `family` model seeded by `seed`, save both to `out_dir`; return it.
@@ -81,6 +92,9 @@ def make_tiny(
     add "tool_products" for a tokenizer that writes a calculator call in about 30 tokens instead of 77.
     `chat_template` names the tokenizer's template (``tokenizer.CHAT_TEMPLATES``): ChatML, or ``role_colon`` for a
     model that reads conversations unlike the policy (a reward model of another family).
+    The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral) route each token to `num_experts_per_tok` of
+    `num_experts` experts, each `moe_intermediate_size` wide (default `hidden_size`; Mixtral's are
+    `intermediate_size`); Qwen2-MoE's shared expert is `intermediate_size` wide.
     """
     if family not in _FAMILIES:
         raise ValueError(f"unknown family {family!r}; allowed families: {', '.join(_FAMILIES)}")
@@ -117,6 +131,7 @@ def make_tiny(
     )
     if family in _FAMILIES_WITH_HEAD_DIM:
         fields["head_dim"] = hidden_size // num_heads
+    fields.update(_expert_fields(family, fields, num_experts, num_experts_per_tok, moe_intermediate_size))
     config = config_class(**fields)
 
     torch.manual_seed(seed)
@@ -137,6 +152,24 @@ def make_tiny(
             pad_token_id=tokenizer.pad_token_id,
         ).save_pretrained(out)
     return out_dir
+
+
+def _expert_fields(
+    family: str, fields: dict, num_experts: int, num_experts_per_tok: int, moe_intermediate_size: int | None
+) -> dict:
+    """The config fields of a mixture-of-experts family's experts (none for a dense family)."""
+    if family == "mixtral":
+        return {"num_local_experts": num_experts, "num_experts_per_tok": num_experts_per_tok}
+    if family not in ("qwen3_moe", "qwen2_moe"):
+        return {}
+    experts = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "moe_intermediate_size": fields["hidden_size"] if moe_intermediate_size is None else moe_intermediate_size,
+    }
+    if family == "qwen2_moe":
+        experts["shared_expert_intermediate_size"] = fields["intermediate_size"]
+    return experts
 
 
 def raise_eos_logit(model_dir: str, *, scale: float = 10.0) -> None:

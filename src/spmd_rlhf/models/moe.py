@@ -1,0 +1,188 @@
+"""The mixture-of-experts feed-forward block of Qwen3-MoE, Qwen2-MoE (with a gated shared expert) and Mixtral.
+
+A router picks ``top_k`` of ``num_experts`` SwiGLU experts per token (softmax over all experts, the top ``k``
+probabilities, renormalised to sum to 1 where the family does so) and the block returns the probability-weighted sum
+of their outputs (plus, in Qwen2-MoE, a dense shared expert scaled by ``sigmoid(shared_expert_gate(x))``).
+
+Expert weights are one 3-D parameter per projection and layer, in ``nn.Linear``'s ``[out, in]`` layout per expert:
+
+    experts.gate_proj [E, I, H]    experts.up_proj [E, I, H]    experts.down_proj [E, H, I]
+
+Dim 0 is the expert, so FSDP2 (which shards dim 0) and a later expert-parallel split cut along experts, and expert
+``e`` of each parameter is exactly the published checkpoint's ``experts.e.{gate,up,down}_proj.weight``: loading
+reads a rectangle of it, export writes ``param[e]`` (``checkpoint_names``). Gate and up stay separate (transformers
+5 concatenates them into ``gate_up_proj``) so that a column-parallel split of ``I`` needs no interleaving.
+
+Two compute paths give the same result: grouped GEMMs (``torch._grouped_mm`` over the token copies sorted by expert,
+group ends an int32 cumsum of the per-expert counts; no host sync), and a loop over experts for devices and dtypes
+``_grouped_mm`` does not serve (one host sync per layer: the per-expert counts, to split the sorted tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmd_rlhf.models.args import DecoderArgs
+
+
+class Routing(NamedTuple):
+    """What the router decided for ``tokens`` hidden states (a forward hook on ``mlp.gate`` sees it): the logits
+    ``[tokens, E]`` (for a load-balancing loss or a z-loss), each token's experts ``[tokens, k]`` and their weights
+    ``[tokens, k]`` in the compute dtype."""
+
+    logits: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+def expert_load(routing: Routing, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert ``[E]`` (int64, on the device; a token counts once per expert it chose)."""
+    return torch.bincount(routing.experts.flatten(), minlength=num_experts)
+
+
+class TopKRouter(nn.Module):
+    """``softmax(x W^T)`` over the experts (in float32), the ``top_k`` largest, optionally renormalised."""
+
+    def __init__(self, hidden_size: int, num_experts: int, *, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _uniform_fan_in_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x, self.weight)
+        probabilities = logits.softmax(-1, dtype=torch.float32)
+        weights, experts = probabilities.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return Routing(logits, experts, weights.to(x.dtype))
+
+
+def _uniform_fan_in_(weight: torch.Tensor) -> None:
+    """``nn.Linear``'s default initialisation per expert, skipped on the meta device (``Backbone`` says why)."""
+    if not weight.is_meta:
+        bound = 1 / math.sqrt(weight.shape[-1])
+        nn.init.uniform_(weight, -bound, bound)
+
+
+@functools.cache
+def _grouped_mm_runs_on_cpu() -> bool:
+    """Whether this torch has a CPU ``_grouped_mm`` (torch 2.13 does; older ones may not)."""
+    try:
+        torch._grouped_mm(torch.ones(4, 4), torch.ones(1, 4, 4), offs=torch.tensor([4], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def grouped_mm_supported(x: torch.Tensor, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether ``torch._grouped_mm`` serves expert GEMMs on ``x``'s device and dtype without a host sync: rows of
+    16-byte multiples; on CUDA bfloat16 on sm90 / sm100 (elsewhere torch falls back to a loop that reads the group
+    ends on the host); on CPU float32 or bfloat16 where this torch has it."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any(size * x.element_size() % 16 for size in (hidden_size, intermediate_size)):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16) and _grouped_mm_runs_on_cpu()
+    return False
+
+
+class Experts(nn.Module):
+    """``E`` SwiGLU experts held as three 3-D parameters (layout in the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.grouped_mm: bool | None = None
+        """True / False forces the grouped-GEMM / looped path (tests compare them); None picks per call
+        (``grouped_mm_supported``)."""
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            _uniform_fan_in_(weight)
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``x`` ``[tokens, H]`` -> ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` ``[tokens, H]``."""
+        tokens, top_k = routing.experts.shape
+        chosen = routing.experts.flatten()
+        # Each token's k copies, sorted by expert (stable: within an expert, in token order).
+        order = chosen.argsort(stable=True)
+        counts = torch.bincount(chosen, minlength=self.num_experts)
+        routed = x.index_select(0, order // top_k)
+        grouped = self.grouped_mm
+        if grouped is None:
+            grouped = grouped_mm_supported(x, self.hidden_size, self.intermediate_size)
+        outputs = self._grouped(routed, counts) if grouped else self._looped(routed, counts)
+        # Back to (token, choice) order by a permutation, then a fixed-order sum over the k choices: deterministic,
+        # unlike an index_add of the copies onto their tokens (atomic adds on CUDA).
+        unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs).view(tokens, top_k, -1)
+        return (unsorted * routing.weights.unsqueeze(-1)).sum(1)
+
+    def _grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = counts.cumsum(0).to(torch.int32)
+        gate = torch._grouped_mm(routed, self.gate_proj.transpose(-2, -1), offs=ends)
+        up = torch._grouped_mm(routed, self.up_proj.transpose(-2, -1), offs=ends)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=ends)
+
+    def _looped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        pieces = routed.split(counts.tolist())  # the per-expert counts on the host: this path's one sync
+        return torch.cat(
+            [
+                F.linear(
+                    F.silu(F.linear(piece, self.gate_proj[e])) * F.linear(piece, self.up_proj[e]), self.down_proj[e]
+                )
+                for e, piece in enumerate(pieces)
+            ]
+        )
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: the dense MLP, and Qwen2-MoE's shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEBlock(nn.Module):
+    """Router (``gate``), routed experts (``experts``) and, when the config has one, a shared expert
+    (``shared_expert``) scaled per token by ``sigmoid(shared_expert_gate(x))``; Hugging Face's module names."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        moe = args.moe
+        self.gate = TopKRouter(
+            args.hidden_size, moe.num_experts, top_k=moe.num_experts_per_tok, renormalize=moe.norm_topk_prob
+        )
+        self.experts = Experts(moe.num_experts, args.hidden_size, moe.moe_intermediate_size)
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(args.hidden_size, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.experts(flat, self.gate(flat))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view_as(x)
