@@ -149,3 +149,13 @@ def test_a_kept_engine_takes_memory_through_training():
     holding = Planner(ppo(), Cluster(16, 8, H100), kept).plan().best
     assert released.sets == (("actor", "critic", "reference", "reward"),) and not released.keep_engine
     assert len(holding.sets) == 2 and holding.keep_engine
+
+
+def test_mixture_of_experts_roles_are_not_tensor_parallel_and_the_refusal_says_why():
+    from spmd_rlhf.mapping.workload import NAMED_SHAPES, RoleSpec
+
+    moe = NAMED_SHAPES["30b-a3b"]
+    actor = RoleSpec("actor", moe, "lm", trained=True, work={"generation": ("generate",), "training": ("train",)})
+    assert {layout.tp for layout in candidate_layouts(actor, 16, Cluster(16, 8, H100), BATCH)} == {1}
+    with pytest.raises(ValueError, match="no mapping fits.*mixture-of-experts models run at tp=1"):
+        Planner([actor], Cluster(8, 8, H100), BATCH).plan()

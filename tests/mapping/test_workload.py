@@ -58,3 +58,28 @@ def test_dataflows_follow_the_recipes():
     assert safe == ["actor", "critic", "reference", "reward", "cost", "cost_critic"]
     with pytest.raises(ValueError, match="trains a critic"):
         dataflow("ppo", actor=shape)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_shapes_count_every_expert_for_memory_and_the_routed_ones_for_flops(tmp_path, family):
+    from spmd_rlhf.tiny.model import make_tiny
+
+    path = make_tiny(family=family, out_dir=str(tmp_path / family))
+    args, shape = read_decoder_args(path), model_shape(path)
+    assert shape.experts == args.moe.num_experts and shape.moe_layers == len(args.moe.layers) > 0
+    assert shape.parameters("lm") == parameter_count(args, "lm")
+    with torch.device("meta"):
+        model = DecoderLM(args, head="lm")
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    embedding = args.vocab_size * args.hidden_size
+    routed = experts * args.moe.num_experts_per_tok // args.moe.num_experts
+    # A token runs k of E routed experts: the matmul count leaves out the rest, and so does the step's FLOP count.
+    active = parameter_count(args, "lm") - embedding * (not args.tie_word_embeddings) - experts + routed
+    assert shape.matmul_parameters("lm") == active == matmul_parameters(path, head="lm").total
+
+
+def test_the_30b_a3b_shape_has_its_advertised_total_and_active_sizes():
+    shape = NAMED_SHAPES["30b-a3b"]
+    assert shape.parameters("lm") == pytest.approx(30.5e9, rel=0.01)
+    # Qwen's 3.3B activated parameters count the embedding, which the matmul count leaves out (a lookup).
+    assert shape.matmul_parameters("lm") + shape.vocab * shape.hidden == pytest.approx(3.3e9, rel=0.03)

@@ -329,3 +329,23 @@ def test_adapter_gradients_are_the_same_under_activation_checkpointing(tmp_path)
     assert all(gradients[0][name].abs().max() > 0 for name in gradients[0])
     for name in gradients[0]:
         torch.testing.assert_close(gradients[1][name], gradients[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("moe_family", ["qwen2_moe", "mixtral"])
+def test_lora_on_a_moe_model_adapts_the_dense_parts_and_says_the_experts_stay_frozen(moe_family, tmp_path, caplog):
+    from spmd_rlhf.tiny.model import make_tiny
+
+    path = make_tiny(family=moe_family, out_dir=str(tmp_path / moe_family))
+    with caplog.at_level("INFO", logger="spmd_rlhf.models.lora"):
+        model, adapters = lora_model(path, LoRAConfig(rank=2, target_modules=list(LORA_TARGETS)))
+    assert "routed experts and routers of its" in caplog.text
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert trainable and all(is_adapter(name) for name in trainable)
+    assert not any(".mlp.experts." in name or ".mlp.gate." in name for name in adapters.layers)
+    assert any("self_attn.q_proj" in name for name in adapters.layers)
+    if moe_family == "qwen2_moe":  # the always-on shared expert is a dense MLP: it gets adapters
+        assert any(".mlp.shared_expert.gate_proj" in name for name in adapters.layers)
+    input_ids = torch.tensor([[3, 5, 7, 9]])
+    randomize_adapters(model)
+    model(input_ids).sum().backward()
+    assert all(param.grad is None for name, param in model.named_parameters() if ".mlp.experts." in name)

@@ -107,7 +107,8 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
     generates = any("generate" in work for work in role.work.values())
     layouts = []
     for tp in _divisors(devices):
-        if tp > cluster.gpus_per_node or any(size % tp for size in sizes):
+        # Tensor parallelism does not split mixture-of-experts layers (models.parallelize refuses it).
+        if tp > cluster.gpus_per_node or any(size % tp for size in sizes) or (shape.experts and tp > 1):
             continue
         for pp in _divisors(devices // tp):
             if pp > shape.layers or (pp > 1 and role.head == "lm" and shape.tied) or (pp > 1 and role.judge_tokens):
@@ -272,6 +273,12 @@ class Planner:
                     ", or rollout.keep_engine=false (the kept generation copy and KV cache take memory through "
                     "training)"
                     if self.batch.keep_engine
+                    else ""
+                )
+                + (
+                    " (mixture-of-experts models run at tp=1 and generate with the whole model on each rank until "
+                    "expert parallelism lands)"
+                    if any(role.shape.experts for role in self.roles.values())
                     else ""
                 )
             )

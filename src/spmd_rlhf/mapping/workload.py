@@ -22,7 +22,11 @@ from spmd_rlhf.config.dataflow import (
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a dense decoder that fix its FLOPs, bytes and how it may be split."""
+    """The sizes of a decoder that fix its FLOPs, bytes and how it may be split. A mixture-of-experts model
+    (``experts`` > 0) has ``moe_layers`` layers whose feed-forward block is a router over ``experts`` SwiGLU experts
+    of width ``expert_intermediate``, ``experts_per_token`` of them run per token, plus an optional gated shared
+    expert; the other layers keep a dense MLP of width ``intermediate``. Memory counts every expert, FLOPs only the
+    ones a token runs."""
 
     hidden: int
     layers: int
@@ -40,19 +44,48 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False
     """RMS norms on each head's queries and keys (Qwen3)."""
+    experts: int = 0
+    """Routed experts of each MoE layer; 0: a dense model."""
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    """Qwen2-MoE's shared expert's width (0: none), gated per token by a one-output linear layer."""
+    moe_layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
     @property
-    def block_parameters(self) -> int:
-        """Parameters of one decoder block: attention projections, the gated MLP, biases and norms."""
+    def _attention_and_norms(self) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = self.hidden * (2 * q + 2 * kv) + self.qkv_bias * (q + 2 * kv) + self.o_bias * self.hidden
-        mlp = 3 * self.hidden * self.intermediate + self.mlp_bias * (2 * self.intermediate + self.hidden)
-        norms = 2 * self.hidden + self.qk_norm * 2 * self.head_dim
-        return attention + mlp + norms
+        return attention + 2 * self.hidden + self.qk_norm * 2 * self.head_dim
+
+    @property
+    def _dense_mlp(self) -> int:
+        return 3 * self.hidden * self.intermediate + self.mlp_bias * (2 * self.intermediate + self.hidden)
+
+    def _moe_mlp(self, experts: int) -> int:
+        """An MoE block's router, ``experts`` routed experts and the gated shared expert."""
+        shared = (
+            3 * self.hidden * self.shared_expert_intermediate + self.hidden if self.shared_expert_intermediate else 0
+        )
+        return self.hidden * self.experts + experts * 3 * self.hidden * self.expert_intermediate + shared
+
+    @property
+    def block_parameters(self) -> int:
+        """Parameters of the largest decoder block: attention projections, the gated MLP or MoE block (every expert),
+        biases and norms."""
+        dense = self._dense_mlp if self.moe_layers < self.layers else 0
+        moe = self._moe_mlp(self.experts) if self.moe_layers else 0
+        return self._attention_and_norms + max(dense, moe)
+
+    @property
+    def body_parameters(self) -> int:
+        """Parameters of all decoder blocks (every expert)."""
+        moe = self.moe_layers * self._moe_mlp(self.experts)
+        return self.layers * self._attention_and_norms + (self.layers - self.moe_layers) * self._dense_mlp + moe
 
     def head_parameters(self, head: str) -> int:
         """Parameters of the output head: lm, the vocabulary projection (a matmul even when tied to the embedding);
@@ -61,9 +94,12 @@ class ModelShape:
 
     @property
     def body_matmul_parameters(self) -> int:
-        """Parameters the body multiplies activations with at every token: the blocks and the final norm (the
-        embedding is a lookup)."""
-        return self.layers * self.block_parameters + self.hidden
+        """Parameters the body multiplies activations with at every token: the blocks (of an MoE block, the router,
+        the ``experts_per_token`` experts a token runs and the shared expert) and the final norm (the embedding is a
+        lookup)."""
+        moe = self.moe_layers * self._moe_mlp(self.experts_per_token)
+        dense = (self.layers - self.moe_layers) * self._dense_mlp
+        return self.layers * self._attention_and_norms + dense + moe + self.hidden
 
     def matmul_parameters(self, head: str) -> int:
         """Parameters that multiply activations (all but the embedding lookup): N of the 2·N FLOPs per token of a
@@ -73,7 +109,7 @@ class ModelShape:
     def parameters(self, head: str) -> int:
         """All parameters (a tied LM head counted once)."""
         head_parameters = 0 if (head == "lm" and self.tied) else self.head_parameters(head)
-        return self.vocab * self.hidden + self.layers * self.block_parameters + self.hidden + head_parameters
+        return self.vocab * self.hidden + self.body_parameters + self.hidden + head_parameters
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of keys and values one token keeps in the KV cache, over all layers and KV heads."""
@@ -95,8 +131,23 @@ NAMED_SHAPES = {
     "13b": ModelShape(hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824, vocab=32000),
     "34b": ModelShape(hidden=8192, layers=48, heads=64, kv_heads=8, intermediate=22016, vocab=32000),
     "70b": ModelShape(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=32000),
+    "30b-a3b": ModelShape(
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        intermediate=6144,
+        vocab=151936,
+        qk_norm=True,
+        experts=128,
+        experts_per_token=8,
+        expert_intermediate=768,
+        moe_layers=48,
+    ),
 }
-"""Shapes by size name: Qwen2.5 (0.5b–3b), Llama 2 (7b, 13b, 70b), Llama 3 (8b), Code Llama (34b)."""
+"""Shapes by size name: Qwen2.5 (0.5b–3b), Llama 2 (7b, 13b, 70b), Llama 3 (8b), Code Llama (34b), Qwen3-30B-A3B
+(30b-a3b: 128 experts, 8 per token)."""
 
 
 def model_shape(name_or_path: str) -> ModelShape:
@@ -124,7 +175,18 @@ def model_shape(name_or_path: str) -> ModelShape:
         o_bias=args.o_bias,
         mlp_bias=args.mlp_bias,
         qk_norm=args.qk_norm,
+        **(_moe_shape(args.moe) if args.moe else {}),
     )
+
+
+def _moe_shape(moe) -> dict[str, int]:
+    return {
+        "experts": moe.num_experts,
+        "experts_per_token": moe.num_experts_per_tok,
+        "expert_intermediate": moe.moe_intermediate_size,
+        "shared_expert_intermediate": moe.shared_expert_intermediate_size,
+        "moe_layers": len(moe.layers),
+    }
 
 
 @dataclass(frozen=True)

@@ -117,14 +117,20 @@ def step_flops(
 @functools.cache
 def matmul_parameters(model_path: str, *, head: str) -> MatmulParameters:
     """Parameters of the model at ``model_path`` (with ``head``) that multiply activations, body and head: all but
-    the token embedding, which is a lookup; a tied LM head is counted, since it is a matmul. Built on the meta
+    the token embedding, which is a lookup; a tied LM head is counted, since it is a matmul; of an MoE layer's routed
+    experts, the share a token runs (``num_experts_per_tok / num_experts``). Built on the meta
     device, so no memory is allocated."""
+    args = read_decoder_args(model_path)
     with torch.device("meta"):
-        model = DecoderLM(read_decoder_args(model_path), head=head)
+        model = DecoderLM(args, head=head)
     counts = {"body": 0, "head": 0}
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        if not name.startswith("model.embed_tokens."):
-            counts["head" if name.startswith(("lm_head.", "score.")) else "body"] += parameter.numel()
+        if name.startswith("model.embed_tokens."):
+            continue
+        numel = parameter.numel()
+        if ".mlp.experts." in name:  # a token runs num_experts_per_tok of an MoE layer's routed experts
+            numel = numel * args.moe.num_experts_per_tok // args.moe.num_experts
+        counts["head" if name.startswith(("lm_head.", "score.")) else "body"] += numel
     return MatmulParameters(**counts)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import zlib
 from collections.abc import Iterator
@@ -228,6 +229,14 @@ def apply_lora(model: DecoderLM, config: LoRAConfig, *, tp_mesh: DeviceMesh | No
     head = getattr(model, "score", None)
     if head is not None:
         head.to(torch.float32).requires_grad_(True)
+    moe = model.args.moe
+    if moe is not None:
+        logging.getLogger(__name__).info(
+            "LoRA on a mixture-of-experts model: the routed experts and routers of its %d MoE layers stay frozen "
+            "(adapters go on the %s layers of attention, dense MLPs and shared experts)",
+            len(moe.layers),
+            ", ".join(sorted(config.modules)),
+        )
     return adapters
 
 
