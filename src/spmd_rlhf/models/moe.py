@@ -142,12 +142,12 @@ class Experts(nn.Module):
 
     def _looped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         pieces = routed.split(counts.tolist())  # the per-expert counts on the host: this path's one sync
+        # unbind, not indexing per expert: each index's backward would write a whole [E, ...] zero gradient.
+        weights = zip(self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0))
         return torch.cat(
             [
-                F.linear(
-                    F.silu(F.linear(piece, self.gate_proj[e])) * F.linear(piece, self.up_proj[e]), self.down_proj[e]
-                )
-                for e, piece in enumerate(pieces)
+                F.linear(F.silu(F.linear(piece, gate)) * F.linear(piece, up), down)
+                for piece, (gate, up, down) in zip(pieces, weights)
             ]
         )
 
