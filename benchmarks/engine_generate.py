@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 
 import torch
-from gpu_common import SHAPES
+from gpu_common import SHAPES, shape_fields
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models import load_model
@@ -218,7 +218,9 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     if args.shape:
-        fields = dict(SHAPES[args.shape], **({"num_layers": args.layers} if args.layers else {}))
+        fields = shape_fields(args.shape, layers=args.layers)
+        fields.pop("family")
+        args.family = SHAPES[args.shape].get("family", args.family)  # a mixture-of-experts shape names its own
         label = f"{args.shape}_l{fields['num_layers']}"
     else:
         fields = dict(hidden_size=args.hidden, num_layers=args.layers or 4)

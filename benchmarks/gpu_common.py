@@ -70,6 +70,23 @@ SHAPES: dict[str, dict[str, int | bool | None]] = {
         model_vocab_size=151936,
         max_position_embeddings=32768,
     ),
+    # Qwen3-30B-A3B's widths (48 layers of 128 experts, 8 per token, each 768 wide; 32 query and 4 key/value heads),
+    # but heads of 64 dims where the real ones have 128 (make_tiny keeps hidden = heads x head_dim); --experts in
+    # scale.py keeps fewer experts where memory requires.
+    "30b-a3b": dict(
+        family="qwen3_moe",
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        intermediate_size=6144,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        model_vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
     # For --smoke: the tokenizer's own few hundred tokens.
     "smoke": dict(
         hidden_size=64,
@@ -89,6 +106,7 @@ _CONFIG_KEYS = {  # SHAPES key -> config.json key, for checking a reused --model
     "intermediate_size": "intermediate_size",
     "model_vocab_size": "vocab_size",
     "tie_word_embeddings": "tie_word_embeddings",
+    "num_experts": "num_experts",
 }
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, matched against torch.cuda.get_device_name in this order.
@@ -98,12 +116,17 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), 
 # ---- models ------------------------------------------------------------------------------------------------------
 
 
-def shape_fields(shape: str, *, layers: int | None = None) -> dict[str, int | bool | None]:
-    """``make_tiny``'s arguments for ``shape``, with ``layers`` decoder layers instead of the shape's own if given
-    (real widths and vocabulary, fewer layers: what grows per layer and what per vocabulary row)."""
-    fields = dict(SHAPES[shape])
+def shape_fields(shape: str, *, layers: int | None = None, experts: int | None = None) -> dict[str, int | bool | None]:
+    """``make_tiny``'s arguments for ``shape`` (``family`` among them: qwen2 unless the shape names another), with
+    ``layers`` decoder layers instead of the shape's own if given (real widths and vocabulary, fewer layers: what
+    grows per layer and what per vocabulary row) and, for a mixture-of-experts shape, ``experts`` routed experts."""
+    fields = {"family": "qwen2", **SHAPES[shape]}
     if layers is not None:
         fields["num_layers"] = layers
+    if experts is not None:
+        if "num_experts" not in fields:
+            raise ValueError(f"--experts {experts}: the {shape} shape is dense; give a mixture-of-experts shape")
+        fields["num_experts"] = experts
     return fields
 
 
@@ -120,21 +143,22 @@ def _check_shape(model_dir: str, shape: str, fields: dict[str, int | bool | None
 
 @contextmanager
 def shaped_model(
-    shape: str, model_dir: str | None = None, *, seed: int = 0, layers: int | None = None
+    shape: str, model_dir: str | None = None, *, seed: int = 0, layers: int | None = None, experts: int | None = None
 ) -> Iterator[str]:
-    """The directory of a random-init qwen2 model of ``shape`` (``SHAPES``, with ``layers`` layers if given) with
+    """The directory of a random-init model of ``shape`` (``SHAPES``: qwen2 or the family it names, with ``layers``
+    layers and ``experts`` experts if given; ``shape_fields``) with
     ``make_tiny``'s tokenizer: built in a temporary directory removed afterwards, or in ``model_dir`` and kept there
     (a directory that already holds a model of that shape is used as it is, so several benchmarks can share one
     build). ``make_tiny`` builds the whole model in float32 in host memory once: 4 bytes per parameter."""
-    fields = shape_fields(shape, layers=layers)
+    fields = shape_fields(shape, layers=layers, experts=experts)
     if model_dir is None:
         with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{shape}_") as scratch:
-            yield make_tiny(family="qwen2", out_dir=scratch, seed=seed, **fields)
+            yield make_tiny(out_dir=scratch, seed=seed, **fields)
         return
     if (Path(model_dir) / "config.json").is_file():
         _check_shape(model_dir, shape, fields)
     else:
-        make_tiny(family="qwen2", out_dir=model_dir, seed=seed, **fields)
+        make_tiny(out_dir=model_dir, seed=seed, **fields)
     yield model_dir
 
 

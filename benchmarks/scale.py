@@ -231,6 +231,7 @@ def main() -> None:
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
     add_model_arguments(parser, default_shape="0.5b")
     parser.add_argument("--layers", type=int, help="decoder layers (default: the shape's own)")
+    parser.add_argument("--experts", type=int, help="routed experts of a mixture-of-experts shape (default: its own)")
     parser.add_argument("--steps", type=int, default=2, help="steps (2 or more: later steps hold the Adam moments)")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--samples", type=int, default=2, help="responses per prompt")
@@ -255,11 +256,11 @@ def main() -> None:
     args = parse_with_smoke(parser, {"shape": "smoke"})
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    fields = shape_fields(args.shape, layers=args.layers)
+    fields = shape_fields(args.shape, layers=args.layers, experts=args.experts)
     config_path = ROOT / "recipes" / "configs" / f"{args.algo}.yaml"
 
     with (
-        shaped_model(args.shape, args.model_dir, layers=args.layers) as model_dir,
+        shaped_model(args.shape, args.model_dir, layers=args.layers, experts=args.experts) as model_dir,
         tempfile.TemporaryDirectory(prefix="scale_") as directory,
     ):
         scratch = Path(directory)

@@ -111,3 +111,18 @@ def test_floor_parts_at_a_real_shape(tmp_path):
     }
     assert buffers["export"] == {"save band being assembled + one piece": 2 * min(vocabulary * 4, DEFAULT_BAND_BYTES)}
     assert buffers["load"] == buffers["save"] == buffers["resume"] == {}
+
+
+def test_a_mixture_of_experts_shape_names_its_family_and_may_keep_fewer_experts():
+    from gpu_common import shape_fields
+
+    fields = shape_fields("30b-a3b", layers=2, experts=8)
+    assert (fields["family"], fields["num_layers"], fields["num_experts"], fields["num_experts_per_tok"]) == (
+        "qwen3_moe",
+        2,
+        8,
+        8,
+    )
+    assert shape_fields("0.5b")["family"] == "qwen2"
+    with pytest.raises(ValueError, match="the 0.5b shape is dense"):
+        shape_fields("0.5b", experts=8)
