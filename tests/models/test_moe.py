@@ -190,3 +190,23 @@ def test_fsdp_on_one_and_two_ranks_loads_computes_and_saves_experts(tmp_path):
     assert sorted(saved) == sorted(source)
     for name, tensor in source.items():
         assert torch.equal(saved[name], tensor), name
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_layer_and_model_equal_one_process(tmp_path, ep):
+    """``programs/expert_parallel.py``: each rank's own tokens through its ``E / ep`` experts by all-to-all, against
+    the whole layer in one process (outputs, input gradients, each expert's gradient summed over ranks; grouped and
+    looped), and a tiny Qwen3-MoE model with every layer's experts sharded against the unsharded model."""
+    from spmd_rlhf.tiny.model import make_tiny
+
+    model_dir = make_tiny(family="qwen3_moe", out_dir=str(tmp_path / "model"), num_experts=8)
+    finished = torchrun("expert_parallel.py", model_dir, nproc=ep, timeout=180)
+    assert finished.returncode == 0, finished.stdout[-6000:]
+
+
+def test_all_to_all_bytes_under_uniform_routing():
+    from spmd_rlhf.models.expert_parallel import all_to_all_bytes
+
+    # 1024 tokens x 8 copies of 2048 bf16 elements, 3 of 4 bound for another rank.
+    assert all_to_all_bytes(tokens=1024, top_k=8, hidden=2048, ep=4, dtype_bytes=2) == 1024 * 8 * 2048 * 2 * 3 / 4
+    assert all_to_all_bytes(tokens=1024, top_k=8, hidden=2048, ep=1, dtype_bytes=2) == 0
