@@ -1,0 +1,94 @@
+"""Context parallelism, Ulysses style: a packed row's tokens split over the ``cp`` ranks of a group, each rank
+holding one contiguous chunk; attention alone needs every token, so around it an all-to-all trades the sequence split
+for a head split.
+
+    [1, T / cp, heads, d]  --all-to-all-->  [1, T, heads / cp, d]  --attend-->  --all-to-all-->  [1, T / cp, heads, d]
+
+Everything else in a decoder layer (projections, rotary embeddings by each token's own position, norms, the MLP)
+works token by token on the chunk as it is. Each rank attends with its ``heads / cp`` heads over the whole row
+(``AttentionBatch`` of all ``T`` tokens: the packed sequences' ``cu_seqlens`` are the row's, not the chunk's), so
+``cp`` must divide the query heads. Grouped-query attention with fewer key/value heads than ``cp`` replicates each
+key/value head ``lcm(kv_heads, cp) / kv_heads`` times before the exchange (``replicated_kv_heads``): the key/value
+traffic and the key/value activations of attention grow by that factor.
+
+Bytes each rank sends per layer and direction: its chunk of q, k, v (forward in) and of the output (forward out),
+``(cp - 1) / cp`` of each leaving the rank (``ulysses_bytes``); the backward sends as much again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from spmd_rlhf.models.attention import AttentionBatch, attend
+
+
+def replicated_kv_heads(kv_heads: int, cp: int) -> int:
+    """Key/value heads after replication, so that ``cp`` divides them: ``lcm(kv_heads, cp)``."""
+    return math.lcm(kv_heads, cp)
+
+
+def check_ulysses(*, heads: int, kv_heads: int, cp: int, tokens: int, key: str = "cp") -> None:
+    """A one-line error naming ``key`` unless Ulysses can split ``heads`` query heads (GQA over ``kv_heads``) and a
+    packed row of ``tokens`` tokens over ``cp`` ranks."""
+    if heads % cp:
+        raise ValueError(f"{key}={cp} does not divide the model's {heads} attention heads (Ulysses splits them)")
+    replicated = replicated_kv_heads(kv_heads, cp)
+    if heads % replicated:
+        raise ValueError(
+            f"{key}={cp}: the {kv_heads} key/value heads, replicated to {replicated} so that {cp} ranks can split "
+            f"them, no longer divide the {heads} query heads"
+        )
+    if tokens % cp:
+        raise ValueError(f"a packed row of {tokens} tokens does not split into {key}={cp} equal chunks; pad it")
+
+
+def ulysses_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: AttentionBatch,
+    *,
+    scale: float,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """Causal attention of this rank's chunk ``q`` ``[1, T / cp, heads, d]`` (``k, v`` ``[1, T / cp, kv_heads,
+    d]``; chunk ``r`` of the row on group rank ``r``) over the whole row that ``batch`` describes; returns this
+    chunk's output ``[1, T / cp, heads, d]``, equal to that slice of ``attend`` over the whole row."""
+    cp = dist.get_world_size(group)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    check_ulysses(heads=heads, kv_heads=kv_heads, cp=cp, tokens=q.shape[1] * cp)
+    repeat = replicated_kv_heads(kv_heads, cp) // kv_heads
+    if repeat > 1:  # each key/value head stays next to the query heads that read it
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    q, k, v = (_to_head_split(tensor, cp, group) for tensor in (q, k, v))
+    out = attend(q, k, v, batch, scale=scale)
+    return _to_sequence_split(out, cp, group)
+
+
+def _to_head_split(tensor: torch.Tensor, cp: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[1, T / cp, h, d]`` (a sequence chunk, every head) -> ``[1, T, h / cp, d]`` (every token, a head group)."""
+    chunk, heads, dim = tensor.shape[1:]
+    # Head group j goes to rank j; what arrives from rank s is sequence chunk s of this rank's head group.
+    outgoing = tensor[0].reshape(chunk, cp, heads // cp, dim).transpose(0, 1).contiguous()
+    arrived = all_to_all_single_autograd(outgoing.flatten(0, 1), None, None, group)
+    return arrived.reshape(1, cp * chunk, heads // cp, dim)
+
+
+def _to_sequence_split(tensor: torch.Tensor, cp: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[1, T, h / cp, d]`` -> ``[1, T / cp, h, d]``: the inverse of ``_to_head_split``."""
+    tokens, group_heads, dim = tensor.shape[1:]
+    chunk = tokens // cp
+    # Sequence chunk j goes to rank j; what arrives from rank s is head group s of this rank's chunk.
+    arrived = all_to_all_single_autograd(tensor[0].contiguous(), None, None, group).reshape(cp, chunk, group_heads, dim)
+    return arrived.transpose(0, 1).reshape(1, chunk, cp * group_heads, dim)
+
+
+def ulysses_bytes(*, tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int) -> float:
+    """Bytes one rank sends to other ranks in one layer's forward: its chunk of q, of k and v (replicated key/value
+    heads included) and of the output, ``(cp - 1) / cp`` of each bound for another rank."""
+    per_token = (2 * heads + 2 * replicated_kv_heads(kv_heads, cp)) * head_dim * dtype_bytes
+    return tokens / cp * per_token * (cp - 1) / cp
