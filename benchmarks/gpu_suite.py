@@ -25,7 +25,8 @@ call cut short still returns what it measured. ``model`` builds the random-init 
 
 Optional steps (``OPTIONAL``), run only when named in ``--only``: ``cuda_tests_full`` (every test marked ``gpu``),
 ``g2_static`` (G2 against the compiled static cache: a compile of minutes) and ``two_process`` (the GRPO recipe as a
-two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPUs, or CPU under ``--smoke``).
+two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPUs, or CPU under ``--smoke``) and
+``moe`` (``moe_layer.py``: an MoE layer's grouped GEMMs against its expert loop at Qwen3-30B-A3B's widths, bf16).
 
 Writes ``<out>/gpu_suite_<device>[_smoke].json``: the versions found, every step's status, time, headline figures and
 its full JSON, and prints a table.
@@ -61,6 +62,7 @@ FAST_CUDA_TESTS = (
     "tests/engine/test_decode_graphs.py::test_cuda_graph_decode_equals_eager_decode",
     "tests/kernels/test_paged_attention.py::test_cuda_decode_step_through_attend_matches_the_gather_path",
     "tests/kernels/test_fused_logprob.py::test_cuda_forward_and_backward_allocate_no_float32_table",
+    "tests/models/test_moe.py::test_cuda_bf16_experts_grouped_equal_looped_and_the_model_runs",
 )
 """``cuda_tests``: one test from each file that holds CUDA tests (the whole ``-m gpu`` run took 50 s on an H100)."""
 
@@ -209,6 +211,22 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             {"G2_speedup_over_static": "batch.static.speedup"},
         ),
         Step(
+            "moe",
+            [
+                python,
+                str(BENCHMARKS / "moe_layer.py"),
+                *(
+                    ["--experts", "8", "--top-k", "2", "--tokens", "64", "--hidden", "256", "--expert-width", "128"]
+                    if smoke
+                    else ["--dtype", "bfloat16", "--tokens", "8192", "--repeats", "5"]
+                ),
+                *step_out("moe"),
+            ],
+            120,
+            "*.json",
+            {"moe_looped_over_grouped": "looped_over_grouped", "moe_grouped_gflops_per_s": "grouped_gflops_per_s"},
+        ),
+        Step(
             "two_process",
             [
                 python,
@@ -227,7 +245,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
 STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5", "scale")
 """What a plain call runs, in this order: G1, G3 and G4 first (about 5 minutes with the model's build on an H100),
 the rest after them (about 8 minutes in all); see the module docstring for each step's limit."""
-OPTIONAL = ("cuda_tests_full", "g2_static", "two_process")
+OPTIONAL = ("cuda_tests_full", "g2_static", "two_process", "moe")
 """Run only when named in ``--only``."""
 MODEL_USERS = ("g1", "g3", "g4", "g2", "g5", "scale", "g2_static")
 """Steps that read the models ``model`` builds."""

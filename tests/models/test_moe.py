@@ -210,3 +210,37 @@ def test_all_to_all_bytes_under_uniform_routing():
     # 1024 tokens x 8 copies of 2048 bf16 elements, 3 of 4 bound for another rank.
     assert all_to_all_bytes(tokens=1024, top_k=8, hidden=2048, ep=4, dtype_bytes=2) == 1024 * 8 * 2048 * 2 * 3 / 4
     assert all_to_all_bytes(tokens=1024, top_k=8, hidden=2048, ep=1, dtype_bytes=2) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_experts_grouped_equal_looped_and_the_model_runs():
+    """On CUDA in bfloat16: whether ``torch._grouped_mm`` serves (sm90 / sm100), its outputs and gradients against
+    the expert loop's, and a tiny Qwen3-MoE forward + backward with the path the layer picks."""
+    from spmd_rlhf.models.moe import Experts, TopKRouter
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    with device:
+        router = TopKRouter(256, 16, top_k=4, renormalize=True).to(torch.bfloat16).requires_grad_(False)
+        experts = Experts(16, 256, 128).to(torch.bfloat16)
+        x = torch.randn(300, 256, dtype=torch.bfloat16)
+    grouped = grouped_mm_supported(x, 256, 128)
+    print(f"grouped_mm on {torch.cuda.get_device_name()}: {grouped}")
+    results = []
+    for path in [True, False] if grouped else [False]:
+        experts.grouped_mm = path
+        experts.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_(True)
+        out = experts(inputs, router(inputs))
+        out.float().square().mean().backward()
+        results.append([out, inputs.grad, experts.gate_proj.grad, experts.down_proj.grad])
+    if grouped:
+        for mine, theirs in zip(*results):
+            torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-2)
+    config = hf_config("qwen3_moe")
+    with device:
+        model = DecoderLM(args_from_hf_config(config)).to(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (2, 33), device=device)
+    model(ids).float().logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
