@@ -74,3 +74,83 @@ def test_a_pipeline_minimum_splits_rows_that_would_fit_one_micro_batch():
     groups = token_balanced_micro_batches(lengths, 100, agree=lambda count: count, at_least=3)
     assert len(groups) == 3 and sorted(row for group in groups for row in group) == [0, 1, 2, 3]
     assert len(token_balanced_micro_batches(lengths[:2], 100, agree=lambda count: count, at_least=3)) == 2
+
+
+def test_a_derived_token_budget_follows_the_free_memory_and_the_pass():
+    from spmd_rlhf.models.args import DecoderArgs
+    from spmd_rlhf.training.token_budget import TOKEN_BUDGET_HEADROOM, bytes_per_token, derived_token_budget
+
+    args = DecoderArgs(  # Qwen2.5-1.5B's widths
+        family="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling=None,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+    )
+    layer = 17 * 1536 * 2
+    train = bytes_per_token(args, tp=1, pp=1, dtype_bytes=2, train=True, activation_checkpointing=False)
+    assert train == 28 * layer + 2 * 151936 * 2
+    forward = bytes_per_token(args, tp=1, pp=1, dtype_bytes=2, train=False, activation_checkpointing=False)
+    assert forward == layer + 151936 * 2
+    checkpointed = bytes_per_token(args, tp=2, pp=2, dtype_bytes=2, train=True, activation_checkpointing=True)
+    assert checkpointed == 2 * 1536 * 2 * 14 + layer / 2 + 2 * 151936 * 2 / 2
+    free = 40 * 2**30
+    budget = derived_token_budget(free_bytes=free, per_token=train, longest=2048)
+    assert budget == int(free * TOKEN_BUDGET_HEADROOM // train)
+    assert derived_token_budget(free_bytes=free, per_token=forward, longest=2048) > 4 * budget
+    assert derived_token_budget(free_bytes=2**20, per_token=train, longest=2048) is None  # rows per micro-batch then
+
+
+def test_the_token_budget_key_takes_zero_null_or_a_budget_that_holds_the_longest_row():
+    from spmd_rlhf.config import ConfigError, load_config
+
+    assert load_config(None, []).actor.max_tokens_per_micro_batch == 0  # derived on GPU, rows elsewhere
+    assert load_config(None, ["actor.max_tokens_per_micro_batch=null"]).actor.max_tokens_per_micro_batch is None
+    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch=-1: must be >= 0 or null"):
+        load_config(None, ["actor.max_tokens_per_micro_batch=-1"])
+    with pytest.raises(ConfigError, match="set it to at least .*, 0 \\(derived on GPU\\) or null"):
+        load_config(None, ["actor.max_tokens_per_micro_batch=3"])
+
+
+def test_a_role_derives_its_budget_on_gpu_only(monkeypatch):
+    """``ShardedModel.derived_token_budget``'s glue: the model's shape, the layout, model.dtype and the batch's width
+    on a CUDA device (free memory stubbed: this machine has none); None on the CPU."""
+    from types import SimpleNamespace
+
+    from spmd_rlhf.config import load_config
+    from spmd_rlhf.data import Batch
+    from spmd_rlhf.models.args import read_decoder_args
+    from spmd_rlhf.tiny import ensure_tiny_assets
+    from spmd_rlhf.training import sharded_model
+    from spmd_rlhf.training.token_budget import TOKEN_BUDGET_HEADROOM, bytes_per_token
+
+    config = load_config(None, ["model.dtype=bfloat16"])
+    ensure_tiny_assets(config)
+    args = read_decoder_args(config.model.path)
+    role = SimpleNamespace(
+        device=torch.device("cuda"),
+        module=SimpleNamespace(args=args),
+        context=SimpleNamespace(dims=SimpleNamespace(tp=1, pp=1)),
+        config=config,
+    )
+    batch = Batch({"attention_mask": torch.ones(3, 20, dtype=torch.long)})
+    monkeypatch.setattr(sharded_model, "free_device_bytes", lambda device: 2**30)
+    per_token = bytes_per_token(args, tp=1, pp=1, dtype_bytes=2, train=True, activation_checkpointing=False)
+    budget = sharded_model.ShardedModel.derived_token_budget(role, batch, train=True)
+    assert budget == int(2**30 * TOKEN_BUDGET_HEADROOM // per_token) >= 20
+    monkeypatch.setattr(sharded_model, "free_device_bytes", lambda device: 100)
+    assert sharded_model.ShardedModel.derived_token_budget(role, batch, train=True) is None  # rows per micro-batch
+    role.device = torch.device("cpu")
+    assert sharded_model.ShardedModel.derived_token_budget(role, batch, train=True) is None

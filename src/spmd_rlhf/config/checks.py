@@ -178,9 +178,9 @@ def _check_token_budgets(config: CheckedConfig) -> None:
         budget = role.max_tokens_per_micro_batch
         rule = (
             f"must hold the longest row, data.max_prompt_length + {config.rollout.response_length_keys} = {longest}; "
-            f"set it to at least {longest} or null"
+            f"set it to at least {longest}, 0 (derived on GPU) or null"
         )
-        require(config, f"{name}.max_tokens_per_micro_batch", budget is None or budget >= longest, rule)
+        require(config, f"{name}.max_tokens_per_micro_batch", budget in (None, 0) or budget >= longest, rule)
 
 
 def _check_training_batches(config: CheckedConfig) -> None:

@@ -37,6 +37,7 @@ from spmd_rlhf.runtime import RoleContext
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
 from spmd_rlhf.training.reducer import DPReducer
+from spmd_rlhf.training.token_budget import bytes_per_token, derived_token_budget, free_device_bytes
 
 MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 """(the model's output for one micro-batch, that micro-batch) -> a loss (training) or per-row results."""
@@ -144,11 +145,14 @@ class ShardedModel:
 
     # ---- forward passes over the rollout layout ----------------------------------------------------------------
 
-    def micro_batch_rows(self, batch: Batch, rows_per_micro_batch: int) -> list[list[int]]:
+    def micro_batch_rows(self, batch: Batch, rows_per_micro_batch: int, *, train: bool) -> list[list[int]]:
         """Row indices of each micro-batch of ``batch``: token-balanced groups within the role's
-        ``max_tokens_per_micro_batch`` (their count agreed over the DP group, and at least what the pipeline
-        schedule needs), else ``rows_per_micro_batch`` consecutive rows."""
+        ``max_tokens_per_micro_batch`` (0: ``token_budget``'s, derived on GPU for a training pass or a forward-only
+        one by ``train``; their count agreed over the DP group, and at least what the pipeline schedule needs), else
+        ``rows_per_micro_batch`` consecutive rows."""
         max_tokens = self.role_config.max_tokens_per_micro_batch
+        if max_tokens == 0:
+            max_tokens = self.derived_token_budget(batch, train=train)
         if max_tokens is None:
             return row_chunks(len(batch), rows_per_micro_batch)
         lengths = batch["attention_mask"].sum(dim=1).tolist()
@@ -158,6 +162,23 @@ class ShardedModel:
             lambda count: int(self.reducer.max(torch.tensor(count))),
             at_least=self.pipeline.min_micro_batches if self.pipeline is not None else 1,
         )
+
+    def derived_token_budget(self, batch: Batch, *, train: bool) -> int | None:
+        """On GPU, what the device's free memory holds of this pass's tokens (``training.token_budget``); None
+        elsewhere, or where that cannot hold ``batch``'s widest row (then rows per micro-batch)."""
+        if self.device.type != "cuda":
+            return None
+        args, dims = self.module.args, self.context.dims
+        per_token = bytes_per_token(
+            args,
+            tp=dims.tp,
+            pp=dims.pp,
+            dtype_bytes=torch.finfo(getattr(torch, self.config.model.dtype)).bits // 8,
+            train=train,
+            activation_checkpointing=self.config.model.activation_checkpointing,
+        )
+        longest = batch["attention_mask"].shape[1]
+        return derived_token_budget(free_bytes=free_device_bytes(self.device), per_token=per_token, longest=longest)
 
     def run_model(
         self, batch: Batch, *, micro_batch_size: int, output_fn: MicroBatchFunction, train: bool
@@ -174,7 +195,7 @@ class ShardedModel:
         Peak per micro-batch: the logits of its response tokens, ``[response_tokens, vocab / tp]`` in the compute
         dtype, plus the activations of its tokens."""
         per_token = self.module.head != "score"
-        groups = self.micro_batch_rows(batch, micro_batch_size)
+        groups = self.micro_batch_rows(batch, micro_batch_size, train=train)
         order = torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
         micros = [PackedRows(batch.select(rows)) for rows in groups]
         if self.pipeline is not None and micros:

@@ -1,0 +1,54 @@
+"""The token budget of a role's micro-batches when ``<role>.max_tokens_per_micro_batch=0`` (the default): on GPU,
+derived for each pass from the memory the device has free and what one token of that pass holds, so that a
+mini-batch runs as a few large micro-batches instead of many of ``micro_batch_size`` rows; elsewhere (CPU, where
+memory is plentiful and a big pass is no faster) ``micro_batch_size`` rows, as with null.
+
+What a token holds (``bytes_per_token``): in training, every layer's activations kept for the backward
+(``mapping.cost.ACTIVATION_BYTES_PER_HIDDEN`` · hidden · dtype bytes per layer, Korthikanti et al. 2022; with
+activation checkpointing each layer's input and one layer's whole set) and, at a response position, its logits and
+their gradient over the rank's vocabulary slice; in a forward-only pass one layer's activations and the logits. The
+budget is ``TOKEN_BUDGET_HEADROOM`` of the free bytes (the caching allocator's reusable bytes counted as free) over
+that: the rest covers FSDP's gathered units, the log-prob path's float32 chunks and fragmentation. A budget that
+cannot hold the longest row falls back to row micro-batches (that pass's memory is then what ``micro_batch_size``
+makes it, as before).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_rlhf.mapping.cost import ACTIVATION_BYTES_PER_HIDDEN
+from spmd_rlhf.models.args import DecoderArgs
+
+TOKEN_BUDGET_HEADROOM = 0.6
+"""Share of the free device memory a derived budget plans to fill with one micro-batch's per-token bytes."""
+
+
+def bytes_per_token(
+    args: DecoderArgs, *, tp: int, pp: int, dtype_bytes: int, train: bool, activation_checkpointing: bool
+) -> float:
+    """Bytes one token of a micro-batch holds on one rank of a ``tp`` x ``pp`` layout (module docstring); the
+    logits are counted at every token, an upper bound for the response positions that have them."""
+    layer = ACTIVATION_BYTES_PER_HIDDEN * args.hidden_size * dtype_bytes / tp
+    layers = args.num_layers / pp
+    if not train:
+        kept = layer
+    elif activation_checkpointing:
+        kept = 2 * args.hidden_size * dtype_bytes * layers + layer
+    else:
+        kept = layer * layers
+    logits = args.vocab_size / tp * dtype_bytes * (2 if train else 1)
+    return kept + logits
+
+
+def derived_token_budget(*, free_bytes: float, per_token: float, longest: int) -> int | None:
+    """``TOKEN_BUDGET_HEADROOM`` of ``free_bytes`` in tokens of ``per_token`` bytes; None when that cannot hold a
+    row of ``longest`` tokens."""
+    budget = int(free_bytes * TOKEN_BUDGET_HEADROOM // per_token)
+    return budget if budget >= longest else None
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """What ``device`` can still allocate: the driver's free bytes plus this process's cached, unallocated ones."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
