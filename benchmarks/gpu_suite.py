@@ -26,7 +26,8 @@ call cut short still returns what it measured. ``model`` builds the random-init 
 Optional steps (``OPTIONAL``), run only when named in ``--only``: ``cuda_tests_full`` (every test marked ``gpu``),
 ``g2_static`` (G2 against the compiled static cache: a compile of minutes) and ``two_process`` (the GRPO recipe as a
 two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPUs, or CPU under ``--smoke``) and
-``moe`` (``moe_layer.py``: an MoE layer's grouped GEMMs against its expert loop at Qwen3-30B-A3B's widths, bf16).
+``moe`` (``moe_layer.py``: an MoE layer's grouped GEMMs against its expert loop at Qwen3-30B-A3B's widths, bf16),
+``g3_budget`` (G3 with token-budget micro-batches derived from the free memory, ``--token-budget 0``).
 
 Writes ``<out>/gpu_suite_<device>[_smoke].json``: the versions found, every step's status, time, headline figures and
 its full JSON, and prints a table.
@@ -211,6 +212,22 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             {"G2_speedup_over_static": "batch.static.speedup"},
         ),
         Step(
+            "g3_budget",
+            [
+                python,
+                str(BENCHMARKS / "gpu_update.py"),
+                *large_model,
+                *smoke_flag,
+                "--token-budget",
+                "0",
+                *([] if smoke else ["--repeats", "2"]),
+                *step_out("g3_budget"),
+            ],
+            150,
+            "*.json",
+            {"G3_budget_mfu": "per_length.0.mfu", "G3_budget_mfu_longest": "per_length.-1.mfu"},
+        ),
+        Step(
             "moe",
             [
                 python,
@@ -245,7 +262,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
 STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5", "scale")
 """What a plain call runs, in this order: G1, G3 and G4 first (about 5 minutes with the model's build on an H100),
 the rest after them (about 8 minutes in all); see the module docstring for each step's limit."""
-OPTIONAL = ("cuda_tests_full", "g2_static", "two_process", "moe")
+OPTIONAL = ("cuda_tests_full", "g2_static", "two_process", "moe", "g3_budget")
 """Run only when named in ``--only``."""
 MODEL_USERS = ("g1", "g3", "g4", "g2", "g5", "scale", "g2_static")
 """Steps that read the models ``model`` builds."""

@@ -140,6 +140,8 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
                 f"data.batch_size={args.rows // GROUP_SIZE}",
                 f"actor.mini_batch_size={args.rows}",
                 f"actor.micro_batch_size={args.micro_batch}",
+                # --micro-batch rows per pass unless --token-budget (0: derived from the free memory)
+                f"actor.max_tokens_per_micro_batch={'null' if args.token_budget is None else args.token_budget}",
                 "actor.lr=1e-6",
             ],
         )
@@ -223,6 +225,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype; default bfloat16 on cuda")
     parser.add_argument("--peak-tflops", type=float, help="peak FLOP/s of one device, TFLOP/s; default by GPU name")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        help="actor.max_tokens_per_micro_batch: token-balanced micro-batches of this many tokens, 0 derived from the "
+        "free device memory (training.token_budget); default: --micro-batch rows per pass",
+    )
     parser.add_argument("--compile", action="store_true", help="model.compile: torch.compile each decoder block")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--profile", help="write a profile of one more update (first length, rank 0) to this file")

@@ -99,7 +99,7 @@ def test_a_derived_token_budget_follows_the_free_memory_and_the_pass():
         mlp_bias=False,
         qk_norm=False,
     )
-    layer = 17 * 1536 * 2
+    layer = (11 * 1536 + 3 * 2 * 128 + 4 * 8960) * 2  # norms, attention, the 8960-wide MLP; bf16
     train = bytes_per_token(args, tp=1, pp=1, dtype_bytes=2, train=True, activation_checkpointing=False)
     assert train == 28 * layer + 2 * 151936 * 2
     forward = bytes_per_token(args, tp=1, pp=1, dtype_bytes=2, train=False, activation_checkpointing=False)
@@ -116,8 +116,8 @@ def test_a_derived_token_budget_follows_the_free_memory_and_the_pass():
 def test_the_token_budget_key_takes_zero_null_or_a_budget_that_holds_the_longest_row():
     from spmd_rlhf.config import ConfigError, load_config
 
-    assert load_config(None, []).actor.max_tokens_per_micro_batch == 0  # derived on GPU, rows elsewhere
-    assert load_config(None, ["actor.max_tokens_per_micro_batch=null"]).actor.max_tokens_per_micro_batch is None
+    assert load_config(None, []).actor.max_tokens_per_micro_batch is None  # rows per micro-batch
+    assert load_config(None, ["actor.max_tokens_per_micro_batch=0"]).actor.max_tokens_per_micro_batch == 0
     with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch=-1: must be >= 0 or null"):
         load_config(None, ["actor.max_tokens_per_micro_batch=-1"])
     with pytest.raises(ConfigError, match="set it to at least .*, 0 \\(derived on GPU\\) or null"):

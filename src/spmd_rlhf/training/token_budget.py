@@ -4,9 +4,10 @@ mini-batch runs as a few large micro-batches instead of many of ``micro_batch_si
 memory is plentiful and a big pass is no faster) ``micro_batch_size`` rows, as with null.
 
 What a token holds (``bytes_per_token``): in training, every layer's activations kept for the backward
-(``mapping.cost.ACTIVATION_BYTES_PER_HIDDEN`` · hidden · dtype bytes per layer, Korthikanti et al. 2022; with
-activation checkpointing each layer's input and one layer's whole set) and, at a response position, its logits and
-their gradient over the rank's vocabulary slice; in a forward-only pass one layer's activations and the logits. The
+(``layer_activation_elements``, counted from this decoder's own ops: an H200 run with the mapper's 17 h per layer,
+Korthikanti et al.'s figure for a 4 h MLP, ran out of memory at Qwen2.5-1.5B's 5.8 h MLP; with activation
+checkpointing each layer's input and one layer's whole set) and, at a response position, its logits and their
+gradient over the rank's vocabulary slice; in a forward-only pass one layer's activations and the logits. The
 budget is ``TOKEN_BUDGET_HEADROOM`` of the free bytes (the caching allocator's reusable bytes counted as free) over
 that: the rest covers FSDP's gathered units, the log-prob path's float32 chunks and fragmentation. A budget that
 cannot hold the longest row falls back to row micro-batches (that pass's memory is then what ``micro_batch_size``
@@ -17,11 +18,21 @@ from __future__ import annotations
 
 import torch
 
-from spmd_rlhf.mapping.cost import ACTIVATION_BYTES_PER_HIDDEN
 from spmd_rlhf.models.args import DecoderArgs
 
 TOKEN_BUDGET_HEADROOM = 0.6
 """Share of the free device memory a derived budget plans to fill with one micro-batch's per-token bytes."""
+
+
+def layer_activation_elements(args: DecoderArgs) -> int:
+    """Elements one token keeps for the backward in one decoder layer of this decoder, as built: each RMSNorm's input
+    and its float32 copy (3 h each), the normed input, q, k and v, their rotated copies, the attention output and
+    the residual (about 5 h + 3 kv), and the MLP's gate, up, activation and product (4 I; an MoE layer's routed
+    copies, k of them, each of the expert width)."""
+    h, kv = args.hidden_size, args.num_kv_heads * args.head_dim
+    moe = args.moe
+    width = moe.num_experts_per_tok * moe.moe_intermediate_size if moe else args.intermediate_size
+    return 11 * h + 3 * kv + 4 * width
 
 
 def bytes_per_token(
@@ -29,7 +40,7 @@ def bytes_per_token(
 ) -> float:
     """Bytes one token of a micro-batch holds on one rank of a ``tp`` x ``pp`` layout (module docstring); the
     logits are counted at every token, an upper bound for the response positions that have them."""
-    layer = ACTIVATION_BYTES_PER_HIDDEN * args.hidden_size * dtype_bytes / tp
+    layer = layer_activation_elements(args) * dtype_bytes / tp
     layers = args.num_layers / pp
     if not train:
         kept = layer
