@@ -22,7 +22,7 @@ from torch import nn
 
 from spmd_rlhf.config import TrainableRoleConfig
 from spmd_rlhf.models.args import DecoderArgs
-from spmd_rlhf.models.moe import Routing, TopKRouter
+from spmd_rlhf.models.moe import Routing, TopKRouter, expert_load
 
 
 def load_balancing_loss(routing: Routing, num_experts: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,7 +51,7 @@ def z_loss(routing: Routing, token_mask: torch.Tensor | None = None) -> torch.Te
 
 def expert_load_max_over_mean(routing: Routing, num_experts: int) -> torch.Tensor:
     """Most token choices any expert got, over the mean per expert (1 = perfectly balanced, ``E / k`` at most)."""
-    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).float()
+    counts = expert_load(routing, num_experts).float()
     return counts.max() / counts.mean().clamp(min=1e-9)
 
 
