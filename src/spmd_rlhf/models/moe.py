@@ -54,13 +54,24 @@ def _count_per_expert(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     )
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer type of a record of expert ids (router replay) with -1 for "none": int8 up to 127
+    experts, else int16."""
+    return torch.int8 if num_experts <= 127 else torch.int16
+
+
 class TopKRouter(nn.Module):
-    """``softmax(x W^T)`` over the experts (in float32), the ``top_k`` largest, optionally renormalised."""
+    """``softmax(x W^T)`` over the experts (in float32), the ``top_k`` largest (or the replayed experts), optionally
+    renormalised."""
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int, renormalize: bool) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.replay: torch.Tensor | None = None
+        """Router replay: expert ids ``[tokens, k]`` for the next forward's tokens, set from outside
+        (``training.router_replay``); they replace the top-k choice (a row of -1: the router's own), and the weights
+        are the router's probabilities at those experts, so gradients still reach the router."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -70,6 +81,9 @@ class TopKRouter(nn.Module):
         logits = F.linear(x, self.weight)
         probabilities = logits.softmax(-1, dtype=torch.float32)
         weights, experts = probabilities.topk(self.top_k, dim=-1)
+        if self.replay is not None:
+            experts = torch.where(self.replay >= 0, self.replay.to(experts.dtype), experts)
+            weights = probabilities.gather(-1, experts)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return Routing(logits, experts, weights.to(x.dtype))

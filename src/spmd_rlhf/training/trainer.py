@@ -24,6 +24,7 @@ from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.training.packing import PACKED_FIELDS, MicroBatch
 from spmd_rlhf.training.reducer import DPReducer
 from spmd_rlhf.training.router_losses import RouterLosses, router_coefficients
+from spmd_rlhf.training.router_replay import ROUTED_EXPERTS
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.training.skipped_steps import SkippedSteps
 
@@ -182,7 +183,9 @@ class Trainer:
         skipped_before = self.skipped.total
         # The tokens the losses count: ``loss_mask`` where a rollout correction rejected some, else the responses.
         counted = LOSS_MASK if LOSS_MASK in batch.tensors else "response_mask"
-        layout = {key: batch[key] for key in dict.fromkeys([*PACKED_FIELDS, counted])}
+        # The recorded experts travel with the layout where router replay routes the micro-batches by them.
+        replayed = [ROUTED_EXPERTS] if ROUTED_EXPERTS in batch.tensors and self.model.router_replay is not None else []
+        layout = {key: batch[key] for key in dict.fromkeys([*PACKED_FIELDS, counted, *replayed])}
         layout[MINI_BATCH_ROW] = torch.arange(len(batch)) % rows
         host_minis = Batch(layout, group_size=batch.group_size).to("cpu").chunk_rows(rows)
         device_minis = Batch(dict(batch.tensors), group_size=batch.group_size).to(self.model.device).chunk_rows(rows)
