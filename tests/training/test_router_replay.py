@@ -80,3 +80,8 @@ def test_router_replay_on_a_dense_model_is_refused(tmp_path):
 def test_recompute_replay_needs_the_log_prob_recompute():
     with pytest.raises(ConfigError, match=r"algorithm.router_replay=recompute: records the experts in the old-policy"):
         load_config(None, ["algorithm.router_replay=recompute", "rollout.recompute_log_probs=false"])
+
+
+def test_rollout_replay_needs_single_turn_generation_in_one_segment():
+    with pytest.raises(ConfigError, match=r"algorithm.router_replay=rollout: records the experts of single-turn"):
+        load_config(None, ["algorithm.router_replay=rollout", "rollout.environment=tool"])
