@@ -99,6 +99,7 @@ class ShardedModel:
         # FSDP keeps as float32 shards until their unit is gathered (and a streamed vocabulary never gathers whole).
         attention = resolve_backend(config.model.attention, device=self.device, dtype=compute_dtype)
         model = build_model(path, head=head, dtype=storage_dtype, attention_backend=attention)
+        check_router_replay(router_replay, model.args)
         dims, name = context.dims, context.name
         model = split_stage(model, stage=coordinates.pp, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -143,7 +144,6 @@ class ShardedModel:
         """Global rank of each pipeline stage of this rank's pipeline, in stage order."""
         self.role_group = context.groups["role"]
         """All of the role's ranks (DP x TP x PP): sharded checkpoints are written and read over it."""
-        check_router_replay(router_replay, model.args)
         if router_replay != "off" and dims.pp > 1:
             raise ValueError(f"algorithm.router_replay={router_replay} needs {name}.pp=1; set one of them")
         self.router_replay = RouterReplay(model) if router_replay != "off" else None

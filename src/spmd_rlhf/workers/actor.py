@@ -184,23 +184,19 @@ class ActorWorker(TrainedRoleWorker):
     def _response_log_probs(self, batch: Batch, method: str, key: str) -> Batch:
         """With ``algorithm.router_replay=recompute`` the old-policy pass also records each token's experts
         (``routed_experts``), which the updates then replay."""
-        replay = self.model.router_replay
+
+        def log_probs(logits: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+            return self.model.response_log_probs(logits, micro, self.temperature)[0]
+
         if method != "compute_log_probs" or self.config.algorithm.router_replay != "recompute":
-            return self.model.forward_rows(
-                batch,
-                method,
-                key,
-                lambda logits, micro: self.model.response_log_probs(logits, micro, self.temperature)[0],
-            )
+            return self.model.forward_rows(batch, method, key, log_probs)
+        replay = self.model.router_replay
         with replay.recording() as seen:
             return self.model.forward_rows(
                 batch,
                 method,
                 key,
-                lambda logits, micro: {
-                    key: self.model.response_log_probs(logits, micro, self.temperature)[0],
-                    ROUTED_EXPERTS: replay.routes_of(seen, micro),
-                },
+                lambda logits, micro: {key: log_probs(logits, micro), ROUTED_EXPERTS: replay.routes_of(seen, micro)},
             )
 
     # ---- advantages --------------------------------------------------------------------------------------------
