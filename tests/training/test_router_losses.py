@@ -1,7 +1,8 @@
 """The routers' load-balancing loss and z-loss: the load-balancing loss of one layer equals transformers'
 ``load_balancing_loss_func`` with padding masked; in the real ``ActorWorker.update_actor`` (one CPU rank, a tiny
 Qwen3-MoE) a coefficient > 0 changes the router weights' gradient, 0 leaves it as without the losses, the metrics
-come back; a nonzero coefficient on a dense model is refused at build time, naming the key."""
+come back, and an update reads as many scalars at 8 micro-batches as at 2 (no host sync per micro-batch); a nonzero
+coefficient on a dense model is refused at build time, naming the key."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from spmd_rlhf.training.router_losses import load_balancing_loss, z_loss
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from gpu_update import synthetic_rollout  # noqa: E402
-from host_overhead import one_rank_actor  # noqa: E402
+from host_overhead import count_update, one_rank_actor  # noqa: E402
 
 ROWS, LENGTH = 8, 12
 ROUTER = "model.layers.0.mlp.gate.weight"
@@ -93,3 +94,21 @@ def test_a_router_loss_on_a_dense_model_is_refused(tmp_path):
             )
     finally:
         dist.destroy_process_group()
+
+
+def test_router_losses_and_metrics_read_nothing_back_per_micro_batch(moe_dir):
+    try:
+        counts = {
+            micro_batches: count_update(
+                moe_dir,
+                rows=ROWS,
+                length=LENGTH,
+                micro_batch=ROWS // micro_batches,
+                overrides=("actor.router_aux_loss_coef=0.1", "actor.router_z_loss_coef=0.1"),
+            )
+            for micro_batches in (2, 8)
+        }
+    finally:
+        dist.destroy_process_group()
+    few, many = counts[2], counts[8]
+    assert few.scalar_reads == many.scalar_reads, (dict(few.scalar_read_sites), dict(many.scalar_read_sites))
