@@ -16,6 +16,7 @@ ALGORITHMS = tuple(dataflow.ALGORITHMS)
 """Every ``algorithm.name``: the members of every family's dataflow."""
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo")
+ROUTER_REPLAY_MODES = ("off", "rollout", "recompute")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 CORRECTION_PRESETS: dict[str, dict] = {
     "disabled": {"is_level": None, "rs_level": None},
@@ -185,6 +186,11 @@ class AlgorithmConfig:
     trains); k: a k-deep pipeline. k > 0 turns on rollout.enabled and rollout.recompute_log_probs (left null)."""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """Rollout correction of the engine-vs-trainer gap and of stale samples (docs/async.md)."""
+    router_replay: str = "off"
+    """Mixture-of-experts models: which experts the training forward routes each token to. off: the router's own
+    top-k; rollout (R3): the experts the generation engine chose for it, recorded per token and MoE layer; recompute
+    (R2): the experts the old policy chose in the log-prob recompute (needs rollout.recompute_log_probs=true). The
+    router's weights are recomputed at the replayed experts, so it still trains (docs/models.md)."""
 
     def __post_init__(self) -> None:
         one_of(self, "name", ALGORITHMS)
@@ -206,5 +212,6 @@ class AlgorithmConfig:
             require(self, key, getattr(self, key) > 0, "must be > 0")
         at_least(self, 1, "max_sampling_rounds")
         at_least(self, 0, "overlong_buffer", "overlong_penalty", "max_staleness")
+        one_of(self, "router_replay", ROUTER_REPLAY_MODES)
         rule = f"dynamic sampling filters groups of samples; use {listed(GROUP_ALGORITHMS)}"
         require(self, "dynamic_sampling", not self.dynamic_sampling or self.name in GROUP_ALGORITHMS, rule)

@@ -154,6 +154,15 @@ def _check_asynchronous(config: CheckedConfig) -> None:
         "algorithm.max_staleness >= 1 (and rollout.enabled=true), or rollout.partial_rollouts=off"
     )
     require(config, "rollout.partial_rollouts", rollout.partial_rollouts == "off" or staleness >= 1, rule)
+    replay = config.algorithm.router_replay
+    rule = "records the experts in the old-policy log-prob recompute; set rollout.recompute_log_probs=true"
+    require(config, "algorithm.router_replay", replay != "recompute" or rollout.recompute_log_probs, rule)
+    rule = (
+        "records the experts of single-turn generation in one segment only (no rollout.environment, "
+        "rollout.partial_rollouts=off); set algorithm.router_replay=recompute"
+    )
+    one_piece = rollout.environment is None and rollout.partial_rollouts == "off"
+    require(config, "algorithm.router_replay", replay != "rollout" or one_piece, rule)
 
 
 def _check_kv_cache(config: CheckedConfig) -> None:

@@ -172,6 +172,14 @@ class TrainableRoleConfig(RoleConfig):
     """Passes over each step's rollout batch, each taking one optimizer step per mini-batch."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters instead of full fine-tuning (docs/lora.md)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: weight of the routers' load-balancing loss (Switch / Mixtral: num_experts * sum over
+    experts of the fraction of token choices times the mean router probability, per MoE layer over the micro-batch's
+    real tokens, averaged over layers) added to the role's loss; null: the model config's router_aux_loss_coef (0
+    without one). A nonzero value on a dense model is refused (docs/models.md)."""
+    router_z_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of the routers' z-loss (ST-MoE: the mean of logsumexp(router logits)^2, per
+    MoE layer, averaged over layers) added to the role's loss. A nonzero value on a dense model is refused."""
     unsharded_accumulation_mb: float | None = 4096.0
     """Keep a mini-batch's parameters gathered and its gradients unsharded across its micro-batches, with one FSDP
     gather per unit in the first forward and one gradient reduce-scatter in the last backward (otherwise each
@@ -192,6 +200,9 @@ class TrainableRoleConfig(RoleConfig):
         require(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
         require(self, "grad_clip", self.grad_clip is None or self.grad_clip > 0, "must be > 0 or null")
         at_least(self, 1, "mini_batch_size", "ppo_epochs")
+        aux = self.router_aux_loss_coef
+        require(self, "router_aux_loss_coef", aux is None or aux >= 0, "must be >= 0 or null")
+        at_least(self, 0, "router_z_loss_coef")
         budget = self.unsharded_accumulation_mb
         require(self, "unsharded_accumulation_mb", budget is None or budget >= 0, "must be >= 0 or null")
 

@@ -16,7 +16,8 @@ padded, fixed-address inputs eagerly; that is how the padding and scratch-block 
 When the graphs apply (``graphs_unsupported`` says why not, once in the log): a CUDA model whose decode attention is the
 Triton paged kernel (which reads the context lengths and block tables from device tensors; the flash-attn paged path
 takes host integers, and the SDPA fallback gathers shapes that change every step), and no DTensor parameters (a
-tensor-parallel step has collectives in it: capturing those is not done here yet).
+tensor-parallel step has collectives in it: capturing those is not done here yet), and MoE experts on the grouped-GEMM
+path (the expert loop reads each layer's per-expert counts on the host).
 
 Holds, besides the model and the cache: the input buffers (``max_rows`` x (4 + ``max_blocks_per_seq``) integers), one
 hidden-state output per captured batch size, and the graphs' shared memory pool (the intermediates of the largest
@@ -35,6 +36,7 @@ from spmd_rlhf.engine.sequence import Sequence
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.moe import Experts
 from spmd_rlhf.models.paged_kv import PagedKV
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,12 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
     """Why this model's decode steps cannot be captured, or None when they can (the module docstring says why each
     condition matters)."""
     weight = model.model.embed_tokens.weight
+    probe = weight.new_empty(0)
+    if any(isinstance(module, Experts) and not module.uses_grouped_mm(probe) for module in model.modules()):
+        return (
+            "the MoE experts run as a loop over experts here (grouped GEMMs need CUDA bfloat16 on sm90 / sm100), "
+            "which reads the per-expert token counts on the host in every layer"
+        )
     if weight.device.type != "cuda":
         return f"the model is on {weight.device.type}, not a CUDA device"
     if any(isinstance(param, DTensor) for param in model.parameters()):

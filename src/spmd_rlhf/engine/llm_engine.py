@@ -75,6 +75,7 @@ class LLMEngine:
         seed: int = 0,
         decode_graphs: str = "auto",
         max_model_len: int | None = None,
+        record_routes: bool = False,
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size (``kv_cache_bytes`` at most what ``max_num_seqs``
         rows of ``max_model_len`` tokens fill, when that is given); with neither, each call gets a cache that holds
@@ -90,7 +91,8 @@ class LLMEngine:
 
         A tensor-parallel model's ranks must all build their engines together: each of these numbers becomes its
         minimum over the model's mesh (two small all-reduces), so ranks that measured different free memory still
-        run one schedule."""
+        run one schedule. ``record_routes`` (an MoE model; router replay): each output's ``routed_experts`` holds the
+        experts every processed token went to per MoE layer (``routes.py``), and decode steps run eagerly."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
@@ -116,6 +118,8 @@ class LLMEngine:
         )
         self.eos_token_id = eos_token_id
         unsupported = graphs_unsupported(model, block_size=self.block_size) if decode_graphs == "auto" else None
+        if record_routes:
+            unsupported, decode_graphs = "router replay records each step's experts (algorithm.router_replay)", "off"
         if unsupported is not None:
             say_once(unsupported, f"decode steps run eagerly, without CUDA graphs: {unsupported}", device=device)
         capture = decode_graphs == "auto" and unsupported is None
@@ -125,6 +129,7 @@ class LLMEngine:
             block_size=self.block_size,
             static_decode=capture or decode_graphs == "static",
             capture_graphs=capture,
+            record_routes=record_routes,
         )
         # Blocks from bytes after the block size is agreed: every rank of the mesh holds an equal shard, so one
         # block costs the same bytes everywhere.

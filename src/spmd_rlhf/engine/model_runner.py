@@ -10,10 +10,13 @@ past the block manager's.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, say_once
+from spmd_rlhf.engine.routes import RouteRecorder
 from spmd_rlhf.engine.sequence import Sequence
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
@@ -28,8 +31,16 @@ def local_kv_heads(model: DecoderLM) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderLM, *, block_size: int, static_decode: bool = False, capture_graphs: bool = False
+        self,
+        model: DecoderLM,
+        *,
+        block_size: int,
+        static_decode: bool = False,
+        capture_graphs: bool = False,
+        record_routes: bool = False,
     ) -> None:
+        """``record_routes``: keep each sequence's experts per MoE layer in ``Sequence.routed_experts``
+        (``routes.RouteRecorder``; eager steps only)."""
         if model.head != "lm":
             raise ValueError(f"generation needs a model with an LM head, got head={model.head!r}")
         if capture_graphs and not static_decode:
@@ -48,6 +59,9 @@ class ModelRunner:
         """KV heads this rank caches: all of them, or its share when the model is tensor-parallel."""
         self._key_cache: torch.Tensor | None = None
         self._value_cache: torch.Tensor | None = None
+        if record_routes and static_decode:
+            raise ValueError("recording routes runs decode steps eagerly: it needs static_decode=False")
+        self.routes = RouteRecorder(model, block_size=block_size) if record_routes else None
 
     @property
     def block_bytes(self) -> int:
@@ -84,6 +98,8 @@ class ModelRunner:
         # memory can hold NaN.
         self._key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.routes is not None:
+            self.routes.allocate(shape[1], self.device)
 
     def read_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
         """Copies of the keys and values of cache ``blocks`` (``[layers, len(blocks), block_size, kv heads,
@@ -103,6 +119,8 @@ class ModelRunner:
         """Drop the cache tensors (their memory returns to the allocator; the next ``allocate_cache`` makes new ones),
         and the static decode step and graphs, which hold their addresses."""
         self._key_cache = self._value_cache = None
+        if self.routes is not None:
+            self.routes.free()
         self._retired_captures = self.graphs_ever_captured
         self._static_step = None
 
@@ -190,9 +208,13 @@ class ModelRunner:
             max_seqlen_q=max(end - start for start, end in zip(cu_seqlens_q, cu_seqlens_q[1:])),
             max_context_len=max(context_lens),
         )
-        with torch.inference_mode():
+        recording = self.routes.recording(paged.slot_mapping) if self.routes is not None else contextlib.nullcontext()
+        with torch.inference_mode(), recording:
             hidden = self.model.hidden_states(
                 tensor(token_ids, torch.int64)[None], tensor(positions, torch.int64)[None], paged=paged
             )
             last = paged.cu_seqlens_q[1:].long() - 1
-            return self.model.lm_head(hidden[0, last])
+            logits = self.model.lm_head(hidden[0, last])
+        if self.routes is not None:
+            self.routes.collect(seqs, is_prefill=is_prefill)
+        return logits

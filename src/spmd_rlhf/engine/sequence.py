@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -66,6 +70,9 @@ class Sequence:
         """Each generated token's log-prob under softmax(logits / T), before top-k / top-p (what training computes)."""
         self.sampling_log_probs: list[float] = []
         """Each generated token's log-prob under the top-k / top-p distribution it was drawn from (``sampler``)."""
+        self.routed_experts: list[torch.Tensor] = []
+        """With router replay recording (``routes.RouteRecorder``): the experts each processed token was routed to, as
+        ``[tokens, moe_layers, k]`` host pieces in token order (the last generated token is never processed)."""
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from spmd_rlhf.models.moe import Experts, MoEBlock, Routing, grouped_mm_supported
+from spmd_rlhf.models.moe import Experts, MoEBlock, Routing, count_per_expert
 
 
 class ParallelExperts(Experts):
@@ -56,7 +56,7 @@ class ParallelExperts(Experts):
         tokens, top_k = routing.experts.shape
         chosen = routing.experts.flatten()
         order = chosen.argsort(stable=True)
-        counts = torch.bincount(chosen, minlength=self.num_experts)
+        counts = count_per_expert(chosen, self.num_experts)
         routed = x.index_select(0, order // top_k)
 
         # received[s * local + e]: the copies rank s sends to this rank's local expert e.
@@ -68,11 +68,8 @@ class ParallelExperts(Experts):
         local_ids = torch.arange(local, device=x.device).repeat(size)
         by_expert = local_ids.repeat_interleave(received, output_size=sum(received_splits)).argsort(stable=True)
         local_counts = received.view(size, local).sum(0)
-        grouped = self.grouped_mm
-        if grouped is None:
-            grouped = grouped_mm_supported(x, self.hidden_size, self.intermediate_size)
         rows = arrived.index_select(0, by_expert)
-        outputs = self._grouped(rows, local_counts) if grouped else self._looped(rows, local_counts)
+        outputs = self._grouped(rows, local_counts) if self.uses_grouped_mm(x) else self._looped(rows, local_counts)
         in_arrival_order = torch.empty_like(outputs).index_copy_(0, by_expert, outputs)
         returned = all_to_all_single_autograd(in_arrival_order, sent_splits, received_splits, self.group)
 

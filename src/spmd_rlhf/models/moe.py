@@ -43,16 +43,35 @@ class Routing(NamedTuple):
 
 def expert_load(routing: Routing, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert ``[E]`` (int64, on the device; a token counts once per expert it chose)."""
-    return torch.bincount(routing.experts.flatten(), minlength=num_experts)
+    return count_per_expert(routing.experts.flatten(), num_experts)
+
+
+def count_per_expert(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How often each of ``num_experts`` experts occurs in ``chosen``: a scatter-add into ``[E]`` zeros, where
+    ``torch.bincount`` would read the largest id back to the host on CUDA (and break a CUDA graph capture)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=chosen.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen)
+    )
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer type of a record of expert ids (router replay) with -1 for "none": int8 up to 127
+    experts, else int16."""
+    return torch.int8 if num_experts <= 127 else torch.int16
 
 
 class TopKRouter(nn.Module):
-    """``softmax(x W^T)`` over the experts (in float32), the ``top_k`` largest, optionally renormalised."""
+    """``softmax(x W^T)`` over the experts (in float32), the ``top_k`` largest (or the replayed experts), optionally
+    renormalised."""
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int, renormalize: bool) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.replay: torch.Tensor | None = None
+        """Router replay: expert ids ``[tokens, k]`` for the next forward's tokens, set from outside
+        (``training.router_replay``); they replace the top-k choice (a row of -1: the router's own), and the weights
+        are the router's probabilities at those experts, so gradients still reach the router."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -62,6 +81,9 @@ class TopKRouter(nn.Module):
         logits = F.linear(x, self.weight)
         probabilities = logits.softmax(-1, dtype=torch.float32)
         weights, experts = probabilities.topk(self.top_k, dim=-1)
+        if self.replay is not None:
+            experts = torch.where(self.replay >= 0, self.replay.to(experts.dtype), experts)
+            weights = probabilities.gather(-1, experts)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return Routing(logits, experts, weights.to(x.dtype))
@@ -123,16 +145,20 @@ class Experts(nn.Module):
         chosen = routing.experts.flatten()
         # Each token's k copies, sorted by expert (stable: within an expert, in token order).
         order = chosen.argsort(stable=True)
-        counts = torch.bincount(chosen, minlength=self.num_experts)
+        counts = count_per_expert(chosen, self.num_experts)
         routed = x.index_select(0, order // top_k)
-        grouped = self.grouped_mm
-        if grouped is None:
-            grouped = grouped_mm_supported(x, self.hidden_size, self.intermediate_size)
-        outputs = self._grouped(routed, counts) if grouped else self._looped(routed, counts)
+        outputs = self._grouped(routed, counts) if self.uses_grouped_mm(x) else self._looped(routed, counts)
         # Back to (token, choice) order by a permutation, then a fixed-order sum over the k choices: deterministic,
         # unlike an index_add of the copies onto their tokens (atomic adds on CUDA).
         unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs).view(tokens, top_k, -1)
         return (unsorted * routing.weights.unsqueeze(-1)).sum(1)
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        """Whether a forward on inputs of ``x``'s device and dtype takes the grouped-GEMM path (else the loop, with its
+        host sync)."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm
+        return grouped_mm_supported(x, self.hidden_size, self.intermediate_size)
 
     def _grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0).to(torch.int32)

@@ -37,6 +37,7 @@ from spmd_rlhf.runtime import RoleContext
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
 from spmd_rlhf.training.reducer import DPReducer
+from spmd_rlhf.training.router_replay import RouterReplay, check_router_replay
 from spmd_rlhf.training.token_budget import bytes_per_token, derived_token_budget, free_device_bytes
 
 MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
@@ -46,6 +47,20 @@ MicroBatchFunction = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 # The value and score heads return a view ([..., 1] squeezed); outputs are never modified in place here, which is the
 # only case in which that view would matter to FSDP's backward hooks.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def _detached(result: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | torch.Tensor:
+    if isinstance(result, dict):
+        return {name: value.detach() for name, value in result.items()}
+    return result.detach()
+
+
+def _in_row_order(results: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
+    """Per-micro-batch results, concatenated on the host and put back in the rows' order."""
+    grouped = torch.cat(results).cpu()
+    values = torch.empty_like(grouped)
+    values[order] = grouped
+    return values
 
 
 class ShardedModel:
@@ -62,6 +77,7 @@ class ShardedModel:
         head: str,
         trainable: bool,
         reducer: DPReducer,
+        router_replay: str = "off",
     ) -> None:
         self.config = config
         self.role_config = role_config
@@ -84,6 +100,7 @@ class ShardedModel:
         # FSDP keeps as float32 shards until their unit is gathered (and a streamed vocabulary never gathers whole).
         attention = resolve_backend(config.model.attention, device=self.device, dtype=compute_dtype)
         model = build_model(path, head=head, dtype=storage_dtype, attention_backend=attention)
+        check_router_replay(router_replay, model.args)
         dims, name = context.dims, context.name
         model = split_stage(model, stage=coordinates.pp, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -128,6 +145,10 @@ class ShardedModel:
         """Global rank of each pipeline stage of this rank's pipeline, in stage order."""
         self.role_group = context.groups["role"]
         """All of the role's ranks (DP x TP x PP): sharded checkpoints are written and read over it."""
+        if router_replay != "off" and dims.pp > 1:
+            raise ValueError(f"algorithm.router_replay={router_replay} needs {name}.pp=1; set one of them")
+        self.router_replay = RouterReplay(model) if router_replay != "off" else None
+        """Set when micro-batches whose rows carry ``routed_experts`` route by them (``training.router_replay``)."""
         self.pipeline = None
         if dims.pp > 1:
             self.pipeline = Pipeline(
@@ -215,10 +236,12 @@ class ShardedModel:
                     last = index == len(micros) - 1
                     self.module.set_requires_gradient_sync(last)
                     self.module.set_reshard_after_backward(last)
-                result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
-                if train:
-                    result.backward()
-                results.append(result.detach())
+                replay = self.router_replay
+                with replay.replaying(micro, self.device) if replay is not None else contextlib.nullcontext():
+                    result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
+                    if train:
+                        result.backward()
+                results.append(_detached(result))
         return results, order
 
     @contextlib.contextmanager
@@ -241,7 +264,8 @@ class ShardedModel:
 
     def forward_rows(self, batch: Batch, method: str, key: str, output_fn: MicroBatchFunction) -> Batch:
         """``Batch({key: output_fn results of every row})`` in ``batch``'s row order, forward only, on every rank of
-        the role (a pipeline's last stage sends its results to the other stages)."""
+        the role (a pipeline's last stage sends its results to the other stages). An ``output_fn`` may return a dict
+        of per-row tensors instead, one of them under ``key``: each becomes a field."""
         self.reducer.check_equal_shards(batch, method)
         self.module.eval()
         with torch.no_grad():
@@ -253,14 +277,15 @@ class ShardedModel:
             )
         values = None
         if results:
-            grouped = torch.cat(results).cpu()
-            values = torch.empty_like(grouped)
-            values[order] = grouped
+            results = [result if isinstance(result, dict) else {key: result} for result in results]
+            values = {name: _in_row_order([result[name] for result in results], order) for name in results[0]}
         if self.pipeline is not None:
             carrier = [values]
             dist.broadcast_object_list(carrier, src=self.stage_ranks[-1], group=self.pp_group)
             values = carrier[0]
-        return Batch({key: values}, group_size=batch.group_size)
+        if values is None:
+            return Batch({key: None}, group_size=batch.group_size)
+        return Batch({key: values.pop(key), **values}, group_size=batch.group_size)
 
     def response_log_probs(
         self, logits: torch.Tensor, micro: MicroBatch, temperature: float, *, with_entropy: bool = False

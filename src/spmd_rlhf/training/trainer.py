@@ -23,6 +23,8 @@ from spmd_rlhf.config import TrainableRoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.training.packing import PACKED_FIELDS, MicroBatch
 from spmd_rlhf.training.reducer import DPReducer
+from spmd_rlhf.training.router_losses import RouterLosses, router_coefficients
+from spmd_rlhf.training.router_replay import ROUTED_EXPERTS
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.training.skipped_steps import SkippedSteps
 
@@ -124,6 +126,7 @@ class Trainer:
             weight_decay=role_config.weight_decay,
             fused=True,
         )
+        self.router_losses = self._router_losses(model, role_config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: learning_rate_factor(
@@ -134,6 +137,23 @@ class Trainer:
                 min_lr_ratio=role_config.min_lr_ratio,
             ),
         )
+
+    @staticmethod
+    def _router_losses(model: ShardedModel, role_config: TrainableRoleConfig) -> RouterLosses | None:
+        """An MoE model's router losses and expert-load metrics (``training.router_losses``); None for a dense model
+        and through a pipeline, where a stage's routers are not where its loss is (nonzero coefficients refused)."""
+        role, args = model.context.name, model.module.args
+        aux, z = router_coefficients(role, role_config, args)
+        if args.moe is None:
+            return None
+        if model.pipeline is not None:
+            if aux or z:
+                raise ValueError(
+                    f"{role}.router_aux_loss_coef / router_z_loss_coef must be 0 with {role}.pp > 1 (the routers of "
+                    "earlier stages are not where the loss is); set them to 0"
+                )
+            return None
+        return RouterLosses(model.module, args.moe.num_experts, aux_coef=aux, z_coef=z)
 
     def rows_per_mini_batch(self, batch: Batch, method: str) -> int:
         dp_size, role = self.reducer.size, self.reducer.role
@@ -163,7 +183,9 @@ class Trainer:
         skipped_before = self.skipped.total
         # The tokens the losses count: ``loss_mask`` where a rollout correction rejected some, else the responses.
         counted = LOSS_MASK if LOSS_MASK in batch.tensors else "response_mask"
-        layout = {key: batch[key] for key in dict.fromkeys([*PACKED_FIELDS, counted])}
+        # The recorded experts travel with the layout where router replay routes the micro-batches by them.
+        replayed = [ROUTED_EXPERTS] if ROUTED_EXPERTS in batch.tensors and self.model.router_replay is not None else []
+        layout = {key: batch[key] for key in dict.fromkeys([*PACKED_FIELDS, counted, *replayed])}
         layout[MINI_BATCH_ROW] = torch.arange(len(batch)) % rows
         host_minis = Batch(layout, group_size=batch.group_size).to("cpu").chunk_rows(rows)
         device_minis = Batch(dict(batch.tensors), group_size=batch.group_size).to(self.model.device).chunk_rows(rows)
@@ -183,6 +205,13 @@ class Trainer:
                 def micro_batch_loss(outputs: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
                     on_device = device_mini.select(micro.rows[MINI_BATCH_ROW])
                     loss, micro_metrics = loss_function(outputs, micro, on_device, denominators)
+                    if self.router_losses is not None:
+                        router_loss, router_metrics = self.router_losses.take(
+                            len(micro) / denominators.sequences, prefix
+                        )
+                        micro_metrics = {**micro_metrics, **router_metrics}
+                        if router_loss is not None:
+                            loss = loss + router_loss
                     records.append((loss.detach(), micro_metrics))
                     # FSDP averages gradients over DP ranks; each rank's loss is already its share of the global
                     # mini-batch loss, so scale by the DP size to make the average a sum (gloo has no pre-scaled sum).

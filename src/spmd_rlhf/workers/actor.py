@@ -36,6 +36,7 @@ from spmd_rlhf.hybrid import GenerationLayout, HybridEngine
 from spmd_rlhf.hybrid.weight_sync import BackgroundSender, send_weights, snapshot, sync_metrics, trainer_parameters
 from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from spmd_rlhf.training.packing import MicroBatch
+from spmd_rlhf.training.router_replay import ROUTED_EXPERTS
 from spmd_rlhf.training.sharded_model import ShardedModel
 from spmd_rlhf.training.trainer import LOSS_MASK, Trainer
 from spmd_rlhf.workers.advantages import behaviour_log_probs, old_log_probs, rollout_advantages
@@ -50,7 +51,15 @@ class ActorWorker(TrainedRoleWorker):
 
     def __init__(self, context: RoleContext, config: FrameworkConfig) -> None:
         super().__init__(context, config, config.actor)
-        self.model = ShardedModel(context, config, config.actor, head="lm", trainable=True, reducer=self.reducer)
+        self.model = ShardedModel(
+            context,
+            config,
+            config.actor,
+            head="lm",
+            trainable=True,
+            reducer=self.reducer,
+            router_replay=config.algorithm.router_replay,
+        )
         self.trainer = Trainer(
             self.model,
             self.reducer,
@@ -173,9 +182,22 @@ class ActorWorker(TrainedRoleWorker):
             return self._response_log_probs(batch, "compute_ref_log_probs", "ref_log_probs")
 
     def _response_log_probs(self, batch: Batch, method: str, key: str) -> Batch:
-        return self.model.forward_rows(
-            batch, method, key, lambda logits, micro: self.model.response_log_probs(logits, micro, self.temperature)[0]
-        )
+        """With ``algorithm.router_replay=recompute`` the old-policy pass also records each token's experts
+        (``routed_experts``), which the updates then replay."""
+
+        def log_probs(logits: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+            return self.model.response_log_probs(logits, micro, self.temperature)[0]
+
+        if method != "compute_log_probs" or self.config.algorithm.router_replay != "recompute":
+            return self.model.forward_rows(batch, method, key, log_probs)
+        replay = self.model.router_replay
+        with replay.recording() as seen:
+            return self.model.forward_rows(
+                batch,
+                method,
+                key,
+                lambda logits, micro: {key: log_probs(logits, micro), ROUTED_EXPERTS: replay.routes_of(seen, micro)},
+            )
 
     # ---- advantages --------------------------------------------------------------------------------------------
 

@@ -21,10 +21,12 @@ from transformers import AutoTokenizer
 from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.engine.routes import rollout_routes
 from spmd_rlhf.envs import ChatDelta, Environment, environment_factory
 from spmd_rlhf.envs.multi_turn import Response, response_tensors, run_multi_turn, single_turn_response
 from spmd_rlhf.runtime.device import check_thread
 from spmd_rlhf.training.reducer import DPReducer
+from spmd_rlhf.training.router_replay import ROUTED_EXPERTS
 
 _SEED_STRIDE = 1_000_003
 
@@ -188,6 +190,7 @@ class Generator:
             decode_graphs="auto" if rollout.cuda_graphs else "off",
             # Decode is prepared once for the longest row, so graphs captured in one step serve every later one.
             max_model_len=self.config.data.max_prompt_length + rollout.response_length,
+            record_routes=self.config.algorithm.router_replay == "rollout",
             **sizing,
         )
 
@@ -224,10 +227,14 @@ class Generator:
         requests, params, sources = self.requests(mine, n=n, greedy=greedy)
         engine = self.engine(model, rows=len(requests))
         per_row: dict[str, torch.Tensor] = {}
+        carried: dict[str, torch.Tensor] = {}
         if self.environment is None:
             outputs = engine.generate(requests, params)
             responses = [single_turn_response(out) for out in outputs]
             counters = {"preemptions": engine.num_preemptions}
+            if engine.runner.routes is not None and outputs:  # router replay's record, in the rollout layout
+                width = (mine["input_ids"].shape[1], self.config.rollout.response_length)
+                carried[ROUTED_EXPERTS] = rollout_routes(outputs, prompt_width=width[0], response_width=width[1])
         else:
             fields = ("data_source", "ground_truth", "extra_info")
             rows = [{"prompt": mine["raw_prompt"][i], **{key: mine[key][i] for key in fields}} for i in sources]
@@ -259,7 +266,7 @@ class Generator:
         counters["cuda_graphs"] = engine.stats.cuda_graphs
         counters["cuda_graph_captures"] = engine.stats.cuda_graph_captures
         self.release(engine)  # without rollout.keep_engine, the KV cache goes before training resumes
-        return self.assemble(prompts, responses, counters, replicas=replicas, n=n, per_row=per_row)
+        return self.assemble(prompts, responses, counters, replicas=replicas, n=n, per_row=per_row, carried=carried)
 
     def host_prompts(self, prompts: Batch) -> Batch:
         """``prompts`` on the host, after checking this thread's device binding."""

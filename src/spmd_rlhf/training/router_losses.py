@@ -1,0 +1,113 @@
+"""The routers' auxiliary losses and expert-load metrics of a mixture-of-experts model in training.
+
+Per MoE layer ``l`` with router probabilities ``p = softmax(logits)`` over ``E`` experts and the top-k choices of the
+micro-batch's ``T`` real tokens (padding excluded):
+
+    load balancing (Switch, Mixtral):  L_aux,l = E * sum_e f_e * P_e,   f_e = (token choices of e) / T,
+                                                                          P_e = mean_t p_t,e
+    z-loss (ST-MoE):                    L_z,l   = mean_t logsumexp(logits_t)^2
+
+each averaged over the MoE layers. For one layer ``L_aux`` is transformers' ``load_balancing_loss_func`` (which, over
+several layers, pools the layers' tokens before the product instead). Uniform routing gives ``L_aux = k``.
+
+``RouterLosses`` sees each router's ``Routing`` through a forward hook (the model stays free of training logic) and
+turns the routings of one micro-batch forward into its share of these losses, weighted by the role's
+``router_aux_loss_coef`` / ``router_z_loss_coef``, and into device metrics: nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spmd_rlhf.config import TrainableRoleConfig
+from spmd_rlhf.models.args import DecoderArgs
+from spmd_rlhf.models.moe import Routing, TopKRouter, expert_load
+
+
+def load_balancing_loss(routing: Routing, num_experts: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` over the tokens where ``token_mask`` ``[tokens]`` is set (all without one); float32,
+    differentiable through the router probabilities (the counts ``f`` are constants, as in Switch)."""
+    probabilities = routing.logits.float().softmax(-1)
+    weights = torch.ones(probabilities.shape[0], device=probabilities.device)
+    if token_mask is not None:
+        weights = token_mask.to(probabilities.device, torch.float32)
+    tokens = weights.sum().clamp(min=1.0)
+    choices = torch.zeros(num_experts, device=probabilities.device).index_add_(
+        0, routing.experts.flatten(), weights.repeat_interleave(routing.experts.shape[1])
+    )
+    mean_probability = (probabilities * weights[:, None]).sum(0) / tokens
+    return num_experts * (choices / tokens * mean_probability).sum()
+
+
+def z_loss(routing: Routing, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``mean_t logsumexp(logits_t)^2`` over the tokens where ``token_mask`` is set; float32."""
+    squares = routing.logits.float().logsumexp(-1).square()
+    if token_mask is None:
+        return squares.mean()
+    weights = token_mask.to(squares.device, torch.float32)
+    return (squares * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def expert_load_max_over_mean(routing: Routing, num_experts: int) -> torch.Tensor:
+    """Most token choices any expert got, over the mean per expert (1 = perfectly balanced, ``E / k`` at most)."""
+    counts = expert_load(routing, num_experts).float()
+    return counts.max() / counts.mean().clamp(min=1e-9)
+
+
+def router_coefficients(role: str, role_config: TrainableRoleConfig, args: DecoderArgs) -> tuple[float, float]:
+    """The role's (load-balancing, z-loss) coefficients for the model ``args``: ``router_aux_loss_coef`` null takes
+    the model config's own. A nonzero one on a dense model is refused, naming the key."""
+    aux, z = role_config.router_aux_loss_coef, role_config.router_z_loss_coef
+    if args.moe is None:
+        for key, value in (("router_aux_loss_coef", aux), ("router_z_loss_coef", z)):
+            if value:
+                raise ValueError(
+                    f"{role}.{key}={value} needs a mixture-of-experts model, but {args.family} is dense; remove it"
+                )
+        return 0.0, 0.0
+    return (args.moe.router_aux_loss_coef if aux is None else aux), z
+
+
+class RouterLosses:
+    """Forward hooks on every ``TopKRouter`` of ``model`` that keep the routings of the current training forward
+    (cleared when the root's next forward starts, so an activation-checkpointing recompute in the backward is never
+    counted), and the micro-batch's router loss and metrics from them."""
+
+    def __init__(self, model: nn.Module, num_experts: int, *, aux_coef: float, z_coef: float) -> None:
+        self.num_experts, self.aux_coef, self.z_coef = num_experts, aux_coef, z_coef
+        self.routings: list[Routing] = []
+        self._recording = False
+        model.register_forward_pre_hook(self._start)
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(self._record)
+
+    def _start(self, module: nn.Module, inputs: object) -> None:
+        self.routings.clear()
+        self._recording = module.training
+
+    def _record(self, module: nn.Module, inputs: object, routing: Routing) -> None:
+        if self._recording:
+            self.routings.append(routing)
+
+    def take(self, share: float, prefix: str) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """``share * (aux_coef * L_aux + z_coef * L_z)`` of the last forward (None when both coefficients are 0),
+        and its metrics ``<prefix>/router_aux_loss``, ``<prefix>/router_z_loss`` (unweighted, layer means) and
+        ``moe/expert_load_max_over_mean`` (the worst layer), as 0-dim device tensors. ``share``: the micro-batch's
+        part of the mini-batch (its rows over the mini-batch's rows on all DP ranks)."""
+        routings, self.routings = self.routings, []
+        self._recording = False
+        if not routings:  # a pipeline stage without MoE layers
+            return None, {}
+        aux = torch.stack([load_balancing_loss(routing, self.num_experts) for routing in routings]).mean()
+        z = torch.stack([z_loss(routing) for routing in routings]).mean()
+        load = torch.stack([expert_load_max_over_mean(routing, self.num_experts) for routing in routings]).max()
+        metrics = {
+            f"{prefix}/router_aux_loss": aux.detach(),
+            f"{prefix}/router_z_loss": z.detach(),
+            "moe/expert_load_max_over_mean": load,
+        }
+        if not (self.aux_coef or self.z_coef):
+            return None, metrics
+        return share * (self.aux_coef * aux + self.z_coef * z), metrics
