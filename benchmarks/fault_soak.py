@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/fault_soak.py                      # 200 steps, 2 ranks, 6 faults
     OMP_NUM_THREADS=1 python benchmarks/fault_soak.py --steps 40 --faults 3 --save-every 5
+    OMP_NUM_THREADS=1 python benchmarks/fault_soak.py --rollout --ranks 3   # a rollout role, faults in weight syncs
 
 Both runs are ``benchmarks/faulty_grpo.py`` (recipes/grpo.py on the tiny task) under
 ``torchrun --standalone --max-restarts K`` with ``trainer.resume=auto``. The faulted run's plan has one fault per
@@ -9,7 +10,9 @@ torchrun round, each on a random rank (the coordinator's too), of a kind drawn i
 SIGTERM, hang), striking at a random call of ``update_actor`` (mid-step) or ``save_checkpoint`` (mid-save). Reported:
 faults that struck, torchrun restarts and steps redone (the run's own ``faults/*`` metrics), wall time against the
 clean run, and whether the final parameters, the final sharded training state (optimizer, LR schedule, RNG) and every
-training metric row equal the clean run's bit for bit. Writes ``benchmarks/results/fault_soak.json``.
+training metric row equal the clean run's bit for bit. With ``--rollout`` the runs are asynchronous GRPO with a
+rollout role on the last rank, the faults strike the actor's ranks, also in ``send_weights`` (mid weight sync).
+Writes ``benchmarks/results/fault_soak.json`` (``fault_soak_rollout.json`` with ``--rollout``).
 """
 
 from __future__ import annotations
@@ -32,14 +35,25 @@ NOT_TRAINING = ("time/", "throughput/", "coordinator/", "faults/", "perf/")
 """Metric prefixes that measure the run's speed or its faults, not its training."""
 
 
-def fault_plan(*, faults: int, ranks: int, kinds: list[str], steps_per_round: int, save_every: int, seed: int):
-    """One fault per round 0 .. faults-1: a random rank, kinds in turn, a random call of update_actor or of
-    save_checkpoint among the first ``steps_per_round`` steps of the round."""
+def fault_plan(
+    *,
+    faults: int,
+    ranks: int,
+    kinds: list[str],
+    steps_per_round: int,
+    save_every: int,
+    seed: int,
+    weight_sync: bool = False,
+):
+    """One fault per round 0 .. faults-1: a random rank of the first ``ranks`` (the actor's), kinds in turn, a random
+    call of update_actor, of save_checkpoint or (``weight_sync``: a rollout role is on) of send_weights among the
+    first ``steps_per_round`` steps of the round."""
     chooser = random.Random(seed)
+    points = ["update_actor"] + (["save_checkpoint"] if save_every else []) + (["send_weights"] if weight_sync else [])
     plan = []
     for round_index in range(faults):
-        at = chooser.choice(["update_actor", "save_checkpoint"]) if save_every else "update_actor"
-        calls = steps_per_round if at == "update_actor" else max(1, steps_per_round // save_every)
+        at = chooser.choice(points)
+        calls = max(1, steps_per_round // save_every) if at == "save_checkpoint" else steps_per_round
         plan.append(
             {
                 "round": round_index,
@@ -130,6 +144,12 @@ def main() -> None:
     parser.add_argument("--hang-timeout-s", type=float, default=20.0, help="trainer.collective_timeout_s: ends a hang")
     parser.add_argument("--workdir", default=None, help="where the runs go (default: a new temporary directory)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit of each torchrun job")
+    parser.add_argument(
+        "--rollout",
+        action="store_true",
+        help="asynchronous GRPO: a rollout role on the last rank (algorithm.max_staleness=1), faults also during the "
+        "actor's weight sync to it",
+    )
     options = parser.parse_args()
     kinds = options.kinds.split(",")
     unknown = sorted(set(kinds) - set(KINDS))
@@ -143,9 +163,12 @@ def main() -> None:
         f"trainer.collective_timeout_s={options.hang_timeout_s}",
         f"trainer.timeout_s={3 * options.hang_timeout_s}",
     ]
+    if options.rollout:  # placement=split puts the actor first, the rollout role (and the rule) on the last rank
+        overrides += ["rollout.enabled=true", "rollout.n_ranks=1", "algorithm.max_staleness=1"]
     plan = fault_plan(
         faults=options.faults,
-        ranks=options.ranks,
+        ranks=options.ranks - 1 if options.rollout else options.ranks,
+        weight_sync=options.rollout,
         kinds=kinds,
         steps_per_round=max(1, options.steps // (options.faults + 1)),
         save_every=options.save_every,
@@ -169,6 +192,7 @@ def main() -> None:
     result = {
         "steps": options.steps,
         "ranks": options.ranks,
+        "rollout_role": options.rollout,
         "save_every": options.save_every,
         "plan": plan,
         "faults_struck": len(struck),
@@ -183,8 +207,9 @@ def main() -> None:
         "workdir": str(workdir),
         "command": " ".join(["python benchmarks/fault_soak.py", *sys.argv[1:]]),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    results = RESULTS.with_name("fault_soak_rollout.json") if options.rollout else RESULTS
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'run':<8} {'wall s':>7} {'faults struck':>14} {'restarts':>9} {'steps redone':>13}")
     print(f"{'clean':<8} {walls['clean']:>7.1f} {0:>14} {0:>9} {0:>13}")
     print(
@@ -194,7 +219,7 @@ def main() -> None:
     print("struck: " + ", ".join(f"{fault['kind']} rank {fault['rank']} in {fault['at']}" for fault in struck))
     for key in ("equal_parameters", "equal_training_state", "equal_metric_rows"):
         print(f"{key}: {result[key]}")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {results}")
 
 
 if __name__ == "__main__":

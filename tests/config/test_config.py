@@ -488,3 +488,18 @@ def test_every_independent_problem_is_named_in_one_error():
     with pytest.raises(ConfigError) as caught:
         load_config(None, [*GRPO, "rollout.n=1", "trainer.val_every=5"])
     assert "rollout.n=1: " in str(caught.value) and "; also trainer.val_every=5: " in str(caught.value)
+
+
+def test_off_and_on_reach_string_keys_as_words(tmp_path: Path) -> None:
+    # YAML 1.1 reads a bare off / on as a boolean: a string key takes back the word, a boolean key keeps its boolean.
+    config = load_config(None, ["algorithm.router_replay=off", "rollout.partial_rollouts=off", "model.compile=off"])
+    assert (config.algorithm.router_replay, config.rollout.partial_rollouts, config.model.compile) == (
+        "off",
+        "off",
+        False,
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  partial_rollouts: off\n")
+    assert load_config(path).rollout.partial_rollouts == "off"
+    with pytest.raises(ConfigError, match="algorithm.router_replay=on: must be one of off, rollout, recompute"):
+        load_config(None, ["algorithm.router_replay=on"])

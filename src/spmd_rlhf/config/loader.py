@@ -52,7 +52,9 @@ def _merge(schema: type[ConfigT], sources: list[DictConfig]) -> ConfigT:
     try:
         user = OmegaConf.merge(OmegaConf.create(), *sources)
         # Checked before the typed merge: OmegaConf's message for a scalar given for a section has no key.
-        _check_keys(schema, OmegaConf.to_container(user), "")
+        values = OmegaConf.to_container(user)
+        _check_keys(schema, values, "")
+        user = OmegaConf.create(_switch_words(schema, values))
         merged = OmegaConf.merge(OmegaConf.structured(schema), user)
         values = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as error:
@@ -175,6 +177,22 @@ def _check_keys(schema: type, values: dict[Any, Any], prefix: str) -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{dotted}={format_value(value)}: expected {_describe(types[key])}")
             _check_keys(types[key], value, dotted + ".")
+
+
+def _switch_words(schema: type, values: dict[Any, Any]) -> dict[Any, Any]:
+    """``values`` with a boolean given for a string key read back as the word it was: YAML 1.1 reads ``off`` and
+    ``on`` (also ``no`` / ``yes``) as booleans, so ``algorithm.router_replay=off`` or ``partial_rollouts: off``
+    would otherwise arrive as false."""
+    types = _field_types(schema)
+    result = {}
+    for key, value in values.items():
+        declared = types[key]
+        if is_dataclass(declared) and isinstance(value, dict):
+            value = _switch_words(declared, value)
+        elif isinstance(value, bool) and str in (declared, *get_args(declared)):
+            value = "on" if value else "off"
+        result[key] = value
+    return result
 
 
 def _translate(schema: type, error: OmegaConfBaseException) -> ConfigError:
