@@ -379,8 +379,8 @@ def test_kv_block_size_check_uses_the_smaller_default_block():
 
 
 def test_device_and_timeouts_reach_the_launch(monkeypatch):
-    """trainer.device, trainer.timeout_s (calls) and trainer.collective_timeout_s (collectives) each reach their own
-    RuntimeOptions field."""
+    """trainer.device, trainer.timeout_s (calls), trainer.collective_timeout_s (collectives) and
+    trainer.heartbeat_timeout_s (the coordinator's heartbeat) each reach their own RuntimeOptions field."""
     from spmd_rlhf.controller import entry
     from spmd_rlhf.recipes.ppo import PPORecipe
 
@@ -388,11 +388,20 @@ def test_device_and_timeouts_reach_the_launch(monkeypatch):
     monkeypatch.setattr(entry, "launch", lambda main, *, options: seen.setdefault("options", options))
     monkeypatch.setattr(entry.os, "_exit", lambda code: None)
     monkeypatch.setattr(
-        sys, "argv", ["ppo", "trainer.device=cpu", "trainer.timeout_s=123", "trainer.collective_timeout_s=45"]
+        sys,
+        "argv",
+        [
+            "ppo",
+            "trainer.device=cpu",
+            "trainer.timeout_s=123",
+            "trainer.collective_timeout_s=45",
+            "trainer.heartbeat_timeout_s=7",
+        ],
     )
     entry.main(PPORecipe, str(Path(__file__).parents[2] / "recipes" / "configs" / "ppo.yaml"))
     options = seen["options"]
     assert (options.device, options.call_timeout_s, options.collective_timeout_s) == ("cpu", 123, 45)
+    assert options.failure_timeout_s == 7  # trainer.heartbeat_timeout_s
 
 
 def test_cli_lists_every_key_with_default_and_doc() -> None:

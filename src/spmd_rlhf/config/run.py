@@ -110,6 +110,10 @@ class TrainerConfig:
     the call still running; collectives have their own collective_timeout_s."""
     collective_timeout_s: float = 600.0
     """Seconds a collective (or point-to-point transfer) may wait for its peers before it fails on the ranks in it."""
+    heartbeat_timeout_s: float = 60.0
+    """Seconds a rank may leave the coordinator's heartbeat unanswered (a frozen process, an unreachable host), or a
+    worker hear nothing from the coordinator, before the job ends with code 1 (then torchrun's --max-restarts or
+    SLURM's requeue start it again); raise it where a host can stall for longer without being lost."""
 
     def __post_init__(self) -> None:
         at_least(self, 1, "total_steps", "log_every")
@@ -132,6 +136,7 @@ class TrainerConfig:
         )
         require(self, "timeout_s", self.timeout_s > 0, "must be > 0")
         require(self, "collective_timeout_s", self.collective_timeout_s > 0, "must be > 0")
+        require(self, "heartbeat_timeout_s", self.heartbeat_timeout_s > 0, "must be > 0")
 
     def steps_between_saves(self) -> int:
         """``save_every`` resolved: null becomes a tenth of ``total_steps`` (at least 1); 0 stays 0."""

@@ -64,6 +64,7 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
     runtime = RuntimeOptions(
         call_timeout_s=trainer.timeout_s,
         collective_timeout_s=trainer.collective_timeout_s,
+        failure_timeout_s=trainer.heartbeat_timeout_s,
         device=trainer.device,
         stop_timeout_s=trainer.stop_timeout_s,
     )
