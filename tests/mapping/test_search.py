@@ -159,3 +159,25 @@ def test_mixture_of_experts_roles_are_not_tensor_parallel_and_the_refusal_says_w
     assert {layout.tp for layout in candidate_layouts(actor, 16, Cluster(16, 8, H100), BATCH)} == {1}
     with pytest.raises(ValueError, match="no mapping fits.*mixture-of-experts models run at tp=1"):
         Planner([actor], Cluster(8, 8, H100), BATCH).plan()
+
+
+def test_a_generative_judge_holds_a_whole_replica_per_dp_rank():
+    """A judge keeps a TP-sharded replica on every DP rank (P b / tp), not an FSDP shard over all its devices: a 7B
+    judge on 8 devices holds 14 GB per device at tp = 1, 1.7 GB at tp = 8, and its layouts and feasibility follow."""
+    from spmd_rlhf.mapping.cost import held_bytes, resident_bytes
+
+    batch = Batch(prompts=64, samples=4, prompt_length=512, response_length=512, micro_batch_size=8)
+    scorer = next(
+        role for role in dataflow("grpo", actor=NAMED_SHAPES["7b"], reward=NAMED_SHAPES["7b"]) if role.name == "reward"
+    )
+    judge = dataclasses.replace(scorer, head="lm", judge_tokens=256)
+    whole = judge.shape.parameters("lm") * batch.dtype_bytes
+    for tp in (1, 8):
+        layout = Layout(pp=1, dp=8 // tp, tp=tp)
+        replica = resident_bytes(judge, 8, batch) + held_bytes(judge, layout, batch, free_bytes=0.0)
+        assert replica == pytest.approx(whole / tp)
+        assert held_bytes(scorer, layout, batch, free_bytes=0.0) == 0  # an FSDP-sharded scorer holds its shard only
+    # On 16 GB devices the replica fits only split over enough TP ranks.
+    small = dataclasses.replace(H100, device_memory=16 * 2**30)
+    chosen = Planner([judge], Cluster(8, 8, small), batch).auto_parallel("reward", 8, ("reward",))
+    assert chosen is not None and chosen[0].tp >= 2

@@ -3,6 +3,7 @@ the fallback and its count, the judge settings refused when the config is read, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -118,3 +119,54 @@ def test_a_judge_that_cannot_read_its_prompts_is_refused_at_start(tmp_path):
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(ValueError, match=r"judge's tokenizer \(\S+/no_template\) has no chat template.*tokenizer_path"):
         check(str(no_template))
+
+
+def test_rows_too_long_for_the_judges_context_take_the_fallback_without_being_generated(tmp_path):
+    """A real ``Judge`` on one rank, its model's context just the short row's prompt and verdict budget: the long
+    row's prompt (the template, the prompt and its long response) and verdict would exceed it, so it is never
+    generated, takes the fallback and is counted."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_rlhf.data import Batch
+    from spmd_rlhf.workers.judge import Judge
+
+    model_dir = make_tiny(family="llama", out_dir=str(tmp_path / "judge"), hidden_size=32, chat_template="role_colon")
+    config = load_config(
+        RECIPES / "configs" / "grpo.yaml",
+        [f"model.path={model_dir}", "reward.kind=generative", f"reward.model_path={model_dir}"],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+        context = SimpleNamespace(name="reward", mesh=mesh, device=torch.device("cpu"))
+        judge = Judge(context, config, config.reward, policy_tokenizer=tokenizer)
+        short, long = (
+            tokenizer("4", add_special_tokens=False)["input_ids"],
+            tokenizer(" ".join(["one plus two"] * 40), add_special_tokens=False)["input_ids"],
+        )
+        width = max(len(short), len(long))
+        responses = torch.tensor([short + [0] * (width - len(short)), long + [0] * (width - len(long))])
+        mask = torch.tensor(
+            [[1] * len(short) + [0] * (width - len(short)), [1] * len(long) + [0] * (width - len(long))]
+        )
+        batch = Batch(
+            {"responses": responses, "response_mask": mask, "uid": torch.arange(2)},
+            {"raw_prompt": ["2+2?", "1+2?"], "ground_truth": ["4", "3"]},
+        )
+        fitting, too_long = (len(ids) for ids in judge.prompt_ids(batch))
+        assert too_long > fitting
+        # The context holds the short row's prompt and a whole verdict, not the long one's.
+        context = fitting + judge.params.max_new_tokens
+        judge.model.args = dataclasses.replace(judge.model.args, max_position_embeddings=context)
+        judged = judge.judge(batch)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    assert judged.too_long == 1
+    assert judged.scores[1] == config.reward.judge_fallback_score
+    assert 0 < judged.generated_tokens <= config.reward.judge_max_new_tokens  # the short row alone was generated

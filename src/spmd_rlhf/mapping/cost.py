@@ -119,6 +119,18 @@ def kept_generation_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_
     return shard + max(0.0, min(kv_cache, free_bytes - shard))
 
 
+def held_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_bytes: float) -> float:
+    """Bytes per device the role holds between its calls beyond ``resident_bytes``, which depend on its layout: a kept
+    engine's generation copy and KV cache (``kept_generation_bytes``), and for a generative judge its whole replica
+    TP-sharded on each DP rank (``P b / tp``) where ``resident_bytes`` counted an FSDP shard over all its devices."""
+    held = kept_generation_bytes(role, layout, batch, free_bytes=free_bytes)
+    if role.judge_tokens:
+        held += role.shape.parameters(role.head) * batch.dtype_bytes / layout.tp - resident_bytes(
+            role, layout.devices, batch
+        )
+    return held
+
+
 def _micro_batch(role: RoleSpec, batch: Batch) -> int:
     return role.micro_batch_size or batch.micro_batch_size
 

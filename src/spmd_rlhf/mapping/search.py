@@ -24,7 +24,7 @@ from spmd_rlhf.mapping.cost import (
     Cluster,
     Layout,
     generation_seconds,
-    kept_generation_bytes,
+    held_bytes,
     pass_seconds,
     resident_bytes,
     working_bytes,
@@ -186,9 +186,9 @@ class Planner:
         free = self.free_bytes(devices, colocated)
         best = None
         for layout in candidate_layouts(role, devices, self.cluster, self.batch):
-            # A kept engine's generation copy and KV cache sit beside the role's own passes.
-            kept = kept_generation_bytes(role, layout, self.batch, free_bytes=free)
-            if working_bytes(role, layout, self.batch) + kept > free:
+            # A kept engine's generation copy and KV cache, a judge's replica, sit beside the role's own passes.
+            held = held_bytes(role, layout, self.batch, free_bytes=free)
+            if working_bytes(role, layout, self.batch) + held > free:
                 continue
             seconds = role_stage_seconds(role, layout, self.cluster, self.batch, free_bytes=free)
             total = sum(seconds.values())
@@ -220,13 +220,11 @@ class Planner:
                 layouts[name] = chosen[0]
                 for stage, seconds in chosen[1].items():
                     set_seconds[stage] += seconds
-            # Each layout was chosen alone; a kept engine of the set also stays through the other roles' passes.
+            # Each layout was chosen alone; what a role of the set holds by its layout (a kept engine, a judge's
+            # replica) also stays through the other roles' passes.
             free = self.free_bytes(count, colocated)
-            kept = sum(
-                kept_generation_bytes(self.roles[name], layouts[name], self.batch, free_bytes=free)
-                for name in colocated
-            )
-            if any(working_bytes(self.roles[name], layouts[name], self.batch) + kept > free for name in colocated):
+            held = sum(held_bytes(self.roles[name], layouts[name], self.batch, free_bytes=free) for name in colocated)
+            if any(working_bytes(self.roles[name], layouts[name], self.batch) + held > free for name in colocated):
                 return None
             per_set.append(set_seconds)
         cores = self.cluster.profile.shared_cores

@@ -35,6 +35,9 @@ class Judged:
     scores: torch.Tensor
     """``[rows]`` float32: each response's normalised score, or the fallback."""
     unparsed: int
+    too_long: int
+    """Rows whose judge prompt and verdict would not fit the judge's context (``max_position_embeddings``): scored
+    with the fallback without being generated."""
     generated_tokens: int
     seconds: float
     """Wall-clock seconds from the first prompt built to the last verdict parsed."""
@@ -95,16 +98,24 @@ class Judge:
         ]
 
     def judge(self, batch: Batch) -> Judged:
-        """Every row of ``batch`` judged: generated, decoded without special tokens and parsed. The TP ranks of a
-        replica run the same requests with the same seeds, so they write (and parse) the same verdicts."""
+        """Every row of ``batch`` judged: generated, decoded without special tokens and parsed; a row whose prompt
+        and ``judge_max_new_tokens`` exceed the judge's context is not generated and takes the fallback score
+        (``Judged.too_long``). The TP ranks of a replica run the same requests with the same seeds, so they write (and
+        parse) the same verdicts."""
         start = time.perf_counter()
-        outputs = self.engine.generate(self.prompt_ids(batch), self.request_params(batch))
+        prompts, params = self.prompt_ids(batch), self.request_params(batch)
+        context = self.model.args.max_position_embeddings
+        fits = [row for row, ids in enumerate(prompts) if len(ids) + self.params.max_new_tokens <= context]
+        outputs = self.engine.generate([prompts[row] for row in fits], [params[row] for row in fits])
         self.engine.free_cache()
         written = [out.generated_token_ids for out in outputs]
         verdicts = self.parser.verdicts(self.tokenizer.batch_decode(written, skip_special_tokens=True))
+        scores = torch.full((len(prompts),), self.parser.fallback, dtype=torch.float32)
+        scores[fits] = torch.tensor(verdicts.scores, dtype=torch.float32)
         return Judged(
-            torch.tensor(verdicts.scores, dtype=torch.float32),
+            scores,
             verdicts.unparsed,
+            len(prompts) - len(fits),
             sum(len(tokens) for tokens in written),
             time.perf_counter() - start,
         )

@@ -79,8 +79,9 @@ class RewardWorker(RoleWorker):
         mean, the mean of each extra number a rule returned and, for a rule or a service, the rows whose call failed
         (``<role>/errors``, ``/timeouts``, ``/non_finite``), over all DP ranks, and for a service the resent requests
         (``<role>/remote_retries``); for a judge, the verdicts that did not parse (``<role>/judge_unparsed``), the
-        tokens it wrote (``<role>/judge_tokens``, over all DP ranks) and its seconds (``<role>/judge_seconds``, the
-        slowest DP rank's). Under a rule, a service or a judge, more than ``<role>.max_failure_fraction`` of the
+        rows too long for its context (``<role>/judge_too_long``, scored with the fallback), the tokens it wrote
+        (``<role>/judge_tokens``, over all DP ranks) and its seconds (``<role>/judge_seconds``, the slowest DP
+        rank's). Under a rule, a service or a judge, more than ``<role>.max_failure_fraction`` of the
         step's calls (rows) failing is an error."""
         scored: RewardScores | None = None
         judged: Judged | None = None
@@ -96,7 +97,9 @@ class RewardWorker(RoleWorker):
             scored = self.score_rows(batch)
             scores = torch.tensor(scored.scores, dtype=torch.float32)
         extras = scored.extras if scored else {}
-        failures = scored.failures if scored else {"judge_unparsed": judged.unparsed} if judged else {}
+        failures = scored.failures if scored else {}
+        if judged is not None:
+            failures = {"judge_unparsed": judged.unparsed, "judge_too_long": judged.too_long}
         # One object all-gather for every statistic: rules may return different extra numbers on different ranks.
         partial = {
             "scores": (float(scores.double().sum()), float(len(scores))),
@@ -129,8 +132,9 @@ class RewardWorker(RoleWorker):
             metrics[f"{name}/judge_tokens"] = totals["judge_tokens"][0]
             metrics[f"{name}/judge_seconds"] = max(rank_partial["judge_seconds"][0] for rank_partial in partials)
             judge_fix = (
-                f"the judge's verdicts did not match {name}.judge_score_pattern within {name}.judge_score_range; "
-                f"check them against {name}.judge_template"
+                f"the judge's verdicts did not match {name}.judge_score_pattern within {name}.judge_score_range "
+                f"(check them against {name}.judge_template), or its prompts and {name}.judge_max_new_tokens "
+                f"outgrew its context (shorten data.max_prompt_length, rollout.max_new_tokens or the template)"
             )
         if self.scorer is None:  # every DP rank holds the same totals, so every rank raises or none does
             check_failure_fraction(
