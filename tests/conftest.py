@@ -14,8 +14,10 @@ if TUNABLE not in os.environ.get("GLIBC_TUNABLES", ""):
     os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), f"{TUNABLE}=1"]))
 
 
-# The longest modules first: under pytest-xdist (``-n 2 --dist loadfile`` in pytest.ini) each module runs whole on one
-# worker, in collection order, so a long module collected last would leave the other worker idle at the end.
+# The longest modules first: under pytest-xdist (``-n 2 --dist loadfile --no-loadscope-reorder`` in pytest.ini) each
+# module runs whole on one worker, in collection order, so a long module collected last would leave the other worker
+# idle at the end. (Without --no-loadscope-reorder xdist orders modules by their number of tests instead, which put
+# the long modules of a few tests last.)
 LONGEST_FIRST = (
     "test_bad_input.py",
     "test_async_learning.py",
