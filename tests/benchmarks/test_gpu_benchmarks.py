@@ -115,7 +115,6 @@ def suite(tmp_path_factory) -> dict:
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", str(root)),
         "OMP_NUM_THREADS": "1",
-        "GLIBC_TUNABLES": os.environ["GLIBC_TUNABLES"],  # set by tests/conftest.py: no CPU rank restarts for it
         "PYTHON": str(python),
         "SPMD_WHEELS": str(wheels),
         "SPMD_SITE": str(root / "site"),
