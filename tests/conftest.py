@@ -1,17 +1,8 @@
 import os
 import sys
 
-from spmd_rlhf.runtime.host_memory import TUNABLE
-
 # Shared helpers (torchrun_helpers) live in tests/; make them importable whatever directory pytest starts in.
 sys.path.insert(0, os.path.dirname(__file__))
-
-# A CPU rank started without glibc's huge-page tunable restarts itself once with it (runtime/host_memory.py), paying
-# its imports twice: about 3 s per rank, over every rank the suite starts. The processes the tests start inherit the
-# tunable instead, so they run with the heap the restart would give them; tests/runtime/test_host_memory.py starts a
-# rank without it and checks the restart itself.
-if TUNABLE not in os.environ.get("GLIBC_TUNABLES", ""):
-    os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), f"{TUNABLE}=1"]))
 
 
 # The longest modules first: under pytest-xdist (``-n 2 --dist loadfile --no-loadscope-reorder`` in pytest.ini) each
