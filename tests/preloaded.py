@@ -1,4 +1,4 @@
-"""``python <script> ARGS`` as a fork of a process that has already imported the package: the script runs as
+"""``python <recipe> ARGS`` as a fork of a process that has already imported the package: the script runs as
 ``__main__`` in a fresh process of its own (its own pid, directory, output and exit code), without the seconds of
 imports (torch, transformers, DTensor) every interpreter start pays. For suites of short one-process jobs, such as the
 bad-input cases that stop at start.
@@ -39,7 +39,7 @@ class PreloadedPython:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=environment(),
+            env=environment(recipe=True),
         )
 
     def run(self, argv: list[str], *, cwd: Path, timeout: float) -> subprocess.CompletedProcess:

@@ -430,6 +430,7 @@ def run_case(name: str, assets: Path, runs: Path, preloaded: Queue[PreloadedPyth
             timeout=240,
             cwd=str(workdir),
             monitor_interval_s=3.0 if entry.kill else None,
+            recipe=True,
         )
     return Run(finished, workdir, time.time())
 
@@ -595,6 +596,7 @@ def test_a_second_job_on_a_locked_output_dir_fails_naming_the_holder_and_touches
             nproc=1,
             timeout=120,
             cwd=str(tmp_path),
+            recipe=True,
         )
     finally:
         holder.release()

@@ -75,7 +75,9 @@ def stop_mid_run(
         port=free_port(),
     )
     with (workdir / "stopped.log").open("w") as log:
-        agent = subprocess.Popen(command, cwd=workdir, env=environment(), stdout=log, stderr=subprocess.STDOUT)
+        agent = subprocess.Popen(
+            command, cwd=workdir, env=environment(recipe=True), stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             deadline = time.monotonic() + 120
             while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
