@@ -143,8 +143,10 @@ trainer_state.json (``benchmarks/faulty_grpo.py`` injects it)."""
 
 
 def test_a_rank_killed_mid_save_restarts_from_the_previous_checkpoint_and_ends_as_an_uninterrupted_run(
-    tmp_path, uninterrupted_dir
+    tmp_path, uninterrupted_dir, monkeypatch
 ):
+    for key, value in environment(recipe=True).items():  # run_faulty_grpo's ranks inherit this process's environment
+        monkeypatch.setenv(key, value)
     overrides = [*RUN, "trainer.save_every=1", "trainer.keep_last=0"]
     faulted = run_faulty_grpo(tmp_path, "out", overrides, plan=[KILLED_MID_SAVE], nproc=2, timeout_s=300)
     assert faulted.returncode == 0, faulted.stdout[-6000:]
