@@ -1,7 +1,7 @@
 """``python <recipe> ARGS`` as a fork of a process that has already imported the package: the script runs as
 ``__main__`` in a fresh process of its own (its own pid, directory, output and exit code), without the seconds of
 imports (torch, transformers, DTensor) every interpreter start pays. For suites of short one-process jobs, such as the
-bad-input cases that stop at start.
+bad-input cases that stop at start and the recipes' ``--help`` and ``--dry-run``.
 
     with PreloadedPython() as python:
         finished = python.run(["recipes/grpo.py", "--config", "..."], cwd=workdir, timeout=240)
@@ -42,17 +42,30 @@ class PreloadedPython:
             env=environment(recipe=True),
         )
 
-    def run(self, argv: list[str], *, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        output = cwd / ".preloaded_output"
-        request = {"argv": argv, "cwd": str(cwd), "output": str(output), "timeout": timeout}
+    def run(
+        self, argv: list[str], *, cwd: Path, timeout: float, stderr_apart: bool = False
+    ) -> subprocess.CompletedProcess:
+        """stdout and stderr together in ``.stdout``, or (``stderr_apart``) each in its own field."""
+        output, errors = cwd / ".preloaded_stdout", cwd / ".preloaded_stderr"
+        request = {
+            "argv": argv,
+            "cwd": str(cwd),
+            "stdout": str(output),
+            "stderr": str(errors if stderr_apart else output),
+            "timeout": timeout,
+        }
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
         answer = json.loads(self.server.stdout.readline())
         stdout = output.read_text()
         output.unlink()
+        stderr = None
+        if stderr_apart:
+            stderr = errors.read_text()
+            errors.unlink()
         if answer["timed_out"]:
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, output=stdout)
-        return subprocess.CompletedProcess([sys.executable, *argv], answer["returncode"], stdout=stdout)
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess([sys.executable, *argv], answer["returncode"], stdout, stderr)
 
     def close(self) -> None:
         self.server.stdin.close()
@@ -65,12 +78,15 @@ class PreloadedPython:
         self.close()
 
 
-def _run_script(argv: list[str], cwd: str, output: str) -> int:
+def _run_script(argv: list[str], cwd: str, stdout: str, stderr: str) -> int:
     """In the forked child: what ``python argv[0] argv[1:]`` does after its interpreter started. Returns the exit
     code."""
     os.chdir(cwd)
-    descriptor = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    descriptor = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(descriptor, 1)
+    if stderr != stdout:
+        os.close(descriptor)
+        descriptor = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(descriptor, 2)
     os.close(descriptor)
     sys.argv = list(argv)
@@ -102,7 +118,7 @@ def _serve() -> None:
         sys.stdout.flush()
         child = os.fork()
         if child == 0:
-            os._exit(_run_script(request["argv"], request["cwd"], request["output"]))
+            os._exit(_run_script(request["argv"], request["cwd"], request["stdout"], request["stderr"]))
         deadline, status, timed_out = time.monotonic() + request["timeout"], None, False
         while status is None:
             finished, status_word = os.waitpid(child, os.WNOHANG)
