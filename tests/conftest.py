@@ -9,14 +9,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 # module runs whole on one worker, in collection order, so a long module collected last would leave the other worker
 # idle at the end. (Without --no-loadscope-reorder xdist orders modules by their number of tests instead, which put
 # the long modules of a few tests last.) The order is the modules' times in one run of the whole suite, the slowest
-# first (module names are unique across tests/).
+# first (module names are unique across tests/); two modules made short since are left to collection order.
 LONGEST_FIRST = (
     "test_gpu_benchmarks.py",
     "test_learning.py",
     "test_bad_input.py",
     "test_algorithm_zoo.py",
     "test_async_learning.py",
-    "test_streamed_vocabulary.py",
     "test_checkpoint.py",
     "test_stop_on_signal.py",
     "test_multiturn_grpo.py",
@@ -29,7 +28,6 @@ LONGEST_FIRST = (
     "test_save_memory.py",
     "test_partial_rollouts.py",
     "test_placement.py",
-    "test_recipe_cli.py",
     "test_slurm.py",
     "test_rollout_log_probs.py",
     "test_dp_parity.py",
