@@ -7,8 +7,10 @@ finished run with the count in its metrics. No case may leave a partial checkpoi
 
 The cases are independent jobs on the tiny model and task. One module fixture runs the selected ones two at a time
 (the CPU budget of this suite) before their tests look at the results; a resume case runs after the run whose
-checkpoint it resumes. A one-rank case runs as ``python <recipe>.py`` (a one-process job needs no torchrun), the
-others under torchrun; independent cases that each finish their run share one job.
+checkpoint it resumes. A one-rank case runs as ``python <recipe>.py`` (a one-process job needs no torchrun), forked
+from an interpreter that has imported the package (``preloaded.py``), the others under torchrun; independent cases
+that each finish their run share one job. The recipe started by a fresh interpreter is tested by
+``tests/recipes/test_recipe_cli.py`` (a config error) and below (a locked output directory, under torchrun).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Queue
 
 import pytest
+from preloaded import PreloadedPython
 from torchrun_helpers import RECIPES, alive, environment, torchrun
 
 from spmd_rlhf import checkpoint
@@ -391,7 +395,7 @@ class Run:
         return [json.loads(line) for line in (self.workdir / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_case(name: str, assets: Path, runs: Path) -> Run:
+def run_case(name: str, assets: Path, runs: Path, preloaded: Queue[PreloadedPython]) -> Run:
     entry = CASES[name]
     workdir = runs / name
     workdir.mkdir()
@@ -410,17 +414,14 @@ def run_case(name: str, assets: Path, runs: Path) -> Run:
     else:
         program = str(RECIPES / f"{entry.recipe}.py")
     if entry.nproc == 1 and not entry.kill:
-        # A one-rank job as a user starts it without torchrun (launch() sets up the one-process group itself): the
-        # same recipe entry, without the agent's process (about 1.5 s of CPU each, over 30 cases).
-        finished = subprocess.run(
-            [sys.executable, program, *arguments],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=240,
-            env=environment(),
-            cwd=str(workdir),
-        )
+        # A one-rank job as a user starts it without torchrun (launch() sets up the one-process group itself), as a
+        # fork of an interpreter that has imported the package: the same recipe entry in a process of its own,
+        # without the agent's process nor the ~2.5 s of imports each (over 30 cases).
+        python = preloaded.get()
+        try:
+            finished = python.run([program, *arguments], cwd=workdir, timeout=240)
+        finally:
+            preloaded.put(python)
     else:
         finished = torchrun(
             program,
@@ -429,6 +430,7 @@ def run_case(name: str, assets: Path, runs: Path) -> Run:
             timeout=240,
             cwd=str(workdir),
             monitor_interval_s=3.0 if entry.kill else None,
+            recipe=True,
         )
     return Run(finished, workdir, time.time())
 
@@ -461,15 +463,23 @@ def runs(request, tmp_path_factory, assets) -> dict[str, Run]:
     )
     futures: dict[str, Future] = {}
 
+    preloaded: Queue[PreloadedPython] = Queue()
+    for _ in range(PARALLEL_JOBS):
+        preloaded.put(PreloadedPython())
+
     def run_after_dependencies(name: str) -> Run:
         for dependency in dependencies(name):  # submitted ahead of it, so already running or done
             futures[dependency].result()
-        return run_case(name, assets, root)
+        return run_case(name, assets, root, preloaded)
 
-    with ThreadPoolExecutor(PARALLEL_JOBS) as pool:
-        for name in order:
-            futures[name] = pool.submit(run_after_dependencies, name)
-        return {name: future.result() for name, future in futures.items()}
+    try:
+        with ThreadPoolExecutor(PARALLEL_JOBS) as pool:
+            for name in order:
+                futures[name] = pool.submit(run_after_dependencies, name)
+            return {name: future.result() for name, future in futures.items()}
+    finally:
+        while not preloaded.empty():
+            preloaded.get().close()
 
 
 def finished_checkpoints(run_dir: Path) -> list[str]:
@@ -586,6 +596,7 @@ def test_a_second_job_on_a_locked_output_dir_fails_naming_the_holder_and_touches
             nproc=1,
             timeout=120,
             cwd=str(tmp_path),
+            recipe=True,
         )
     finally:
         holder.release()

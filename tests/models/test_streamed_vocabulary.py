@@ -27,10 +27,13 @@ def _loss(model: DecoderLM, ids: torch.Tensor) -> torch.Tensor:
     return (logits.logsumexp(-1) - logits[..., 0]).sum()
 
 
-def _compare(rank: int, port: int, rows_per_step: int, tied: bool, results) -> None:
+CASES = [(5, 5, False, True), (20, 2, True, True), (5, 5, False, False)]
+"""(rows_per_step, steps, by_tokens, tied): every case runs in one spawn of the ranks (``compared``)."""
+
+
+def _compare(rank: int, rows_per_step: int, tied: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
     hidden = tiny_args().hidden_size
     streamed_vocabulary.DEFAULT_CHUNK_BYTES = rows_per_step * RANKS * hidden * 4
     token_gathers = []
@@ -50,7 +53,7 @@ def _compare(rank: int, port: int, rows_per_step: int, tied: bool, results) -> N
     (sum(_loss(plain, ids) for ids in batch) / RANKS).backward()
     weights = (sharded.model.embed_tokens.weight, sharded.lm_head.weight)
     grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
-    results[rank] = dict(
+    result = dict(
         logits=logits_equal,
         grads=all(
             torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()
@@ -63,17 +66,31 @@ def _compare(rank: int, port: int, rows_per_step: int, tied: bool, results) -> N
         steps=len(streamed_vocabulary.vocabulary_stream(sharded.model.embed_tokens).steps()),
         by_tokens=len(token_gathers) == 2,  # the embedding's two forwards
     )
+    streamed_vocabulary.VocabularyStream.gather_tokens = gather_tokens
+    return result
+
+
+def _compare_every_case(rank: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+    for rows_per_step, _, _, tied in CASES:
+        results[rank, rows_per_step, tied] = _compare(rank, rows_per_step, tied)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("rows_per_step", "steps", "by_tokens", "tied"), [(5, 5, False, True), (20, 2, True, True), (5, 5, False, False)]
-)
-def test_a_streamed_vocabulary_equals_the_plain_model(rows_per_step, steps, by_tokens, tied):
+@pytest.fixture(scope="module")
+def compared() -> dict:
+    """{(rank, rows_per_step, tied): what that rank found}, from one spawn of ``RANKS`` processes."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_compare, args=(port, rows_per_step, tied, results), nprocs=RANKS)
+    mp.spawn(_compare_every_case, args=(port, results), nprocs=RANKS)
+    return dict(results)
+
+
+@pytest.mark.parametrize(("rows_per_step", "steps", "by_tokens", "tied"), CASES)
+def test_a_streamed_vocabulary_equals_the_plain_model(compared, rows_per_step, steps, by_tokens, tied):
     expected = dict(logits=True, grads=True, tied=True, shard=True, steps=steps, by_tokens=by_tokens)
-    assert dict(results) == {rank: expected for rank in range(RANKS)}
+    assert {rank: compared[rank, rows_per_step, tied] for rank in range(RANKS)} == {
+        rank: expected for rank in range(RANKS)
+    }

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from preloaded import PreloadedPython
 
 from spmd_rlhf.config import field_docs
 
@@ -16,15 +18,21 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 NAMES = ["ppo", "grpo", "remax", "rloo", "safe_rlhf"]
 
 
+def command(name: str, *args: str) -> list[str]:
+    return [str(RECIPES / f"{name}.py"), "--config", str(RECIPES / "configs" / f"{name}.yaml"), *args]
+
+
 def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        str(RECIPES / f"{name}.py"),
-        "--config",
-        str(RECIPES / "configs" / f"{name}.yaml"),
-        *args,
-    ]
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=120)
+    """``python recipes/<name>.py ...`` started by a fresh interpreter."""
+    return subprocess.run([sys.executable, *command(name, *args)], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def preloaded() -> Iterator[PreloadedPython]:
+    """``python recipes/<name>.py ...`` as forks of one interpreter that has imported the package (``--help`` and
+    ``--dry-run`` of every recipe: seconds of imports each, saved); the errors below start fresh interpreters."""
+    with PreloadedPython() as python:
+        yield python
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,8 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", ["grpo", "safe_rlhf"])  # one shared main(); two recipes suffice
-def test_help_lists_every_key(name, workdir):
-    shown = run(name, "--help", cwd=workdir)
+def test_help_lists_every_key(name, workdir, preloaded):
+    shown = preloaded.run(command(name, "--help"), cwd=workdir, timeout=120, stderr_apart=True)
     assert shown.returncode == 0, shown.stderr
     for key, (default, _doc) in field_docs().items():
         assert f"{key} = {default}" in shown.stdout, key
@@ -42,8 +50,9 @@ def test_help_lists_every_key(name, workdir):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_dry_run_prints_the_plan_and_launches_nothing(name, workdir):
-    shown = run(name, "--dry-run", "--world-size", "4", "actor.tp=2", "rollout.tp=2", cwd=workdir)
+def test_dry_run_prints_the_plan_and_launches_nothing(name, workdir, preloaded):
+    arguments = command(name, "--dry-run", "--world-size", "4", "actor.tp=2", "rollout.tp=2")
+    shown = preloaded.run(arguments, cwd=workdir, timeout=120, stderr_apart=True)
     assert shown.returncode == 0, shown.stderr
     assert f"name: {name}" in shown.stdout  # the resolved config
     assert "# placement: colocate, world size 4" in shown.stdout

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import RECIPES, alive, free_port
+from torchrun_helpers import RECIPES, alive, environment, free_port
 
 TEMPLATES = sorted((RECIPES / "slurm").glob("*.sbatch"))
 TRAIN = RECIPES / "slurm" / "train.sbatch"
@@ -77,12 +77,12 @@ def fake_slurm(tmp_path: Path, **variables: str) -> dict[str, str]:
     for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
-    environment = {
+    job_environment = {
         key: value
-        for key, value in os.environ.items()
+        for key, value in environment(recipe=True).items()  # the job's ranks run a recipe
         if not key.startswith(("SLURM_", "NCCL_")) and key not in TEMPLATE_VARIABLES
     }
-    environment.update(
+    job_environment.update(
         PATH=f"{stubs}{os.pathsep}{os.environ['PATH']}",
         FAKE_SLURM_DIR=str(tmp_path),
         FAKE_HOSTS="gpu-a17 gpu-b03",
@@ -94,8 +94,8 @@ def fake_slurm(tmp_path: Path, **variables: str) -> dict[str, str]:
         SLURM_SUBMIT_DIR=str(REPO),
         OMP_NUM_THREADS="1",
     )
-    environment.update(variables)
-    return environment
+    job_environment.update(variables)
+    return job_environment
 
 
 def submit(tmp_path: Path, *overrides: str, timeout: float = 30, **variables: str) -> subprocess.CompletedProcess:

@@ -75,7 +75,9 @@ def stop_mid_run(
         port=free_port(),
     )
     with (workdir / "stopped.log").open("w") as log:
-        agent = subprocess.Popen(command, cwd=workdir, env=environment(), stdout=log, stderr=subprocess.STDOUT)
+        agent = subprocess.Popen(
+            command, cwd=workdir, env=environment(recipe=True), stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             deadline = time.monotonic() + 120
             while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
@@ -141,8 +143,10 @@ trainer_state.json (``benchmarks/faulty_grpo.py`` injects it)."""
 
 
 def test_a_rank_killed_mid_save_restarts_from_the_previous_checkpoint_and_ends_as_an_uninterrupted_run(
-    tmp_path, uninterrupted_dir
+    tmp_path, uninterrupted_dir, monkeypatch
 ):
+    for key, value in environment(recipe=True).items():  # run_faulty_grpo's ranks inherit this process's environment
+        monkeypatch.setenv(key, value)
     overrides = [*RUN, "trainer.save_every=1", "trainer.keep_last=0"]
     faulted = run_faulty_grpo(tmp_path, "out", overrides, plan=[KILLED_MID_SAVE], nproc=2, timeout_s=300)
     assert faulted.returncode == 0, faulted.stdout[-6000:]

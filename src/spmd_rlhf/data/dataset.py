@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
 from spmd_rlhf.data.batch import Batch
@@ -35,6 +34,9 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     if not file.is_file():
         raise DatasetError(f"prompt file {path} does not exist; check data.train_files / data.val_files")
     if file.suffix == ".parquet":
+        # Imported here: pyarrow's allocator starts a thread at import, in every rank that only reads JSON lines.
+        import pyarrow.parquet as pq
+
         return pq.read_table(file).to_pylist()
     if file.suffix == ".json" and file.read_text(encoding="utf-8").lstrip().startswith("["):
         try:
