@@ -77,27 +77,22 @@ def test_a_pipeline_minimum_splits_rows_that_would_fit_one_micro_batch():
 
 
 def test_a_derived_token_budget_follows_the_free_memory_and_the_pass():
-    from spmd_rlhf.models.args import DecoderArgs
+    from transformers import AutoConfig
+
+    from spmd_rlhf.models.args import args_from_hf_config
     from spmd_rlhf.training.token_budget import TOKEN_BUDGET_HEADROOM, bytes_per_token, derived_token_budget
 
-    args = DecoderArgs(  # Qwen2.5-1.5B's widths
-        family="qwen2",
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_layers=28,
-        num_heads=12,
-        num_kv_heads=2,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        rope_scaling=None,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        qkv_bias=True,
-        o_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
+    # Qwen2.5-1.5B's widths, from transformers' own config class.
+    args = args_from_hf_config(
+        AutoConfig.for_model(
+            "qwen2",
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+        )
     )
     layer = (11 * 1536 + 3 * 2 * 128 + 4 * 8960) * 2  # norms, attention, the 8960-wide MLP; bf16
     train = bytes_per_token(args, tp=1, pp=1, dtype_bytes=2, train=True, activation_checkpointing=False)
