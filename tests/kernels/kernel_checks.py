@@ -34,6 +34,12 @@ FLOAT32_OUTPUT_TOLERANCE = 1e-5
 """Log-probs and entropies are float32 whatever the logits' dtype, computed from the same rounded logits as the
 reference, so they get the float32 bound."""
 
+FLOAT32_GRADIENT_TOLERANCE = 2e-5
+"""The float32 gradient ``((onehot - p) / T)`` of the log-prob kernel: each ``p`` comes from a logit divided by the
+temperature after its upcast, whose rounding grows with ``|logit| / T`` (rows shifted by 60 here): at T = 0.6 the
+error's tail reached 1.2e-5 (once in CI, with the maximum of 200 seeded draws at 9.1e-6), past the bound of the
+other float32 outputs."""
+
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.detach().double(), expected.detach().double()
@@ -131,7 +137,7 @@ def check_log_probs_and_entropy(case: LogProbCase, dtype: torch.dtype, device: s
     bounds = {
         "log_probs": FLOAT32_OUTPUT_TOLERANCE,
         "entropy": FLOAT32_OUTPUT_TOLERANCE,
-        "grad": RELATIVE_TOLERANCE[dtype],
+        "grad": FLOAT32_GRADIENT_TOLERANCE if dtype == torch.float32 else RELATIVE_TOLERANCE[dtype],
     }
     for name, error in errors.items():
         assert error < bounds[name], f"{case} {dtype} seed {seed}: {name} relative error {error:.2e}"
