@@ -23,7 +23,7 @@ import torch
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.parallel_dims import ParallelDims
 from spmd_rlhf.runtime.dispatch import Dispatch
-from spmd_rlhf.runtime.errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
+from spmd_rlhf.runtime.errors import PEER_REPORT_GRACE_S, CallTimeout, RankLostError, RuntimeFailure, WorkerError
 from spmd_rlhf.runtime.executor import (
     Call,
     Envelope,
@@ -345,7 +345,12 @@ class Coordinator:
         if self.failure is not None:
             raise self.failure
 
-    def _fail(self, failure: RuntimeFailure) -> None:
+    def _fail(self, failure: RuntimeFailure, *, waited: bool = False) -> None:
+        if not waited and isinstance(failure, WorkerError) and failure.peer_lost:
+            timer = threading.Timer(PEER_REPORT_GRACE_S, self._fail, args=(failure,), kwargs={"waited": True})
+            timer.daemon = True  # the rank's loss, named by its connection, usually comes first (PEER_REPORT_GRACE_S)
+            timer.start()
+            return
         with self._changed:
             first = self.failure is None
             if first:

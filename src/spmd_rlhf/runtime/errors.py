@@ -11,6 +11,12 @@ PEER_LOST = re.compile(
 )
 
 
+PEER_REPORT_GRACE_S = 3.0
+"""How long a rank's report that a peer vanished mid-collective waits for the coordinator to name the lost rank itself
+(its connection to a dead rank drops within about a second): that ``RankLostError`` is the clearer failure; the
+report is raised only where none comes."""
+
+
 class RuntimeFailure(RuntimeError):
     """Base of every failure that ends the job."""
 
@@ -20,9 +26,11 @@ class WorkerError(RuntimeFailure):
 
     def __init__(self, *, role: str, method: str, rank: int, error: str, traceback: str) -> None:
         self.role, self.method, self.rank, self.error, self.remote_traceback = role, method, rank, error, traceback
+        self.peer_lost = PEER_LOST.search(error) is not None
+        """The backend's words for a peer that vanished mid-collective: a report of another rank's loss."""
         cause = (
             f"a rank in its collective was lost (look for the rank that died first): {error}"
-            if (PEER_LOST.search(error))
+            if self.peer_lost
             else error
         )
         super().__init__(
