@@ -55,11 +55,17 @@ def moe_dir(tmp_path_factory):
     return make_tiny(family="qwen3_moe", out_dir=str(tmp_path_factory.mktemp("moe")), hidden_size=32, vocab_size=300)
 
 
-def router_gradient_and_metrics(model_dir: str, *overrides: str, losses_off: bool = False):
-    """The router weight's gradient in the optimizer step of one ``update_actor``, and its metrics."""
+def router_gradient_and_metrics(model_dir: str, *overrides: str, losses_off: bool = False, zero_routers: bool = False):
+    """The router weight's gradient in the optimizer step of one ``update_actor``, and its metrics. ``zero_routers``:
+    every router's weights zeroed first, so every token's logits tie and all take the same ``top_k`` experts."""
     actor = one_rank_actor(model_dir, rows=ROWS, length=LENGTH, micro_batch=ROWS // 2, overrides=overrides)
     if losses_off:
         actor.trainer.router_losses = None
+    if zero_routers:
+        with torch.no_grad():
+            for name, param in actor.model.module.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.zero_()
     router = dict(actor.model.module.named_parameters())[ROUTER]
     seen = []
     actor.trainer.optimizer.register_step_pre_hook(lambda *_: seen.append(router.grad.detach().clone()))
@@ -76,13 +82,17 @@ def test_router_loss_coefficients_change_the_router_gradient(moe_dir):
         )
         aux, _ = router_gradient_and_metrics(moe_dir, "actor.router_aux_loss_coef=0.5")
         z, _ = router_gradient_and_metrics(moe_dir, "actor.router_aux_loss_coef=0", "actor.router_z_loss_coef=0.5")
+        _, tied = router_gradient_and_metrics(moe_dir, zero_routers=True)
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(zero, plain, rtol=0, atol=0)
     assert (aux - plain).abs().max() > 1e-4 and (z - plain).abs().max() > 1e-4
     top_k = 2  # make_tiny's num_experts_per_tok: uniform routing gives k, and the loss is at least about that
     assert metrics["actor/router_aux_loss"] >= top_k * 0.99 and metrics["actor/router_z_loss"] > 0
-    assert 1.0 <= metrics["moe/expert_load_max_over_mean"] <= 4 / top_k
+    # Tied routers send every token to the same top_k of the 4 experts: max / mean = T / (k T / 4) = 4 / k exactly;
+    # the random routers spread the tokens, below that.
+    assert tied["moe/expert_load_max_over_mean"] == pytest.approx(4 / top_k)
+    assert 1.0 <= metrics["moe/expert_load_max_over_mean"] < 4 / top_k - 0.05
 
 
 def test_a_router_loss_on_a_dense_model_is_refused(tmp_path):
