@@ -161,3 +161,14 @@ def test_a_tied_embedding_under_fsdp_takes_a_sparse_gradient_summed_into_the_hea
     results = mp.Manager().dict()
     mp.spawn(_tied_gradients_under_fsdp, args=(port, results), nprocs=1)
     assert dict(results) == {"sparse": True, "equal": True, "names": True}
+
+
+def test_a_model_built_on_a_device_has_its_rotary_frequencies():
+    """The rotary frequencies are a non-persistent buffer: a model built straight on a device (not on the meta device
+    and loaded) must compute them at construction, not leave ``torch.empty``'s contents."""
+    from spmd_rlhf.models.rope import rope_inverse_frequencies
+
+    args = tiny_args()
+    expected = rope_inverse_frequencies(head_dim=args.head_dim, theta=args.rope_theta, scaling=None, device="cpu")
+    for _ in range(3):
+        torch.testing.assert_close(DecoderLM(args, head="lm").model.rotary.inv_freq, expected.float())

@@ -41,6 +41,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        if not self.inv_freq.is_meta:  # on the meta device, ``DecoderLM.reset_buffers`` fills it once materialised
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Recompute ``inv_freq`` in float32 on its current device (after meta-device construction, ``to_empty``, or a
