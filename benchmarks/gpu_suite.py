@@ -16,7 +16,7 @@ call cut short still returns what it measured. ``model`` builds the random-init 
 | ``model`` | the 1.5B-shaped (G1, G2, G3, G5, scale) and 0.5B-shaped (G4) models, built once | 150 s |
 | ``cuda_tests`` | one CUDA test from each file that has them (``FAST_CUDA_TESTS``) | 60 s |
 | ``g1`` | G1: batch-1 and batch-64 decode against the HBM floor, graph vs eager | 150 s |
-| ``g3`` | G3: ``update_actor`` MFU, 1.5B bf16, 32 rows x 1024 and 2048 tokens | 150 s |
+| ``g3`` | G3: ``update_actor`` MFU, 1.5B bf16, 32 rows x 1024 and 2048 tokens, compiled blocks | 240 s |
 | ``g4`` | G4: GRPO end to end against TRL ``GRPOTrainer`` without vLLM, 0.5B | 240 s |
 | ``g2`` | G2: 256 prompts x 512 new tokens against ``generate`` with the dynamic cache | 180 s |
 | ``kernels`` | both Triton kernels at real sizes against their torch references | 60 s |
@@ -27,7 +27,8 @@ Optional steps (``OPTIONAL``), run only when named in ``--only``: ``cuda_tests_f
 ``g2_static`` (G2 against the compiled static cache: a compile of minutes) and ``two_process`` (the GRPO recipe as a
 two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPUs, or CPU under ``--smoke``) and
 ``moe`` (``moe_layer.py``: an MoE layer's grouped GEMMs against its expert loop at Qwen3-30B-A3B's widths, bf16),
-``g3_budget`` (G3 with token-budget micro-batches derived from the free memory, ``--token-budget 0``).
+``g3_budget`` (G3 with token-budget micro-batches derived from the free memory, ``--token-budget 0``), ``g3_eager``
+(G3 with eager blocks, ``--compile off``: what compiling gains).
 
 Writes ``<out>/gpu_suite_<device>[_smoke].json``: the versions found, every step's status, time, headline figures and
 its full JSON, and prints a table.
@@ -139,7 +140,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 *([] if smoke else ["--repeats", "2"]),
                 *step_out("g3"),
             ],
-            150,
+            240,
             "*.json",
             {"G3_mfu": "per_length.0.mfu", "G3_mfu_longest": "per_length.-1.mfu"},
         ),
@@ -228,6 +229,22 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             {"G3_budget_mfu": "per_length.0.mfu", "G3_budget_mfu_longest": "per_length.-1.mfu"},
         ),
         Step(
+            "g3_eager",
+            [
+                python,
+                str(BENCHMARKS / "gpu_update.py"),
+                *large_model,
+                *smoke_flag,
+                "--compile",
+                "off",
+                *([] if smoke else ["--repeats", "2"]),
+                *step_out("g3_eager"),
+            ],
+            150,
+            "*.json",
+            {"G3_eager_mfu": "per_length.0.mfu", "G3_eager_mfu_longest": "per_length.-1.mfu"},
+        ),
+        Step(
             "moe",
             [
                 python,
@@ -262,9 +279,9 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
 STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5", "scale")
 """What a plain call runs, in this order: G1, G3 and G4 first (about 5 minutes with the model's build on an H100),
 the rest after them (about 8 minutes in all); see the module docstring for each step's limit."""
-OPTIONAL = ("cuda_tests_full", "g2_static", "two_process", "moe", "g3_budget")
+OPTIONAL = ("cuda_tests_full", "g2_static", "two_process", "moe", "g3_budget", "g3_eager")
 """Run only when named in ``--only``."""
-MODEL_USERS = ("g1", "g3", "g4", "g2", "g5", "scale", "g2_static")
+MODEL_USERS = ("g1", "g3", "g4", "g2", "g5", "scale", "g2_static", "g3_budget", "g3_eager")
 """Steps that read the models ``model`` builds."""
 
 

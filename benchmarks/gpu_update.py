@@ -1,7 +1,7 @@
 """G3: model-FLOP utilisation (MFU) of the actor's ``update_actor``, Qwen2.5-1.5B-shaped random model, bf16 compute.
 
     python benchmarks/gpu_update.py [--shape 1.5b] [--lengths 1024 2048] [--rows 32] [--micro-batch 2] \\
-        [--peak-tflops 989] [--compile] [--activation-checkpointing] [--model-dir DIR]
+        [--peak-tflops 989] [--compile auto|on|off] [--activation-checkpointing] [--model-dir DIR]
     torchrun --nproc-per-node N benchmarks/gpu_update.py ...   # N data-parallel ranks (FSDP), MFU per device
     python benchmarks/gpu_update.py --smoke --peak-tflops 0.1 # tiny model, CPU-sized: checks the script in seconds
 
@@ -129,7 +129,7 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
             [
                 f"model.path={model_dir}",
                 f"model.dtype={dtype}",
-                f"model.compile={str(args.compile).lower()}",
+                f"model.compile={args.compile}",
                 f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
                 "algorithm.name=grpo",
                 "algorithm.kl_penalty=loss",
@@ -231,7 +231,12 @@ def main() -> None:
         help="actor.max_tokens_per_micro_batch: token-balanced micro-batches of this many tokens, 0 derived from the "
         "free device memory (training.token_budget); default: --micro-batch rows per pass",
     )
-    parser.add_argument("--compile", action="store_true", help="model.compile: torch.compile each decoder block")
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="model.compile: torch.compile each decoder block (auto: on CUDA)",
+    )
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--profile", help="write a profile of one more update (first length, rank 0) to this file")
     parser.add_argument("--out", default="benchmarks/results")

@@ -501,12 +501,14 @@ def test_every_independent_problem_is_named_in_one_error():
 
 def test_off_and_on_reach_string_keys_as_words(tmp_path: Path) -> None:
     # YAML 1.1 reads a bare off / on as a boolean: a string key takes back the word, a boolean key keeps its boolean.
-    config = load_config(None, ["algorithm.router_replay=off", "rollout.partial_rollouts=off", "model.compile=off"])
-    assert (config.algorithm.router_replay, config.rollout.partial_rollouts, config.model.compile) == (
+    overrides = ["algorithm.router_replay=off", "model.compile=on", "model.activation_checkpointing=off"]
+    config = load_config(None, overrides)
+    assert (config.algorithm.router_replay, config.model.compile, config.model.activation_checkpointing) == (
         "off",
-        "off",
+        "on",
         False,
     )
+    assert load_config(None, ["model.compile=true"]).model.compile == "on"
     path = tmp_path / "run.yaml"
     path.write_text("rollout:\n  partial_rollouts: off\n")
     assert load_config(path).rollout.partial_rollouts == "off"

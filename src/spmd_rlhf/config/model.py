@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spmd_rlhf.config.choices import (
-    ATTENTION_BACKENDS,
-)
+from spmd_rlhf.config.choices import ATTENTION_BACKENDS, COMPILE_SETTINGS
 from spmd_rlhf.config.errors import one_of
 
 
@@ -22,9 +20,11 @@ class ModelConfig:
     """Attention backend: auto (flash when installed, else sdpa), flash, sdpa or torch (plain matmul, runs anywhere)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass of trained roles: less memory, more compute."""
-    compile: bool = False
-    """torch.compile each decoder block (GPU only; ignored on CPU)."""
+    compile: str = "auto"
+    """torch.compile each decoder block of every role's training-layout model (one graph per block, no graph break,
+    packed lengths dynamic): auto (on CUDA only), on (CPU too: needs a C++ compiler) or off."""
 
     def __post_init__(self) -> None:
         one_of(self, "dtype", ("float32", "bfloat16", "float16"))
         one_of(self, "attention", ATTENTION_BACKENDS)
+        one_of(self, "compile", COMPILE_SETTINGS)

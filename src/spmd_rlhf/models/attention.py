@@ -9,7 +9,7 @@ new keys are written into and the whole context is read from). The layer code is
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,12 @@ class AttentionBatch:
     max_seqlen: int = 0
     backend: str = "sdpa"
     paged: PagedKV | None = None
+    allowed: torch.Tensor | None = None
+    """Dense backends: the boolean ``[batch or 1, 1, seq, seq]`` mask (True = may attend) of padded rows or of packed
+    sequences in one masked attention, built once per forward for every layer; None: plain causal attention."""
+    sequence_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Dense backends, packed sequences attended as right-padded rows ``[num_seqs, max_seqlen]`` (when cheaper than
+    one masked attention, ``_per_sequence_is_cheaper``): each packed token's (row, column), built once per forward."""
 
     @staticmethod
     def build(
@@ -103,7 +109,14 @@ class AttentionBatch:
             attention_mask = attention_mask.to(device=device, dtype=torch.bool)
             if bool(attention_mask.all()):
                 attention_mask = None
-        return AttentionBatch(attention_mask, cu_seqlens, max_seqlen, backend)
+        batch = AttentionBatch(attention_mask, cu_seqlens, max_seqlen, backend)
+        if backend == "flash":
+            return batch
+        # What every layer's dense attention reads, built here once: per layer it was a dozen small ops (and inside a
+        # compiled block, index arithmetic in every block's graph).
+        if cu_seqlens is not None and _per_sequence_is_cheaper(batch, seq_len):
+            return replace(batch, sequence_slots=_sequence_slots(cu_seqlens, seq_len))
+        return replace(batch, allowed=_allowed_keys(batch, seq_len, device))
 
 
 def resolve_backend(backend: str, *, device: torch.device, dtype: torch.dtype) -> str:
@@ -245,8 +258,11 @@ def _dense_attention(
     """``q`` ``[b, heads, s, d]`` over ``k, v`` ``[b, kv_heads, keys, d]`` where ``allowed`` (None: causal)."""
     if backend == "torch":
         return _torch_attention(q, k, v, allowed, scale)
+    # A branch, not the comparison itself: under a compiled block whose head counts are symbolic (FSDP's parameters)
+    # the comparison is a SymBool, which SDPA does not take; a branch is decided (and guarded) while tracing.
+    grouped = True if k.shape[1] != q.shape[1] else False  # noqa: SIM210
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale, enable_gqa=grouped
     )
 
 
@@ -258,24 +274,28 @@ def _per_sequence_is_cheaper(batch: AttentionBatch, total: int) -> bool:
     return num_seqs * batch.max_seqlen**2 < total**2
 
 
+def _sequence_slots(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of a packed row's ``total`` tokens' (sequence, position in it): its slot in right-padded rows."""
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
+    return sequence, torch.arange(total, device=cu_seqlens.device) - starts[sequence]
+
+
 def _per_sequence_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, scale: float
 ) -> torch.Tensor:
     """Packed sequences ``[1, total, heads, d]`` through a dense backend as right-padded rows ``[num_seqs, max_seqlen]``
     with plain causal attention (a right-padded row's real queries see only real keys, so no mask is built); returns
     ``[1, total, heads, d]``. Holds padded copies of q, k, v and the output, ``num_seqs * max_seqlen`` tokens each."""
-    starts = batch.cu_seqlens[:-1].long()
-    lengths = batch.cu_seqlens[1:].long() - starts
-    total = q.shape[1]
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths, output_size=total)
-    index = (sequence, torch.arange(total, device=q.device) - starts[sequence])
+    num_seqs = batch.cu_seqlens.shape[0] - 1
 
     def rows(tensor: torch.Tensor) -> torch.Tensor:
-        padded = tensor.new_zeros(len(lengths), batch.max_seqlen, *tensor.shape[2:])
-        return padded.index_put(index, tensor[0]).transpose(1, 2)
+        padded = tensor.new_zeros(num_seqs, batch.max_seqlen, *tensor.shape[2:])
+        return padded.index_put(batch.sequence_slots, tensor[0]).transpose(1, 2)
 
     out = _dense_attention(rows(q), rows(k), rows(v), None, batch.backend, scale)
-    return out.transpose(1, 2)[index][None]
+    return out.transpose(1, 2)[batch.sequence_slots][None]
 
 
 def attend(
@@ -299,8 +319,7 @@ def attend(
         return _paged_attention(q, k, v, batch, layer_index, scale)
     if batch.backend == "flash":
         return _flash_attention(q, k, v, batch, scale)
-    if batch.cu_seqlens is not None and _per_sequence_is_cheaper(batch, q.shape[1]):
+    if batch.sequence_slots is not None:
         return _per_sequence_attention(q, k, v, batch, scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = _dense_attention(q, k, v, _allowed_keys(batch, q.shape[-2], q.device), batch.backend, scale)
-    return out.transpose(1, 2)
+    return _dense_attention(q, k, v, batch.allowed, batch.backend, scale).transpose(1, 2)

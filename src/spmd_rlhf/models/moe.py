@@ -114,10 +114,19 @@ def grouped_mm_supported(x: torch.Tensor, hidden_size: int, intermediate_size: i
         return False
     if any(size * x.element_size() % 16 for size in (hidden_size, intermediate_size)):
         return False
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16) and _grouped_mm_runs_on_cpu()
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # torch's shape function for _grouped_mm, which a compiled block traces, takes bfloat16 only
+    return _grouped_mm_serves(x.device, x.dtype)
+
+
+@torch.compiler.assume_constant_result
+def _grouped_mm_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """``grouped_mm_supported``'s device and dtype half; a constant to ``torch.compile`` (it probes the device, which a
+    compiled block must not trace)."""
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16) and _grouped_mm_runs_on_cpu()
     return False
 
 

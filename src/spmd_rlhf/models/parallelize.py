@@ -15,6 +15,7 @@ heads are small and replicated over TP.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,8 +27,11 @@ from torch.utils.checkpoint import checkpoint
 from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
+from spmd_rlhf.models.moe import MoEBlock
 from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary, vocabulary_stream
 from spmd_rlhf.models.tp_plan import DECODER_LAYER_PLAN
+
+logger = logging.getLogger(__name__)
 
 
 def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, ParallelStyle]:
@@ -164,6 +168,30 @@ def unsharded_accumulation_bytes(model: DecoderLM, *, dp: int, compute_dtype: to
     return int(held)
 
 
+def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str) -> bool:
+    """Whether ``model.compile`` (``setting``) compiles ``role``'s decoder blocks: on always; auto on a GPU at tp = 1
+    (blocks of TP's DTensors under compile have not run here: auto says so once and keeps them eager); off never."""
+    if setting != "auto":
+        return setting == "on"
+    if on_gpu and tp > 1:
+        logger.info("model.compile=auto leaves %s's blocks eager at tp=%d (model.compile=on compiles them)", role, tp)
+    return on_gpu and tp == 1
+
+
+def compile_block(layer: torch.nn.Module, *, backend: str = "inductor") -> None:
+    """``torch.compile`` one decoder block in place (``Module.compile``: parameter names stay Hugging Face's;
+    TorchDynamo leaves FSDP2's hooks on the block to run eagerly): one graph with no break (``fullgraph``), sizes
+    symbolic from the first call (``dynamic``), so packed rows of any length and sequence count reuse it, and every
+    block shares it (one code object, parameters as inputs). What recompiles is the attention layout that
+    ``AttentionBatch.build`` picks (per-sequence rows, one masked attention, plain causal) and the grad mode (a
+    training pass and a no-grad pass): at most 3 graphs per grad mode, 2 for packed rows (tests/models/test_compile.py
+    counts them), and one more where a block's input needs no gradient (LoRA's first block). A mixture-of-experts
+    block may break its graph: the looped expert path (where grouped GEMMs do not serve: ``moe.grouped_mm_supported``)
+    reads the expert counts on the host. ``backend``: TorchDynamo's (tests trace with ``aot_eager``, which skips
+    Inductor's code generation)."""
+    layer.compile(fullgraph=not isinstance(layer.mlp, MoEBlock), dynamic=True, backend=backend)
+
+
 def parallelize(
     model: DecoderLM,
     *,
@@ -201,7 +229,7 @@ def parallelize(
             # The layer's own forward, recomputed in the backward pass; hooks (FSDP's) stay on the module's call.
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
         if compile_layers:
-            layer.compile()
+            compile_block(layer)
     if dp_mesh is not None:
         policy = mp_policy or MixedPrecisionPolicy()
         streamed = streamed_vocabularies(model, tp_mesh, dp_mesh, offload=offload, min_unit_bytes=min_unit_bytes)

@@ -29,7 +29,7 @@ from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.models import DecoderLM, log_probs_and_entropy_from_logits, log_probs_from_logits
 from spmd_rlhf.models.attention import resolve_backend
 from spmd_rlhf.models.lora import write_peft_adapter
-from spmd_rlhf.models.parallelize import parallelize, unsharded_accumulation_bytes
+from spmd_rlhf.models.parallelize import compiles_blocks, parallelize, unsharded_accumulation_bytes
 from spmd_rlhf.models.pipeline import Pipeline, split_stage
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
@@ -113,7 +113,7 @@ class ShardedModel:
             role=name,
             lora=self.lora,
             activation_checkpointing=config.model.activation_checkpointing and trainable,
-            compile_layers=config.model.compile and on_gpu,
+            compile_layers=compiles_blocks(config.model.compile, on_gpu=on_gpu, tp=dims.tp, role=name),
             offload=role_config.offload and on_gpu,
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )
