@@ -109,6 +109,7 @@ class MergeableProjections(nn.Module):
     merged: MergedLinear | None = None
 
     def merge_projections(self) -> None:
+        """Run the ``MERGEABLE`` layers as one matmul from now on (``MergedLinear``)."""
         self.merged = MergedLinear(tuple(getattr(self, name) for name in self.MERGEABLE))
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
