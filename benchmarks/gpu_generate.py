@@ -47,6 +47,7 @@ from gpu_common import (
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models import load_model
+from spmd_rlhf.models.merged_linear import merge_projections
 
 DECODE_GOAL = 0.5
 """G1: batch-1 decode tokens/s at least this fraction of the HBM floor rate."""
@@ -279,7 +280,8 @@ def main() -> None:
     }
     name = f"gpu_generate_{args.shape}_{result['environment']['device']}"
     with shaped_model(args.shape, args.model_dir) as model_dir:
-        model = load_model(model_dir, head="lm", dtype=dtype, device=args.device).eval()
+        model = load_model(model_dir, head="lm", dtype=dtype, device=args.device).requires_grad_(False).eval()
+        merge_projections(model)  # the generation copy's layout, as the reshard and the rollout role build it
         result["parameters"] = sum(p.numel() for p in model.parameters())
         print(
             f"qwen2 {args.shape} ({result['parameters'] / 1e9:.2f}B parameters), "

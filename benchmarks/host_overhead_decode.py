@@ -1,10 +1,11 @@
 """Host overhead of decode, counted exactly on CPU: ``python benchmarks/host_overhead.py --decode`` (this module holds
 that side of ``host_overhead.py``).
 
-A random qwen2-shaped model (hidden 64, ``--decode-layers`` layers, a 512-token vocabulary) runs the real
-``LLMEngine``. The counts take the engine's CUDA attention path: on CPU decode attention would gather the cache
-(the pure-torch path), so the Triton paged kernel is stood in for by what its wrapper dispatches (one ``empty``) plus
-one call for the kernel launch. Figures, each with its goal from issue 34:
+A random qwen2-shaped model (hidden 64, ``--decode-layers`` layers, a 512-token vocabulary) in the generation copy's
+layout (q/k/v and gate/up projections merged: ``merge_projections``) runs the real ``LLMEngine``. The counts take the
+engine's CUDA attention path: on CPU decode attention would gather the cache (the pure-torch path), so the Triton
+paged kernel is stood in for by what its wrapper dispatches (one ``empty``) plus one call for the kernel launch.
+Figures, each with its goal from issue 34:
 
 - dispatcher calls and non-view calls (about one kernel each on a GPU) per decode step in bf16: the eager engine
   step, the trunk a CUDA graph captures (``StaticDecodeStep._trunk``), and the work left outside the graph (input
@@ -36,6 +37,7 @@ from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
 from spmd_rlhf.models import DecoderLM, attention
 from spmd_rlhf.models.args import DecoderArgs
+from spmd_rlhf.models.merged_linear import merge_projections
 
 KERNEL_GOAL = 500
 """Kernels (non-view calls) per decode step in bf16, graphed trunk and the work outside it together."""
@@ -47,7 +49,8 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17]
 
 
 def decode_model(layers: int, dtype: torch.dtype) -> DecoderLM:
-    """A random qwen2-shaped model (tied head, q/k/v biases) of ``layers`` layers in ``dtype``."""
+    """A random qwen2-shaped model (tied head, q/k/v biases) of ``layers`` layers in ``dtype``, its projections
+    merged as the generation copy's are."""
     args = DecoderArgs(
         family="qwen2",
         vocab_size=512,
@@ -70,7 +73,9 @@ def decode_model(layers: int, dtype: torch.dtype) -> DecoderLM:
     torch.manual_seed(0)
     model = DecoderLM(args, head="lm")
     model.reset_buffers()
-    return model.to(dtype).requires_grad_(False).eval()
+    model = model.to(dtype).requires_grad_(False).eval()
+    merge_projections(model)
+    return model
 
 
 def _kernel_stand_in(q, key_cache, value_cache, block_tables, context_lens, *, scale):

@@ -1,6 +1,7 @@
 """The HybridEngine's kept generation model (``rollout.keep_engine``): every reshard after the first writes the new
 training weights into the same model and the same storage (what CUDA graphs captured on it read), and the values
-equal a fresh generation model's. One rank of a gloo job, FSDP over its one-rank mesh with one unit per layer."""
+equal a fresh generation model's, its merged projections computing the trained model's outputs. One rank of a gloo
+job, FSDP over its one-rank mesh with one unit per layer."""
 
 from __future__ import annotations
 
@@ -72,6 +73,13 @@ def test_a_kept_generation_model_is_rewritten_in_place_and_equals_a_fresh_one():
         trained = {name: param.full_tensor() for name, param in training.named_parameters()}
         for name, param in second.named_parameters():
             assert param.equal(fresh.get_parameter(name)) and param.equal(trained[name]), name
+        # The generation copy runs merged q/k/v and gate/up matmuls, whose weights the reshard wrote through the
+        # layers' own parameters (views of them): it computes what the trained model does.
+        layers = second.model.layers.values()
+        assert all(layer.self_attn.merged is not None and layer.mlp.merged is not None for layer in layers)
+        tokens = torch.randint(ARGS.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.testing.assert_close(second(tokens), training(tokens), atol=1e-6, rtol=1e-6)
         # Another dtype cannot be written in place: a new model replaces the kept one.
         assert hybrid.generation_model(torch.bfloat16) is not second
     finally:

@@ -31,6 +31,7 @@ from spmd_rlhf.collectives import all_gather_flat
 from spmd_rlhf.hybrid.layout import GenerationLayout
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.lora import ADAPTER_SUFFIXES, LoRAAdapters, is_adapter, merged_weight
+from spmd_rlhf.models.merged_linear import merge_projections
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.pipeline import stage_layers
 from spmd_rlhf.models.streamed_vocabulary import vocabulary_stream
@@ -114,7 +115,9 @@ class HybridEngine:
         return generation
 
     def _new_generation_model(self, dtype: torch.dtype) -> DecoderLM:
-        """The generation layout's model in ``dtype``, allocated on this rank's device but not filled."""
+        """The generation layout's model in ``dtype``, allocated on this rank's device but not filled, its q/k/v and
+        gate/up projections merged (``merge_projections``: their parameters are views of one weight, which the
+        in-place writes of ``_gather_block`` and ``_exchange_stages`` fill)."""
         with torch.device("meta"):
             generation = DecoderLM(self.model.args, head=self.model.head, attention_backend=self.attention_backend)
             generation = generation.to(dtype)
@@ -122,7 +125,9 @@ class HybridEngine:
         generation.to_empty(device=self.device)
         generation.tie_weights()
         generation.reset_buffers()
-        return generation.requires_grad_(False).eval()
+        generation.requires_grad_(False).eval()
+        merge_projections(generation)
+        return generation
 
     def _blocks(self):
         """The FSDP units, one at a time, each as its modules' (module, prefix of its parameter names in the whole

@@ -13,6 +13,7 @@ from torch import nn
 
 from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.attention import AttentionBatch, attend
+from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import MoEBlock, SwiGLU
 from spmd_rlhf.models.paged_kv import PagedKV
 from spmd_rlhf.models.rope import RotaryEmbedding, apply_rotary
@@ -37,7 +38,9 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(MergeableProjections):
+    MERGEABLE = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, args: DecoderArgs, *, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -55,9 +58,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
         batch_size, seq_len = x.shape[:2]
         # -1 instead of the configured head counts so a tensor-parallel shard (fewer local heads) runs unchanged.
-        q = self.q_proj(x).view(batch_size, seq_len, -1, self.head_dim)
-        k = self.k_proj(x).view(batch_size, seq_len, -1, self.head_dim)
-        v = self.v_proj(x).view(batch_size, seq_len, -1, self.head_dim)
+        q, k, v = (t.view(batch_size, seq_len, -1, self.head_dim) for t in self.projections(x))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd_rlhf.models.args import DecoderArgs
+from spmd_rlhf.models.merged_linear import MergeableProjections
 
 
 class Routing(NamedTuple):
@@ -187,8 +188,10 @@ class Experts(nn.Module):
         )
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(MergeableProjections):
     """``down(silu(gate(x)) * up(x))``: the dense MLP, and Qwen2-MoE's shared expert."""
+
+    MERGEABLE = ("gate_proj", "up_proj")
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False) -> None:
         super().__init__()
@@ -197,7 +200,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.projections(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoEBlock(nn.Module):
