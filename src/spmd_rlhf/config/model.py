@@ -22,7 +22,7 @@ class ModelConfig:
     """Recompute each decoder block's activations in the backward pass of trained roles: less memory, more compute."""
     compile: str = "auto"
     """torch.compile each decoder block of every role's training-layout model (one graph per block, no graph break,
-    packed lengths dynamic): auto (on CUDA only), on (CPU too: needs a C++ compiler) or off."""
+    packed lengths dynamic): auto (on CUDA at tp = 1), on (CPU too: needs a C++ compiler) or off."""
 
     def __post_init__(self) -> None:
         one_of(self, "dtype", ("float32", "bfloat16", "float16"))
