@@ -12,10 +12,12 @@ from spmd_rlhf.mapping.cost import (
     OPS_PER_LAYER,
     Cluster,
     Layout,
+    accumulates_unsharded,
     generation_seconds,
     head_output_bytes,
     pass_seconds,
     resident_bytes,
+    unsharded_accumulation_bytes,
     working_bytes,
 )
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
@@ -98,3 +100,27 @@ def test_head_outputs_are_what_the_log_prob_path_allocates(trained):
             (log_probs.sum() + entropy.sum()).backward()
     estimate = head_output_bytes(role, Layout(1, 1, 1), batch, trained=trained)
     assert 0.9 * estimate < memory.peak_increase < 1.1 * estimate, (memory.peak_increase, estimate)
+
+
+def test_a_role_that_accumulates_unsharded_gathers_once_per_mini_batch():
+    """Within its unsharded_accumulation_mb, a trained role's update gathers and reduce-scatters once per mini-batch
+    (``ShardedModel.accumulate_unsharded``), and holds the gathered blocks and unsharded gradients; beyond it, or at
+    pp > 1, per micro-batch as FSDP does."""
+    cpu = Cluster(1, 2, dataclasses.replace(H100, overlaps_communication=False))  # every gather shows in the time
+    small = dataflow("grpo", actor=NAMED_SHAPES["0.5b"])[0]
+    batch = dataclasses.replace(BATCH, prompts=8, prompt_length=64, response_length=64, micro_batch_size=1)
+    layout = Layout(1, 2, 1)
+    bounded = dataclasses.replace(small, unsharded_accumulation_mb=0.0)
+    assert accumulates_unsharded(small, layout, batch) and not accumulates_unsharded(bounded, layout, batch)
+    assert not accumulates_unsharded(small, Layout(2, 1, 1), batch)
+    held = unsharded_accumulation_bytes(small, layout, batch)
+    assert held == pytest.approx(small.shape.body_parameters * (2 + 4 / 2))
+    assert working_bytes(small, layout, batch) - working_bytes(bounded, layout, batch) == pytest.approx(held)
+    once, per_micro = (pass_seconds(role, layout, cpu, batch, train=True) for role in (small, bounded))
+    units = small.shape.layers + 1
+    unit_bytes = small.shape.parameters("lm") * batch.dtype_bytes / units
+    gather = units * cpu.all_gather(unit_bytes, 2, extent=2)
+    reduce_scatter = units * cpu.all_gather(unit_bytes * 4 / batch.dtype_bytes, 2, extent=2)  # float32 gradients
+    m = batch.rows // 2  # micro-batches per rank, one mini-batch
+    # per micro-batch: a gather in forward and in backward, a reduce-scatter; once: one gather, one reduce-scatter
+    assert per_micro - once == pytest.approx(m * (2 * gather + reduce_scatter) - (gather + reduce_scatter), rel=1e-6)

@@ -8,7 +8,10 @@ tokens of one micro-batch and n = pp·dp·tp devices:
   and forward-only passes the LM or value head's part of N runs at the response positions only.
 - **FSDP** gathers each block's weights per micro-batch (P·b/(tp·pp) bytes over dp; FSDP2 reshards after forward),
   again in backward, and reduce-scatters float32 gradients; on GPUs prefetching overlaps this with compute, so a
-  micro-batch costs the larger of the two (on CPU ranks the sum: ``DeviceProfile.overlaps_communication``).
+  micro-batch costs the larger of the two (on CPU ranks the sum: ``DeviceProfile.overlaps_communication``). A trained
+  role that keeps its blocks gathered through a mini-batch (``accumulates_unsharded``, within
+  ``<role>.unsharded_accumulation_mb``) gathers once and reduce-scatters once per mini-batch instead, and holds the
+  gathered blocks and unsharded gradients through its update.
 - **TP** all-reduces the activations twice per layer forward (twice more in backward): not overlapped.
 - **PP** runs m micro-batches through pp stages in (m + pp − 1) slots of one stage's time (the 1F1B/GPipe bubble).
 - **Decode** is memory-bound: each step reads the generation shard (P·b/tp_g) and the KV cache of the running
@@ -131,6 +134,24 @@ def held_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_bytes: floa
     return held
 
 
+def unsharded_accumulation_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
+    """Bytes per device a trained role holds through a mini-batch when it keeps its stage gathered and its gradients
+    unsharded (``parallelize.unsharded_accumulation_bytes``): the decoder blocks' TP shard in the compute dtype and
+    their float32 gradients less FSDP's 1/dp of them (vocabulary weights left out: at a real vocabulary they stream)."""
+    elements = role.shape.body_parameters / (layout.tp * layout.pp)
+    return elements * (batch.dtype_bytes + GRADIENT_BYTES * (1 - 1 / layout.dp))
+
+
+def accumulates_unsharded(role: RoleSpec, layout: Layout, batch: Batch) -> bool:
+    """Whether the role's update gathers each FSDP unit once per mini-batch and reduce-scatters once, not per
+    micro-batch (``ShardedModel.accumulate_unsharded``): a trained role at pp = 1 whose held bytes fit its
+    ``unsharded_accumulation_mb``."""
+    if not role.trained or layout.pp > 1:
+        return False
+    budget = role.unsharded_accumulation_mb
+    return budget is None or unsharded_accumulation_bytes(role, layout, batch) <= budget * 2**20
+
+
 def _micro_batch(role: RoleSpec, batch: Batch) -> int:
     return role.micro_batch_size or batch.micro_batch_size
 
@@ -168,6 +189,8 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     outputs = head_output_bytes(role, layout, batch, trained=role.trained)
     if not role.trained:
         return layer + outputs
+    if accumulates_unsharded(role, layout, batch):
+        outputs += unsharded_accumulation_bytes(role, layout, batch)
     # 1F1B keeps pp micro-batches in flight on the first stage, each through layers/pp layers: ~ all layers' worth.
     in_flight = shape.layers / layout.pp * min(layout.pp, batch.rows)
     if batch.activation_checkpointing:
@@ -197,8 +220,13 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     units = layers + 1
     gathered = shape.parameters(role.head) * b / (tp * pp * units)
     fsdp = units * cluster.all_gather(gathered, dp, extent=dp * tp)
-    if train:  # gather again for backward, then reduce-scatter float32 gradients
-        fsdp = 2 * fsdp + units * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
+    reduce_scatter = units * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
+    per_mini_batch = 0.0
+    if train and accumulates_unsharded(role, layout, batch):
+        # gathered in the mini-batch's first forward, reduce-scattered in its last backward, nothing in between
+        per_mini_batch, fsdp = fsdp + reduce_scatter, 0.0
+    elif train:  # gather again for backward, then reduce-scatter float32 gradients
+        fsdp = 2 * fsdp + reduce_scatter
     tensor_parallel = (
         layers * 2 * (passes - 1 if train else 1) * cluster.all_reduce(tokens * shape.hidden * b, tp, extent=tp)
     )
@@ -210,6 +238,7 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     if train:
         mini = role.mini_batch_size or batch.mini_batch_size or batch.rows
         steps = batch.ppo_epochs * math.ceil(batch.rows / mini)
+        seconds += steps * per_mini_batch
         optimizer = (
             shape.parameters(role.head)
             / layout.devices

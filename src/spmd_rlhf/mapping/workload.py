@@ -246,6 +246,9 @@ class RoleSpec:
     judge_tokens: int = 0
     """A generative judge's most tokens written per response (``reward.judge_max_new_tokens``); 0: not a judge. Its
     forward pass is then generation over prompt + response by TP-only replicas (``search.role_stage_seconds``)."""
+    unsharded_accumulation_mb: float | None = 4096.0
+    """A trained role's ``<role>.unsharded_accumulation_mb``: the most a mini-batch may hold gathered beyond FSDP for
+    one FSDP gather and one reduce-scatter per mini-batch (``cost.accumulates_unsharded``); None: no bound."""
 
 
 def dataflow(

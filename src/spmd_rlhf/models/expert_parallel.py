@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from spmd_rlhf.models.moe import Experts, MoEBlock, Routing, count_per_expert
+from spmd_rlhf.models.moe import Experts, MoEBlock, Routing, combine
 
 
 class ParallelExperts(Experts):
@@ -53,11 +53,7 @@ class ParallelExperts(Experts):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """``x`` ``[tokens, H]`` -> the weighted sum of each token's ``k`` experts ``[tokens, H]``."""
         size, local = self.size, self.local
-        tokens, top_k = routing.experts.shape
-        chosen = routing.experts.flatten()
-        order = chosen.argsort(stable=True)
-        counts = count_per_expert(chosen, self.num_experts)
-        routed = x.index_select(0, order // top_k)
+        routed, order, counts = self.sort_by_expert(x, routing)
 
         # received[s * local + e]: the copies rank s sends to this rank's local expert e.
         received = _wait(all_to_all_single(counts, None, None, self.group))
@@ -69,12 +65,10 @@ class ParallelExperts(Experts):
         by_expert = local_ids.repeat_interleave(received, output_size=sum(received_splits)).argsort(stable=True)
         local_counts = received.view(size, local).sum(0)
         rows = arrived.index_select(0, by_expert)
-        outputs = self._grouped(rows, local_counts) if self.uses_grouped_mm(x) else self._looped(rows, local_counts)
+        outputs = self.run_experts(rows, local_counts, like=x)
         in_arrival_order = torch.empty_like(outputs).index_copy_(0, by_expert, outputs)
         returned = all_to_all_single_autograd(in_arrival_order, sent_splits, received_splits, self.group)
-
-        unsorted = torch.empty_like(returned).index_copy_(0, order, returned).view(tokens, top_k, -1)
-        return (unsorted * routing.weights.unsqueeze(-1)).sum(1)
+        return combine(returned, order, routing)
 
 
 def shard_experts(model: nn.Module, group: dist.ProcessGroup) -> None:

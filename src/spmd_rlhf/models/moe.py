@@ -131,6 +131,15 @@ def _grouped_mm_serves(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
+def combine(outputs: torch.Tensor, order: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The expert outputs of the sorted copies (``Experts.sort_by_expert``) as each token's weighted sum ``[tokens,
+    H]``: back to (token, choice) order by a permutation, then a fixed-order sum over the k choices: deterministic,
+    unlike an index_add of the copies onto their tokens (atomic adds on CUDA)."""
+    tokens, top_k = routing.experts.shape
+    unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs).view(tokens, top_k, -1)
+    return (unsorted * routing.weights.unsqueeze(-1)).sum(1)
+
+
 class Experts(nn.Module):
     """``E`` SwiGLU experts held as three 3-D parameters (layout in the module docstring)."""
 
@@ -151,17 +160,21 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """``x`` ``[tokens, H]`` -> ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` ``[tokens, H]``."""
-        tokens, top_k = routing.experts.shape
+        routed, order, counts = self.sort_by_expert(x, routing)
+        outputs = self.run_experts(routed, counts, like=x)
+        return combine(outputs, order, routing)
+
+    def sort_by_expert(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's k copies sorted by expert (stable: within an expert, in token order) ``[tokens * k, H]``, the
+        permutation that sorted them (``combine`` undoes it) and the copies per expert ``[E]``."""
         chosen = routing.experts.flatten()
-        # Each token's k copies, sorted by expert (stable: within an expert, in token order).
         order = chosen.argsort(stable=True)
-        counts = count_per_expert(chosen, self.num_experts)
-        routed = x.index_select(0, order // top_k)
-        outputs = self._grouped(routed, counts) if self.uses_grouped_mm(x) else self._looped(routed, counts)
-        # Back to (token, choice) order by a permutation, then a fixed-order sum over the k choices: deterministic,
-        # unlike an index_add of the copies onto their tokens (atomic adds on CUDA).
-        unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs).view(tokens, top_k, -1)
-        return (unsorted * routing.weights.unsqueeze(-1)).sum(1)
+        return x.index_select(0, order // routing.experts.shape[1]), order, count_per_expert(chosen, self.num_experts)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, *, like: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on its ``counts[e]`` consecutive ``rows``: grouped GEMMs where they serve inputs of ``like``'s
+        device and dtype, else the loop."""
+        return self._grouped(rows, counts) if self.uses_grouped_mm(like) else self._looped(rows, counts)
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether a forward on inputs of ``x``'s device and dtype takes the grouped-GEMM path (else the loop, with its
