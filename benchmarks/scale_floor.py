@@ -27,8 +27,8 @@ Beyond that strict floor, the design itself needs transient buffers that are not
   and the backward makes each unit's unsharded gradient before the reduce-scatter. Where a trained role's
   ``unsharded_accumulation_mb`` lets it, its update instead keeps every unit gathered and the float32 gradients
   unsharded across a mini-batch's micro-batches (less the gradient shard the strict floor holds). The HybridEngine's
-  reshard gathers the same units one at a time beside the generation copy, and a forward-only pass of a sharded
-  frozen role gathers its units one at a time.
+  reshard gathers the same units one at a time beside the generation copy, and a forward-only call keeps every unit
+  gathered from its first micro-batch on where ``forward_gather_mb`` lets it (else one at a time).
 - Vocabulary weights of at least the unit size (an embedding, an LM head, a tied pair) stream outside FSDP
   (``spmd_rlhf.models.streamed_vocabulary``): a pass holds one step's gathered rows, and in the backward their
   gradient; the HybridEngine's reshard gathers each weight whole, as it gathers a unit.
@@ -227,6 +227,19 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
         budget = role.unsharded_accumulation_mb
         return held if unit and (budget is None or held <= budget * 2**20) else 0
 
+    def forward_gathered(spec: RoleSpec) -> float:
+        """What a forward-only call holds gathered: every unit but a streamed vocabulary where the role's
+        ``forward_gather_mb`` lets it and the model is more than one unit (``ShardedModel.gather_forward``), else
+        one unit (``gathered``)."""
+        budget = getattr(config, spec.name).forward_gather_mb
+        root, unit = units(spec)
+        vocabulary_modules = 1 if spec.head != "lm" or spec.shape.tied else 2
+        streamed_parameters = vocabulary_modules * spec.shape.vocab * spec.shape.hidden if streamed(spec) else 0
+        held = (spec.shape.parameters(spec.head) - streamed_parameters) * b
+        if unit and (budget is None or 0 < held <= budget * 2**20):
+            return held + streamed(spec)
+        return gathered(spec)
+
     def reshard(spec: RoleSpec) -> float:
         """What the HybridEngine gathers at once: an FSDP unit, or a streamed vocabulary weight whole."""
         whole = spec.shape.vocab * spec.shape.hidden * b if streamed(spec) else 0
@@ -242,7 +255,7 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
     return {
         "load": {},
         "generate": {"actor FSDP unit (or streamed vocabulary) gathered by the reshard": reshard(actor)},
-        "log_probs": {"FSDP unit gathered by a forward pass": max(gathered(spec) for spec in forward)}
+        "log_probs": {"FSDP units gathered by a forward-only call": max(forward_gathered(spec) for spec in forward)}
         if forward
         else {},
         "advantages": {},

@@ -13,6 +13,7 @@ from spmd_rlhf.mapping.cost import (
     Cluster,
     Layout,
     accumulates_unsharded,
+    gathers_forward_once,
     generation_seconds,
     head_output_bytes,
     pass_seconds,
@@ -102,7 +103,7 @@ def test_head_outputs_are_what_the_log_prob_path_allocates(trained):
     assert 0.9 * estimate < memory.peak_increase < 1.1 * estimate, (memory.peak_increase, estimate)
 
 
-def test_a_role_that_accumulates_unsharded_gathers_once_per_mini_batch():
+def test_a_role_that_keeps_its_blocks_gathered_gathers_once_per_mini_batch_or_call():
     """Within its unsharded_accumulation_mb, a trained role's update gathers and reduce-scatters once per mini-batch
     (``ShardedModel.accumulate_unsharded``), and holds the gathered blocks and unsharded gradients; beyond it, or at
     pp > 1, per micro-batch as FSDP does."""
@@ -124,3 +125,12 @@ def test_a_role_that_accumulates_unsharded_gathers_once_per_mini_batch():
     m = batch.rows // 2  # micro-batches per rank, one mini-batch
     # per micro-batch: a gather in forward and in backward, a reduce-scatter; once: one gather, one reduce-scatter
     assert per_micro - once == pytest.approx(m * (2 * gather + reduce_scatter) - (gather + reduce_scatter), rel=1e-6)
+    # forward-only: one gather per call within forward_gather_mb, else one per micro-batch
+    reference = dataflow("grpo", actor=NAMED_SHAPES["0.5b"], reference=NAMED_SHAPES["0.5b"])[1]
+    assert reference.name == "reference" and gathers_forward_once(reference, layout, batch)
+    per_call_bounded = dataclasses.replace(reference, forward_gather_mb=0.0)
+    assert not gathers_forward_once(per_call_bounded, layout, batch)
+    once, per_micro = (pass_seconds(role, layout, cpu, batch, train=False) for role in (reference, per_call_bounded))
+    assert per_micro - once == pytest.approx((m - 1) * gather, rel=1e-6)
+    gathered = working_bytes(reference, layout, batch) - working_bytes(per_call_bounded, layout, batch)
+    assert gathered == pytest.approx(reference.shape.body_parameters * batch.dtype_bytes)

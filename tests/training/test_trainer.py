@@ -17,7 +17,10 @@ from spmd_rlhf.training.trainer import clip_gradients
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from host_overhead import count_update  # noqa: E402
+from gpu_update import synthetic_rollout  # noqa: E402
+from host_overhead import count_update, one_rank_actor  # noqa: E402
+
+from spmd_rlhf.metrics.dispatch_counts import DispatchCounts  # noqa: E402
 
 ROWS = 8
 
@@ -50,6 +53,36 @@ def test_an_update_reads_and_copies_as_much_at_8_micro_batches_as_at_2(tmp_path)
         micro_batches: sum(counts[micro_batches, per_micro_batch].fsdp_copies.values()) for micro_batches in (2, 8)
     }
     assert copies[8] > copies[2] > sum(few.fsdp_copies.values()), copies
+
+
+def test_a_forward_call_gathers_once_whatever_its_micro_batch_count(tmp_path):
+    """Old log-probs over 2 and 8 forward micro-batches at dp = 1: FSDP copies as many at 8 as at 2 with the units kept
+    gathered through the call (``<role>.forward_gather_mb``), more at 8 with FSDP's per-micro-batch gathers, and the
+    log-probs equal either way."""
+    model_dir = make_tiny(family="qwen2", out_dir=str(tmp_path / "model"), hidden_size=32, vocab_size=300)
+    counts, log_probs = {}, {}
+    try:
+        for micro_batches in (2, 8):
+            for gathered in ("null", "0"):
+                actor = one_rank_actor(
+                    model_dir,
+                    rows=ROWS,
+                    length=12,
+                    micro_batch=ROWS // micro_batches,
+                    overrides=("actor.fsdp_unit_mb=0", f"actor.forward_gather_mb={gathered}"),
+                )
+                assert actor.model.gather_forward == (gathered == "null")
+                batch = synthetic_rollout(ROWS, 12, 300, seed=0)
+                actor.compute_log_probs(batch)
+                with DispatchCounts() as counted:
+                    log_probs[micro_batches, gathered] = actor.compute_log_probs(batch)["old_log_probs"]
+                counts[micro_batches, gathered] = sum(counted.fsdp_copies.values())
+    finally:
+        dist.destroy_process_group()
+    assert counts[2, "null"] == counts[8, "null"] > 0, counts
+    assert counts[8, "0"] > counts[2, "0"] > counts[2, "null"], counts
+    for key, value in log_probs.items():
+        torch.testing.assert_close(value, log_probs[2, "0"], msg=str(key))
 
 
 class _OneRank:

@@ -11,7 +11,8 @@ tokens of one micro-batch and n = pp·dp·tp devices:
   micro-batch costs the larger of the two (on CPU ranks the sum: ``DeviceProfile.overlaps_communication``). A trained
   role that keeps its blocks gathered through a mini-batch (``accumulates_unsharded``, within
   ``<role>.unsharded_accumulation_mb``) gathers once and reduce-scatters once per mini-batch instead, and holds the
-  gathered blocks and unsharded gradients through its update.
+  gathered blocks and unsharded gradients through its update; a forward-only call within ``<role>.forward_gather_mb``
+  gathers once (``gathers_forward_once``).
 - **TP** all-reduces the activations twice per layer forward (twice more in backward): not overlapped.
 - **PP** runs m micro-batches through pp stages in (m + pp − 1) slots of one stage's time (the 1F1B/GPipe bubble).
 - **Decode** is memory-bound: each step reads the generation shard (P·b/tp_g) and the KV cache of the running
@@ -152,6 +153,17 @@ def accumulates_unsharded(role: RoleSpec, layout: Layout, batch: Batch) -> bool:
     return budget is None or unsharded_accumulation_bytes(role, layout, batch) <= budget * 2**20
 
 
+def gathers_forward_once(role: RoleSpec, layout: Layout, batch: Batch) -> bool:
+    """Whether the role's forward-only passes gather each FSDP unit once per call, not per micro-batch
+    (``ShardedModel.gather_forward``): pp = 1 and the stage's TP shard of its blocks in the compute dtype within its
+    ``forward_gather_mb``."""
+    if layout.pp > 1:
+        return False
+    budget = role.forward_gather_mb
+    gathered = role.shape.body_parameters / layout.tp * batch.dtype_bytes
+    return budget is None or 0 < gathered <= budget * 2**20
+
+
 def _micro_batch(role: RoleSpec, batch: Batch) -> int:
     return role.micro_batch_size or batch.micro_batch_size
 
@@ -188,7 +200,8 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     layer = ACTIVATION_BYTES_PER_HIDDEN * shape.hidden * b * tokens / layout.tp
     outputs = head_output_bytes(role, layout, batch, trained=role.trained)
     if not role.trained:
-        return layer + outputs
+        gathered = role.shape.body_parameters / layout.tp * b if gathers_forward_once(role, layout, batch) else 0.0
+        return layer + outputs + gathered
     if accumulates_unsharded(role, layout, batch):
         outputs += unsharded_accumulation_bytes(role, layout, batch)
     # 1F1B keeps pp micro-batches in flight on the first stage, each through layers/pp layers: ~ all layers' worth.
@@ -221,12 +234,14 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     gathered = shape.parameters(role.head) * b / (tp * pp * units)
     fsdp = units * cluster.all_gather(gathered, dp, extent=dp * tp)
     reduce_scatter = units * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
-    per_mini_batch = 0.0
+    per_mini_batch = per_call = 0.0
     if train and accumulates_unsharded(role, layout, batch):
         # gathered in the mini-batch's first forward, reduce-scattered in its last backward, nothing in between
         per_mini_batch, fsdp = fsdp + reduce_scatter, 0.0
     elif train:  # gather again for backward, then reduce-scatter float32 gradients
         fsdp = 2 * fsdp + reduce_scatter
+    elif gathers_forward_once(role, layout, batch):
+        per_call, fsdp = fsdp, 0.0
     tensor_parallel = (
         layers * 2 * (passes - 1 if train else 1) * cluster.all_reduce(tokens * shape.hidden * b, tp, extent=tp)
     )
@@ -234,7 +249,7 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     pipeline_send = cluster.all_gather(tokens * shape.hidden * b * 2, 2, extent=layout.devices) if pp > 1 else 0.0
     overlapped = max(compute, fsdp) if profile.overlaps_communication else compute + fsdp
     slot = overlapped + tensor_parallel + kernels + (pipeline_send if train else pipeline_send / 2)
-    seconds = (micro_batches + pp - 1) * slot
+    seconds = (micro_batches + pp - 1) * slot + per_call
     if train:
         mini = role.mini_batch_size or batch.mini_batch_size or batch.rows
         steps = batch.ppo_epochs * math.ceil(batch.rows / mini)

@@ -51,11 +51,18 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
 
 
 def _with_batch_sizes(spec: RoleSpec, role: RoleConfig) -> RoleSpec:
-    """The role's own micro-batch (its forward one for frozen roles), mini-batch and unsharded accumulation bound."""
+    """The role's own micro-batch (its forward one for frozen roles), mini-batch and bounds on what it keeps
+    gathered."""
     micro = role.micro_batch_size if spec.trained else (role.forward_micro_batch_size or role.micro_batch_size)
     mini = getattr(role, "mini_batch_size", 0)
     budget = getattr(role, "unsharded_accumulation_mb", spec.unsharded_accumulation_mb)
-    return dataclasses.replace(spec, micro_batch_size=micro, mini_batch_size=mini, unsharded_accumulation_mb=budget)
+    return dataclasses.replace(
+        spec,
+        micro_batch_size=micro,
+        mini_batch_size=mini,
+        unsharded_accumulation_mb=budget,
+        forward_gather_mb=role.forward_gather_mb,
+    )
 
 
 def gpus_per_node(config: FrameworkConfig, world_size: int) -> int:

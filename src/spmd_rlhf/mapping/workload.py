@@ -249,6 +249,9 @@ class RoleSpec:
     unsharded_accumulation_mb: float | None = 4096.0
     """A trained role's ``<role>.unsharded_accumulation_mb``: the most a mini-batch may hold gathered beyond FSDP for
     one FSDP gather and one reduce-scatter per mini-batch (``cost.accumulates_unsharded``); None: no bound."""
+    forward_gather_mb: float | None = 4096.0
+    """``<role>.forward_gather_mb``: the most a forward-only call may hold gathered for one FSDP gather per call
+    (``cost.gathers_forward_once``); None: no bound."""
 
 
 def dataflow(

@@ -144,12 +144,15 @@ def streamed_vocabularies(
     return [group for group in groups if _local_bytes(group[0]) >= min_unit_bytes]
 
 
-def unsharded_accumulation_bytes(model: DecoderLM, *, dp: int, compute_dtype: torch.dtype) -> int:
+def unsharded_accumulation_bytes(
+    model: DecoderLM, *, dp: int, compute_dtype: torch.dtype, gradients: bool = True
+) -> int:
     """Bytes per rank that keeping the parallelized ``model`` gathered, with its gradients unsharded, across a
     mini-batch's micro-batches holds beyond what FSDP holds: each parameter's TP shard in ``compute_dtype`` and, for
     the trained ones, its float32 gradient (FSDP accumulates unsharded gradients in the reduce dtype) less the 1/dp of
     it that FSDP's sharded gradient holds anyway. Streamed vocabulary weights are left out: they gather and reduce
-    one step of rows at a time whatever FSDP does."""
+    one step of rows at a time whatever FSDP does. ``gradients=False``: the parameters only (a forward-only call
+    that keeps them gathered)."""
     streamed = {
         id(param)
         for module in model.modules()
@@ -163,7 +166,7 @@ def unsharded_accumulation_bytes(model: DecoderLM, *, dp: int, compute_dtype: to
         # FSDP shards dim 0 over dp: the local piece times dp is the TP shard (up to FSDP's padding).
         elements = (param.to_local() if isinstance(param, DTensor) else param).numel() * dp
         held += elements * compute_dtype.itemsize
-        if param.requires_grad:
+        if gradients and param.requires_grad:
             held += elements * 4 * (1 - 1 / dp)
     return int(held)
 

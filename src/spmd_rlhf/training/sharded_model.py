@@ -127,13 +127,19 @@ class ShardedModel:
         copy per micro-batch: benchmarks/host_overhead.py --train). Always for a model of one FSDP unit (gathered
         whole anyway, bounded by fsdp_unit_mb); otherwise when what it holds beyond FSDP fits the role's
         unsharded_accumulation_mb (``unsharded_accumulation_bytes``), and never with offload."""
-        if self.accumulate_unsharded and any(
-            isinstance(module, FSDPModule) for module in model.modules() if module is not model
-        ):
+        offloaded = role_config.offload and on_gpu
+        has_units = any(isinstance(module, FSDPModule) for module in model.modules() if module is not model)
+        if self.accumulate_unsharded and has_units:
             budget = getattr(role_config, "unsharded_accumulation_mb", 0.0)
             held = unsharded_accumulation_bytes(model, dp=dims.dp, compute_dtype=compute_dtype)
-            offloaded = role_config.offload and on_gpu
             self.accumulate_unsharded = not offloaded and (budget is None or held <= budget * 2**20)
+        self.gather_forward = False
+        """Forward-only calls keep every FSDP unit gathered from their first micro-batch to their end: one gather per
+        unit per call (``<role>.forward_gather_mb``)."""
+        if has_units and dims.pp == 1 and not offloaded:
+            budget = role_config.forward_gather_mb
+            held = unsharded_accumulation_bytes(model, dp=dims.dp, compute_dtype=compute_dtype, gradients=False)
+            self.gather_forward = budget is None or 0 < held <= budget * 2**20
         if not trainable:
             model.requires_grad_(False)
         self.module: DecoderLM = model
@@ -229,8 +235,9 @@ class ShardedModel:
             results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
             return [result.detach() for result in results], order
         accumulate = train and self.accumulate_unsharded and len(micros) > 1
+        gathered = accumulate or (not train and self.gather_forward and len(micros) > 1)
         results = []
-        with self._gathered_across_micro_batches() if accumulate else contextlib.nullcontext():
+        with self._gathered_across_micro_batches(train=train) if gathered else contextlib.nullcontext():
             for index, micro in enumerate(micros):
                 if accumulate:
                     last = index == len(micros) - 1
@@ -245,10 +252,11 @@ class ShardedModel:
         return results, order
 
     @contextlib.contextmanager
-    def _gathered_across_micro_batches(self) -> Iterator[None]:
+    def _gathered_across_micro_batches(self, *, train: bool) -> Iterator[None]:
         """The FSDP units below the root (which FSDP never reshards after its forward) stay gathered after their
-        forward while inside (``accumulate_unsharded``); on the way out every unit reshards after its forward and
-        backward and syncs its gradients again, as FSDP does by default, even when a micro-batch raised."""
+        forward while inside (``accumulate_unsharded``, ``gather_forward``); on the way out every unit reshards after
+        its forward and backward and syncs its gradients again, as FSDP does by default, even when a micro-batch
+        raised; a forward-only call's units, which no backward reshards, reshard there."""
         units = [
             module for module in self.module.modules() if isinstance(module, FSDPModule) and module is not self.module
         ]
@@ -259,6 +267,8 @@ class ShardedModel:
         finally:
             for unit in units:
                 unit.set_reshard_after_forward(True, recurse=False)
+                if not train:
+                    unit.reshard()
             self.module.set_requires_gradient_sync(True)
             self.module.set_reshard_after_backward(True)
 
