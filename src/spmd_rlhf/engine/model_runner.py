@@ -159,6 +159,21 @@ class ModelRunner:
         """The prepared static decode step (with its buffers and graphs), if any."""
         return self._static_step
 
+    def decodes_on_static_step(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of ``seqs`` (their blocks for it allocated or not yet) runs on the static decode step:
+        the only decode step that can take a token still pending on the device as its input (``keep_sampled``)."""
+        step = self._static_step
+        return (
+            step is not None
+            and len(seqs) <= step.max_rows
+            and max(seq.num_blocks(self.block_size) for seq in seqs) <= step.max_blocks_per_seq
+        )
+
+    def keep_sampled(self, token_ids: torch.Tensor) -> None:
+        """The ids the static decode step just run sampled stay on the device as the next step's pending input."""
+        assert self._static_step is not None, "only static decode steps keep their samples"
+        self._static_step.keep_sampled(token_ids)
+
     def run(self, seqs: list[Sequence], *, is_prefill: bool) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one.
 
@@ -177,6 +192,7 @@ class ModelRunner:
                 f"decode step holds {step.max_rows} rows of {step.max_blocks_per_seq} blocks",
                 device=self.device,
             )
+        assert not any(seq.token_pending for seq in seqs), "an eager step reads every input token on the host"
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

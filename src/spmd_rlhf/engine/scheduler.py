@@ -56,8 +56,12 @@ class Scheduler:
         if scheduled:
             return scheduled, True
 
+        taken = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
+            if seq.awaits_last_token:
+                taken.append(seq)  # ends when its pending token is read: no step, no block for it
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -67,8 +71,25 @@ class Scheduler:
             else:
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+                taken.append(seq)
+        self.running.extendleft(reversed(taken))
         return scheduled, False
+
+    def next_decode(self) -> list[Sequence] | None:
+        """The sequences the next ``schedule`` decodes when it is sure to be a decode step without preemption
+        (nothing waits, so no prefill; the blocks for every row's next token are free), else None. Sequences whose
+        last token is still pending count it (``Sequence.reserve_token``), so this is known before it is read."""
+        if self.waiting:
+            return None
+        rows = []
+        for seq in self.running:
+            if len(rows) == self.max_num_seqs:
+                break
+            if not seq.awaits_last_token:
+                rows.append(seq)
+        block_size = self.block_manager.block_size
+        new_blocks = sum(1 for seq in rows if len(seq.block_table) < seq.num_blocks(block_size))
+        return rows if rows and new_blocks <= self.block_manager.num_free_blocks else None
 
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -79,8 +100,8 @@ class Scheduler:
     def finish_step(
         self, seqs: list[Sequence], token_ids: list[int], log_probs: list[float], sampling_log_probs: list[float]
     ) -> list[Sequence]:
-        """Append each sequence's new token and its two log-probs (``sample``'s); free and return the sequences that
-        finished."""
+        """Append each sequence's new token and its two log-probs (``sample``'s), in place of its pending one if it
+        has one; free and return the sequences that finished."""
         finished = []
         for seq, token_id, log_prob, sampling_log_prob in zip(seqs, token_ids, log_probs, sampling_log_probs):
             seq.append(token_id, log_prob, sampling_log_prob)
