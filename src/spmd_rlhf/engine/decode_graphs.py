@@ -119,13 +119,15 @@ class StaticDecodeStep:
         self.buckets = decode_buckets(max_rows)
         self.max_blocks_per_seq = max_blocks_per_seq
         device = key_cache.device
+        # Positions, cache slots, token sources and the host's token ids: rows of one buffer, so one copy sends a
+        # step's four vectors. Its last row holds the ids the previous step sampled (``keep_sampled``), right after the
+        # host's ids, so that one gather picks each row's input from either (``_trunk``). Not inference tensors: the
+        # sampler's ids are written in outside inference mode, without the cost of entering it each step.
+        self.vectors = torch.zeros(5, max_rows, dtype=torch.int64, device=device)
+        self.positions, self.slot_mapping, self.token_sources, _, self._sampled = self.vectors
+        self._token_pool = self.vectors[3:].view(-1)
+        self._sent_vectors = self.vectors[:4]
         with torch.inference_mode():
-            # Positions, cache slots, token sources and the host's token ids: rows of one buffer, so one copy sends a
-            # step's four vectors. Its last row holds the ids the previous step sampled (``keep_sampled``), right after
-            # the host's ids, so that one gather picks each row's input from either (``_trunk``).
-            self.vectors = torch.zeros(5, max_rows, dtype=torch.int64, device=device)
-            self.positions, self.slot_mapping, self.token_sources = self.vectors[:3]
-            self._token_pool = self.vectors[3:].view(-1)
             self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
             self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -176,8 +178,7 @@ class StaticDecodeStep:
     def keep_sampled(self, token_ids: torch.Tensor) -> None:
         """Keep the ids the step just run sampled (``[rows]`` int64, on the device) as the next step's input for
         every sequence whose last token is still pending there (``Sequence.token_pending``)."""
-        with torch.inference_mode():
-            self.vectors[4, : token_ids.shape[0]].copy_(token_ids)
+        self._sampled[: token_ids.shape[0]].copy_(token_ids)
 
     def _fill(self, seqs: list[Sequence], rows: int) -> None:
         """Copy the step's inputs into the first ``rows`` entries of the buffers, padding rows after the real ones
@@ -209,7 +210,7 @@ class StaticDecodeStep:
             if self._row_tables[row] is not self._padding_table:
                 self._write_row(row, self._padding_table)
         # Non-blocking copies, ordered before the replay on the same stream; the host does not wait for queued steps.
-        self.vectors[:4].copy_(self._host_vectors, non_blocking=True)  # contiguous, so one DMA (32 B a row)
+        self._sent_vectors.copy_(self._host_vectors, non_blocking=True)  # contiguous, so one DMA (32 B a row)
         if self._tables_stale:
             self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
             self._tables_stale = False

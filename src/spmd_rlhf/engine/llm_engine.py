@@ -283,8 +283,8 @@ class LLMEngine:
                 stats.cached_prefill_tokens += sum(seq.num_cached_tokens for seq in batch)
             else:
                 stats.decode_steps += 1
-            overlapped = self.overlap_host and not is_prefill and self.runner.decodes_on_static_step(batch)
             logits = self.runner.run(batch, is_prefill=is_prefill)
+            overlapped = self.overlap_host and self.runner.ran_static_step
             token_ids, samples = sample_on_device(
                 logits,
                 [seq.params for seq in batch],
@@ -318,8 +318,8 @@ class LLMEngine:
     def _can_overlap(self, scheduler: Scheduler) -> bool:
         """Whether the next step can be launched before the one in flight is read: a decode on the static step,
         with no prefill or preemption, whatever the tokens in flight turn out to be."""
-        rows = scheduler.next_decode()
-        return rows is not None and self.runner.decodes_on_static_step(rows)
+        shape = scheduler.next_decode()
+        return shape is not None and self.runner.decodes_on_static_step(*shape)
 
     def _finish_step(
         self,

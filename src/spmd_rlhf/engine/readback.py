@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spmd_rlhf.engine.sampler import read_samples
@@ -20,15 +21,15 @@ from spmd_rlhf.engine.sampler import read_samples
 class PendingSamples:
     """One step's samples on their way to the host: ``read`` waits for them."""
 
-    buffer: torch.Tensor
-    """``[3, rows]`` host view the copy lands in."""
+    buffer: np.ndarray
+    """``[3, rows]`` view of the host buffer the copy lands in."""
     copied: torch.cuda.Event | None
 
     def read(self) -> tuple[list[int], list[float], list[float]]:
         """``sample``'s three lists, once the copy has landed (the step's wait, one step late)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return read_samples(self.buffer.numpy().tolist())
+        return read_samples(self.buffer.tolist())
 
 
 class SampleReadback:
@@ -38,6 +39,8 @@ class SampleReadback:
         self.device = device
         self._pinned = device.type == "cuda"
         self._buffers: list[torch.Tensor | None] = [None, None]
+        self._views: list[tuple[int, torch.Tensor, np.ndarray] | None] = [None, None]
+        """Each buffer's latest ``[3, rows]`` view, as a tensor and as numpy: kept while the batch keeps its size."""
         self._events = [torch.cuda.Event() if self._pinned else None for _ in range(2)]
         self._turn = 0
 
@@ -46,12 +49,15 @@ class SampleReadback:
         not reused before the copy after the next one, so read each one before starting two more."""
         turn, rows = self._turn, samples.shape[1]
         self._turn = 1 - turn
-        buffer = self._buffers[turn]
-        if buffer is None or buffer.numel() < 3 * rows:
-            buffer = self._buffers[turn] = torch.empty(3 * rows, dtype=torch.float32, pin_memory=self._pinned)
-        host = buffer[: 3 * rows].view(3, rows)
-        host.copy_(samples, non_blocking=self._pinned)
+        view = self._views[turn]
+        if view is None or view[0] != rows:
+            buffer = self._buffers[turn]
+            if buffer is None or buffer.numel() < 3 * rows:
+                buffer = self._buffers[turn] = torch.empty(3 * rows, dtype=torch.float32, pin_memory=self._pinned)
+            host = buffer[: 3 * rows].view(3, rows)
+            view = self._views[turn] = (rows, host, host.numpy())
+        view[1].copy_(samples, non_blocking=self._pinned)
         event = self._events[turn]
         if event is not None:
             event.record()
-        return PendingSamples(host, event)
+        return PendingSamples(view[2], event)

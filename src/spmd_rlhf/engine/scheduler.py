@@ -75,21 +75,25 @@ class Scheduler:
         self.running.extendleft(reversed(taken))
         return scheduled, False
 
-    def next_decode(self) -> list[Sequence] | None:
-        """The sequences the next ``schedule`` decodes when it is sure to be a decode step without preemption
-        (nothing waits, so no prefill; the blocks for every row's next token are free), else None. Sequences whose
-        last token is still pending count it (``Sequence.reserve_token``), so this is known before it is read."""
+    def next_decode(self) -> tuple[int, int] | None:
+        """The rows and the widest block table (in blocks) of the next ``schedule`` when it is sure to be a decode
+        step without preemption (nothing waits, so no prefill; the blocks for every row's next token are free), else
+        None. Sequences whose last token is still pending count it (``Sequence.reserve_token``), so this is known
+        before that token is read."""
         if self.waiting:
             return None
-        rows = []
-        for seq in self.running:
-            if len(rows) == self.max_num_seqs:
-                break
-            if not seq.awaits_last_token:
-                rows.append(seq)
         block_size = self.block_manager.block_size
-        new_blocks = sum(1 for seq in rows if len(seq.block_table) < seq.num_blocks(block_size))
-        return rows if rows and new_blocks <= self.block_manager.num_free_blocks else None
+        rows = widest = new_blocks = 0
+        for seq in self.running:
+            if rows == self.max_num_seqs:
+                break
+            if seq.awaits_last_token:
+                continue
+            blocks = -(-len(seq.token_ids) // block_size)
+            rows += 1
+            widest = max(widest, blocks)
+            new_blocks += len(seq.block_table) < blocks
+        return (rows, widest) if rows and new_blocks <= self.block_manager.num_free_blocks else None
 
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

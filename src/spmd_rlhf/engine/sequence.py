@@ -81,6 +81,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.token_pending = False
         """The last entry of ``token_ids`` is ``PENDING_TOKEN``: sampled on the device, not read back yet."""
+        self.awaits_last_token = False
+        """The pending token is the last one this request may generate: it ends by length once that token is read."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -107,24 +109,20 @@ class Sequence:
     def block_tokens(self, index: int, block_size: int) -> list[int]:
         return self.token_ids[index * block_size : (index + 1) * block_size]
 
-    @property
-    def awaits_last_token(self) -> bool:
-        """The pending token is the last one this request may generate: it ends by length once that token is read."""
-        return self.token_pending and self.num_generated >= self.params.max_new_tokens
-
     def reserve_token(self) -> None:
         """Count the token a launched decode step is sampling for this sequence before the host reads it (the
         overlapped loop, ``llm_engine``): the next step's position, cache slot and block come from the length."""
         assert not self.token_pending and not self.is_finished, f"sequence {self.seq_id} cannot take a pending token"
         self.token_ids.append(PENDING_TOKEN)
         self.token_pending = True
+        self.awaits_last_token = self.num_generated >= self.params.max_new_tokens
 
     def append(self, token_id: int, log_prob: float, sampling_log_prob: float) -> None:
         """Add a sampled token with its two log-probs (in place of the pending one, if reserved); finishes the
         sequence on EOS, a stop token or the length limit."""
         if self.token_pending:
             self.token_ids[-1] = token_id
-            self.token_pending = False
+            self.token_pending = self.awaits_last_token = False
         else:
             self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
