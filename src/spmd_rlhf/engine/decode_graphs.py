@@ -19,7 +19,10 @@ takes host integers, and the SDPA fallback gathers shapes that change every step
 tensor-parallel step has collectives in it: capturing those is not done here yet), and MoE experts on the grouped-GEMM
 path (the expert loop reads each layer's per-expert counts on the host).
 
-Holds, besides the model and the cache: the input buffers (``max_rows`` x (4 + ``max_blocks_per_seq``) integers), one
+A row's input token is gathered inside the graph from the host's ids or from the ids the previous step sampled, still
+on the device (``keep_sampled``): the engine's overlapped loop reads those one step late (``llm_engine``).
+
+Holds, besides the model and the cache: the input buffers (``max_rows`` x (8 + ``max_blocks_per_seq``) integers), one
 hidden-state output per captured batch size, and the graphs' shared memory pool (the intermediates of the largest
 captured step). Graphs share that pool, which is safe because every replay's output is consumed (the LM head reads
 it) before the next replay starts.

@@ -10,6 +10,9 @@ cached K/V of the old weights would be wrong. Inside ``prefix_cache_session`` (o
 weights) the calls share one cache and block manager, so each turn's prompt (the trajectory so far) reuses the K/V
 blocks of the turns before it.
 
+Decode steps on CUDA graphs are overlapped with the host (``overlap_host``): the host plans and launches step t + 1
+before it reads step t's tokens, one step late (``advance``), with the same results as the synchronous loop.
+
 ``start`` and ``advance`` run the same loop in segments, so that the weights may change between them (partial
 rollouts, ``partial.py``); ``generate`` is ``start`` then ``advance`` to the end.
 
