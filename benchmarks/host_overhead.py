@@ -256,8 +256,8 @@ def print_table(figures: list[dict]) -> None:
         value = "-" if row["value"] is None else f"{row['value']:g}"
         meets = {True: "yes", False: "NO", None: "-"}[row["meets_goal"]]
         print(f"{row['figure']:<58} {value:>10}  {row['goal']:<42} {meets}")
-        for key in ("note", "sites"):
-            if row.get(key):
+        for key in ("note", "sites", "late_reads"):
+            if row.get(key) is not None and row.get(key) != {}:
                 print(f"    {key}: {row[key]}")
 
 

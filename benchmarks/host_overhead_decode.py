@@ -13,10 +13,12 @@ Figures, each with its goal from issue 34:
 - host µs per decode step with the trunk replaced by a no-op (a stand-in graph whose replay does nothing), at batch
   1 and ``--decode-batch`` rows, greedy and sampled, float32, the engine prepared for rows of ``--decode-max-len``
   tokens as the rollout prepares it (the LM head and sampler still compute, on a vocabulary small enough that their
-  arithmetic is small; this thread's CPU time, the best of 3 runs); goal <= 50 µs at batch 1 and <= 500 µs at batch
-  256;
+  arithmetic is small; this thread's CPU time, the best of 3 runs, the synchronous loop's beside it); goal <= 50 µs
+  at batch 1 and <= 500 µs at batch 256;
 - syncs per decode step in steady state (``aten._local_scalar_dense``: ``.item()``, ``int()``; and ``.tolist()``), with
-  the lines that made them; goal 0.
+  the lines that made them; goal 0. The engine's overlapped loop (``overlap_host``, the default) reads each graphed
+  step's tokens one step late from a pinned buffer, waiting on an event after the next step is launched: counted
+  apart as late reads, which leave the device busy; the synchronous loop (``overlap_host=False``) is shown beside it.
 
 Steady state: the requests are prefilled and take one decode step in a first segment (``advance`` with
 ``segment_tokens=2``), then their last ``--decode-steps`` decode steps are measured, every row decoding to its length
@@ -34,6 +36,7 @@ import torch
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
+from spmd_rlhf.engine.readback import PendingSamples
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
 from spmd_rlhf.models import DecoderLM, attention
 from spmd_rlhf.models.args import DecoderArgs
@@ -126,21 +129,27 @@ def graphs_on_cpu(*, trunk: bool) -> Iterator[None]:
 
 class SyncCounts(DispatchCounts):
     """``DispatchCounts`` plus ``.tolist()`` calls (a device-to-host copy and a wait on a GPU, which on CPU
-    dispatches nothing), with their sites among ``scalar_read_sites``."""
+    dispatches nothing), with their sites among ``scalar_read_sites``, and ``late_reads``: samples read one step late
+    (``PendingSamples.read``, a wait on the copy's event while the next step runs)."""
 
     def __enter__(self):
-        self._tolist = torch.Tensor.tolist
+        self._tolist, self._read = torch.Tensor.tolist, PendingSamples.read
+        self.late_reads = 0
         counts = self
 
         def tolist(tensor):
             counts.scalar_read_sites[f"tolist at {_innermost_package_line()}"] += 1
             return counts._tolist(tensor)
 
-        torch.Tensor.tolist = tolist
+        def read(pending):
+            counts.late_reads += 1
+            return counts._read(pending)
+
+        torch.Tensor.tolist, PendingSamples.read = tolist, read
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        torch.Tensor.tolist, PendingSamples.read = self._tolist, self._read
         return super().__exit__(*exc)
 
 
@@ -151,10 +160,19 @@ def _params(sampled: bool, steps: int) -> SamplingParams:
 
 
 def steady_decode(
-    model: DecoderLM, *, rows: int, steps: int, sampled: bool, mode: str, measure, max_len: int = 0
+    model: DecoderLM,
+    *,
+    rows: int,
+    steps: int,
+    sampled: bool,
+    mode: str,
+    measure,
+    max_len: int = 0,
+    overlap: bool = True,
 ) -> None:
     """Prefill ``rows`` requests and run one decode step (which captures its bucket's graph), then the last ``steps``
-    decode steps inside ``measure`` (the last one finishes every request)."""
+    decode steps inside ``measure`` (the last one finishes every request); ``overlap``: the engine's
+    ``overlap_host``."""
     engine = LLMEngine(
         model,
         eos_token_id=None,
@@ -162,6 +180,7 @@ def steady_decode(
         max_num_seqs=rows,
         decode_graphs=mode,
         max_model_len=max(max_len, len(PROMPT) + steps + 2),
+        overlap_host=overlap,
     )
     run = engine.start([PROMPT] * rows, _params(sampled, steps))
     engine.advance(run, segment_tokens=2)
@@ -240,21 +259,23 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
     for rows in (1, args.decode_batch):
         goal = HOST_GOALS_US.get(rows)
         for sampled, label in ((False, "greedy"), (True, "sampled")):
-            seconds = []
+            seconds = {True: [], False: []}
             for _ in range(HOST_TIME_REPEATS):
-                timer = _Timer()
-                with graphs_on_cpu(trunk=False):
-                    steady_decode(
-                        float32,
-                        rows=rows,
-                        steps=steps,
-                        sampled=sampled,
-                        mode="auto",
-                        measure=timer,
-                        max_len=args.decode_max_len,
-                    )
-                seconds.append(timer.seconds)
-            micros = min(seconds) / steps * 1e6
+                for overlap in seconds:  # alternating, so both loops meet the same load on a shared machine
+                    timer = _Timer()
+                    with graphs_on_cpu(trunk=False):
+                        steady_decode(
+                            float32,
+                            rows=rows,
+                            steps=steps,
+                            sampled=sampled,
+                            mode="auto",
+                            measure=timer,
+                            max_len=args.decode_max_len,
+                            overlap=overlap,
+                        )
+                    seconds[overlap].append(timer.seconds)
+            micros = min(seconds[True]) / steps * 1e6
             figures.append(
                 _figure(
                     f"host µs per step, trunk a no-op, batch {rows}, {label}",
@@ -265,12 +286,15 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
                         f"batch {rows}, float32, engine prepared for rows of {args.decode_max_len} tokens, mean of "
                         f"{steps} decode steps, best of {HOST_TIME_REPEATS} runs"
                     ),
+                    note=f"synchronous loop (overlap_host=False) in the same run: "
+                    f"{min(seconds[False]) / steps * 1e6:.1f} µs",
                 )
             )
-    for mode, label in (("off", "eager"), ("auto", "graphed")):
+    loops = (("off", True, "eager"), ("auto", False, "graphed, synchronous loop"), ("auto", True, "graphed"))
+    for mode, overlap, label in loops:
         syncs = SyncCounts()
         with cuda_attention_path(), graphs_on_cpu(trunk=True):
-            steady_decode(float32, rows=4, steps=steps, sampled=True, mode=mode, measure=syncs)
+            steady_decode(float32, rows=4, steps=steps, sampled=True, mode=mode, measure=syncs, overlap=overlap)
         figures.append(
             _figure(
                 f"syncs per step, {label}",
@@ -279,6 +303,7 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
                 syncs.scalar_reads == 0,
                 shape="batch 4, sampled",
                 sites={site: count / steps for site, count in syncs.scalar_read_sites.items()},
+                late_reads=syncs.late_reads / steps,
             )
         )
     return figures

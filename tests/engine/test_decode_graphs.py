@@ -106,9 +106,10 @@ def test_cuda_graph_decode_equals_eager_decode(model_path, dtype):
 def test_kept_block_tables_and_inputs_equal_a_rebuild_at_every_step(model_path, monkeypatch):
     """The static step rewrites a block-table row only when its sequence changes or grows, and sends the tables only
     then: after every fill, each row the step reads still equals the table built afresh (through preemptions, new
-    block lists, a shrinking batch and padding rows)."""
+    block lists, a shrinking batch and padding rows). Each row's input token, gathered on the device from the host's
+    ids or the previous step's samples (a token still pending on the host), is the token the sequence ends up with."""
     model = load_model(model_path, dtype=torch.float32)
-    fill, checked = StaticDecodeStep._fill, []
+    fill, checked, inputs = StaticDecodeStep._fill, [], []
 
     def checked_fill(step, seqs, rows):
         fill(step, seqs, rows)
@@ -117,11 +118,8 @@ def test_kept_block_tables_and_inputs_equal_a_rebuild_at_every_step(model_path, 
             position = len(seq) - 1
             table = seq.block_table
             assert step.block_tables[row, : len(table)].tolist() == table
-            assert [step.input_ids[row].item(), step.positions[row].item(), step.context_lens[row].item()] == [
-                seq.token_ids[-1],
-                position,
-                len(seq),
-            ]
+            assert [step.positions[row].item(), step.context_lens[row].item()] == [position, len(seq)]
+            inputs.append((seq, position, step._token_pool[step.token_sources[row]].item()))
             assert step.slot_mapping[row].item() == table[position // size] * size + position % size
         for row in range(len(seqs), rows):
             assert step.block_tables[row, 0].item() == step.scratch_block and step.context_lens[row].item() == 1
@@ -131,3 +129,4 @@ def test_kept_block_tables_and_inputs_equal_a_rebuild_at_every_step(model_path, 
     monkeypatch.setattr(StaticDecodeStep, "_fill", checked_fill)
     _, engine = _generate(model, "static", num_blocks=12, max_num_seqs=3)
     assert engine.num_preemptions > 0 and len(checked) == engine.stats.decode_steps
+    assert all(seq.token_ids[position] == token for seq, position, token in inputs)

@@ -107,3 +107,9 @@ def test_a_memory_sized_engine_is_sized_for_its_call_and_replaced_when_a_wider_c
     generator.release(small)
     wide = generator.engine(model, rows=10)
     assert wide is not small and wide.max_num_seqs == 6 and not generator._idle_engines
+
+
+def test_rollout_overlap_host_reaches_the_engine(policy):
+    model = load_model(policy, dtype=torch.float32)
+    assert _generator(policy, True).engine(model).overlap_host
+    assert not _generator(policy, True, "rollout.overlap_host=false").engine(model).overlap_host

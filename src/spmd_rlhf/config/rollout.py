@@ -44,6 +44,10 @@ class RolloutConfig:
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs, one per batch-size bucket, where they apply (a CUDA replica of one rank
     whose decode attention is the Triton paged kernel); false: eager decode steps. Elsewhere decode is eager anyway."""
+    overlap_host: bool = True
+    """Read each graphed decode step's tokens back one step late (pinned copy and event), so the host plans and
+    launches step t + 1 while the device runs step t; the same tokens and log-probs as false (a synchronous read after
+    every step). Only decode steps on CUDA graphs overlap; prefill, preemption and eager steps stay synchronous."""
     keep_engine: bool = True
     """Keep each generating role's engine for the run: the actor's generation-layout copy of the weights (rewritten in
     place by every reshard), the KV cache and the CUDA graphs captured on them stay allocated between generations, so

@@ -19,7 +19,10 @@ takes host integers, and the SDPA fallback gathers shapes that change every step
 tensor-parallel step has collectives in it: capturing those is not done here yet), and MoE experts on the grouped-GEMM
 path (the expert loop reads each layer's per-expert counts on the host).
 
-Holds, besides the model and the cache: the input buffers (``max_rows`` x (4 + ``max_blocks_per_seq``) integers), one
+A row's input token is gathered inside the graph from the host's ids or from the ids the previous step sampled, still
+on the device (``keep_sampled``): the engine's overlapped loop reads those one step late (``llm_engine``).
+
+Holds, besides the model and the cache: the input buffers (``max_rows`` x (8 + ``max_blocks_per_seq``) integers), one
 hidden-state output per captured batch size, and the graphs' shared memory pool (the intermediates of the largest
 captured step). Graphs share that pool, which is safe because every replay's output is consumed (the LM head reads
 it) before the next replay starts.
@@ -119,10 +122,16 @@ class StaticDecodeStep:
         self.buckets = decode_buckets(max_rows)
         self.max_blocks_per_seq = max_blocks_per_seq
         device = key_cache.device
+        # Positions, cache slots, token sources and the host's token ids: rows of one buffer, so one copy sends a
+        # step's four vectors. Its last row holds the ids the previous step sampled (``keep_sampled``), right after the
+        # host's ids, so that one gather picks each row's input from either (``_trunk``). Not inference tensors: the
+        # sampler's ids are written in outside inference mode, without the cost of entering it each step.
+        self.vectors = torch.zeros(5, max_rows, dtype=torch.int64, device=device)
+        self.positions, self.slot_mapping, self.token_sources, _, self._sampled = self.vectors
+        self._token_pool = self.vectors[3:].view(-1)
+        self._sent_vectors = self.vectors[:4]
         with torch.inference_mode():
-            # Token ids, positions and cache slots: rows of one buffer, so one copy sends a step's three vectors.
-            self.vectors = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
-            self.input_ids, self.positions, self.slot_mapping = self.vectors
+            self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
             self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
             self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token per row
@@ -130,13 +139,15 @@ class StaticDecodeStep:
         # cost no dispatcher call. The block tables are kept: a row is rewritten only when its sequence changes or
         # grows a block (every block_size steps), and sent only when some row was.
         pinned = device.type == "cuda"
-        self._host_vectors = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pinned)
+        self._host_vectors = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=pinned)
         self._host_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned)
         self._vectors_view, self._tables_view = self._host_vectors.numpy(), self._host_tables.numpy()
         self._row_tables: list[list[int] | None] = [None] * max_rows
         """The block-table list each row mirrors (a sequence's list is only appended to; a reset replaces it)."""
         self._row_lengths = [0] * max_rows
         self._padding_table = [scratch_block]
+        self._previous_rows: dict[Sequence, int] = {}
+        """The row each sequence of the previous step had: where its sampled token sits in ``keep_sampled``'s row."""
         self._tables_stale = False
         self._copied = torch.cuda.Event() if pinned else None
         """Recorded after each step's copies: the pinned buffers are not rewritten before the copies have read them."""
@@ -167,22 +178,33 @@ class StaticDecodeStep:
                 hidden = self.hidden[rows]
             return self.model.lm_head(hidden[: len(seqs)])
 
+    def keep_sampled(self, token_ids: torch.Tensor) -> None:
+        """Keep the ids the step just run sampled (``[rows]`` int64, on the device) as the next step's input for
+        every sequence whose last token is still pending there (``Sequence.token_pending``)."""
+        self._sampled[: token_ids.shape[0]].copy_(token_ids)
+
     def _fill(self, seqs: list[Sequence], rows: int) -> None:
         """Copy the step's inputs into the first ``rows`` entries of the buffers, padding rows after the real ones
-        (token 0 at position 0, writing and reading the scratch block)."""
+        (token 0 at position 0, writing and reading the scratch block). A sequence whose last token is pending takes
+        it from the ids the previous step kept (``keep_sampled``), the others from the host."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have read the pinned buffers (at once when synchronous)
-        block_size, count = self.block_size, len(seqs)
+        block_size, count, max_rows = self.block_size, len(seqs), self.max_rows
         vectors = self._vectors_view
         positions = [len(seq.token_ids) - 1 for seq in seqs]
-        vectors[0, :count] = [seq.token_ids[-1] for seq in seqs]
-        vectors[1, :count] = positions
-        vectors[2, :count] = [
+        vectors[0, :count] = positions
+        vectors[1, :count] = [
             seq.block_table[position // block_size] * block_size + position % block_size
             for seq, position in zip(seqs, positions)
         ]
-        vectors[:2, count:rows] = 0
-        vectors[2, count:rows] = self.scratch_block * block_size
+        previous = self._previous_rows
+        vectors[2, :count] = [max_rows + previous[seq] if seq.token_pending else row for row, seq in enumerate(seqs)]
+        vectors[3, :count] = [0 if seq.token_pending else seq.token_ids[-1] for seq in seqs]
+        self._previous_rows = {seq: row for row, seq in enumerate(seqs)}
+        vectors[0, count:rows] = 0
+        vectors[1, count:rows] = self.scratch_block * block_size
+        vectors[2, count:rows] = range(count, rows)
+        vectors[3, count:rows] = 0
         for row, seq in enumerate(seqs):
             table = seq.block_table
             if self._row_tables[row] is not table or self._row_lengths[row] != len(table):
@@ -191,7 +213,7 @@ class StaticDecodeStep:
             if self._row_tables[row] is not self._padding_table:
                 self._write_row(row, self._padding_table)
         # Non-blocking copies, ordered before the replay on the same stream; the host does not wait for queued steps.
-        self.vectors.copy_(self._host_vectors, non_blocking=True)  # all rows: contiguous, so one DMA (24 B a row)
+        self._sent_vectors.copy_(self._host_vectors, non_blocking=True)  # contiguous, so one DMA (32 B a row)
         if self._tables_stale:
             self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
             self._tables_stale = False
@@ -223,6 +245,7 @@ class StaticDecodeStep:
             # gather path masks the padded keys (context_lens decides what each row sees).
             max_context_len=self.max_blocks_per_seq * self.block_size,
         )
+        torch.index_select(self._token_pool, 0, self.token_sources[:rows], out=self.input_ids[:rows])
         hidden = self.model.hidden_states(self.input_ids[:rows][None], self.positions[:rows][None], paged=paged)
         return hidden[0]
 

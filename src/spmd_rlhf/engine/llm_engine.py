@@ -10,6 +10,9 @@ cached K/V of the old weights would be wrong. Inside ``prefix_cache_session`` (o
 weights) the calls share one cache and block manager, so each turn's prompt (the trajectory so far) reuses the K/V
 blocks of the turns before it.
 
+Decode steps on CUDA graphs are overlapped with the host (``overlap_host``): the host plans and launches step t + 1
+before it reads step t's tokens, one step late (``advance``), with the same results as the synchronous loop.
+
 ``start`` and ``advance`` run the same loop in segments, so that the weights may change between them (partial
 rollouts, ``partial.py``); ``generate`` is ``start`` then ``advance`` to the end.
 
@@ -30,7 +33,8 @@ from spmd_rlhf.engine.block_manager import BlockManager
 from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_unsupported, say_once
 from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
-from spmd_rlhf.engine.sampler import derive_seed, sample
+from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
+from spmd_rlhf.engine.sampler import derive_seed, read_samples, sample_on_device
 from spmd_rlhf.engine.scheduler import Scheduler
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
@@ -76,6 +80,7 @@ class LLMEngine:
         decode_graphs: str = "auto",
         max_model_len: int | None = None,
         record_routes: bool = False,
+        overlap_host: bool = True,
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size (``kv_cache_bytes`` at most what ``max_num_seqs``
         rows of ``max_model_len`` tokens fill, when that is given); with neither, each call gets a cache that holds
@@ -92,7 +97,10 @@ class LLMEngine:
         A tensor-parallel model's ranks must all build their engines together: each of these numbers becomes its
         minimum over the model's mesh (two small all-reduces), so ranks that measured different free memory still
         run one schedule. ``record_routes`` (an MoE model; router replay): each output's ``routed_experts`` holds the
-        experts every processed token went to per MoE layer (``routes.py``), and decode steps run eagerly."""
+        experts every processed token went to per MoE layer (``routes.py``), and decode steps run eagerly.
+        ``overlap_host``: decode steps on the static step (CUDA graphs, or ``static``) read their tokens back one step
+        late, so the host plans and launches step t + 1 while the device runs step t (``advance``); the same tokens
+        and log-probs as the synchronous loop (False)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
@@ -141,6 +149,8 @@ class LLMEngine:
         (agreed_blocks,) = agree_minimum([_UNLIMITED if local_blocks is None else local_blocks], groups, device)
         self.fixed_num_blocks = None if agreed_blocks == _UNLIMITED else agreed_blocks
         """Cache size in blocks, or None to size it for each call's requests."""
+        self.overlap_host = overlap_host
+        self._readback = SampleReadback(device)
         self.seed = seed
         self.num_requests = 0
         """Requests received so far, across calls: numbers the unseeded ones' seeds."""
@@ -238,15 +248,34 @@ class LLMEngine:
         """Run engine steps of ``run`` until every request has ended (``segment_tokens`` None), or until every
         unfinished one has generated at least ``segment_tokens`` more tokens than it had (one segment); True when
         every request has ended. Steps are the same whatever the segments: on unchanged weights a run advanced in
-        segments samples exactly what one ``advance`` to the end samples."""
+        segments samples exactly what one ``advance`` to the end samples.
+
+        With ``overlap_host``, a decode step on the static decode step is overlapped: its sampled ids stay on the
+        device as the next step's input, each of its sequences counts a pending token (``Sequence.reserve_token``),
+        and its samples are read after the next step is launched. A sequence that ended at step t (EOS or a stop
+        token) was already in step t + 1: that row's token is dropped, and its blocks (one more for that step at
+        most, never past the request's own ``max_blocks``) are freed with the rest. A sequence whose pending token is
+        its last by length takes no further step. The loop waits for the step in flight first (drains) before a
+        step that may prefill (a request waits) or preempt (blocks are short), a decode that runs eagerly, and the
+        end of a segment; those steps run as the synchronous loop runs them."""
         scheduler, stats = run.scheduler, self.stats
         targets = (
             {} if segment_tokens is None else {seq.seq_id: seq.num_generated + segment_tokens for seq in run.unfinished}
         )
-        while scheduler.has_work() and not (
-            targets
-            and all(seq.num_generated >= targets[seq.seq_id] for seq in (*scheduler.running, *scheduler.waiting))
-        ):
+
+        def segment_done() -> bool:
+            return bool(targets) and all(
+                seq.num_generated >= targets[seq.seq_id] for seq in (*scheduler.running, *scheduler.waiting)
+            )
+
+        in_flight: tuple[list[Sequence], PendingSamples] | None = None
+        """The overlapped step launched last and not read yet: its batch and samples."""
+        while True:
+            if in_flight is not None and not self._can_overlap(scheduler):
+                self._finish_step(scheduler, *in_flight)
+                in_flight = None
+            if not scheduler.has_work() or segment_done():
+                break
             manager = scheduler.block_manager
             batch, is_prefill = scheduler.schedule()
             assert batch, "the scheduler made no progress"
@@ -258,14 +287,28 @@ class LLMEngine:
             else:
                 stats.decode_steps += 1
             logits = self.runner.run(batch, is_prefill=is_prefill)
-            tokens, log_probs, sampling_log_probs = sample(
+            overlapped = self.overlap_host and self.runner.ran_static_step
+            token_ids, samples = sample_on_device(
                 logits,
                 [seq.params for seq in batch],
                 seeds=[run.seeds[seq.seq_id] for seq in batch],
                 positions=[seq.num_generated for seq in batch],
             )
-            scheduler.finish_step(batch, tokens, log_probs, sampling_log_probs)
-            stats.generated_tokens += len(batch)
+            if not overlapped:
+                assert in_flight is None, "a synchronous step follows a drained pipeline"
+                self._finish_step(scheduler, batch, read_samples(samples.tolist()))
+                continue
+            self.runner.keep_sampled(token_ids)
+            pending = self._readback.start(samples)
+            if in_flight is not None:
+                self._finish_step(scheduler, *in_flight)  # step t, read while step t + 1 runs
+            if not segment_done():  # once it is, step t + 1's tokens are past the segment: all dropped
+                for seq in batch:
+                    if not seq.is_finished:  # a sequence that ended at step t gets none: its row is dropped
+                        seq.reserve_token()
+            in_flight = (batch, pending)
+        if in_flight is not None:
+            self._finish_step(scheduler, *in_flight)
         stats.preemptions = run.num_preemptions
         stats.cuda_graphs = self.runner.graphs_captured
         stats.cuda_graph_captures = self.runner.graphs_ever_captured - self._captures_at_start
@@ -274,6 +317,32 @@ class LLMEngine:
         manager = scheduler.block_manager
         assert manager.num_free_blocks == manager.num_blocks, "KV blocks leaked"
         return True
+
+    def _can_overlap(self, scheduler: Scheduler) -> bool:
+        """Whether the next step can be launched before the one in flight is read: a decode on the static step,
+        with no prefill or preemption, whatever the tokens in flight turn out to be."""
+        shape = scheduler.next_decode()
+        return shape is not None and self.runner.decodes_on_static_step(*shape)
+
+    def _finish_step(
+        self,
+        scheduler: Scheduler,
+        batch: list[Sequence],
+        samples: PendingSamples | tuple[list[int], list[float], list[float]],
+    ) -> None:
+        """Append the sampled tokens of a step's sequences and free those that finished. Of an overlapped step
+        (``PendingSamples``), only the sequences whose token is pending take theirs; the other rows are dropped."""
+        if isinstance(samples, PendingSamples):
+            token_ids, log_probs, sampling_log_probs = samples.read()
+            rows = [row for row, seq in enumerate(batch) if seq.token_pending]
+            if len(rows) < len(batch):
+                batch = [batch[row] for row in rows]
+                token_ids, log_probs = [token_ids[row] for row in rows], [log_probs[row] for row in rows]
+                sampling_log_probs = [sampling_log_probs[row] for row in rows]
+        else:
+            token_ids, log_probs, sampling_log_probs = samples
+        scheduler.finish_step(batch, token_ids, log_probs, sampling_log_probs)
+        self.stats.generated_tokens += len(batch)
 
     def _requests(
         self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -59,6 +59,8 @@ class ModelRunner:
         """KV heads this rank caches: all of them, or its share when the model is tensor-parallel."""
         self._key_cache: torch.Tensor | None = None
         self._value_cache: torch.Tensor | None = None
+        self.ran_static_step = False
+        """Whether the latest ``run`` was a decode step on the static decode step."""
         if record_routes and static_decode:
             raise ValueError("recording routes runs decode steps eagerly: it needs static_decode=False")
         self.routes = RouteRecorder(model, block_size=block_size) if record_routes else None
@@ -159,6 +161,18 @@ class ModelRunner:
         """The prepared static decode step (with its buffers and graphs), if any."""
         return self._static_step
 
+    def decodes_on_static_step(self, rows: int, widest: int) -> bool:
+        """Whether a decode step of ``rows`` sequences whose block tables are at most ``widest`` blocks runs on the
+        static decode step: the only decode step that can take a token still pending on the device as its input
+        (``keep_sampled``)."""
+        step = self._static_step
+        return step is not None and rows <= step.max_rows and widest <= step.max_blocks_per_seq
+
+    def keep_sampled(self, token_ids: torch.Tensor) -> None:
+        """The ids the static decode step just run sampled stay on the device as the next step's pending input."""
+        assert self._static_step is not None, "only static decode steps keep their samples"
+        self._static_step.keep_sampled(token_ids)
+
     def run(self, seqs: list[Sequence], *, is_prefill: bool) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one.
 
@@ -167,9 +181,10 @@ class ModelRunner:
         """
         assert self._key_cache is not None, "allocate_cache before run"
         step = self._static_step
+        self.ran_static_step = not is_prefill and step is not None and step.fits(seqs)
+        if self.ran_static_step:
+            return step.run(seqs)
         if not is_prefill and step is not None:
-            if step.fits(seqs):
-                return step.run(seqs)
             say_once(
                 "decode-past-static-step",
                 f"a decode step of {len(seqs)} rows with block tables up to "
@@ -177,6 +192,7 @@ class ModelRunner:
                 f"decode step holds {step.max_rows} rows of {step.max_blocks_per_seq} blocks",
                 device=self.device,
             )
+        assert not any(seq.token_pending for seq in seqs), "an eager step reads every input token on the host"
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

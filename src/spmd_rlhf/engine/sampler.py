@@ -8,7 +8,8 @@ request's tokens depend only on its seed, its positions and its own logits: neve
 their order, preemption, or how many steps ran before. One uniform per row (where Gumbel-max needs one per
 vocabulary entry) keeps the step to a softmax, a cumulative sum and a search, which at a 151,936-token vocabulary
 is what decides the sampler's time. Only the chosen ids and their two log-probs (three [rows] vectors) reach the
-host, in one copy per step.
+host, in one copy per step: at once (``sample``), or one step late (``sample_on_device``, whose ids stay on the
+device as the next decode step's input while ``llm_engine``'s overlapped loop reads the copy later).
 
 Each chosen token comes with two log-probs:
 
@@ -113,7 +114,23 @@ def sample(
     """One token per row of ``logits`` [rows, vocab] (any float dtype, any device) with its unfiltered and its sampled
     log-prob (module docstring), row r under ``params[r]``, its draw keyed by ``seeds[r]`` and ``positions[r]`` (the
     index of the token in its response). Greedy and sampled rows, and rows with different temperatures, top-k and
-    top-p, mix freely in one batch.
+    top-p, mix freely in one batch. ``sample_on_device`` then ``read_samples``: this step's one sync."""
+    _, samples = sample_on_device(logits, params, seeds=seeds, positions=positions)
+    return read_samples(samples.tolist())
+
+
+def read_samples(rows: list[list[float]]) -> tuple[list[int], list[float], list[float]]:
+    """``sample``'s three lists from the three rows of ``sample_on_device``'s samples, read on the host."""
+    token_row, log_prob_row, sampling_log_prob_row = rows
+    return [int(token) for token in token_row], log_prob_row, sampling_log_prob_row
+
+
+def sample_on_device(
+    logits: torch.Tensor, params: Sequence[SamplingParams], *, seeds: Sequence[int], positions: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample``'s draw left on the logits' device, with nothing read back: the chosen ids ``[rows]`` (int64, what a
+    next decode step can take as its input) and ``samples`` ``[3, rows]`` float32 (the ids, exact up to 2^24, and
+    their two log-probs: one copy brings all three to the host).
 
     Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T, the float32
     probabilities over the support and their float64 cumulative sum (16 bytes per [rows, vocab] element); greedy-only
@@ -151,7 +168,7 @@ def sample(
     # The chosen token is always in the support, so both its log-probs are finite.
     chosen_log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_normaliser
     sampling_log_probs = chosen_log_probs if log_support_mass is None else chosen_log_probs.double() - log_support_mass
-    token_row, log_prob_row, sampling_log_prob_row = torch.stack(
+    samples = torch.stack(
         [tokens.to(torch.float32), chosen_log_probs.to(torch.float32), sampling_log_probs.to(torch.float32)]
-    ).tolist()
-    return [int(token) for token in token_row], log_prob_row, sampling_log_prob_row
+    )
+    return tokens, samples

@@ -56,8 +56,12 @@ class Scheduler:
         if scheduled:
             return scheduled, True
 
+        taken = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
+            if seq.awaits_last_token:
+                taken.append(seq)  # ends when its pending token is read: no step, no block for it
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -67,8 +71,29 @@ class Scheduler:
             else:
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+                taken.append(seq)
+        self.running.extendleft(reversed(taken))
         return scheduled, False
+
+    def next_decode(self) -> tuple[int, int] | None:
+        """The rows and the widest block table (in blocks) of the next ``schedule`` when it is sure to be a decode
+        step without preemption (nothing waits, so no prefill; the blocks for every row's next token are free), else
+        None. Sequences whose last token is still pending count it (``Sequence.reserve_token``), so this is known
+        before that token is read."""
+        if self.waiting:
+            return None
+        block_size = self.block_manager.block_size
+        rows = widest = new_blocks = 0
+        for seq in self.running:
+            if rows == self.max_num_seqs:
+                break
+            if seq.awaits_last_token:
+                continue
+            blocks = -(-len(seq.token_ids) // block_size)
+            rows += 1
+            widest = max(widest, blocks)
+            new_blocks += len(seq.block_table) < blocks
+        return (rows, widest) if rows and new_blocks <= self.block_manager.num_free_blocks else None
 
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -79,8 +104,8 @@ class Scheduler:
     def finish_step(
         self, seqs: list[Sequence], token_ids: list[int], log_probs: list[float], sampling_log_probs: list[float]
     ) -> list[Sequence]:
-        """Append each sequence's new token and its two log-probs (``sample``'s); free and return the sequences that
-        finished."""
+        """Append each sequence's new token and its two log-probs (``sample``'s), in place of its pending one if it
+        has one; free and return the sequences that finished."""
         finished = []
         for seq, token_id, log_prob, sampling_log_prob in zip(seqs, token_ids, log_probs, sampling_log_probs):
             seq.append(token_id, log_prob, sampling_log_prob)

@@ -49,6 +49,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
+PENDING_TOKEN = -1
+"""Stands in a sequence's tokens for the one its last decode step sampled while the host has not read it yet
+(``Sequence.reserve_token``); never a vocabulary id, never a model input."""
+
+
 class Sequence:
     def __init__(
         self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *, eos_token_id: int | None
@@ -74,6 +79,10 @@ class Sequence:
         """With router replay recording (``routes.RouteRecorder``): the experts each processed token was routed to, as
         ``[tokens, moe_layers, k]`` host pieces in token order (the last generated token is never processed)."""
         self.finish_reason: str | None = None
+        self.token_pending = False
+        """The last entry of ``token_ids`` is ``PENDING_TOKEN``: sampled on the device, not read back yet."""
+        self.awaits_last_token = False
+        """The pending token is the last one this request may generate: it ends by length once that token is read."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -100,10 +109,22 @@ class Sequence:
     def block_tokens(self, index: int, block_size: int) -> list[int]:
         return self.token_ids[index * block_size : (index + 1) * block_size]
 
+    def reserve_token(self) -> None:
+        """Count the token a launched decode step is sampling for this sequence before the host reads it (the
+        overlapped loop, ``llm_engine``): the next step's position, cache slot and block come from the length."""
+        assert not self.token_pending and not self.is_finished, f"sequence {self.seq_id} cannot take a pending token"
+        self.token_ids.append(PENDING_TOKEN)
+        self.token_pending = True
+        self.awaits_last_token = self.num_generated >= self.params.max_new_tokens
+
     def append(self, token_id: int, log_prob: float, sampling_log_prob: float) -> None:
-        """Add a sampled token with its two log-probs; finishes the sequence on EOS, a stop token or the length
-        limit."""
-        self.token_ids.append(token_id)
+        """Add a sampled token with its two log-probs (in place of the pending one, if reserved); finishes the
+        sequence on EOS, a stop token or the length limit."""
+        if self.token_pending:
+            self.token_ids[-1] = token_id
+            self.token_pending = self.awaits_last_token = False
+        else:
+            self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
         self.sampling_log_probs.append(sampling_log_prob)
         if token_id == self.eos_token_id or token_id in self.params.stop_token_ids:

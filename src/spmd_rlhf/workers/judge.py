@@ -68,6 +68,7 @@ class Judge:
             max_num_seqs=config.rollout.max_num_seqs,
             seed=config.trainer.seed,
             decode_graphs="auto" if config.rollout.cuda_graphs else "off",
+            overlap_host=config.rollout.overlap_host,
         )
         self.params = SamplingParams(
             temperature=role_config.judge_temperature,
