@@ -38,4 +38,4 @@ def test_grpo_with_an_moe_actor_raises_the_reward(records):
     # Replayed routes: the engine and the trainer agree to float32 rounding (measured: at most 2.2e-5) all along.
     assert max(record["rollout/log_prob_diff_max"] for record in records) < 1e-3
     final = records[-1]
-    assert final["actor/router_aux_loss"] >= 1.9 and 1.0 <= final["moe/expert_load_max_over_mean"] <= 2.0
+    assert final["actor/router_aux_loss"] >= 1.9 and 1.0 <= final["actor/expert_load_max_over_mean"] <= 2.0

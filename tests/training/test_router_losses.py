@@ -91,8 +91,8 @@ def test_router_loss_coefficients_change_the_router_gradient(moe_dir):
     assert metrics["actor/router_aux_loss"] >= top_k * 0.99 and metrics["actor/router_z_loss"] > 0
     # Tied routers send every token to the same top_k of the 4 experts: max / mean = T / (k T / 4) = 4 / k exactly;
     # the random routers spread the tokens, below that.
-    assert tied["moe/expert_load_max_over_mean"] == pytest.approx(4 / top_k)
-    assert 1.0 <= metrics["moe/expert_load_max_over_mean"] < 4 / top_k - 0.05
+    assert tied["actor/expert_load_max_over_mean"] == pytest.approx(4 / top_k)
+    assert 1.0 <= metrics["actor/expert_load_max_over_mean"] < 4 / top_k - 0.05
 
 
 def test_a_router_loss_on_a_dense_model_is_refused(tmp_path):

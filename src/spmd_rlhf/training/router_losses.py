@@ -94,7 +94,7 @@ class RouterLosses:
     def take(self, share: float, prefix: str) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """``share * (aux_coef * L_aux + z_coef * L_z)`` of the last forward (None when both coefficients are 0),
         and its metrics ``<prefix>/router_aux_loss``, ``<prefix>/router_z_loss`` (unweighted, layer means) and
-        ``moe/expert_load_max_over_mean`` (the worst layer), as 0-dim device tensors. ``share``: the micro-batch's
+        ``<prefix>/expert_load_max_over_mean`` (the worst layer), as 0-dim device tensors. ``share``: the micro-batch's
         part of the mini-batch (its rows over the mini-batch's rows on all DP ranks)."""
         routings, self.routings = self.routings, []
         self._recording = False
@@ -106,7 +106,7 @@ class RouterLosses:
         metrics = {
             f"{prefix}/router_aux_loss": aux.detach(),
             f"{prefix}/router_z_loss": z.detach(),
-            "moe/expert_load_max_over_mean": load,
+            f"{prefix}/expert_load_max_over_mean": load,
         }
         if not (self.aux_coef or self.z_coef):
             return None, metrics
