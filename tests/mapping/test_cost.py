@@ -134,3 +134,19 @@ def test_a_role_that_keeps_its_blocks_gathered_gathers_once_per_mini_batch_or_ca
     assert per_micro - once == pytest.approx((m - 1) * gather, rel=1e-6)
     gathered = working_bytes(reference, layout, batch) - working_bytes(per_call_bounded, layout, batch)
     assert gathered == pytest.approx(reference.shape.body_parameters * batch.dtype_bytes)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_the_mapper_counts_a_layers_activations_as_the_token_budget_does(tmp_path, family):
+    """One count of what a token keeps per layer for the backward (this decoder's ops: 11 h + 3 kv + 4 I), for the
+    mapper's memory and the derived token budgets alike, read from the same checkpoint."""
+    from spmd_rlhf.mapping.cost import layer_activation_bytes
+    from spmd_rlhf.mapping.workload import model_shape
+    from spmd_rlhf.models import read_decoder_args
+    from spmd_rlhf.tiny.model import make_tiny
+    from spmd_rlhf.training.token_budget import layer_activation_elements
+
+    path = make_tiny(family=family, out_dir=str(tmp_path / family))
+    args = read_decoder_args(path)
+    assert layer_activation_bytes(model_shape(path), 2) == 2 * layer_activation_elements(args)
+    assert layer_activation_elements(args) > 17 * args.hidden_size  # above the Korthikanti count it replaced

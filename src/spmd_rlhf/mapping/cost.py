@@ -33,16 +33,14 @@ import math
 from dataclasses import dataclass
 
 from spmd_rlhf.mapping.profile import DeviceProfile
-from spmd_rlhf.mapping.workload import Batch, RoleSpec
+from spmd_rlhf.mapping.workload import Batch, ModelShape, RoleSpec
 from spmd_rlhf.models.logprob import rows_per_chunk
+from spmd_rlhf.training.token_budget import activation_elements
 
 TRAINING_BYTES_PER_PARAMETER = 16
 """float32 weight + float32 gradient + Adam's two float32 moments."""
 OPS_PER_LAYER = 14
 """Kernels one decoder layer launches per forward (norms, projections, rope, attention, activation, residuals)."""
-ACTIVATION_BYTES_PER_HIDDEN = 17
-"""Activations one layer keeps per token for backward, in units of hidden·b (Korthikanti et al. 2022 with
-memory-efficient attention: 34·h bytes at b = 2)."""
 GRADIENT_BYTES = 4
 """FSDP reduce-scatters gradients in float32."""
 FORWARD_LOGPROB_CHUNKS = 3
@@ -190,6 +188,17 @@ def head_output_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, trained: 
     return logits + FORWARD_LOGPROB_CHUNKS * chunk
 
 
+def layer_activation_bytes(shape: ModelShape, dtype_bytes: int) -> float:
+    """Bytes one token keeps for the backward in one decoder layer of this decoder as built
+    (``training.token_budget.activation_elements``: 11 h + 3 kv + 4 I elements, about 2x Korthikanti's 34 h bytes
+    for a 4h MLP, as a 1.5B update on an H200 showed), I the wider of the dense MLP and an MoE layer's
+    ``experts_per_token`` expert widths."""
+    dense = shape.intermediate if shape.moe_layers < shape.layers else 0
+    mlp = max(dense, shape.experts_per_token * shape.expert_intermediate if shape.moe_layers else 0)
+    elements = activation_elements(hidden=shape.hidden, kv_width=shape.kv_heads * shape.head_dim, mlp_width=mlp)
+    return elements * dtype_bytes
+
+
 def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     """Bytes per device a pass needs on top of the resident state: activations of the micro-batches in flight and
     their head outputs (training); one layer's activations and the head outputs (forward only), with the log-prob
@@ -197,7 +206,7 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     and KV cache take what is left)."""
     shape, b = role.shape, batch.dtype_bytes
     tokens = _micro_batch(role, batch) * batch.sequence_length
-    layer = ACTIVATION_BYTES_PER_HIDDEN * shape.hidden * b * tokens / layout.tp
+    layer = layer_activation_bytes(role.shape, b) * tokens / layout.tp
     outputs = head_output_bytes(role, layout, batch, trained=role.trained)
     if not role.trained:
         gathered = role.shape.body_parameters / layout.tp * b if gathers_forward_once(role, layout, batch) else 0.0

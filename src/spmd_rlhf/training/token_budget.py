@@ -29,10 +29,15 @@ def layer_activation_elements(args: DecoderArgs) -> int:
     and its float32 copy (3 h each), the normed input, q, k and v, their rotated copies, the attention output and
     the residual (about 5 h + 3 kv), and the MLP's gate, up, activation and product (4 I; an MoE layer's routed
     copies, k of them, each of the expert width)."""
-    h, kv = args.hidden_size, args.num_kv_heads * args.head_dim
     moe = args.moe
     width = moe.num_experts_per_tok * moe.moe_intermediate_size if moe else args.intermediate_size
-    return 11 * h + 3 * kv + 4 * width
+    return activation_elements(hidden=args.hidden_size, kv_width=args.num_kv_heads * args.head_dim, mlp_width=width)
+
+
+def activation_elements(*, hidden: int, kv_width: int, mlp_width: int) -> int:
+    """``layer_activation_elements`` from the widths alone (the mapper's ``ModelShape`` has no ``DecoderArgs``):
+    ``11 hidden + 3 kv_width + 4 mlp_width``, ``mlp_width`` a token's MLP width (an MoE layer's k expert widths)."""
+    return 11 * hidden + 3 * kv_width + 4 * mlp_width
 
 
 def bytes_per_token(
