@@ -407,3 +407,22 @@ def test_resume_into_one_rank(tmp_path, ppo_run):
             assert torch.equal(loaded[name], saved[name]), (role, name)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert torch.isfinite(torch.tensor([metrics["actor/loss"], metrics["critic/loss"]])).all()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, tiny_model_dir, monkeypatch):
+    """A full disk fails DCP deep inside torch.save; the save says what it needs and where instead, writing nothing."""
+    import shutil
+    from collections import namedtuple
+
+    model, optimizer, scheduler = trained_critic(tiny_model_dir)
+    state_dir = checkpoint.role_state_dir(tmp_path, "critic")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 1024, 1024))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(checkpoint.CheckpointError, match=r"\(2 rank\(s\) writing .* GiB free .* trainer.output_dir"):
+        checkpoint.save_role_state(state_dir, model=model, optimizer=optimizer, scheduler=scheduler, process_group=None)
+    assert not any(tmp_path.rglob("*.distcp"))
+    monkeypatch.undo()
+    checkpoint.save_role_state(state_dir, model=model, optimizer=optimizer, scheduler=scheduler, process_group=None)
+    assert any(tmp_path.rglob("*.distcp"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from spmd_rlhf.checkpoint import safe_load
 from spmd_rlhf.checkpoint.directory import HF_CONFIG, LORA_FILE, ROLE_FILE
@@ -60,7 +63,40 @@ def save_role_state(
         "scheduler": scheduler.state_dict(),
         _rng_key(process_group): _rng_state(),
     }
+    _check_free_space(state_dir, state, process_group)
     dcp.save(state, checkpoint_id=str(state_dir), process_group=process_group)
+
+
+def _check_free_space(
+    state_dir: str | os.PathLike, state: dict[str, Any], process_group: dist.ProcessGroup | None
+) -> None:
+    """Refuse, on every rank of the role at once, a save that cannot fit: a full disk otherwise fails deep inside DCP's
+    ``torch.save`` ("unexpected pos ... vs ...") after part of the state is written. A rank needs its tensors' bytes
+    times the ranks of its host that write beside it (torchrun's LOCAL_WORLD_SIZE)."""
+    tensors = [leaf for leaf in tree_leaves(state) if isinstance(leaf, torch.Tensor)]
+    local = sum((leaf.to_local() if isinstance(leaf, DTensor) else leaf).nbytes for leaf in tensors)
+    writers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    directory = Path(state_dir)
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    free = shutil.disk_usage(directory).free
+    short = torch.tensor([float(local * writers > free)], device=_state_device(tensors))
+    if dist.is_initialized():
+        dist.all_reduce(short, op=dist.ReduceOp.MAX, group=process_group)
+    if short.item():
+        raise CheckpointError(
+            f"saving {state_dir} needs about {local * writers / 2**30:.2f} GiB on this host ({writers} rank(s) "
+            f"writing {local / 2**30:.2f} GiB each) and {directory} has {free / 2**30:.2f} GiB free (this rank or "
+            "another of the role is short): free space there or set trainer.output_dir to a larger disk"
+        )
+
+
+def _state_device(tensors: list[torch.Tensor]) -> torch.device:
+    """Where the role's collectives take tensors: its model's device (CPU with none)."""
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            return tensor.device
+    return torch.device("cpu")
 
 
 def load_role_state(
