@@ -16,7 +16,8 @@ Builds the model (``make_tiny``: qwen2 family, random weights; ``--shape`` takes
 Each case reports the best of ``--repeats`` interleaved timed calls (after a warm-up), the generated tokens, and
 prefill and decode throughput apart: the engine's steps are timed by kind (prefill steps give prefill tokens/s,
 decode steps generated tokens/s) together with the time inside the model's forward, whose share of a decode step
-is the floor that bounds the engine loop (scheduling, input building and sampling are the rest); ``transformers``'
+is the floor that bounds the engine loop (scheduling, input building and sampling are the rest; a decode step
+replayed from a CUDA graph runs no eager model call, so its share is not measured); ``transformers``'
 prefill is a call with one new token, its decode the rest of the full call. ``transformers`` runs the batch
 left-padded with SDPA attention and its dynamic KV cache, keeping finished rows in the batch until all end; the
 engine runs its paged cache sized for the whole batch (no preemption), prefills a prompt once for its N samples and
@@ -56,14 +57,14 @@ def mixed_prompts(
 
 
 class StepClock:
-    """Wall time of the engine's prefill and decode steps and of the model inside them (the decoder's
-    ``hidden_states`` and the LM head), by wrapping the runner's ``run`` and those two calls (CPU: synchronous, so
-    host time is compute time; CUDA: each timed call synchronizes)."""
+    """Wall time of the engine's prefill and decode steps, their draw included, and of the model inside them (the
+    decoder's ``hidden_states`` and the LM head, where they run eagerly), by wrapping the runner's ``sample_step`` and
+    those two calls (CPU: synchronous, so host time is compute time; CUDA: each timed call synchronizes)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         runner, model = engine.runner, engine.runner.model
-        run, hidden_states, lm_head = runner.run, model.hidden_states, model.lm_head.forward
+        sample_step, hidden_states, lm_head = runner.sample_step, model.hidden_states, model.lm_head.forward
         cuda = runner.device.type == "cuda"
 
         def timed(key: str, function, *args, **kwargs):
@@ -76,11 +77,11 @@ class StepClock:
             self.seconds[key] += time.perf_counter() - start
             return result
 
-        def run_step(seqs, *, is_prefill):
+        def run_step(seqs, *, is_prefill, **sampling):
             self._kind = "prefill" if is_prefill else "decode"
-            return timed(self._kind, run, seqs, is_prefill=is_prefill)
+            return timed(self._kind, sample_step, seqs, is_prefill=is_prefill, **sampling)
 
-        runner.run = run_step
+        runner.sample_step = run_step
         model.hidden_states = lambda *args, **kwargs: timed(f"{self._kind}_model", hidden_states, *args, **kwargs)
         model.lm_head.forward = lambda *args, **kwargs: timed(f"{self._kind}_model", lm_head, *args, **kwargs)
 

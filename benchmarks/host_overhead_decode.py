@@ -8,13 +8,13 @@ paged kernel is stood in for by what its wrapper dispatches (one ``empty``) plus
 Figures, each with its goal from issue 34:
 
 - dispatcher calls and non-view calls (about one kernel each on a GPU) per decode step in bf16: the eager engine
-  step, the trunk a CUDA graph captures (``StaticDecodeStep._trunk``), and the work left outside the graph (input
-  copies, LM head, sampler, scheduler) for greedy and sampled rows; goal <= 500 kernels per step (trunk + outside);
-- host µs per decode step with the trunk replaced by a no-op (a stand-in graph whose replay does nothing), at batch
-  1 and ``--decode-batch`` rows, greedy and sampled, float32, the engine prepared for rows of ``--decode-max-len``
-  tokens as the rollout prepares it (the LM head and sampler still compute, on a vocabulary small enough that their
-  arithmetic is small; this thread's CPU time, the best of 3 runs, the synchronous loop's beside it); goal <= 50 µs
-  at batch 1 and <= 500 µs at batch 256;
+  step, the step a CUDA graph captures (``StaticDecodeStep._step``: trunk, LM head and sampler), and the work left
+  outside the graph (input copies, the copy back, scheduler) for greedy and sampled rows; goal <= 500 kernels per
+  step (graph + outside);
+- host µs per decode step with the captured step replaced by a no-op (a stand-in graph whose replay does nothing),
+  at batch 1 and ``--decode-batch`` rows, greedy and sampled, float32, the engine prepared for rows of
+  ``--decode-max-len`` tokens as the rollout prepares it (this thread's CPU time, the best of 3 runs, the
+  synchronous loop's beside it); goal <= 50 µs at batch 1 and <= 500 µs at batch 256;
 - syncs per decode step in steady state (``aten._local_scalar_dense``: ``.item()``, ``int()``; and ``.tolist()``), with
   the lines that made them; goal 0. The engine's overlapped loop (``overlap_host``, the default) reads each graphed
   step's tokens one step late from a pinned buffer, waiting on an event after the next step is launched: counted
@@ -43,7 +43,7 @@ from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.merged_linear import merge_projections
 
 KERNEL_GOAL = 500
-"""Kernels (non-view calls) per decode step in bf16, graphed trunk and the work outside it together."""
+"""Kernels (non-view calls) per decode step in bf16, graphed step and the work outside it together."""
 HOST_GOALS_US = {1: 50.0, 256: 500.0}
 """Host µs per decode step outside the graph, by batch size."""
 HOST_TIME_REPEATS = 3
@@ -106,17 +106,16 @@ class _NoOpGraph:
 
 
 @contextmanager
-def graphs_on_cpu(*, trunk: bool) -> Iterator[None]:
-    """Engines capture decode steps on CPU: a stand-in graph that replays the trunk (``trunk``) or does nothing (the
-    trunk replaced by a no-op: what is left is the host's work outside the graph)."""
+def graphs_on_cpu(*, compute: bool) -> Iterator[None]:
+    """Engines capture decode steps on CPU: a stand-in graph that replays the captured step (``compute``) or does
+    nothing (the step replaced by a no-op, sampling token 0: what is left is the host's work outside the graph)."""
 
-    def capture(step: StaticDecodeStep, rows: int) -> None:
-        hidden = step.model.args.hidden_size
-        step.hidden[rows] = step._trunk(rows) if trunk else step.key_cache.new_zeros(rows, hidden)
+    def capture(step: StaticDecodeStep, key: tuple[int, int]) -> None:
+        step.samples[key] = step._warm_up(key) if compute else torch.zeros(3, key[0])
         graph = _NoOpGraph()
-        if trunk:
-            graph.replay = lambda: step.hidden[rows].copy_(step._trunk(rows))
-        step.graphs[rows] = graph
+        if compute:
+            graph.replay = lambda: step.samples[key].copy_(step._step(*key))
+        step.graphs[key] = graph
 
     saved = llm_engine.graphs_unsupported, StaticDecodeStep._capture
     llm_engine.graphs_unsupported = lambda model, block_size: None
@@ -200,19 +199,19 @@ class _Timer:
 
 
 @contextmanager
-def _trunk_counts(counts: DispatchCounts) -> Iterator[None]:
-    """``counts`` active only inside ``StaticDecodeStep._trunk``."""
-    trunk = StaticDecodeStep._trunk
+def _graph_counts(counts: DispatchCounts) -> Iterator[None]:
+    """``counts`` active only inside ``StaticDecodeStep._step`` (what a graph captures)."""
+    step_function = StaticDecodeStep._step
 
-    def counted(step, rows):
+    def counted(step, rows, kind):
         with counts:
-            return trunk(step, rows)
+            return step_function(step, rows, kind)
 
-    StaticDecodeStep._trunk = counted
+    StaticDecodeStep._step = counted
     try:
         yield
     finally:
-        StaticDecodeStep._trunk = trunk
+        StaticDecodeStep._step = step_function
 
 
 def _figure(name: str, value, goal: str, meets: bool | None, **details) -> dict:
@@ -226,17 +225,19 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
         bf16 = decode_model(layers, torch.bfloat16)
         eager = DispatchCounts()
         steady_decode(bf16, rows=1, steps=steps, sampled=False, mode="off", measure=eager)
-        trunk = DispatchCounts()
-        with graphs_on_cpu(trunk=True):
-            steady_decode(bf16, rows=1, steps=steps, sampled=False, mode="auto", measure=_trunk_counts(trunk))
-        outside = {}
+        graphed, outside = {}, {}
         for sampled in (False, True):
+            graphed[sampled] = DispatchCounts()
+            with graphs_on_cpu(compute=True):
+                measure = _graph_counts(graphed[sampled])
+                steady_decode(bf16, rows=1, steps=steps, sampled=sampled, mode="auto", measure=measure)
             outside[sampled] = DispatchCounts()
-            with graphs_on_cpu(trunk=False):
+            with graphs_on_cpu(compute=False):
                 steady_decode(bf16, rows=1, steps=steps, sampled=sampled, mode="auto", measure=outside[sampled])
     shape = f"batch 1, {layers} layers, bf16, per decode step"
-    paths = {"engine eager": eager, "graphed trunk": trunk}
-    paths |= {f"outside the graph, {'sampled' if sampled else 'greedy'}": outside[sampled] for sampled in outside}
+    paths = {"engine eager": eager}
+    for sampled, label in ((False, "greedy"), (True, "sampled")):
+        paths |= {f"graphed step, {label}": graphed[sampled], f"outside the graph, {label}": outside[sampled]}
     for path, counts in paths.items():
         details = {"by_op": {name: n / steps for name, n in sorted(counts.calls.items())}} if "outside" in path else {}
         figures.append(_figure(f"dispatcher calls per step, {path}", counts.total_calls / steps, "none", None))
@@ -244,7 +245,7 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
             _figure(f"non-view calls per step, {path}", counts.non_view_calls / steps, "none", None, **details)
         )
     for sampled, label in ((False, "greedy"), (True, "sampled")):
-        kernels = (trunk.non_view_calls + outside[sampled].non_view_calls) / steps
+        kernels = (graphed[sampled].non_view_calls + outside[sampled].non_view_calls) / steps
         figures.append(
             _figure(
                 f"kernels per graphed step, {label}",
@@ -252,7 +253,7 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
                 f"<= {KERNEL_GOAL}",
                 kernels <= KERNEL_GOAL,
                 shape=shape,
-                note="non-view calls of the graphed trunk plus those outside the graph",
+                note="non-view calls of the graphed step plus those outside the graph",
             )
         )
     float32 = decode_model(layers, torch.float32)
@@ -263,7 +264,7 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
             for _ in range(HOST_TIME_REPEATS):
                 for overlap in seconds:  # alternating, so both loops meet the same load on a shared machine
                     timer = _Timer()
-                    with graphs_on_cpu(trunk=False):
+                    with graphs_on_cpu(compute=False):
                         steady_decode(
                             float32,
                             rows=rows,
@@ -278,7 +279,7 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
             micros = min(seconds[True]) / steps * 1e6
             figures.append(
                 _figure(
-                    f"host µs per step, trunk a no-op, batch {rows}, {label}",
+                    f"host µs per step, graph a no-op, batch {rows}, {label}",
                     round(micros, 1),
                     "none" if goal is None else f"<= {goal:g}",
                     None if goal is None else micros <= goal,
@@ -293,7 +294,7 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
     loops = (("off", True, "eager"), ("auto", False, "graphed, synchronous loop"), ("auto", True, "graphed"))
     for mode, overlap, label in loops:
         syncs = SyncCounts()
-        with cuda_attention_path(), graphs_on_cpu(trunk=True):
+        with cuda_attention_path(), graphs_on_cpu(compute=True):
             steady_decode(float32, rows=4, steps=steps, sampled=True, mode=mode, measure=syncs, overlap=overlap)
         figures.append(
             _figure(

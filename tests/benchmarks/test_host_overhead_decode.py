@@ -1,5 +1,5 @@
 """``benchmarks/host_overhead.py --decode`` on small models: the work outside the graph does not depend on the depth,
-the graphed trunk grows by the same calls per layer as the eager step, each figure carries its goal, and the
+the graphed step grows by the same calls per layer as the eager step, each figure carries its goal, and the
 overlapped loop makes no sync in steady state."""
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def test_decode_counts_split_the_step_at_the_graph():
         assert 0 < two[f"non-view calls per step, {path}"]["value"] < 60
     per_layer = {
         path: three[f"dispatcher calls per step, {path}"]["value"] - two[f"dispatcher calls per step, {path}"]["value"]
-        for path in ("engine eager", "graphed trunk")
+        for path in ("engine eager", "graphed step, greedy", "graphed step, sampled")
     }
-    assert per_layer["engine eager"] == per_layer["graphed trunk"] > 0
+    assert per_layer["engine eager"] == per_layer["graphed step, greedy"] == per_layer["graphed step, sampled"] > 0
     assert two["kernels per graphed step, greedy"]["meets_goal"] is True  # two layers: far under 500
     syncs = two["syncs per step, graphed"]
     assert syncs["goal"] == "0 in steady state" and syncs["meets_goal"] == (syncs["value"] == 0)
@@ -36,6 +36,6 @@ def test_decode_counts_split_the_step_at_the_graph():
     assert syncs["value"] == 0 and syncs["late_reads"] == 1
     assert two["syncs per step, graphed, synchronous loop"]["value"] == 1
     assert {
-        "host µs per step, trunk a no-op, batch 1, greedy",
-        "host µs per step, trunk a no-op, batch 4, sampled",
+        "host µs per step, graph a no-op, batch 1, greedy",
+        "host µs per step, graph a no-op, batch 4, sampled",
     } <= set(two)

@@ -10,6 +10,7 @@ from hf_fixtures import write_hf_model
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, decode_buckets, graphs_unsupported
 from spmd_rlhf.engine.model_runner import ModelRunner
+from spmd_rlhf.engine.sampler import FILTERED, GREEDY, SAMPLED
 from spmd_rlhf.models import load_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 12, 40, 41], [70, 71, 72], [3, 4], [90] * 17]
@@ -52,7 +53,11 @@ def test_static_decode_equals_eager_decode(model_path, engine_args, monkeypatch)
     eager, _ = _generate(model, "off", **engine_args)
     batch_sizes = []
     run = StaticDecodeStep.run
-    monkeypatch.setattr(StaticDecodeStep, "run", lambda step, seqs: batch_sizes.append(len(seqs)) or run(step, seqs))
+    monkeypatch.setattr(
+        StaticDecodeStep,
+        "run",
+        lambda step, seqs, **sampling: batch_sizes.append(len(seqs)) or run(step, seqs, **sampling),
+    )
     static, engine = _generate(model, "static", **engine_args)
     assert len(batch_sizes) == engine.stats.decode_steps > 0 and engine.stats.cuda_graphs == 0  # no capture off CUDA
     if engine_args:
@@ -62,6 +67,35 @@ def test_static_decode_equals_eager_decode(model_path, engine_args, monkeypatch)
     for got, expected in zip(static, eager):
         assert got.generated_token_ids == expected.generated_token_ids
         torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(expected.log_probs), rtol=0, atol=1e-5)
+
+
+def test_the_captured_step_samples_what_the_eager_step_samples(model_path, replayed_graphs):
+    """Greedy rows and seeded rows of different temperatures, top-k and top-p in one batch, decoded by the captured
+    step (trunk, LM head and sampler, replayed through the CPU stand-in for a graph): the same tokens and both
+    log-probs as eager steps. As rows end, the batch's sampling kind goes from filtered to sampled to greedy, and each
+    (batch size, kind) gets its own graph."""
+    model = load_model(model_path, dtype=torch.float32)
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=14),
+        SamplingParams(temperature=1.3, top_k=20, max_new_tokens=5, seed=1),
+        SamplingParams(temperature=0.7, top_k=30, top_p=0.9, max_new_tokens=7, seed=2),
+        SamplingParams(temperature=0.5, top_k=10**6, max_new_tokens=10, seed=3),  # top_k past the vocabulary: no filter
+        SamplingParams(temperature=1.0, max_new_tokens=9),  # the engine's seed
+    ]
+    outputs = {}
+    for mode in ("off", "auto"):
+        engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs=mode, seed=5)
+        outputs[mode] = engine.generate(PROMPTS, params)
+    assert {kind for _, kind in engine.runner.static_step.graphs} == {GREEDY, SAMPLED, FILTERED}
+    assert engine.stats.cuda_graphs == len(engine.runner.static_step.graphs)
+    for got, expected in zip(outputs["auto"], outputs["off"], strict=True):
+        assert got.generated_token_ids == expected.generated_token_ids
+        for field in ("log_probs", "sampling_log_probs"):
+            torch.testing.assert_close(
+                torch.tensor(getattr(got, field)), torch.tensor(getattr(expected, field)), rtol=0, atol=1e-5
+            )
+    filtered = outputs["off"][2]
+    assert filtered.sampling_log_probs != filtered.log_probs  # the filtered row's two log-probs differ
 
 
 def test_static_decode_keeps_a_scratch_block_outside_the_budget(model_path):
@@ -111,8 +145,8 @@ def test_kept_block_tables_and_inputs_equal_a_rebuild_at_every_step(model_path, 
     model = load_model(model_path, dtype=torch.float32)
     fill, checked, inputs = StaticDecodeStep._fill, [], []
 
-    def checked_fill(step, seqs, rows):
-        fill(step, seqs, rows)
+    def checked_fill(step, seqs, rows, **sampling):
+        kind = fill(step, seqs, rows, **sampling)
         size = step.block_size
         for row, seq in enumerate(seqs):
             position = len(seq) - 1
@@ -125,6 +159,7 @@ def test_kept_block_tables_and_inputs_equal_a_rebuild_at_every_step(model_path, 
             assert step.block_tables[row, 0].item() == step.scratch_block and step.context_lens[row].item() == 1
             assert step.slot_mapping[row].item() == step.scratch_block * size and step.positions[row].item() == 0
         checked.append(rows)
+        return kind
 
     monkeypatch.setattr(StaticDecodeStep, "_fill", checked_fill)
     _, engine = _generate(model, "static", num_blocks=12, max_num_seqs=3)

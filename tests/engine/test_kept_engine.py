@@ -35,25 +35,25 @@ def captured_addresses(step: StaticDecodeStep) -> dict[str, int]:
     """Every storage a captured decode step reads or writes: the weights, the cache, the input buffers and outputs."""
     tensors = {f"model.{name}": tensor for name, tensor in step.model.state_dict(keep_vars=True).items()}
     tensors |= {"key_cache": step.key_cache, "value_cache": step.value_cache}
-    for name in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables", "cu_seqlens_q"):
+    for name in ("input_ids", "vectors", "sampling", "context_lens", "block_tables", "cu_seqlens_q"):
         tensors[name] = getattr(step, name)
-    tensors |= {f"hidden.{rows}": hidden for rows, hidden in step.hidden.items()}
+    tensors |= {f"samples.{key}": samples for key, samples in step.samples.items()}
     return {name: tensor.data_ptr() for name, tensor in tensors.items()}
 
 
 class RecordedGraph:
-    """A CPU stand-in for a captured CUDA graph of ``step`` at ``rows`` rows: replays by running the trunk again into
-    the captured output, after checking that every address the capture read is still where it was."""
+    """A CPU stand-in for a captured CUDA graph of ``step`` at ``key`` (rows, sampling kind): replays by running the
+    step again into the captured output, after checking that every address the capture read is still where it was."""
 
-    def __init__(self, step: StaticDecodeStep, rows: int) -> None:
-        self.step, self.rows = step, rows
-        step.hidden[rows] = step._trunk(rows)
+    def __init__(self, step: StaticDecodeStep, key: tuple[int, int]) -> None:
+        self.step, self.key = step, key
+        step.samples[key] = step._warm_up(key)
         self.addresses = captured_addresses(step)
 
     def replay(self) -> None:
         now = captured_addresses(self.step)
         assert {name: now[name] for name in self.addresses} == self.addresses, "a captured address moved"
-        self.step.hidden[self.rows].copy_(self.step._trunk(self.rows))
+        self.step.samples[self.key].copy_(self.step._step(*self.key))
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def recorded_graphs(monkeypatch):
     """Engines with decode_graphs="auto" capture ``RecordedGraph``s on CPU."""
     monkeypatch.setattr(llm_engine, "graphs_unsupported", lambda model, block_size: None)
     monkeypatch.setattr(
-        StaticDecodeStep, "_capture", lambda step, rows: step.graphs.__setitem__(rows, RecordedGraph(step, rows))
+        StaticDecodeStep, "_capture", lambda step, key: step.graphs.__setitem__(key, RecordedGraph(step, key))
     )
 
 

@@ -63,29 +63,12 @@ def _assert_same(got, expected) -> None:
             )
 
 
-class _ReplayGraph:
-    """A stand-in CUDA graph on CPU: replay runs the captured trunk on whatever the buffers hold then."""
-
-    def __init__(self, step: StaticDecodeStep, rows: int) -> None:
-        self.step, self.rows = step, rows
-
-    def replay(self) -> None:
-        self.step.hidden[self.rows].copy_(self.step._trunk(self.rows))
-
-
 @pytest.fixture(params=["static", "graphs"])
-def decode_mode(request, monkeypatch):
+def decode_mode(request):
     """``static``: the graphs' inputs run eagerly; ``graphs``: captured and replayed through the stand-in, the path
     of ``decode_graphs="auto"`` on CUDA (the token gather replays inside the graph)."""
     if request.param == "graphs":
-        from spmd_rlhf.engine import llm_engine
-
-        def capture(step, rows):
-            step.hidden[rows] = step._trunk(rows)
-            step.graphs[rows] = _ReplayGraph(step, rows)
-
-        monkeypatch.setattr(llm_engine, "graphs_unsupported", lambda model, block_size: None)
-        monkeypatch.setattr(StaticDecodeStep, "_capture", capture)
+        request.getfixturevalue("replayed_graphs")
         return "auto"
     return "static"
 
@@ -100,10 +83,10 @@ def test_overlapped_loop_equals_the_synchronous_loop(model, decode_mode, engine_
     steps_of = {}
     run = StaticDecodeStep.run
 
-    def counted_run(step, seqs):
+    def counted_run(step, seqs, **sampling):
         for seq in seqs:
             steps_of[seq.seq_id] = steps_of.get(seq.seq_id, 0) + 1
-        return run(step, seqs)
+        return run(step, seqs, **sampling)
 
     monkeypatch.setattr(StaticDecodeStep, "run", counted_run)
     engine = _engine(model, overlap=True, eos=eos, **engine_args)

@@ -8,7 +8,17 @@ import math
 import pytest
 import torch
 
-from spmd_rlhf.engine.sampler import _MASK64, derive_seed, filter_logits, row_uniforms, sample
+from spmd_rlhf.engine.sampler import (
+    _MASK64,
+    FILTERED,
+    derive_seed,
+    draw,
+    filter_logits,
+    row_sampling,
+    row_uniforms,
+    sample,
+    sample_on_device,
+)
 from spmd_rlhf.engine.sequence import SamplingParams
 from spmd_rlhf.metrics.peak_memory import PeakMemory
 
@@ -202,6 +212,36 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch_and_row():
         assert tokens[row] == alone[position]
     other_seed = [_sample(logits, [params], [8], [position])[0][0] for position in range(20)]
     assert other_seed != alone
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8], ids=["top-k alone", "top-k and top-p"])
+def test_the_draw_a_graph_holds_equals_the_host_built_draw(top_p):
+    """The captured decode step's draw (``decode_graphs``: every row's values as device tensors, a filtered batch
+    always sorted) gives exactly the tokens and log-probs of ``sample_on_device``, which takes ``topk`` when no row
+    has top-p: the same support floors."""
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(4))
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.3, top_k=5, seed=1),
+        SamplingParams(temperature=0.7, seed=2),
+        SamplingParams(temperature=0.5, top_k=64, seed=3),  # the whole vocabulary: no filter
+        SamplingParams(temperature=1.0, top_k=3, top_p=top_p, seed=4),
+        SamplingParams(temperature=0),
+    ]
+    seeds, positions = [11, 1, 2, 3, 4, 12], [0, 5, 9, 2, 7, 3]
+    _, expected = sample_on_device(logits, params, seeds=seeds, positions=positions)
+    kinds, temperature, top_k, top_ps, greedy = zip(*(row_sampling(row, 64) for row in params))
+    assert max(kinds) == FILTERED
+    _, got = draw(
+        logits,
+        kind=FILTERED,
+        temperature=torch.tensor(temperature, dtype=torch.float32),
+        uniforms=torch.tensor(row_uniforms(seeds, positions), dtype=torch.float64),
+        greedy=torch.tensor(greedy),
+        top_k=torch.tensor(top_k),
+        top_p=torch.tensor(top_ps, dtype=torch.float32),
+    )
+    assert torch.equal(got, expected)
 
 
 def test_temperature_sharpens():

@@ -8,10 +8,17 @@ input buffers padded to a few batch sizes (``decode_buckets``), one graph each, 
 size decodes. A padding row decodes token 0 at position 0 into a scratch KV block that no sequence owns (the runner
 keeps one past the block manager's), reading only that block, so it touches nothing real; its output is dropped.
 
-Only the model's trunk is captured: its hidden states ``[rows, hidden]`` are the graph's output, and the LM head and
-sampler run after it eagerly (one matmul and the sampler's few calls; a captured LM head would keep a
-``[rows, vocab]`` logits buffer per batch size). The same class without capture (``capture=False``) runs the identical
-padded, fixed-address inputs eagerly; that is how the padding and scratch-block logic is tested on CPU.
+The whole step is captured: the trunk, the LM head and the sampler (``sampler.draw``, which reads every per-row
+value from device tensors), leaving the sampled ids where the next step gathers its inputs from and the ids with
+their two log-probs (``[3, rows]`` float32) in the graph's output, which the host copies back. Each row's sampling
+parameters live in a device buffer, rewritten only when the row's sequence (its ``SamplingParams``) changes; its
+uniform (``row_uniforms`` of its seed and position) travels with the step's positions in one copy. The work of a
+draw depends on the batch's sampling kind (``sampler.GREEDY``, ``SAMPLED``, ``FILTERED``: an argmax, a cumulative
+sum, a sort of the vocabulary), so a graph is captured per batch size and kind, the kind chosen on the host from
+the rows' parameters; every ``SamplingParams`` has a kind, so no sampling falls back to eager steps. A filtered
+graph sorts each row to find its support, where the eager sampler takes ``topk`` when no row has top-p: the same
+floor, so the same tokens. The same class without capture (``capture=False``) runs the identical padded,
+fixed-address inputs eagerly; that is how the padding, scratch-block and sampling logic is tested on CPU.
 
 When the graphs apply (``graphs_unsupported`` says why not, once in the log): a CUDA model whose decode attention is the
 Triton paged kernel (which reads the context lengths and block tables from device tensors; the flash-attn paged path
@@ -20,22 +27,25 @@ tensor-parallel step has collectives in it: capturing those is not done here yet
 path (the expert loop reads each layer's per-expert counts on the host).
 
 A row's input token is gathered inside the graph from the host's ids or from the ids the previous step sampled, still
-on the device (``keep_sampled``): the engine's overlapped loop reads those one step late (``llm_engine``).
+on the device: the engine's overlapped loop reads those one step late (``llm_engine``).
 
-Holds, besides the model and the cache: the input buffers (``max_rows`` x (8 + ``max_blocks_per_seq``) integers), one
-hidden-state output per captured batch size, and the graphs' shared memory pool (the intermediates of the largest
-captured step). Graphs share that pool, which is safe because every replay's output is consumed (the LM head reads
-it) before the next replay starts.
+Holds, besides the model and the cache: the input buffers (``max_rows`` x (11 + ``max_blocks_per_seq``) 8-byte
+values and 4 + ``max_blocks_per_seq`` 4-byte ones), one ``[3, rows]`` output per captured graph, and the graphs'
+shared memory pool (the intermediates of the largest captured step: its ``[rows, vocab]`` logits and what
+``sampler.draw`` holds at peak, 16 bytes per logit when sorting). Graphs share that pool, which is safe because every
+replay's output is consumed (copied to the host, on the same stream) before the next replay starts.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmd_rlhf.engine.sequence import Sequence
+from spmd_rlhf.engine.sampler import FILTERED, GREEDY, draw, row_sampling, row_uniforms
+from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
@@ -122,38 +132,52 @@ class StaticDecodeStep:
         self.buckets = decode_buckets(max_rows)
         self.max_blocks_per_seq = max_blocks_per_seq
         device = key_cache.device
-        # Positions, cache slots, token sources and the host's token ids: rows of one buffer, so one copy sends a
-        # step's four vectors. Its last row holds the ids the previous step sampled (``keep_sampled``), right after the
-        # host's ids, so that one gather picks each row's input from either (``_trunk``). Not inference tensors: the
-        # sampler's ids are written in outside inference mode, without the cost of entering it each step.
-        self.vectors = torch.zeros(5, max_rows, dtype=torch.int64, device=device)
-        self.positions, self.slot_mapping, self.token_sources, _, self._sampled = self.vectors
-        self._token_pool = self.vectors[3:].view(-1)
-        self._sent_vectors = self.vectors[:4]
+        # Positions, cache slots, token sources, the rows' uniforms (float64 bits) and the host's token ids: rows of
+        # one buffer, so one copy sends a step's five vectors. Its last row holds the ids the previous step sampled,
+        # right after the host's ids, so that one gather picks each row's input from either (``_step``).
+        self.vectors = torch.zeros(6, max_rows, dtype=torch.int64, device=device)
+        self.positions, self.slot_mapping, self.token_sources, _, _, self._sampled = self.vectors
+        self.uniforms = self.vectors[3].view(torch.float64)
+        self._token_pool = self.vectors[4:].view(-1)
+        self._sent_vectors = self.vectors[:5]
         with torch.inference_mode():
             self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
             self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
             self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one token per row
+            # Each row's temperature, top-k, top-p and greedy flag (``sampler.row_sampling``), as float64.
+            self.sampling = torch.zeros(4, max_rows, dtype=torch.float64, device=device)
         # Their host side, pinned on CUDA so the copies are true asynchronous DMA; written through numpy views, which
         # cost no dispatcher call. The block tables are kept: a row is rewritten only when its sequence changes or
         # grows a block (every block_size steps), and sent only when some row was.
         pinned = device.type == "cuda"
-        self._host_vectors = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=pinned)
+        self._host_vectors = torch.zeros(5, max_rows, dtype=torch.int64, pin_memory=pinned)
         self._host_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned)
+        self._host_sampling = torch.zeros(4, max_rows, dtype=torch.float64, pin_memory=pinned)
         self._vectors_view, self._tables_view = self._host_vectors.numpy(), self._host_tables.numpy()
+        self._uniforms_view = self._vectors_view[3].view(np.float64)
+        self._sampling_view = self._host_sampling.numpy()
+        self._vocab_size = model.args.vocab_size
+        self._row_params: list[SamplingParams | None] = [None] * max_rows
+        """The sampling parameters each row holds (padding rows keep whatever they held: their draws are dropped)."""
+        self._row_kinds = [GREEDY] * max_rows
+        # Every row starts as a greedy one (temperature 1, nothing filtered), so no padding row divides by zero.
+        _, *greedy = row_sampling(SamplingParams(temperature=0), self._vocab_size)
+        self._sampling_view[:] = np.array(greedy)[:, None]
+        self._sampling_stale = True
         self._row_tables: list[list[int] | None] = [None] * max_rows
         """The block-table list each row mirrors (a sequence's list is only appended to; a reset replaces it)."""
         self._row_lengths = [0] * max_rows
         self._padding_table = [scratch_block]
         self._previous_rows: dict[Sequence, int] = {}
-        """The row each sequence of the previous step had: where its sampled token sits in ``keep_sampled``'s row."""
+        """The row each sequence of the previous step had: where its sampled token sits in the row of sampled ids."""
         self._tables_stale = False
         self._copied = torch.cuda.Event() if pinned else None
         """Recorded after each step's copies: the pinned buffers are not rewritten before the copies have read them."""
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
-        """Each captured bucket's output: the trunk's hidden states ``[rows, hidden]``, overwritten by every replay."""
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        """Captured steps by (rows, sampling kind)."""
+        self.samples: dict[tuple[int, int], torch.Tensor] = {}
+        """Each graph's output: ``sampler.draw``'s samples ``[3, rows]``, overwritten by every replay."""
         self._pool = None
 
     @property
@@ -164,51 +188,55 @@ class StaticDecodeStep:
         """Whether this step can run ``seqs`` (few enough rows, block tables narrow enough)."""
         return len(seqs) <= self.max_rows and max(len(seq.block_table) for seq in seqs) <= self.max_blocks_per_seq
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one (a decode step)."""
+    def run(self, seqs: list[Sequence], *, seeds: list[int], positions: list[int]) -> torch.Tensor:
+        """A decode step of ``seqs``, row r's draw keyed by ``seeds[r]`` and ``positions[r]`` (``sampler.sample``):
+        the samples ``[3, rows]`` (``sampler.draw``) of a bucket of at least ``len(seqs)`` rows, the first
+        ``len(seqs)`` of them the sequences'. The sampled ids also stay on the device, as the next step's input for
+        every sequence whose last token is then still pending there (``Sequence.token_pending``)."""
         rows = next(size for size in self.buckets if size >= len(seqs))
         with torch.inference_mode():
-            self._fill(seqs, rows)
+            kind = self._fill(seqs, rows, seeds=seeds, positions=positions)
             if not self.capture:
-                hidden = self._trunk(rows)
-            else:
-                if rows not in self.graphs:
-                    self._capture(rows)
-                self.graphs[rows].replay()
-                hidden = self.hidden[rows]
-            return self.model.lm_head(hidden[: len(seqs)])
+                return self._step(rows, kind)
+            key = (rows, kind)
+            if key not in self.graphs:
+                self._capture(key)
+            self.graphs[key].replay()
+            return self.samples[key]
 
-    def keep_sampled(self, token_ids: torch.Tensor) -> None:
-        """Keep the ids the step just run sampled (``[rows]`` int64, on the device) as the next step's input for
-        every sequence whose last token is still pending there (``Sequence.token_pending``)."""
-        self._sampled[: token_ids.shape[0]].copy_(token_ids)
-
-    def _fill(self, seqs: list[Sequence], rows: int) -> None:
+    def _fill(self, seqs: list[Sequence], rows: int, *, seeds: list[int], positions: list[int]) -> int:
         """Copy the step's inputs into the first ``rows`` entries of the buffers, padding rows after the real ones
-        (token 0 at position 0, writing and reading the scratch block). A sequence whose last token is pending takes
-        it from the ids the previous step kept (``keep_sampled``), the others from the host."""
+        (token 0 at position 0, writing and reading the scratch block), and return the batch's sampling kind. A
+        sequence whose last token is pending takes it from the ids the previous step sampled, the others from the
+        host."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have read the pinned buffers (at once when synchronous)
         block_size, count, max_rows = self.block_size, len(seqs), self.max_rows
         vectors = self._vectors_view
-        positions = [len(seq.token_ids) - 1 for seq in seqs]
-        vectors[0, :count] = positions
+        token_positions = [len(seq.token_ids) - 1 for seq in seqs]
+        vectors[0, :count] = token_positions
         vectors[1, :count] = [
             seq.block_table[position // block_size] * block_size + position % block_size
-            for seq, position in zip(seqs, positions)
+            for seq, position in zip(seqs, token_positions)
         ]
         previous = self._previous_rows
         vectors[2, :count] = [max_rows + previous[seq] if seq.token_pending else row for row, seq in enumerate(seqs)]
-        vectors[3, :count] = [0 if seq.token_pending else seq.token_ids[-1] for seq in seqs]
+        vectors[4, :count] = [0 if seq.token_pending else seq.token_ids[-1] for seq in seqs]
         self._previous_rows = {seq: row for row, seq in enumerate(seqs)}
         vectors[0, count:rows] = 0
         vectors[1, count:rows] = self.scratch_block * block_size
         vectors[2, count:rows] = range(count, rows)
-        vectors[3, count:rows] = 0
+        vectors[4, count:rows] = 0
+        row_params = self._row_params
         for row, seq in enumerate(seqs):
             table = seq.block_table
             if self._row_tables[row] is not table or self._row_lengths[row] != len(table):
                 self._write_row(row, table)
+            if row_params[row] is not seq.params:
+                self._write_sampling(row, seq.params)
+        kind = max(self._row_kinds[:count])
+        if kind != GREEDY:
+            self._uniforms_view[:count] = row_uniforms(seeds, positions)
         for row in range(count, rows):
             if self._row_tables[row] is not self._padding_table:
                 self._write_row(row, self._padding_table)
@@ -217,10 +245,21 @@ class StaticDecodeStep:
         if self._tables_stale:
             self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
             self._tables_stale = False
+        if self._sampling_stale:
+            self.sampling.copy_(self._host_sampling, non_blocking=True)  # a few steps a run: every row, one DMA
+            self._sampling_stale = False
         if self._copied is not None:
             self._copied.record()
         # Each row sees its tokens up to its own (padding rows: position 0, one key).
         torch.add(self.positions[:rows], 1, out=self.context_lens[:rows])
+        return kind
+
+    def _write_sampling(self, row: int, params: SamplingParams) -> None:
+        """Put ``params`` in host sampling row ``row`` (sent with the step's copies)."""
+        self._row_kinds[row], *values = row_sampling(params, self._vocab_size)
+        self._sampling_view[:, row] = values
+        self._row_params[row] = params
+        self._sampling_stale = True
 
     def _write_row(self, row: int, table: list[int]) -> None:
         """Mirror ``table`` in host block-table row ``row``: only its new entries when the row already mirrors it."""
@@ -249,15 +288,41 @@ class StaticDecodeStep:
         hidden = self.model.hidden_states(self.input_ids[:rows][None], self.positions[:rows][None], paged=paged)
         return hidden[0]
 
-    def _capture(self, rows: int) -> None:
-        """Record the step for ``rows`` rows. The buffers already hold this step's inputs, so the warm-up pass (which
-        makes lazy initialisations, such as cuBLAS workspaces and Triton compilation, happen outside the capture)
-        writes the same K/V the replay writes."""
+    def _step(self, rows: int, kind: int) -> torch.Tensor:
+        """The whole step on the first ``rows`` entries of the buffers: the trunk, the LM head and a draw of
+        sampling ``kind``; the ids go to the row the next step gathers pending tokens from, and the samples
+        ``[3, rows]`` are returned."""
+        logits = self.model.lm_head(self._trunk(rows))
+        temperature, top_k, top_p, greedy = self.sampling[:, :rows]
+        values = {"temperature": temperature.to(torch.float32)}
+        if kind != GREEDY:
+            values |= {"uniforms": self.uniforms[:rows], "greedy": greedy != 0}
+        if kind == FILTERED:
+            values |= {
+                "top_k": top_k.to(torch.int64),
+                "top_p": top_p.to(torch.promote_types(logits.dtype, torch.float32)),
+            }
+        token_ids, samples = draw(logits, kind=kind, **values)
+        self._sampled[:rows].copy_(token_ids)
+        return samples
+
+    def _warm_up(self, key: tuple[int, int]) -> torch.Tensor:
+        """Run the step of ``key`` (rows, kind) once as its capture would record it, leaving the previous step's ids
+        in place for the replay that follows, and return its samples. The buffers already hold this step's inputs,
+        so it writes the same K/V the replay writes."""
+        previous = self._sampled.clone()
+        samples = self._step(*key)
+        self._sampled.copy_(previous)
+        return samples
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        """Record the step of ``key`` (rows, kind), after a warm-up pass that makes lazy initialisations (cuBLAS
+        workspaces, Triton compilation) happen outside the capture."""
         device = self.key_cache.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self._trunk(rows)
+            self._warm_up(key)
         torch.cuda.current_stream(device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -265,5 +330,5 @@ class StaticDecodeStep:
         # thread_local: a worker's other threads (the runtime's data plane, say) may use the device meanwhile; only
         # this thread's own unsafe calls during the capture are errors.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.hidden[rows] = self._trunk(rows)
-        self.graphs[rows] = graph
+            self.samples[key] = self._step(*key)
+        self.graphs[key] = graph

@@ -34,7 +34,7 @@ from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_unsupported, say
 from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
-from spmd_rlhf.engine.sampler import derive_seed, read_samples, sample_on_device
+from spmd_rlhf.engine.sampler import derive_seed, read_samples
 from spmd_rlhf.engine.scheduler import Scheduler
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
@@ -56,7 +56,7 @@ class GenerationStats:
     max_blocks_in_use: int = 0
     """Peak KV blocks held at once: how big the cache needed to be."""
     cuda_graphs: int = 0
-    """Decode batch sizes replayed from CUDA graphs so far by this engine (0: eager decode steps)."""
+    """Decode graphs (one per batch size and sampling kind) replayed so far by this engine (0: eager decode steps)."""
     cuda_graph_captures: int = 0
     """CUDA graphs captured during this call (0 once every bucket the call needs was captured by an earlier one)."""
 
@@ -250,14 +250,14 @@ class LLMEngine:
         every request has ended. Steps are the same whatever the segments: on unchanged weights a run advanced in
         segments samples exactly what one ``advance`` to the end samples.
 
-        With ``overlap_host``, a decode step on the static decode step is overlapped: its sampled ids stay on the
-        device as the next step's input, each of its sequences counts a pending token (``Sequence.reserve_token``),
-        and its samples are read after the next step is launched. A sequence that ended at step t (EOS or a stop
-        token) was already in step t + 1: that row's token is dropped, and its blocks (one more for that step at
-        most, never past the request's own ``max_blocks``) are freed with the rest. A sequence whose pending token is
-        its last by length takes no further step. The loop waits for the step in flight first (drains) before a
-        step that may prefill (a request waits) or preempt (blocks are short), a decode that runs eagerly, and the
-        end of a segment; those steps run as the synchronous loop runs them."""
+        With ``overlap_host``, a decode step on the static decode step is overlapped: its sampled ids stay on the device
+        as the next step's input (``StaticDecodeStep.run``), each of its sequences counts a pending token
+        (``Sequence.reserve_token``), and its samples are read after the next step is launched. A sequence that ended at
+        step t (EOS or a stop token) was already in step t + 1: that row's token is dropped, and its blocks (one more
+        for that step at most, never past the request's own ``max_blocks``) are freed with the rest. A sequence whose
+        pending token is its last by length takes no further step. The loop waits for the step in flight first (drains)
+        before a step that may prefill (a request waits) or preempt (blocks are short), a decode that runs eagerly, and
+        the end of a segment; those steps run as the synchronous loop runs them."""
         scheduler, stats = run.scheduler, self.stats
         targets = (
             {} if segment_tokens is None else {seq.seq_id: seq.num_generated + segment_tokens for seq in run.unfinished}
@@ -286,20 +286,17 @@ class LLMEngine:
                 stats.cached_prefill_tokens += sum(seq.num_cached_tokens for seq in batch)
             else:
                 stats.decode_steps += 1
-            logits = self.runner.run(batch, is_prefill=is_prefill)
-            overlapped = self.overlap_host and self.runner.ran_static_step
-            token_ids, samples = sample_on_device(
-                logits,
-                [seq.params for seq in batch],
+            samples = self.runner.sample_step(
+                batch,
+                is_prefill=is_prefill,
                 seeds=[run.seeds[seq.seq_id] for seq in batch],
                 positions=[seq.num_generated for seq in batch],
             )
-            if not overlapped:
+            if not (self.overlap_host and self.runner.ran_static_step):
                 assert in_flight is None, "a synchronous step follows a drained pipeline"
-                self._finish_step(scheduler, batch, read_samples(samples.tolist()))
+                self._finish_step(scheduler, batch, read_samples(samples[:, : len(batch)].tolist()))
                 continue
-            self.runner.keep_sampled(token_ids)
-            pending = self._readback.start(samples)
+            pending = self._readback.start(samples, len(batch))
             if in_flight is not None:
                 self._finish_step(scheduler, *in_flight)  # step t, read while step t + 1 runs
             if not segment_done():  # once it is, step t + 1's tokens are past the segment: all dropped

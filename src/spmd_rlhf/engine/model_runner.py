@@ -1,11 +1,11 @@
-"""Runs the training model's own code on a paged KV cache: one call per engine step, last-position logits out.
+"""Runs the training model's own code on a paged KV cache: one call per engine step, its sampled tokens out.
 
 The runner owns the cache tensors (allocated on demand, dropped by ``free_cache`` so that an actor can give the memory
 back to training between generations) and turns the scheduler's sequences into the model inputs of one step: the new
 tokens packed in one row, their positions, the cache slots their K/V go to, and each sequence's block table.
-Prefill steps run eagerly; decode steps run eagerly too, or, with ``static_decode``, on the fixed-address padded inputs
-of ``decode_graphs.StaticDecodeStep`` (replayed from CUDA graphs when ``capture_graphs``), which keep one scratch block
-past the block manager's.
+Prefill steps run eagerly (``run``: the logits, then ``sampler.sample_on_device``); decode steps run eagerly too, or,
+with ``static_decode``, on the fixed-address padded inputs of ``decode_graphs.StaticDecodeStep`` (replayed from CUDA
+graphs when ``capture_graphs``, the sampler inside them), which keep one scratch block past the block manager's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, say_once
 from spmd_rlhf.engine.routes import RouteRecorder
+from spmd_rlhf.engine.sampler import sample_on_device
 from spmd_rlhf.engine.sequence import Sequence
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
@@ -148,7 +149,7 @@ class ModelRunner:
 
     @property
     def graphs_captured(self) -> int:
-        """Decode batch sizes captured into CUDA graphs so far (0 without graphs)."""
+        """Decode steps captured into CUDA graphs so far, one per batch size and sampling kind (0 without graphs)."""
         return 0 if self._static_step is None else len(self._static_step.graphs)
 
     @property
@@ -163,27 +164,21 @@ class ModelRunner:
 
     def decodes_on_static_step(self, rows: int, widest: int) -> bool:
         """Whether a decode step of ``rows`` sequences whose block tables are at most ``widest`` blocks runs on the
-        static decode step: the only decode step that can take a token still pending on the device as its input
-        (``keep_sampled``)."""
+        static decode step: the only decode step that can take a token still pending on the device as its input."""
         step = self._static_step
         return step is not None and rows <= step.max_rows and widest <= step.max_blocks_per_seq
 
-    def keep_sampled(self, token_ids: torch.Tensor) -> None:
-        """The ids the static decode step just run sampled stay on the device as the next step's pending input."""
-        assert self._static_step is not None, "only static decode steps keep their samples"
-        self._static_step.keep_sampled(token_ids)
-
-    def run(self, seqs: list[Sequence], *, is_prefill: bool) -> torch.Tensor:
-        """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one.
-
-        A prefill step computes each sequence's tokens from ``num_cached_tokens`` on (the rest are shared prefix blocks
-        already in the cache); a decode step computes each sequence's last token.
-        """
-        assert self._key_cache is not None, "allocate_cache before run"
+    def sample_step(
+        self, seqs: list[Sequence], *, is_prefill: bool, seeds: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        """One engine step of ``seqs`` and its draw, row r keyed by ``seeds[r]`` and ``positions[r]``
+        (``sampler.sample``): the samples ``[3, rows]`` on the device (``sampler.draw``), their first ``len(seqs)``
+        columns the sequences' (a static decode step's bucket may have padding rows after them)."""
+        assert self._key_cache is not None, "allocate_cache before sample_step"
         step = self._static_step
         self.ran_static_step = not is_prefill and step is not None and step.fits(seqs)
         if self.ran_static_step:
-            return step.run(seqs)
+            return step.run(seqs, seeds=seeds, positions=positions)
         if not is_prefill and step is not None:
             say_once(
                 "decode-past-static-step",
@@ -192,6 +187,17 @@ class ModelRunner:
                 f"decode step holds {step.max_rows} rows of {step.max_blocks_per_seq} blocks",
                 device=self.device,
             )
+        logits = self.run(seqs, is_prefill=is_prefill)
+        _, samples = sample_on_device(logits, [seq.params for seq in seqs], seeds=seeds, positions=positions)
+        return samples
+
+    def run(self, seqs: list[Sequence], *, is_prefill: bool) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one, from an eager step.
+
+        A prefill step computes each sequence's tokens from ``num_cached_tokens`` on (the rest are shared prefix blocks
+        already in the cache); a decode step computes each sequence's last token.
+        """
+        assert self._key_cache is not None, "allocate_cache before run"
         assert not any(seq.token_pending for seq in seqs), "an eager step reads every input token on the host"
         token_ids: list[int] = []
         positions: list[int] = []

@@ -8,8 +8,9 @@ request's tokens depend only on its seed, its positions and its own logits: neve
 their order, preemption, or how many steps ran before. One uniform per row (where Gumbel-max needs one per
 vocabulary entry) keeps the step to a softmax, a cumulative sum and a search, which at a 151,936-token vocabulary
 is what decides the sampler's time. Only the chosen ids and their two log-probs (three [rows] vectors) reach the
-host, in one copy per step: at once (``sample``), or one step late (``sample_on_device``, whose ids stay on the
-device as the next decode step's input while ``llm_engine``'s overlapped loop reads the copy later).
+host, in one copy per step: at once (``sample``), or one step late (``llm_engine``'s overlapped loop). The draw
+itself (``draw``) takes every per-row value as a device tensor, so a CUDA graph holds it (``decode_graphs``: the
+captured decode step samples inside the graph); ``sample_on_device`` builds those tensors from ``SamplingParams``.
 
 Each chosen token comes with two log-probs:
 
@@ -69,38 +70,51 @@ def row_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> list[float]:
     ]
 
 
-def _support_floor(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor | None:
+def _support_floor(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, largest_k: int | None
+) -> torch.Tensor:
     """Per row, the smallest logit of its top-k / top-p support (tokens tied with it stay in; the best token always
-    does), or None when no row filters. Top-p applies to the distribution left after top-k. The rows are sorted only
-    when some row has top_p < 1; top-k alone takes ``torch.topk`` of the largest k.
+    does). ``top_k`` ``[rows]`` int64, 0 for no top-k; ``top_p`` ``[rows]`` in the logits' dtype, inf for no top-p.
+    Top-p applies to the distribution left after top-k. ``largest_k``: when no row has top-p, the largest k, and the
+    rows are not sorted (``torch.topk`` of that many); None sorts them, which any top-k / top-p takes.
 
     Holds at peak, when sorting: the sorted values and their int64 indices, then the sorted values, their softmax and
     its cumulative sum (16 bytes per [rows, vocab] element)."""
-    vocab_size = logits.shape[-1]
-    ks = [k if 0 < k < vocab_size else 0 for k in top_k]
-    sorts = any(p < 1 for p in top_p)
-    if not sorts and not any(ks):
-        return None
-    ranked = logits.sort(dim=-1, descending=True).values if sorts else logits.topk(max(ks), dim=-1).values
-    k = _to_device(ks, torch.int64, logits.device)
-    kth = ranked.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
-    floor = torch.where(k > 0, kth, float("-inf"))
+    sorts = largest_k is None
+    ranked = logits.sort(dim=-1, descending=True).values if sorts else logits.topk(largest_k, dim=-1).values
+    kth = ranked.gather(1, (top_k - 1).clamp(min=0)[:, None]).squeeze(1)
+    floor = torch.where(top_k > 0, kth, float("-inf"))
     if sorts:
         probs = ranked.masked_fill(ranked < floor[:, None], float("-inf")).softmax(dim=-1)
         # A token is dropped when the tokens ranked above it already reach top_p, so the best one never is.
         mass_above = probs.cumsum(dim=-1).sub_(probs)
         del probs
-        p = _to_device([p if p < 1 else float("inf") for p in top_p], logits.dtype, logits.device)
-        kept = (mass_above < p[:, None]).sum(dim=-1)
+        kept = (mass_above < top_p[:, None]).sum(dim=-1)
         floor = torch.maximum(floor, ranked.gather(1, (kept - 1)[:, None]).squeeze(1))
     return floor
+
+
+def _host_floor(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor | None:
+    """``_support_floor`` of per-row lists (``SamplingParams`` values), or None when no row filters; sorts only when
+    some row has top_p < 1."""
+    vocab_size = logits.shape[-1]
+    ks = [k if 0 < k < vocab_size else 0 for k in top_k]
+    sorts = any(p < 1 for p in top_p)
+    if not sorts and not any(ks):
+        return None
+    return _support_floor(
+        logits,
+        _to_device(ks, torch.int64, logits.device),
+        _to_device([p if p < 1 else float("inf") for p in top_p], logits.dtype, logits.device),
+        largest_k=None if sorts else max(ks),
+    )
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int | Sequence[int], top_p: float | Sequence[float]) -> torch.Tensor:
     """``logits`` [rows, vocab] with tokens outside the top-k / top-p sets set to -inf; ``top_k`` and ``top_p`` are one
     value for every row or one per row (0 and 1 keep every token)."""
     rows = logits.shape[0]
-    floor = _support_floor(
+    floor = _host_floor(
         logits,
         [top_k] * rows if isinstance(top_k, int) else top_k,
         [top_p] * rows if isinstance(top_p, float | int) else top_p,
@@ -125,30 +139,75 @@ def read_samples(rows: list[list[float]]) -> tuple[list[int], list[float], list[
     return [int(token) for token in token_row], log_prob_row, sampling_log_prob_row
 
 
+GREEDY, SAMPLED, FILTERED = 0, 1, 2
+"""Sampling kinds, each a fixed sequence of device work: every row greedy (an argmax); some row sampled, none
+filtered (softmax, cumulative sum, search); some row with top-k / top-p (its support's floor first). A batch's kind is
+the largest of its rows'."""
+
+
+def row_sampling(params: SamplingParams, vocab_size: int) -> tuple[int, float, int, float, bool]:
+    """One row's sampling as ``draw`` takes it: (kind, temperature, top_k, top_p, greedy), with top_k 0 when it keeps
+    every token and top_p inf when it keeps every token (greedy rows: temperature 1, nothing filtered)."""
+    if params.greedy:
+        return GREEDY, 1.0, 0, float("inf"), True
+    top_k = params.top_k if 0 < params.top_k < vocab_size else 0
+    top_p = params.top_p if params.top_p < 1 else float("inf")
+    return FILTERED if top_k or top_p < 1 else SAMPLED, params.temperature, top_k, top_p, False
+
+
 def sample_on_device(
     logits: torch.Tensor, params: Sequence[SamplingParams], *, seeds: Sequence[int], positions: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample``'s draw left on the logits' device, with nothing read back: the chosen ids ``[rows]`` (int64, what a
-    next decode step can take as its input) and ``samples`` ``[3, rows]`` float32 (the ids, exact up to 2^24, and
-    their two log-probs: one copy brings all three to the host).
+    next decode step can take as its input) and ``samples`` ``[3, rows]`` float32 (``draw``): the per-row parameters
+    built on the host and sent, then ``draw``."""
+    device, vocab_size = logits.device, logits.shape[-1]
+    kinds, temperature, top_k, top_p, greedy = zip(*(row_sampling(row_params, vocab_size) for row_params in params))
+    kind = max(kinds)
+    sampling = {"temperature": _to_device(list(temperature), torch.float32, device)}
+    if kind != GREEDY:
+        sampling["uniforms"] = _to_device(row_uniforms(seeds, positions), torch.float64, device)
+        if any(greedy):
+            sampling["greedy"] = _to_device(list(greedy), torch.bool, device)
+    if kind == FILTERED:
+        sampling["top_k"] = _to_device(list(top_k), torch.int64, device)
+        sampling["top_p"] = _to_device(list(top_p), torch.promote_types(logits.dtype, torch.float32), device)
+        if all(p == float("inf") for p in top_p):
+            sampling["largest_k"] = max(top_k)
+    return draw(logits, kind=kind, **sampling)
+
+
+def draw(
+    logits: torch.Tensor,
+    *,
+    kind: int,
+    temperature: torch.Tensor,
+    uniforms: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    largest_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` [rows, vocab] by the module docstring's draw, with nothing on the host: every
+    per-row value is a device tensor, so a CUDA graph can hold it (``decode_graphs``). ``kind``: the batch's
+    sampling kind; ``temperature`` ``[rows]`` float32 (1 for greedy rows); ``uniforms`` ``[rows]`` float64
+    (``row_uniforms``; any value for greedy rows); ``greedy`` ``[rows]`` bool (None: no greedy row); ``top_k``
+    int64 and ``top_p`` (the dtype of the logits divided by T) ``[rows]`` as ``row_sampling`` gives them;
+    ``largest_k`` as ``_support_floor`` takes it. Returns the chosen ids ``[rows]`` (int64) and ``samples``
+    ``[3, rows]`` float32 (the ids, exact up to 2^24, and their two log-probs: one copy brings all three to the host).
 
     Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T, the float32
     probabilities over the support and their float64 cumulative sum (16 bytes per [rows, vocab] element); greedy-only
     batches hold the float32 copy alone."""
     vocab_size = logits.shape[-1]
     assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
-    device = logits.device
-    greedy = [row_params.greedy for row_params in params]
-    temperature = [1.0 if row_params.greedy else row_params.temperature for row_params in params]
-    scaled = logits / _to_device(temperature, torch.float32, device)[:, None]  # float32 (or wider) whatever came in
+    scaled = logits / temperature[:, None]  # float32 (or wider) whatever came in
     log_normaliser = torch.logsumexp(scaled, dim=-1)
     log_support_mass = None
-    if all(greedy):
+    if kind == GREEDY:
         tokens = scaled.argmax(dim=-1)
     else:
-        top_k = [0 if row_params.greedy else row_params.top_k for row_params in params]
-        top_p = [1.0 if row_params.greedy else row_params.top_p for row_params in params]
-        floor = _support_floor(scaled, top_k, top_p)
+        floor = None if kind == SAMPLED else _support_floor(scaled, top_k, top_p, largest_k=largest_k)
         probs = (scaled - log_normaliser[:, None]).exp_()
         if floor is not None:
             probs.masked_fill_(scaled < floor[:, None], 0.0)
@@ -156,15 +215,15 @@ def sample_on_device(
         del probs
         support_mass = cumulative[:, -1]
         if floor is not None:
-            filters = [p < 1 or 0 < k < vocab_size for k, p in zip(top_k, top_p)]
             # A row that keeps every token gets log Z = 0 exactly, not the log of a float sum near 1.
-            log_support_mass = torch.where(_to_device(filters, torch.bool, device), support_mass.log(), 0.0)
-        targets = _to_device(row_uniforms(seeds, positions), torch.float64, device) * support_mass
+            filters = (top_k > 0) | (top_p < 1)
+            log_support_mass = torch.where(filters, support_mass.log(), 0.0)
+        targets = uniforms * support_mass
         # The first token whose cumulative mass passes the target: its own mass is positive, so it is in the support.
         tokens = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1).clamp_(max=vocab_size - 1)
         del cumulative, support_mass
-        if any(greedy):
-            tokens = torch.where(_to_device(greedy, torch.bool, device), scaled.argmax(dim=-1), tokens)
+        if greedy is not None:
+            tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
     # The chosen token is always in the support, so both its log-probs are finite.
     chosen_log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_normaliser
     sampling_log_probs = chosen_log_probs if log_support_mass is None else chosen_log_probs.double() - log_support_mass
