@@ -81,3 +81,26 @@ def test_slice_is_a_view_of_contiguous_rows():
     part = batch.slice(2, 5)
     assert part["answer"] == ["a2", "a3", "a4"] and part["reward"].tolist() == [2.0, 3.0, 4.0]
     assert part["reward"].data_ptr() == batch["reward"][2:].data_ptr()
+
+
+def test_tensors_moved_together_travel_as_one_buffer_and_come_back_equal():
+    """``to_device_together``'s layout (the GPU path only adds pinning and non_blocking): tensors of every dtype,
+    odd sizes, 0-dim and empty, each a view of one buffer in its own dtype and shape, equal to what went in."""
+    from spmd_rlhf.data.batch import through_one_buffer
+
+    tensors = {
+        "ids": torch.arange(7, dtype=torch.int64).view(1, 7),
+        "mask": torch.tensor([[True, False, True]]),
+        "offsets": torch.tensor([0, 3, 5], dtype=torch.int32),
+        "scores": torch.randn(3, 5)[:, 1:4],  # not contiguous
+        "half": torch.randn(5, dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4, dtype=torch.int16),
+    }
+    moved = through_one_buffer(tensors, torch.device("cpu"), pinned=False)
+    base = moved["ids"].untyped_storage().data_ptr()
+    for name, tensor in tensors.items():
+        assert moved[name].dtype == tensor.dtype and moved[name].shape == tensor.shape, name
+        assert torch.equal(moved[name], tensor), name
+        assert moved[name].untyped_storage().data_ptr() == base, name  # one buffer
+        assert moved[name].data_ptr() % 16 == 0 or tensor.numel() == 0, name

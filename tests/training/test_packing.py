@@ -195,3 +195,27 @@ def test_packed_rows_feed_no_padding_and_compute_response_logits_only():
     with torch.no_grad():
         logits = tiny_model("lm")(**micro.model_inputs(torch.device("cpu"), per_token=True))
     assert logits.shape == (micro.response_tokens, VOCAB)
+
+
+@pytest.mark.parametrize("layout", [PackedRows, PaddedRows])
+def test_a_micro_batch_moves_to_the_device_in_one_transfer(layout, monkeypatch):
+    """Its model inputs, response labels and response index reach the device together (one pinned copy on a GPU),
+    once, however many times a pass reads them."""
+    import spmd_rlhf.training.packing as packing
+
+    moves = []
+    real = packing.to_device_together
+
+    def counted(tensors, device):
+        moves.append(sorted(tensors))
+        return real(tensors, device)
+
+    monkeypatch.setattr(packing, "to_device_together", counted)
+    micro = layout(rollout_batch())
+    cpu = torch.device("cpu")
+    inputs = micro.model_inputs(cpu, per_token=True)
+    micro.response_labels(cpu), micro.device_index(cpu), micro.model_inputs(cpu, per_token=False)
+    assert len(moves) == 1 and {"labels", "index_row", "index_column", "input_ids"} <= set(moves[0])
+    assert torch.equal(micro.response_labels(cpu), rollout_batch()["responses"][micro.response_index])
+    if layout is PackedRows:
+        assert "output_positions" in inputs and "output_positions" not in micro.model_inputs(cpu, per_token=False)

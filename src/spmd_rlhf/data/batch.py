@@ -24,6 +24,37 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return tensor.to(device)
 
 
+def to_device_together(tensors: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """``tensors`` on ``device``: from the host to a GPU as one pinned, non-blocking copy of all their bytes (one
+    transfer and one pinned buffer, not one of each per tensor), each then a view of it in its own dtype and shape;
+    elsewhere each as ``to_device`` moves it."""
+    device = torch.device(device)
+    if device.type != "cuda" or all(tensor.device == device for tensor in tensors.values()):
+        return {name: to_device(tensor, device) for name, tensor in tensors.items()}
+    return through_one_buffer(tensors, device, pinned=True)
+
+
+def through_one_buffer(
+    tensors: dict[str, torch.Tensor], device: torch.device, *, pinned: bool
+) -> dict[str, torch.Tensor]:
+    """``to_device_together``'s copy: the host tensors' bytes laid end to end in one ``uint8`` buffer (each piece
+    16-byte aligned, so that it can be viewed in any dtype), pinned when ``pinned``, moved in one copy."""
+    pieces, total = {}, 0
+    for name, tensor in tensors.items():
+        start = -(-total // 16) * 16
+        pieces[name] = (start, tensor.numel() * tensor.element_size())
+        total = start + pieces[name][1]
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    for name, tensor in tensors.items():
+        start, size = pieces[name]
+        host[start : start + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    moved = host.to(device, non_blocking=pinned)
+    return {
+        name: moved[start : start + size].view(tensor.dtype).view(tensor.shape)
+        for (name, tensor), (start, size) in zip(tensors.items(), pieces.values())
+    }
+
+
 @dataclass
 class Batch:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)

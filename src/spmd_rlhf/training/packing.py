@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spmd_rlhf.data.batch import Batch, to_device
+from spmd_rlhf.data.batch import Batch, to_device_together
 
 PACKED_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
 """The fields of the rollout layout that a micro-batch reads to lay its rows out and find its response tokens."""
@@ -36,7 +36,7 @@ class MicroBatch:
         self.response_mask = rows["response_mask"].bool()
         self.response_index = self.response_mask.nonzero(as_tuple=True)
         """(row, column) of each response token, row-major: the order of every flat per-token tensor."""
-        self._device_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -45,24 +45,50 @@ class MicroBatch:
     def response_tokens(self) -> int:
         return len(self.response_index[0])
 
-    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
-        """Keyword arguments of ``DecoderLM.forward`` for these rows; ``per_token``: the head's outputs are wanted
-        per token (LM, value heads), not per sequence (score head)."""
-        raise NotImplementedError
-
     def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
         """The model's outputs at the positions that predict / value each response token: ``[response_tokens, ...]``."""
         raise NotImplementedError
 
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """Every host tensor a pass over these rows sends to the device: the model's inputs (``model_inputs``), the
+        response labels and the response index; ``on_device`` moves them in one copy."""
+        row, column = self.response_index
+        return {
+            **self._host_inputs(),
+            "labels": self.rows["responses"][self.response_index],
+            "index_row": row,
+            "index_column": column,
+        }
+
+    def _host_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's tensor inputs on the host, ``output_positions`` among them where the layout has them."""
+        raise NotImplementedError
+
+    def on_device(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """``host_tensors`` on ``device``, moved there together once (``to_device_together``: one pinned copy from
+        the host to a GPU) and kept for the micro-batch's later reads."""
+        if device not in self._on_device:
+            self._on_device[device] = to_device_together(self.host_tensors(), device)
+        return self._on_device[device]
+
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
+        """Keyword arguments of ``DecoderLM.forward`` for these rows; ``per_token``: the head's outputs are wanted
+        per token (LM, value heads), not per sequence (score head: no ``output_positions``)."""
+        moved = self.on_device(device)
+        names = [name for name in self._host_inputs() if per_token or name != "output_positions"]
+        return {name: moved[name] for name in names} | self._host_values()
+
+    def _host_values(self) -> dict[str, int]:
+        return {}
+
     def response_labels(self, device: torch.device) -> torch.Tensor:
         """The response token ids ``[response_tokens]``, in the order of ``response_outputs``."""
-        return to_device(self.rows["responses"][self.response_index], device)
+        return self.on_device(device)["labels"]
 
     def device_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``response_index`` on ``device``, copied there once for every per-token tensor of the micro-batch."""
-        if device not in self._device_index:
-            self._device_index[device] = tuple(to_device(part, device) for part in self.response_index)
-        return self._device_index[device]
+        moved = self.on_device(device)
+        return moved["index_row"], moved["index_column"]
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """Per-token ``values`` ``[response_tokens]`` as ``[rows, R]``, zero where ``response_mask`` is 0;
@@ -113,16 +139,16 @@ class PackedRows(MicroBatch):
     def total_tokens(self) -> int:
         return self.input_ids.shape[1]
 
-    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
-        inputs = {
-            "input_ids": to_device(self.input_ids, device),
-            "position_ids": to_device(self.position_ids, device),
-            "cu_seqlens": to_device(self.cu_seqlens, device),
-            "max_seqlen": self.max_seqlen,
+    def _host_inputs(self) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "cu_seqlens": self.cu_seqlens,
+            "output_positions": self.output_positions,
         }
-        if per_token:
-            inputs["output_positions"] = to_device(self.output_positions, device)
-        return inputs
+
+    def _host_values(self) -> dict[str, int]:
+        return {"max_seqlen": self.max_seqlen}
 
     def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
         # The model already ran its head at the output positions only.
@@ -169,11 +195,8 @@ class PaddedRows(MicroBatch):
     """The rows as the padded ``[rows, P + R]`` batch. ``response_outputs`` copies the response positions' outputs
     out of the full ``[rows, P + R, ...]`` outputs (for logits, ``response_tokens * vocab`` in the compute dtype)."""
 
-    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
-        return {
-            "input_ids": to_device(self.rows["input_ids"], device),
-            "attention_mask": to_device(self.rows["attention_mask"], device),
-        }
+    def _host_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows["input_ids"], "attention_mask": self.rows["attention_mask"]}
 
     def response_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
         response_length = self.response_mask.shape[1]
