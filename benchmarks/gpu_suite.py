@@ -65,7 +65,7 @@ FAST_CUDA_TESTS = (
     "tests/kernels/test_paged_attention.py::test_cuda_decode_step_through_attend_matches_the_gather_path",
     "tests/kernels/test_fused_logprob.py::test_cuda_forward_and_backward_allocate_no_float32_table",
     "tests/models/test_moe.py::test_cuda_bf16_experts_grouped_equal_looped_and_the_model_runs",
-    "tests/models/test_compile.py::test_cuda_inductor_blocks_equal_eager_in_bf16",
+    "tests/models/test_compiled_blocks.py::test_cuda_inductor_blocks_equal_eager_in_bf16",
     "tests/engine/test_overlap.py::test_overlapped_cuda_graph_loop_equals_the_synchronous_loop",
 )
 """``cuda_tests``: one test from each file that holds CUDA tests (the whole ``-m gpu`` run took 50 s on an H100)."""

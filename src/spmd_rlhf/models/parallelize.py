@@ -187,11 +187,11 @@ def compile_block(layer: torch.nn.Module, *, backend: str = "inductor") -> None:
     symbolic from the first call (``dynamic``), so packed rows of any length and sequence count reuse it, and every
     block shares it (one code object, parameters as inputs). What recompiles is the attention layout that
     ``AttentionBatch.build`` picks (per-sequence rows, one masked attention, plain causal) and the grad mode (a
-    training pass and a no-grad pass): at most 3 graphs per grad mode, 2 for packed rows (tests/models/test_compile.py
-    counts them), and one more where a block's input needs no gradient (LoRA's first block). A mixture-of-experts
-    block may break its graph: the looped expert path (where grouped GEMMs do not serve: ``moe.grouped_mm_supported``)
-    reads the expert counts on the host. ``backend``: TorchDynamo's (tests trace with ``aot_eager``, which skips
-    Inductor's code generation)."""
+    training pass and a no-grad pass): at most 3 graphs per grad mode, 2 for packed rows
+    (tests/models/test_compiled_blocks.py counts them), and one more where a block's input needs no gradient (LoRA's
+    first block). A mixture-of-experts block may break its graph: the looped expert path (where grouped GEMMs do not
+    serve: ``moe.grouped_mm_supported``) reads the expert counts on the host. ``backend``: TorchDynamo's (tests trace
+    with ``aot_eager``, which skips Inductor's code generation)."""
     layer.compile(fullgraph=not isinstance(layer.mlp, MoEBlock), dynamic=True, backend=backend)
 
 
