@@ -181,7 +181,7 @@ def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str) -> bool:
     return on_gpu and tp == 1
 
 
-def compile_block(layer: torch.nn.Module, *, backend: str = "inductor") -> None:
+def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", flash: bool = False) -> None:
     """``torch.compile`` one decoder block in place (``Module.compile``: parameter names stay Hugging Face's;
     TorchDynamo leaves FSDP2's hooks on the block to run eagerly): one graph with no break (``fullgraph``), sizes
     symbolic from the first call (``dynamic``), so packed rows of any length and sequence count reuse it, and every
@@ -190,9 +190,12 @@ def compile_block(layer: torch.nn.Module, *, backend: str = "inductor") -> None:
     training pass and a no-grad pass): at most 3 graphs per grad mode, 2 for packed rows
     (tests/models/test_compiled_blocks.py counts them), and one more where a block's input needs no gradient (LoRA's
     first block). A mixture-of-experts block may break its graph: the looped expert path (where grouped GEMMs do not
-    serve: ``moe.grouped_mm_supported``) reads the expert counts on the host. ``backend``: TorchDynamo's (tests trace
-    with ``aot_eager``, which skips Inductor's code generation)."""
-    layer.compile(fullgraph=not isinstance(layer.mlp, MoEBlock), dynamic=True, backend=backend)
+    serve: ``moe.grouped_mm_supported``) reads the expert counts on the host; so may a block on flash-attn
+    (``flash``), whose kernels TorchDynamo traces only where the installed version registers them as torch ops (not
+    tried here: flash-attn has no CPU build). ``backend``: TorchDynamo's (tests trace with ``aot_eager``, which skips
+    Inductor's code generation)."""
+    fullgraph = not isinstance(layer.mlp, MoEBlock) and not flash
+    layer.compile(fullgraph=fullgraph, dynamic=True, backend=backend)
 
 
 def parallelize(
@@ -232,7 +235,7 @@ def parallelize(
             # The layer's own forward, recomputed in the backward pass; hooks (FSDP's) stay on the module's call.
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
         if compile_layers:
-            compile_block(layer)
+            compile_block(layer, flash=model.attention_backend == "flash")
     if dp_mesh is not None:
         policy = mp_policy or MixedPrecisionPolicy()
         streamed = streamed_vocabularies(model, tp_mesh, dp_mesh, offload=offload, min_unit_bytes=min_unit_bytes)
