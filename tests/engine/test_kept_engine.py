@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_fixtures import write_hf_model
 
-from spmd_rlhf.engine import LLMEngine, SamplingParams, decode_graphs, llm_engine
+from spmd_rlhf.engine import LLMEngine, SamplingParams, decode_graphs
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
 from spmd_rlhf.models import load_model
 
@@ -41,28 +41,25 @@ def captured_addresses(step: StaticDecodeStep) -> dict[str, int]:
     return {name: tensor.data_ptr() for name, tensor in tensors.items()}
 
 
-class RecordedGraph:
-    """A CPU stand-in for a captured CUDA graph of ``step`` at ``key`` (rows, sampling kind): replays by running the
-    step again into the captured output, after checking that every address the capture read is still where it was."""
-
-    def __init__(self, step: StaticDecodeStep, key: tuple[int, int]) -> None:
-        self.step, self.key = step, key
-        step.samples[key] = step._warm_up(key)
-        self.addresses = captured_addresses(step)
-
-    def replay(self) -> None:
-        now = captured_addresses(self.step)
-        assert {name: now[name] for name in self.addresses} == self.addresses, "a captured address moved"
-        self.step.samples[self.key].copy_(self.step._step(*self.key))
-
-
 @pytest.fixture
-def recorded_graphs(monkeypatch):
-    """Engines with decode_graphs="auto" capture ``RecordedGraph``s on CPU."""
-    monkeypatch.setattr(llm_engine, "graphs_unsupported", lambda model, block_size: None)
-    monkeypatch.setattr(
-        StaticDecodeStep, "_capture", lambda step, key: step.graphs.__setitem__(key, RecordedGraph(step, key))
-    )
+def recorded_graphs(replayed_graphs, monkeypatch):
+    """``replayed_graphs`` (conftest.py) whose replays first check that every address the capture read is still where
+    it was."""
+    capture = StaticDecodeStep._capture  # the stand-in capture replayed_graphs installed
+
+    def capture_recorded(step: StaticDecodeStep, key: tuple[int, int]) -> None:
+        capture(step, key)
+        graph, addresses = step.graphs[key], captured_addresses(step)
+        replay = graph.replay
+
+        def checked_replay() -> None:
+            now = captured_addresses(step)
+            assert {name: now[name] for name in addresses} == addresses, "a captured address moved"
+            replay()
+
+        graph.replay = checked_replay
+
+    monkeypatch.setattr(StaticDecodeStep, "_capture", capture_recorded)
 
 
 def _engine(model, mode: str) -> LLMEngine:
