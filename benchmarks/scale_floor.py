@@ -215,15 +215,19 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
             parts[f"{spec.name} streamed vocabulary: one step's rows gathered + their gradient"] = 2 * streamed(spec)
         return parts
 
+    def kept_gathered(spec: RoleSpec) -> int:
+        """Parameters a role keeps gathered across micro-batches: all but a streamed vocabulary's."""
+        vocabulary_modules = 1 if spec.head != "lm" or spec.shape.tied else 2
+        streamed_parameters = vocabulary_modules * spec.shape.vocab * spec.shape.hidden if streamed(spec) else 0
+        return spec.shape.parameters(spec.head) - streamed_parameters
+
     def unsharded_accumulation(spec: RoleSpec) -> float:
         """What a trained role's update holds beyond FSDP when its units stay gathered and its gradients unsharded
         across a mini-batch's micro-batches (``models.parallelize.unsharded_accumulation_bytes``, on where it fits
         ``<role>.unsharded_accumulation_mb`` and the model is more than one unit); 0 when that is off."""
         role = getattr(config, spec.name)
         root, unit = units(spec)
-        vocabulary_modules = 1 if spec.head != "lm" or spec.shape.tied else 2
-        streamed_parameters = vocabulary_modules * spec.shape.vocab * spec.shape.hidden if streamed(spec) else 0
-        held = (spec.shape.parameters(spec.head) - streamed_parameters) * (b + GRADIENT_BYTES * (1 - 1 / devices))
+        held = kept_gathered(spec) * (b + GRADIENT_BYTES * (1 - 1 / devices))
         budget = role.unsharded_accumulation_mb
         return held if unit and (budget is None or held <= budget * 2**20) else 0
 
@@ -233,9 +237,7 @@ def design_parts(config: FrameworkConfig, *, devices: int) -> dict[str, dict[str
         one unit (``gathered``)."""
         budget = getattr(config, spec.name).forward_gather_mb
         root, unit = units(spec)
-        vocabulary_modules = 1 if spec.head != "lm" or spec.shape.tied else 2
-        streamed_parameters = vocabulary_modules * spec.shape.vocab * spec.shape.hidden if streamed(spec) else 0
-        held = (spec.shape.parameters(spec.head) - streamed_parameters) * b
+        held = kept_gathered(spec) * b
         if unit and (budget is None or 0 < held <= budget * 2**20):
             return held + streamed(spec)
         return gathered(spec)

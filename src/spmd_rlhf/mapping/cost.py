@@ -158,8 +158,13 @@ def gathers_forward_once(role: RoleSpec, layout: Layout, batch: Batch) -> bool:
     if layout.pp > 1:
         return False
     budget = role.forward_gather_mb
-    gathered = role.shape.body_parameters / layout.tp * batch.dtype_bytes
-    return budget is None or 0 < gathered <= budget * 2**20
+    return budget is None or 0 < forward_gathered_bytes(role, layout, batch) <= budget * 2**20
+
+
+def forward_gathered_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
+    """Bytes per device a forward-only call holds gathered when it keeps its blocks so: their TP shard in the compute
+    dtype (vocabulary weights left out, as in ``unsharded_accumulation_bytes``)."""
+    return role.shape.body_parameters / layout.tp * batch.dtype_bytes
 
 
 def _micro_batch(role: RoleSpec, batch: Batch) -> int:
@@ -209,7 +214,7 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     layer = layer_activation_bytes(role.shape, b) * tokens / layout.tp
     outputs = head_output_bytes(role, layout, batch, trained=role.trained)
     if not role.trained:
-        gathered = role.shape.body_parameters / layout.tp * b if gathers_forward_once(role, layout, batch) else 0.0
+        gathered = forward_gathered_bytes(role, layout, batch) if gathers_forward_once(role, layout, batch) else 0.0
         return layer + outputs + gathered
     if accumulates_unsharded(role, layout, batch):
         outputs += unsharded_accumulation_bytes(role, layout, batch)
