@@ -2,8 +2,11 @@
 used by the runtime (pools, meshes, dispatch) and by the 3D-HybridEngine (generation layouts) alike.
 
 A role's ranks are laid out as a ``(pp, dp, tp)`` grid in pool order, tp fastest, so tensor-parallel peers are
-neighbouring ranks (the same node). Everything here is plain Python so the coordinator can reason about a role's
-layout without building its ``DeviceMesh``; only the role's own ranks build the mesh.
+neighbouring ranks (the same node). Expert parallelism borrows from dp, as TorchTitan's does: ``ep`` divides dp, and
+a mixture-of-experts layer's experts are split over the ``ep`` consecutive DP ranks of a group (``dp = efsdp x ep``,
+ep fastest) and FSDP-sharded over the ``efsdp`` groups; everything else is FSDP-sharded over all of dp.
+Everything here is plain Python so the coordinator can reason about a role's layout without building its
+``DeviceMesh``; only the role's own ranks build the mesh.
 """
 
 from __future__ import annotations
@@ -38,17 +41,24 @@ class ParallelDims:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel degree, a divisor of dp (not a factor of the world size: it splits the DP ranks)."""
 
     def __post_init__(self) -> None:
-        for name in MESH_DIM_NAMES:
+        for name in (*MESH_DIM_NAMES, "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{name}={value!r} must be a positive integer")
+        if self.dp % self.ep:
+            raise ValueError(f"ParallelDims.ep={self.ep} must divide dp={self.dp} (expert parallelism splits dp)")
 
     @classmethod
-    def for_ranks(cls, num_ranks: int, *, pp: int = 1, tp: int = 1, dp: int = 0, role: str = "role") -> ParallelDims:
-        """The layout of ``num_ranks`` ranks: dp is what pp x tp leaves (``dp`` given: checked against that). Errors
-        name ``<role>.pp`` / ``.tp`` / ``.dp`` and what to change."""
+    def for_ranks(
+        cls, num_ranks: int, *, pp: int = 1, tp: int = 1, dp: int = 0, ep: int = 1, role: str = "role"
+    ) -> ParallelDims:
+        """The layout of ``num_ranks`` ranks: dp is what pp x tp leaves (``dp`` given: checked against that), split
+        into ``ep`` expert-parallel ranks. Errors name ``<role>.pp`` / ``.tp`` / ``.dp`` / ``.ep`` and what to
+        change."""
         if num_ranks % (pp * tp):
             raise ValueError(
                 f"{role}.pp={pp} x {role}.tp={tp} does not divide the {num_ranks} ranks of its pool; choose sizes "
@@ -60,7 +70,17 @@ class ParallelDims:
                 f"{role}.dp={dp} but its pool of {num_ranks} ranks with pp={pp}, tp={tp} gives dp={derived}; "
                 f"set {role}.dp=0"
             )
-        return cls(pp=pp, dp=derived, tp=tp)
+        if derived % ep:
+            raise ValueError(
+                f"{role}.ep={ep} does not divide its dp={derived} ({num_ranks} ranks / (pp={pp} x tp={tp})): expert "
+                f"parallelism splits the data-parallel ranks; choose an ep that divides {derived}"
+            )
+        return cls(pp=pp, dp=derived, tp=tp, ep=ep)
+
+    @property
+    def efsdp(self) -> int:
+        """The DP ranks that hold the same experts, over which FSDP shards them: ``dp / ep``."""
+        return self.dp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -109,3 +129,13 @@ class ParallelDims:
 
         grid = torch.tensor(ranks, dtype=torch.int).reshape(self.pp, self.dp, self.tp)
         return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIM_NAMES)
+
+    def build_expert_mesh(
+        self, mesh: torch.distributed.device_mesh.DeviceMesh
+    ) -> torch.distributed.device_mesh.DeviceMesh | None:
+        """With ``ep > 1``, the role's ``mesh`` with dp unflattened into ``("efsdp", "ep")`` (ep fastest: the same
+        ranks, dp order unchanged): a ``("pp", "efsdp", "ep", "tp")`` mesh sharing ``mesh``'s root, which FSDP needs
+        to shard the experts' ep-sharded DTensors over efsdp; None with ``ep = 1``. Collective like ``build_mesh``."""
+        if self.ep == 1:
+            return None
+        return mesh._unflatten("dp", (self.efsdp, self.ep), ("efsdp", "ep"))

@@ -165,6 +165,7 @@ BAD_COMBINATIONS = [
     (["actor.n_ranks=8", "actor.tp=3"], "actor.tp=3", "must divide actor.n_ranks=8"),
     (["actor.n_ranks=8", "actor.tp=2", "actor.pp=3"], "actor.pp=3", "must divide actor.n_ranks=8"),
     (["actor.n_ranks=8", "actor.dp=3"], "actor.dp=3", "set actor.dp=8 or 0"),
+    (["actor.n_ranks=8", "actor.tp=2", "actor.ep=8"], "actor.ep=8", "must divide actor.dp=4"),
     (["actor.n_ranks=8", "critic.n_ranks=4"], "critic.n_ranks=4", "must equal actor.n_ranks=8"),
     (["placement=manual"], "actor.pool=null", "placement=manual needs a pool"),
     (["actor.pool=gpu0"], "actor.pool=gpu0", "only used with placement=manual"),
@@ -270,7 +271,9 @@ def test_field_docs_cover_every_leaf_with_docstring_and_default() -> None:
     assert docs["critic.lr"][0] == "0.0001"  # per-role default from the section's factory
     assert docs["cost.enabled"][0] == "null"  # derived from the algorithm, so left null
     assert docs["model.tokenizer_path"][0] == "null"
-    assert docs["actor.tp"][1] == "Tensor-parallel degree."  # inherited fields find their base class's docstring
+    assert docs["actor.pp_schedule"][1].startswith(
+        "Pipeline schedule when pp > 1"
+    )  # inherited fields find their base class's docstring
 
 
 def test_every_field_has_a_docstring() -> None:

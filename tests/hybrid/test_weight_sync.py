@@ -1,7 +1,8 @@
 """The trainer-to-rollout weight sync (``hybrid.weight_sync``): bucket plans, and on 4 gloo ranks (2 training + 2
 rollout) the rollout's weights bitwise equal to the trainer's cast to the rollout dtype after every sync, from FSDP to
-a TP replica, from TP to two replicas, and from a background sender's snapshot while training goes on; a rollout of
-another model fails on both sides, naming both; a background send's failure or hang is raised by the next wait."""
+a TP replica, from TP to two replicas, from a background sender's snapshot while training goes on, and from a
+mixture-of-experts actor with its experts split over ep = 2 to whole-model replicas; a rollout of another model fails
+on both sides, naming both; a background send's failure or hang is raised by the next wait."""
 
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ def synced(tmp_path_factory):
     kwargs = dict(family="llama", hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=300)
     policy = make_tiny(out_dir=str(root / "policy"), num_layers=2, **kwargs)
     other = make_tiny(out_dir=str(root / "other"), num_layers=3, **kwargs)
+    moe = make_tiny(family="qwen3_moe", out_dir=str(root / "moe"), hidden_size=32, vocab_size=300)
     out = root / "out"
     out.mkdir()
-    finished = torchrun("weight_sync.py", str(policy), str(other), str(out), nproc=4, timeout=300)
+    finished = torchrun("weight_sync.py", str(policy), str(other), str(moe), str(out), nproc=4, timeout=300)
     assert finished.returncode == 0, finished.stdout[-4000:]
     return out
 
 
-@pytest.mark.parametrize("scenario", ["fsdp_to_tp", "tp_to_replicas", "background"])
+@pytest.mark.parametrize("scenario", ["fsdp_to_tp", "tp_to_replicas", "background", "experts_ep2"])
 def test_rollout_weights_equal_the_trainers_bitwise_after_each_sync(synced, scenario):
     """``background``: the trainer's weights as snapshotted; the send ran while they changed again."""
     for version in (0, 1):

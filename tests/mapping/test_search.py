@@ -151,14 +151,17 @@ def test_a_kept_engine_takes_memory_through_training():
     assert len(holding.sets) == 2 and holding.keep_engine
 
 
-def test_mixture_of_experts_roles_are_not_tensor_parallel_and_the_refusal_says_why():
+def test_mixture_of_experts_roles_split_over_tp_where_it_divides_the_expert_width():
+    import dataclasses
+
     from spmd_rlhf.mapping.workload import NAMED_SHAPES, RoleSpec
 
-    moe = NAMED_SHAPES["30b-a3b"]
+    moe = NAMED_SHAPES["30b-a3b"]  # 4 KV heads; experts 768 wide
     actor = RoleSpec("actor", moe, "lm", trained=True, work={"generation": ("generate",), "training": ("train",)})
-    assert {layout.tp for layout in candidate_layouts(actor, 16, Cluster(16, 8, H100), BATCH)} == {1}
-    with pytest.raises(ValueError, match="no mapping fits.*mixture-of-experts models run at tp=1"):
-        Planner([actor], Cluster(8, 8, H100), BATCH).plan()
+    assert {layout.tp for layout in candidate_layouts(actor, 16, Cluster(16, 8, H100), BATCH)} == {1, 2, 4}
+    narrow = dataclasses.replace(actor, shape=dataclasses.replace(moe, expert_intermediate=770))  # 2 divides, 4 not
+    assert {layout.tp for layout in candidate_layouts(narrow, 16, Cluster(16, 8, H100), BATCH)} == {1, 2}
+    assert Planner([actor], Cluster(16, 8, H100), BATCH).plan().best.layouts["actor"].tp > 1
 
 
 def test_a_generative_judge_holds_a_whole_replica_per_dp_rank():

@@ -168,22 +168,24 @@ def test_router_jitter_is_refused():
         args_from_hf_config(hf_config("mixtral", router_jitter_noise=0.1))
 
 
-def test_tensor_parallelism_refuses_moe_layers(tmp_path):
+def test_tensor_parallelism_checks_the_expert_widths_it_splits(tmp_path):
     write_hf_model("qwen3_moe", str(tmp_path), vocab_size=102)
     args = read_decoder_args(str(tmp_path))
     with torch.device("meta"):
         model = DecoderLM(args)
-    with pytest.raises(ValueError, match=r"^actor\.tp=2: tensor parallelism does not split the mixture-of-experts"):
-        check_tensor_parallel(model, 2, role="actor")
+    check_tensor_parallel(model, 2, role="actor")
+    odd = dataclasses.replace(args, moe=dataclasses.replace(args.moe, moe_intermediate_size=31))
     with torch.device("meta"):
-        dense_layers_only = DecoderLM(dataclasses.replace(args, moe=dataclasses.replace(args.moe, layers=())))
-    check_tensor_parallel(dense_layers_only, 2, role="actor")
+        model = DecoderLM(odd)
+    with pytest.raises(ValueError, match=r"^actor\.tp=2 does not divide the model's moe_intermediate_size=31; choose"):
+        check_tensor_parallel(model, 2, role="actor")
 
 
 def test_fsdp_on_one_and_two_ranks_loads_computes_and_saves_experts(tmp_path):
     """FSDP2 over 1 rank, and over 2 ranks that each hold half of the experts (``programs/moe_sharded.py`` checks the
-    pieces, logits and expert gradients against one process); the streamed save equals transformers' checkpoint."""
-    write_hf_model("qwen2_moe", str(tmp_path / "model"))
+    pieces, logits and expert gradients against one process); the streamed save equals transformers' checkpoint; and
+    TP over 2 ranks (Qwen2-MoE: expert widths, the shared expert) gives the same logits and every gradient."""
+    write_hf_model("qwen2_moe", str(tmp_path / "model"), vocab_size=102)  # TP splits the vocabulary
     finished = torchrun("moe_sharded.py", str(tmp_path / "model"), str(tmp_path / "out"), nproc=2, timeout=120)
     assert finished.returncode == 0, finished.stdout[-6000:]
     saved, source = load_file(f"{tmp_path}/out/model.safetensors"), load_file(f"{tmp_path}/model/model.safetensors")

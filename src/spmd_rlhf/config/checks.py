@@ -222,3 +222,7 @@ def _check_layout(config: CheckedConfig, name: str, role: RoleConfig) -> None:
         f"set {name}.dp={n_ranks // model_parallel} or 0 to derive it"
     )
     require(config, f"{name}.dp", role.dp in (0, n_ranks // model_parallel), rule)
+    ep = getattr(role, "ep", 1)  # a rollout role has none: it generates with every expert
+    dp = n_ranks // model_parallel
+    rule = f"must divide {name}.dp={dp} (expert parallelism splits the data-parallel ranks)"
+    require(config, f"{name}.ep", dp % ep == 0, rule)

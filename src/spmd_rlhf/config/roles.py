@@ -32,7 +32,13 @@ class RoleConfig:
     dp: int = 0
     """Data-parallel (FSDP) degree; 0: derived as n_ranks / (pp * tp)."""
     tp: int = 1
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (heads, MLP and expert widths, vocabulary: docs/parallelism.md)."""
+    ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts model, borrowed from dp (it must divide dp, and the model's
+    expert count): each MoE layer's experts are split over ep consecutive DP ranks (each expert's width over tp as
+    well when tp > 1), tokens sent to their experts and back by all-to-all, and FSDP shards each share over the
+    dp / ep ranks holding it; attention, norms and the vocabulary stay FSDP-sharded over all of dp. 1: every DP rank
+    runs every expert (FSDP-sharded over dp)."""
     micro_batch_size: int = 4
     """Rows (responses) per forward and backward pass of training on each data-parallel rank."""
     forward_micro_batch_size: int = 0
@@ -66,7 +72,7 @@ class RoleConfig:
         at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size", "fsdp_unit_mb")
         gathered = self.forward_gather_mb
         require(self, "forward_gather_mb", gathered is None or gathered >= 0, "must be >= 0 or null")
-        at_least(self, 1, "pp", "tp", "micro_batch_size")
+        at_least(self, 1, "pp", "tp", "ep", "micro_batch_size")
         require(self, "pool", self.pool != "", "must be a name or null")
         require(self, "pp_schedule", self.pp_schedule in ("1f1b", "gpipe"), "must be 1f1b or gpipe")
         budget = self.max_tokens_per_micro_batch

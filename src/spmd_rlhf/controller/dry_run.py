@@ -22,6 +22,7 @@ from spmd_rlhf.mapping.cost import Layout, resident_bytes, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.role_pools import place_roles
 from spmd_rlhf.mapping.workload import Batch, RoleSpec
+from spmd_rlhf.models.expert_parallel import check_expert_parallel
 from spmd_rlhf.tiny import ensure_tiny_assets
 
 
@@ -40,23 +41,29 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
     if plan:
         lines += [plan.rstrip(), ""]
     lines.append(f"# placement: {config.placement}, world size {world_size}")
-    lines.append(f"{'role':<12} {'ranks':<10} {'pp':>3} {'dp':>3} {'tp':>3} {'parameters':>14}  per-rank state")
+    lines.append(
+        f"{'role':<12} {'ranks':<10} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3} {'parameters':>14}  per-rank state"
+    )
     per_rank = [0.0] * world_size
     largest_pass = [0.0] * world_size
     for name in dataflow_of(config.algorithm.name).roles_of(config):
         (pool, dims), role = placement.roles[name], getattr(config, name)
         if name == "rollout":  # counted below with generation: its shard and KV cache
             count = models["actor"].shape.parameters("lm")
+            layout = f"{dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {dims.ep:>3}"
             lines.append(
-                f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  "
+                f"{name:<12} {_ranks(pool.ranks):<10} {layout} {count:>14,}  "
                 f"generation shard + KV cache only (the actor's weights, {config.model.dtype})"
             )
             continue
         if name not in models:  # a rule or remote reward or cost: no model
             what = f"{name}.url={role.url}" if role.kind == "remote" else f"{name}.rule={role.rule}"
-            lines.append(f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {role.kind:>14}  none ({what})")
+            lines.append(
+                f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'':>3} {role.kind:>14}  none ({what})"
+            )
             continue
         spec = models[name]
+        check_expert_parallel(spec.shape.experts or None, dims.ep, key=f"{name}.ep")  # as the real run would
         count = spec.shape.parameters(spec.head)
         if getattr(role, "kind", None) == "generative":
             state, working = _judge_bytes(role, spec, batch, dp=dims.dp, tp=dims.tp)
@@ -69,7 +76,7 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
             what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
             working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp), batch)
         lines.append(
-            f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {count:>14,}  "
+            f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {dims.ep:>3} {count:>14,}  "
             f"{_mib(state)} ({what})"
         )
         for rank in pool.ranks:

@@ -49,11 +49,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _expert_parallel(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a gathered FSDP parameter) is an expert weight split over the role's ep mesh
+    (``models.expert_parallel``)."""
+    return isinstance(tensor, DTensor) and "ep" in (tensor.device_mesh.mesh_dim_names or ())
+
+
 def _split_dim(tensor: torch.Tensor) -> int | None:
-    """The dimension a TP-sharded (unsharded-over-DP) parameter is split along, or None if it is replicated."""
+    """The dimension a TP-sharded (unsharded-over-DP) parameter is split along, or None if it is replicated over TP
+    (an expert weight's split over ep is not TP's)."""
     if isinstance(tensor, DTensor):
-        for placement in tensor.placements:
-            if placement.is_shard():
+        names = tensor.device_mesh.mesh_dim_names or ()
+        for index, placement in enumerate(tensor.placements):
+            if placement.is_shard() and (index >= len(names) or names[index] != "ep"):
                 return placement.dim % tensor.ndim
     return None
 
@@ -167,21 +175,34 @@ class HybridEngine:
                 if id(param) in streams:  # a tied vocabulary sharded over dp outside FSDP: gathered whole here
                     streams[id(param)].gather_into(param.to_local(), targets[full])
                     continue
+                local = _local(param)
+                if _expert_parallel(param):
+                    # Each ep rank's experts laid end to end: all of them, as the generation copy holds them (then
+                    # still split over tp as in training, for the micro-DP gather below when tp_g < tp).
+                    ep_group = param.device_mesh.get_group(param.device_mesh.mesh_dim_names.index("ep"))
+                    direct = dim is None or self.micro_dp_group is None
+                    whole = (
+                        targets[full]
+                        if direct
+                        else local.new_empty((local.shape[0] * ep_group.size(), *local.shape[1:]))
+                    )
+                    all_gather_flat(whole.view(-1), local.to(whole.dtype).reshape(-1), group=ep_group)
+                    if direct:
+                        continue
+                    local = whole
                 if is_adapter(name):
-                    shape = list(_local(param).shape)
+                    shape = list(local.shape)
                     if dim is not None and self.micro_dp_group is not None:
                         shape[dim] *= self.layout.micro_dp
-                    destinations[full] = _local(param).new_empty(shape)
+                    destinations[full] = local.new_empty(shape)
                     adapters.append(full)
                 else:
                     destinations[full] = targets[full]
-                if dim is None:
-                    destinations[full].copy_(_local(param))
-                elif self.micro_dp_group is None:
-                    destinations[full].copy_(_local(param))
+                if dim is None or self.micro_dp_group is None:
+                    destinations[full].copy_(local)
                 else:
-                    sharded.append((full, _local(param).shape, dim))
-                    locals_.append(_local(param).reshape(-1))
+                    sharded.append((full, local.shape, dim))
+                    locals_.append(local.reshape(-1))
         flat = torch.cat(locals_) if locals_ else None
         del locals_
         unit[0][0].reshard()  # FSDP's gathered buffers go before the micro-DP gather allocates its own

@@ -33,7 +33,12 @@ def place_roles(config: FrameworkConfig, world_size: int) -> Placement:
     roles = {}
     for name, pool in role_pools(config, world_size).items():
         role = getattr(config, name)
-        roles[name] = (pool, ParallelDims.for_ranks(len(pool), pp=role.pp, tp=role.tp, dp=role.dp, role=name))
+        roles[name] = (
+            pool,
+            ParallelDims.for_ranks(
+                len(pool), pp=role.pp, tp=role.tp, dp=role.dp, ep=getattr(role, "ep", 1), role=name
+            ),  # a rollout role has no ep: it holds every expert
+        )
     return Placement(config, roles, plan)
 
 

@@ -102,13 +102,16 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
     micro-batches; tp_g dividing tp."""
     shape = role.shape
     sizes = [shape.heads, shape.kv_heads, shape.intermediate] + ([shape.vocab] if role.head == "lm" else [])
+    if shape.experts:  # tensor parallelism splits each expert's width too (and a shared expert's)
+        sizes += [shape.expert_intermediate] + (
+            [shape.shared_expert_intermediate] * bool(shape.shared_expert_intermediate)
+        )
     micro = role.micro_batch_size or batch.micro_batch_size
     mini = role.mini_batch_size or batch.mini_batch_size or batch.rows
     generates = any("generate" in work for work in role.work.values())
     layouts = []
     for tp in _divisors(devices):
-        # Tensor parallelism does not split mixture-of-experts layers (models.parallelize refuses it).
-        if tp > cluster.gpus_per_node or any(size % tp for size in sizes) or (shape.experts and tp > 1):
+        if tp > cluster.gpus_per_node or any(size % tp for size in sizes):
             continue
         for pp in _divisors(devices // tp):
             if pp > shape.layers or (pp > 1 and role.head == "lm" and shape.tied) or (pp > 1 and role.judge_tokens):
@@ -271,12 +274,6 @@ class Planner:
                     ", or rollout.keep_engine=false (the kept generation copy and KV cache take memory through "
                     "training)"
                     if self.batch.keep_engine
-                    else ""
-                )
-                + (
-                    " (mixture-of-experts models run at tp=1 and generate with the whole model on each rank until "
-                    "expert parallelism lands)"
-                    if any(role.shape.experts for role in self.roles.values())
                     else ""
                 )
             )

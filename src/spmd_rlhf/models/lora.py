@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+from spmd_rlhf.collectives import sum_gradient_over, sum_over
 from spmd_rlhf.config import LoRAConfig, format_value
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.shard_pieces import local_piece
@@ -75,35 +76,6 @@ def layer_splits() -> dict[str, str]:
     }
 
 
-class _SumGradientOverGroup(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over ``group`` (Megatron's ``f``)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """Sum over ``group`` forward; identity backward, the gradient being the same on every rank (Megatron's ``g``)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        total = tensor.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -126,7 +98,7 @@ class _AdapterHook:
         x = F.dropout(x, self.adapters.config.dropout, training=module.training)
         hidden = F.linear(x, lora_a)
         if self.group is not None:
-            hidden = (_SumGradientOverGroup if self.split == "column" else _SumOverGroup).apply(hidden, self.group)
+            hidden = (sum_gradient_over if self.split == "column" else sum_over)(hidden, self.group)
         return output + (F.linear(hidden, lora_b) * self.scale).to(output.dtype)
 
 

@@ -183,16 +183,22 @@ class Experts(nn.Module):
             return self.grouped_mm
         return grouped_mm_supported(x, self.hidden_size, self.intermediate_size)
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gate, up and down weights of the experts this module runs (all of them here; this rank's share under
+        expert parallelism)."""
+        return self.gate_proj, self.up_proj, self.down_proj
+
     def _grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0).to(torch.int32)
-        gate = torch._grouped_mm(routed, self.gate_proj.transpose(-2, -1), offs=ends)
-        up = torch._grouped_mm(routed, self.up_proj.transpose(-2, -1), offs=ends)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=ends)
+        gate_proj, up_proj, down_proj = self.expert_weights()
+        gate = torch._grouped_mm(routed, gate_proj.transpose(-2, -1), offs=ends)
+        up = torch._grouped_mm(routed, up_proj.transpose(-2, -1), offs=ends)
+        return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=ends)
 
     def _looped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         pieces = routed.split(counts.tolist())  # the per-expert counts on the host: this path's one sync
         # unbind, not indexing per expert: each index's backward would write a whole [E, ...] zero gradient.
-        weights = zip(self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0))
+        weights = zip(*(weight.unbind(0) for weight in self.expert_weights()))
         return torch.cat(
             [
                 F.linear(F.silu(F.linear(piece, gate)) * F.linear(piece, up), down)

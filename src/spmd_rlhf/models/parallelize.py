@@ -26,18 +26,26 @@ from torch.utils.checkpoint import checkpoint
 
 from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.expert_parallel import check_expert_parallel, shard_experts
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
 from spmd_rlhf.models.moe import MoEBlock
 from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary, vocabulary_stream
-from spmd_rlhf.models.tp_plan import DECODER_LAYER_PLAN
+from spmd_rlhf.models.tp_plan import DECODER_LAYER_PLAN, HEAD_NORM_PLAN, SHARED_EXPERT_PLAN
 
 logger = logging.getLogger(__name__)
 
 
 def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, ParallelStyle]:
-    """Module name (``*`` = any layer) -> parallel style, for the parts ``model`` has (a pipeline stage may lack the
-    embedding or the head)."""
-    plan: dict[str, ParallelStyle] = dict(DECODER_LAYER_PLAN)
+    """Module name -> parallel style, for the parts ``model`` has: each layer's entries of the layer plans whose
+    module the layer holds (a mixture-of-experts layer has no dense MLP, only some have a shared expert, only
+    ``qk_norm`` models per-head norms), the embedding and the head (a pipeline stage may lack them)."""
+    plan: dict[str, ParallelStyle] = {}
+    layer_plans = {**DECODER_LAYER_PLAN, **SHARED_EXPERT_PLAN, **HEAD_NORM_PLAN}
+    for index, layer in model.model.layers.items():
+        for key, style in layer_plans.items():
+            name = key.removeprefix("model.layers.*.")
+            if _has_submodule(layer, name):
+                plan[f"model.layers.{index}.{name}"] = style
     if model.model.embed_tokens is not None:
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if getattr(model, "lm_head", None) is not None:
@@ -45,21 +53,28 @@ def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, 
     return plan
 
 
+def _has_submodule(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def check_tensor_parallel(model: DecoderLM, tp: int, *, role: str) -> None:
-    """Raise a ``ValueError`` naming the fix when ``tp`` does not divide the sizes it splits, or the model has
-    mixture-of-experts layers (the TP plan has no split for their experts and router)."""
+    """Raise a ``ValueError`` naming the fix when ``tp`` does not divide the sizes it splits (with mixture-of-experts
+    layers, the experts' and the shared expert's intermediate widths too)."""
     args = model.args
-    if args.moe is not None and args.moe.layers:
-        raise ValueError(
-            f"{role}.tp={tp}: tensor parallelism does not split the mixture-of-experts layers of this "
-            f"{args.family} model yet; use {role}.tp=1"
-        )
     sizes = {
         "num_attention_heads": args.num_heads,
         "num_key_value_heads": args.num_kv_heads,
         "intermediate_size": args.intermediate_size,
         "vocab_size": args.vocab_size,
     }
+    if args.moe is not None and args.moe.layers:
+        sizes["moe_intermediate_size"] = args.moe.moe_intermediate_size
+        if args.moe.shared_expert_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = args.moe.shared_expert_intermediate_size
     for name, size in sizes.items():
         if size % tp:
             raise ValueError(f"{role}.tp={tp} does not divide the model's {name}={size}; choose a tp that divides it")
@@ -144,14 +159,13 @@ def streamed_vocabularies(
     return [group for group in groups if _local_bytes(group[0]) >= min_unit_bytes]
 
 
-def unsharded_accumulation_bytes(
-    model: DecoderLM, *, dp: int, compute_dtype: torch.dtype, gradients: bool = True
-) -> int:
+def unsharded_accumulation_bytes(model: DecoderLM, *, compute_dtype: torch.dtype, gradients: bool = True) -> int:
     """Bytes per rank that keeping the parallelized ``model`` gathered, with its gradients unsharded, across a
     mini-batch's micro-batches holds beyond what FSDP holds: each parameter's TP shard in ``compute_dtype`` and, for
-    the trained ones, its float32 gradient (FSDP accumulates unsharded gradients in the reduce dtype) less the 1/dp of
-    it that FSDP's sharded gradient holds anyway. Streamed vocabulary weights are left out: they gather and reduce
-    one step of rows at a time whatever FSDP does. ``gradients=False``: the parameters only (a forward-only call
+    the trained ones, its float32 gradient (FSDP accumulates unsharded gradients in the reduce dtype) less the share
+    of it that FSDP's sharded gradient holds anyway (1/dp; 1/efsdp of an expert share, which ep keeps sharded).
+    Streamed vocabulary weights are left out: they gather and reduce one step of rows at a time whatever FSDP
+    does. ``gradients=False``: the parameters only (a forward-only call
     that keeps them gathered)."""
     streamed = {
         id(param)
@@ -163,11 +177,13 @@ def unsharded_accumulation_bytes(
     for param in model.parameters():
         if id(param) in streamed:
             continue
-        # FSDP shards dim 0 over dp: the local piece times dp is the TP shard (up to FSDP's padding).
-        elements = (param.to_local() if isinstance(param, DTensor) else param).numel() * dp
+        # FSDP shards dim 0 over its mesh, the first of the parameter's (dp; efsdp for an expert-parallel one): the
+        # local piece times its size is what FSDP gathers (up to its padding).
+        sharded_over = param.device_mesh.size(0) if isinstance(param, DTensor) else 1
+        elements = (param.to_local() if isinstance(param, DTensor) else param).numel() * sharded_over
         held += elements * compute_dtype.itemsize
         if gradients and param.requires_grad:
-            held += elements * 4 * (1 - 1 / dp)
+            held += elements * 4 * (1 - 1 / sharded_over)
     return int(held)
 
 
@@ -203,6 +219,9 @@ def parallelize(
     *,
     tp_mesh: DeviceMesh | None,
     dp_mesh: DeviceMesh | None,
+    ep_mesh: DeviceMesh | None = None,
+    efsdp_mesh: DeviceMesh | None = None,
+    ep_tp_mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     gather_logits: bool = False,
     activation_checkpointing: bool = False,
@@ -212,9 +231,12 @@ def parallelize(
     role: str = "model",
     lora: LoRAConfig | None = None,
 ) -> LoRAAdapters | None:
-    """Apply TP over ``tp_mesh`` (skipped when None or of size 1), LoRA adapters split like their layers when
+    """Apply TP over ``tp_mesh`` (skipped when None or of size 1), expert parallelism over ``ep_mesh`` (skipped
+    when None or of size 1: ``shard_experts``; with both, the experts split over ``ep_tp_mesh``, the ``(ep, tp)``
+    slice of the role's mesh), LoRA adapters split like their layers when
     ``lora`` is on (returned; None otherwise), activation checkpointing and ``torch.compile`` of
-    each decoder layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None); ``offload``: FSDP2's
+    each decoder layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None), the experts' shares over
+    ``efsdp_mesh`` (``dp = efsdp x ep``, one root mesh: ``ParallelDims.build_mesh``); ``offload``: FSDP2's
     ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, each block copied to the device
     for its forward and backward); ``min_unit_bytes``: how ``fsdp_units`` groups layers.
 
@@ -224,11 +246,22 @@ def parallelize(
     its embedding's gradient sparse, added into the head's dense one in place. Neither checkpointing nor
     compiling wraps a layer in another module, so parameter names stay Hugging Face's.
     """
-    if tp_mesh is not None and tp_mesh.size() > 1:
+    tensor_parallel = tp_mesh is not None and tp_mesh.size() > 1
+    if tensor_parallel:
         check_tensor_parallel(model, tp_mesh.size(), role=role)
         parallelize_module(model, tp_mesh, tensor_parallel_plan(model, gather_logits=gather_logits))
         if model.model.embed_tokens is not None and getattr(model, "lm_head", None) is not None:
             model.tie_weights()
+    expert_parallel = ep_mesh is not None and ep_mesh.size() > 1
+    if expert_parallel:
+        moe = model.args.moe
+        experts = moe.num_experts if moe is not None and moe.layers else None
+        check_expert_parallel(experts, ep_mesh.size(), key=f"{role}.ep")
+    if expert_parallel and tensor_parallel:
+        assert ep_tp_mesh is not None, "expert and tensor parallelism split the experts over the (ep, tp) mesh"
+        shard_experts(model, ep_tp_mesh, split=("ep", "tp"))
+    elif expert_parallel or tensor_parallel:
+        shard_experts(model, ep_mesh if expert_parallel else tp_mesh, split=("ep",) if expert_parallel else ("tp",))
     adapters = apply_lora(model, lora, tp_mesh=tp_mesh) if lora is not None and lora.enabled else None
     for layer in model.model.layers.values():
         if activation_checkpointing:
@@ -251,6 +284,18 @@ def parallelize(
             # added into the head's in place, so the whole-vocabulary gradient exists once, not twice.
             model.model.embed_tokens.sparse = True
         offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+        if expert_parallel:
+            for block in model.modules():
+                if isinstance(block, MoEBlock):
+                    # Their own unit, inside their layer's, sharded over efsdp: each share's gradient sums every DP
+                    # rank's tokens (the all-to-all's backward brings them), so it is averaged over all of dp, as the
+                    # other parameters are, not over efsdp.
+                    fully_shard(block.experts, mesh=efsdp_mesh, mp_policy=policy, offload_policy=offload_policy)
+                    block.experts.set_gradient_divide_factor(float(dp_mesh.size()))
+                    if efsdp_mesh.device_type == "cpu" and efsdp_mesh.size() > 1:
+                        # gloo has no pre-scaled sum (NCCL's PREMUL_SUM): a sum, then the division. (Not on one
+                        # rank, where FSDP divides without communicating and would divide again after.)
+                        block.experts.set_force_sum_reduction_for_comms(True)
         for module in fsdp_units(model, min_unit_bytes, streamed=streamed):
             fully_shard(module, mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy)
         fully_shard(

@@ -201,6 +201,7 @@ class Executor:
 
     def _spawn(self, command: Spawn) -> None:
         mesh = command.dims.build_mesh(command.ranks, self.device.type)
+        expert_mesh = command.dims.build_expert_mesh(mesh)
         args, kwargs = pickle.loads(command.arguments)
         # Every role gets a group over all its ranks (checkpoints, role-wide reductions).
         groups = {"role": dist.new_group(sorted(command.ranks))}
@@ -215,7 +216,9 @@ class Executor:
                     groups[name] = group
         if self.rank not in command.ranks:
             return None
-        context = RoleContext(command.role, command.dims, command.ranks, self.rank, mesh, self.device, groups)
+        context = RoleContext(
+            command.role, command.dims, command.ranks, self.rank, mesh, self.device, groups, expert_mesh
+        )
         self.roles[command.role] = command.role_class(context, *args, **kwargs)
         return None
 

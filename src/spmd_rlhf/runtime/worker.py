@@ -32,6 +32,9 @@ class RoleContext:
     """``"role"``: all the role's ranks; plus the groups the role class declared with a ``process_groups(dims,
     ranks, *args, **kwargs)`` static method returning ``{name: [ranks of each group]}``: for each name, the group
     this rank belongs to."""
+    expert_mesh: DeviceMesh | None = None
+    """With ``dims.ep > 1``: the ``("pp", "efsdp", "ep", "tp")`` mesh over the same ranks
+    (``ParallelDims.build_expert_mesh``)."""
 
     @property
     def role_rank(self) -> int:

@@ -105,10 +105,14 @@ class ShardedModel:
         model = split_stage(model, stage=coordinates.pp, pp=dims.pp, role=name)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         on_gpu = self.device.type == "cuda"
+        experts = context.expert_mesh
         self.adapters = parallelize(
             model,
             tp_mesh=self.mesh["tp"],
             dp_mesh=self.mesh["dp"],
+            ep_mesh=experts["ep"] if experts is not None else None,
+            efsdp_mesh=experts["efsdp"] if experts is not None else None,
+            ep_tp_mesh=experts["ep", "tp"] if experts is not None and dims.tp > 1 else None,
             mp_policy=policy,
             role=name,
             lora=self.lora,
@@ -131,14 +135,14 @@ class ShardedModel:
         has_units = any(isinstance(module, FSDPModule) for module in model.modules() if module is not model)
         if self.accumulate_unsharded and has_units:
             budget = getattr(role_config, "unsharded_accumulation_mb", 0.0)
-            held = unsharded_accumulation_bytes(model, dp=dims.dp, compute_dtype=compute_dtype)
+            held = unsharded_accumulation_bytes(model, compute_dtype=compute_dtype)
             self.accumulate_unsharded = not offloaded and (budget is None or held <= budget * 2**20)
         self.gather_forward = False
         """Forward-only calls keep every FSDP unit gathered from their first micro-batch to their end: one gather per
         unit per call (``<role>.forward_gather_mb``)."""
         if has_units and dims.pp == 1 and not offloaded:
             budget = role_config.forward_gather_mb
-            held = unsharded_accumulation_bytes(model, dp=dims.dp, compute_dtype=compute_dtype, gradients=False)
+            held = unsharded_accumulation_bytes(model, compute_dtype=compute_dtype, gradients=False)
             self.gather_forward = budget is None or 0 < held <= budget * 2**20
         if not trainable:
             model.requires_grad_(False)

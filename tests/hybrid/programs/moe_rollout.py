@@ -5,6 +5,11 @@ elsewhere than training would, as tiny numeric differences do).
 
     torchrun --nproc-per-node 2 moe_rollout.py POLICY_DIR OUT_DIR
 
+Two cases run again with the experts split over the two ranks (``actor.ep=2``), keyed ``ep2/<mode>:<perturbation>``:
+the generation copy gathers each rank's experts into whole expert tensors; and the exact case with each expert's width
+split over ``actor.tp=2``, generating at ``rollout.tp=1`` (``tp2/``: the micro-DP gather joins the two halves) and at
+``rollout.tp=2`` (``tp2g2/``: the engine runs tensor-parallel experts).
+
 Writes per case ``<mode>:<perturbation>`` the largest |rollout - recomputed| log-prob difference over response tokens,
 the actor's ``rollout/log_prob_diff_max``, the routes' dtype, and whether an update ran; for ``off:0`` the largest
 |generation copy - checkpoint| over the parameters (3-D experts included); for ``recompute`` the largest difference
@@ -16,6 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.config import load_config
 from spmd_rlhf.data import Batch
@@ -70,13 +76,18 @@ class InspectedActor(ActorWorker):
         """The largest difference between the kept generation copy's parameters and the checkpoint's, and the names
         of the 3-D parameters it holds whole."""
         reference = dict(load_model(policy_dir).named_parameters())
-        generation = dict(self.hybrid._kept.named_parameters())
+        generation = {
+            name: param.full_tensor() if isinstance(param, DTensor) else param
+            for name, param in self.hybrid._kept.named_parameters()
+        }
         assert generation.keys() == reference.keys()
         largest = max(float((generation[name] - reference[name]).abs().max().detach()) for name in reference)
         return {"max_difference": largest, "expert_tensors": sorted(n for n, p in generation.items() if p.ndim == 3)}
 
 
-def run_case(coordinator, policy_dir: str, mode: str, perturbation: float) -> dict:
+def run_case(
+    coordinator, policy_dir: str, mode: str, perturbation: float, *, ep: int = 1, tp: int = 1, rollout_tp: int = 1
+) -> dict:
     config = load_config(
         None,
         [
@@ -94,14 +105,17 @@ def run_case(coordinator, policy_dir: str, mode: str, perturbation: float) -> di
             "actor.mini_batch_size=16",
             "actor.micro_batch_size=4",
             "actor.fsdp_unit_mb=0",
+            f"actor.tp={tp}",
+            f"rollout.tp={rollout_tp}",
         ],
     )
-    name = f"actor_{mode}_{int(perturbation * 100)}"
-    actor = coordinator.spawn(InspectedActor, config, name=name, pool=ResourcePool([0, 1]), dims=ParallelDims(dp=2))
+    name = f"actor_ep{ep}_tp{tp}_g{rollout_tp}_{mode}_{int(perturbation * 100)}"
+    dims = ParallelDims(dp=2 // tp, ep=ep, tp=tp)
+    actor = coordinator.spawn(InspectedActor, config, name=name, pool=ResourcePool([0, 1]), dims=dims)
     actor.set_perturbation(perturbation).result()
     rollout = actor.generate_sequences(prompts_batch(300)).result()
     result = {}
-    if mode == "off" and not perturbation:
+    if mode == "off" and not perturbation:  # (with ep=2 too: each rank's experts gathered whole)
         result["generation_copy"] = actor.generation_copy_difference(policy_dir).result()
     old = actor.compute_log_probs(rollout).result()
     rows, recomputed = rollout.fetch(), old.fetch()
@@ -122,7 +136,8 @@ def run_case(coordinator, policy_dir: str, mode: str, perturbation: float) -> di
         tokens=int(mask.sum()),
         updated=all(torch.isfinite(torch.tensor(m["actor/loss"])) for m in metrics),
     )
-    print(f"router_replay={mode} perturbation={perturbation}: rollout/log_prob_diff_max={result['metric']:.3g}")
+    case = f"ep={ep} tp={tp} rollout.tp={rollout_tp} router_replay={mode} perturbation={perturbation}"
+    print(f"{case}: rollout/log_prob_diff_max={result['metric']:.3g}")
     return result
 
 
@@ -133,6 +148,10 @@ def main(coordinator):
         for perturbation in (0.0, PERTURBATION)
         for mode in ("off", "rollout", "recompute")
     }
+    for mode, perturbation in (("off", 0.0), ("rollout", PERTURBATION)):
+        results[f"ep2/{mode}:{perturbation}"] = run_case(coordinator, policy_dir, mode, perturbation, ep=2)
+    results["tp2/off:0.0"] = run_case(coordinator, policy_dir, "off", 0.0, tp=2)
+    results["tp2g2/off:0.0"] = run_case(coordinator, policy_dir, "off", 0.0, tp=2, rollout_tp=2)
     with open(f"{out_dir}/results.json", "w") as handle:
         json.dump(results, handle)
 

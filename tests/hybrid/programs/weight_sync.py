@@ -3,9 +3,11 @@ two syncs (the second after the trainer's weights change), then every side write
 trainer's masters cast to the rollout dtype (rank 0) and what each rollout rank reassembles from its shards; and the
 largest tensor any actor rank made during a sync. Then the same from a background sender: the actor snapshots its
 shards, changes its weights and runs the training group's collectives while a thread sends the snapshot; the rollout
-must hold the snapshot. Last, a rollout built from another model: both sides fail, naming both.
+must hold the snapshot. ``experts_ep2``: a mixture-of-experts actor whose experts are split over its two ranks
+(``ep = 2``) syncing into two whole-model replicas. Last, a rollout built from another model: both sides fail, naming
+both.
 
-    torchrun --nproc-per-node 4 weight_sync.py POLICY_DIR OTHER_MODEL_DIR OUT_DIR
+    torchrun --nproc-per-node 4 weight_sync.py POLICY_DIR OTHER_MODEL_DIR MOE_POLICY_DIR OUT_DIR
 """
 
 import json
@@ -38,6 +40,7 @@ SCENARIOS = {
     "fsdp_to_tp": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
     "tp_to_replicas": (ParallelDims(dp=1, tp=2), ParallelDims(dp=2, tp=1)),
     "background": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
+    "experts_ep2": (ParallelDims(dp=2, ep=2), ParallelDims(dp=2, tp=1)),
 }
 ROLLOUT_DTYPE = torch.bfloat16
 BUCKET_BYTES = 16_384  # a few parameters per bucket, so the plan has many buckets and a tensor larger than one
@@ -103,12 +106,14 @@ def send_in_background(model, sides, rank, actor_group, snapshot_group, version)
 
 
 def main() -> None:
-    policy, other, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    dense, other, moe, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     report = {}
     for scenario, (actor_dims, rollout_dims) in SCENARIOS.items():
+        policy = moe if actor_dims.ep > 1 else dense
         actor_mesh = actor_dims.build_mesh(ACTOR, "cpu")
+        experts_mesh = actor_dims.build_expert_mesh(actor_mesh)
         rollout_mesh = rollout_dims.build_mesh(ROLLOUT, "cpu")
         sync_group = dist.new_group(sync_group_ranks(ACTOR, ROLLOUT))
         actor_group = dist.new_group(list(ACTOR))
@@ -120,6 +125,8 @@ def main() -> None:
                 model,
                 tp_mesh=actor_mesh["tp"],
                 dp_mesh=actor_mesh["dp"],
+                ep_mesh=experts_mesh["ep"] if experts_mesh is not None else None,
+                efsdp_mesh=experts_mesh["efsdp"] if experts_mesh is not None else None,
                 mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
             )
             load_weights(model, policy, device="cpu")
@@ -168,9 +175,9 @@ def main() -> None:
     sides = SyncSides(ACTOR[0], ROLLOUT, sync_group if rank in (ACTOR[0], *ROLLOUT) else None, timeout_s=120.0)
     try:
         if rank in ACTOR:
-            model = build_model(policy, dtype=torch.float32)
+            model = build_model(dense, dtype=torch.float32)
             parallelize(model, tp_mesh=actor_mesh["tp"], dp_mesh=actor_mesh["dp"])
-            load_weights(model, policy, device="cpu")
+            load_weights(model, dense, device="cpu")
             send_weights(
                 trainer_parameters(model),
                 sides=sides,
