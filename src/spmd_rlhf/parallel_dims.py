@@ -4,7 +4,9 @@ used by the runtime (pools, meshes, dispatch) and by the 3D-HybridEngine (genera
 A role's ranks are laid out as a ``(pp, dp, tp)`` grid in pool order, tp fastest, so tensor-parallel peers are
 neighbouring ranks (the same node). Expert parallelism borrows from dp, as TorchTitan's does: ``ep`` divides dp, and
 a mixture-of-experts layer's experts are split over the ``ep`` consecutive DP ranks of a group (``dp = efsdp x ep``,
-ep fastest) and FSDP-sharded over the ``efsdp`` groups; everything else is FSDP-sharded over all of dp.
+ep fastest) and FSDP-sharded over the ``efsdp`` groups; everything else is FSDP-sharded over all of dp. Context
+parallelism borrows from dp too: the ``cp`` consecutive DP ranks of a group keep their own rows (as DP ranks) and run
+every micro-batch of the group together, each a chunk of its packed row (``training.context_parallel``).
 Everything here is plain Python so the coordinator can reason about a role's layout without building its
 ``DeviceMesh``; only the role's own ranks build the mesh.
 """
@@ -43,18 +45,21 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     """Expert-parallel degree, a divisor of dp (not a factor of the world size: it splits the DP ranks)."""
+    cp: int = 1
+    """Context-parallel degree, a divisor of dp (like ep, it groups DP ranks)."""
 
     def __post_init__(self) -> None:
-        for name in (*MESH_DIM_NAMES, "ep"):
+        for name in (*MESH_DIM_NAMES, "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{name}={value!r} must be a positive integer")
-        if self.dp % self.ep:
-            raise ValueError(f"ParallelDims.ep={self.ep} must divide dp={self.dp} (expert parallelism splits dp)")
+        for name in ("ep", "cp"):
+            if self.dp % getattr(self, name):
+                raise ValueError(f"ParallelDims.{name}={getattr(self, name)} must divide dp={self.dp} (it splits dp)")
 
     @classmethod
     def for_ranks(
-        cls, num_ranks: int, *, pp: int = 1, tp: int = 1, dp: int = 0, ep: int = 1, role: str = "role"
+        cls, num_ranks: int, *, pp: int = 1, tp: int = 1, dp: int = 0, ep: int = 1, cp: int = 1, role: str = "role"
     ) -> ParallelDims:
         """The layout of ``num_ranks`` ranks: dp is what pp x tp leaves (``dp`` given: checked against that), split
         into ``ep`` expert-parallel ranks. Errors name ``<role>.pp`` / ``.tp`` / ``.dp`` / ``.ep`` and what to
@@ -70,12 +75,13 @@ class ParallelDims:
                 f"{role}.dp={dp} but its pool of {num_ranks} ranks with pp={pp}, tp={tp} gives dp={derived}; "
                 f"set {role}.dp=0"
             )
-        if derived % ep:
-            raise ValueError(
-                f"{role}.ep={ep} does not divide its dp={derived} ({num_ranks} ranks / (pp={pp} x tp={tp})): expert "
-                f"parallelism splits the data-parallel ranks; choose an ep that divides {derived}"
-            )
-        return cls(pp=pp, dp=derived, tp=tp, ep=ep)
+        for name, size in (("ep", ep), ("cp", cp)):
+            if derived % size:
+                raise ValueError(
+                    f"{role}.{name}={size} does not divide its dp={derived} ({num_ranks} ranks / (pp={pp} x tp={tp})): "
+                    f"it splits the data-parallel ranks; set {role}.{name} to a divisor of {derived}"
+                )
+        return cls(pp=pp, dp=derived, tp=tp, ep=ep, cp=cp)
 
     @property
     def efsdp(self) -> int:
@@ -139,3 +145,13 @@ class ParallelDims:
         if self.ep == 1:
             return None
         return mesh._unflatten("dp", (self.efsdp, self.ep), ("efsdp", "ep"))
+
+    def build_context_group(
+        self, mesh: torch.distributed.device_mesh.DeviceMesh
+    ) -> torch.distributed.ProcessGroup | None:
+        """With ``cp > 1``, this rank's context-parallel group: the ``cp`` consecutive DP ranks (same pp and tp) that
+        run each other's micro-batches together; None with ``cp = 1``. Collective like ``build_mesh``."""
+        if self.cp == 1:
+            return None
+        view = mesh._unflatten("dp", (self.dp // self.cp, self.cp), ("dp_outer", "cp"))
+        return view["cp"].get_group() if mesh.get_coordinate() is not None else None

@@ -57,7 +57,7 @@ def test_dry_run_prints_the_plan_and_launches_nothing(name, workdir, preloaded):
     assert f"name: {name}" in shown.stdout  # the resolved config
     assert "# placement: colocate, world size 4" in shown.stdout
     actor = next(line for line in shown.stdout.splitlines() if line.startswith("actor "))
-    assert actor.split()[2:6] == ["1", "2", "2", "1"]  # pp dp tp ep
+    assert actor.split()[2:7] == ["1", "2", "2", "1", "1"]  # pp dp tp ep cp
     assert [line.split(":")[0] for line in shown.stdout.splitlines() if line.startswith("rank ")] == [
         f"rank {r}" for r in range(4)
     ]

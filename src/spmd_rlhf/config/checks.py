@@ -184,12 +184,12 @@ def _check_kv_cache(config: CheckedConfig) -> None:
 def _check_token_budgets(config: CheckedConfig) -> None:
     longest = config.data.max_prompt_length + config.rollout.response_length
     for name, role in config.enabled_roles().items():
-        budget = role.max_tokens_per_micro_batch
-        rule = (
-            f"must hold the longest row, data.max_prompt_length + {config.rollout.response_length_keys} = {longest}; "
-            f"set it to at least {longest}, 0 (derived on GPU) or null"
-        )
-        require(config, f"{name}.max_tokens_per_micro_batch", budget in (None, 0) or budget >= longest, rule)
+        budget, cp = role.max_tokens_per_micro_batch, getattr(role, "cp", 1)
+        needed = -(-longest // cp)  # with context parallelism the budget bounds each rank's chunk of a row
+        row = f"data.max_prompt_length + {config.rollout.response_length_keys} = {longest}"
+        what = f"the longest row, {row}" if cp == 1 else f"its {name}.cp={cp} chunk of the longest row, {row}"
+        rule = f"must hold {what}; set it to at least {needed}, 0 (derived on GPU) or null"
+        require(config, f"{name}.max_tokens_per_micro_batch", budget in (None, 0) or budget >= needed, rule)
 
 
 def _check_training_batches(config: CheckedConfig) -> None:
@@ -222,7 +222,7 @@ def _check_layout(config: CheckedConfig, name: str, role: RoleConfig) -> None:
         f"set {name}.dp={n_ranks // model_parallel} or 0 to derive it"
     )
     require(config, f"{name}.dp", role.dp in (0, n_ranks // model_parallel), rule)
-    ep = getattr(role, "ep", 1)  # a rollout role has none: it generates with every expert
     dp = n_ranks // model_parallel
-    rule = f"must divide {name}.dp={dp} (expert parallelism splits the data-parallel ranks)"
-    require(config, f"{name}.ep", dp % ep == 0, rule)
+    for key in ("ep", "cp"):  # a rollout role has neither: it generates, with every expert
+        size = getattr(role, key, 1)
+        require(config, f"{name}.{key}", dp % size == 0, f"must divide {name}.dp={dp} (it splits the DP ranks)")

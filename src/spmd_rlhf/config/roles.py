@@ -39,6 +39,13 @@ class RoleConfig:
     well when tp > 1), tokens sent to their experts and back by all-to-all, and FSDP shards each share over the
     dp / ep ranks holding it; attention, norms and the vocabulary stay FSDP-sharded over all of dp. 1: every DP rank
     runs every expert (FSDP-sharded over dp)."""
+    cp: int = 1
+    """Context-parallel degree (Ulysses), borrowed from dp (it must divide dp, and each rank's attention heads, heads
+    / tp): the cp consecutive DP ranks of a group keep their own rows but run every micro-batch of the group together,
+    each rank a 1/cp chunk of its packed row (attention trades the sequence split for a head split by all-to-all), so
+    no rank holds a whole long row's activations; a row's per-token outputs are gathered to the rank that owns it.
+    max_tokens_per_micro_batch then bounds each rank's chunk (a row may be cp times longer). Not with pp > 1 or
+    mixture-of-experts models yet (docs/parallelism.md)."""
     micro_batch_size: int = 4
     """Rows (responses) per forward and backward pass of training on each data-parallel rank."""
     forward_micro_batch_size: int = 0
@@ -72,7 +79,7 @@ class RoleConfig:
         at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size", "fsdp_unit_mb")
         gathered = self.forward_gather_mb
         require(self, "forward_gather_mb", gathered is None or gathered >= 0, "must be >= 0 or null")
-        at_least(self, 1, "pp", "tp", "ep", "micro_batch_size")
+        at_least(self, 1, "pp", "tp", "ep", "cp", "micro_batch_size")
         require(self, "pool", self.pool != "", "must be a name or null")
         require(self, "pp_schedule", self.pp_schedule in ("1f1b", "gpipe"), "must be 1f1b or gpipe")
         budget = self.max_tokens_per_micro_batch

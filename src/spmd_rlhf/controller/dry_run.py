@@ -23,7 +23,15 @@ from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.role_pools import place_roles
 from spmd_rlhf.mapping.workload import Batch, RoleSpec
 from spmd_rlhf.models.expert_parallel import check_expert_parallel
+from spmd_rlhf.parallel_dims import ParallelDims
 from spmd_rlhf.tiny import ensure_tiny_assets
+
+LAYOUT_COLUMNS = ("pp", "dp", "tp", "ep", "cp")
+
+
+def _layout(dims: ParallelDims | None) -> str:
+    """A role's parallel sizes as the table's columns (blank for a role without a model)."""
+    return "".join(f" {getattr(dims, name) if dims is not None else '':>3}" for name in LAYOUT_COLUMNS)
 
 
 def _mib(num_bytes: float) -> str:
@@ -41,26 +49,22 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
     if plan:
         lines += [plan.rstrip(), ""]
     lines.append(f"# placement: {config.placement}, world size {world_size}")
-    lines.append(
-        f"{'role':<12} {'ranks':<10} {'pp':>3} {'dp':>3} {'tp':>3} {'ep':>3} {'parameters':>14}  per-rank state"
-    )
+    header = "".join(f" {name:>3}" for name in LAYOUT_COLUMNS)
+    lines.append(f"{'role':<12} {'ranks':<10}{header} {'parameters':>14}  per-rank state")
     per_rank = [0.0] * world_size
     largest_pass = [0.0] * world_size
     for name in dataflow_of(config.algorithm.name).roles_of(config):
         (pool, dims), role = placement.roles[name], getattr(config, name)
         if name == "rollout":  # counted below with generation: its shard and KV cache
             count = models["actor"].shape.parameters("lm")
-            layout = f"{dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {dims.ep:>3}"
             lines.append(
-                f"{name:<12} {_ranks(pool.ranks):<10} {layout} {count:>14,}  "
+                f"{name:<12} {_ranks(pool.ranks):<10}{_layout(dims)} {count:>14,}  "
                 f"generation shard + KV cache only (the actor's weights, {config.model.dtype})"
             )
             continue
         if name not in models:  # a rule or remote reward or cost: no model
             what = f"{name}.url={role.url}" if role.kind == "remote" else f"{name}.rule={role.rule}"
-            lines.append(
-                f"{name:<12} {_ranks(pool.ranks):<10} {'':>3} {'':>3} {'':>3} {'':>3} {role.kind:>14}  none ({what})"
-            )
+            lines.append(f"{name:<12} {_ranks(pool.ranks):<10}{_layout(None)} {role.kind:>14}  none ({what})")
             continue
         spec = models[name]
         check_expert_parallel(spec.shape.experts or None, dims.ep, key=f"{name}.ep")  # as the real run would
@@ -74,11 +78,8 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
         else:
             state = resident_bytes(spec, len(pool), batch)
             what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
-            working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp), batch)
-        lines.append(
-            f"{name:<12} {_ranks(pool.ranks):<10} {dims.pp:>3} {dims.dp:>3} {dims.tp:>3} {dims.ep:>3} {count:>14,}  "
-            f"{_mib(state)} ({what})"
-        )
+            working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp, cp=dims.cp), batch)
+        lines.append(f"{name:<12} {_ranks(pool.ranks):<10}{_layout(dims)} {count:>14,}  {_mib(state)} ({what})")
         for rank in pool.ranks:
             per_rank[rank] += state
             largest_pass[rank] = max(largest_pass[rank], working)

@@ -62,13 +62,16 @@ class Layout:
     tp: int
     tp_g: int = 0
     """Generation tensor-parallel degree (divides tp); 0 for roles that do not generate."""
+    cp: int = 1
+    """Context-parallel degree (divides dp): each rank holds a 1/cp chunk of every micro-batch's activations. The
+    search does not choose it yet; the dry run passes the config's."""
 
     @property
     def devices(self) -> int:
         return self.pp * self.dp * self.tp
 
     def __str__(self) -> str:
-        text = f"pp={self.pp} dp={self.dp} tp={self.tp}"
+        text = f"pp={self.pp} dp={self.dp} tp={self.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
         return text + (f" tp_g={self.tp_g}" if self.tp_g else "")
 
 
@@ -210,7 +213,9 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     path's float32 chunks (``head_output_bytes``). Generation is accounted for in ``generation_seconds`` (its shard
     and KV cache take what is left)."""
     shape, b = role.shape, batch.dtype_bytes
-    tokens = _micro_batch(role, batch) * batch.sequence_length
+    # Under context parallelism a rank holds its 1/cp chunk of each micro-batch (the head's outputs whole, on the
+    # micro-batch's owner).
+    tokens = _micro_batch(role, batch) * batch.sequence_length / layout.cp
     layer = layer_activation_bytes(role.shape, b) * tokens / layout.tp
     outputs = head_output_bytes(role, layout, batch, trained=role.trained)
     if not role.trained:

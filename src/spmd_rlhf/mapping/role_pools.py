@@ -35,9 +35,16 @@ def place_roles(config: FrameworkConfig, world_size: int) -> Placement:
         role = getattr(config, name)
         roles[name] = (
             pool,
+            # A rollout role has no ep or cp: it generates, with every expert.
             ParallelDims.for_ranks(
-                len(pool), pp=role.pp, tp=role.tp, dp=role.dp, ep=getattr(role, "ep", 1), role=name
-            ),  # a rollout role has no ep: it holds every expert
+                len(pool),
+                pp=role.pp,
+                tp=role.tp,
+                dp=role.dp,
+                ep=getattr(role, "ep", 1),
+                cp=getattr(role, "cp", 1),
+                role=name,
+            ),
         )
     return Placement(config, roles, plan)
 

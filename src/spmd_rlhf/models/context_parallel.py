@@ -17,6 +17,7 @@ Bytes each rank sends per layer and direction: its chunk of q, k, v (forward in)
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,6 +30,23 @@ from spmd_rlhf.models.attention import AttentionBatch, attend
 def replicated_kv_heads(kv_heads: int, cp: int) -> int:
     """Key/value heads after replication, so that ``cp`` divides them: ``lcm(kv_heads, cp)``."""
     return math.lcm(kv_heads, cp)
+
+
+def apply_context_parallel(
+    model: torch.nn.Module, group: dist.ProcessGroup, *, tp: int = 1, role: str = "model"
+) -> None:
+    """Every attention layer of ``model`` attends over the whole packed row from this rank's chunk of it
+    (``ulysses_attend`` over ``group``), after checking that ``group``'s size splits this rank's ``heads / tp`` query
+    heads (errors name ``<role>.cp``)."""
+    args, cp = model.args, dist.get_world_size(group)
+    check_ulysses(heads=args.num_heads // tp, kv_heads=args.num_kv_heads // tp, cp=cp, tokens=cp, key=f"{role}.cp")
+    for module in model.modules():
+        if hasattr(module, "attend") and hasattr(module, "q_proj"):
+            module.attend = functools.partial(_attend_over_the_row, group=group)
+
+
+def _attend_over_the_row(q, k, v, batch: AttentionBatch, *, scale: float, group, layer_index=None) -> torch.Tensor:
+    return ulysses_attend(q, k, v, batch, scale=scale, group=group)
 
 
 def check_ulysses(*, heads: int, kv_heads: int, cp: int, tokens: int, key: str = "cp") -> None:

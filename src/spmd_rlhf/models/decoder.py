@@ -59,6 +59,9 @@ class Attention(MergeableProjections):
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.attend = attend
+        """The attention kernel call ``attend(q, k, v, batch, *, scale, layer_index)``: ``attention.attend``, or one a
+        parallel plan puts in its place (context parallelism's, over a sequence split across ranks)."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
         batch_size, seq_len = x.shape[:2]
@@ -68,7 +71,7 @@ class Attention(MergeableProjections):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, batch, scale=self.scale, layer_index=self.layer_index)
+        out = self.attend(q, k, v, batch, scale=self.scale, layer_index=self.layer_index)
         return self.o_proj(out.reshape(batch_size, seq_len, -1))
 
 
@@ -199,12 +202,16 @@ class DecoderLM(nn.Module):
         *,
         paged: PagedKV | None = None,
         max_seqlen: int | None = None,
+        row_length: int | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states ``[batch, seq, hidden]``, before any head.
 
         ``paged`` (generation engine): ``input_ids`` ``[1, tokens]`` are the new tokens of one engine step with their
         absolute ``position_ids``; each layer writes their K/V into the paged cache and attends over the cached context.
         ``max_seqlen``: the longest packed sequence's length, known on the host (``AttentionBatch.build``).
+        ``row_length`` (context parallelism): ``input_ids`` ``[1, chunk]`` are one chunk of a packed row of
+        ``row_length`` tokens that ``cu_seqlens`` describe; the attention batch is the whole row's (each layer's
+        attention, put in place by the plan, gathers the row's keys and values).
         """
         if paged is not None:
             if position_ids is None:
@@ -215,7 +222,7 @@ class DecoderLM(nn.Module):
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
         batch = AttentionBatch.build(
             batch_size=input_ids.shape[0],
-            seq_len=input_ids.shape[1],
+            seq_len=row_length or input_ids.shape[1],
             attention_mask=attention_mask,
             cu_seqlens=cu_seqlens,
             backend=self.attention_backend,
@@ -259,12 +266,16 @@ class DecoderLM(nn.Module):
             return hidden
         if output_positions is not None:
             hidden = hidden.flatten(0, 1).index_select(0, output_positions.to(hidden.device))
+        elif self.head == "score":
+            hidden = hidden.flatten(0, 1)[last_token_index(input_ids, attention_mask, cu_seqlens)]
+        return self.head_outputs(hidden)
+
+    def head_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head on final-norm hidden states ``[..., hidden]``: logits ``[..., vocab]`` or values / scores
+        ``[...]`` (a score head's hidden states being each sequence's last token's)."""
         if self.head == "lm":
             return self.lm_head(hidden)
-        values = self.score(hidden).squeeze(-1)
-        if self.head == "value":
-            return values
-        return values.flatten()[last_token_index(input_ids, attention_mask, cu_seqlens)]
+        return self.score(hidden).squeeze(-1)
 
 
 def last_token_index(

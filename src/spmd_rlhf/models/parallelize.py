@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.utils.checkpoint import checkpoint
 
 from spmd_rlhf.config import LoRAConfig
+from spmd_rlhf.models.context_parallel import apply_context_parallel
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.expert_parallel import check_expert_parallel, shard_experts
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
@@ -187,14 +188,17 @@ def unsharded_accumulation_bytes(model: DecoderLM, *, compute_dtype: torch.dtype
     return int(held)
 
 
-def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str) -> bool:
+def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str, cp: int = 1) -> bool:
     """Whether ``model.compile`` (``setting``) compiles ``role``'s decoder blocks: on always; auto on a GPU at tp = 1
-    (blocks of TP's DTensors under compile have not run here: auto says so once and keeps them eager); off never."""
+    and cp = 1 (blocks of TP's DTensors, or with context parallelism's all-to-alls, under compile have not run here:
+    auto says so once and keeps them eager); off never."""
     if setting != "auto":
         return setting == "on"
-    if on_gpu and tp > 1:
-        logger.info("model.compile=auto leaves %s's blocks eager at tp=%d (model.compile=on compiles them)", role, tp)
-    return on_gpu and tp == 1
+    if on_gpu and (tp > 1 or cp > 1):
+        logger.info(
+            "model.compile=auto leaves %s's blocks eager at tp=%d, cp=%d (model.compile=on compiles them)", role, tp, cp
+        )
+    return on_gpu and tp == 1 and cp == 1
 
 
 def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", flash: bool = False) -> None:
@@ -222,6 +226,7 @@ def parallelize(
     ep_mesh: DeviceMesh | None = None,
     efsdp_mesh: DeviceMesh | None = None,
     ep_tp_mesh: DeviceMesh | None = None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     gather_logits: bool = False,
     activation_checkpointing: bool = False,
@@ -233,9 +238,10 @@ def parallelize(
 ) -> LoRAAdapters | None:
     """Apply TP over ``tp_mesh`` (skipped when None or of size 1), expert parallelism over ``ep_mesh`` (skipped
     when None or of size 1: ``shard_experts``; with both, the experts split over ``ep_tp_mesh``, the ``(ep, tp)``
-    slice of the role's mesh), LoRA adapters split like their layers when
-    ``lora`` is on (returned; None otherwise), activation checkpointing and ``torch.compile`` of
-    each decoder layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None), the experts' shares over
+    slice of the role's mesh), context parallelism's attention over ``cp_group`` (``apply_context_parallel``; the
+    caller feeds each rank its chunk of a row: ``training.context_parallel``), LoRA adapters split like their layers
+    when ``lora`` is on (returned; None otherwise), activation checkpointing and ``torch.compile`` of each decoder
+    layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None), the experts' shares over
     ``efsdp_mesh`` (``dp = efsdp x ep``, one root mesh: ``ParallelDims.build_mesh``); ``offload``: FSDP2's
     ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, each block copied to the device
     for its forward and backward); ``min_unit_bytes``: how ``fsdp_units`` groups layers.
@@ -262,6 +268,8 @@ def parallelize(
         shard_experts(model, ep_tp_mesh, split=("ep", "tp"))
     elif expert_parallel or tensor_parallel:
         shard_experts(model, ep_mesh if expert_parallel else tp_mesh, split=("ep",) if expert_parallel else ("tp",))
+    if cp_group is not None:
+        apply_context_parallel(model, cp_group, tp=tp_mesh.size() if tensor_parallel else 1, role=role)
     adapters = apply_lora(model, lora, tp_mesh=tp_mesh) if lora is not None and lora.enabled else None
     for layer in model.model.layers.values():
         if activation_checkpointing:

@@ -194,7 +194,7 @@ class _Head(torch.autograd.Function):
             logits[:, :, start : start + count] = (hidden @ rows.T).view(-1, stream.ranks, count)
         ctx.save_for_backward(hidden, shard)
         ctx.stream = stream
-        return logits.view(hidden.shape[0], -1)[:, : stream.rows]
+        return logits.view(hidden.shape[0], stream.ranks * stream.band)[:, : stream.rows]  # 0 rows too
 
     @staticmethod
     def backward(ctx, grad_logits: torch.Tensor):

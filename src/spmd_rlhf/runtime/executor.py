@@ -205,6 +205,9 @@ class Executor:
         args, kwargs = pickle.loads(command.arguments)
         # Every role gets a group over all its ranks (checkpoints, role-wide reductions).
         groups = {"role": dist.new_group(sorted(command.ranks))}
+        context_group = command.dims.build_context_group(mesh)
+        if context_group is not None:
+            groups["cp"] = context_group
         declare = getattr(command.role_class, "process_groups", None)
         for name, partition in (declare(command.dims, command.ranks, *args, **kwargs) if declare else {}).items():
             for ranks in partition:

@@ -29,7 +29,8 @@ class RoleContext:
     """The role's ``("pp", "dp", "tp")`` mesh; sub-meshes by name, e.g. ``mesh["tp"]``."""
     device: torch.device
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    """``"role"``: all the role's ranks; plus the groups the role class declared with a ``process_groups(dims,
+    """``"role"``: all the role's ranks; ``"cp"`` with ``dims.cp > 1``: this rank's context-parallel group
+    (``ParallelDims.build_context_group``); plus the groups the role class declared with a ``process_groups(dims,
     ranks, *args, **kwargs)`` static method returning ``{name: [ranks of each group]}``: for each name, the group
     this rank belongs to."""
     expert_mesh: DeviceMesh | None = None

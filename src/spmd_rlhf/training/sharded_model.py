@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
@@ -34,6 +34,7 @@ from spmd_rlhf.models.pipeline import Pipeline, split_stage
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import RoleContext
+from spmd_rlhf.training.context_parallel import ContextRow, check_context_parallel, exchange_rows, gather_rows, schedule
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
 from spmd_rlhf.training.reducer import DPReducer
@@ -106,6 +107,11 @@ class ShardedModel:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         on_gpu = self.device.type == "cuda"
         experts = context.expert_mesh
+        self.cp_group = context.groups.get("cp")
+        """This rank's context-parallel group (``<role>.cp > 1``): micro-batches run split over it
+        (``training.context_parallel``)."""
+        if self.cp_group is not None:
+            check_context_parallel(model, dims, role=name)
         self.adapters = parallelize(
             model,
             tp_mesh=self.mesh["tp"],
@@ -113,15 +119,21 @@ class ShardedModel:
             ep_mesh=experts["ep"] if experts is not None else None,
             efsdp_mesh=experts["efsdp"] if experts is not None else None,
             ep_tp_mesh=experts["ep", "tp"] if experts is not None and dims.tp > 1 else None,
+            cp_group=self.cp_group,
             mp_policy=policy,
             role=name,
             lora=self.lora,
             activation_checkpointing=config.model.activation_checkpointing and trainable,
-            compile_layers=compiles_blocks(config.model.compile, on_gpu=on_gpu, tp=dims.tp, role=name),
+            compile_layers=compiles_blocks(config.model.compile, on_gpu=on_gpu, tp=dims.tp, cp=dims.cp, role=name),
             offload=role_config.offload and on_gpu,
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )
         load_weights(model, path, device=self.device)
+        if self.cp_group is not None and isinstance(model, FSDPModule):
+            # Context parallelism calls the decoder and the head apart (the head on gathered hidden states): FSDP
+            # treats each as a forward of the root.
+            for method in ("hidden_states", "head_outputs"):
+                register_fsdp_forward_method(model, method)
         if self.adapters is not None:
             self.adapters.initialize(model, seed=config.trainer.seed)
         self.accumulate_unsharded = trainable and dims.pp == 1 and isinstance(model, FSDPModule)
@@ -186,6 +198,7 @@ class ShardedModel:
             max_tokens = self.derived_token_budget(batch, train=train)
         if max_tokens is None:
             return row_chunks(len(batch), rows_per_micro_batch)
+        max_tokens *= self.context.dims.cp  # the budget bounds each rank's chunk of a micro-batch
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         return token_balanced_micro_batches(
             lengths,
@@ -238,15 +251,27 @@ class ShardedModel:
 
             results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
             return [result.detach() for result in results], order
-        accumulate = train and self.accumulate_unsharded and len(micros) > 1
-        gathered = accumulate or (not train and self.gather_forward and len(micros) > 1)
+        steps, rows = [(None, index) for index in range(len(micros))], None
+        if self.cp_group is not None:
+            cp = self.context.dims.cp
+            steps = schedule(len(micros), cp)
+            rows = exchange_rows([ContextRow.of(micro, cp=cp, per_token=per_token) for micro in micros], self.cp_group)
+        accumulate = train and self.accumulate_unsharded and len(steps) > 1
+        gathered = accumulate or (not train and self.gather_forward and len(steps) > 1)
         results = []
         with self._gathered_across_micro_batches(train=train) if gathered else contextlib.nullcontext():
-            for index, micro in enumerate(micros):
+            for step, (owner, index) in enumerate(steps):
                 if accumulate:
-                    last = index == len(micros) - 1
+                    last = step == len(steps) - 1
                     self.module.set_requires_gradient_sync(last)
                     self.module.set_reshard_after_backward(last)
+                micro = micros[index]
+                if rows is not None:
+                    mine = micro if owner == self.cp_rank else None
+                    result = self._context_parallel_step(rows[owner][index], mine, output_fn, train=train)
+                    if result is not None:
+                        results.append(_detached(result))
+                    continue
                 replay = self.router_replay
                 with replay.replaying(micro, self.device) if replay is not None else contextlib.nullcontext():
                     result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
@@ -254,6 +279,39 @@ class ShardedModel:
                         result.backward()
                 results.append(_detached(result))
         return results, order
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.cp_group)
+
+    def _context_parallel_step(
+        self, row: ContextRow, micro: MicroBatch | None, output_fn: MicroBatchFunction, *, train: bool
+    ) -> torch.Tensor | None:
+        """One micro-batch of the context-parallel group (``training.context_parallel``): this rank's chunk of
+        ``row`` through the decoder, the head's inputs gathered over the group; on the row's owner (``micro`` given)
+        the head and ``output_fn`` (its result returned, back-propagated with ``train``), elsewhere the head on no
+        rows and the backward's share."""
+        cp, device = self.context.dims.cp, self.device
+        input_ids, position_ids, held = row.chunk(self.cp_rank, cp)
+        hidden = self.module.hidden_states(
+            input_ids[None].to(device),
+            position_ids[None].to(device),
+            cu_seqlens=row.cu_seqlens.to(device),
+            max_seqlen=row.max_seqlen,
+            row_length=len(row.input_ids),
+        )
+        gathered = gather_rows(hidden[0].index_select(0, held.to(device)), row.read_counts(cp), self.cp_group)
+        if micro is None:
+            # The head on no rows: FSDP's collectives around it run on every rank, and in training every parameter
+            # gets a (zero) gradient, so FSDP reduces the same tensors everywhere.
+            nothing = self.module.head_outputs(gathered[:0]).sum()
+            if train:
+                nothing.backward()
+            return None
+        result = output_fn(self.module.head_outputs(gathered), micro)
+        if train:
+            result.backward()
+        return result
 
     @contextlib.contextmanager
     def _gathered_across_micro_batches(self, *, train: bool) -> Iterator[None]:

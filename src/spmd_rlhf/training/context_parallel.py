@@ -1,0 +1,120 @@
+"""Context parallelism in a role's forward and backward passes: the ``cp`` DP ranks of a group run every micro-batch
+of the group together, each rank a contiguous ``1 / cp`` chunk of its packed row, so no rank holds a whole long row's
+activations.
+
+Each rank keeps its own rows (as a DP rank does: the runtime's dispatch, the loss and its normalisation, FSDP and the
+results are unchanged). Per call, the ranks of a group exchange their packed micro-batches (token ids, positions,
+sequence offsets and where the head reads: host tensors, ``exchange_rows``); then, for micro-batch ``i`` of rank
+``0, 1, ..., cp - 1`` in turn (``schedule``), every rank of the group:
+
+1. runs the decoder on its chunk of that row (``ContextRow.chunk``; the row padded with one padding sequence to a
+   multiple of ``cp`` tokens, counted in ``padding_tokens``), each layer's attention over the whole row by
+   all-to-all (``models.context_parallel.ulysses_attend``, installed by ``parallelize``);
+2. picks the final hidden states at the positions its chunk holds of those the head reads (response positions, or
+   each sequence's last token for a score head) and all-gathers them over the group, in row order
+   (``gather_rows``, whose backward hands each rank the gradient of its own rows): ``[outputs, hidden]``, never
+   ``[tokens, vocab]``;
+3. on the row's owner, the head and the caller's loss or result function run as without context parallelism; the
+   others run the head on no rows (so that every rank's parameters get a gradient, zero, and FSDP reduces the same
+   tensors everywhere) and take part in the backward.
+
+Memory per rank: one chunk's activations (``row / cp`` tokens) plus the gathered ``[outputs, hidden]`` and, on the
+owner, the head's outputs. Traffic per micro-batch: Ulysses' all-to-alls in every layer (``ulysses_bytes``) and one
+all-gather of the head's inputs (and its reduce-scatter in the backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
+import torch.nn.functional as F
+
+from spmd_rlhf.parallel_dims import ParallelDims
+from spmd_rlhf.training.packing import PackedRows
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """One micro-batch's packed row as every rank of a context-parallel group sees it (host tensors)."""
+
+    input_ids: torch.Tensor
+    """``[T]`` token ids, padded to a multiple of ``cp`` by one padding sequence."""
+    position_ids: torch.Tensor
+    """``[T]``, restarting at 0 for each sequence."""
+    cu_seqlens: torch.Tensor
+    """``[sequences + 1]`` int32 offsets (the padding sequence included)."""
+    max_seqlen: int
+    reads: torch.Tensor
+    """``[outputs]`` the row positions the head reads, ascending: response positions, or each sequence's last token."""
+    padding_tokens: int
+
+    @classmethod
+    def of(cls, micro: PackedRows, *, cp: int, per_token: bool) -> ContextRow:
+        total = micro.total_tokens
+        padding = -total % cp
+        input_ids, position_ids = micro.input_ids[0], micro.position_ids[0]
+        cu_seqlens = micro.cu_seqlens
+        reads = micro.output_positions if per_token else cu_seqlens[1:].long() - 1
+        if padding:
+            input_ids = F.pad(input_ids, (0, padding))
+            position_ids = torch.cat([position_ids, torch.arange(padding, dtype=position_ids.dtype)])
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([total + padding])])
+        return cls(input_ids, position_ids, cu_seqlens, max(micro.max_seqlen, padding), reads.long(), padding)
+
+    def chunk(self, rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s token ids and positions ``[T / cp]`` and, relative to its chunk, the positions it holds of
+        those the head reads."""
+        size = len(self.input_ids) // cp
+        start = rank * size
+        held = self.reads[(self.reads >= start) & (self.reads < start + size)] - start
+        return self.input_ids[start : start + size], self.position_ids[start : start + size], held
+
+    def read_counts(self, cp: int) -> list[int]:
+        """How many of the head's positions each rank's chunk holds."""
+        size = len(self.input_ids) // cp
+        return torch.bincount(self.reads // size, minlength=cp).tolist()
+
+
+def exchange_rows(rows: list[ContextRow], group: dist.ProcessGroup) -> list[list[ContextRow]]:
+    """Every rank of ``group``'s micro-batch rows, by group rank (one object all-gather per call)."""
+    everyone: list[list[ContextRow] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, rows, group=group)
+    return everyone
+
+
+def schedule(count: int, cp: int) -> list[tuple[int, int]]:
+    """(owner, index) of the group's micro-batches in the order every rank runs them: each index's micro-batch of
+    every rank in turn, so each rank owns every ``cp``-th one."""
+    return [(owner, index) for index in range(count) for owner in range(cp)]
+
+
+def gather_rows(held: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``held`` rows ``[counts[rank], ...]`` laid end to end in rank order ``[sum(counts), ...]`` on
+    every rank; the backward sums the gradients over the group and hands each rank those of its own rows."""
+    most = max(counts)
+    padded = F.pad(held, (0, 0) * (held.dim() - 1) + (0, most - held.shape[0]))
+    # torch 2.13 renames all_gather_tensor_autograd (2.11 has only that name) to all_gather_single_autograd.
+    gather = getattr(functional, "all_gather_single_autograd", None) or functional.all_gather_tensor_autograd
+    gathered = gather(padded.contiguous(), 0, group)
+    if hasattr(gathered, "wait"):
+        gathered = gathered.wait()
+    keep = torch.cat([torch.arange(count) + rank * most for rank, count in enumerate(counts)])
+    return gathered.index_select(0, keep.to(gathered.device))
+
+
+def check_context_parallel(model: torch.nn.Module, dims: ParallelDims, *, role: str) -> None:
+    """A one-line error naming ``<role>.cp`` where context parallelism cannot run yet: through a pipeline, or on a
+    mixture-of-experts model (its routers' losses and replay read each micro-batch's tokens on one rank)."""
+    if dims.pp > 1:
+        raise ValueError(
+            f"{role}.cp={dims.cp} with {role}.pp={dims.pp}: context parallelism runs without a pipeline; "
+            "set one of them to 1"
+        )
+    moe = model.args.moe
+    if moe is not None and moe.layers:
+        raise ValueError(
+            f"{role}.cp={dims.cp}: context parallelism does not run mixture-of-experts models yet; set {role}.cp=1"
+        )

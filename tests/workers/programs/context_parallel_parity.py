@@ -1,0 +1,92 @@
+"""Every role under context parallelism on the same ranks, against one rank: layouts ``dp{dp}cp{cp}tp{tp}`` such as
+dp2cp2tp1, dp4cp4tp1 (grouped-query attention: 2 key/value heads replicated to 4), dp4cp2tp1 (two cp groups) and
+dp2cp2tp2 (with tensor parallelism). Each layout computes the actor's log-probs and every parameter's gradient of
+their sum, the critic's values and the reward model's scores, then takes two actor updates (KL and entropy terms) and
+one critic update, and saves the updated weights. Last, an actor at dp2cp2tp1 whose micro-batch token budget (6)
+holds only half of the longest row (11 tokens) takes the same two updates.
+
+    torchrun --nproc-per-node 4 context_parallel_parity.py POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1cp1tp1 ...
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from spmd_rlhf.config import load_config
+from spmd_rlhf.runtime import ParallelDims, ResourcePool, launch
+from spmd_rlhf.workers import ActorWorker, CriticWorker, RewardWorker
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from dp_parity import rollout_batch  # noqa: E402
+from expert_parallel_parity import GradientActor  # noqa: E402
+
+
+def main(coordinator):
+    policy_dir, critic_dir, reward_dir, out_dir, *layouts = sys.argv[1:]
+    overrides = [
+        f"model.path={policy_dir}",
+        "algorithm.name=ppo",
+        "algorithm.kl_penalty=loss",
+        "algorithm.entropy_coef=0.01",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "data.batch_size=8",
+        "data.max_prompt_length=5",
+        "actor.lr=1e-3",
+        "actor.mini_batch_size=16",
+        "actor.micro_batch_size=2",
+        "actor.forward_micro_batch_size=2",
+        "actor.fsdp_unit_mb=0",
+        f"critic.model_path={critic_dir}",
+        "critic.lr=1e-3",
+        "critic.mini_batch_size=16",
+        "critic.micro_batch_size=2",
+        "reward.kind=model",
+        f"reward.model_path={reward_dir}",
+        "reward.micro_batch_size=2",
+    ]
+    config = load_config(None, overrides)
+    batch = rollout_batch(16, 5, 6, vocab=100)
+    generator = torch.Generator().manual_seed(1)
+    mask = batch["response_mask"].float()
+    batch = batch.union(
+        type(batch)(
+            {
+                "values": torch.randn(16, 6, generator=generator) * mask,
+                "returns": torch.randn(16, 6, generator=generator) * mask,
+            },
+            group_size=2,
+        )
+    )
+    for layout in layouts:
+        dp, cp, tp = (int(size) for size in re.fullmatch(r"dp(\d+)cp(\d+)tp(\d+)", layout).groups())
+        pool, dims = ResourcePool(range(dp * tp)), ParallelDims(dp=dp, tp=tp, cp=cp)
+        actor = coordinator.spawn(GradientActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
+        critic = coordinator.spawn(CriticWorker, config, name=f"critic_{layout}", pool=pool, dims=dims)
+        reward = coordinator.spawn(RewardWorker, config, name=f"reward_{layout}", pool=pool, dims=dims)
+        results = {
+            "log_probs": actor.compute_log_probs(batch).result().fetch()["old_log_probs"],
+            "values": critic.compute_values(batch).result().fetch()["values"],
+            "scores": reward.compute_rewards(batch).result().fetch()["scores"],
+        }
+        torch.save(results, f"{out_dir}/{layout}.pt")
+        actor.save_log_prob_gradients(batch.tensors, f"{out_dir}/{layout}_gradients.pt").result()
+        metrics = {
+            "actor": [actor.update_actor(batch).result() for _ in range(2)],
+            "critic": [critic.update_critic(batch).result()],
+        }
+        Path(f"{out_dir}/{layout}.json").write_text(json.dumps(metrics))
+        actor.save_pretrained(f"{out_dir}/{layout}_actor").result()
+        critic.save_pretrained(f"{out_dir}/{layout}_critic").result()
+    budget = load_config(None, [*overrides, "actor.cp=2", "actor.max_tokens_per_micro_batch=6"])
+    long = coordinator.spawn(
+        ActorWorker, budget, name="actor_budget", pool=ResourcePool(range(2)), dims=ParallelDims(dp=2, cp=2)
+    )
+    Path(f"{out_dir}/budget.json").write_text(json.dumps([long.update_actor(batch).result() for _ in range(2)]))
+
+
+if __name__ == "__main__":
+    launch(main)

@@ -1,0 +1,113 @@
+"""Context parallelism in every trained and scoring role (``programs/context_parallel_parity.py``): a tiny Qwen3
+actor (per-head q/k norms, 4 query and 2 key/value heads), a critic and a reward model under ``cp`` 2 and 4 over 2 or
+4 CPU ranks, with two cp groups (dp4·cp2) and with tensor parallelism (dp2·cp2·tp2), equal one rank: log-probs,
+values and scores; every gradient of the summed log-probs; two actor updates (loss, gradient norm; each rank's own
+entropy and KL do not depend on the cp degree) and a critic update, and the weights they leave. A token budget that
+holds half the longest row trains at cp = 2 (and is refused at cp = 1); pipelines and mixture-of-experts models are
+refused with cp."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torchrun_helpers import hf_weights, torchrun
+
+from spmd_rlhf.tiny.model import make_tiny
+
+REFERENCE = "dp1cp1tp1"
+LAYOUTS = ["dp2cp2tp1", "dp4cp4tp1", "dp4cp2tp1", "dp2cp2tp2"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("context_parallel")
+    common = dict(hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=300)
+    policy = make_tiny(family="qwen3", out_dir=str(root / "policy"), **common)
+    critic = make_tiny(family="llama", out_dir=str(root / "critic"), head="score", seed=1, **common)
+    reward = make_tiny(family="llama", out_dir=str(root / "reward"), head="score", seed=2, **common)
+    out = root / "out"
+    out.mkdir()
+    finished = torchrun(
+        "context_parallel_parity.py", policy, critic, reward, str(out), REFERENCE, *LAYOUTS, nproc=4, timeout=300
+    )
+    assert finished.returncode == 0, finished.stdout[-6000:]
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_outputs_match_one_rank(run, layout):
+    reference, results = torch.load(run / f"{REFERENCE}.pt"), torch.load(run / f"{layout}.pt")
+    for key in ("log_probs", "values", "scores"):
+        torch.testing.assert_close(results[key], reference[key], rtol=1e-5, atol=1e-5, msg=f"{layout} {key}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_gradient_matches_one_rank(run, layout):
+    reference, gradients = torch.load(run / f"{REFERENCE}_gradients.pt"), torch.load(run / f"{layout}_gradients.pt")
+    assert gradients.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(gradients[name], reference[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_updates_match_one_rank(run, layout):
+    reference_metrics = json.loads((run / f"{REFERENCE}.json").read_text())
+    metrics = json.loads((run / f"{layout}.json").read_text())
+    for role in ("actor", "critic"):
+        for step, (expected, measured) in enumerate(zip(reference_metrics[role], metrics[role])):
+            for rank_metrics in measured:
+                for key in (f"{role}/loss", f"{role}/grad_norm"):  # reduced over the DP ranks
+                    assert rank_metrics[key] == pytest.approx(expected[0][key], rel=1e-5), (layout, step, key)
+        reference, weights = hf_weights(f"{run}/{REFERENCE}_{role}"), hf_weights(f"{run}/{layout}_{role}")
+        assert weights.keys() == reference.keys()
+        for name in reference:
+            torch.testing.assert_close(
+                weights[name], reference[name], rtol=1e-5, atol=5e-6, msg=f"{layout} {role} {name}"
+            )
+
+
+def test_each_ranks_own_metrics_do_not_depend_on_the_cp_degree(run):
+    """Entropy and KL are each DP rank's own rows' (not reduced): at dp = 4, cp = 2 and cp = 4 give every rank the
+    same values."""
+    two, four = (json.loads((run / f"dp4cp{cp}tp1.json").read_text())["actor"] for cp in (2, 4))
+    for step in range(2):
+        for rank in range(4):
+            for key in ("actor/entropy", "actor/kl_loss", "actor/approx_kl"):
+                assert two[step][rank][key] == pytest.approx(four[step][rank][key], rel=1e-5), (step, rank, key)
+
+
+def test_a_row_longer_than_the_token_budget_trains_at_cp_2(run):
+    """Budget 6, rows up to 11 tokens: each rank's chunk fits; the updates equal one rank's (micro-batched by rows)."""
+    reference = json.loads((run / f"{REFERENCE}.json").read_text())["actor"]
+    budget = json.loads((run / "budget.json").read_text())
+    for step in range(2):
+        for rank_metrics in budget[step]:
+            for key in ("actor/loss", "actor/grad_norm"):
+                assert rank_metrics[key] == pytest.approx(reference[step][0][key], rel=1e-5), (step, key)
+
+
+def test_the_budget_must_hold_a_rows_chunk():
+    from spmd_rlhf.config import ConfigError, load_config
+
+    settings = ["data.max_prompt_length=5", "rollout.max_new_tokens=6", "actor.max_tokens_per_micro_batch=6"]
+    with pytest.raises(ConfigError, match=r"actor\.max_tokens_per_micro_batch=6: must hold the longest row, .* = 11"):
+        load_config(None, settings)
+    load_config(None, [*settings, "actor.cp=2"])
+    with pytest.raises(ConfigError, match=r"must hold its actor\.cp=2 chunk of the longest row, .* at least 6"):
+        load_config(None, [*settings[:2], "actor.max_tokens_per_micro_batch=5", "actor.cp=2"])
+
+
+def test_context_parallelism_refuses_pipelines_and_mixture_of_experts_models(tmp_path):
+    from spmd_rlhf.models.weights import build_model
+    from spmd_rlhf.parallel_dims import ParallelDims
+    from spmd_rlhf.training.context_parallel import check_context_parallel
+
+    dense = build_model(make_tiny(family="llama", out_dir=str(tmp_path / "dense"), hidden_size=32, vocab_size=300))
+    with pytest.raises(ValueError, match=r"^actor\.cp=2 with actor\.pp=2: context parallelism runs without a pipeline"):
+        check_context_parallel(dense, ParallelDims(pp=2, dp=2, cp=2), role="actor")
+    check_context_parallel(dense, ParallelDims(dp=2, cp=2), role="actor")
+    moe = build_model(make_tiny(family="qwen3_moe", out_dir=str(tmp_path / "moe"), hidden_size=32, vocab_size=300))
+    with pytest.raises(ValueError, match=r"^critic\.cp=2: context parallelism does not run mixture-of-experts models"):
+        check_context_parallel(moe, ParallelDims(dp=2, cp=2), role="critic")
