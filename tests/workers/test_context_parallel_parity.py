@@ -1,10 +1,10 @@
-"""Context parallelism in every trained and scoring role (``programs/context_parallel_parity.py``): a tiny Qwen3
-actor (per-head q/k norms, 4 query and 2 key/value heads), a critic and a reward model under ``cp`` 2 and 4 over 2 or
-4 CPU ranks, with two cp groups (dp4·cp2) and with tensor parallelism (dp2·cp2·tp2), equal one rank: log-probs,
-values and scores; every gradient of the summed log-probs; two actor updates (loss, gradient norm; each rank's own
-entropy and KL do not depend on the cp degree) and a critic update, and the weights they leave. A token budget that
-holds half the longest row trains at cp = 2 (and is refused at cp = 1); pipelines and mixture-of-experts models are
-refused with cp."""
+"""Context parallelism in every trained and scoring role (``programs/context_parallel_parity.py``): a tiny Qwen3 actor
+(per-head q/k norms, 4 query and 2 key/value heads), a critic and a reward model under ``cp`` 2 and 4 over 2 or 4 CPU
+ranks, with two cp groups (dp4·cp2) and with tensor parallelism (dp2·cp2·tp2), equal one rank: log-probs, values and
+scores; every gradient of the summed log-probs; two actor updates (loss, gradient norm; each rank's own entropy and
+KL do not depend on the cp degree) and a critic update (loss, gradient norm), and the actor's weights. A token budget
+that holds half the longest row trains at cp = 2 (and is refused at cp = 1); pipelines and mixture-of-experts models
+are refused with cp."""
 
 from __future__ import annotations
 
@@ -60,12 +60,19 @@ def test_updates_match_one_rank(run, layout):
             for rank_metrics in measured:
                 for key in (f"{role}/loss", f"{role}/grad_norm"):  # reduced over the DP ranks
                     assert rank_metrics[key] == pytest.approx(expected[0][key], rel=1e-5), (layout, step, key)
-        reference, weights = hf_weights(f"{run}/{REFERENCE}_{role}"), hf_weights(f"{run}/{layout}_{role}")
-        assert weights.keys() == reference.keys()
-        for name in reference:
-            torch.testing.assert_close(
-                weights[name], reference[name], rtol=1e-5, atol=5e-6, msg=f"{layout} {role} {name}"
-            )
+    reference, weights = hf_weights(f"{run}/{REFERENCE}_actor"), hf_weights(f"{run}/{layout}_actor")
+    assert weights.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-5, atol=5e-6, msg=f"{layout} {name}")
+
+
+def test_the_padding_that_makes_rows_divisible_is_counted(run):
+    """Rows of 5 prompt and 1-6 response tokens, two per micro-batch: some packed rows are odd, so cp = 2 pads them,
+    one token each; at cp = 4 up to three."""
+    two, four = (json.loads((run / f"dp4cp{cp}tp1.json").read_text())["actor"] for cp in (2, 4))
+    padded_two, padded_four = (sum(rank["actor/cp_padding_tokens"] for rank in runs[0]) for runs in (two, four))
+    assert 0 < padded_two < padded_four
+    assert "actor/cp_padding_tokens" not in json.loads((run / f"{REFERENCE}.json").read_text())["actor"][0][0]
 
 
 def test_each_ranks_own_metrics_do_not_depend_on_the_cp_degree(run):

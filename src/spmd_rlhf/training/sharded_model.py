@@ -110,6 +110,9 @@ class ShardedModel:
         self.cp_group = context.groups.get("cp")
         """This rank's context-parallel group (``<role>.cp > 1``): micro-batches run split over it
         (``training.context_parallel``)."""
+        self.context_padding_tokens = 0
+        """Padding tokens this rank's micro-batches took so that cp divides their packed rows, since the start (a
+        metric: ``<role>/cp_padding_tokens``)."""
         if self.cp_group is not None:
             check_context_parallel(model, dims, role=name)
         self.adapters = parallelize(
@@ -255,7 +258,9 @@ class ShardedModel:
         if self.cp_group is not None:
             cp = self.context.dims.cp
             steps = schedule(len(micros), cp)
-            rows = exchange_rows([ContextRow.of(micro, cp=cp, per_token=per_token) for micro in micros], self.cp_group)
+            mine = [ContextRow.of(micro, cp=cp, per_token=per_token) for micro in micros]
+            self.context_padding_tokens += sum(row.padding_tokens for row in mine)
+            rows = exchange_rows(mine, self.cp_group)
         accumulate = train and self.accumulate_unsharded and len(steps) > 1
         gathered = accumulate or (not train and self.gather_forward and len(steps) > 1)
         results = []

@@ -2,7 +2,7 @@
 dp2cp2tp1, dp4cp4tp1 (grouped-query attention: 2 key/value heads replicated to 4), dp4cp2tp1 (two cp groups) and
 dp2cp2tp2 (with tensor parallelism). Each layout computes the actor's log-probs and every parameter's gradient of
 their sum, the critic's values and the reward model's scores, then takes two actor updates (KL and entropy terms) and
-one critic update, and saves the updated weights. Last, an actor at dp2cp2tp1 whose micro-batch token budget (6)
+one critic update, and saves the actor's updated weights. Last, an actor at dp2cp2tp1 whose micro-batch token budget (6)
 holds only half of the longest row (11 tokens) takes the same two updates.
 
     torchrun --nproc-per-node 4 context_parallel_parity.py POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1cp1tp1 ...
@@ -80,7 +80,6 @@ def main(coordinator):
         }
         Path(f"{out_dir}/{layout}.json").write_text(json.dumps(metrics))
         actor.save_pretrained(f"{out_dir}/{layout}_actor").result()
-        critic.save_pretrained(f"{out_dir}/{layout}_critic").result()
     budget = load_config(None, [*overrides, "actor.cp=2", "actor.max_tokens_per_micro_batch=6"])
     long = coordinator.spawn(
         ActorWorker, budget, name="actor_budget", pool=ResourcePool(range(2)), dims=ParallelDims(dp=2, cp=2)
