@@ -81,11 +81,6 @@ CASES = {
     "tp_not_dividing_the_ranks": case(
         r"actor\.pp=1 x actor\.tp=2 does not divide the 1 ranks of its pool; choose sizes", "actor.tp=2"
     ),
-    "ep_not_dividing_dp": case(
-        r"actor\.ep=2 does not divide its dp=1 \(1 ranks / \(pp=1 x tp=1\)\): it splits the data-parallel "
-        r"ranks; set actor\.ep to a divisor of 1",
-        "actor.ep=2",
-    ),
     "model_dir_missing": case(
         r"no_such_model: no such directory; expected a Hugging Face model directory",
         "model.path={assets}/no_such_model",

@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from torchrun_helpers import run_recipe
 
 from spmd_rlhf.config import load_config
 from spmd_rlhf.mapping.placement import apply_mapping, config_dataflow, plan_config
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
-from spmd_rlhf.mapping.role_pools import resolve_placement, role_pools
+from spmd_rlhf.mapping.role_pools import place_roles, resolve_placement, role_pools
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -135,3 +136,14 @@ def test_auto_placement_releases_the_engine_where_keeping_it_fits_nowhere(tiny_m
     assert "released after each generation" in describe_plan(result, devices=2, profile=profile)
     roomy = plan_config(config, 2, profile=BUILTIN_PROFILES["h100"])
     assert not roomy.engine_released and apply_mapping(config, roomy.best).rollout.keep_engine is True
+
+
+@pytest.mark.parametrize("key", ["ep", "cp"])
+def test_an_ep_or_cp_that_does_not_divide_the_dp_ranks_is_one_error_naming_it(key):
+    """Both split the DP ranks: on 4 ranks at tp = 2 (dp = 2), 4 cannot; 2 can."""
+    with pytest.raises(
+        ValueError, match=rf"^actor\.{key}=4 does not divide its dp=2 \(4 ranks / \(pp=1 x tp=2\)\): it "
+    ):
+        place_roles(load_config(None, ["actor.tp=2", f"actor.{key}=4"]), 4)
+    dims = place_roles(load_config(None, ["actor.tp=2", f"actor.{key}=2"]), 4).roles["actor"][1]
+    assert getattr(dims, key) == 2 and dims.dp == 2

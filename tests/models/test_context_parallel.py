@@ -1,6 +1,6 @@
 """Ulysses context parallelism (``models.context_parallel``): a packed row split over 4 gloo ranks equals one
 process's attention, outputs and gradients (``programs/ulysses_attention.py``; cp = 2 runs in every role's parity
-test, tests/workers/test_context_parallel_parity.py); the refusals and the traffic count."""
+test, tests/training/test_context_parallel_roles.py); the refusals and the traffic count."""
 
 from __future__ import annotations
 

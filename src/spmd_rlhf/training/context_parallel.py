@@ -25,6 +25,7 @@ all-gather of the head's inputs (and its reduce-scatter in the backward).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,3 +119,40 @@ def check_context_parallel(model: torch.nn.Module, dims: ParallelDims, *, role: 
         raise ValueError(
             f"{role}.cp={dims.cp}: context parallelism does not run mixture-of-experts models yet; set {role}.cp=1"
         )
+
+
+def context_parallel_step(
+    model: torch.nn.Module,
+    row: ContextRow,
+    micro: PackedRows | None,
+    output_fn: Callable[[torch.Tensor, PackedRows], torch.Tensor],
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    train: bool,
+) -> torch.Tensor | None:
+    """One micro-batch of the group (steps 1-3 of the module docstring): this rank's chunk of ``row`` through
+    ``model``'s decoder, the head's inputs gathered over ``group``; on the row's owner (``micro`` given) the head and
+    ``output_fn`` (its result returned, back-propagated with ``train``), elsewhere the head on no rows and the
+    backward's share. Inputs go to ``device``."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    input_ids, position_ids, held = row.chunk(rank, cp)
+    hidden = model.hidden_states(
+        input_ids[None].to(device),
+        position_ids[None].to(device),
+        cu_seqlens=row.cu_seqlens.to(device),
+        max_seqlen=row.max_seqlen,
+        row_length=len(row.input_ids),
+    )
+    gathered = gather_rows(hidden[0].index_select(0, held.to(device)), row.read_counts(cp), group)
+    if micro is None:
+        # The head on no rows: FSDP's collectives around it run on every rank, and in training every parameter gets a
+        # (zero) gradient, so FSDP reduces the same tensors everywhere.
+        nothing = model.head_outputs(gathered[:0]).sum()
+        if train:
+            nothing.backward()
+        return None
+    result = output_fn(model.head_outputs(gathered), micro)
+    if train:
+        result.backward()
+    return result

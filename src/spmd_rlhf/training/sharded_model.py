@@ -34,7 +34,13 @@ from spmd_rlhf.models.pipeline import Pipeline, split_stage
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import RoleContext
-from spmd_rlhf.training.context_parallel import ContextRow, check_context_parallel, exchange_rows, gather_rows, schedule
+from spmd_rlhf.training.context_parallel import (
+    ContextRow,
+    check_context_parallel,
+    context_parallel_step,
+    exchange_rows,
+    schedule,
+)
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
 from spmd_rlhf.training.reducer import DPReducer
@@ -272,8 +278,16 @@ class ShardedModel:
                     self.module.set_reshard_after_backward(last)
                 micro = micros[index]
                 if rows is not None:
-                    mine = micro if owner == self.cp_rank else None
-                    result = self._context_parallel_step(rows[owner][index], mine, output_fn, train=train)
+                    mine = micro if owner == dist.get_rank(self.cp_group) else None
+                    result = context_parallel_step(
+                        self.module,
+                        rows[owner][index],
+                        mine,
+                        output_fn,
+                        group=self.cp_group,
+                        device=self.device,
+                        train=train,
+                    )
                     if result is not None:
                         results.append(_detached(result))
                     continue
@@ -284,39 +298,6 @@ class ShardedModel:
                         result.backward()
                 results.append(_detached(result))
         return results, order
-
-    @property
-    def cp_rank(self) -> int:
-        return dist.get_rank(self.cp_group)
-
-    def _context_parallel_step(
-        self, row: ContextRow, micro: MicroBatch | None, output_fn: MicroBatchFunction, *, train: bool
-    ) -> torch.Tensor | None:
-        """One micro-batch of the context-parallel group (``training.context_parallel``): this rank's chunk of
-        ``row`` through the decoder, the head's inputs gathered over the group; on the row's owner (``micro`` given)
-        the head and ``output_fn`` (its result returned, back-propagated with ``train``), elsewhere the head on no
-        rows and the backward's share."""
-        cp, device = self.context.dims.cp, self.device
-        input_ids, position_ids, held = row.chunk(self.cp_rank, cp)
-        hidden = self.module.hidden_states(
-            input_ids[None].to(device),
-            position_ids[None].to(device),
-            cu_seqlens=row.cu_seqlens.to(device),
-            max_seqlen=row.max_seqlen,
-            row_length=len(row.input_ids),
-        )
-        gathered = gather_rows(hidden[0].index_select(0, held.to(device)), row.read_counts(cp), self.cp_group)
-        if micro is None:
-            # The head on no rows: FSDP's collectives around it run on every rank, and in training every parameter
-            # gets a (zero) gradient, so FSDP reduces the same tensors everywhere.
-            nothing = self.module.head_outputs(gathered[:0]).sum()
-            if train:
-                nothing.backward()
-            return None
-        result = output_fn(self.module.head_outputs(gathered), micro)
-        if train:
-            result.backward()
-        return result
 
     @contextlib.contextmanager
     def _gathered_across_micro_batches(self, *, train: bool) -> Iterator[None]:

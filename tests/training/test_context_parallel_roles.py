@@ -17,7 +17,7 @@ from torchrun_helpers import hf_weights, torchrun
 from spmd_rlhf.tiny.model import make_tiny
 
 REFERENCE = "dp1cp1tp1"
-LAYOUTS = ["dp2cp2tp1", "dp4cp4tp1", "dp4cp2tp1", "dp2cp2tp2"]
+LAYOUTS = ["dp4cp4tp1", "dp4cp2tp1", "dp2cp2tp2"]
 
 
 @pytest.fixture(scope="module")
