@@ -20,7 +20,7 @@ from spmd_rlhf.runtime import ParallelDims, ResourcePool, launch
 from spmd_rlhf.workers import ActorWorker, CriticWorker, RewardWorker
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dp_parity import rollout_batch  # noqa: E402
+from dp_parity import rollout_batch, with_value_targets  # noqa: E402
 from expert_parallel_parity import GradientActor  # noqa: E402
 
 
@@ -49,18 +49,7 @@ def main(coordinator):
         "reward.micro_batch_size=2",
     ]
     config = load_config(None, overrides)
-    batch = rollout_batch(16, 5, 6, vocab=100)
-    generator = torch.Generator().manual_seed(1)
-    mask = batch["response_mask"].float()
-    batch = batch.union(
-        type(batch)(
-            {
-                "values": torch.randn(16, 6, generator=generator) * mask,
-                "returns": torch.randn(16, 6, generator=generator) * mask,
-            },
-            group_size=2,
-        )
-    )
+    batch = with_value_targets(rollout_batch(16, 5, 6, vocab=100))
     for layout in layouts:
         dp, cp, tp = (int(size) for size in re.fullmatch(r"dp(\d+)cp(\d+)tp(\d+)", layout).groups())
         pool, dims = ResourcePool(range(dp * tp)), ParallelDims(dp=dp, tp=tp, cp=cp)

@@ -41,6 +41,15 @@ def rollout_batch(rows: int, prompt_length: int, response_length: int, vocab: in
     )
 
 
+def with_value_targets(batch: Batch) -> Batch:
+    """``batch`` with random ``values`` and ``returns`` at its response positions, for a critic's update."""
+    generator = torch.Generator().manual_seed(1)
+    mask = batch["response_mask"].float()
+    shape = mask.shape
+    targets = {name: torch.randn(shape, generator=generator) * mask for name in ("values", "returns")}
+    return batch.union(Batch(targets, group_size=batch.group_size))
+
+
 def main(coordinator):
     model_dir, out_dir, aggregation = sys.argv[1], sys.argv[2], sys.argv[3]
     config = load_config(

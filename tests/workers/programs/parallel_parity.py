@@ -19,7 +19,7 @@ from spmd_rlhf.runtime import ParallelDims, ResourcePool, launch
 from spmd_rlhf.workers import ActorWorker, CriticWorker, RewardWorker
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dp_parity import rollout_batch  # noqa: E402
+from dp_parity import rollout_batch, with_value_targets  # noqa: E402
 
 
 def main(coordinator):
@@ -56,18 +56,7 @@ def main(coordinator):
             "critic.fsdp_unit_mb=0.1",
         ],
     )
-    batch = rollout_batch(16, 5, 6, vocab=100)
-    generator = torch.Generator().manual_seed(1)
-    mask = batch["response_mask"].float()
-    batch = batch.union(
-        type(batch)(
-            {
-                "values": torch.randn(16, 6, generator=generator) * mask,
-                "returns": torch.randn(16, 6, generator=generator) * mask,
-            },
-            group_size=2,
-        )
-    )
+    batch = with_value_targets(rollout_batch(16, 5, 6, vocab=100))
     actors = {}
     for layout in layouts:
         dp, tp, pp = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)", layout).groups())
