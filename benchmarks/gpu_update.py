@@ -140,7 +140,7 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
                 f"data.batch_size={args.rows // GROUP_SIZE}",
                 f"actor.mini_batch_size={args.rows}",
                 f"actor.micro_batch_size={args.micro_batch}",
-                # --micro-batch rows per pass unless --token-budget (0: derived from the free memory)
+                # 0 (the default): derived from the free memory; null: --micro-batch rows per pass
                 f"actor.max_tokens_per_micro_batch={'null' if args.token_budget is None else args.token_budget}",
                 "actor.lr=1e-6",
             ],
@@ -188,6 +188,7 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
         "shape": args.shape,
         "dtype": dtype,
         "compile": args.compile,
+        "token_budget": "rows" if args.token_budget is None else args.token_budget or "derived",
         "activation_checkpointing": args.activation_checkpointing,
         "matmul_parameters": dataclasses.asdict(parameters),
         "peak_tflops": peak,
@@ -227,9 +228,10 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="peak FLOP/s of one device, TFLOP/s; default by GPU name")
     parser.add_argument(
         "--token-budget",
-        type=int,
-        help="actor.max_tokens_per_micro_batch: token-balanced micro-batches of this many tokens, 0 derived from the "
-        "free device memory (training.token_budget); default: --micro-batch rows per pass",
+        type=lambda value: None if value == "null" else int(value),
+        default=0,
+        help="actor.max_tokens_per_micro_batch: token-balanced micro-batches of this many tokens; 0 (the recipe's "
+        "default) derived from the free device memory (training.token_budget) on GPU; null: --micro-batch rows a pass",
     )
     parser.add_argument(
         "--compile",

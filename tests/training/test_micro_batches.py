@@ -111,7 +111,7 @@ def test_a_derived_token_budget_follows_the_free_memory_and_the_pass():
 def test_the_token_budget_key_takes_zero_null_or_a_budget_that_holds_the_longest_row():
     from spmd_rlhf.config import ConfigError, load_config
 
-    assert load_config(None, []).actor.max_tokens_per_micro_batch is None  # rows per micro-batch
+    assert load_config(None, []).actor.max_tokens_per_micro_batch == 0  # derived on GPU, rows elsewhere
     assert load_config(None, ["actor.max_tokens_per_micro_batch=0"]).actor.max_tokens_per_micro_batch == 0
     with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch=-1: must be >= 0 or null"):
         load_config(None, ["actor.max_tokens_per_micro_batch=-1"])
