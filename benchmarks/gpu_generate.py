@@ -107,6 +107,7 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, *, batch: i
             max_num_seqs=batch,
             max_num_batched_tokens=batch * args.decode_prompt,
             decode_graphs=mode,
+            compile_layers=args.compile_layers,
         )
         for mode in ("auto", "off")
     }
@@ -199,6 +200,7 @@ def measure_batch(
         block_size=args.block_size,
         max_num_seqs=args.batch,
         max_num_batched_tokens=sum(map(len, prompts)),
+        compile_layers=args.compile_layers,
     )
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
 
@@ -262,6 +264,13 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--compile-layers",
+        choices=("auto", "on", "off"),
+        default="off",
+        help="rollout.compile: blocks compiled around attention (where graphs are captured, under auto); the model is "
+        "shared, so G1's eager engine runs the compiled blocks too",
+    )
+    parser.add_argument(
         "--profile", help="write a profile of one more batch-1 decode run (G1, default engine) to this file"
     )
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's copy")
@@ -276,6 +285,7 @@ def main() -> None:
         "smoke": args.smoke,
         "shape": args.shape,
         "dtype": args.dtype,
+        "compile_layers": args.compile_layers,
         "environment": environment(args.device),
     }
     name = f"gpu_generate_{args.shape}_{result['environment']['device']}"

@@ -22,7 +22,8 @@ call cut short still returns what it measured. ``model`` builds the random-init 
 | ``kernels`` | both Triton kernels at real sizes against their torch references | 60 s |
 | ``g5`` | the reshard train -> generation against the device-copy bound for the same bytes | 60 s |
 
-Optional steps (``OPTIONAL``), run only when named in ``--only``: ``scale`` (per-stage ``max_memory_allocated``
+Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_compiled`` (G1 with the blocks compiled around
+attention, ``rollout.compile=auto``: not yet the default), ``scale`` (per-stage ``max_memory_allocated``
 against the floor, GRPO at the 1.5B shape on one rank: two minutes, which the plain call no longer has on an H100
 since G3 compiles and G4 ran 172 s), ``cuda_tests_full`` (every test marked ``gpu``),
 ``g2_static`` (G2 against the compiled static cache: a compile of minutes) and ``two_process`` (the GRPO recipe as a
@@ -69,6 +70,7 @@ FAST_CUDA_TESTS = (
     "tests/models/test_moe.py::test_cuda_bf16_experts_grouped_equal_looped_and_the_model_runs",
     "tests/models/test_compiled_blocks.py::test_cuda_inductor_blocks_equal_eager_in_bf16",
     "tests/engine/test_overlap.py::test_overlapped_cuda_graph_loop_equals_the_synchronous_loop",
+    "tests/engine/test_compiled_decode.py::test_cuda_compiled_layers_decode_like_eager_layers",
 )
 """``cuda_tests``: one test from each file that holds CUDA tests (the whole ``-m gpu`` run took 50 s on an H100)."""
 
@@ -132,6 +134,25 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "G1_largest_batch_over_floor": "decode.-1.ratio_to_floor",
                 "G1_graphs_speedup": "decode.1.graphs_speedup",
                 "G1_first_mismatch": "decode.1.graph_eager_first_mismatch",
+            },
+        ),
+        Step(
+            "g1_compiled",
+            [
+                *generate,
+                "--measure",
+                "decode",
+                "--compile-layers",
+                "auto",
+                *([] if smoke else ["--decode-tokens", "128", "--repeats", "2"]),
+                *step_out("g1_compiled"),
+            ],
+            180,
+            "*.json",
+            {
+                "G1_compiled_batch1_over_floor": "decode.1.ratio_to_floor",
+                "G1_compiled_largest_batch_over_floor": "decode.-1.ratio_to_floor",
+                "G1_compiled_first_mismatch": "decode.1.graph_eager_first_mismatch",
             },
         ),
         Step(
@@ -284,9 +305,9 @@ STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5")
 """What a plain call runs, in this order: G1, G3 and G4 first (about 6 minutes with the model's build on an H100),
 the rest after them (about 8 minutes in all: 476 s of steps in session 37); see the module docstring for each step's
 limit."""
-OPTIONAL = ("scale", "cuda_tests_full", "g2_static", "two_process", "moe", "g3_rows", "g3_eager")
+OPTIONAL = ("g1_compiled", "scale", "cuda_tests_full", "g2_static", "two_process", "moe", "g3_rows", "g3_eager")
 """Run only when named in ``--only``."""
-MODEL_USERS = ("g1", "g3", "g4", "g2", "g5", "scale", "g2_static", "g3_rows", "g3_eager")
+MODEL_USERS = ("g1", "g1_compiled", "g3", "g4", "g2", "g5", "scale", "g2_static", "g3_rows", "g3_eager")
 """Steps that read the models ``model`` builds."""
 
 

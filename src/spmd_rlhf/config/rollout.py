@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spmd_rlhf.config.choices import (
+    COMPILE_SETTINGS,
     ENVIRONMENTS,
     PARTIAL_ROLLOUTS,
 )
@@ -44,6 +45,11 @@ class RolloutConfig:
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs, one per batch-size bucket, where they apply (a CUDA replica of one rank
     whose decode attention is the Triton paged kernel); false: eager decode steps. Elsewhere decode is eager anyway."""
+    compile: str = "off"
+    """torch.compile each decoder block of the generation copy around its attention call (the norms, projections,
+    rotation, residuals and MLP fused by Inductor; the paged attention eager between them), once for every layer,
+    decode bucket and prefill length: auto (where decode steps replay from CUDA graphs), on (CPU too: needs a C++
+    compiler) or off. Off by default until a GPU run measures it: tokens equal to eager's are tested on CPU only."""
     overlap_host: bool = True
     """Read each graphed decode step's tokens back one step late (pinned copy and event), so the host plans and
     launches step t + 1 while the device runs step t; the same tokens and log-probs as false (a synchronous read after
@@ -100,6 +106,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns", "environment_workers")
+        one_of(self, "compile", COMPILE_SETTINGS)
         require(
             self,
             "environment",

@@ -44,12 +44,13 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from spmd_rlhf.config.choices import COMPILE_SETTINGS
 from spmd_rlhf.engine.sampler import FILTERED, GREEDY, draw, row_sampling, row_uniforms
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
-from spmd_rlhf.models.moe import Experts
+from spmd_rlhf.models.moe import Experts, MoEBlock
 from spmd_rlhf.models.paged_kv import PagedKV
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,37 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
     if not use_triton(weight.device, "auto"):
         return "the Triton paged decode kernel is not available (Triton missing)"
     return None
+
+
+def compile_backend(setting: str, *, graphs: bool) -> str | None:
+    """The TorchDynamo backend ``compile_around_attention`` uses for ``rollout.compile``'s ``setting``, or None for
+    eager layers: ``auto`` compiles where decode steps are captured into CUDA graphs (``graphs``), ``on`` everywhere
+    (CPU included: Inductor then needs a C++ compiler), ``off`` never."""
+    if setting not in COMPILE_SETTINGS:
+        raise ValueError(f"rollout.compile={setting!r} is unknown; choose one of {', '.join(COMPILE_SETTINGS)}")
+    return "inductor" if setting == "on" or (setting == "auto" and graphs) else None
+
+
+def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> None:
+    """``torch.compile`` each decoder block of a generation model in two pieces, the block before its attention
+    kernel call (input norm, q/k/v projections, QK norms, rotation: ``DecoderLayer.attention_inputs``) and after it
+    (output projection, residuals, post-attention norm, MLP: ``attention_outputs``), so Inductor fuses the casts,
+    reductions and elementwise ops between the matmuls: on an H100 these were 1.5 of a batch-1 decode step's 3.3 ms
+    of device time, about 34 kernels per layer (``docs/benchmarks.md``, session 37). The attention call between them
+    (writing the new K/V into the paged cache, reading the context) stays eager: it is what differs between layers
+    and steps, and a compiled write into the cache would be one into a graph input. Each piece is one graph with no
+    break (``fullgraph``; an MoE block's outputs may break where the looped expert path reads counts on the host), its
+    token count symbolic (``dynamic``), so every layer and every decode bucket and prefill length share it: at most
+    two graphs per piece and grad mode, the second for a single token (TorchDynamo specialises sizes of 1), and one
+    more for MoE blocks. Compiled in place (instance attributes over the methods): the first call of each size
+    compiles, which the decode graphs' warm-up pass does before capture. ``backend``: TorchDynamo's (tests trace with
+    ``aot_eager``)."""
+    for layer in model.model.layers.values():
+        moe = isinstance(layer.mlp, MoEBlock)
+        layer.attention_inputs = torch.compile(layer.attention_inputs, fullgraph=True, dynamic=True, backend=backend)
+        layer.attention_outputs = torch.compile(
+            layer.attention_outputs, fullgraph=not moe, dynamic=True, backend=backend
+        )
 
 
 _said: set[str] = set()

@@ -30,7 +30,13 @@ import torch
 
 from spmd_rlhf.engine.agreement import agree_minimum, schedule_groups
 from spmd_rlhf.engine.block_manager import BlockManager
-from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_unsupported, say_once
+from spmd_rlhf.engine.decode_graphs import (
+    DECODE_MODES,
+    compile_around_attention,
+    compile_backend,
+    graphs_unsupported,
+    say_once,
+)
 from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
@@ -81,6 +87,7 @@ class LLMEngine:
         max_model_len: int | None = None,
         record_routes: bool = False,
         overlap_host: bool = True,
+        compile_layers: str = "off",
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size (``kv_cache_bytes`` at most what ``max_num_seqs``
         rows of ``max_model_len`` tokens fill, when that is given); with neither, each call gets a cache that holds
@@ -100,7 +107,9 @@ class LLMEngine:
         experts every processed token went to per MoE layer (``routes.py``), and decode steps run eagerly.
         ``overlap_host``: decode steps on the static step (CUDA graphs, or ``static``) read their tokens back one step
         late, so the host plans and launches step t + 1 while the device runs step t (``advance``); the same tokens
-        and log-probs as the synchronous loop (False)."""
+        and log-probs as the synchronous loop (False). ``compile_layers``: ``rollout.compile`` (``auto``, ``on`` or
+        ``off``): each decoder block compiled around its attention call (``decode_graphs.compile_around_attention``;
+        ``auto`` where decode steps are captured)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
@@ -131,6 +140,9 @@ class LLMEngine:
         if unsupported is not None:
             say_once(unsupported, f"decode steps run eagerly, without CUDA graphs: {unsupported}", device=device)
         capture = decode_graphs == "auto" and unsupported is None
+        backend = compile_backend(compile_layers, graphs=capture)
+        if backend is not None:
+            compile_around_attention(model, backend=backend)
         self.max_model_len = max_model_len
         self.runner = ModelRunner(
             model,

@@ -64,15 +64,24 @@ class Attention(MergeableProjections):
         parallel plan puts in its place (context parallelism's, over a sequence split across ranks)."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
+        q, k, v = self.queries_keys_values(x, rope)
+        return self.output(self.attend(q, k, v, batch, scale=self.scale, layer_index=self.layer_index))
+
+    def queries_keys_values(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[batch, seq, heads, head_dim]`` of ``x``: projected, normed (QK-norm models) and rotated."""
         batch_size, seq_len = x.shape[:2]
         # -1 instead of the configured head counts so a tensor-parallel shard (fewer local heads) runs unchanged.
         q, k, v = (t.view(batch_size, seq_len, -1, self.head_dim) for t in self.projections(x))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attend(q, k, v, batch, scale=self.scale, layer_index=self.layer_index)
-        return self.o_proj(out.reshape(batch_size, seq_len, -1))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention's ``out`` ``[batch, seq, heads, head_dim]``."""
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
 
 
 class DecoderLayer(nn.Module):
@@ -87,7 +96,24 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch)
+        attention = self.self_attn
+        q, k, v = self.attention_inputs(x, rope)
+        out = attention.attend(q, k, v, batch, scale=attention.scale, layer_index=attention.layer_index)
+        return self.attention_outputs(x, out)
+
+    # The block in two pieces around the attention kernel call, which holds all that differs between layers (the
+    # layer's KV cache) and between steps (the batch's layout): the generation engine compiles each piece once for
+    # every layer (``compile_around_attention``).
+
+    def attention_inputs(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block up to attention: the input norm, then q, k and v (``Attention.queries_keys_values``)."""
+        return self.self_attn.queries_keys_values(self.input_layernorm(x), rope)
+
+    def attention_outputs(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The block after attention: the output projection and its residual, then the MLP and its residual."""
+        x = x + self.self_attn.output(out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -69,6 +69,7 @@ class Judge:
             seed=config.trainer.seed,
             decode_graphs="auto" if config.rollout.cuda_graphs else "off",
             overlap_host=config.rollout.overlap_host,
+            compile_layers=config.rollout.compile,
         )
         self.params = SamplingParams(
             temperature=role_config.judge_temperature,

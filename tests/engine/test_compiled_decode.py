@@ -1,0 +1,114 @@
+"""Decoder blocks compiled around their attention call for generation (``rollout.compile``,
+``decode_graphs.compile_around_attention``): the same tokens and log-probs as eager blocks through prefill and the
+static decode step, a bounded number of graphs whatever the layer count, bucket or prompt length, and the key's wiring.
+
+The graphs are traced here by a counting backend that runs TorchDynamo's FX graphs as they are (what ``aot_eager``
+checks, without Inductor's code generation, which needs minutes of C++ compilation on CPU); Inductor on CUDA in
+bfloat16 is ``test_cuda_compiled_layers_decode_like_eager_layers`` (the GPU suite's fast CUDA tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_fixtures import write_hf_model
+
+from spmd_rlhf.config import ConfigError, load_config
+from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
+from spmd_rlhf.engine.decode_graphs import compile_around_attention, compile_backend
+from spmd_rlhf.models import load_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 40, 41], [70, 71, 72], [3, 4]]
+
+
+def _requests() -> list[SamplingParams]:
+    """Greedy and seeded sampled rows of different lengths: the batch shrinks through buckets 4, 2 and 1."""
+    return [
+        SamplingParams(temperature=0, max_new_tokens=3),
+        SamplingParams(temperature=1.0, top_k=20, max_new_tokens=9, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, seed=2),
+        SamplingParams(temperature=0, max_new_tokens=7),
+    ]
+
+
+class CountingBackend:
+    """A TorchDynamo backend that runs each graph as traced and counts graphs compiled and calls made through them."""
+
+    def __init__(self) -> None:
+        self.graphs, self.calls = 0, 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs) -> callable:
+        self.graphs += 1
+
+        def run(*inputs):
+            self.calls += 1
+            return graph.forward(*inputs)
+
+        return run
+
+
+@pytest.mark.parametrize("family", ["qwen2_untied", "qwen3"])
+def test_compiled_layers_decode_what_eager_layers_decode(tmp_path, family):
+    """Prefill and static decode steps through blocks compiled in two pieces: the same tokens and log-probs as eager
+    blocks (QK-norm included), and every block's calls through two graphs per piece at most (all layers share
+    them), whatever the prompt lengths and the decode buckets."""
+    torch._dynamo.reset()
+    write_hf_model(family, str(tmp_path / "model"))
+    eager_model = load_model(str(tmp_path / "model"), dtype=torch.float32)
+    eager = LLMEngine(eager_model, eos_token_id=None, block_size=4, decode_graphs="static").generate(
+        PROMPTS, _requests()
+    )
+    backend = CountingBackend()
+    compiled_model = load_model(str(tmp_path / "model"), dtype=torch.float32)
+    compile_around_attention(compiled_model, backend=backend)
+    engine = LLMEngine(compiled_model, eos_token_id=None, block_size=4, decode_graphs="static")
+    compiled = engine.generate(PROMPTS, _requests())
+    for got, expected in zip(compiled, eager):
+        assert got.generated_token_ids == expected.generated_token_ids
+        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(expected.log_probs), rtol=0, atol=1e-6)
+    layers = compiled_model.args.num_layers
+    steps = engine.stats.prefill_steps + engine.stats.decode_steps
+    assert layers >= 2 and engine.stats.decode_steps > 1
+    assert backend.calls == 2 * layers * steps  # every block of every step ran both compiled pieces
+    assert backend.graphs <= 4  # two pieces, each for one token and for many (sizes of 1 are specialised)
+
+
+def test_the_rollout_compile_key_picks_the_backend_and_the_engine_applies_it(tmp_path, monkeypatch):
+    assert compile_backend("off", graphs=True) is None
+    assert compile_backend("auto", graphs=False) is None  # eager decode steps: nothing to fuse before a capture
+    assert compile_backend("auto", graphs=True) == "inductor"
+    assert compile_backend("on", graphs=False) == "inductor"
+    with pytest.raises(ValueError, match="rollout.compile='yes' is unknown"):
+        compile_backend("yes", graphs=True)
+    assert load_config(None, []).rollout.compile == "off"
+    with pytest.raises(ConfigError, match="rollout.compile"):
+        load_config(None, ["rollout.compile=always"])
+
+    compiled = []
+    monkeypatch.setattr(llm_engine, "compile_around_attention", lambda model, backend: compiled.append(backend))
+    write_hf_model("qwen2_untied", str(tmp_path / "model"))
+    model = load_model(str(tmp_path / "model"), dtype=torch.float32)
+    for setting in ("off", "auto", "on"):
+        LLMEngine(model, eos_token_id=None, block_size=4, compile_layers=setting)
+    assert compiled == ["inductor"]  # "auto" on CPU: no CUDA graphs, so eager blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compiled_layers_decode_like_eager_layers(tmp_path):
+    """On CUDA in bfloat16, Inductor's fused blocks inside the captured decode graphs: greedy tokens equal to eager
+    blocks' for the first steps (bfloat16 rounding may part them later), log-probs close, and graphs captured."""
+    torch._dynamo.reset()
+    write_hf_model("qwen2_untied", str(tmp_path / "model"))
+    params = [SamplingParams(temperature=0, max_new_tokens=8) for _ in PROMPTS]
+    outputs = {}
+    for setting in ("off", "on"):
+        model = load_model(str(tmp_path / "model"), dtype=torch.bfloat16, device=torch.device("cuda"))
+        engine = LLMEngine(model, eos_token_id=None, block_size=16, compile_layers=setting)
+        outputs[setting] = engine.generate(PROMPTS, params)
+        assert engine.stats.cuda_graphs > 0
+    for got, expected in zip(outputs["on"], outputs["off"]):
+        assert got.generated_token_ids[:4] == expected.generated_token_ids[:4]
+        steps = min(len(got.log_probs), len(expected.log_probs), 4)
+        torch.testing.assert_close(
+            torch.tensor(got.log_probs[:steps]), torch.tensor(expected.log_probs[:steps]), rtol=0, atol=0.1
+        )
