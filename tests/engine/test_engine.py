@@ -159,6 +159,42 @@ def test_samples_of_one_prompt_share_its_prompt_blocks(checkpoint):
     assert len({tuple(seq.generated_token_ids) for seq in samples}) > 1
 
 
+def test_prompts_longer_than_the_step_budget_are_prefilled_in_chunks(checkpoint, monkeypatch):
+    """Chunked prefill: with a token budget of 6 per step, the 15-token prompt (and every prompt that does not fit what
+    a step has left) is prefilled over several steps, no step computes more than 6 tokens, and the tokens and
+    log-probs equal a roomy engine's (prompts sharing prefixes and a repeated prompt included, and under
+    preemption), with the shared prefixes still not prefilled twice."""
+    model, _ = checkpoint
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0, max_new_tokens=6)] + [
+        SamplingParams(temperature=1.0, top_k=30, max_new_tokens=5, seed=seed) for seed in range(1, len(prompts))
+    ]
+    roomy = LLMEngine(model, eos_token_id=None, block_size=4)
+    expected = roomy.generate(prompts, params)
+    step_tokens = []
+    run = roomy.runner.__class__.run
+
+    def counting_run(runner, seqs, *, is_prefill):
+        if is_prefill:
+            step_tokens.append(sum(seq.prefill_end - seq.num_cached_tokens for seq in seqs))
+        return run(runner, seqs, is_prefill=is_prefill)
+
+    monkeypatch.setattr(roomy.runner.__class__, "run", counting_run)
+    for engine_args in ({}, {"num_blocks": 12}):
+        step_tokens.clear()
+        chunked = LLMEngine(model, eos_token_id=None, block_size=4, max_num_batched_tokens=6, **engine_args)
+        outputs = chunked.generate(prompts, params)
+        for got, want in zip(outputs, expected):
+            assert got.generated_token_ids == want.generated_token_ids
+            torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(want.log_probs), rtol=0, atol=1e-5)
+        assert max(step_tokens) <= 6 and len(step_tokens) == chunked.stats.prefill_steps
+        assert sum(step_tokens) == chunked.stats.prefill_tokens
+        assert all(seq.prefill_end is None for seq in outputs)
+        if not engine_args:
+            assert chunked.stats.prefill_tokens == roomy.stats.prefill_tokens == sum(map(len, prompts)) - 8 - 11
+    assert chunked.num_preemptions > 0
+
+
 def test_cache_is_allocated_on_demand_and_can_be_freed(checkpoint):
     model, _ = checkpoint
     prompts = _prompts()[:3]

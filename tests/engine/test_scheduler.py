@@ -40,7 +40,35 @@ def test_prefill_respects_token_and_sequence_budgets():
     for i in range(4):
         scheduler.add(_seq(i, 4))
     batch, _ = scheduler.schedule()
-    assert [s.seq_id for s in batch] == [0, 1]  # 4 + 4 tokens; a third would exceed 10
+    # 4 + 4 tokens, and the first 2 of the third prompt's 4 (chunked prefill): no step exceeds 10 tokens.
+    assert [(s.seq_id, s.prefill_end) for s in batch] == [(0, 4), (1, 4), (2, 2)]
+    assert scheduler.end_prefill(batch) == [0, 1] and [s.seq_id for s in scheduler.waiting] == [2, 3]
+    assert (batch[2].num_cached_tokens, batch[2].prefill_end, batch[2].status) == (2, None, SequenceStatus.WAITING)
+    scheduler.finish_step(batch[:2], [7, 7], [-0.5] * 2, [-0.5] * 2)
+    batch, prefill = scheduler.schedule()  # the rest of the third prompt, then the fourth whole
+    assert prefill and [(s.seq_id, s.num_cached_tokens, s.prefill_end) for s in batch] == [(2, 2, 4), (3, 0, 4)]
+    assert scheduler.end_prefill(batch) == [0, 1] and not scheduler.waiting
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_alone_in_chunks():
+    """Nothing else is prefilled before a chunked prompt's last chunk: its blocks are keyed for prefix sharing before
+    they are written."""
+    scheduler = _scheduler(num_blocks=64, max_tokens=4)
+    long, same = _seq(0, 10), _seq(1, 10)
+    same.token_ids = list(long.token_ids)  # the same prompt: it shares the long one's blocks
+    for seq in (long, same):
+        scheduler.add(seq)
+    chunks = []
+    while scheduler.waiting:
+        batch, prefill = scheduler.schedule()
+        assert prefill and sum(s.prefill_end - s.num_cached_tokens for s in batch) <= 4
+        chunks.append([(s.seq_id, s.num_cached_tokens, s.prefill_end) for s in batch])
+        finished = scheduler.end_prefill(batch)
+        ended = [batch[row] for row in finished]
+        scheduler.finish_step(ended, [7] * len(ended), [0.0] * len(ended), [0.0] * len(ended))
+    # The copy joins the last chunk's step, its every block the long prompt's (written by then, or in that step before
+    # any layer reads them); its last token runs again for its logits.
+    assert chunks == [[(0, 0, 4)], [(0, 4, 8)], [(0, 8, 10), (1, 9, 10)]]
 
 
 def test_running_out_of_blocks_preempts_the_newest_and_everything_still_finishes():

@@ -294,8 +294,7 @@ class LLMEngine:
             stats.max_blocks_in_use = max(stats.max_blocks_in_use, manager.num_blocks - manager.num_free_blocks)
             if is_prefill:
                 stats.prefill_steps += 1
-                stats.prefill_tokens += sum(len(seq) - seq.num_cached_tokens for seq in batch)
-                stats.cached_prefill_tokens += sum(seq.num_cached_tokens for seq in batch)
+                stats.prefill_tokens += sum(seq.prefill_end - seq.num_cached_tokens for seq in batch)
             else:
                 stats.decode_steps += 1
             samples = self.runner.sample_step(
@@ -306,7 +305,13 @@ class LLMEngine:
             )
             if not (self.overlap_host and self.runner.ran_static_step):
                 assert in_flight is None, "a synchronous step follows a drained pipeline"
-                self._finish_step(scheduler, batch, read_samples(samples[:, : len(batch)].tolist()))
+                token_ids, log_probs, sampling_log_probs = read_samples(samples[:, : len(batch)].tolist())
+                if is_prefill:  # a chunk of a long prompt samples nothing
+                    rows = scheduler.end_prefill(batch)
+                    batch = [batch[row] for row in rows]
+                    token_ids, log_probs = [token_ids[row] for row in rows], [log_probs[row] for row in rows]
+                    sampling_log_probs = [sampling_log_probs[row] for row in rows]
+                self._finish_step(scheduler, batch, (token_ids, log_probs, sampling_log_probs))
                 continue
             pending = self._readback.start(samples, len(batch))
             if in_flight is not None:
@@ -319,6 +324,7 @@ class LLMEngine:
         if in_flight is not None:
             self._finish_step(scheduler, *in_flight)
         stats.preemptions = run.num_preemptions
+        stats.cached_prefill_tokens = scheduler.cached_prefill_tokens
         stats.cuda_graphs = self.runner.graphs_captured
         stats.cuda_graph_captures = self.runner.graphs_ever_captured - self._captures_at_start
         if scheduler.has_work():

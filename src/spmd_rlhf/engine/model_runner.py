@@ -194,8 +194,9 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], *, is_prefill: bool) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` for the token after each sequence's last one, from an eager step.
 
-        A prefill step computes each sequence's tokens from ``num_cached_tokens`` on (the rest are shared prefix blocks
-        already in the cache); a decode step computes each sequence's last token.
+        A prefill step computes each sequence's tokens from ``num_cached_tokens`` (the rest are shared prefix blocks
+        or earlier chunks, already in the cache) up to its ``prefill_end`` (a chunk of a long prompt: its row's logits
+        are then dropped); a decode step computes each sequence's last token.
         """
         assert self._key_cache is not None, "allocate_cache before run"
         assert not any(seq.token_pending for seq in seqs), "an eager step reads every input token on the host"
@@ -203,17 +204,17 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         cu_seqlens_q = [0]
-        for seq in seqs:
-            start = seq.num_cached_tokens if is_prefill else len(seq) - 1
-            new_positions = range(start, len(seq))
-            token_ids += seq.token_ids[start:]
+        context_lens = [(seq.prefill_end or len(seq)) if is_prefill else len(seq) for seq in seqs]
+        for seq, end in zip(seqs, context_lens):
+            start = seq.num_cached_tokens if is_prefill else end - 1
+            new_positions = range(start, end)
+            token_ids += seq.token_ids[start:end]
             positions += new_positions
             slots += [
                 seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in new_positions
             ]
             cu_seqlens_q.append(cu_seqlens_q[-1] + len(new_positions))
         max_blocks = max(len(seq.block_table) for seq in seqs)
-        context_lens = [len(seq) for seq in seqs]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)

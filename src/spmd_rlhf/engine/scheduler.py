@@ -1,7 +1,12 @@
 """Continuous batching: which sequences run in the next model step, and preemption when KV blocks run out.
 
 Each step is either a prefill of waiting sequences (as many as fit the token and sequence budgets and the free
-blocks) or one decode token for every running sequence. When a running sequence cannot get a block for its next
+blocks) or one decode token for every running sequence. A prompt that does not fit what is left of a prefill's token
+budget (``max_num_batched_tokens``) is prefilled in chunks (chunked prefill): the step takes what fits, the sequence
+keeps its blocks and stays first in the queue, and the next prefill steps go on from there until its last chunk,
+which alone samples a token, so no step exceeds the budget however long the prompt. Nothing else is prefilled before
+that last chunk (whose step others may join): the blocks of its prompt are keyed for prefix sharing from the start,
+and another sequence must not read them before they are written. When a running sequence cannot get a block for its next
 token, the most recently started one is preempted: its blocks are freed and it goes back to the front of the waiting
 queue, keeping the tokens it has generated; its next prefill recomputes their K/V. Results do not change.
 """
@@ -22,6 +27,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.cached_prefill_tokens = 0
+        """Prompt tokens whose K/V a prefill found in the cache (shared prefix blocks), over this scheduler's steps."""
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; one that could never fit the whole cache on its own is refused here, not mid-run."""
@@ -44,15 +51,19 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
-            new_tokens = len(seq) - seq.num_cached_tokens
-            if scheduled and tokens + new_tokens > self.max_num_batched_tokens:
-                break
-            if not self.block_manager.try_allocate(seq):
-                break
-            tokens += len(seq) - seq.num_cached_tokens
+            budget = self.max_num_batched_tokens - tokens
+            # A sequence with blocks is one whose prefill an earlier step began (chunked): it has its blocks.
+            if not seq.block_table:
+                if budget < 1 or not self.block_manager.try_allocate(seq):
+                    break
+                self.cached_prefill_tokens += seq.num_cached_tokens
+            seq.prefill_end = min(len(seq), seq.num_cached_tokens + budget)
+            tokens += seq.prefill_end - seq.num_cached_tokens
+            scheduled.append(seq)
+            if seq.prefill_chunk:
+                break  # the step is full; the sequence stays first in the queue
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
-            scheduled.append(seq)
         if scheduled:
             return scheduled, True
 
@@ -100,6 +111,18 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def end_prefill(self, seqs: list[Sequence]) -> list[int]:
+        """After a prefill step of ``seqs``: those that ran a chunk of their prompt now have it cached (the next
+        prefill goes on from there); the rows of the others, which sample their next token."""
+        rows = []
+        for row, seq in enumerate(seqs):
+            if seq.prefill_chunk:
+                seq.num_cached_tokens = seq.prefill_end
+            else:
+                rows.append(row)
+            seq.prefill_end = None
+        return rows
 
     def finish_step(
         self, seqs: list[Sequence], token_ids: list[int], log_probs: list[float], sampling_log_probs: list[float]

@@ -70,7 +70,12 @@ class Sequence:
         """KV blocks in order. Only appended to; every reset (preemption, a new allocation, a restore) assigns a new
         list, which is how the static decode step tells a grown table from a replaced one."""
         self.num_cached_tokens = 0
-        """Leading tokens whose K/V are already in the cache (shared prefix blocks); prefill computes the rest."""
+        """Leading tokens whose K/V are already in the cache (shared prefix blocks, or chunks of its prefill that
+        earlier steps computed); prefill computes the rest."""
+        self.prefill_end: int | None = None
+        """Set by the scheduler for a prefill step: the token this step's prefill computes up to (exclusive). Short of
+        ``len(self)`` when the step's token budget takes only a chunk of the prompt (chunked prefill): the step then
+        samples nothing for it, and the next prefill goes on from there."""
         self.log_probs: list[float] = []
         """Each generated token's log-prob under softmax(logits / T), before top-k / top-p (what training computes)."""
         self.sampling_log_probs: list[float] = []
@@ -86,6 +91,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prefill_chunk(self) -> bool:
+        """Whether the step this sequence is scheduled in computes only a chunk of its prefill (no token sampled)."""
+        return self.prefill_end is not None and self.prefill_end < len(self.token_ids)
 
     @property
     def num_generated(self) -> int:
