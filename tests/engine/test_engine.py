@@ -195,6 +195,22 @@ def test_prompts_longer_than_the_step_budget_are_prefilled_in_chunks(checkpoint,
     assert chunked.num_preemptions > 0
 
 
+def test_an_8k_token_prompt_prefilled_in_chunks_gives_the_training_log_probs(checkpoint):
+    """Long reasoning rows: a prompt of 8,200 tokens prefilled in chunks of at most 2,048 tokens (five steps), then
+    sampled responses, whose log-probs equal a training forward over the whole row within 1e-5 (float32)."""
+    model, _ = checkpoint
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 101, (8200,), generator=generator).tolist()
+    engine = LLMEngine(model, eos_token_id=None, block_size=16, max_num_batched_tokens=2048)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed) for seed in range(2)]
+    outputs = engine.generate([prompt, prompt], params)
+    assert engine.stats.prefill_steps == 5 and engine.stats.prefill_tokens == 8200 + 8  # the copy shares 512 blocks
+    for seq in outputs:
+        torch.testing.assert_close(
+            torch.tensor(seq.log_probs), _training_log_probs(model, seq, temperature=1.0), rtol=0, atol=1e-5
+        )
+
+
 def test_cache_is_allocated_on_demand_and_can_be_freed(checkpoint):
     model, _ = checkpoint
     prompts = _prompts()[:3]
