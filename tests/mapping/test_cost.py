@@ -51,6 +51,11 @@ def test_training_costs_about_three_forward_passes_when_compute_bound():
         ACTOR, layout, cluster, dataclasses.replace(BATCH, activation_checkpointing=True), train=True
     )
     assert checkpointed / forward == pytest.approx(train / forward * 4 / 3, rel=0.05)
+    selective = dataclasses.replace(BATCH, activation_checkpointing=True, checkpoint_policy="selective")
+    assert pass_seconds(ACTOR, layout, cluster, selective, train=True) == train  # no matmul runs again
+    full = dataclasses.replace(BATCH, activation_checkpointing=True)
+    none_kept, selective_kept, full_kept = (working_bytes(ACTOR, layout, batch) for batch in (BATCH, selective, full))
+    assert full_kept < selective_kept < 0.6 * none_kept
 
 
 def test_communication_is_free_on_one_rank_and_slower_across_nodes():

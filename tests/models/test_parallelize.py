@@ -54,6 +54,48 @@ def test_activation_checkpointing_keeps_names_and_gradients():
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+def test_selective_checkpointing_runs_no_matmul_again_and_keeps_the_gradients():
+    """``model.checkpoint_policy=selective``: the backward of a checkpointed block reruns its elementwise work but no
+    matmul (their outputs were kept), where full checkpointing reruns the whole forward; gradients equal
+    no checkpointing in both."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    plain = DecoderLM(tiny_args(), head="lm")
+    ids = torch.randint(0, 64, (2, 7))
+    backward_counts, grads = {}, {}
+    for policy in ("none", "full", "selective"):
+        model = DecoderLM(tiny_args(), head="lm")
+        model.load_state_dict(plain.state_dict())
+        model.reset_buffers()
+        if policy != "none":
+            parallelize(model, tp_mesh=None, dp_mesh=None, activation_checkpointing=True, checkpoint_policy=policy)
+        loss = model(ids).float().logsumexp(-1).sum()
+        with Counter() as counter:
+            loss.backward()
+        backward_counts[policy] = counter.counts
+        grads[policy] = [param.grad for param in model.parameters()]
+    for policy in ("full", "selective"):
+        for expected, got in zip(grads["none"], grads[policy]):
+            torch.testing.assert_close(got, expected)
+    layers = tiny_args().num_layers
+    attention = "_scaled_dot_product_flash_attention_for_cpu"  # the forward's attention kernel (sdpa on CPU)
+    matmuls = {policy: counts.get("mm", 0) + counts.get("addmm", 0) for policy, counts in backward_counts.items()}
+    assert matmuls["full"] > matmuls["none"] and backward_counts["full"].get(attention) == layers  # all again
+    assert matmuls["selective"] == matmuls["none"] and attention not in backward_counts["selective"]
+    assert backward_counts["selective"].get("rsqrt", 0) >= backward_counts["none"].get("rsqrt", 0) + 2 * layers
+
+
 def test_compiled_decoder_blocks_have_no_graph_break_and_equal_eager_on_packed_rows():
     """``parallelize(compile_layers=True)`` compiles each decoder block: traced by dynamo with no graph break on the
     packed path (``max_seqlen`` given by the packer, so nothing is read back from ``cu_seqlens``), and its forward

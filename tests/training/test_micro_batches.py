@@ -101,6 +101,11 @@ def test_a_derived_token_budget_follows_the_free_memory_and_the_pass():
     assert forward == layer + 151936 * 2
     checkpointed = bytes_per_token(args, tp=2, pp=2, dtype_bytes=2, train=True, activation_checkpointing=True)
     assert checkpointed == 2 * 1536 * 2 * 14 + layer / 2 + 2 * 151936 * 2 / 2
+    selective = bytes_per_token(
+        args, tp=1, pp=1, dtype_bytes=2, train=True, activation_checkpointing=True, checkpoint_policy="selective"
+    )
+    kept = (5 * 1536 + 2 * 2 * 128 + 2 * 8960) * 2  # the input and the matmuls' and attention's outputs, bf16
+    assert selective == 28 * kept + layer + 2 * 151936 * 2 and 0.45 < kept / layer < 0.55
     free = 40 * 2**30
     budget = derived_token_budget(free_bytes=free, per_token=train, longest=2048)
     assert budget == int(free * TOKEN_BUDGET_HEADROOM // train)

@@ -5,6 +5,7 @@ equal."""
 # The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 COMPILE_SETTINGS = ("auto", "on", "off")
+CHECKPOINT_POLICIES = ("full", "selective")
 # spmd_rlhf.models.attention.DEFAULT_KV_BLOCK_SIZE (a test keeps them equal): the smaller of
 # rollout.kv_block_size=null's two block sizes, so the check of a fixed rollout.kv_cache_blocks budget holds whichever
 # one a rank picks.

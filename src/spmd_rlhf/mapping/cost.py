@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from spmd_rlhf.mapping.profile import DeviceProfile
 from spmd_rlhf.mapping.workload import Batch, ModelShape, RoleSpec
 from spmd_rlhf.models.logprob import rows_per_chunk
-from spmd_rlhf.training.token_budget import activation_elements
+from spmd_rlhf.training.token_budget import activation_elements, selective_checkpoint_elements
 
 TRAINING_BYTES_PER_PARAMETER = 16
 """float32 weight + float32 gradient + Adam's two float32 moments."""
@@ -207,6 +207,15 @@ def layer_activation_bytes(shape: ModelShape, dtype_bytes: int) -> float:
     return elements * dtype_bytes
 
 
+def selective_checkpoint_bytes(shape: ModelShape, dtype_bytes: int) -> float:
+    """Bytes one token keeps in one decoder layer under ``model.checkpoint_policy=selective``
+    (``training.token_budget.selective_checkpoint_elements``), with ``layer_activation_bytes``'s MLP width."""
+    dense = shape.intermediate if shape.moe_layers < shape.layers else 0
+    mlp = max(dense, shape.experts_per_token * shape.expert_intermediate if shape.moe_layers else 0)
+    kv_width = shape.kv_heads * shape.head_dim
+    return selective_checkpoint_elements(hidden=shape.hidden, kv_width=kv_width, mlp_width=mlp) * dtype_bytes
+
+
 def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     """Bytes per device a pass needs on top of the resident state: activations of the micro-batches in flight and
     their head outputs (training); one layer's activations and the head outputs (forward only), with the log-prob
@@ -225,7 +234,9 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
         outputs += unsharded_accumulation_bytes(role, layout, batch)
     # 1F1B keeps pp micro-batches in flight on the first stage, each through layers/pp layers: ~ all layers' worth.
     in_flight = shape.layers / layout.pp * min(layout.pp, batch.rows)
-    if batch.activation_checkpointing:
+    if batch.activation_checkpointing and batch.checkpoint_policy == "selective":
+        kept = selective_checkpoint_bytes(role.shape, b) * tokens / layout.tp * in_flight + layer
+    elif batch.activation_checkpointing:
         kept = 2 * shape.hidden * b * tokens * in_flight + layer
     else:
         kept = layer * in_flight
@@ -240,7 +251,9 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     micro = min(_micro_batch(role, batch), rows_per_dp)
     micro_batches = math.ceil(rows_per_dp / micro)
     tokens = micro * batch.sequence_length
-    passes = (4 if batch.activation_checkpointing else 3) if train else 1
+    # Full checkpointing runs each block's forward again in the backward; selective recomputes only elementwise work.
+    recomputes = batch.activation_checkpointing and batch.checkpoint_policy == "full"
+    passes = (4 if recomputes else 3) if train else 1
     # The body runs at every token, the head at the response positions only (a score head at every token).
     head_positions = tokens if role.head == "score" else micro * batch.response_length
     matmul = shape.body_matmul_parameters * tokens + shape.head_parameters(role.head) * head_positions

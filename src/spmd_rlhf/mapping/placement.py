@@ -44,6 +44,7 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
         ppo_epochs=actor.ppo_epochs,
         dtype_bytes=_DTYPE_BYTES[config.model.dtype],
         activation_checkpointing=config.model.activation_checkpointing,
+        checkpoint_policy=config.model.checkpoint_policy,
         memory_fraction=config.rollout.memory_fraction,
         keep_engine=config.rollout.keep_engine,
     )

@@ -208,6 +208,8 @@ class Batch:
     dtype_bytes: int = 2
     """Bytes per element of weights and activations in forward passes (2: bf16)."""
     activation_checkpointing: bool = False
+    checkpoint_policy: str = "full"
+    """``model.checkpoint_policy``: what activation checkpointing keeps and recomputes."""
     memory_fraction: float = 0.9
     """Fraction of device memory the mapper may plan to fill."""
     keep_engine: bool = False

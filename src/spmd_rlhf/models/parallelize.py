@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.models.context_parallel import apply_context_parallel
@@ -201,6 +201,32 @@ def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str, cp: int =
     return on_gpu and tp == 1 and cp == 1
 
 
+SAVED_OPS = frozenset(
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._grouped_mm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+)
+"""What ``model.checkpoint_policy=selective`` keeps from a block's forward: the matmuls' and attention's outputs, the
+work the backward would otherwise do again at full cost; everything else (norms, rotations, the activation function,
+residual adds, casts) is recomputed."""
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_contexts():
+    """``torch.utils.checkpoint``'s ``context_fn`` for selective checkpointing (``SAVED_OPS``)."""
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
 def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", flash: bool = False) -> None:
     """``torch.compile`` one decoder block in place (``Module.compile``: parameter names stay Hugging Face's;
     TorchDynamo leaves FSDP2's hooks on the block to run eagerly): one graph with no break (``fullgraph``), sizes
@@ -230,6 +256,7 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
     gather_logits: bool = False,
     activation_checkpointing: bool = False,
+    checkpoint_policy: str = "full",
     compile_layers: bool = False,
     offload: bool = False,
     min_unit_bytes: int = 0,
@@ -274,7 +301,8 @@ def parallelize(
     for layer in model.model.layers.values():
         if activation_checkpointing:
             # The layer's own forward, recomputed in the backward pass; hooks (FSDP's) stay on the module's call.
-            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+            selective = {"context_fn": selective_checkpoint_contexts} if checkpoint_policy == "selective" else {}
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, **selective)
         if compile_layers:
             compile_block(layer, flash=model.attention_backend == "flash")
     if dp_mesh is not None:

@@ -133,6 +133,7 @@ class ShardedModel:
             role=name,
             lora=self.lora,
             activation_checkpointing=config.model.activation_checkpointing and trainable,
+            checkpoint_policy=config.model.checkpoint_policy,
             compile_layers=compiles_blocks(config.model.compile, on_gpu=on_gpu, tp=dims.tp, cp=dims.cp, role=name),
             offload=role_config.offload and on_gpu,
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
@@ -229,6 +230,7 @@ class ShardedModel:
             dtype_bytes=torch.finfo(getattr(torch, self.config.model.dtype)).bits // 8,
             train=train,
             activation_checkpointing=self.config.model.activation_checkpointing,
+            checkpoint_policy=self.config.model.checkpoint_policy,
         )
         longest = batch["attention_mask"].shape[1]
         return derived_token_budget(free_bytes=free_device_bytes(self.device), per_token=per_token, longest=longest)

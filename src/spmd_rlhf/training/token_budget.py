@@ -40,8 +40,22 @@ def activation_elements(*, hidden: int, kv_width: int, mlp_width: int) -> int:
     return 11 * hidden + 3 * kv_width + 4 * mlp_width
 
 
+def selective_checkpoint_elements(*, hidden: int, kv_width: int, mlp_width: int) -> int:
+    """Elements one token keeps in one layer under ``model.checkpoint_policy=selective`` (``parallelize.SAVED_OPS``):
+    the block's input (h) and the outputs of its matmuls and attention, q (h), k and v (2 kv), the attention output
+    (h), the output projection (h), gate and up (2 I) and down (h): ``5 hidden + 2 kv_width + 2 mlp_width``."""
+    return 5 * hidden + 2 * kv_width + 2 * mlp_width
+
+
 def bytes_per_token(
-    args: DecoderArgs, *, tp: int, pp: int, dtype_bytes: int, train: bool, activation_checkpointing: bool
+    args: DecoderArgs,
+    *,
+    tp: int,
+    pp: int,
+    dtype_bytes: int,
+    train: bool,
+    activation_checkpointing: bool,
+    checkpoint_policy: str = "full",
 ) -> float:
     """Bytes one token of a micro-batch holds on one rank of a ``tp`` x ``pp`` layout (module docstring); the
     logits are counted at every token, an upper bound for the response positions that have them."""
@@ -49,6 +63,13 @@ def bytes_per_token(
     layers = args.num_layers / pp
     if not train:
         kept = layer
+    elif activation_checkpointing and checkpoint_policy == "selective":
+        moe = args.moe
+        width = moe.num_experts_per_tok * moe.moe_intermediate_size if moe else args.intermediate_size
+        saved = selective_checkpoint_elements(
+            hidden=args.hidden_size, kv_width=args.num_kv_heads * args.head_dim, mlp_width=width
+        )
+        kept = saved * dtype_bytes / tp * layers + layer
     elif activation_checkpointing:
         kept = 2 * args.hidden_size * dtype_bytes * layers + layer
     else:
