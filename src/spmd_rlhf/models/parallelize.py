@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -227,6 +228,10 @@ def selective_checkpoint_contexts():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
+COMPILE_BACKEND = "inductor"
+"""TorchDynamo's backend for ``parallelize(compile_layers=True)`` (tests set ``aot_eager``: no code generation)."""
+
+
 def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", flash: bool = False) -> None:
     """``torch.compile`` one decoder block in place (``Module.compile``: parameter names stay Hugging Face's;
     TorchDynamo leaves FSDP2's hooks on the block to run eagerly): one graph with no break (``fullgraph``), sizes
@@ -242,6 +247,15 @@ def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", flash: b
     Inductor's code generation)."""
     fullgraph = not isinstance(layer.mlp, MoEBlock) and not flash
     layer.compile(fullgraph=fullgraph, dynamic=True, backend=backend)
+
+
+def compiled_forward(layer: torch.nn.Module, *, backend: str = "inductor", flash: bool = False) -> Callable:
+    """``compile_block``'s compile of a block's own forward, for activation checkpointing to wrap: TorchDynamo does not
+    trace into ``torch.utils.checkpoint`` from a compiled module call whose forward is the checkpoint (no frame
+    compiles, and ``fullgraph`` makes that an error), so a checkpointed block is compiled inside its checkpoint, which
+    then runs the compiled forward again in the backward (full), or with its matmuls' outputs kept (selective)."""
+    fullgraph = not isinstance(layer.mlp, MoEBlock) and not flash
+    return torch.compile(layer.forward, fullgraph=fullgraph, dynamic=True, backend=backend)
 
 
 def parallelize(
@@ -298,13 +312,15 @@ def parallelize(
     if cp_group is not None:
         apply_context_parallel(model, cp_group, tp=tp_mesh.size() if tensor_parallel else 1, role=role)
     adapters = apply_lora(model, lora, tp_mesh=tp_mesh) if lora is not None and lora.enabled else None
+    flash = model.attention_backend == "flash"
     for layer in model.model.layers.values():
         if activation_checkpointing:
             # The layer's own forward, recomputed in the backward pass; hooks (FSDP's) stay on the module's call.
+            forward = compiled_forward(layer, backend=COMPILE_BACKEND, flash=flash) if compile_layers else layer.forward
             selective = {"context_fn": selective_checkpoint_contexts} if checkpoint_policy == "selective" else {}
-            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, **selective)
-        if compile_layers:
-            compile_block(layer, flash=model.attention_backend == "flash")
+            layer.forward = functools.partial(checkpoint, forward, use_reentrant=False, **selective)
+        elif compile_layers:
+            compile_block(layer, backend=COMPILE_BACKEND, flash=flash)
     if dp_mesh is not None:
         policy = mp_policy or MixedPrecisionPolicy()
         streamed = streamed_vocabularies(model, tp_mesh, dp_mesh, offload=offload, min_unit_bytes=min_unit_bytes)
