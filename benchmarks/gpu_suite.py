@@ -31,7 +31,8 @@ two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPU
 ``moe`` (``moe_layer.py``: an MoE layer's grouped GEMMs against its expert loop at Qwen3-30B-A3B's widths, bf16),
 ``g3_rows`` (G3 with micro-batches of 2 rows, ``--token-budget null``, instead of the default token budget derived
 from the free memory), ``g3_eager``
-(G3 with eager blocks, ``--compile off``: what compiling gains).
+(G3 with eager blocks, ``--compile off``: what compiling gains), ``g3_selective`` (G3 with selective activation
+checkpointing: what recomputing the elementwise work costs).
 
 Writes ``<out>/gpu_suite_<device>[_smoke].json``: the versions found, every step's status, time, headline figures and
 its full JSON, and prints a table.
@@ -270,6 +271,22 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             {"G3_eager_mfu": "per_length.0.mfu", "G3_eager_mfu_longest": "per_length.-1.mfu"},
         ),
         Step(
+            "g3_selective",
+            [
+                python,
+                str(BENCHMARKS / "gpu_update.py"),
+                *large_model,
+                *smoke_flag,
+                "--activation-checkpointing",
+                "selective",
+                *([] if smoke else ["--repeats", "2"]),
+                *step_out("g3_selective"),
+            ],
+            150,
+            "*.json",
+            {"G3_selective_mfu": "per_length.0.mfu", "G3_selective_mfu_longest": "per_length.-1.mfu"},
+        ),
+        Step(
             "moe",
             [
                 python,
@@ -305,9 +322,19 @@ STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5")
 """What a plain call runs, in this order: G1, G3 and G4 first (about 6 minutes with the model's build on an H100),
 the rest after them (about 8 minutes in all: 476 s of steps in session 37); see the module docstring for each step's
 limit."""
-OPTIONAL = ("g1_compiled", "scale", "cuda_tests_full", "g2_static", "two_process", "moe", "g3_rows", "g3_eager")
+OPTIONAL = (
+    "g1_compiled",
+    "scale",
+    "cuda_tests_full",
+    "g2_static",
+    "two_process",
+    "moe",
+    "g3_rows",
+    "g3_eager",
+    "g3_selective",
+)
 """Run only when named in ``--only``."""
-MODEL_USERS = ("g1", "g1_compiled", "g3", "g4", "g2", "g5", "scale", "g2_static", "g3_rows", "g3_eager")
+MODEL_USERS = ("g1", "g1_compiled", "g3", "g4", "g2", "g5", "scale", "g2_static", "g3_rows", "g3_eager", "g3_selective")
 """Steps that read the models ``model`` builds."""
 
 

@@ -1,7 +1,7 @@
 """G3: model-FLOP utilisation (MFU) of the actor's ``update_actor``, Qwen2.5-1.5B-shaped random model, bf16 compute.
 
     python benchmarks/gpu_update.py [--shape 1.5b] [--lengths 1024 2048] [--rows 32] [--micro-batch 2] \\
-        [--peak-tflops 989] [--compile auto|on|off] [--activation-checkpointing] [--model-dir DIR]
+        [--peak-tflops 989] [--compile auto|on|off] [--activation-checkpointing full|selective] [--model-dir DIR]
     torchrun --nproc-per-node N benchmarks/gpu_update.py ...   # N data-parallel ranks (FSDP), MFU per device
     python benchmarks/gpu_update.py --smoke --peak-tflops 0.1 # tiny model, CPU-sized: checks the script in seconds
 
@@ -130,7 +130,8 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
                 f"model.path={model_dir}",
                 f"model.dtype={dtype}",
                 f"model.compile={args.compile}",
-                f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+                f"model.activation_checkpointing={str(args.activation_checkpointing is not None).lower()}",
+                f"model.checkpoint_policy={args.activation_checkpointing or 'full'}",
                 "algorithm.name=grpo",
                 "algorithm.kl_penalty=loss",
                 "algorithm.kl_estimator=k3",
@@ -239,7 +240,13 @@ def main() -> None:
         default="auto",
         help="model.compile: torch.compile each decoder block (auto: on CUDA)",
     )
-    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        choices=("full", "selective"),
+        help="model.activation_checkpointing with this model.checkpoint_policy (full when given bare); default off",
+    )
     parser.add_argument("--profile", help="write a profile of one more update (first length, rank 0) to this file")
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, SMOKE)
