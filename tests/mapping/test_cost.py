@@ -58,6 +58,30 @@ def test_training_costs_about_three_forward_passes_when_compute_bound():
     assert full_kept < selective_kept < 0.6 * none_kept
 
 
+def test_context_and_expert_parallelism_cost_their_all_to_alls():
+    """Ulysses (cp): per layer, q, k and v out to head shards and the output back, once in the forward and once in the
+    backward, for each of a rank's 1/cp chunks; experts (ep): each token's routed copies out and back per MoE layer, and
+    FSDP gathers each rank's 1/ep of the experts over dp / ep ranks only."""
+    cluster = Cluster(1, 8, dataclasses.replace(H100, overlaps_communication=False))
+    exchange = cluster.all_to_all(8e6, 4, extent=4)
+    assert exchange > cluster.all_to_all(8e6, 2, extent=2) > 0 == cluster.all_to_all(8e6, 1, extent=1)
+    shape = ACTOR.shape
+    plain, split = (pass_seconds(ACTOR, Layout(1, 8, 1, cp=cp), cluster, BATCH, train=True) for cp in (1, 2))
+    tokens = BATCH.micro_batch_size * BATCH.sequence_length
+    width = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * BATCH.dtype_bytes
+    micro_batches = BATCH.rows // 8 // BATCH.micro_batch_size
+    chunks = 2 * cluster.all_to_all(tokens / 2 * width, 2, extent=2)
+    assert split - plain == pytest.approx(micro_batches * shape.layers * 2 * chunks)
+    moe = dataflow("grpo", actor=NAMED_SHAPES["30b-a3b"])[0]
+    dense_fsdp, expert_parallel = (
+        pass_seconds(moe, Layout(1, 8, 1, ep=ep), cluster, BATCH, train=True) for ep in (1, 8)
+    )
+    routed = tokens * 8 * moe.shape.hidden * BATCH.dtype_bytes
+    all_to_alls = micro_batches * moe.shape.moe_layers * 2 * 2 * cluster.all_to_all(routed, 8, extent=8)
+    # At ep = dp = 8 no rank gathers experts: the all-to-alls replace the experts' gathers and reduce-scatters.
+    assert expert_parallel - all_to_alls < dense_fsdp
+
+
 def test_communication_is_free_on_one_rank_and_slower_across_nodes():
     cluster = Cluster(16, 8, H100)
     assert cluster.all_gather(1e9, 1, extent=1) == 0.0

@@ -63,6 +63,38 @@ def test_layouts_are_ones_the_framework_runs():
     assert pipelined and all(layout.tp <= 8 for layout in pipelined)
 
 
+def test_the_search_offers_ep_for_moe_models_and_cp_for_dense_ones_and_writes_them_into_the_config():
+    moe = dataflow("grpo", actor=NAMED_SHAPES["30b-a3b"])[0]  # 128 experts, 32 heads
+    layouts = candidate_layouts(moe, 16, Cluster(16, 8, H100), BATCH)
+    assert {layout.ep for layout in layouts} == {1, 2, 4, 8, 16} and {layout.cp for layout in layouts} == {1}
+    assert all(layout.dp % layout.ep == 0 for layout in layouts)
+    dense = dataflow("grpo", actor=NAMED_SHAPES["0.5b"])[0]  # 14 heads: cp divides 14 / tp
+    layouts = candidate_layouts(dense, 16, Cluster(16, 8, H100), BATCH)
+    assert {layout.ep for layout in layouts} == {1} and {layout.cp for layout in layouts} == {1, 2}  # 7 ∤ dp
+    assert all((14 // layout.tp) % layout.cp == 0 and layout.dp % layout.cp == 0 for layout in layouts)
+    assert str(Layout(pp=1, dp=4, tp=2, ep=2, cp=2)) == "pp=1 dp=4 tp=2 ep=2 cp=2"
+
+    from spmd_rlhf.config import load_config
+    from spmd_rlhf.mapping.placement import mapping_overrides
+    from spmd_rlhf.mapping.search import Mapping
+
+    config = load_config(None, [])
+    layouts = {"actor": Layout(pp=1, dp=4, tp=1, tp_g=1, ep=1, cp=2), "reference": Layout(pp=1, dp=4, tp=1, ep=2)}
+    mapping = Mapping(sets=(("actor", "reference"),), devices=(4,), layouts=layouts, stage_seconds={})
+    overrides = mapping_overrides(config, mapping)
+    assert {"actor.cp=2", "actor.ep=1", "reference.ep=2", "reference.cp=1"} <= set(overrides)
+
+
+def test_a_sequence_too_long_for_one_rank_is_split_over_cp_ranks():
+    """Rows of 41k tokens: a 0.5B actor's update at cp = 1 needs about 80 GiB per rank on two H100s, at cp = 2 about
+    53, so the search takes cp = 2 (and on a batch that fits it keeps cp = 1: the all-to-alls only cost)."""
+    roles = dataflow("grpo", actor=NAMED_SHAPES["0.5b"])[:1]
+    long_rows = Batch(prompts=2, samples=1, prompt_length=1024, response_length=40 * 1024, micro_batch_size=1)
+    best = Planner(roles, Cluster(2, 8, H100), long_rows).plan().best
+    assert best.layouts["actor"].cp == 2
+    assert Planner(roles, Cluster(2, 8, H100), BATCH).plan().best.layouts["actor"].cp == 1
+
+
 def test_d_cost_sums_within_a_set_and_takes_the_slowest_set():
     planner = Planner(ppo(), Cluster(32, 8, H100), BATCH)
     sets, devices = (("actor", "reference"), ("critic", "reward")), (16, 16)

@@ -78,7 +78,7 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
         else:
             state = resident_bytes(spec, len(pool), batch)
             what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
-            working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp, cp=dims.cp), batch)
+            working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp, cp=dims.cp, ep=dims.ep), batch)
         lines.append(f"{name:<12} {_ranks(pool.ranks):<10}{_layout(dims)} {count:>14,}  {_mib(state)} ({what})")
         for rank in pool.ranks:
             per_rank[rank] += state

@@ -63,15 +63,19 @@ class Layout:
     tp_g: int = 0
     """Generation tensor-parallel degree (divides tp); 0 for roles that do not generate."""
     cp: int = 1
-    """Context-parallel degree (divides dp): each rank holds a 1/cp chunk of every micro-batch's activations. The
-    search does not choose it yet; the dry run passes the config's."""
+    """Context-parallel degree (Ulysses, divides dp): each rank holds a 1/cp chunk of every micro-batch's activations,
+    for four all-to-alls per layer and pass."""
+    ep: int = 1
+    """Expert-parallel degree (divides dp and the expert count): each MoE layer's experts split over ep DP ranks, FSDP
+    gathering each share over dp / ep, tokens sent to their experts and back by two all-to-alls per layer and pass."""
 
     @property
     def devices(self) -> int:
         return self.pp * self.dp * self.tp
 
     def __str__(self) -> str:
-        text = f"pp={self.pp} dp={self.dp} tp={self.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+        text = f"pp={self.pp} dp={self.dp} tp={self.tp}"
+        text += (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
         return text + (f" tp_g={self.tp_g}" if self.tp_g else "")
 
 
@@ -94,6 +98,14 @@ class Cluster:
         bandwidth = self.profile.link_bandwidth(across_nodes=self.spans_nodes(extent))
         # A ring: size - 1 steps, each paying the link latency and moving 1/size of the bytes.
         return (size - 1) * (gathered_bytes / size / bandwidth + self.profile.collective_latency)
+
+    def all_to_all(self, sent_bytes: float, size: int, *, extent: int) -> float:
+        """Seconds for each of ``size`` ranks to exchange ``sent_bytes`` of its own (keeping 1/size of them) with the
+        others, pairwise: size - 1 exchanges, each paying the link latency."""
+        if size <= 1:
+            return 0.0
+        bandwidth = self.profile.link_bandwidth(across_nodes=self.spans_nodes(extent))
+        return sent_bytes * (size - 1) / size / bandwidth + (size - 1) * self.profile.collective_latency
 
     def all_reduce(self, num_bytes: float, size: int, *, extent: int) -> float:
         """Seconds to all-reduce ``num_bytes`` over ``size`` ranks (reduce-scatter + all-gather)."""
@@ -263,9 +275,15 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     # FSDP gathers (and in backward reduce-scatters) one unit at a time: each layer, and the root's embedding,
     # final norm and head.
     units = layers + 1
-    gathered = shape.parameters(role.head) * b / (tp * pp * units)
+    # With ep > 1 each rank's share of the routed experts (1/ep of them) is gathered over the dp / ep ranks holding it.
+    experts = shape.routed_expert_parameters if layout.ep > 1 else 0
+    gathered = (shape.parameters(role.head) - experts) * b / (tp * pp * units)
     fsdp = units * cluster.all_gather(gathered, dp, extent=dp * tp)
     reduce_scatter = units * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
+    if experts:
+        expert_gathered, efsdp = experts / layout.ep * b / (tp * pp * units), dp // layout.ep
+        fsdp += units * cluster.all_gather(expert_gathered, efsdp, extent=dp * tp)
+        reduce_scatter += units * cluster.all_gather(expert_gathered * GRADIENT_BYTES / b, efsdp, extent=dp * tp)
     per_mini_batch = per_call = 0.0
     if train and accumulates_unsharded(role, layout, batch):
         # gathered in the mini-batch's first forward, reduce-scattered in its last backward, nothing in between
@@ -278,9 +296,22 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
         layers * 2 * (passes - 1 if train else 1) * cluster.all_reduce(tokens * shape.hidden * b, tp, extent=tp)
     )
     kernels = passes * layers * OPS_PER_LAYER * profile.op_latency
+    # All-to-alls run once in the forward, once in the backward and again in a full checkpoint's recompute, over
+    # consecutive DP ranks (extent: ranks apart by tp). Ulysses (cp): q, k and v to head shards and the output back,
+    # each rank's 1/cp chunk of the micro-batch; experts (ep): each token's routed copies out and their outputs back.
+    # A rank runs a 1/cp chunk of each of its cp group's micro-batches: cp chunks per micro-batch of its own.
+    exchanges = (3 if recomputes else 2) if train else 1
+    width = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim / tp * b
+    chunk = cluster.all_to_all(tokens / layout.cp * width, layout.cp, extent=layout.cp * tp)
+    context_parallel = layers * exchanges * layout.cp * chunk
+    routed = tokens * shape.experts_per_token * shape.hidden * b
+    expert_parallel = (
+        shape.moe_layers / pp * exchanges * 2 * cluster.all_to_all(routed, layout.ep, extent=layout.ep * tp)
+    )
     pipeline_send = cluster.all_gather(tokens * shape.hidden * b * 2, 2, extent=layout.devices) if pp > 1 else 0.0
     overlapped = max(compute, fsdp) if profile.overlaps_communication else compute + fsdp
-    slot = overlapped + tensor_parallel + kernels + (pipeline_send if train else pipeline_send / 2)
+    slot = overlapped + tensor_parallel + kernels + context_parallel + expert_parallel
+    slot += pipeline_send if train else pipeline_send / 2
     seconds = (micro_batches + pp - 1) * slot + per_call
     if train:
         mini = role.mini_batch_size or batch.mini_batch_size or batch.rows

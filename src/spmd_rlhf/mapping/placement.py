@@ -88,7 +88,7 @@ def plan_config(config: FrameworkConfig, world_size: int, *, profile: DeviceProf
 
 def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
     """``mapping`` as config overrides for a manual placement: one pool per colocated set (``set0``, ``set1``, ...),
-    each role's n_ranks, pp and tp, and rollout.tp; rule-based scorers join the actor's pool."""
+    each role's n_ranks, pp, tp, ep and cp, and rollout.tp; rule-based scorers join the actor's pool."""
     overrides = ["placement=manual"]
     pool_of = {}
     for index, (roles, devices) in enumerate(zip(mapping.sets, mapping.devices)):
@@ -105,6 +105,8 @@ def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
             f"{name}.pp={pp}",
             f"{name}.tp={tp}",
         ]
+        if hasattr(getattr(config, name), "ep"):  # a role with a model (the rollout role generates with every expert)
+            overrides += [f"{name}.ep={layout.ep if layout else 1}", f"{name}.cp={layout.cp if layout else 1}"]
     overrides.append(f"rollout.tp={mapping.layouts['actor'].tp_g}")
     if config.rollout.keep_engine and not mapping.keep_engine:
         overrides.append("rollout.keep_engine=false")  # the kept engine fits beside training nowhere (describe_plan)

@@ -74,6 +74,11 @@ class ModelShape:
         return self.hidden * self.experts + experts * 3 * self.hidden * self.expert_intermediate + shared
 
     @property
+    def routed_expert_parameters(self) -> int:
+        """Parameters of every MoE layer's routed experts (what expert parallelism splits)."""
+        return self.moe_layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
     def block_parameters(self) -> int:
         """Parameters of the largest decoder block: attention projections, the gated MLP or MoE block (every expert),
         biases and norms."""
