@@ -15,6 +15,9 @@ Figures, each with its goal from issue 34:
   at batch 1 and ``--decode-batch`` rows, greedy and sampled, float32, the engine prepared for rows of
   ``--decode-max-len`` tokens as the rollout prepares it (this thread's CPU time, the best of 3 runs, the
   synchronous loop's beside it); goal <= 50 µs at batch 1 and <= 500 µs at batch 256;
+- kernels per graphed decode step with the blocks compiled around attention (``rollout.compile=on``,
+  ``decode_graphs.compile_around_attention``: Inductor's C++ kernels on CPU, each counted as one launch, as in
+  ``host_overhead.py --train``'s compiled figure), greedy, batch 1, bf16, plus the work outside the graph; goal <= 500;
 - syncs per decode step in steady state (``aten._local_scalar_dense``: ``.item()``, ``int()``; and ``.tolist()``), with
   the lines that made them; goal 0. The engine's overlapped loop (``overlap_host``, the default) reads each graphed
   step's tokens one step late from a pinned buffer, waiting on an event after the next step is launched: counted
@@ -29,13 +32,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
-from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
+from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, compile_around_attention
 from spmd_rlhf.engine.readback import PendingSamples
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
 from spmd_rlhf.models import DecoderLM, attention
@@ -214,6 +218,57 @@ def _graph_counts(counts: DispatchCounts) -> Iterator[None]:
         StaticDecodeStep._step = step_function
 
 
+GRAPHED_STEP = "graphed decode step"
+"""The profiler's mark around each captured step, so launches are counted inside it only."""
+
+
+class _Profiled:
+    """A CPU profile of what runs inside it (``steady_decode``'s ``measure``)."""
+
+    def __enter__(self):
+        self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.profile.__enter__()
+
+    def __exit__(self, *exc):
+        self.profile.__exit__(*exc)
+
+
+def compiled_graph_launches(layers: int, steps: int) -> Counter[str]:
+    """Launches per graphed decode step (greedy, batch 1, bf16) with the blocks compiled around attention by
+    Inductor: the profiler's view inside each captured step (``host_overhead._launch_name``: non-view ATen ops and
+    Inductor's kernels, none counted inside another), which ``DispatchCounts`` cannot give (TorchDynamo does not run a
+    graph under a dispatch mode)."""
+    from host_overhead import _launch_name
+
+    # Kernel names reach the profiler only from code generated with this flag, so no cached graph may serve.
+    torch._inductor.config.cpp.enable_kernel_profile = True
+    torch._inductor.config.force_disable_caches = True
+    model = decode_model(layers, torch.bfloat16)
+    compile_around_attention(model)
+    step_function = StaticDecodeStep._step
+
+    def marked(step, rows, kind):
+        with torch.profiler.record_function(GRAPHED_STEP):
+            return step_function(step, rows, kind)
+
+    measure = _Profiled()
+    StaticDecodeStep._step = marked
+    try:
+        with cuda_attention_path(), graphs_on_cpu(compute=True):
+            steady_decode(model, rows=1, steps=steps, sampled=False, mode="auto", measure=measure)
+    finally:
+        StaticDecodeStep._step = step_function
+    launches: Counter[str] = Counter()
+    for event in measure.profile.events():
+        name = _launch_name(event)
+        parent = event.cpu_parent
+        while parent is not None and parent.name != GRAPHED_STEP:
+            parent = parent.cpu_parent
+        if name is not None and parent is not None:
+            launches[name] += 1
+    return Counter({name: count / steps for name, count in launches.items()})
+
+
 def _figure(name: str, value, goal: str, meets: bool | None, **details) -> dict:
     return {"figure": name, "value": value, "goal": goal, "meets_goal": meets, **details}
 
@@ -256,6 +311,20 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
                 note="non-view calls of the graphed step plus those outside the graph",
             )
         )
+    compiled = compiled_graph_launches(layers, steps)
+    kernels = sum(compiled.values()) + outside[False].non_view_calls / steps
+    figures.append(
+        _figure(
+            "kernels per graphed step, greedy, blocks compiled around attention",
+            kernels,
+            f"<= {KERNEL_GOAL}",
+            kernels <= KERNEL_GOAL,
+            shape=shape,
+            by_op=dict(sorted(compiled.items())),
+            note="the captured step's launches by the profiler (Inductor's kernels one each) plus the non-view calls "
+            "outside the graph; rollout.compile=on",
+        )
+    )
     float32 = decode_model(layers, torch.float32)
     for rows in (1, args.decode_batch):
         goal = HOST_GOALS_US.get(rows)
