@@ -32,7 +32,8 @@ two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPU
 ``g3_rows`` (G3 with micro-batches of 2 rows, ``--token-budget null``, instead of the default token budget derived
 from the free memory), ``g3_eager``
 (G3 with eager blocks, ``--compile off``: what compiling gains), ``g3_selective`` (G3 with selective activation
-checkpointing: what recomputing the elementwise work costs).
+checkpointing: what recomputing the elementwise work costs), ``g3_offload`` (G3 with the activations in host memory,
+``model.activation_offload``: what the PCIe copies cost).
 
 Writes ``<out>/gpu_suite_<device>[_smoke].json``: the versions found, every step's status, time, headline figures and
 its full JSON, and prints a table.
@@ -287,6 +288,21 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             {"G3_selective_mfu": "per_length.0.mfu", "G3_selective_mfu_longest": "per_length.-1.mfu"},
         ),
         Step(
+            "g3_offload",
+            [
+                python,
+                str(BENCHMARKS / "gpu_update.py"),
+                *large_model,
+                *smoke_flag,
+                "--activation-offload",
+                *([] if smoke else ["--repeats", "2"]),
+                *step_out("g3_offload"),
+            ],
+            150,
+            "*.json",
+            {"G3_offload_mfu": "per_length.0.mfu", "G3_offload_mfu_longest": "per_length.-1.mfu"},
+        ),
+        Step(
             "moe",
             [
                 python,
@@ -334,7 +350,20 @@ OPTIONAL = (
     "g3_selective",
 )
 """Run only when named in ``--only``."""
-MODEL_USERS = ("g1", "g1_compiled", "g3", "g4", "g2", "g5", "scale", "g2_static", "g3_rows", "g3_eager", "g3_selective")
+MODEL_USERS = (
+    "g1",
+    "g1_compiled",
+    "g3",
+    "g4",
+    "g2",
+    "g5",
+    "scale",
+    "g2_static",
+    "g3_rows",
+    "g3_eager",
+    "g3_selective",
+    "g3_offload",
+)
 """Steps that read the models ``model`` builds."""
 
 

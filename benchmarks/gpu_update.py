@@ -132,6 +132,7 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
                 f"model.compile={args.compile}",
                 f"model.activation_checkpointing={str(args.activation_checkpointing is not None).lower()}",
                 f"model.checkpoint_policy={args.activation_checkpointing or 'full'}",
+                f"model.activation_offload={str(args.activation_offload).lower()}",
                 "algorithm.name=grpo",
                 "algorithm.kl_penalty=loss",
                 "algorithm.kl_estimator=k3",
@@ -191,6 +192,7 @@ def run(coordinator: Coordinator, args: argparse.Namespace) -> None:
         "compile": args.compile,
         "token_budget": "rows" if args.token_budget is None else args.token_budget or "derived",
         "activation_checkpointing": args.activation_checkpointing,
+        "activation_offload": args.activation_offload,
         "matmul_parameters": dataclasses.asdict(parameters),
         "peak_tflops": peak,
         "goal": f"mfu >= {MFU_GOAL}",
@@ -240,6 +242,7 @@ def main() -> None:
         default="auto",
         help="model.compile: torch.compile each decoder block (auto: on CUDA)",
     )
+    parser.add_argument("--activation-offload", action="store_true", help="model.activation_offload=true")
     parser.add_argument(
         "--activation-checkpointing",
         nargs="?",

@@ -26,6 +26,10 @@ class ModelConfig:
     backward: about a third more compute) or selective (a block keeps its matmuls' and attention's outputs and
     recomputes only the norms, rotations, activation function and residual adds: about half the activations of no
     checkpointing at Qwen2.5-1.5B's widths, for a few elementwise passes)."""
+    activation_offload: bool = False
+    """GPU: each trained role's activations kept for the backward (tensors autograd saves, parameters aside, of 1 MiB
+    or more) go to pinned host memory during the forward and come back for the backward, on the compute stream
+    (training.activation_offload): device memory for two PCIe copies. Off the GPU they stay where they are."""
     compile: str = "auto"
     """torch.compile each decoder block of every role's training-layout model (one graph per block, no graph break,
     packed lengths dynamic): auto (on CUDA at tp = 1), on (CPU too: needs a C++ compiler) or off."""

@@ -34,6 +34,7 @@ from spmd_rlhf.models.pipeline import Pipeline, split_stage
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import RoleContext
+from spmd_rlhf.training.activation_offload import ActivationOffload
 from spmd_rlhf.training.context_parallel import (
     ContextRow,
     check_context_parallel,
@@ -166,6 +167,8 @@ class ShardedModel:
             budget = role_config.forward_gather_mb
             held = unsharded_accumulation_bytes(model, compute_dtype=compute_dtype, gradients=False)
             self.gather_forward = budget is None or 0 < held <= budget * 2**20
+        self.offloads_activations = trainable and on_gpu and config.model.activation_offload
+        """Training forwards keep their saved activations in host memory (``model.activation_offload``)."""
         if not trainable:
             model.requires_grad_(False)
         self.module: DecoderLM = model
@@ -260,7 +263,8 @@ class ShardedModel:
                 micro = micros[index]
                 return output_fn(output[: micro.output_count(per_token=per_token)], micro)
 
-            results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
+            with ActivationOffload() if self.offloads_activations and train else contextlib.nullcontext():
+                results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
             return [result.detach() for result in results], order
         steps, rows = [(None, index) for index in range(len(micros))], None
         if self.cp_group is not None:
@@ -272,6 +276,7 @@ class ShardedModel:
         accumulate = train and self.accumulate_unsharded and len(steps) > 1
         gathered = accumulate or (not train and self.gather_forward and len(steps) > 1)
         results = []
+        offload = self.offloads_activations and train
         with self._gathered_across_micro_batches(train=train) if gathered else contextlib.nullcontext():
             for step, (owner, index) in enumerate(steps):
                 if accumulate:
@@ -281,21 +286,23 @@ class ShardedModel:
                 micro = micros[index]
                 if rows is not None:
                     mine = micro if owner == dist.get_rank(self.cp_group) else None
-                    result = context_parallel_step(
-                        self.module,
-                        rows[owner][index],
-                        mine,
-                        output_fn,
-                        group=self.cp_group,
-                        device=self.device,
-                        train=train,
-                    )
+                    with ActivationOffload() if offload else contextlib.nullcontext():
+                        result = context_parallel_step(
+                            self.module,
+                            rows[owner][index],
+                            mine,
+                            output_fn,
+                            group=self.cp_group,
+                            device=self.device,
+                            train=train,
+                        )
                     if result is not None:
                         results.append(_detached(result))
                     continue
                 replay = self.router_replay
                 with replay.replaying(micro, self.device) if replay is not None else contextlib.nullcontext():
-                    result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
+                    with ActivationOffload() if offload else contextlib.nullcontext():
+                        result = output_fn(self.module(**micro.model_inputs(self.device, per_token=per_token)), micro)
                     if train:
                         result.backward()
                 results.append(_detached(result))
