@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from spmd_rlhf.engine.sequence import SamplingParams
@@ -60,14 +61,28 @@ def derive_seed(seed: int, counter: int) -> int:
     return _mix64((_mix64(seed & _MASK64) + counter * _GOLDEN_GAMMA) & _MASK64)
 
 
-def row_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> list[float]:
+def row_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
     """One float64 uniform per row in (0, 1 - 2^-30]: the top 53 bits v of ``derive_seed(seeds[r], positions[r])`` as
-    (v + 1/2) / 2^53, computed on the host from Python integers (the same on every device). The cap keeps u times a
-    row's mass below that mass after rounding, so the search in ``sample`` always lands inside the support."""
-    return [
-        min(((derive_seed(seed, position) >> 11) + 0.5) * 2.0**-53, _LARGEST_UNIFORM)
-        for seed, position in zip(seeds, positions, strict=True)
-    ]
+    (v + 1/2) / 2^53, computed on the host (the same on every device), for every row at once in numpy's wrapping
+    uint64 arithmetic: bit for bit ``derive_seed``'s Python integers, in a few microseconds for 256 rows where a loop
+    over them took hundreds (``benchmarks/host_overhead.py --decode``). The cap keeps u times a row's mass below that
+    mass after rounding, so the search in ``sample`` always lands inside the support."""
+    if len(seeds) != len(positions):
+        raise ValueError(f"{len(seeds)} seeds for {len(positions)} positions")
+    try:
+        keys = np.array(seeds, dtype=np.uint64)
+    except OverflowError:  # a negative or oversized seed, taken modulo 2^64 as derive_seed takes it
+        keys = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
+    counters = np.array(positions, dtype=np.uint64)  # positions in a sequence: small and non-negative
+    bits = _mix64_array(_mix64_array(keys) + counters * np.uint64(_GOLDEN_GAMMA))
+    return np.minimum(((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53, _LARGEST_UNIFORM)
+
+
+def _mix64_array(z: np.ndarray) -> np.ndarray:
+    """``_mix64`` of every element of a uint64 array (products wrap modulo 2^64, as ``& _MASK64`` makes them)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def _support_floor(
