@@ -50,6 +50,18 @@ def with_value_targets(batch: Batch) -> Batch:
     return batch.union(Batch(targets, group_size=batch.group_size))
 
 
+def argument_sets(arguments: list[str]) -> list[list[str]]:
+    """A program's arguments split at each ``+``: the sets of models one job runs one after another (so a test's
+    second model starts no ranks of its own)."""
+    sets: list[list[str]] = [[]]
+    for argument in arguments:
+        if argument == "+":
+            sets.append([])
+        else:
+            sets[-1].append(argument)
+    return sets
+
+
 def main(coordinator):
     model_dir, out_dir, aggregation = sys.argv[1], sys.argv[2], sys.argv[3]
     config = load_config(

@@ -23,21 +23,17 @@ from spmd_rlhf.runtime import ParallelDims, ResourcePool, launch
 from spmd_rlhf.workers import ActorWorker, CriticWorker, RewardWorker
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dp_parity import rollout_batch, with_value_targets  # noqa: E402
+from dp_parity import argument_sets, rollout_batch, with_value_targets  # noqa: E402
 
 
 def main(coordinator):
-    model_sets = [[]]
-    for argument in sys.argv[1:]:
-        if argument == "+":
-            model_sets.append([])
-        else:
-            model_sets[-1].append(argument)
-    for number, arguments in enumerate(model_sets):
+    for number, arguments in enumerate(argument_sets(sys.argv[1:])):
         run_models(coordinator, *arguments, prefix=f"set{number}_")
 
 
-def run_models(coordinator, policy_dir, critic_dir, reward_dir, out_dir, *layouts, prefix):
+def run_models(
+    coordinator, policy_dir: str, critic_dir: str, reward_dir: str, out_dir: str, *layouts: str, prefix: str
+) -> None:
     """One set of models in ``layouts``; ``prefix`` keeps its roles' names apart from another set's."""
     config = load_config(
         None,
