@@ -42,8 +42,8 @@ def test_grpo_learns_to_call_the_calculator(tmp_path):
     # A trajectory's call succeeded when it made one and the environment did not answer with an error.
     successes = [record["rollout/env/tool_calls/mean"] - record["rollout/env/tool_errors/mean"] for record in records]
     first, last = slice(0, 3), slice(-4, None)
-    # Warm-started, over the first three steps: 0.38 of the trajectories make a call that succeeds, reward 0.29.
+    # Warm-started, over the first three steps: 0.33 of the trajectories make a call that succeeds, reward 0.28.
     assert statistics.mean(successes[first]) < 0.6 and statistics.mean(rewards[first]) < 0.45, (successes, rewards)
-    # GRPO moves the policy to well-formed calls and restated products: 0.88 and 0.75 over the last four steps.
+    # GRPO moves the policy to well-formed calls and restated products: 0.84 and 0.73 over the last four steps.
     assert statistics.mean(successes[last]) > statistics.mean(successes[first]) + 0.25, successes
     assert statistics.mean(rewards[last]) > statistics.mean(rewards[first]) + 0.25, rewards

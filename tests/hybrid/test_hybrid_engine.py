@@ -7,6 +7,7 @@ actor loaded with the updated weights. The same for a tied policy whose vocabula
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from torchrun_helpers import hf_weights, torchrun
@@ -40,30 +41,36 @@ def test_layout_groups():
         GenerationLayout(ParallelDims(tp=4), tuple(range(4)), tp=3)
 
 
-def generate_in_layouts(root, *, family: str, num_layers: int, layouts: list[str], nproc: int, timeout: int):
-    """``hybrid_generation.py`` on a tiny policy of ``family`` in the one-rank layout and ``layouts``: its output
-    directory and results."""
-    policy = make_tiny(
-        family=family,
-        out_dir=str(root / "policy"),
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=4,
-        vocab_size=300,
-        num_layers=num_layers,
-    )
-    out = root / "out"
-    out.mkdir()
-    finished = torchrun("hybrid_generation.py", policy, str(out), "dp1tp1pp1:1", *layouts, nproc=nproc, timeout=timeout)
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """``hybrid_generation.py`` in one job on two tiny policies, each in the one-rank layout and its own layouts:
+    a 4-layer llama in ``LAYOUTS``, then a tied qwen2 of one FSDP unit per layer, so its vocabulary streams over
+    dp = 2. Each policy's output directory and results, by name."""
+    root = tmp_path_factory.mktemp("hybrid")
+    policies = {"untied": ("llama", 4, LAYOUTS), "tied": ("qwen2", 2, ["dp2tp1pp1:1"])}
+    arguments = []
+    for name, (family, num_layers, layouts) in policies.items():
+        policy = make_tiny(
+            family=family,
+            out_dir=str(root / name / "policy"),
+            hidden_size=32,
+            num_heads=4,
+            num_kv_heads=4,
+            vocab_size=300,
+            num_layers=num_layers,
+        )
+        (root / name / "out").mkdir()
+        arguments += [*(["+"] if arguments else []), policy, str(root / name / "out"), "dp1tp1pp1:1", *layouts]
+    finished = torchrun("hybrid_generation.py", *arguments, nproc=4, timeout=400)
     assert finished.returncode == 0, finished.stdout[-6000:]
-    return out, json.loads((out / "results.json").read_text())
+    return {
+        name: (root / name / "out", json.loads((root / name / "out" / "results.json").read_text())) for name in policies
+    }
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return generate_in_layouts(
-        tmp_path_factory.mktemp("hybrid"), family="llama", num_layers=4, layouts=LAYOUTS, nproc=4, timeout=400
-    )
+def run(job) -> tuple[Path, dict]:
+    return job["untied"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -126,16 +133,8 @@ def test_generation_after_update_uses_new_weights(run, layout):
 
 
 @pytest.fixture(scope="module")
-def tied_run(tmp_path_factory):
-    """A tied (qwen2) policy with one FSDP unit per layer, so its vocabulary streams over dp = 2, against one rank."""
-    return generate_in_layouts(
-        tmp_path_factory.mktemp("hybrid_tied"),
-        family="qwen2",
-        num_layers=2,
-        layouts=["dp2tp1pp1:1"],
-        nproc=2,
-        timeout=300,
-    )
+def tied_run(job) -> tuple[Path, dict]:
+    return job["tied"]
 
 
 def test_a_streamed_tied_vocabulary_generates_as_one_rank_before_and_after_an_update(tied_run):

@@ -1,5 +1,5 @@
-"""Peak memory of the streamed Hugging Face save and of export from DCP, on a ~155 MB float32 model sharded over 8
-gloo ranks in (dp, tp) = (8, 1) and (4, 2), so each rank holds an eighth of it (~19 MB; the 2-D layout's norms,
+"""Peak memory of the streamed Hugging Face save and of export from DCP, on a ~155 MB float32 model sharded over 4
+gloo ranks in (dp, tp) = (4, 1) and (2, 2), so each rank holds a quarter of it (~39 MB; the 2-D layout's norms,
 replicated over TP, add a few KB):
 
 - saving in bfloat16 in 1 MiB row bands raises each rank's resident set (which already holds its shard) by at most
@@ -25,12 +25,12 @@ from torchrun_helpers import torchrun
 
 from spmd_rlhf.tiny.model import make_tiny
 
-LAYOUTS = ["dp8tp1", "dp4tp2"]
-WORLD = 8
+LAYOUTS = ["dp4tp1", "dp2tp2"]
+WORLD = 4
 RESIDENT_SLACK = 4 * 2**20
 """Growth of the resident set allowed besides the bands and buckets: the JSON piece map, gloo's transport buffers,
 the safetensors header and DCP's read plan, and allocator pages of the Python objects made meanwhile. A quarter of
-one rank's shard (~19 MB) would not fit, nor would the model in bfloat16 (~78 MB)."""
+one rank's shard (~39 MB) would not fit, nor would the model in bfloat16 (~78 MB)."""
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_save_holds_shard_plus_bands(run, layout):
     band = result["band_bytes"]
     for figures in result["ranks"]:
         measured = figures[layout]
-        assert total > 7.99 * measured["shard_bytes"] and total > 150 * 10**6, measured
+        assert total > (WORLD - 0.01) * measured["shard_bytes"] and total > 150 * 10**6, measured
         # The meter sees what a rank copies: a copy of its shard, freed again, raised the high-water mark by the shard.
         assert measured["shard_copy_rise"] > 0.95 * measured["shard_bytes"], measured
         bands = 3 if figures["rank"] == 0 else 1  # rank 0 writes: a band assembled, a piece received, one converted

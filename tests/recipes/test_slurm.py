@@ -1,7 +1,7 @@
 """The SLURM template (recipes/slurm/*.sbatch) without SLURM: it parses, it renders the launch line from a job's
 SLURM_* variables, it passes SIGUSR1 and SIGTERM to the run and requeues the job when the run stopped on one (exit
-code 75 or stopped.json), and the line it renders trains: two torchrun agents ("nodes") of two
-CPU ranks each run GRPO steps, and the same job run again (as a requeue runs it) resumes from ``latest``.
+code 75 or stopped.json), and the line it renders trains: two torchrun agents ("nodes") of one
+CPU rank each run GRPO steps, and the same job run again (as a requeue runs it) resumes from ``latest``.
 
 ``scontrol`` and ``srun`` are stubs written into tmp_path and put first on PATH. The srun stub records its arguments
 and, when asked to, runs the command it was given once per node, as srun does with ``--ntasks-per-node=1``.
@@ -212,8 +212,9 @@ def test_only_the_requeue_exit_code_or_a_stop_marker_requeues(tmp_path, srun_exi
 
 
 def test_two_nodes_train_and_the_job_run_again_resumes(tmp_path):
-    """The rendered line, run as srun would on two "nodes" of 2 CPU ranks: GRPO steps; then the job again, as a
-    requeue runs it (here with one step more), continues from ``latest``."""
+    """The rendered line, run as srun would on two "nodes" of one CPU rank each (tests/runtime/test_launch.py runs two
+    of two): GRPO steps; then the job again, as a requeue runs it (here with one step more), continues from
+    ``latest``."""
     tiny_run = (
         "trainer.val_every=0",
         "trainer.save_every=0",
@@ -226,8 +227,8 @@ def test_two_nodes_train_and_the_job_run_again_resumes(tmp_path):
     variables = dict(
         FAKE_SRUN="run",
         FAKE_HOSTS="127.0.0.1 127.0.0.2",
-        SLURM_GPUS_PER_NODE="2",
-        SLURM_CPUS_PER_TASK="2",
+        SLURM_GPUS_PER_NODE="1",
+        SLURM_CPUS_PER_TASK="1",
         REPO_DIR=str(REPO),
         SLURM_SUBMIT_DIR=str(tmp_path),
         OUTPUT_DIR="out",

@@ -3,7 +3,10 @@ on the assistant's tokens only, and a fit that lowers the loss and writes a load
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spmd_rlhf.data.dataset import encode_prompt
@@ -66,3 +69,25 @@ def test_warm_start_lowers_the_loss_and_saves_in_place(tiny):
     losses = warm_start(tiny, demonstrations, steps=30, batch_size=4, lr=1e-2)
     assert len(losses) == 30 and max(losses[-5:]) < 0.6 * losses[0]
     assert not AutoModelForCausalLM.from_pretrained(tiny).model.embed_tokens.weight.equal(before)
+
+
+def test_micro_batches_of_rows_sorted_by_length_give_the_whole_batchs_mean(tiny, tmp_path):
+    """The same steps in one micro-batch and in micro-batches of one row (each its own width): the same losses and
+    weights, since every micro-batch's loss is summed over the whole batch's masked tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    delta, environment = ChatDelta(tokenizer), ToolEnvironment(product_tool())
+    rows = make_rows(task="tool_products", train_size=6, val_size=1, seed=0)["train"]
+    demonstrations = [  # a guess is one short turn, a call two turns and the tool's answer: rows of unequal length
+        demonstration_tokens(tokenizer, delta, row, tool_products_demonstration(row, kind=kind, guess=7), environment)
+        for row, kind in zip(rows, ["call", "guess"] * 3)
+    ]
+    fits = {}
+    for micro_batch_size in (4, 1):
+        model_dir = tmp_path / str(micro_batch_size)
+        shutil.copytree(tiny, model_dir)
+        losses = warm_start(str(model_dir), demonstrations, steps=3, batch_size=4, micro_batch_size=micro_batch_size)
+        fits[micro_batch_size] = losses, AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    (whole, whole_weights), (split, split_weights) = fits[4], fits[1]
+    assert split == pytest.approx(whole, rel=1e-5)
+    for name, tensor in whole_weights.items():
+        torch.testing.assert_close(split_weights[name], tensor, rtol=1e-4, atol=1e-6, msg=name)

@@ -9,6 +9,7 @@ by role: one per layer (actor), runs of layers (critic), the root alone (reward 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,25 +22,35 @@ LAYOUTS = ["dp4tp1pp1", "dp2tp2pp1", "dp1tp4pp1", "dp2tp1pp2", "dp1tp2pp2"]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory) -> tuple[str, Path, Path]:
+    """One job for both model sets: the untied llama in every layout, then the tied qwen2 in (2, 2, 1). Returns the
+    untied policy's directory and each set's output directory."""
     root = tmp_path_factory.mktemp("parallel")
     # Untied embeddings (pipeline stages hold the embedding and the head apart); 4 KV heads so tp=4 splits them.
     common = dict(family="llama", hidden_size=32, num_heads=4, num_kv_heads=4, vocab_size=300, num_layers=4)
     policy = make_tiny(out_dir=str(root / "policy"), **common)
     critic = make_tiny(out_dir=str(root / "critic"), head="score", seed=1, **common)
     reward = make_tiny(out_dir=str(root / "reward"), head="score", seed=2, **common)
-    out = root / "out"
+    tied = dict(family="qwen2", hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=300, num_layers=2)
+    tied_policy = make_tiny(out_dir=str(root / "tied_policy"), **tied)
+    tied_critic = make_tiny(out_dir=str(root / "tied_critic"), head="score", seed=1, **tied)
+    out, tied_out = root / "out", root / "tied_out"
     out.mkdir()
+    tied_out.mkdir()
     finished = torchrun(
-        "parallel_parity.py", policy, critic, reward, str(out), "dp1tp1pp1", *LAYOUTS, nproc=4, timeout=400
+        "parallel_parity.py",
+        *(policy, critic, reward, str(out), "dp1tp1pp1", *LAYOUTS),
+        *("+", tied_policy, tied_critic, tied_critic, str(tied_out), "dp1tp1pp1", "dp2tp2pp1"),
+        nproc=4,
+        timeout=400,
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
-    return policy, out
+    return policy, out, tied_out
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_forward_outputs_match_one_rank(run, layout):
-    _, out = run
+    _, out, _ = run
     reference, results = torch.load(out / "dp1tp1pp1.pt"), torch.load(out / f"{layout}.pt")
     for key in ("log_probs", "values", "scores"):
         torch.testing.assert_close(results[key], reference[key], rtol=1e-5, atol=1e-5, msg=f"{layout} {key}")
@@ -47,7 +58,7 @@ def test_forward_outputs_match_one_rank(run, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_update_matches_one_rank(run, layout):
-    policy, out = run
+    policy, out, _ = run
     reference_metrics = json.loads((out / "dp1tp1pp1.json").read_text())
     metrics = json.loads((out / f"{layout}.json").read_text())
     for role in ("actor", "critic"):
@@ -69,7 +80,7 @@ def test_update_matches_one_rank(run, layout):
 def test_checkpoint_resumes_into_another_layout(run):
     """Saved by (dp, tp, pp) = (2, 2, 1), loaded by (1, 2, 2): the weights arrive bitwise, and the next update
     (restored optimizer moments and schedule) matches the uninterrupted actor's."""
-    _, out = run
+    _, out, _ = run
     saved, resumed = hf_weights(f"{out}/dp2tp2pp1_actor"), hf_weights(f"{out}/resumed_actor")
     assert all(saved[name].equal(resumed[name]) for name in saved)
     metrics = json.loads((out / "resume.json").read_text())
@@ -80,17 +91,9 @@ def test_checkpoint_resumes_into_another_layout(run):
         torch.testing.assert_close(resumed[name], saved[name], rtol=1e-5, atol=2e-6, msg=name)
 
 
-def test_tied_embeddings_under_tensor_parallelism(tmp_path):
+def test_tied_embeddings_under_tensor_parallelism(run):
     """A model that ties its embedding and LM head (Qwen2.5-0.5B-style) stays tied when both are vocab-sharded."""
-    common = dict(family="qwen2", hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=300, num_layers=2)
-    policy = make_tiny(out_dir=str(tmp_path / "policy"), **common)
-    critic = make_tiny(out_dir=str(tmp_path / "critic"), head="score", seed=1, **common)
-    out = tmp_path / "out"
-    out.mkdir()
-    finished = torchrun(
-        "parallel_parity.py", policy, critic, critic, str(out), "dp1tp1pp1", "dp2tp2pp1", nproc=4, timeout=300
-    )
-    assert finished.returncode == 0, finished.stdout[-6000:]
+    _, _, out = run
     reference, results = torch.load(out / "dp1tp1pp1.pt"), torch.load(out / "dp2tp2pp1.pt")
     torch.testing.assert_close(results["log_probs"], reference["log_probs"], rtol=1e-5, atol=1e-5)
     reference = hf_weights(f"{out}/dp1tp1pp1_actor")

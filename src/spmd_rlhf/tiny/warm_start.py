@@ -66,12 +66,17 @@ def warm_start(
     *,
     steps: int,
     batch_size: int = 32,
+    micro_batch_size: int = 8,
     lr: float = 3e-3,
     seed: int = 0,
 ) -> list[float]:
     """Fit the causal LM at ``model_dir`` to ``demonstrations`` ((token ids, loss mask) pairs) for ``steps`` AdamW
     steps of ``batch_size`` rows drawn with a generator seeded by ``seed``; save it back in place. Returns each step's
-    mean cross-entropy over the masked tokens."""
+    mean cross-entropy over the masked tokens.
+
+    A step's rows run sorted by length in micro-batches of ``micro_batch_size``, each padded to its own longest row
+    (the demonstrations' lengths differ up to 6x, so one batch padded to its longest row would be a third padding);
+    their losses are summed over the whole batch's masked tokens, so the gradient is the batch's mean."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pad_id = model.config.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -79,20 +84,31 @@ def warm_start(
     losses = []
     model.train()
     for _ in range(steps):
-        rows = [demonstrations[rng.randrange(len(demonstrations))] for _ in range(batch_size)]
-        width = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for row, (ids, mask) in enumerate(rows):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention_mask[row, : len(ids)] = 1
-            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        rows = sorted(
+            (demonstrations[rng.randrange(len(demonstrations))] for _ in range(batch_size)), key=lambda row: len(row[0])
+        )
+        masked_tokens = sum(sum(mask) for _, mask in rows)
         optimizer.zero_grad()
-        loss.backward()
+        step_loss = 0.0
+        for start in range(0, batch_size, micro_batch_size):
+            micro_batch = rows[start : start + micro_batch_size]
+            width = max(len(ids) for ids, _ in micro_batch)
+            input_ids = torch.full((len(micro_batch), width), pad_id, dtype=torch.long)
+            labels = torch.full((len(micro_batch), width), -100, dtype=torch.long)
+            attention_mask = torch.zeros((len(micro_batch), width), dtype=torch.long)
+            for row, (ids, mask) in enumerate(micro_batch):
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                attention_mask[row, : len(ids)] = 1
+                labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
+            # The loss mask never covers a row's first token, which no label predicts: the shifted labels count
+            # exactly the masked tokens.
+            loss = model(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, num_items_in_batch=masked_tokens
+            ).loss
+            loss.backward()
+            step_loss += loss.item()
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(step_loss)
     model.save_pretrained(model_dir, safe_serialization=True)
     return losses
 

@@ -2,9 +2,11 @@
 responses, peak memory per rank during generation (with the bound's parts), weights before and after a
 generation round trip, and generation after an update against a fresh single-rank actor loaded with the new weights.
 
-    torchrun --nproc-per-node 4 hybrid_generation.py POLICY_DIR OUT_DIR dp1tp1pp1:1 dp1tp4pp1:2 dp1tp2pp2:1r ...
+    torchrun --nproc-per-node 4 hybrid_generation.py POLICY_DIR OUT_DIR dp1tp1pp1:1 dp1tp4pp1:2 dp1tp2pp2:1r ... \\
+        [+ POLICY_DIR OUT_DIR dp1tp1pp1:1 ...]
 
-A trailing ``r`` puts the layout on a pool in descending order (stage 0 on the highest ranks).
+A trailing ``r`` puts the layout on a pool in descending order (stage 0 on the highest ranks). Each ``+`` starts
+another policy with its own output directory and layouts, run after the one before in the same job.
 """
 
 import json
@@ -21,7 +23,7 @@ from spmd_rlhf.runtime import ParallelDims, ResourcePool, all_to_all, launch
 from spmd_rlhf.workers import ActorWorker
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2] / "workers" / "programs"))
-from dp_parity import rollout_batch  # noqa: E402
+from dp_parity import argument_sets, rollout_batch  # noqa: E402
 
 
 def local_bytes(model: torch.nn.Module) -> int:
@@ -105,7 +107,12 @@ def prompts_batch(vocab: int) -> Batch:
 
 
 def main(coordinator):
-    policy_dir, out_dir, *layouts = sys.argv[1:]
+    for number, arguments in enumerate(argument_sets(sys.argv[1:])):
+        generate_in_layouts(coordinator, *arguments, prefix=f"set{number}_")
+
+
+def generate_in_layouts(coordinator, policy_dir: str, out_dir: str, *layouts: str, prefix: str) -> None:
+    """One policy in ``layouts``; ``prefix`` keeps its roles' names apart from another policy's."""
     results = {}
     for layout in layouts:
         *sizes, reversed_pool = re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+):(\d+)(r?)", layout).groups()
@@ -133,7 +140,7 @@ def main(coordinator):
         if reversed_pool:  # the pool's TP blocks in descending order: stage 0 on the highest ranks
             ranks = [rank for start in reversed(range(0, len(ranks), tp)) for rank in range(start, start + tp)]
         pool, dims = ResourcePool(ranks), ParallelDims(pp=pp, dp=dp, tp=tp)
-        actor = coordinator.spawn(MeasuredActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
+        actor = coordinator.spawn(MeasuredActor, config, name=f"{prefix}actor_{layout}", pool=pool, dims=dims)
         prompts = prompts_batch(100)
         actor.save_pretrained(f"{out_dir}/{layout}_before").result()
         measured = actor.measured_generation([None] * len(pool)).result()
@@ -155,7 +162,7 @@ def main(coordinator):
                 ],
             )
             fresh = coordinator.spawn(
-                ActorWorker, fresh_config, name=f"fresh_{layout}", pool=ResourcePool([0]), dims=ParallelDims()
+                ActorWorker, fresh_config, name=f"{prefix}fresh_{layout}", pool=ResourcePool([0]), dims=ParallelDims()
             )
             expected = fresh.generate_sequences(prompts, greedy=True).result().fetch()["responses"]
             results[layout]["updated"] = updated.tolist()

@@ -1,5 +1,5 @@
-"""Peak memory of the streamed Hugging Face save and of ``spmd-rlhf export``, per rank, on a model sharded over 8 gloo
-ranks (each holding an eighth of it): the rise of the process's resident set over each (``VmHWM`` restarted from the
+"""Peak memory of the streamed Hugging Face save and of ``spmd-rlhf export``, per rank, on a model sharded over 4 gloo
+ranks (each holding a quarter of it): the rise of the process's resident set over each (``VmHWM`` restarted from the
 current resident set just before), beside the rank's shard bytes.
 
 Per layout: load the model sharded, save it as a Hugging Face directory in bfloat16 in row bands of ``BAND_BYTES``
@@ -7,8 +7,8 @@ Per layout: load the model sharded, save it as a Hugging Face directory in bfloa
 buckets of ``BUCKET_BYTES`` (export runs in one process), measured while the other ranks wait. Writes
 ``OUT_DIR/figures.json`` and ``OUT_DIR/<layout>/`` (the save), ``OUT_DIR/export/actor/`` (the export).
 
-    MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 8 tests/models/programs/save_memory.py \\
-        MODEL_DIR OUT_DIR dp8tp1 dp4tp2
+    MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 4 tests/models/programs/save_memory.py \\
+        MODEL_DIR OUT_DIR dp4tp1 dp2tp2
 """
 
 import json

@@ -1,8 +1,9 @@
 """update_actor on one batch by actors on the same 4 ranks: dp=1, 2, 4, dp=1 with larger micro-batches, and
 token-budget micro-batches (dp=2 at the smallest budget, where the two DP ranks' rows need different micro-batch
-counts, and dp=1 at a larger one); each saves its weights and metrics.
+counts, and dp=1 at a larger one); each saves its weights and metrics, in ``OUT_DIR/AGGREGATION`` for each loss
+aggregation named (one job runs them all, one after another).
 
-    torchrun --nproc-per-node 4 dp_parity.py MODEL_DIR OUT_DIR
+    torchrun --nproc-per-node 4 dp_parity.py MODEL_DIR OUT_DIR token_mean seq_mean_token_mean
 """
 
 import dataclasses
@@ -50,8 +51,26 @@ def with_value_targets(batch: Batch) -> Batch:
     return batch.union(Batch(targets, group_size=batch.group_size))
 
 
+def argument_sets(arguments: list[str]) -> list[list[str]]:
+    """A program's arguments split at each ``+``: the sets of models one job runs one after another (so a test's
+    second model starts no ranks of its own)."""
+    sets: list[list[str]] = [[]]
+    for argument in arguments:
+        if argument == "+":
+            sets.append([])
+        else:
+            sets[-1].append(argument)
+    return sets
+
+
 def main(coordinator):
-    model_dir, out_dir, aggregation = sys.argv[1], sys.argv[2], sys.argv[3]
+    model_dir, out_dir, *aggregations = sys.argv[1:]
+    for aggregation in aggregations:
+        Path(out_dir, aggregation).mkdir()
+        update_in_layouts(coordinator, model_dir, f"{out_dir}/{aggregation}", aggregation)
+
+
+def update_in_layouts(coordinator, model_dir: str, out_dir: str, aggregation: str) -> None:
     config = load_config(
         None,
         [
@@ -99,7 +118,11 @@ def main(coordinator):
     }
     for name, (dp, run_config) in runs.items():
         actor = coordinator.spawn(
-            ActorWorker, run_config, name=f"actor_{name}", pool=ResourcePool(range(dp)), dims=ParallelDims(dp=dp)
+            ActorWorker,
+            run_config,
+            name=f"actor_{aggregation}_{name}",
+            pool=ResourcePool(range(dp)),
+            dims=ParallelDims(dp=dp),
         )
         # Forward rows come back in the batch's row order however the micro-batches grouped them.
         torch.save(actor.compute_log_probs(batch).result().fetch()["old_log_probs"], f"{out_dir}/{name}_log_probs.pt")

@@ -4,7 +4,11 @@ and a reward model's scores. Each layout saves its results, metrics and updated 
 
 Then the (dp, tp, pp) = (2, 2, 1) actor's DCP checkpoint is resumed by a (1, 2, 2) actor and both take one more step.
 
-    torchrun --nproc-per-node 4 parallel_parity.py POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1tp1pp1 dp2tp2pp1 ...
+    torchrun --nproc-per-node 4 parallel_parity.py POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1tp1pp1 dp2tp2pp1 ... \\
+        [+ POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1tp1pp1 ...]
+
+Each ``+`` starts another set of models with its own output directory and layouts, run after the one before in the
+same job (the tests run a tied model beside the untied ones without starting the ranks twice).
 """
 
 import json
@@ -19,11 +23,18 @@ from spmd_rlhf.runtime import ParallelDims, ResourcePool, launch
 from spmd_rlhf.workers import ActorWorker, CriticWorker, RewardWorker
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dp_parity import rollout_batch, with_value_targets  # noqa: E402
+from dp_parity import argument_sets, rollout_batch, with_value_targets  # noqa: E402
 
 
 def main(coordinator):
-    policy_dir, critic_dir, reward_dir, out_dir, *layouts = sys.argv[1:]
+    for number, arguments in enumerate(argument_sets(sys.argv[1:])):
+        run_models(coordinator, *arguments, prefix=f"set{number}_")
+
+
+def run_models(
+    coordinator, policy_dir: str, critic_dir: str, reward_dir: str, out_dir: str, *layouts: str, prefix: str
+) -> None:
+    """One set of models in ``layouts``; ``prefix`` keeps its roles' names apart from another set's."""
     config = load_config(
         None,
         [
@@ -61,9 +72,9 @@ def main(coordinator):
     for layout in layouts:
         dp, tp, pp = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)", layout).groups())
         pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp)
-        actor = coordinator.spawn(ActorWorker, config, name=f"actor_{layout}", pool=pool, dims=dims)
-        critic = coordinator.spawn(CriticWorker, config, name=f"critic_{layout}", pool=pool, dims=dims)
-        reward = coordinator.spawn(RewardWorker, config, name=f"reward_{layout}", pool=pool, dims=dims)
+        actor = coordinator.spawn(ActorWorker, config, name=f"{prefix}actor_{layout}", pool=pool, dims=dims)
+        critic = coordinator.spawn(CriticWorker, config, name=f"{prefix}critic_{layout}", pool=pool, dims=dims)
+        reward = coordinator.spawn(RewardWorker, config, name=f"{prefix}reward_{layout}", pool=pool, dims=dims)
         results = {
             "log_probs": actor.compute_log_probs(batch).result().fetch()["old_log_probs"],
             "values": critic.compute_values(batch).result().fetch()["values"],
@@ -80,7 +91,11 @@ def main(coordinator):
         saved = actors["dp2tp2pp1"]
         saved.save_checkpoint(f"{out_dir}/checkpoint").result()
         resumed = coordinator.spawn(
-            ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(pp=2, dp=1, tp=2)
+            ActorWorker,
+            config,
+            name=f"{prefix}resumed",
+            pool=ResourcePool(range(4)),
+            dims=ParallelDims(pp=2, dp=1, tp=2),
         )
         resumed.load_checkpoint(f"{out_dir}/checkpoint").result()
         resumed.save_pretrained(f"{out_dir}/resumed_actor").result()
