@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch._inductor.config
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, compile_around_attention
@@ -233,18 +234,16 @@ class _Profiled:
         self.profile.__exit__(*exc)
 
 
-def compiled_graph_launches(layers: int, steps: int) -> Counter[str]:
+def compiled_graph_launches(layers: int, steps: int, *, backend: str = "inductor") -> Counter[str]:
     """Launches per graphed decode step (greedy, batch 1, bf16) with the blocks compiled around attention by
     Inductor: the profiler's view inside each captured step (``host_overhead._launch_name``: non-view ATen ops and
     Inductor's kernels, none counted inside another), which ``DispatchCounts`` cannot give (TorchDynamo does not run a
-    graph under a dispatch mode)."""
+    graph under a dispatch mode). ``backend``: TorchDynamo's (a test counts ``aot_eager``'s ATen calls: seconds,
+    where Inductor's C++ compilation takes a minute)."""
     from host_overhead import _launch_name
 
-    # Kernel names reach the profiler only from code generated with this flag, so no cached graph may serve.
-    torch._inductor.config.cpp.enable_kernel_profile = True
-    torch._inductor.config.force_disable_caches = True
     model = decode_model(layers, torch.bfloat16)
-    compile_around_attention(model)
+    compile_around_attention(model, backend=backend)
     step_function = StaticDecodeStep._step
 
     def marked(step, rows, kind):
@@ -253,8 +252,10 @@ def compiled_graph_launches(layers: int, steps: int) -> Counter[str]:
 
     measure = _Profiled()
     StaticDecodeStep._step = marked
+    # Kernel names reach the profiler only from code generated with this flag, so no cached graph may serve.
+    profiled_kernels = {"cpp.enable_kernel_profile": True, "force_disable_caches": True}
     try:
-        with cuda_attention_path(), graphs_on_cpu(compute=True):
+        with torch._inductor.config.patch(profiled_kernels), cuda_attention_path(), graphs_on_cpu(compute=True):
             steady_decode(model, rows=1, steps=steps, sampled=False, mode="auto", measure=measure)
     finally:
         StaticDecodeStep._step = step_function
@@ -311,20 +312,21 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
                 note="non-view calls of the graphed step plus those outside the graph",
             )
         )
-    compiled = compiled_graph_launches(layers, steps)
-    kernels = sum(compiled.values()) + outside[False].non_view_calls / steps
-    figures.append(
-        _figure(
-            "kernels per graphed step, greedy, blocks compiled around attention",
-            kernels,
-            f"<= {KERNEL_GOAL}",
-            kernels <= KERNEL_GOAL,
-            shape=shape,
-            by_op=dict(sorted(compiled.items())),
-            note="the captured step's launches by the profiler (Inductor's kernels one each) plus the non-view calls "
-            "outside the graph; rollout.compile=on",
+    if args.decode_compiled:
+        compiled = compiled_graph_launches(layers, steps)
+        kernels = sum(compiled.values()) + outside[False].non_view_calls / steps
+        figures.append(
+            _figure(
+                "kernels per graphed step, greedy, blocks compiled around attention",
+                kernels,
+                f"<= {KERNEL_GOAL}",
+                kernels <= KERNEL_GOAL,
+                shape=shape,
+                by_op=dict(sorted(compiled.items())),
+                note="the captured step's launches by the profiler (Inductor's kernels one each) plus the non-view "
+                "calls outside the graph; rollout.compile=on",
+            )
         )
-    )
     float32 = decode_model(layers, torch.float32)
     for rows in (1, args.decode_batch):
         goal = HOST_GOALS_US.get(rows)
@@ -383,6 +385,12 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-layers", type=int, default=28, help="model depth of the decode counts")
     parser.add_argument("--decode-batch", type=int, default=256, help="the large batch of the host-time figure")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps measured per figure")
+    parser.add_argument(
+        "--no-decode-compiled",
+        dest="decode_compiled",
+        action="store_false",
+        help="skip the compiled blocks' kernel count (Inductor's C++ compilation takes a minute on CPU)",
+    )
     parser.add_argument(
         "--decode-max-len",
         type=int,

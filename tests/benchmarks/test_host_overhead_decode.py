@@ -9,12 +9,24 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-from host_overhead_decode import decode_figures  # noqa: E402
+from host_overhead_decode import compiled_graph_launches, decode_figures  # noqa: E402
 
 
 def _figures(layers: int) -> dict[str, dict]:
-    args = argparse.Namespace(decode_layers=layers, decode_batch=4, decode_steps=2, decode_max_len=64)
+    args = argparse.Namespace(
+        decode_layers=layers, decode_batch=4, decode_steps=2, decode_max_len=64, decode_compiled=False
+    )
     return {row["figure"]: row for row in decode_figures(args)}
+
+
+def test_the_compiled_blocks_count_is_taken_inside_the_captured_step():
+    """``compiled_graph_launches`` counts what runs inside each captured step of a model whose blocks are compiled
+    around attention: traced by ``aot_eager`` here (ATen calls; Inductor's kernels in the benchmark), the same per
+    layer at 2 and 3 layers: three matmuls besides the q/k/v one (with its bias, an ``addmm``)."""
+    two, three = (compiled_graph_launches(layers, 2, backend="aot_eager") for layers in (2, 3))
+    per_layer = sum(three.values()) - sum(two.values())
+    assert 0 < per_layer < sum(two.values()) and three["aten::mm"] - two["aten::mm"] == 3  # o, gate/up, down
+    assert three["aten::addmm"] - two["aten::addmm"] == 1
 
 
 def test_decode_counts_split_the_step_at_the_graph():
