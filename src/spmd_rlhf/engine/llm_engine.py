@@ -305,13 +305,8 @@ class LLMEngine:
             )
             if not (self.overlap_host and self.runner.ran_static_step):
                 assert in_flight is None, "a synchronous step follows a drained pipeline"
-                token_ids, log_probs, sampling_log_probs = read_samples(samples[:, : len(batch)].tolist())
-                if is_prefill:  # a chunk of a long prompt samples nothing
-                    rows = scheduler.end_prefill(batch)
-                    batch = [batch[row] for row in rows]
-                    token_ids, log_probs = [token_ids[row] for row in rows], [log_probs[row] for row in rows]
-                    sampling_log_probs = [sampling_log_probs[row] for row in rows]
-                self._finish_step(scheduler, batch, (token_ids, log_probs, sampling_log_probs))
+                rows = scheduler.end_prefill(batch) if is_prefill else None  # a prompt's chunk samples nothing
+                self._finish_step(scheduler, batch, read_samples(samples[:, : len(batch)].tolist()), rows=rows)
                 continue
             pending = self._readback.start(samples, len(batch))
             if in_flight is not None:
@@ -344,18 +339,20 @@ class LLMEngine:
         scheduler: Scheduler,
         batch: list[Sequence],
         samples: PendingSamples | tuple[list[int], list[float], list[float]],
+        *,
+        rows: list[int] | None = None,
     ) -> None:
-        """Append the sampled tokens of a step's sequences and free those that finished. Of an overlapped step
-        (``PendingSamples``), only the sequences whose token is pending take theirs; the other rows are dropped."""
+        """Append the sampled tokens of a step's sequences and free those that finished: the sequences of ``rows``
+        only (None: all). Of an overlapped step (``PendingSamples``), the sequences whose token is pending; the other
+        rows are dropped."""
         if isinstance(samples, PendingSamples):
-            token_ids, log_probs, sampling_log_probs = samples.read()
+            samples = samples.read()
             rows = [row for row, seq in enumerate(batch) if seq.token_pending]
-            if len(rows) < len(batch):
-                batch = [batch[row] for row in rows]
-                token_ids, log_probs = [token_ids[row] for row in rows], [log_probs[row] for row in rows]
-                sampling_log_probs = [sampling_log_probs[row] for row in rows]
-        else:
-            token_ids, log_probs, sampling_log_probs = samples
+        token_ids, log_probs, sampling_log_probs = samples
+        if rows is not None and len(rows) < len(batch):
+            batch = [batch[row] for row in rows]
+            token_ids, log_probs = [token_ids[row] for row in rows], [log_probs[row] for row in rows]
+            sampling_log_probs = [sampling_log_probs[row] for row in rows]
         scheduler.finish_step(batch, token_ids, log_probs, sampling_log_probs)
         self.stats.generated_tokens += len(batch)
 

@@ -213,18 +213,23 @@ def layer_activation_bytes(shape: ModelShape, dtype_bytes: int) -> float:
     (``training.token_budget.activation_elements``: 11 h + 3 kv + 4 I elements, about 2x Korthikanti's 34 h bytes
     for a 4h MLP, as a 1.5B update on an H200 showed), I the wider of the dense MLP and an MoE layer's
     ``experts_per_token`` expert widths."""
-    dense = shape.intermediate if shape.moe_layers < shape.layers else 0
-    mlp = max(dense, shape.experts_per_token * shape.expert_intermediate if shape.moe_layers else 0)
-    elements = activation_elements(hidden=shape.hidden, kv_width=shape.kv_heads * shape.head_dim, mlp_width=mlp)
+    elements = activation_elements(
+        hidden=shape.hidden, kv_width=shape.kv_heads * shape.head_dim, mlp_width=_token_mlp_width(shape)
+    )
     return elements * dtype_bytes
+
+
+def _token_mlp_width(shape: ModelShape) -> int:
+    """A token's MLP width: the wider of the dense MLP and an MoE layer's ``experts_per_token`` expert widths."""
+    dense = shape.intermediate if shape.moe_layers < shape.layers else 0
+    return max(dense, shape.experts_per_token * shape.expert_intermediate if shape.moe_layers else 0)
 
 
 def selective_checkpoint_bytes(shape: ModelShape, dtype_bytes: int) -> float:
     """Bytes one token keeps in one decoder layer under ``model.checkpoint_policy=selective``
     (``training.token_budget.selective_checkpoint_elements``), with ``layer_activation_bytes``'s MLP width."""
-    dense = shape.intermediate if shape.moe_layers < shape.layers else 0
-    mlp = max(dense, shape.experts_per_token * shape.expert_intermediate if shape.moe_layers else 0)
     kv_width = shape.kv_heads * shape.head_dim
+    mlp = _token_mlp_width(shape)
     return selective_checkpoint_elements(hidden=shape.hidden, kv_width=kv_width, mlp_width=mlp) * dtype_bytes
 
 

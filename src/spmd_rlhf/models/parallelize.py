@@ -245,8 +245,12 @@ def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", flash: b
     (``flash``), whose kernels TorchDynamo traces only where the installed version registers them as torch ops (not
     tried here: flash-attn has no CPU build). ``backend``: TorchDynamo's (tests trace with ``aot_eager``, which skips
     Inductor's code generation)."""
-    fullgraph = not isinstance(layer.mlp, MoEBlock) and not flash
-    layer.compile(fullgraph=fullgraph, dynamic=True, backend=backend)
+    layer.compile(fullgraph=_whole_graph(layer, flash=flash), dynamic=True, backend=backend)
+
+
+def _whole_graph(layer: torch.nn.Module, *, flash: bool) -> bool:
+    """Whether a block compiles with no graph break (``compile_block`` says when one may break)."""
+    return not isinstance(layer.mlp, MoEBlock) and not flash
 
 
 def compiled_forward(layer: torch.nn.Module, *, backend: str = "inductor", flash: bool = False) -> Callable:
@@ -254,8 +258,7 @@ def compiled_forward(layer: torch.nn.Module, *, backend: str = "inductor", flash
     trace into ``torch.utils.checkpoint`` from a compiled module call whose forward is the checkpoint (no frame
     compiles, and ``fullgraph`` makes that an error), so a checkpointed block is compiled inside its checkpoint, which
     then runs the compiled forward again in the backward (full), or with its matmuls' outputs kept (selective)."""
-    fullgraph = not isinstance(layer.mlp, MoEBlock) and not flash
-    return torch.compile(layer.forward, fullgraph=fullgraph, dynamic=True, backend=backend)
+    return torch.compile(layer.forward, fullgraph=_whole_graph(layer, flash=flash), dynamic=True, backend=backend)
 
 
 def parallelize(

@@ -29,9 +29,14 @@ def layer_activation_elements(args: DecoderArgs) -> int:
     and its float32 copy (3 h each), the normed input, q, k and v, their rotated copies, the attention output and
     the residual (about 5 h + 3 kv), and the MLP's gate, up, activation and product (4 I; an MoE layer's routed
     copies, k of them, each of the expert width)."""
+    return activation_elements(**_widths(args))
+
+
+def _widths(args: DecoderArgs) -> dict[str, int]:
+    """The widths the per-token counts take: hidden, key/value and a token's MLP (an MoE layer's k expert widths)."""
     moe = args.moe
     width = moe.num_experts_per_tok * moe.moe_intermediate_size if moe else args.intermediate_size
-    return activation_elements(hidden=args.hidden_size, kv_width=args.num_kv_heads * args.head_dim, mlp_width=width)
+    return {"hidden": args.hidden_size, "kv_width": args.num_kv_heads * args.head_dim, "mlp_width": width}
 
 
 def activation_elements(*, hidden: int, kv_width: int, mlp_width: int) -> int:
@@ -64,12 +69,7 @@ def bytes_per_token(
     if not train:
         kept = layer
     elif activation_checkpointing and checkpoint_policy == "selective":
-        moe = args.moe
-        width = moe.num_experts_per_tok * moe.moe_intermediate_size if moe else args.intermediate_size
-        saved = selective_checkpoint_elements(
-            hidden=args.hidden_size, kv_width=args.num_kv_heads * args.head_dim, mlp_width=width
-        )
-        kept = saved * dtype_bytes / tp * layers + layer
+        kept = selective_checkpoint_elements(**_widths(args)) * dtype_bytes / tp * layers + layer
     elif activation_checkpointing:
         kept = 2 * args.hidden_size * dtype_bytes * layers + layer
     else:
