@@ -348,6 +348,7 @@ OPTIONAL = (
     "g3_rows",
     "g3_eager",
     "g3_selective",
+    "g3_offload",
 )
 """Run only when named in ``--only``."""
 MODEL_USERS = (

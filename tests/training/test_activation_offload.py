@@ -43,6 +43,23 @@ def test_offloaded_activations_give_the_same_gradients_and_leave_parameters_alon
     assert _is_parameter(weight) and _is_parameter(weight.t()) and not _is_parameter(weight.detach() * 2)
 
 
+def test_saved_tensors_come_back_with_their_strides_and_gapped_views_stay():
+    """Inductor's backward checks the strides of what it saved: a permuted activation must not come back contiguous
+    (session 38's H100 run failed there with compiled blocks). A slice with gaps is not moved."""
+    weight = torch.randn(4, 6, 5, requires_grad=True)
+    with ActivationOffload(source="cpu", min_bytes=1) as offload:
+        permuted = (weight * 2).permute(2, 0, 1)  # dense, not contiguous
+        out = permuted.sin()  # sin saves its input
+        gapped = (weight * 3)[:, ::2]
+        gapped_out = gapped.cos()
+    back = out.grad_fn._saved_self
+    assert back.stride() == permuted.stride() and torch.equal(back, permuted)
+    assert offload.offloaded == 1  # the permuted tensor; the gapped slice stayed
+    assert gapped_out.grad_fn._saved_self.data_ptr() == gapped.data_ptr()
+    (out.sum() + gapped_out.sum()).backward()
+    assert weight.grad is not None
+
+
 def test_an_actor_update_runs_its_training_forwards_offloaded(tmp_path, monkeypatch):
     """The key reaches the update's forwards (on CPU only when forced: a GPU feature), and the update's loss equals
     one without it."""
