@@ -266,8 +266,9 @@ def main() -> None:
     parser.add_argument(
         "--compile-layers",
         choices=("auto", "on", "off"),
-        default="off",
-        help="rollout.compile: blocks compiled around attention (where graphs are captured, under auto); the model is "
+        default="auto",
+        help="rollout.compile (default auto, the config's): blocks compiled around attention where graphs are captured; "
+        "the model is "
         "shared, so G1's eager engine runs the compiled blocks too",
     )
     parser.add_argument(

@@ -79,7 +79,7 @@ def test_the_rollout_compile_key_picks_the_backend_and_the_engine_applies_it(tmp
     assert compile_backend("on", graphs=False) == "inductor"
     with pytest.raises(ValueError, match="rollout.compile='yes' is unknown"):
         compile_backend("yes", graphs=True)
-    assert load_config(None, []).rollout.compile == "off"
+    assert load_config(None, []).rollout.compile == "auto"
     with pytest.raises(ConfigError, match="rollout.compile"):
         load_config(None, ["rollout.compile=always"])
 

@@ -45,11 +45,12 @@ class RolloutConfig:
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs, one per batch-size bucket, where they apply (a CUDA replica of one rank
     whose decode attention is the Triton paged kernel); false: eager decode steps. Elsewhere decode is eager anyway."""
-    compile: str = "off"
+    compile: str = "auto"
     """torch.compile each decoder block of the generation copy around its attention call (the norms, projections,
     rotation, residuals and MLP fused by Inductor; the paged attention eager between them), once for every layer,
     decode bucket and prefill length: auto (where decode steps replay from CUDA graphs), on (CPU too: needs a C++
-    compiler) or off. Off by default until a GPU run measures it: tokens equal to eager's are tested on CPU only."""
+    compiler) or off. On an H100 (session 38) auto took batch-1 decode of the 1.5B shape from 29 % to 45 % of the HBM
+    floor with the same tokens; the compile runs once per engine (``rollout.keep_engine``)."""
     overlap_host: bool = True
     """Read each graphed decode step's tokens back one step late (pinned copy and event), so the host plans and
     launches step t + 1 while the device runs step t; the same tokens and log-probs as false (a synchronous read after
