@@ -18,6 +18,7 @@ from spmd_rlhf.mapping.cost import (
     head_output_bytes,
     pass_seconds,
     resident_bytes,
+    ring_context_parallel,
     unsharded_accumulation_bytes,
     working_bytes,
 )
@@ -80,6 +81,22 @@ def test_context_and_expert_parallelism_cost_their_all_to_alls():
     all_to_alls = micro_batches * moe.shape.moe_layers * 2 * 2 * cluster.all_to_all(routed, 8, extent=8)
     # At ep = dp = 8 no rank gathers experts: the all-to-alls replace the experts' gathers and reduce-scatters.
     assert expert_parallel - all_to_alls < dense_fsdp
+
+
+def test_ring_context_parallel_costs_the_keys_and_values_passed_around_the_ring():
+    """Where cp does not split the heads (0.5B: 14 heads, cp = 4) cp_attention=auto runs ring attention: each chunk's
+    keys and values pass every other rank once in the forward and, with their gradients, twice in the backward."""
+    actor = dataflow("grpo", actor=NAMED_SHAPES["0.5b"])[0]
+    cluster = Cluster(1, 8, dataclasses.replace(H100, overlaps_communication=False))
+    shape = actor.shape
+    assert not ring_context_parallel(shape, Layout(1, 8, 1, cp=2))
+    assert ring_context_parallel(shape, Layout(1, 8, 1, cp=4))
+    plain, ring = (pass_seconds(actor, Layout(1, 8, 1, cp=cp), cluster, BATCH, train=True) for cp in (1, 4))
+    tokens = BATCH.micro_batch_size * BATCH.sequence_length
+    kv_width = 2 * shape.kv_heads * shape.head_dim * BATCH.dtype_bytes
+    micro_batches = BATCH.rows // 8 // BATCH.micro_batch_size
+    around = 3 * cluster.all_gather(tokens * kv_width, 4, extent=4)
+    assert ring - plain == pytest.approx(micro_batches * shape.layers * 4 * around)
 
 
 def test_communication_is_free_on_one_rank_and_slower_across_nodes():

@@ -68,10 +68,10 @@ def test_the_search_offers_ep_for_moe_models_and_cp_for_dense_ones_and_writes_th
     layouts = candidate_layouts(moe, 16, Cluster(16, 8, H100), BATCH)
     assert {layout.ep for layout in layouts} == {1, 2, 4, 8, 16} and {layout.cp for layout in layouts} == {1}
     assert all(layout.dp % layout.ep == 0 for layout in layouts)
-    dense = dataflow("grpo", actor=NAMED_SHAPES["0.5b"])[0]  # 14 heads: cp divides 14 / tp
+    dense = dataflow("grpo", actor=NAMED_SHAPES["0.5b"])[0]  # 14 heads: Ulysses at cp 2, ring beyond
     layouts = candidate_layouts(dense, 16, Cluster(16, 8, H100), BATCH)
-    assert {layout.ep for layout in layouts} == {1} and {layout.cp for layout in layouts} == {1, 2}  # 7 ∤ dp
-    assert all((14 // layout.tp) % layout.cp == 0 and layout.dp % layout.cp == 0 for layout in layouts)
+    assert {layout.ep for layout in layouts} == {1} and {layout.cp for layout in layouts} == {1, 2, 4, 8, 16}
+    assert all(layout.dp % layout.cp == 0 for layout in layouts)
     assert str(Layout(pp=1, dp=4, tp=2, ep=2, cp=2)) == "pp=1 dp=4 tp=2 ep=2 cp=2"
 
     from spmd_rlhf.config import load_config

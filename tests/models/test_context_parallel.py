@@ -1,13 +1,23 @@
-"""Ulysses context parallelism (``models.context_parallel``): a packed row split over 4 gloo ranks equals one
-process's attention, outputs and gradients (``programs/ulysses_attention.py``; cp = 2 runs in every role's parity
-test, tests/training/test_context_parallel_roles.py); the refusals and the traffic count."""
+"""Context parallelism's attention (``models.context_parallel``, ``models.ring_attention``): a packed row split over 4
+gloo ranks equals one process's attention, outputs and gradients, by Ulysses (``programs/ulysses_attention.py``) and
+by ring attention over zig-zag chunks at cp = 2 and 4 (``programs/ring_attention.py``); every role runs both in
+tests/training/test_context_parallel_roles.py. The choice between them, the refusals, the zig-zag layout and the
+traffic counts."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from torchrun_helpers import torchrun
 
-from spmd_rlhf.models.context_parallel import check_ulysses, replicated_kv_heads, ulysses_bytes
+from spmd_rlhf.models.context_parallel import (
+    check_ulysses,
+    replicated_kv_heads,
+    resolve_cp_attention,
+    ulysses_bytes,
+)
+from spmd_rlhf.models.ring_attention import check_ring, ring_bytes, zigzag_positions, zigzag_ranges
+from spmd_rlhf.training.context_parallel import ContextRow
 
 
 @pytest.mark.parametrize("cp", [4])
@@ -36,3 +46,54 @@ def test_replicated_heads_and_bytes():
     assert ulysses_bytes(tokens=4096, heads=32, kv_heads=8, head_dim=128, cp=4, dtype_bytes=2) == (
         1024 * (64 + 16) * 128 * 2 * 3 / 4
     )
+
+
+def test_ring_attention_over_zigzag_chunks_equals_one_process():
+    finished = torchrun("ring_attention.py", nproc=4, timeout=180)
+    assert finished.returncode == 0, finished.stdout[-6000:]
+
+
+def test_auto_takes_ulysses_where_it_splits_the_heads_and_ring_elsewhere():
+    assert resolve_cp_attention("auto", heads=14, kv_heads=2, cp=2) == "ulysses"
+    assert resolve_cp_attention("auto", heads=14, kv_heads=2, cp=4) == "ring"  # 4 does not divide 14
+    assert resolve_cp_attention("auto", heads=2, kv_heads=1, cp=8) == "ring"  # more ranks than heads
+    assert resolve_cp_attention("ring", heads=16, kv_heads=8, cp=2) == "ring"
+    with pytest.raises(ValueError, match=r"actor\.cp=4 does not divide .* \(or set actor\.cp_attention=ring\)"):
+        resolve_cp_attention("ulysses", heads=14, kv_heads=2, cp=4, role="actor")
+    with pytest.raises(ValueError, match="actor.cp_attention='striped' is unknown"):
+        resolve_cp_attention("striped", heads=14, kv_heads=2, cp=2, role="actor")
+    with pytest.raises(ValueError, match=r"2 x actor\.cp=4 zig-zag chunks; pad it"):
+        check_ring(cp=4, tokens=36, key="actor.cp")
+
+
+def test_the_config_key_and_its_choices():
+    from spmd_rlhf.config import CP_ATTENTION, ConfigError, load_config
+    from spmd_rlhf.models.context_parallel import CP_ATTENTION as MODEL_CHOICES
+
+    assert CP_ATTENTION == MODEL_CHOICES
+    assert load_config(None, []).critic.cp_attention == "auto"
+    with pytest.raises(ConfigError, match="cp_attention"):
+        load_config(None, ["actor.cp_attention=striped"])
+
+
+def test_zigzag_chunks_balance_causal_work_and_gather_back_into_row_order():
+    assert zigzag_ranges(0, 4, 32) == ((0, 4), (28, 32)) and zigzag_ranges(3, 4, 32) == ((12, 16), (16, 20))
+    everyone = torch.cat([zigzag_positions(rank, 4, 32) for rank in range(4)])
+    assert sorted(everyone.tolist()) == list(range(32))
+    work = [sum(row + 1 for row in zigzag_positions(rank, 4, 32).tolist()) for rank in range(4)]
+    assert len(set(work)) == 1  # contiguous chunks would give rank r about 2r + 1 times rank 0's
+    # A packed row of 16 tokens (sequences of 7 and 9), the head reading 9 positions scattered over it.
+    reads = torch.tensor([1, 2, 3, 5, 8, 9, 12, 14, 15])
+    row = ContextRow(torch.arange(16), torch.arange(16), torch.tensor([0, 7, 16]), 9, reads, 0, zigzag=True)
+    held = [row.positions(rank, 4)[row.chunk(rank, 4)[2]] for rank in range(4)]
+    assert torch.equal(row.chunk(1, 4)[0], torch.tensor([2, 3, 12, 13]))  # chunks 1 and 6 of 8
+    assert row.read_counts(4) == [len(positions) for positions in held] == [3, 3, 1, 2]
+    gathered = torch.cat(held)  # what gather_rows lays out: rank by rank, each in its chunk's order
+    assert not torch.equal(gathered, reads) and torch.equal(gathered[row.read_order(4)], reads)
+    contiguous = ContextRow(torch.arange(16), torch.arange(16), torch.tensor([0, 7, 16]), 9, reads, 0)
+    assert contiguous.read_order(4) is None and contiguous.read_counts(4) == [3, 1, 2, 3]
+
+
+def test_ring_bytes():
+    # 4096 tokens over 4 ranks, 8 key/value heads of 128 dims in bf16: a chunk's keys and values, 3 times.
+    assert ring_bytes(tokens=4096, kv_heads=8, head_dim=128, cp=4, dtype_bytes=2) == 1024 * 2 * 8 * 128 * 2 * 3

@@ -1,6 +1,7 @@
 """Context parallelism in every trained and scoring role (``programs/context_parallel_parity.py``): a tiny Qwen3 actor
 (per-head q/k norms, 4 query and 2 key/value heads), a critic and a reward model under ``cp`` 2 and 4 over 2 or 4 CPU
-ranks, with two cp groups (dp4·cp2) and with tensor parallelism (dp2·cp2·tp2), equal one rank: log-probs, values and
+ranks, with two cp groups (dp4·cp2) and with tensor parallelism (dp2·cp2·tp2), by Ulysses and by ring attention
+(``cp_attention=ring``: zig-zag chunks), equal one rank: log-probs, values and
 scores; every gradient of the summed log-probs; two actor updates (loss, gradient norm; each rank's own entropy and
 KL do not depend on the cp degree) and a critic update (loss, gradient norm), and the actor's weights. A token budget
 that holds half the longest row trains at cp = 2 (and is refused at cp = 1); pipelines and mixture-of-experts models
@@ -17,7 +18,7 @@ from torchrun_helpers import hf_weights, torchrun
 from spmd_rlhf.tiny.model import make_tiny
 
 REFERENCE = "dp1cp1tp1"
-LAYOUTS = ["dp4cp4tp1", "dp4cp2tp1", "dp2cp2tp2"]
+LAYOUTS = ["dp4cp4tp1", "dp4cp2tp1", "dp2cp2tp2", "dp4cp4tp1ring", "dp2cp2tp2ring"]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_every_gradient_matches_one_rank(run, layout):
     reference, gradients = torch.load(run / f"{REFERENCE}_gradients.pt"), torch.load(run / f"{layout}_gradients.pt")
     assert gradients.keys() == reference.keys()
     for name in reference:
-        torch.testing.assert_close(gradients[name], reference[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
+        torch.testing.assert_close(gradients[name], reference[name], rtol=1e-5, atol=5e-6, msg=f"{layout} {name}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

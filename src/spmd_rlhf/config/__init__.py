@@ -7,6 +7,7 @@ overrides). The bottom of the house: it imports nothing else of the package, and
 from spmd_rlhf.config.algorithm import ALGORITHMS, LOSS_AGGREGATIONS, AlgorithmConfig
 from spmd_rlhf.config.choices import (
     ATTENTION_BACKENDS,
+    CP_ATTENTION,
     DEFAULT_KV_BLOCK_SIZE,
     DEVICE_SETTINGS,
     ENVIRONMENTS,

@@ -6,6 +6,8 @@ equal."""
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 COMPILE_SETTINGS = ("auto", "on", "off")
 CHECKPOINT_POLICIES = ("full", "selective")
+CP_ATTENTION = ("auto", "ulysses", "ring")
+"""<role>.cp_attention's values (spmd_rlhf.models.context_parallel.CP_ATTENTION: a test keeps them equal)."""
 # spmd_rlhf.models.attention.DEFAULT_KV_BLOCK_SIZE (a test keeps them equal): the smaller of
 # rollout.kv_block_size=null's two block sizes, so the check of a fixed rollout.kv_cache_blocks budget holds whichever
 # one a rank picks.

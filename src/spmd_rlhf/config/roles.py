@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from spmd_rlhf.config.choices import (
+    CP_ATTENTION,
     LORA_TARGETS,
 )
 from spmd_rlhf.config.errors import at_least, one_of, require
@@ -40,12 +41,16 @@ class RoleConfig:
     dp / ep ranks holding it; attention, norms and the vocabulary stay FSDP-sharded over all of dp. 1: every DP rank
     runs every expert (FSDP-sharded over dp)."""
     cp: int = 1
-    """Context-parallel degree (Ulysses), borrowed from dp (it must divide dp, and each rank's attention heads, heads
-    / tp): the cp consecutive DP ranks of a group keep their own rows but run every micro-batch of the group together,
-    each rank a 1/cp chunk of its packed row (attention trades the sequence split for a head split by all-to-all), so
-    no rank holds a whole long row's activations; a row's per-token outputs are gathered to the rank that owns it.
-    max_tokens_per_micro_batch then bounds each rank's chunk (a row may be cp times longer). Not with pp > 1 or
-    mixture-of-experts models yet (docs/parallelism.md)."""
+    """Context-parallel degree, borrowed from dp (it must divide dp): the cp consecutive DP ranks of a group keep their
+    own rows but run every micro-batch of the group together, each rank a 1/cp chunk of its packed row, so no rank
+    holds a whole long row's activations; a row's per-token outputs are gathered to the rank that owns it.
+    max_tokens_per_micro_batch then bounds each rank's chunk (a row may be cp times longer). Attention over the whole
+    row: cp_attention. Not with pp > 1 or mixture-of-experts models yet (docs/parallelism.md)."""
+    cp_attention: str = "auto"
+    """How attention reads the whole row under cp > 1: ulysses (all-to-all from sequence chunks to head groups around
+    each attention call; cp must divide each rank's heads / tp, key/value heads replicated up to cp), ring (zig-zag
+    chunks, keys and values passed around the ring with an online softmax, any cp; scores computed in float32 tiles,
+    not by a fused kernel), or auto: ulysses where cp divides the heads, else ring."""
     micro_batch_size: int = 4
     """Rows (responses) per forward and backward pass of training on each data-parallel rank."""
     forward_micro_batch_size: int = 0
@@ -83,6 +88,7 @@ class RoleConfig:
         at_least(self, 1, "pp", "tp", "ep", "cp", "micro_batch_size")
         require(self, "pool", self.pool != "", "must be a name or null")
         require(self, "pp_schedule", self.pp_schedule in ("1f1b", "gpipe"), "must be 1f1b or gpipe")
+        one_of(self, "cp_attention", CP_ATTENTION)
         budget = self.max_tokens_per_micro_batch
         require(self, "max_tokens_per_micro_batch", budget is None or budget >= 0, "must be >= 0 or null")
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from spmd_rlhf.mapping.profile import DeviceProfile
 from spmd_rlhf.mapping.workload import Batch, ModelShape, RoleSpec
+from spmd_rlhf.models.context_parallel import resolve_cp_attention
 from spmd_rlhf.models.logprob import rows_per_chunk
 from spmd_rlhf.training.token_budget import activation_elements, selective_checkpoint_elements
 
@@ -63,8 +64,9 @@ class Layout:
     tp_g: int = 0
     """Generation tensor-parallel degree (divides tp); 0 for roles that do not generate."""
     cp: int = 1
-    """Context-parallel degree (Ulysses, divides dp): each rank holds a 1/cp chunk of every micro-batch's activations,
-    for four all-to-alls per layer and pass."""
+    """Context-parallel degree (divides dp): each rank holds a 1/cp chunk of every micro-batch's activations, for
+    four all-to-alls per layer and pass (Ulysses, where cp splits the heads) or the keys and values passed around the
+    ring (elsewhere)."""
     ep: int = 1
     """Expert-parallel degree (divides dp and the expert count): each MoE layer's experts split over ep DP ranks, FSDP
     gathering each share over dp / ep, tokens sent to their experts and back by two all-to-alls per layer and pass."""
@@ -260,6 +262,14 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     return kept + outputs
 
 
+def ring_context_parallel(shape: ModelShape, layout: Layout) -> bool:
+    """Whether ``cp_attention=auto`` runs ``layout``'s cp as ring attention: Ulysses cannot split the heads / tp."""
+    if layout.cp <= 1:
+        return False
+    heads, kv_heads = shape.heads // layout.tp, max(1, shape.kv_heads // layout.tp)
+    return resolve_cp_attention("auto", heads=heads, kv_heads=kv_heads, cp=layout.cp) == "ring"
+
+
 def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch, *, train: bool) -> float:
     """Seconds for the role to run one pass (forward only, or forward + backward) over the step's rows."""
     shape, profile, b = role.shape, cluster.profile, batch.dtype_bytes
@@ -306,9 +316,18 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     # each rank's 1/cp chunk of the micro-batch; experts (ep): each token's routed copies out and their outputs back.
     # A rank runs a 1/cp chunk of each of its cp group's micro-batches: cp chunks per micro-batch of its own.
     exchanges = (3 if recomputes else 2) if train else 1
-    width = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim / tp * b
-    chunk = cluster.all_to_all(tokens / layout.cp * width, layout.cp, extent=layout.cp * tp)
-    context_parallel = layers * exchanges * layout.cp * chunk
+    if ring_context_parallel(shape, layout):
+        # Ring (cp_attention=auto where cp does not split the heads): each chunk's keys and values pass every other
+        # rank once per forward, and with their gradients (twice the bytes) in the backward.
+        kv_width = 2 * shape.kv_heads * shape.head_dim / tp * b
+        passes_around = (exchanges + 1 if train else 1) * cluster.all_gather(
+            tokens * kv_width, layout.cp, extent=layout.cp * tp
+        )
+        context_parallel = layers * layout.cp * passes_around
+    else:
+        width = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim / tp * b
+        chunk = cluster.all_to_all(tokens / layout.cp * width, layout.cp, extent=layout.cp * tp)
+        context_parallel = layers * exchanges * layout.cp * chunk
     routed = tokens * shape.experts_per_token * shape.hidden * b
     expert_parallel = (
         shape.moe_layers / pp * exchanges * 2 * cluster.all_to_all(routed, layout.ep, extent=layout.ep * tp)

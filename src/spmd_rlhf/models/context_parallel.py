@@ -1,4 +1,7 @@
-"""Context parallelism, Ulysses style: a packed row's tokens split over the ``cp`` ranks of a group, each rank
+"""Context parallelism: ``<role>.cp_attention`` picks how attention reads the whole row, Ulysses (below) or ring
+(``models.ring_attention``: zig-zag chunks, any degree); ``auto`` takes Ulysses where ``cp`` splits the heads.
+
+Ulysses: a packed row's tokens split over the ``cp`` ranks of a group, each rank
 holding one contiguous chunk; attention alone needs every token, so around it an all-to-all trades the sequence split
 for a head split.
 
@@ -25,6 +28,10 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from spmd_rlhf.models.attention import AttentionBatch, attend
+from spmd_rlhf.models.ring_attention import ring_attend
+
+CP_ATTENTION = ("auto", "ulysses", "ring")
+"""``<role>.cp_attention``'s values."""
 
 
 def replicated_kv_heads(kv_heads: int, cp: int) -> int:
@@ -32,21 +39,48 @@ def replicated_kv_heads(kv_heads: int, cp: int) -> int:
     return math.lcm(kv_heads, cp)
 
 
+def resolve_cp_attention(setting: str, *, heads: int, kv_heads: int, cp: int, role: str = "model") -> str:
+    """``ulysses`` or ``ring`` for ``<role>.cp_attention`` = ``setting`` with ``heads`` / ``kv_heads`` per rank (after
+    TP): ``auto`` takes Ulysses where it can split the heads, else ring; ``ulysses`` that cannot is a one-line error
+    naming ``<role>.cp`` and the way out."""
+    if setting not in CP_ATTENTION:
+        raise ValueError(f"{role}.cp_attention={setting!r} is unknown; choose one of {', '.join(CP_ATTENTION)}")
+    if setting == "ring":
+        return "ring"
+    try:
+        check_ulysses(heads=heads, kv_heads=kv_heads, cp=cp, tokens=cp, key=f"{role}.cp")
+    except ValueError as error:
+        if setting == "auto":
+            return "ring"
+        raise ValueError(f"{error} (or set {role}.cp_attention=ring)") from None
+    return "ulysses"
+
+
 def apply_context_parallel(
-    model: torch.nn.Module, group: dist.ProcessGroup, *, tp: int = 1, role: str = "model"
-) -> None:
-    """Every attention layer of ``model`` attends over the whole packed row from this rank's chunk of it
-    (``ulysses_attend`` over ``group``), after checking that ``group``'s size splits this rank's ``heads / tp`` query
-    heads (errors name ``<role>.cp``)."""
+    model: torch.nn.Module, group: dist.ProcessGroup, *, tp: int = 1, role: str = "model", attention: str = "auto"
+) -> str:
+    """Every attention layer of ``model`` attends over the whole packed row from this rank's chunk of it, by
+    ``ulysses_attend`` or ``ring_attend`` over ``group`` (``resolve_cp_attention`` of ``attention`` with this rank's
+    ``heads / tp``); returns which, also kept as ``model.context_parallel`` (the caller lays chunks out by it:
+    contiguous for Ulysses, zig-zag for ring)."""
     args, cp = model.args, dist.get_world_size(group)
-    check_ulysses(heads=args.num_heads // tp, kv_heads=args.num_kv_heads // tp, cp=cp, tokens=cp, key=f"{role}.cp")
+    chosen = resolve_cp_attention(
+        attention, heads=args.num_heads // tp, kv_heads=args.num_kv_heads // tp, cp=cp, role=role
+    )
+    attend_over_the_row = _ring_over_the_row if chosen == "ring" else _ulysses_over_the_row
     for module in model.modules():
         if hasattr(module, "attend") and hasattr(module, "q_proj"):
-            module.attend = functools.partial(_attend_over_the_row, group=group)
+            module.attend = functools.partial(attend_over_the_row, group=group)
+    model.context_parallel = chosen
+    return chosen
 
 
-def _attend_over_the_row(q, k, v, batch: AttentionBatch, *, scale: float, group, layer_index=None) -> torch.Tensor:
+def _ulysses_over_the_row(q, k, v, batch: AttentionBatch, *, scale: float, group, layer_index=None) -> torch.Tensor:
     return ulysses_attend(q, k, v, batch, scale=scale, group=group)
+
+
+def _ring_over_the_row(q, k, v, batch: AttentionBatch, *, scale: float, group, layer_index=None) -> torch.Tensor:
+    return ring_attend(q, k, v, batch, scale=scale, group=group)
 
 
 def check_ulysses(*, heads: int, kv_heads: int, cp: int, tokens: int, key: str = "cp") -> None:

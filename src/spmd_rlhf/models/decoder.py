@@ -197,6 +197,8 @@ class DecoderLM(nn.Module):
         if head not in HEADS:
             raise ValueError(f"head={head!r} is unknown; choose one of {', '.join(HEADS)}")
         self.args, self.head, self.attention_backend = args, head, attention_backend
+        self.context_parallel: str | None = None
+        """``ulysses`` or ``ring`` once ``models.context_parallel.apply_context_parallel`` has installed it."""
         self.model = Backbone(args)
         if head == "lm":
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -246,6 +248,10 @@ class DecoderLM(nn.Module):
             cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
+        if row_length is not None and self.context_parallel == "ring":
+            # Ring attention reads only the row's offsets: no whole-row mask, which would be [T, T].
+            batch = AttentionBatch(cu_seqlens=cu_seqlens.to(input_ids.device), max_seqlen=max_seqlen or 0)
+            return self.model(input_ids, position_ids, batch)
         batch = AttentionBatch.build(
             batch_size=input_ids.shape[0],
             seq_len=row_length or input_ids.shape[1],

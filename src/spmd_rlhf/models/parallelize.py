@@ -270,6 +270,7 @@ def parallelize(
     efsdp_mesh: DeviceMesh | None = None,
     ep_tp_mesh: DeviceMesh | None = None,
     cp_group: torch.distributed.ProcessGroup | None = None,
+    cp_attention: str = "auto",
     mp_policy: MixedPrecisionPolicy | None = None,
     gather_logits: bool = False,
     activation_checkpointing: bool = False,
@@ -282,8 +283,9 @@ def parallelize(
 ) -> LoRAAdapters | None:
     """Apply TP over ``tp_mesh`` (skipped when None or of size 1), expert parallelism over ``ep_mesh`` (skipped
     when None or of size 1: ``shard_experts``; with both, the experts split over ``ep_tp_mesh``, the ``(ep, tp)``
-    slice of the role's mesh), context parallelism's attention over ``cp_group`` (``apply_context_parallel``; the
-    caller feeds each rank its chunk of a row: ``training.context_parallel``), LoRA adapters split like their layers
+    slice of the role's mesh), context parallelism's attention over ``cp_group`` (``apply_context_parallel``, Ulysses
+    or ring by ``cp_attention``; the caller feeds each rank its chunk of a row: ``training.context_parallel``), LoRA
+    adapters split like their layers
     when ``lora`` is on (returned; None otherwise), activation checkpointing and ``torch.compile`` of each decoder
     layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None), the experts' shares over
     ``efsdp_mesh`` (``dp = efsdp x ep``, one root mesh: ``ParallelDims.build_mesh``); ``offload``: FSDP2's
@@ -313,7 +315,9 @@ def parallelize(
     elif expert_parallel or tensor_parallel:
         shard_experts(model, ep_mesh if expert_parallel else tp_mesh, split=("ep",) if expert_parallel else ("tp",))
     if cp_group is not None:
-        apply_context_parallel(model, cp_group, tp=tp_mesh.size() if tensor_parallel else 1, role=role)
+        apply_context_parallel(
+            model, cp_group, tp=tp_mesh.size() if tensor_parallel else 1, role=role, attention=cp_attention
+        )
     adapters = apply_lora(model, lora, tp_mesh=tp_mesh) if lora is not None and lora.enabled else None
     flash = model.attention_backend == "flash"
     for layer in model.model.layers.values():

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional
 import torch.nn.functional as F
 
+from spmd_rlhf.models.ring_attention import zigzag_positions
 from spmd_rlhf.parallel_dims import ParallelDims
 from spmd_rlhf.training.packing import PackedRows
 
@@ -51,11 +52,14 @@ class ContextRow:
     reads: torch.Tensor
     """``[outputs]`` the row positions the head reads, ascending: response positions, or each sequence's last token."""
     padding_tokens: int
+    zigzag: bool = False
+    """Ring attention's layout: the row cut into ``2 cp`` chunks, rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r``
+    (``models.ring_attention.zigzag_positions``); else one contiguous chunk per rank (Ulysses)."""
 
     @classmethod
-    def of(cls, micro: PackedRows, *, cp: int, per_token: bool) -> ContextRow:
+    def of(cls, micro: PackedRows, *, cp: int, per_token: bool, zigzag: bool = False) -> ContextRow:
         total = micro.total_tokens
-        padding = -total % cp
+        padding = -total % (2 * cp if zigzag else cp)
         input_ids, position_ids = micro.input_ids[0], micro.position_ids[0]
         cu_seqlens = micro.cu_seqlens
         reads = micro.output_positions if per_token else cu_seqlens[1:].long() - 1
@@ -63,20 +67,33 @@ class ContextRow:
             input_ids = F.pad(input_ids, (0, padding))
             position_ids = torch.cat([position_ids, torch.arange(padding, dtype=position_ids.dtype)])
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([total + padding])])
-        return cls(input_ids, position_ids, cu_seqlens, max(micro.max_seqlen, padding), reads.long(), padding)
+        return cls(input_ids, position_ids, cu_seqlens, max(micro.max_seqlen, padding), reads.long(), padding, zigzag)
+
+    def positions(self, rank: int, cp: int) -> torch.Tensor:
+        """The row positions of rank ``rank``'s chunk ``[T / cp]``, in its order."""
+        tokens = len(self.input_ids)
+        if self.zigzag:
+            return zigzag_positions(rank, cp, tokens)
+        return torch.arange(rank * tokens // cp, (rank + 1) * tokens // cp)
 
     def chunk(self, rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rank ``rank``'s token ids and positions ``[T / cp]`` and, relative to its chunk, the positions it holds of
-        those the head reads."""
-        size = len(self.input_ids) // cp
-        start = rank * size
-        held = self.reads[(self.reads >= start) & (self.reads < start + size)] - start
-        return self.input_ids[start : start + size], self.position_ids[start : start + size], held
+        those the head reads (in its chunk's order)."""
+        positions = self.positions(rank, cp)
+        held = torch.isin(positions, self.reads).nonzero().flatten()
+        return self.input_ids[positions], self.position_ids[positions], held
 
     def read_counts(self, cp: int) -> list[int]:
         """How many of the head's positions each rank's chunk holds."""
-        size = len(self.input_ids) // cp
-        return torch.bincount(self.reads // size, minlength=cp).tolist()
+        return [int(torch.isin(self.positions(rank, cp), self.reads).sum()) for rank in range(cp)]
+
+    def read_order(self, cp: int) -> torch.Tensor | None:
+        """Where each of the head's positions, in row order, lies among the rows ``gather_rows`` lays end to end in
+        rank order (each rank's in its chunk's order); None when that is already row order (contiguous chunks)."""
+        if not self.zigzag:
+            return None
+        held = [self.positions(rank, cp) for rank in range(cp)]
+        return torch.argsort(torch.cat([positions[torch.isin(positions, self.reads)] for positions in held]))
 
 
 def exchange_rows(rows: list[ContextRow], group: dist.ProcessGroup) -> list[list[ContextRow]]:
@@ -145,6 +162,9 @@ def context_parallel_step(
         row_length=len(row.input_ids),
     )
     gathered = gather_rows(hidden[0].index_select(0, held.to(device)), row.read_counts(cp), group)
+    order = row.read_order(cp)
+    if order is not None:  # zig-zag chunks gather out of row order
+        gathered = gathered.index_select(0, order.to(device))
     if micro is None:
         # The head on no rows: FSDP's collectives around it run on every rank, and in training every parameter gets a
         # (zero) gradient, so FSDP reduces the same tensors everywhere.

@@ -130,6 +130,7 @@ class ShardedModel:
             efsdp_mesh=experts["efsdp"] if experts is not None else None,
             ep_tp_mesh=experts["ep", "tp"] if experts is not None and dims.tp > 1 else None,
             cp_group=self.cp_group,
+            cp_attention=role_config.cp_attention,
             mp_policy=policy,
             role=name,
             lora=self.lora,
@@ -270,7 +271,8 @@ class ShardedModel:
         if self.cp_group is not None:
             cp = self.context.dims.cp
             steps = schedule(len(micros), cp)
-            mine = [ContextRow.of(micro, cp=cp, per_token=per_token) for micro in micros]
+            zigzag = self.module.context_parallel == "ring"
+            mine = [ContextRow.of(micro, cp=cp, per_token=per_token, zigzag=zigzag) for micro in micros]
             self.context_padding_tokens += sum(row.padding_tokens for row in mine)
             rows = exchange_rows(mine, self.cp_group)
         accumulate = train and self.accumulate_unsharded and len(steps) > 1

@@ -1,9 +1,10 @@
 """Every role under context parallelism on the same ranks, against one rank: layouts ``dp{dp}cp{cp}tp{tp}`` such as
 dp2cp2tp1, dp4cp4tp1 (grouped-query attention: 2 key/value heads replicated to 4), dp4cp2tp1 (two cp groups) and
-dp2cp2tp2 (with tensor parallelism). Each layout computes the actor's log-probs and every parameter's gradient of
-their sum, the critic's values and the reward model's scores, then takes two actor updates (KL and entropy terms) and
-one critic update, and saves the actor's updated weights. Last, an actor at dp2cp2tp1 whose micro-batch token budget (6)
-holds only half of the longest row (11 tokens) takes the same two updates.
+dp2cp2tp2 (with tensor parallelism); a ``ring`` suffix (dp4cp4tp1ring, dp2cp2tp2ring) sets every role's
+``cp_attention=ring`` (zig-zag chunks, keys and values around the ring). Each layout computes the actor's log-probs
+and every parameter's gradient of their sum, the critic's values and the reward model's scores, then takes two actor
+updates (KL and entropy terms) and one critic update, and saves the actor's updated weights. Last, an actor at
+dp2cp2tp1 whose micro-batch token budget (6) holds only half of the longest row (11 tokens) takes the same two updates.
 
     torchrun --nproc-per-node 4 context_parallel_parity.py POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1cp1tp1 ...
 """
@@ -48,10 +49,12 @@ def main(coordinator):
         f"reward.model_path={reward_dir}",
         "reward.micro_batch_size=2",
     ]
-    config = load_config(None, overrides)
     batch = with_value_targets(rollout_batch(16, 5, 6, vocab=100))
     for layout in layouts:
-        dp, cp, tp = (int(size) for size in re.fullmatch(r"dp(\d+)cp(\d+)tp(\d+)", layout).groups())
+        dp, cp, tp, ring = re.fullmatch(r"dp(\d+)cp(\d+)tp(\d+)(ring)?", layout).groups()
+        dp, cp, tp = int(dp), int(cp), int(tp)
+        attention = [f"{role}.cp_attention=ring" for role in ("actor", "critic", "reward")] if ring else []
+        config = load_config(None, [*overrides, *attention])
         pool, dims = ResourcePool(range(dp * tp)), ParallelDims(dp=dp, tp=tp, cp=cp)
         actor = coordinator.spawn(GradientActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
         critic = coordinator.spawn(CriticWorker, config, name=f"critic_{layout}", pool=pool, dims=dims)
