@@ -267,9 +267,8 @@ def main() -> None:
         "--compile-layers",
         choices=("auto", "on", "off"),
         default="auto",
-        help="rollout.compile (default auto, the config's): blocks compiled around attention where graphs are captured; "
-        "the model is "
-        "shared, so G1's eager engine runs the compiled blocks too",
+        help="rollout.compile (default auto, the config's): blocks compiled around attention where graphs are "
+        "captured; the model is shared, so G1's eager engine runs the compiled blocks too",
     )
     parser.add_argument(
         "--profile", help="write a profile of one more batch-1 decode run (G1, default engine) to this file"

@@ -32,7 +32,7 @@ from gpu_common import (
 )
 
 from spmd_rlhf.kernels.fused_logprob import fused_log_probs_and_entropy
-from spmd_rlhf.kernels.paged_attention import paged_decode_attention
+from spmd_rlhf.kernels.paged_attention import _processors, decode_splits, paged_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
 
@@ -63,8 +63,8 @@ def peak_bytes_above(function, device: str) -> int | None:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
-    device, seqs, context = args.device, args.decode_seqs, args.context
+def decode_inputs(device: str, seqs: int, context: int, dtype: torch.dtype) -> tuple:
+    """q, both caches, block tables and context lengths of ``seqs`` sequences of ``context`` cached tokens."""
     blocks_per_seq = -(-context // BLOCK_SIZE)
     generator = torch.Generator(device=device).manual_seed(0)
     key_cache, value_cache = (
@@ -78,6 +78,12 @@ def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     block_tables = block_tables.to(torch.int32)
     context_lens = torch.full((seqs,), context, device=device, dtype=torch.int32)
     q = torch.randn(seqs, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=generator)
+    return q, key_cache, value_cache, block_tables, context_lens
+
+
+def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    device, seqs, context = args.device, args.decode_seqs, args.context
+    q, key_cache, value_cache, block_tables, context_lens = decode_inputs(device, seqs, context, dtype)
     scale = HEAD_DIM**-0.5
 
     def run(backend: str):
@@ -105,7 +111,32 @@ def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
         "copy_bytes_per_s": bandwidth,
         "floor_s": floor_s,
         "kernel_over_floor": kernel_s / floor_s,
+        "batch1_split_k": measure_split_k(args, dtype),
     }
+
+
+def measure_split_k(args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    """Batch-1 decode attention (one sequence: as many programs as KV heads without split-K) at a short and a long
+    context: the kernel with its split-K choice against one program per KV head (session 38's H100 profile: 9.3 us
+    per layer at 256 tokens with one)."""
+    results = {}
+    for context in (40,) if args.smoke else (256, 4096):
+        q, key_cache, value_cache, block_tables, context_lens = decode_inputs(args.device, 1, context, dtype)
+
+        def run(splits):
+            return lambda: paged_decode_attention(
+                q, key_cache, value_cache, block_tables, context_lens, scale=HEAD_DIM**-0.5, splits=splits
+            )
+
+        split_s, single_s = (best_seconds(run(splits), args.device, args.repeats) for splits in (None, 1))
+        chosen = decode_splits(KV_HEADS, block_tables.shape[1] * BLOCK_SIZE, _processors(torch.device(args.device)))
+        results[str(context)] = {
+            "splits": chosen,
+            "split_s": split_s,
+            "one_split_s": single_s,
+            "speedup": single_s / split_s,
+        }
+    return results
 
 
 def measure_fused_logprob(args: argparse.Namespace, dtype: torch.dtype) -> dict:

@@ -23,17 +23,16 @@ call cut short still returns what it measured. ``model`` builds the random-init 
 | ``g5`` | the reshard train -> generation against the device-copy bound for the same bytes | 60 s |
 
 Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_eager_blocks`` (G1 with eager blocks,
-``rollout.compile=off``: what compiling around attention gains; 29 % against 45 % of the floor on an H100), ``scale`` (per-stage ``max_memory_allocated``
-against the floor, GRPO at the 1.5B shape on one rank: two minutes, which the plain call no longer has on an H100
-since G3 compiles and G4 ran 172 s), ``cuda_tests_full`` (every test marked ``gpu``),
+``rollout.compile=off``: what compiling around attention gains; 29 % against 45 % of the floor on an H100), ``scale``
+(per-stage ``max_memory_allocated`` against the floor, GRPO at the 1.5B shape on one rank: two minutes, which the plain
+call no longer has on an H100 since G3 compiles and G4 ran 172 s), ``cuda_tests_full`` (every test marked ``gpu``),
 ``g2_static`` (G2 against the compiled static cache: a compile of minutes) and ``two_process`` (the GRPO recipe as a
-two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPUs, or CPU under ``--smoke``) and
-``moe`` (``moe_layer.py``: an MoE layer's grouped GEMMs against its expert loop at Qwen3-30B-A3B's widths, bf16),
-``g3_rows`` (G3 with micro-batches of 2 rows, ``--token-budget null``, instead of the default token budget derived
-from the free memory), ``g3_eager``
-(G3 with eager blocks, ``--compile off``: what compiling gains), ``g3_selective`` (G3 with selective activation
-checkpointing: what recomputing the elementwise work costs), ``g3_offload`` (G3 with the activations in host memory,
-``model.activation_offload``: what the PCIe copies cost).
+two-process torchrun job; NCCL refuses two ranks on one GPU, so it needs two GPUs, or CPU under ``--smoke``) and ``moe``
+(``moe_layer.py``: an MoE layer's grouped GEMMs against its expert loop at Qwen3-30B-A3B's widths, bf16), ``g3_rows``
+(G3 with micro-batches of 2 rows, ``--token-budget null``, instead of the default token budget derived from the free
+memory), ``g3_eager`` (G3 with eager blocks, ``--compile off``: what compiling gains), ``g3_selective`` (G3 with
+selective activation checkpointing: what recomputing the elementwise work costs), ``g3_offload`` (G3 with the
+activations in host memory, ``model.activation_offload``: what the PCIe copies cost).
 
 Writes ``<out>/gpu_suite_<device>[_smoke].json``: the versions found, every step's status, time, headline figures and
 its full JSON, and prints a table.
@@ -200,6 +199,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             {
                 "paged_decode_speedup": "paged_decode.speedup",
                 "paged_over_floor": "paged_decode.kernel_over_floor",
+                "paged_batch1_split_k_speedup": "paged_decode.batch1_split_k.0.speedup",
                 "fused_speedup": "fused_logprob.speedup",
                 "fused_peak_over_logits": "fused_logprob.kernel_peak_over_logits",
             },

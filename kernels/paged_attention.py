@@ -7,6 +7,15 @@ that share that KV head (GQA), so each cached key and value is loaded once per s
 ``BLOCK_TOKENS`` tokens with an online softmax (running max and sum, float32 accumulator), so its memory does not grow
 with the context length.
 
+Split-K: with few (sequence, KV head) pairs (batch-1 decode has one per KV head: two programs on a GPU of 132
+multiprocessors) one program's walk over the context is a chain of dependent loads, its latency the kernel's time
+(9.3 us per layer for a 256-token context on an H100, session 38, where the KV read needs well under one). There the
+context is split over ``splits`` programs per pair (``decode_splits``: as many as fill the GPU, at most one per tile of
+the longest context the block table can hold, so the choice is fixed for a captured graph), each writing its
+unnormalised float32 output, running max and sum, and a second kernel combines them. Each split's share is computed
+on the device from the sequence's own length, so short contexts leave the trailing splits empty (they write nothing
+to combine) rather than unbalanced.
+
 Layouts are the engine's (``spmd_rlhf.models.paged_kv.PagedKV``): one layer's cache is
 ``[num_blocks, block_size, kv_heads, head_dim]``, token ``t`` of sequence ``s`` lives in block
 ``block_tables[s, t // block_size]`` at offset ``t % block_size``, and query head ``h`` reads KV head
@@ -15,6 +24,7 @@ Layouts are the engine's (``spmd_rlhf.models.paged_kv.PagedKV``): one layer's ca
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -25,6 +35,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 BLOCK_TOKENS = 64
 """Context tokens per tile: enough to keep the tensor-core dots busy, few enough for the tile to stay in registers."""
+
+MAX_SPLITS = 32
+"""Most programs one (sequence, KV head) pair is split over: the combine reads every split's partial output."""
 
 MIN_DOT_SIZE = 16
 """``tl.dot`` needs every matrix dimension to be at least 16, so query-head groups and head dims are padded to it."""
@@ -102,6 +115,24 @@ def _check_inputs(
             raise ValueError(f"{name} must be contiguous in head_dim (stride 1), got strides {tensor.stride()}")
 
 
+def decode_splits(pairs: int, max_tokens: int, processors: int) -> int:
+    """Programs per (sequence, KV head) pair: 1 when the ``pairs`` fill the ``processors``, else enough to fill them,
+    at most one per ``BLOCK_TOKENS`` tile of ``max_tokens`` (the block table's capacity) and ``MAX_SPLITS``."""
+    if pairs >= processors:
+        return 1
+    tiles = -(-max_tokens // BLOCK_TOKENS)
+    return max(1, min(processors // max(pairs, 1), tiles, MAX_SPLITS))
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    """The device's multiprocessor count (CUDA), or 8 under the CPU interpreter; asked once per device (every layer
+    of every eager decode step calls the kernel)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -111,6 +142,7 @@ def paged_decode_attention(
     *,
     scale: float,
     backend: str = "auto",
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its cached context; returns ``[num_seqs, heads, head_dim]``.
 
@@ -118,7 +150,8 @@ def paged_decode_attention(
     ``[num_blocks, block_size, kv_heads, head_dim]`` (same dtype as ``q``: float16, bfloat16 or float32);
     ``block_tables`` int32 ``[num_seqs, max_blocks]``; ``context_lens`` int32 ``[num_seqs]``, each at most
     ``max_blocks * block_size`` (not checked: that would wait for the device). ``backend``: ``auto`` (the Triton kernel
-    on CUDA when triton is installed, else the torch reference), ``triton`` or ``torch``.
+    on CUDA when triton is installed, else the torch reference), ``triton`` or ``torch``. ``splits``: programs per
+    (sequence, KV head) pair (split-K, see the module docstring); None: ``decode_splits`` for this device.
     """
     _check_inputs(q, key_cache, value_cache, block_tables, context_lens)
     if not use_triton(q.device, backend):
@@ -129,9 +162,21 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     group = heads // kv_heads
+    group_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(group))
+    head_dim_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
+    if splits is None:
+        splits = decode_splits(num_seqs * kv_heads, block_tables.shape[1] * block_size, _processors(q.device))
+    # Split-K's partial results, float32 and padded like the kernel's tiles (unused and tiny when splits is 1).
+    partial_shape = (num_seqs, kv_heads, splits, group_pad) if splits > 1 else (1, 1, 1, 1)
+    partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty_like(partial_max)
+    partial_out = torch.empty((*partial_shape, head_dim_pad if splits > 1 else 1), dtype=torch.float32, device=q.device)
     with launch_device(q.device):
-        _paged_decode_kernel[(num_seqs, kv_heads)](
+        _paged_decode_kernel[(num_seqs, kv_heads, splits)](
             out,
+            partial_out,
+            partial_max,
+            partial_sum,
             q,
             key_cache,
             value_cache,
@@ -152,13 +197,28 @@ def paged_decode_attention(
             block_tables.stride(1),
             block_size,
             GROUP=group,
-            GROUP_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(group)),
+            GROUP_PAD=group_pad,
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim)),
+            HEAD_DIM_PAD=head_dim_pad,
             BLOCK_TOKENS=BLOCK_TOKENS,
+            SPLITS=splits,
             # float32 caches get full-precision dots; TF32 would cost about three decimal digits.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
+        if splits > 1:
+            _combine_splits_kernel[(num_seqs, kv_heads)](
+                out,
+                partial_out,
+                partial_max,
+                partial_sum,
+                out.stride(0),
+                out.stride(1),
+                GROUP=group,
+                GROUP_PAD=group_pad,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                SPLITS=splits,
+            )
     return out
 
 
@@ -167,6 +227,9 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
         out_ptr,
+        partial_out_ptr,
+        partial_max_ptr,
+        partial_sum_ptr,
         q_ptr,
         key_cache_ptr,
         value_cache_ptr,
@@ -191,11 +254,17 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr,
+        SPLITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         context_len = tl.load(context_lens_ptr + seq)
+        # This program's share of the context: whole tiles, the same count for every split of the sequence.
+        share = tl.cdiv(tl.cdiv(context_len, SPLITS), BLOCK_TOKENS) * BLOCK_TOKENS
+        first = split * share
+        end = tl.minimum(context_len, first + share)
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM_PAD)
         heads = kv_head * GROUP + group
@@ -207,9 +276,9 @@ if triton is not None:
         running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         running_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        for start in range(0, context_len, BLOCK_TOKENS):
+        for start in range(first, end, BLOCK_TOKENS):
             tokens = start + tl.arange(0, BLOCK_TOKENS)
-            token_mask = tokens < context_len
+            token_mask = tokens < end
             blocks = tl.load(
                 block_tables_ptr + seq * stride_table_seq + (tokens // block_size) * stride_table_block,
                 mask=token_mask,
@@ -231,7 +300,56 @@ if triton is not None:
             acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
             running_max = new_max
 
-        # An empty context (a padding row) leaves running_sum at 0: write zeros, not 0 / 0.
-        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+        if SPLITS == 1:
+            # An empty context (a padding row) leaves running_sum at 0: write zeros, not 0 / 0.
+            out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+            out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            # Partial results [seq, kv_head, split, GROUP_PAD(, HEAD_DIM_PAD)], contiguous; an empty share writes a
+            # max of -inf and a sum of 0, which the combine weighs by 0.
+            slot = (seq * tl.num_programs(1) + kv_head) * SPLITS + split
+            tl.store(partial_max_ptr + slot * GROUP_PAD + group, running_max)
+            tl.store(partial_sum_ptr + slot * GROUP_PAD + group, running_sum)
+            tile = slot * GROUP_PAD * HEAD_DIM_PAD + group[:, None] * HEAD_DIM_PAD + dims[None, :]
+            tl.store(partial_out_ptr + tile, acc)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        out_ptr,
+        partial_out_ptr,
+        partial_max_ptr,
+        partial_sum_ptr,
+        stride_out_seq,
+        stride_out_head,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        """One (sequence, KV head) pair's splits into its output: each split's sum and output weighed by
+        ``exp2(its max - the overall max)`` (log2 units, as the scores)."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        first_slot = (seq * tl.num_programs(1) + kv_head) * SPLITS
+        overall = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        for split in range(SPLITS):
+            overall = tl.maximum(overall, tl.load(partial_max_ptr + (first_slot + split) * GROUP_PAD + group))
+        # A pair with no context at all keeps -inf everywhere: weigh by exp2(-inf - 0) = 0 and write zeros.
+        safe = tl.where(overall == float("-inf"), 0.0, overall)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        for split in range(SPLITS):
+            slot = first_slot + split
+            weight = tl.exp2(tl.load(partial_max_ptr + slot * GROUP_PAD + group) - safe)
+            total += weight * tl.load(partial_sum_ptr + slot * GROUP_PAD + group)
+            tile = slot * GROUP_PAD * HEAD_DIM_PAD + group[:, None] * HEAD_DIM_PAD + dims[None, :]
+            acc += weight[:, None] * tl.load(partial_out_ptr + tile)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        heads = kv_head * GROUP + group
+        q_mask = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
         out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -55,6 +55,8 @@ class PagedCase:
     context_lens: tuple[int, ...]
     strided_q: bool = False
     """q a view with a padded head stride, as a slice of a wider projection would be."""
+    splits: int | None = None
+    """Split-K programs per (sequence, KV head) pair; None: the wrapper's choice for the device."""
 
 
 def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, backend: str) -> float:
@@ -80,7 +82,9 @@ def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, back
     block_tables = block_tables.to(device)
     scale = case.head_dim**-0.5
 
-    out = paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend=backend)
+    out = paged_decode_attention(
+        q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend=backend, splits=case.splits
+    )
     expected = reference_paged_decode_attention(
         q.double(), key_cache.double(), value_cache.double(), block_tables, context_lens, scale=scale
     )
@@ -157,9 +161,13 @@ PAGED_INTERPRETER_CASES = [
     PagedCase(heads=8, kv_heads=2, head_dim=16, block_size=4, context_lens=(1, 37, 130)),
     PagedCase(heads=6, kv_heads=2, head_dim=24, block_size=5, context_lens=(0, 9, 70), strided_q=True),
     PagedCase(heads=4, kv_heads=4, head_dim=32, block_size=16, context_lens=(200, 3)),
+    PagedCase(heads=8, kv_heads=2, head_dim=16, block_size=4, context_lens=(1, 37, 300), splits=3),
+    PagedCase(heads=6, kv_heads=2, head_dim=24, block_size=5, context_lens=(0, 9, 70), strided_q=True, splits=4),
 ]
 """Small shapes covering several context tiles, padded GQA groups and head dims, block sizes that are not powers of
-two, an empty context, plain multi-head attention and a strided ``q``."""
+two, an empty context, plain multi-head attention and a strided ``q``; split-K over 3 and 4 programs per pair, with
+splits left empty by short and empty contexts (the first three take the wrapper's choice: one program per pair, the
+interpreter's device counting 8 multiprocessors)."""
 
 PAGED_INTERPRETER_DTYPES = (torch.float32, torch.float16)
 """Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as raw integers, so bfloat16 is checked on CUDA only."""

@@ -18,7 +18,12 @@ from kernel_checks import (
 )
 
 import spmd_rlhf.models.attention as attention
-from spmd_rlhf.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
+from spmd_rlhf.kernels.paged_attention import (
+    MAX_SPLITS,
+    decode_splits,
+    paged_decode_attention,
+    reference_paged_decode_attention,
+)
 from spmd_rlhf.kernels.triton_support import triton_available
 from spmd_rlhf.models.attention import AttentionBatch, attend
 from spmd_rlhf.models.paged_kv import PagedKV
@@ -159,6 +164,16 @@ def _inputs(**overrides):
 def test_bad_inputs_are_named(overrides, message):
     with pytest.raises(ValueError, match=message):
         paged_decode_attention(**_inputs(**overrides), scale=1.0)
+
+
+def test_split_k_fills_the_gpu_only_where_few_pairs_would_leave_it_idle():
+    """Batch-1 decode of a 2-KV-head model on 132 multiprocessors: one program per 64-token tile of the block table's
+    capacity, at most MAX_SPLITS; 64 pairs get 2 each; from 132 pairs on, one."""
+    assert decode_splits(2, 256, 132) == 4  # a 256-token table: 4 tiles
+    assert decode_splits(2, 32_768, 132) == MAX_SPLITS
+    assert decode_splits(64, 32_768, 132) == 2  # 132 // 64
+    assert decode_splits(132, 32_768, 132) == decode_splits(512, 32_768, 132) == 1
+    assert decode_splits(2, 0, 132) == 1
 
 
 @pytest.mark.skipif(interpreter_unusable_reason() is not None, reason=str(interpreter_unusable_reason()))
