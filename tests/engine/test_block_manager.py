@@ -60,15 +60,14 @@ def test_allocation_counts_blocks_and_append_needs_a_block_at_boundaries():
     assert manager.try_allocate(seq)
     assert len(seq.block_table) == 2 and manager.num_free_blocks == 1
     seq.append(9, -0.1, -0.1)  # 4 tokens: still two blocks
-    assert manager.can_append(seq)
-    manager.may_append(seq)
+    assert manager.append_slot(seq)
     assert len(seq.block_table) == 2
     seq.append(9, -0.1, -0.1)  # 5 tokens: the fifth starts a third block
-    manager.may_append(seq)
+    assert manager.append_slot(seq)
     assert len(seq.block_table) == 3 and manager.num_free_blocks == 0
     seq.append(9, -0.1, -0.1)
     seq.append(9, -0.1, -0.1)  # 7 tokens: a fourth block is needed and none is free
-    assert not manager.can_append(seq)
+    assert not manager.append_slot(seq) and len(seq.block_table) == 3
 
 
 def test_sequence_stops_on_eos_stop_ids_and_length():

@@ -37,7 +37,7 @@ def test_prefill_and_decode_logits_equal_a_full_forward(model):
     for step in range(3):
         for seq in seqs:
             seq.append(20 + step, 0.0, 0.0)
-            manager.may_append(seq)
+            assert manager.append_slot(seq)
         torch.testing.assert_close(runner.run(seqs, is_prefill=False), expected_last_logits(), atol=1e-5, rtol=0)
 
 

@@ -42,7 +42,7 @@ from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
 from spmd_rlhf.engine.sampler import derive_seed, read_samples
 from spmd_rlhf.engine.scheduler import Scheduler
-from spmd_rlhf.engine.sequence import SamplingParams, Sequence
+from spmd_rlhf.engine.sequence import FINISHED, SamplingParams, Sequence
 from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 
@@ -301,7 +301,7 @@ class LLMEngine:
                 batch,
                 is_prefill=is_prefill,
                 seeds=[run.seeds[seq.seq_id] for seq in batch],
-                positions=[seq.num_generated for seq in batch],
+                positions=[len(seq.token_ids) - seq.num_prompt_tokens for seq in batch],  # num_generated
             )
             if not (self.overlap_host and self.runner.ran_static_step):
                 assert in_flight is None, "a synchronous step follows a drained pipeline"
@@ -313,7 +313,7 @@ class LLMEngine:
                 self._finish_step(scheduler, *in_flight)  # step t, read while step t + 1 runs
             if not segment_done():  # once it is, step t + 1's tokens are past the segment: all dropped
                 for seq in batch:
-                    if not seq.is_finished:  # a sequence that ended at step t gets none: its row is dropped
+                    if seq.status is not FINISHED:  # a sequence that ended at step t gets none: its row is dropped
                         seq.reserve_token()
             in_flight = (batch, pending)
         if in_flight is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 
 from spmd_rlhf.engine.block_manager import BlockManager
-from spmd_rlhf.engine.sequence import Sequence, SequenceStatus
+from spmd_rlhf.engine.sequence import FINISHED, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -73,14 +73,13 @@ class Scheduler:
             if seq.awaits_last_token:
                 taken.append(seq)  # ends when its pending token is read: no step, no block for it
                 continue
-            while not self.block_manager.can_append(seq):
+            while not self.block_manager.append_slot(seq):
                 if self.running:
                     self._preempt(self.running.pop())
                 else:
                     self._preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
                 scheduled.append(seq)
                 taken.append(seq)
         self.running.extendleft(reversed(taken))
@@ -93,17 +92,19 @@ class Scheduler:
         before that token is read."""
         if self.waiting:
             return None
-        block_size = self.block_manager.block_size
+        block_size, most = self.block_manager.block_size, self.max_num_seqs
         rows = widest = new_blocks = 0
-        for seq in self.running:
-            if rows == self.max_num_seqs:
+        for seq in self.running:  # every step at every row: kept to plain arithmetic
+            if rows == most:
                 break
             if seq.awaits_last_token:
                 continue
             blocks = -(-len(seq.token_ids) // block_size)
             rows += 1
-            widest = max(widest, blocks)
-            new_blocks += len(seq.block_table) < blocks
+            if blocks > widest:
+                widest = blocks
+            if len(seq.block_table) < blocks:
+                new_blocks += 1
         return (rows, widest) if rows and new_blocks <= self.block_manager.num_free_blocks else None
 
     def _preempt(self, seq: Sequence) -> None:
@@ -132,12 +133,12 @@ class Scheduler:
         finished = []
         for seq, token_id, log_prob, sampling_log_prob in zip(seqs, token_ids, log_probs, sampling_log_probs):
             seq.append(token_id, log_prob, sampling_log_prob)
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 self.block_manager.deallocate(seq)
                 finished.append(seq)
         if finished:
             # One pass, not a deque.remove (O(running)) per finished sequence: O(n^2) when a whole batch ends at once.
-            remaining = [seq for seq in self.running if not seq.is_finished]
+            remaining = [seq for seq in self.running if seq.status is not FINISHED]
             self.running.clear()
             self.running.extend(remaining)
         return finished

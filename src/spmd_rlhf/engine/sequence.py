@@ -17,6 +17,10 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+FINISHED = SequenceStatus.FINISHED
+"""A module constant for the loops that test every row every step (an enum member's lookup costs more)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -122,10 +126,11 @@ class Sequence:
     def reserve_token(self) -> None:
         """Count the token a launched decode step is sampling for this sequence before the host reads it (the
         overlapped loop, ``llm_engine``): the next step's position, cache slot and block come from the length."""
-        assert not self.token_pending and not self.is_finished, f"sequence {self.seq_id} cannot take a pending token"
-        self.token_ids.append(PENDING_TOKEN)
+        assert not self.token_pending, f"sequence {self.seq_id} has a pending token already"
+        token_ids = self.token_ids
+        token_ids.append(PENDING_TOKEN)
         self.token_pending = True
-        self.awaits_last_token = self.num_generated >= self.params.max_new_tokens
+        self.awaits_last_token = len(token_ids) - self.num_prompt_tokens >= self.params.max_new_tokens
 
     def append(self, token_id: int, log_prob: float, sampling_log_prob: float) -> None:
         """Add a sampled token with its two log-probs (in place of the pending one, if reserved); finishes the
@@ -139,7 +144,7 @@ class Sequence:
         self.sampling_log_probs.append(sampling_log_prob)
         if token_id == self.eos_token_id or token_id in self.params.stop_token_ids:
             self.finish_reason = "stop"
-        elif self.num_generated >= self.params.max_new_tokens:
+        elif len(self.token_ids) - self.num_prompt_tokens >= self.params.max_new_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:
             self.status = SequenceStatus.FINISHED
