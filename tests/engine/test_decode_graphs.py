@@ -165,3 +165,18 @@ def test_kept_block_tables_and_inputs_equal_a_rebuild_at_every_step(model_path, 
     _, engine = _generate(model, "static", num_blocks=12, max_num_seqs=3)
     assert engine.num_preemptions > 0 and len(checked) == engine.stats.decode_steps
     assert all(seq.token_ids[position] == token for seq, position, token in inputs)
+
+
+def test_flash_attn_leaves_graphs_on_by_taking_small_blocks(model_path, monkeypatch):
+    """With flash-attn installed the default KV block was 256 (its paged kernel's), where graphs cannot run: with
+    graphs possible the engine now takes 16-token blocks (decode through the Triton kernel); without graphs, 256."""
+    from spmd_rlhf.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "resolve_backend", lambda *args, **kwargs: "flash")
+    model = load_model(model_path, dtype=torch.float32)
+    assert LLMEngine(model, eos_token_id=None, decode_graphs="off").block_size == 256
+    assert LLMEngine(model, eos_token_id=None).block_size == 256  # on CPU graphs are unsupported anyway
+    monkeypatch.setattr(llm_engine, "graphs_unsupported", lambda model, block_size: None)  # as on a GPU
+    assert LLMEngine(model, eos_token_id=None).block_size == 16
+    assert LLMEngine(model, eos_token_id=None, decode_graphs="off").block_size == 256
+    assert LLMEngine(model, eos_token_id=None, block_size=512).block_size == 512  # a block size given is kept

@@ -31,8 +31,9 @@ class RolloutConfig:
     tp: int = 1
     """Tensor-parallel degree while generating (tp_g); must divide actor.tp: the other actor.tp / tp become replicas."""
     kv_block_size: int | None = None
-    """Tokens per paged KV-cache block; null: 256 where generation runs flash-attn (CUDA, a 16-bit model.dtype and
-    flash-attn installed: its paged kernel needs a multiple of 256), else 16."""
+    """Tokens per paged KV-cache block; null: 16, or 256 where generation runs flash-attn (CUDA, a 16-bit model.dtype
+    and flash-attn installed: its paged kernel needs a multiple of 256) and decode steps are not captured into CUDA
+    graphs (with graphs, decode reads 16-token blocks through the capturable Triton kernel, prefill gathers them)."""
     memory_fraction: float = 0.5
     """Fraction of device memory generation may fill, resident weights included; the KV cache gets what is left."""
     kv_cache_blocks: int = 0

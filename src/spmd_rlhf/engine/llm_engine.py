@@ -43,7 +43,7 @@ from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
 from spmd_rlhf.engine.sampler import derive_seed, read_samples
 from spmd_rlhf.engine.scheduler import Scheduler
 from spmd_rlhf.engine.sequence import FINISHED, SamplingParams, Sequence
-from spmd_rlhf.models.attention import default_kv_block_size, resolve_backend
+from spmd_rlhf.models.attention import DEFAULT_KV_BLOCK_SIZE, default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 
 
@@ -117,6 +117,11 @@ class LLMEngine:
             block_size = default_kv_block_size(
                 resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype)
             )
+            if decode_graphs == "auto" and graphs_unsupported(model, block_size=DEFAULT_KV_BLOCK_SIZE) is None:
+                # flash-attn's paged kernel needs blocks of 256 and reads them from host integers each step, which a
+                # graph cannot replay: decode through the capturable Triton kernel on small blocks instead (prefill
+                # then gathers the cached blocks).
+                block_size = DEFAULT_KV_BLOCK_SIZE
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"block_size={block_size}, max_num_seqs={max_num_seqs} and max_num_batched_tokens="
