@@ -116,13 +116,18 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), 
 # ---- models ------------------------------------------------------------------------------------------------------
 
 
-def shape_fields(shape: str, *, layers: int | None = None, experts: int | None = None) -> dict[str, int | bool | None]:
+def shape_fields(
+    shape: str, *, layers: int | None = None, experts: int | None = None, vocab: int | None = None
+) -> dict[str, int | bool | None]:
     """``make_tiny``'s arguments for ``shape`` (``family`` among them: qwen2 unless the shape names another), with
     ``layers`` decoder layers instead of the shape's own if given (real widths and vocabulary, fewer layers: what
-    grows per layer and what per vocabulary row) and, for a mixture-of-experts shape, ``experts`` routed experts."""
+    grows per layer and what per vocabulary row), ``vocab`` vocabulary rows instead of its own, and, for a
+    mixture-of-experts shape, ``experts`` routed experts."""
     fields = {"family": "qwen2", **SHAPES[shape]}
     if layers is not None:
         fields["num_layers"] = layers
+    if vocab is not None:
+        fields["model_vocab_size"] = vocab
     if experts is not None:
         if "num_experts" not in fields:
             raise ValueError(f"--experts {experts}: the {shape} shape is dense; give a mixture-of-experts shape")
@@ -143,14 +148,20 @@ def _check_shape(model_dir: str, shape: str, fields: dict[str, int | bool | None
 
 @contextmanager
 def shaped_model(
-    shape: str, model_dir: str | None = None, *, seed: int = 0, layers: int | None = None, experts: int | None = None
+    shape: str,
+    model_dir: str | None = None,
+    *,
+    seed: int = 0,
+    layers: int | None = None,
+    experts: int | None = None,
+    vocab: int | None = None,
 ) -> Iterator[str]:
     """The directory of a random-init model of ``shape`` (``SHAPES``: qwen2 or the family it names, with ``layers``
     layers and ``experts`` experts if given; ``shape_fields``) with
     ``make_tiny``'s tokenizer: built in a temporary directory removed afterwards, or in ``model_dir`` and kept there
     (a directory that already holds a model of that shape is used as it is, so several benchmarks can share one
     build). ``make_tiny`` builds the whole model in float32 in host memory once: 4 bytes per parameter."""
-    fields = shape_fields(shape, layers=layers, experts=experts)
+    fields = shape_fields(shape, layers=layers, experts=experts, vocab=vocab)
     if model_dir is None:
         with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{shape}_") as scratch:
             yield make_tiny(out_dir=scratch, seed=seed, **fields)

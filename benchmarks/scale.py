@@ -6,6 +6,12 @@ the analytical floor of that stage (``benchmarks/scale_floor.py``) and their rat
     python benchmarks/scale.py --algo grpo --shape 7b --nproc 8 --prompts 4   # on 8 GPUs
     python benchmarks/scale.py --smoke                                   # tiny model, seconds: checks the script
     python benchmarks/scale.py --algo grpo --shape 0.5b --lora 16        # LoRA adapters instead of the whole model
+    python benchmarks/scale.py --shape 0.5b --layers 2 --seq-len 4096 8192 --cp 1 2   # long rows, context parallel
+
+``--seq-len``: the actor's update alone on rows of that many tokens, at each ``--cp`` on that many ranks (one cp
+group), against the floor of the rise it causes on a rank (``benchmarks/scale_seq_len.py``): what a long response
+costs one rank with and without splitting it, and what the split costs in time. The rest of this docstring is the
+recipe's stages.
 
 Size the machine from the floor (printed, and in ``scale_floor``): on 2 ranks the largest stage's floor per rank is
 about 5.5 GiB for GRPO at 0.5B in float32 (8.3 for PPO), 64 GiB for GRPO at 7B in bfloat16 (103 for PPO), 124 GiB
@@ -226,6 +232,70 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_seq_len(args: argparse.Namespace) -> None:
+    """``--seq-len``: ``scale_seq_len.py`` under torchrun at each ``--cp``; prints and writes the table."""
+    records = []
+    with (
+        shaped_model(args.shape, args.model_dir, layers=args.layers, vocab=args.vocab) as model_dir,
+        tempfile.TemporaryDirectory(prefix="scale_seq_len_") as scratch,
+    ):
+        for cp in args.cp:
+            out = Path(scratch) / f"cp{cp}.jsonl"
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={cp}",
+                str(ROOT / "benchmarks" / "scale_seq_len.py"),
+                f"--model-dir={Path(model_dir).resolve()}",
+                "--lengths",
+                *map(str, args.seq_len),
+                f"--repeats={args.repeats}",
+                f"--out={out}",
+                *(["--activation-checkpointing"] if args.activation_checkpointing else []),
+            ]
+            env = dict(os.environ, OMP_NUM_THREADS="1", **RETURN_FREED_MEMORY)
+            subprocess.run(command, check=True, env=env, cwd=ROOT)
+            records += [json.loads(line) for line in out.read_text().splitlines()]
+    single = {record["length"]: record for record in records if record["cp"] == 1}
+    rows = []
+    for record in records:
+        steady = [max(rises[1:] or rises) for rises in record["rise_bytes_per_rank"]]  # per rank, after the first
+        floor = sum(record["floor_bytes"].values())
+        seconds = max(min(times[1:] or times) for times in record["seconds_per_rank"])
+        alone = single.get(record["length"])
+        alone_s = max(min(times[1:] or times) for times in alone["seconds_per_rank"]) if alone else None
+        rows.append(
+            {
+                **record,
+                "steady_rise_bytes": max(steady),
+                "floor": floor,
+                "rise_over_floor": max(steady) / floor,
+                "update_s": seconds,
+                "time_over_cp1": seconds / alone_s if alone_s else None,
+            }
+        )
+    print("| tokens | cp | rise per rank GiB | floor GiB | rise / floor | update s | time / cp=1 |\n|" + " --- |" * 7)
+    for row in rows:
+        ratio = "—" if row["time_over_cp1"] is None else f"{row['time_over_cp1']:.2f}"
+        print(
+            f"| {row['length']} | {row['cp']} | {row['steady_rise_bytes'] / 2**20:.0f} | {row['floor'] / 2**20:.0f} "
+            f"| {row['rise_over_floor']:.2f} | {row['update_s']:.1f} | {ratio} |"
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = {
+        "benchmark": "scale_seq_len",
+        "shape": args.shape,
+        "layers": args.layers,
+        "vocab": args.vocab,
+        "activation_checkpointing": args.activation_checkpointing,
+        "rows": rows,
+        "environment": environment(device),
+    }
+    write_result(args.out, f"scale_seq_len_{args.shape}_l{args.layers}_{device}", result)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
@@ -252,8 +322,20 @@ def main() -> None:
         help="train LoRA adapters of this rank on every linear layer (all-linear) instead of the whole "
         "model; the floors stay full fine-tuning's, so peak / floor compares LoRA with them",
     )
+    parser.add_argument("--seq-len", type=int, nargs="+", help="tokens per row: the long-sequence update instead")
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="context-parallel degrees of --seq-len")
+    parser.add_argument("--repeats", type=int, default=1, help="--seq-len: steady updates after the first")
+    parser.add_argument(
+        "--vocab", type=int, help="--seq-len: vocabulary rows (default the shape's; fewer keep CPU runs short)"
+    )
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="--seq-len: model.activation_checkpointing=true"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, {"shape": "smoke"})
+    if args.seq_len:
+        run_seq_len(args)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     fields = shape_fields(args.shape, layers=args.layers, experts=args.experts)

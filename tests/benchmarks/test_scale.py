@@ -126,3 +126,22 @@ def test_a_mixture_of_experts_shape_names_its_family_and_may_keep_fewer_experts(
     assert shape_fields("0.5b")["family"] == "qwen2"
     with pytest.raises(ValueError, match="the 0.5b shape is dense"):
         shape_fields("0.5b", experts=8)
+
+
+def test_the_long_sequence_mode_measures_each_cp_degree(tmp_path):
+    """``scale.py --seq-len`` at the smoke shape: the update of rows of 48 tokens at cp = 2 on two gloo ranks (ring
+    attention under auto where cp does not split the heads), each rank's rise measured against a positive floor."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, str(BENCHMARKS / "scale.py"), "--smoke", "--seq-len", "48", "--cp", "2"]
+    finished = subprocess.run(
+        [*command, "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    (result,) = [json.loads(path.read_text()) for path in tmp_path.glob("scale_seq_len_*.json")]
+    (row,) = result["rows"]
+    assert row["length"] == 48 and row["cp"] == 2 and len(row["rise_bytes_per_rank"]) == 2
+    assert row["floor"] > 0 and row["steady_rise_bytes"] > 0 and row["update_s"] > 0
