@@ -90,3 +90,18 @@ def test_resume_continues_exactly(assets, four_steps, eight_steps):
     assert len({record["kl/coef"] for record in eight_steps}) == 8  # the adaptive weight moved every step
     assert (workdir / "out" / "latest").read_text() == "step_8"
     assert not list((workdir / "out").glob("*.tmp"))
+
+
+def test_grpo_at_cp_2_takes_the_steps_of_cp_1(assets, four_steps):
+    """The same 4 steps with the actor at cp = 2 by ring attention and the reference at cp = 2 by Ulysses (the tiny
+    model's 4 heads): the same rewards (the same responses were sampled), and losses, gradient norms, KL and entropy
+    equal to float32 rounding. Each rank runs a chunk of every packed row of its cp group, its own rows' results
+    gathered back to it."""
+    split = ("actor.cp=2", "actor.cp_attention=ring", "reference.cp=2", "reference.cp_attention=ulysses")
+    records = run_recipe("grpo", assets / "cp2", "trainer.total_steps=4", *SHORT_RUN, *split)
+    assert [record["step"] for record in records] == list(range(4))
+    for step, (expected, measured) in enumerate(zip(four_steps, records)):
+        assert measured["reward/mean"] == expected["reward/mean"], step
+        for key in ("actor/loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"):
+            assert measured[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), (step, key)
+    assert "actor/cp_padding_tokens" in records[0] and "actor/cp_padding_tokens" not in four_steps[0]

@@ -1,7 +1,7 @@
 """Context parallelism in every trained and scoring role (``programs/context_parallel_parity.py``): a tiny Qwen3 actor
 (per-head q/k norms, 4 query and 2 key/value heads), a critic and a reward model under ``cp`` 2 and 4 over 2 or 4 CPU
 ranks, with two cp groups (dp4·cp2) and with tensor parallelism (dp2·cp2·tp2), by Ulysses and by ring attention
-(``cp_attention=ring``: zig-zag chunks), equal one rank: log-probs, values and
+(``cp_attention=ring``: zig-zag chunks, cp = 4 beyond the 2 key/value heads), equal one rank: log-probs, values and
 scores; every gradient of the summed log-probs; two actor updates (loss, gradient norm; each rank's own entropy and
 KL do not depend on the cp degree) and a critic update (loss, gradient norm), and the actor's weights. A token budget
 that holds half the longest row trains at cp = 2 (and is refused at cp = 1); pipelines and mixture-of-experts models
@@ -18,7 +18,10 @@ from torchrun_helpers import hf_weights, torchrun
 from spmd_rlhf.tiny.model import make_tiny
 
 REFERENCE = "dp1cp1tp1"
-LAYOUTS = ["dp4cp4tp1", "dp4cp2tp1", "dp2cp2tp2", "dp4cp4tp1ring", "dp2cp2tp2ring"]
+LAYOUTS = ["dp4cp2tp1", "dp2cp2tp2", "dp4cp4tp1ring", "dp2cp2tp2ring"]
+BY_CP = {2: "dp4cp2tp1", 4: "dp4cp4tp1ring"}
+"""The dp = 4 layouts whose per-rank metrics are compared across cp degrees (Ulysses' cp = 4 with key/value heads
+replicated runs in tests/models/programs/ulysses_attention.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -69,17 +72,17 @@ def test_updates_match_one_rank(run, layout):
 
 def test_the_padding_that_makes_rows_divisible_is_counted(run):
     """Rows of 5 prompt and 1-6 response tokens, two per micro-batch: some packed rows are odd, so cp = 2 pads them,
-    one token each; at cp = 4 up to three."""
-    two, four = (json.loads((run / f"dp4cp{cp}tp1.json").read_text())["actor"] for cp in (2, 4))
+    one token each; ring attention at cp = 4 pads to a multiple of 8 (2 cp zig-zag chunks), up to seven."""
+    two, four = (json.loads((run / f"{layout}.json").read_text())["actor"] for layout in BY_CP.values())
     padded_two, padded_four = (sum(rank["actor/cp_padding_tokens"] for rank in runs[0]) for runs in (two, four))
     assert 0 < padded_two < padded_four
     assert "actor/cp_padding_tokens" not in json.loads((run / f"{REFERENCE}.json").read_text())["actor"][0][0]
 
 
 def test_each_ranks_own_metrics_do_not_depend_on_the_cp_degree(run):
-    """Entropy and KL are each DP rank's own rows' (not reduced): at dp = 4, cp = 2 and cp = 4 give every rank the
-    same values."""
-    two, four = (json.loads((run / f"dp4cp{cp}tp1.json").read_text())["actor"] for cp in (2, 4))
+    """Entropy and KL are each DP rank's own rows' (not reduced): at dp = 4, cp = 2 (Ulysses) and cp = 4 (ring) give
+    every rank the same values."""
+    two, four = (json.loads((run / f"{layout}.json").read_text())["actor"] for layout in BY_CP.values())
     for step in range(2):
         for rank in range(4):
             for key in ("actor/entropy", "actor/kl_loss", "actor/approx_kl"):
