@@ -276,7 +276,7 @@ def run_seq_len(args: argparse.Namespace) -> None:
                 "time_over_cp1": seconds / alone_s if alone_s else None,
             }
         )
-    print("| tokens | cp | rise per rank GiB | floor GiB | rise / floor | update s | time / cp=1 |\n|" + " --- |" * 7)
+    print("| tokens | cp | rise per rank MiB | floor MiB | rise / floor | update s | time / cp=1 |\n|" + " --- |" * 7)
     for row in rows:
         ratio = "—" if row["time_over_cp1"] is None else f"{row['time_over_cp1']:.2f}"
         print(

@@ -235,6 +235,7 @@ class ShardedModel:
             train=train,
             activation_checkpointing=self.config.model.activation_checkpointing,
             checkpoint_policy=self.config.model.checkpoint_policy,
+            cp=dims.cp,
         )
         longest = batch["attention_mask"].shape[1]
         return derived_token_budget(free_bytes=free_device_bytes(self.device), per_token=per_token, longest=longest)

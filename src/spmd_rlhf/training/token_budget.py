@@ -61,9 +61,12 @@ def bytes_per_token(
     train: bool,
     activation_checkpointing: bool,
     checkpoint_policy: str = "full",
+    cp: int = 1,
 ) -> float:
-    """Bytes one token of a micro-batch holds on one rank of a ``tp`` x ``pp`` layout (module docstring); the
-    logits are counted at every token, an upper bound for the response positions that have them."""
+    """Bytes one token of a micro-batch holds on one rank of a ``tp`` x ``pp`` x ``cp`` layout (module docstring); the
+    logits are counted at every token, an upper bound for the response positions that have them. Under context
+    parallelism a token is one of a rank's chunk of the row, whose owner runs the head on the whole row's outputs:
+    ``cp`` times a chunk's logits."""
     layer = layer_activation_elements(args) * dtype_bytes / tp
     layers = args.num_layers / pp
     if not train:
@@ -74,7 +77,7 @@ def bytes_per_token(
         kept = 2 * args.hidden_size * dtype_bytes * layers + layer
     else:
         kept = layer * layers
-    logits = args.vocab_size / tp * dtype_bytes * (2 if train else 1)
+    logits = args.vocab_size / tp * dtype_bytes * (2 if train else 1) * cp
     return kept + logits
 
 
