@@ -21,6 +21,7 @@ Bytes each rank sends per layer and direction: its chunk of q, k, v (forward in)
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -67,6 +68,15 @@ def apply_context_parallel(
     chosen = resolve_cp_attention(
         attention, heads=args.num_heads // tp, kv_heads=args.num_kv_heads // tp, cp=cp, role=role
     )
+    if chosen != attention and dist.get_rank(group) == 0:
+        logging.getLogger(__name__).info(
+            "%s.cp=%d: %s attention over the row (%s.cp_attention=auto; %d heads per rank)",
+            role,
+            cp,
+            chosen,
+            role,
+            args.num_heads // tp,
+        )
     attend_over_the_row = _ring_over_the_row if chosen == "ring" else _ulysses_over_the_row
     for module in model.modules():
         if hasattr(module, "attend") and hasattr(module, "q_proj"):

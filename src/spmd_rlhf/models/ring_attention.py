@@ -12,11 +12,12 @@ Masking over a packed row: query token ``i`` may read key ``j`` when ``j <= i`` 
 packed sequence (``sequence_ids`` from ``cu_seqlens``). Grouped-query attention reads each key/value head once per
 group of query heads: no replication, whatever ``cp`` and the head counts.
 
-The forward keeps only this rank's ``q``, ``k``, ``v``, the output and its log-sum-exp; the backward passes the keys
-and values around the ring again with their gradients travelling beside them, and after the last block one more step
-brings each block's key/value gradients home. Scores are computed one query tile (``query_tile`` tokens) against one
-arriving chunk at a time in float32, so memory beyond the inputs is ``heads x query_tile x chunk``. Each exchange is
-started before the block in hand is computed (``batch_isend_irecv``), so on GPUs it overlaps the compute.
+The forward keeps only this rank's ``q``, ``k``, ``v``, the output and its log-sum-exp; the backward passes the keys and
+values around the ring again (each shift started before the block in hand is computed) with their gradients one exchange
+behind them, and after the last block one more exchange brings each block's key/value gradients home. Scores are
+computed one query tile (``query_tile`` tokens) against one arriving chunk at a time in float32, so memory beyond the
+inputs is ``heads x query_tile x chunk``. Each key/value exchange is started before the block in hand is computed
+(``batch_isend_irecv``), so on GPUs it overlaps the compute.
 
 Bytes each rank sends per layer: its keys and values ``cp - 1`` times in the forward (``ring_bytes``), and twice
 that (keys, values and their gradients) plus one more step in the backward.
@@ -178,30 +179,36 @@ class _RingAttention(torch.autograd.Function):
         # D = rowsum(dO * O), per query head and token: the softmax's backward term.
         delta = (grad * out[0].reshape(chunk, kv_heads, group_size, dim).float()).sum(-1).permute(1, 2, 0)
         grad_q = torch.zeros(chunk, kv_heads, group_size, dim, dtype=torch.float32, device=q.device)
-        # Keys, values and their gradients travel together: [k, v, dk, dv], float32 so the sums keep their digits.
-        keys_values = torch.stack([k[0], v[0]]).float()
-        held = torch.cat([keys_values, torch.zeros_like(keys_values)])
+        # Keys and values travel ahead (their next shift starts before the block in hand is computed); their
+        # gradients, float32 so the sums keep their digits, follow once the block has added to them.
+        held = torch.stack([k[0], v[0]])
+        grads = torch.zeros((2, *k.shape[1:]), dtype=torch.float32, device=k.device)
         for step in range(ring.cp):
+            if step + 1 < ring.cp:
+                arriving, requests = ring.start_shift(held)
+            keys_values = held.float()
             for q_slice, k_slice, q_start, k_start in _pairs(ring, step, tokens):
-                keys, values = held[0, k_slice], held[1, k_slice]
+                keys, values = keys_values[0, k_slice], keys_values[1, k_slice]
                 for tile in range(q_slice.start, q_slice.stop, query_tile):
                     rows = slice(tile, min(tile + query_tile, q_slice.stop))
                     scores = _scores(grouped[rows], keys, sequence_ids, q_start + tile - q_slice.start, k_start, scale)
                     row_lse = lse[..., rows]
                     probs = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
                     grad_tile = grad[rows]  # [q, kv_heads, group, d]
-                    held[3, k_slice] += torch.einsum("hgqk,qhgd->khd", probs, grad_tile)
+                    grads[1, k_slice] += torch.einsum("hgqk,qhgd->khd", probs, grad_tile)
                     grad_probs = torch.einsum("qhgd,khd->hgqk", grad_tile, values)
                     grad_scores = probs * (grad_probs - delta[..., rows, None]) * scale
                     grad_q[rows] += torch.einsum("hgqk,khd->qhgd", grad_scores, keys)
-                    held[2, k_slice] += torch.einsum("hgqk,qhgd->khd", grad_scores, grouped[rows].float())
-            # After the last block one more step brings each chunk's gradients home (its keys and values go along).
-            arriving, requests = ring.start_shift(held)
-            for request in requests:
+                    grads[0, k_slice] += torch.einsum("hgqk,qhgd->khd", grad_scores, grouped[rows].float())
+            # The gradients go where the keys and values went; after the last block this step brings them home.
+            grads_arriving, grad_requests = ring.start_shift(grads)
+            for request in grad_requests + (requests if step + 1 < ring.cp else []):
                 request.wait()
-            held = arriving
+            grads = grads_arriving
+            if step + 1 < ring.cp:
+                held = arriving
         grad_q = grad_q.reshape(1, chunk, heads, dim).to(q.dtype)
-        return grad_q, held[2][None].to(k.dtype), held[3][None].to(v.dtype), None, None, None, None
+        return grad_q, grads[0][None].to(k.dtype), grads[1][None].to(v.dtype), None, None, None, None
 
 
 def check_ring(*, cp: int, tokens: int, key: str = "cp") -> None:
