@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoTokenizer
 
 from spmd_rlhf.checkpoint import safe_load
 from spmd_rlhf.checkpoint.errors import CheckpointError
@@ -44,8 +45,6 @@ def export_lora(config_dir: Path, out: Path, *, merge: bool, dtype: torch.dtype,
     """Write the LoRA role whose checkpointed config is ``config_dir`` (``<role>_state/hf_config``) into ``out``."""
     adapter_config = json.loads((config_dir / "lora.json").read_text())
     trained = read_trained_tensors(config_dir.parent)
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(str(config_dir))
     if not merge:
         write_peft_adapter(str(out), trained, adapter_config)

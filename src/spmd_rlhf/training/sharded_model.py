@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer
 
 from spmd_rlhf.checkpoint import save_model_config
 from spmd_rlhf.config import FrameworkConfig, RoleConfig
@@ -403,10 +404,6 @@ class ShardedModel:
         stage_start = role_rank // per_stage * per_stage
         tokenizer = None
         if role_rank == 0:
-            # Imported where used, here and in the workers: transformers' tokenizer registry takes about 0.8 s to
-            # import, which every rank of a job that never loads a tokenizer would pay.
-            from transformers import AutoTokenizer
-
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         save_sharded_pretrained(
             self.module,
@@ -437,7 +434,5 @@ class ShardedModel:
             tensors = {name: tensor for stage in stages for name, tensor in stage.items()}
         if self.context.role_rank == 0:
             write_peft_adapter(out_dir, tensors, self.adapters.peft_config(self.model_path, head=self.module.head))
-            from transformers import AutoTokenizer
-
             AutoTokenizer.from_pretrained(self.tokenizer_path).save_pretrained(out_dir)
         return out_dir

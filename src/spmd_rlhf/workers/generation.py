@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import torch
+from transformers import AutoTokenizer
 
 from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
@@ -121,8 +122,6 @@ class Generator:
         self._idle_engines: list[LLMEngine] = []
         """With rollout.keep_engine: engines between generations, each with its KV cache and CUDA graphs."""
         tokenizer_path = config.model.tokenizer_path or config.model.path
-        from transformers import AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         if len(self.tokenizer) > vocab_size:
             # Prompt ids past the embedding would fail mid-run; responses would be decoded into the wrong text.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from spmd_rlhf.config import FrameworkConfig, ScoringRoleConfig
 from spmd_rlhf.data.batch import Batch
@@ -42,8 +43,6 @@ class RewardWorker(RoleWorker):
         self.judge: Judge | None = None
         self.rebuild: ChatRebuild | None = None
         """The model's own chat template and tokens, when they are not the policy's (``data.retokenize``)."""
-        from transformers import AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         if role_config.kind == "model":
             self.scorer = ShardedModel(
