@@ -85,15 +85,18 @@ class ContextRow:
 
     def read_counts(self, cp: int) -> list[int]:
         """How many of the head's positions each rank's chunk holds."""
-        return [int(torch.isin(self.positions(rank, cp), self.reads).sum()) for rank in range(cp)]
+        return self.gather_layout(cp)[0]
 
     def read_order(self, cp: int) -> torch.Tensor | None:
         """Where each of the head's positions, in row order, lies among the rows ``gather_rows`` lays end to end in
         rank order (each rank's in its chunk's order); None when that is already row order (contiguous chunks)."""
-        if not self.zigzag:
-            return None
-        held = [self.positions(rank, cp) for rank in range(cp)]
-        return torch.argsort(torch.cat([positions[torch.isin(positions, self.reads)] for positions in held]))
+        return self.gather_layout(cp)[1]
+
+    def gather_layout(self, cp: int) -> tuple[list[int], torch.Tensor | None]:
+        """``read_counts`` and ``read_order`` together, from one pass over the ranks' chunks."""
+        held = [positions[torch.isin(positions, self.reads)] for positions in map(self.positions, range(cp), [cp] * cp)]
+        order = torch.argsort(torch.cat(held)) if self.zigzag else None
+        return [len(positions) for positions in held], order
 
 
 def exchange_rows(rows: list[ContextRow], group: dist.ProcessGroup) -> list[list[ContextRow]]:
@@ -161,8 +164,8 @@ def context_parallel_step(
         max_seqlen=row.max_seqlen,
         row_length=len(row.input_ids),
     )
-    gathered = gather_rows(hidden[0].index_select(0, held.to(device)), row.read_counts(cp), group)
-    order = row.read_order(cp)
+    counts, order = row.gather_layout(cp)
+    gathered = gather_rows(hidden[0].index_select(0, held.to(device)), counts, group)
     if order is not None:  # zig-zag chunks gather out of row order
         gathered = gathered.index_select(0, order.to(device))
     if micro is None:
