@@ -63,11 +63,18 @@ def test_layouts_are_ones_the_framework_runs():
     assert pipelined and all(layout.tp <= 8 for layout in pipelined)
 
 
-def test_the_search_offers_ep_for_moe_models_and_cp_for_dense_ones_and_writes_them_into_the_config():
+def test_the_search_offers_ep_for_moe_models_and_cp_for_every_model_and_writes_them_into_the_config():
     moe = dataflow("grpo", actor=NAMED_SHAPES["30b-a3b"])[0]  # 128 experts, 32 heads
     layouts = candidate_layouts(moe, 16, Cluster(16, 8, H100), BATCH)
-    assert {layout.ep for layout in layouts} == {1, 2, 4, 8, 16} and {layout.cp for layout in layouts} == {1}
-    assert all(layout.dp % layout.ep == 0 for layout in layouts)
+    assert {layout.ep for layout in layouts} == {1, 2, 4, 8, 16} and {layout.cp for layout in layouts} == {
+        1,
+        2,
+        4,
+        8,
+        16,
+    }
+    assert all(layout.dp % layout.ep == 0 and layout.dp % layout.cp == 0 for layout in layouts)
+    assert Layout(pp=1, dp=16, tp=1, tp_g=1, ep=4, cp=4) in layouts
     dense = dataflow("grpo", actor=NAMED_SHAPES["0.5b"])[0]  # 14 heads: Ulysses at cp 2, ring beyond
     layouts = candidate_layouts(dense, 16, Cluster(16, 8, H100), BATCH)
     assert {layout.ep for layout in layouts} == {1} and {layout.cp for layout in layouts} == {1, 2, 4, 8, 16}

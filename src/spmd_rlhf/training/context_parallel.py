@@ -55,9 +55,23 @@ class ContextRow:
     zigzag: bool = False
     """Ring attention's layout: the row cut into ``2 cp`` chunks, rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r``
     (``models.ring_attention.zigzag_positions``); else one contiguous chunk per rank (Ulysses)."""
+    rows: int = 0
+    """The micro-batch's rows (a mixture-of-experts model's router losses are weighted by them)."""
+    routes: torch.Tensor | None = None
+    """Router replay: the experts recorded for each token ``[T, moe_layers, k]`` (-1 for the padding: the router's
+    own choice), which each rank's routers take at its chunk's positions (``chunk_routes``)."""
 
     @classmethod
-    def of(cls, micro: PackedRows, *, cp: int, per_token: bool, zigzag: bool = False) -> ContextRow:
+    def of(
+        cls,
+        micro: PackedRows,
+        *,
+        cp: int,
+        per_token: bool,
+        zigzag: bool = False,
+        routes: torch.Tensor | None = None,
+    ) -> ContextRow:
+        """``micro``'s row for a group of ``cp`` ranks; ``routes``: its packed tokens' recorded experts, if replayed."""
         total = micro.total_tokens
         padding = -total % (2 * cp if zigzag else cp)
         input_ids, position_ids = micro.input_ids[0], micro.position_ids[0]
@@ -67,7 +81,10 @@ class ContextRow:
             input_ids = F.pad(input_ids, (0, padding))
             position_ids = torch.cat([position_ids, torch.arange(padding, dtype=position_ids.dtype)])
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([total + padding])])
-        return cls(input_ids, position_ids, cu_seqlens, max(micro.max_seqlen, padding), reads.long(), padding, zigzag)
+            if routes is not None:
+                routes = torch.cat([routes, routes.new_full((padding, *routes.shape[1:]), -1)])
+        max_seqlen = max(micro.max_seqlen, padding)
+        return cls(input_ids, position_ids, cu_seqlens, max_seqlen, reads.long(), padding, zigzag, len(micro), routes)
 
     def positions(self, rank: int, cp: int) -> torch.Tensor:
         """The row positions of rank ``rank``'s chunk ``[T / cp]``, in its order."""
@@ -82,6 +99,14 @@ class ContextRow:
         positions = self.positions(rank, cp)
         held = torch.isin(positions, self.reads).nonzero().flatten()
         return self.input_ids[positions], self.position_ids[positions], held
+
+    def real_tokens(self, rank: int, cp: int) -> torch.Tensor:
+        """``[T / cp]`` bool: which tokens of rank ``rank``'s chunk are the micro-batch's (not the padding)."""
+        return self.positions(rank, cp) < len(self.input_ids) - self.padding_tokens
+
+    def chunk_routes(self, rank: int, cp: int) -> torch.Tensor | None:
+        """The recorded experts of rank ``rank``'s chunk ``[T / cp, moe_layers, k]`` (None without router replay)."""
+        return None if self.routes is None else self.routes[self.positions(rank, cp)]
 
     def read_counts(self, cp: int) -> list[int]:
         """How many of the head's positions each rank's chunk holds."""
@@ -126,18 +151,12 @@ def gather_rows(held: torch.Tensor, counts: list[int], group: dist.ProcessGroup)
     return gathered.index_select(0, keep.to(gathered.device))
 
 
-def check_context_parallel(model: torch.nn.Module, dims: ParallelDims, *, role: str) -> None:
-    """A one-line error naming ``<role>.cp`` where context parallelism cannot run yet: through a pipeline, or on a
-    mixture-of-experts model (its routers' losses and replay read each micro-batch's tokens on one rank)."""
+def check_context_parallel(dims: ParallelDims, *, role: str) -> None:
+    """A one-line error naming ``<role>.cp`` where context parallelism cannot run yet: through a pipeline."""
     if dims.pp > 1:
         raise ValueError(
             f"{role}.cp={dims.cp} with {role}.pp={dims.pp}: context parallelism runs without a pipeline; "
             "set one of them to 1"
-        )
-    moe = model.args.moe
-    if moe is not None and moe.layers:
-        raise ValueError(
-            f"{role}.cp={dims.cp}: context parallelism does not run mixture-of-experts models yet; set {role}.cp=1"
         )
 
 
@@ -150,11 +169,15 @@ def context_parallel_step(
     group: dist.ProcessGroup,
     device: torch.device,
     train: bool,
+    every_rank: Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
     """One micro-batch of the group (steps 1-3 of the module docstring): this rank's chunk of ``row`` through
     ``model``'s decoder, the head's inputs gathered over ``group``; on the row's owner (``micro`` given) the head and
     ``output_fn`` (its result returned, back-propagated with ``train``), elsewhere the head on no rows and the
-    backward's share. Inputs go to ``device``."""
+    backward's share. Inputs go to ``device``. ``every_rank(row, real_tokens)``, when given, runs on every rank of
+    the group right after its chunk's decoder forward (``real_tokens``: the chunk's tokens that are not padding, on
+    ``device``); a tensor it returns joins what the rank back-propagates (a mixture-of-experts model's router losses:
+    each rank's tokens' share)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     input_ids, position_ids, held = row.chunk(rank, cp)
     hidden = model.hidden_states(
@@ -164,6 +187,7 @@ def context_parallel_step(
         max_seqlen=row.max_seqlen,
         row_length=len(row.input_ids),
     )
+    extra = None if every_rank is None else every_rank(row, row.real_tokens(rank, cp).to(device))
     counts, order = row.gather_layout(cp)
     gathered = gather_rows(hidden[0].index_select(0, held.to(device)), counts, group)
     if order is not None:  # zig-zag chunks gather out of row order
@@ -173,9 +197,20 @@ def context_parallel_step(
         # (zero) gradient, so FSDP reduces the same tensors everywhere.
         nothing = model.head_outputs(gathered[:0]).sum()
         if train:
-            nothing.backward()
+            (nothing if extra is None else nothing + extra).backward()
         return None
     result = output_fn(model.head_outputs(gathered), micro)
     if train:
-        result.backward()
+        (result if extra is None else result + extra).backward()
     return result
+
+
+def gather_chunk_routes(chunk: torch.Tensor, row: ContextRow, group: dist.ProcessGroup) -> torch.Tensor:
+    """The experts every rank of ``group`` routed its chunk of ``row`` to (``chunk`` ``[T / cp, moe_layers, k]`` on
+    this rank) as the row's ``[T - padding, moe_layers, k]`` in row order, on every rank (router replay's record)."""
+    cp = dist.get_world_size(group)
+    pieces = [torch.empty_like(chunk, dtype=torch.int32) for _ in range(cp)]
+    dist.all_gather(pieces, chunk.to(torch.int32).contiguous(), group=group)
+    order = torch.argsort(torch.cat([row.positions(rank, cp) for rank in range(cp)]))
+    row_order = torch.cat(pieces).index_select(0, order.to(chunk.device))
+    return row_order[: len(row.input_ids) - row.padding_tokens].to(chunk.dtype)

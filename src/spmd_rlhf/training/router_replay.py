@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from spmd_rlhf.models.args import DecoderArgs
-from spmd_rlhf.models.moe import Routing, route_dtype
+from spmd_rlhf.models.moe import route_dtype
 from spmd_rlhf.training.packing import MicroBatch
 
 ROUTED_EXPERTS = "routed_experts"
@@ -46,14 +46,30 @@ class RouterReplay:
             place: layers[str(index)].mlp.gate for place, index in enumerate(sorted(moe.layers)) if str(index) in layers
         }
         self.dtype = route_dtype(moe.num_experts)
+        self.seen: list[torch.Tensor | None] | None = None
+        """While ``recording``: each MoE layer's chosen experts of the last forward."""
 
     @contextmanager
     def replaying(self, micro: MicroBatch, device: torch.device) -> Iterator[None]:
         """Inside, the routers route ``micro``'s packed tokens by its rows' ``routed_experts``, if they carry them."""
+        with self.replaying_routes(self.packed_routes(micro), device):
+            yield
+
+    @staticmethod
+    def packed_routes(micro: MicroBatch) -> torch.Tensor | None:
+        """The recorded experts of ``micro``'s packed tokens ``[tokens, moe_layers, k]`` (or None)."""
         if ROUTED_EXPERTS not in micro.rows.tensors:
+            return None
+        return micro.rows[ROUTED_EXPERTS][micro.rows["attention_mask"].bool()]
+
+    @contextmanager
+    def replaying_routes(self, routes: torch.Tensor | None, device: torch.device) -> Iterator[None]:
+        """Inside, the routers route the next forwards' tokens by ``routes`` ``[tokens, moe_layers, k]`` (nothing
+        changes for None)."""
+        if routes is None:
             yield
             return
-        packed = micro.rows[ROUTED_EXPERTS][micro.rows["attention_mask"].bool()].to(device)
+        packed = routes.to(device)
         for place, router in self.routers.items():
             router.replay = packed[:, place]
         try:
@@ -63,24 +79,32 @@ class RouterReplay:
                 router.replay = None
 
     @contextmanager
-    def recording(self) -> Iterator[list[Routing | None]]:
-        """Inside, each forward's routings are kept in the yielded list (one slot per MoE layer, cleared by
-        ``routes_of``)."""
-        seen: list[Routing | None] = [None] * len(self.routers)
+    def recording(self) -> Iterator[list[torch.Tensor | None]]:
+        """Inside, each forward's chosen experts are kept in the yielded list (one ``[tokens, k]`` slot per MoE layer,
+        cleared by ``routes_of``), also ``self.seen`` while it lasts."""
+        seen: list[torch.Tensor | None] = [None] * len(self.routers)
         handles = [
-            router.register_forward_hook(lambda module, inputs, routing, slot=slot: seen.__setitem__(slot, routing))
+            router.register_forward_hook(
+                lambda module, inputs, routing, slot=slot: seen.__setitem__(slot, routing.experts)
+            )
             for slot, router in enumerate(self.routers.values())
         ]
+        self.seen = seen
         try:
             yield seen
         finally:
+            self.seen = None
             for handle in handles:
                 handle.remove()
 
-    def routes_of(self, seen: list[Routing | None], micro: MicroBatch) -> torch.Tensor:
+    def recorded_chunk(self) -> torch.Tensor:
+        """The experts of the last forward while ``recording`` ``[tokens, moe_layers, k]``, in the record's dtype."""
+        return torch.stack(self.seen, dim=1).to(self.dtype)
+
+    def routes_of(self, seen: list[torch.Tensor | None], micro: MicroBatch) -> torch.Tensor:
         """The experts of ``micro``'s last forward (``recording``) as ``routed_experts`` rows, on the host."""
         attended = micro.rows["attention_mask"].bool()
-        packed = torch.stack([routing.experts for routing in seen], dim=1).to("cpu", self.dtype)
+        packed = torch.stack(seen, dim=1).to("cpu", self.dtype)
         seen[:] = [None] * len(seen)
         routes = torch.full((*attended.shape, *packed.shape[1:]), -1, dtype=self.dtype)
         routes[attended] = packed

@@ -40,6 +40,7 @@ from spmd_rlhf.training.context_parallel import (
     check_context_parallel,
     context_parallel_step,
     exchange_rows,
+    gather_chunk_routes,
     schedule,
 )
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
@@ -121,7 +122,7 @@ class ShardedModel:
         """Padding tokens this rank's micro-batches took so that cp divides their packed rows, since the start (a
         metric: ``<role>/cp_padding_tokens``)."""
         if self.cp_group is not None:
-            check_context_parallel(model, dims, role=name)
+            check_context_parallel(dims, role=name)
         self.adapters = parallelize(
             model,
             tp_mesh=self.mesh["tp"],
@@ -241,7 +242,13 @@ class ShardedModel:
         return derived_token_budget(free_bytes=free_device_bytes(self.device), per_token=per_token, longest=longest)
 
     def run_model(
-        self, batch: Batch, *, micro_batch_size: int, output_fn: MicroBatchFunction, train: bool
+        self,
+        batch: Batch,
+        *,
+        micro_batch_size: int,
+        output_fn: MicroBatchFunction,
+        train: bool,
+        every_rank: Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``output_fn(model output, micro-batch)`` for each micro-batch of ``batch`` (``micro_batch_rows``), and
         the rows of ``batch`` in the order the results cover them. With ``train``, each result is a loss to
@@ -251,6 +258,9 @@ class ShardedModel:
         pipeline (then only its last stage returns results) every stage forms the same micro-batches, and they are
         padded to common shapes (``stack_packed``: a few padding tokens per micro-batch, never whole padded rows), as
         ``torch.distributed.pipelining`` needs; ``output_fn`` sees each micro-batch's own outputs only.
+
+        Under context parallelism, ``every_rank`` runs on every rank of the group after each micro-batch's decoder
+        forward (``training.context_parallel.context_parallel_step``).
 
         Peak per micro-batch: the logits of its response tokens, ``[response_tokens, vocab / tp]`` in the compute
         dtype, plus the activations of its tokens."""
@@ -273,7 +283,17 @@ class ShardedModel:
             cp = self.context.dims.cp
             steps = schedule(len(micros), cp)
             zigzag = self.module.context_parallel == "ring"
-            mine = [ContextRow.of(micro, cp=cp, per_token=per_token, zigzag=zigzag) for micro in micros]
+            replay = self.router_replay
+            mine = [
+                ContextRow.of(
+                    micro,
+                    cp=cp,
+                    per_token=per_token,
+                    zigzag=zigzag,
+                    routes=None if replay is None else replay.packed_routes(micro),
+                )
+                for micro in micros
+            ]
             self.context_padding_tokens += sum(row.padding_tokens for row in mine)
             rows = exchange_rows(mine, self.cp_group)
         accumulate = train and self.accumulate_unsharded and len(steps) > 1
@@ -288,16 +308,25 @@ class ShardedModel:
                     self.module.set_reshard_after_backward(last)
                 micro = micros[index]
                 if rows is not None:
-                    mine = micro if owner == dist.get_rank(self.cp_group) else None
-                    with ActivationOffload() if offload else contextlib.nullcontext():
+                    row, rank = rows[owner][index], dist.get_rank(self.cp_group)
+                    mine = micro if owner == rank else None
+                    replay = self.router_replay
+                    routes = None if replay is None else row.chunk_routes(rank, self.context.dims.cp)
+                    with (
+                        replay.replaying_routes(routes, self.device)
+                        if routes is not None
+                        else contextlib.nullcontext(),
+                        ActivationOffload() if offload else contextlib.nullcontext(),
+                    ):
                         result = context_parallel_step(
                             self.module,
-                            rows[owner][index],
+                            row,
                             mine,
                             output_fn,
                             group=self.cp_group,
                             device=self.device,
                             train=train,
+                            every_rank=self._every_rank(every_rank),
                         )
                     if result is not None:
                         results.append(_detached(result))
@@ -310,6 +339,22 @@ class ShardedModel:
                         result.backward()
                 results.append(_detached(result))
         return results, order
+
+    def _every_rank(
+        self, every_rank: Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None
+    ) -> Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None:
+        """``every_rank`` of a context-parallel step, after router replay's recording (if on) has gathered the row's
+        experts from the group's chunks: the owner's ``routes_of`` then reads the whole row's."""
+        replay = self.router_replay
+        if replay is None or replay.seen is None:
+            return every_rank
+
+        def gather_then(row: ContextRow, real_tokens: torch.Tensor) -> torch.Tensor | None:
+            whole = gather_chunk_routes(replay.recorded_chunk(), row, self.cp_group)
+            replay.seen[:] = whole.unbind(1)
+            return None if every_rank is None else every_rank(row, real_tokens)
+
+        return gather_then
 
     @contextlib.contextmanager
     def _gathered_across_micro_batches(self, *, train: bool) -> Iterator[None]:

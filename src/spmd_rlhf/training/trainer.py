@@ -21,6 +21,7 @@ from spmd_rlhf.algos import Denominators
 from spmd_rlhf.checkpoint import load_role_state, save_role_state
 from spmd_rlhf.config import TrainableRoleConfig
 from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.training.context_parallel import ContextRow
 from spmd_rlhf.training.packing import PACKED_FIELDS, MicroBatch
 from spmd_rlhf.training.reducer import DPReducer
 from spmd_rlhf.training.router_losses import RouterLosses, router_coefficients
@@ -194,6 +195,7 @@ class Trainer:
         counts, _ = self.reducer.totals(
             [float(value) for count, mini in zip(tokens, host_minis) for value in (count, len(mini))]
         )
+        cp_group = self.model.cp_group
         step_losses: list[list[torch.Tensor]] = []
         device_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         grad_norms: list[float] = []
@@ -201,24 +203,43 @@ class Trainer:
             for index, (mini, device_mini) in enumerate(zip(host_minis, device_minis)):
                 denominators = Denominators(counts[2 * index], counts[2 * index + 1], float(self.max_response_length))
                 records: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+                routed: dict[str, torch.Tensor | dict[str, torch.Tensor] | None] = {}
+
+                def router_share(rows: int, token_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+                    """This rank's share of the routers' losses of the forward just run (``RouterLosses.take``); the
+                    whole value and the metrics wait in ``routed`` for the micro-batch's record."""
+                    share, whole, metrics = self.router_losses.take(
+                        rows / denominators.sequences, prefix, token_mask=token_mask, group=cp_group
+                    )
+                    routed.update(whole=whole, metrics=metrics)
+                    return share
 
                 def micro_batch_loss(outputs: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
                     on_device = device_mini.select(micro.rows[MINI_BATCH_ROW])
                     loss, micro_metrics = loss_function(outputs, micro, on_device, denominators)
+                    own = loss
                     if self.router_losses is not None:
-                        router_loss, router_metrics = self.router_losses.take(
-                            len(micro) / denominators.sequences, prefix
-                        )
-                        micro_metrics = {**micro_metrics, **router_metrics}
-                        if router_loss is not None:
-                            loss = loss + router_loss
+                        if cp_group is None:  # (under cp, every rank's share was taken after its chunk's forward)
+                            share = router_share(len(micro))
+                            own = loss if share is None else loss + share
+                        micro_metrics = {**micro_metrics, **routed["metrics"]}
+                        if routed["whole"] is not None:
+                            loss = loss + routed["whole"]
                     records.append((loss.detach(), micro_metrics))
                     # FSDP averages gradients over DP ranks; each rank's loss is already its share of the global
                     # mini-batch loss, so scale by the DP size to make the average a sum (gloo has no pre-scaled sum).
-                    return loss * self.reducer.size
+                    return own * self.reducer.size
+
+                def every_rank(row: ContextRow, real_tokens: torch.Tensor) -> torch.Tensor | None:
+                    share = router_share(row.rows, real_tokens)
+                    return None if share is None else share * self.reducer.size
 
                 results, _ = self.model.run_model(
-                    mini, micro_batch_size=self.role_config.micro_batch_size, output_fn=micro_batch_loss, train=True
+                    mini,
+                    micro_batch_size=self.role_config.micro_batch_size,
+                    output_fn=micro_batch_loss,
+                    train=True,
+                    every_rank=every_rank if self.router_losses is not None and cp_group is not None else None,
                 )
                 # A pipeline schedule may call the loss function on placeholder outputs first (torch >= 2.13 infers
                 # gradient shapes that way); the real micro-batches are the last len(results) calls.
