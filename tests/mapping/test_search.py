@@ -61,6 +61,7 @@ def test_layouts_are_ones_the_framework_runs():
     untied = ppo()[1]  # the 7b critic: 32 heads, pipeline allowed
     pipelined = [layout for layout in candidate_layouts(untied, 64, Cluster(64, 8, H100), BATCH) if layout.pp > 1]
     assert pipelined and all(layout.tp <= 8 for layout in pipelined)
+    assert any(layout.cp > 1 for layout in pipelined)  # context parallelism through a pipeline
 
 
 def test_the_search_offers_ep_for_moe_models_and_cp_for_every_model_and_writes_them_into_the_config():

@@ -45,7 +45,7 @@ class RoleConfig:
     own rows but run every micro-batch of the group together, each rank a 1/cp chunk of its packed row, so no rank
     holds a whole long row's activations; a row's per-token outputs are gathered to the rank that owns it.
     max_tokens_per_micro_batch then bounds each rank's chunk (a row may be cp times longer). Attention over the whole
-    row: cp_attention. Mixture-of-experts models too (router losses over the whole row); not with pp > 1 yet
+    row: cp_attention. Composes with tp, pp and ep; mixture-of-experts models' router losses are the whole row's
     (docs/parallelism.md)."""
     cp_attention: str = "auto"
     """How attention reads the whole row under cp > 1: ulysses (all-to-all from sequence chunks to head groups around

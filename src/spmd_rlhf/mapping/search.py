@@ -99,7 +99,7 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
     """Every (pp, dp, tp[, tp_g], ep, cp) the framework can run the role with on ``devices`` devices: tp within a
     node and dividing heads, KV heads, MLP width and (LM head) vocabulary; pp at most the layers and 1 for a tied LM
     head; dp dividing the step's rows (each DP rank takes an equal share) and, for trained roles, the mini-batch in
-    whole micro-batches; tp_g dividing tp; ep (an MoE model's) dividing dp and the expert count; cp (at pp = 1, not a
+    whole micro-batches; tp_g dividing tp; ep (an MoE model's) dividing dp and the expert count; cp (not for a
     generative judge) dividing dp: Ulysses where it divides each rank's heads, ring elsewhere
     (``cost.ring_context_parallel``)."""
     shape = role.shape
@@ -122,7 +122,7 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
             if batch.rows % dp or (role.trained and mini % (micro * dp)):
                 continue
             eps = [ep for ep in _divisors(dp) if shape.experts % ep == 0] if shape.experts else [1]
-            context_parallel = pp == 1 and not role.judge_tokens
+            context_parallel = not role.judge_tokens
             cps = _divisors(dp) if context_parallel else [1]
             for tp_g, ep, cp in itertools.product(_divisors(tp) if generates else [0], eps, cps):
                 layouts.append(Layout(pp=pp, dp=dp, tp=tp, tp_g=tp_g, ep=ep, cp=cp))

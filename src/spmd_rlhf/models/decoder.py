@@ -273,6 +273,7 @@ class DecoderLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         output_positions: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        row_length: int | None = None,
     ) -> torch.Tensor:
         """Logits, values or scores for ``input_ids`` ``[batch, seq]`` (see the class docstring).
 
@@ -287,7 +288,15 @@ class DecoderLM(nn.Module):
         ``[n, vocab]``, values ``[n]``). A training pass that needs the outputs of response positions only thus never
         computes, or keeps for the backward pass, the logits of the others: at peak ``n * vocab`` logits in the
         compute dtype instead of ``batch * seq * vocab``.
+
+        ``row_length`` (context parallelism through a pipeline): ``input_ids`` are one chunk of a packed row
+        (``hidden_states``); the result is the chunk's hidden states, the head being the caller's, which gathers
+        the head's inputs from the group's chunks first.
         """
+        if row_length is not None:
+            return self.hidden_states(
+                input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, row_length=row_length
+            )
         if output_positions is not None and self.head == "score":
             raise ValueError(
                 "output_positions selects per-token outputs; the score head reads each sequence's last token"

@@ -96,12 +96,18 @@ class Pipeline:
         return self.stage == self.num_stages - 1
 
     def run(
-        self, input_ids: torch.Tensor, model_kwargs: dict[str, torch.Tensor], *, output_fn: OutputFunction, train: bool
+        self,
+        input_ids: torch.Tensor,
+        model_kwargs: dict[str, torch.Tensor | int],
+        *,
+        output_fn: OutputFunction,
+        train: bool,
     ) -> list[torch.Tensor]:
         """Run micro-batches ``input_ids`` ``[micro_batches, tokens]`` (read by the first stage) with ``model_kwargs``
-        (``[micro_batches, ...]`` each, every stage) through the pipeline, one micro-batch per row; with ``train``,
-        back-propagate each micro-batch's ``output_fn`` loss (gradients accumulate, unscaled). Returns the
-        ``output_fn`` results in micro-batch order on the last stage, an empty list elsewhere."""
+        (``[micro_batches, ...]`` each, or an int every micro-batch shares; every stage) through the pipeline, one
+        micro-batch per row; with ``train``, back-propagate each micro-batch's ``output_fn`` loss (gradients
+        accumulate, unscaled). Returns the ``output_fn`` results in micro-batch order on the last stage, an empty
+        list elsewhere."""
         num_micro_batches = input_ids.shape[0]
         # A fresh stage per call: PipelineStage infers activation shapes on first use, and they change with the
         # micro-batch sizes from one call to the next.
@@ -116,7 +122,9 @@ class Pipeline:
         args = (input_ids.to(self.device),) if self.stage == 0 else ()
         # Each micro-batch's index rides along as the "target", so the last stage knows which micro-batch it holds.
         target = torch.arange(num_micro_batches)[:, None] if self.is_last else None
-        kwargs = {key: value.to(self.device) for key, value in model_kwargs.items()}
+        kwargs = {
+            key: value.to(self.device) if torch.is_tensor(value) else value for key, value in model_kwargs.items()
+        }
         results: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
         # The hook (not a wrapper module) keeps the stage's module the FSDP module the schedule syncs gradients of.

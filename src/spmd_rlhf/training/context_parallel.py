@@ -26,15 +26,15 @@ all-gather of the head's inputs (and its reduce-scatter in the backward).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional
 import torch.nn.functional as F
 
+from spmd_rlhf.models.pipeline import Pipeline
 from spmd_rlhf.models.ring_attention import zigzag_positions
-from spmd_rlhf.parallel_dims import ParallelDims
 from spmd_rlhf.training.packing import PackedRows
 
 
@@ -100,6 +100,26 @@ class ContextRow:
         held = torch.isin(positions, self.reads).nonzero().flatten()
         return self.input_ids[positions], self.position_ids[positions], held
 
+    def padded_to(self, length: int, offsets: int) -> ContextRow:
+        """This row with ``offsets - len(cu_seqlens)`` (at least one) padding sequences appended, one token each but
+        the last, which takes the rest up to ``length`` tokens: the common shapes a pipeline schedule needs."""
+        total, extra = len(self.input_ids), offsets - len(self.cu_seqlens)
+        ends = total + torch.arange(1, extra + 1, dtype=self.cu_seqlens.dtype)
+        ends[-1] = length
+        padding = length - total
+        routes = self.routes
+        if routes is not None:
+            routes = torch.cat([routes, routes.new_full((padding, *routes.shape[1:]), -1)])
+        return replace(
+            self,
+            input_ids=F.pad(self.input_ids, (0, padding)),
+            position_ids=F.pad(self.position_ids, (0, padding)),
+            cu_seqlens=torch.cat([self.cu_seqlens, ends]),
+            max_seqlen=max(self.max_seqlen, length - int(ends[-2]) if extra > 1 else padding),
+            padding_tokens=self.padding_tokens + padding,
+            routes=routes,
+        )
+
     def real_tokens(self, rank: int, cp: int) -> torch.Tensor:
         """``[T / cp]`` bool: which tokens of rank ``rank``'s chunk are the micro-batch's (not the padding)."""
         return self.positions(rank, cp) < len(self.input_ids) - self.padding_tokens
@@ -151,15 +171,6 @@ def gather_rows(held: torch.Tensor, counts: list[int], group: dist.ProcessGroup)
     return gathered.index_select(0, keep.to(gathered.device))
 
 
-def check_context_parallel(dims: ParallelDims, *, role: str) -> None:
-    """A one-line error naming ``<role>.cp`` where context parallelism cannot run yet: through a pipeline."""
-    if dims.pp > 1:
-        raise ValueError(
-            f"{role}.cp={dims.cp} with {role}.pp={dims.pp}: context parallelism runs without a pipeline; "
-            "set one of them to 1"
-        )
-
-
 def context_parallel_step(
     model: torch.nn.Module,
     row: ContextRow,
@@ -203,6 +214,52 @@ def context_parallel_step(
     if train:
         (result if extra is None else result + extra).backward()
     return result
+
+
+def context_parallel_pipeline(
+    pipeline: Pipeline,
+    rows: list[ContextRow],
+    steps: list[tuple[int, int]],
+    micros: list[PackedRows],
+    output_fn: Callable[[torch.Tensor, PackedRows], torch.Tensor],
+    *,
+    group: dist.ProcessGroup,
+    train: bool,
+) -> list[torch.Tensor]:
+    """The group's micro-batches ``rows`` (``schedule`` order, ``steps`` naming each one's (owner, index)) through
+    ``pipeline``, every rank of each stage its chunk of each row: rows padded to common shapes (``padded_to``; a
+    schedule needs them), each stage's decoder layers on the chunks (``DecoderLM.forward`` with ``row_length`` hands
+    hidden states on), and on the last stage steps 2-3 of the module docstring per micro-batch: the head's inputs
+    gathered over ``group``, the head and ``output_fn`` on the owner of this rank's ``micros``, the head on no rows
+    elsewhere. Returns the results of this rank's own micro-batches (the last stage's; none elsewhere), detached."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    unit = 2 * cp if rows[0].zigzag else cp
+    offsets = max(len(row.cu_seqlens) for row in rows) + 1
+    length = max(len(row.input_ids) + offsets - len(row.cu_seqlens) for row in rows)
+    length += -length % unit
+    rows = [row.padded_to(length, offsets) for row in rows]
+    chunks = [row.chunk(rank, cp) for row in rows]
+    kwargs = {
+        "position_ids": torch.stack([chunk[1] for chunk in chunks]),
+        "cu_seqlens": torch.stack([row.cu_seqlens for row in rows]),
+        "max_seqlen": max(row.max_seqlen for row in rows),
+        "row_length": length,
+    }
+    model, device = pipeline.module, pipeline.device
+
+    def stage_output(hidden: torch.Tensor, index: int) -> torch.Tensor:
+        (owner, mine), row = steps[index], rows[index]
+        counts, order = row.gather_layout(cp)
+        gathered = gather_rows(hidden[0].index_select(0, chunks[index][2].to(device)), counts, group)
+        if order is not None:
+            gathered = gathered.index_select(0, order.to(device))
+        if owner != rank:
+            return model.head_outputs(gathered[:0]).sum()  # as in context_parallel_step
+        return output_fn(model.head_outputs(gathered), micros[mine])
+
+    input_ids = torch.stack([chunk[0] for chunk in chunks])
+    results = pipeline.run(input_ids, kwargs, output_fn=stage_output, train=train)
+    return [result.detach() for result, (owner, _) in zip(results, steps) if owner == rank]
 
 
 def gather_chunk_routes(chunk: torch.Tensor, row: ContextRow, group: dist.ProcessGroup) -> torch.Tensor:

@@ -37,7 +37,7 @@ from spmd_rlhf.runtime import RoleContext
 from spmd_rlhf.training.activation_offload import ActivationOffload
 from spmd_rlhf.training.context_parallel import (
     ContextRow,
-    check_context_parallel,
+    context_parallel_pipeline,
     context_parallel_step,
     exchange_rows,
     gather_chunk_routes,
@@ -121,8 +121,6 @@ class ShardedModel:
         self.context_padding_tokens = 0
         """Padding tokens this rank's micro-batches took so that cp divides their packed rows, since the start (a
         metric: ``<role>/cp_padding_tokens``)."""
-        if self.cp_group is not None:
-            check_context_parallel(dims, role=name)
         self.adapters = parallelize(
             model,
             tp_mesh=self.mesh["tp"],
@@ -268,16 +266,6 @@ class ShardedModel:
         groups = self.micro_batch_rows(batch, micro_batch_size, train=train)
         order = torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
         micros = [PackedRows(batch.select(rows)) for rows in groups]
-        if self.pipeline is not None and micros:
-            input_ids, model_kwargs = stack_packed(micros, per_token=per_token)
-
-            def stage_output(output: torch.Tensor, index: int) -> torch.Tensor:
-                micro = micros[index]
-                return output_fn(output[: micro.output_count(per_token=per_token)], micro)
-
-            with ActivationOffload() if self.offloads_activations and train else contextlib.nullcontext():
-                results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
-            return [result.detach() for result in results], order
         steps, rows = [(None, index) for index in range(len(micros))], None
         if self.cp_group is not None:
             cp = self.context.dims.cp
@@ -296,6 +284,21 @@ class ShardedModel:
             ]
             self.context_padding_tokens += sum(row.padding_tokens for row in mine)
             rows = exchange_rows(mine, self.cp_group)
+        if self.pipeline is not None and micros:
+            with ActivationOffload() if self.offloads_activations and train else contextlib.nullcontext():
+                if rows is not None:
+                    rows = [rows[owner][index] for owner, index in steps]
+                    return context_parallel_pipeline(
+                        self.pipeline, rows, steps, micros, output_fn, group=self.cp_group, train=train
+                    ), order
+                input_ids, model_kwargs = stack_packed(micros, per_token=per_token)
+
+                def stage_output(output: torch.Tensor, index: int) -> torch.Tensor:
+                    micro = micros[index]
+                    return output_fn(output[: micro.output_count(per_token=per_token)], micro)
+
+                results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
+            return [result.detach() for result in results], order
         accumulate = train and self.accumulate_unsharded and len(steps) > 1
         gathered = accumulate or (not train and self.gather_forward and len(steps) > 1)
         results = []

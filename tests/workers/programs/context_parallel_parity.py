@@ -1,10 +1,12 @@
 """Every role under context parallelism on the same ranks, against one rank: layouts ``dp{dp}cp{cp}tp{tp}`` such as
 dp2cp2tp1, dp4cp4tp1 (grouped-query attention: 2 key/value heads replicated to 4), dp4cp2tp1 (two cp groups) and
 dp2cp2tp2 (with tensor parallelism); a ``ring`` suffix (dp4cp4tp1ring, dp2cp2tp2ring) sets every role's
-``cp_attention=ring`` (zig-zag chunks, keys and values around the ring). Each layout computes the actor's log-probs
-and every parameter's gradient of their sum, the critic's values and the reward model's scores, then takes two actor
-updates (KL and entropy terms) and one critic update, and saves the actor's updated weights. Last, an actor at
-dp2cp2tp1 whose micro-batch token budget (6) holds only half of the longest row (11 tokens) takes the same two updates.
+``cp_attention=ring`` (zig-zag chunks, keys and values around the ring); a ``pp`` part (dp2cp2tp1pp2ring) runs
+every role through a pipeline of that many stages. Each layout computes the actor's log-probs and (without a
+pipeline) every parameter's gradient of their sum, the critic's values and the reward model's scores, then takes two
+actor updates (KL and entropy terms) and one critic update, and saves the actor's updated weights. Last, an actor at
+dp2cp2tp1 whose micro-batch token budget (6) holds only half of the longest row (11 tokens) takes the same two
+updates.
 
     torchrun --nproc-per-node 4 context_parallel_parity.py POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1cp1tp1 ...
 """
@@ -51,11 +53,11 @@ def main(coordinator):
     ]
     batch = with_value_targets(rollout_batch(16, 5, 6, vocab=100))
     for layout in layouts:
-        dp, cp, tp, ring = re.fullmatch(r"dp(\d+)cp(\d+)tp(\d+)(ring)?", layout).groups()
-        dp, cp, tp = int(dp), int(cp), int(tp)
+        dp, cp, tp, pp, ring = re.fullmatch(r"dp(\d+)cp(\d+)tp(\d+)(?:pp(\d+))?(ring)?", layout).groups()
+        dp, cp, tp, pp = int(dp), int(cp), int(tp), int(pp or 1)
         attention = [f"{role}.cp_attention=ring" for role in ("actor", "critic", "reward")] if ring else []
         config = load_config(None, [*overrides, *attention])
-        pool, dims = ResourcePool(range(dp * tp)), ParallelDims(dp=dp, tp=tp, cp=cp)
+        pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp, cp=cp)
         actor = coordinator.spawn(GradientActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
         critic = coordinator.spawn(CriticWorker, config, name=f"critic_{layout}", pool=pool, dims=dims)
         reward = coordinator.spawn(RewardWorker, config, name=f"reward_{layout}", pool=pool, dims=dims)
@@ -65,7 +67,8 @@ def main(coordinator):
             "scores": reward.compute_rewards(batch).result().fetch()["scores"],
         }
         torch.save(results, f"{out_dir}/{layout}.pt")
-        actor.save_log_prob_gradients(batch.tensors, f"{out_dir}/{layout}_gradients.pt").result()
+        if pp == 1:  # (through a pipeline, rank 0 holds the first stage's gradients only)
+            actor.save_log_prob_gradients(batch.tensors, f"{out_dir}/{layout}_gradients.pt").result()
         metrics = {
             "actor": [actor.update_actor(batch).result() for _ in range(2)],
             "critic": [critic.update_critic(batch).result()],
