@@ -25,6 +25,7 @@ all-gather of the head's inputs (and its reduce-scatter in the backward).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from spmd_rlhf.models.pipeline import Pipeline
 from spmd_rlhf.models.ring_attention import zigzag_positions
 from spmd_rlhf.training.packing import PackedRows
+from spmd_rlhf.training.router_replay import RouterReplay
 
 
 @dataclass(frozen=True)
@@ -271,3 +273,76 @@ def gather_chunk_routes(chunk: torch.Tensor, row: ContextRow, group: dist.Proces
     order = torch.argsort(torch.cat([row.positions(rank, cp) for rank in range(cp)]))
     row_order = torch.cat(pieces).index_select(0, order.to(chunk.device))
     return row_order[: len(row.input_ids) - row.padding_tokens].to(chunk.dtype)
+
+
+class ContextParallelRunner:
+    """One role's micro-batches under context parallelism over ``group``, for ``ShardedModel.run_model``: the rows
+    exchanged once per call (``rows``), each micro-batch of the group run by every rank (``step``), or through a
+    pipeline (``context_parallel_pipeline``); with router replay, each rank's routers take its chunk's recorded
+    experts, and a recording gathers the chunks' experts back for the row's owner."""
+
+    def __init__(
+        self, model: torch.nn.Module, group: dist.ProcessGroup, *, replay: RouterReplay | None, device: torch.device
+    ) -> None:
+        self.model, self.group, self.replay, self.device = model, group, replay, device
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.padding_tokens = 0
+        """Padding tokens this rank's micro-batches took so that cp divides their packed rows, since the start (a
+        metric: ``<role>/cp_padding_tokens``)."""
+
+    def rows(self, micros: list[PackedRows], *, per_token: bool) -> list[list[ContextRow]]:
+        """Every rank of the group's micro-batch rows, by group rank (``exchange_rows``), laid out for the model's
+        attention (zig-zag chunks for ring)."""
+        replay, zigzag = self.replay, self.model.context_parallel == "ring"
+        mine = [
+            ContextRow.of(
+                micro,
+                cp=self.cp,
+                per_token=per_token,
+                zigzag=zigzag,
+                routes=None if replay is None else replay.packed_routes(micro),
+            )
+            for micro in micros
+        ]
+        self.padding_tokens += sum(row.padding_tokens for row in mine)
+        return exchange_rows(mine, self.group)
+
+    def step(
+        self,
+        row: ContextRow,
+        micro: PackedRows | None,
+        output_fn: Callable[[torch.Tensor, PackedRows], torch.Tensor],
+        *,
+        train: bool,
+        every_rank: Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None,
+    ) -> torch.Tensor | None:
+        """``context_parallel_step`` of ``row`` (``micro``: this rank's, if it owns the row), routing by the row's
+        recorded experts where it carries them."""
+        routes = None if self.replay is None else row.chunk_routes(self.rank, self.cp)
+        with self.replay.replaying_routes(routes, self.device) if routes is not None else contextlib.nullcontext():
+            return context_parallel_step(
+                self.model,
+                row,
+                micro,
+                output_fn,
+                group=self.group,
+                device=self.device,
+                train=train,
+                every_rank=self._after_recording(every_rank),
+            )
+
+    def _after_recording(
+        self, every_rank: Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None
+    ) -> Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None:
+        """``every_rank``, after router replay's recording (if on) has gathered the row's experts from the group's
+        chunks: the owner's ``routes_of`` then reads the whole row's."""
+        replay = self.replay
+        if replay is None or replay.seen is None:
+            return every_rank
+
+        def gather_then(row: ContextRow, real_tokens: torch.Tensor) -> torch.Tensor | None:
+            whole = gather_chunk_routes(replay.recorded_chunk(), row, self.group)
+            replay.seen[:] = whole.unbind(1)
+            return None if every_rank is None else every_rank(row, real_tokens)
+
+        return gather_then

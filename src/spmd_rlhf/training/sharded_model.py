@@ -36,11 +36,9 @@ from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import RoleContext
 from spmd_rlhf.training.activation_offload import ActivationOffload
 from spmd_rlhf.training.context_parallel import (
+    ContextParallelRunner,
     ContextRow,
     context_parallel_pipeline,
-    context_parallel_step,
-    exchange_rows,
-    gather_chunk_routes,
     schedule,
 )
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
@@ -118,9 +116,6 @@ class ShardedModel:
         self.cp_group = context.groups.get("cp")
         """This rank's context-parallel group (``<role>.cp > 1``): micro-batches run split over it
         (``training.context_parallel``)."""
-        self.context_padding_tokens = 0
-        """Padding tokens this rank's micro-batches took so that cp divides their packed rows, since the start (a
-        metric: ``<role>/cp_padding_tokens``)."""
         self.adapters = parallelize(
             model,
             tp_mesh=self.mesh["tp"],
@@ -184,6 +179,12 @@ class ShardedModel:
             raise ValueError(f"algorithm.router_replay={router_replay} needs {name}.pp=1; set one of them")
         self.router_replay = RouterReplay(model) if router_replay != "off" else None
         """Set when micro-batches whose rows carry ``routed_experts`` route by them (``training.router_replay``)."""
+        self.context_parallel = None
+        """With ``<role>.cp > 1``: runs the micro-batches split over the cp group (``training.context_parallel``)."""
+        if self.cp_group is not None:
+            self.context_parallel = ContextParallelRunner(
+                model, self.cp_group, replay=self.router_replay, device=self.device
+            )
         self.pipeline = None
         if dims.pp > 1:
             self.pipeline = Pipeline(
@@ -267,23 +268,9 @@ class ShardedModel:
         order = torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
         micros = [PackedRows(batch.select(rows)) for rows in groups]
         steps, rows = [(None, index) for index in range(len(micros))], None
-        if self.cp_group is not None:
-            cp = self.context.dims.cp
-            steps = schedule(len(micros), cp)
-            zigzag = self.module.context_parallel == "ring"
-            replay = self.router_replay
-            mine = [
-                ContextRow.of(
-                    micro,
-                    cp=cp,
-                    per_token=per_token,
-                    zigzag=zigzag,
-                    routes=None if replay is None else replay.packed_routes(micro),
-                )
-                for micro in micros
-            ]
-            self.context_padding_tokens += sum(row.padding_tokens for row in mine)
-            rows = exchange_rows(mine, self.cp_group)
+        if self.context_parallel is not None:
+            steps = schedule(len(micros), self.context.dims.cp)
+            rows = self.context_parallel.rows(micros, per_token=per_token)
         if self.pipeline is not None and micros:
             with ActivationOffload() if self.offloads_activations and train else contextlib.nullcontext():
                 if rows is not None:
@@ -311,25 +298,10 @@ class ShardedModel:
                     self.module.set_reshard_after_backward(last)
                 micro = micros[index]
                 if rows is not None:
-                    row, rank = rows[owner][index], dist.get_rank(self.cp_group)
-                    mine = micro if owner == rank else None
-                    replay = self.router_replay
-                    routes = None if replay is None else row.chunk_routes(rank, self.context.dims.cp)
-                    with (
-                        replay.replaying_routes(routes, self.device)
-                        if routes is not None
-                        else contextlib.nullcontext(),
-                        ActivationOffload() if offload else contextlib.nullcontext(),
-                    ):
-                        result = context_parallel_step(
-                            self.module,
-                            row,
-                            mine,
-                            output_fn,
-                            group=self.cp_group,
-                            device=self.device,
-                            train=train,
-                            every_rank=self._every_rank(every_rank),
+                    mine = micro if owner == self.context_parallel.rank else None
+                    with ActivationOffload() if offload else contextlib.nullcontext():
+                        result = self.context_parallel.step(
+                            rows[owner][index], mine, output_fn, train=train, every_rank=every_rank
                         )
                     if result is not None:
                         results.append(_detached(result))
@@ -342,22 +314,6 @@ class ShardedModel:
                         result.backward()
                 results.append(_detached(result))
         return results, order
-
-    def _every_rank(
-        self, every_rank: Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None
-    ) -> Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None:
-        """``every_rank`` of a context-parallel step, after router replay's recording (if on) has gathered the row's
-        experts from the group's chunks: the owner's ``routes_of`` then reads the whole row's."""
-        replay = self.router_replay
-        if replay is None or replay.seen is None:
-            return every_rank
-
-        def gather_then(row: ContextRow, real_tokens: torch.Tensor) -> torch.Tensor | None:
-            whole = gather_chunk_routes(replay.recorded_chunk(), row, self.cp_group)
-            replay.seen[:] = whole.unbind(1)
-            return None if every_rank is None else every_rank(row, real_tokens)
-
-        return gather_then
 
     @contextlib.contextmanager
     def _gathered_across_micro_batches(self, *, train: bool) -> Iterator[None]:

@@ -259,7 +259,7 @@ class Trainer:
         metrics[f"{prefix}/loss"] = self.reducer.totals(local_losses)[0]
         metrics[f"{prefix}/lr"] = [self.scheduler.get_last_lr()[0]]
         if self.model.cp_group is not None:
-            metrics[f"{prefix}/cp_padding_tokens"] = [float(self.model.context_padding_tokens)]
+            metrics[f"{prefix}/cp_padding_tokens"] = [float(self.model.context_parallel.padding_tokens)]
         self.scheduler.step()
         means = {key: sum(values) / len(values) for key, values in metrics.items()}
         return {**means, f"{prefix}/skipped_steps": float(self.skipped.total - skipped_before)}
