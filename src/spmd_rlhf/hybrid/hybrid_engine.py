@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from spmd_rlhf.collectives import all_gather_flat
 from spmd_rlhf.hybrid.layout import GenerationLayout
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.local_tensor_parallel import run_locally
 from spmd_rlhf.models.lora import ADAPTER_SUFFIXES, LoRAAdapters, is_adapter, merged_weight
 from spmd_rlhf.models.merged_linear import merge_projections
 from spmd_rlhf.models.parallelize import parallelize
@@ -125,7 +126,8 @@ class HybridEngine:
     def _new_generation_model(self, dtype: torch.dtype) -> DecoderLM:
         """The generation layout's model in ``dtype``, allocated on this rank's device but not filled, its q/k/v and
         gate/up projections merged (``merge_projections``: their parameters are views of one weight, which the
-        in-place writes of ``_gather_block`` and ``_exchange_stages`` fill)."""
+        in-place writes of ``_gather_block`` and ``_exchange_stages`` fill), its TP-split modules computing on local
+        shards (``run_locally``)."""
         with torch.device("meta"):
             generation = DecoderLM(self.model.args, head=self.model.head, attention_backend=self.attention_backend)
             generation = generation.to(dtype)
@@ -135,6 +137,8 @@ class HybridEngine:
         generation.reset_buffers()
         generation.requires_grad_(False).eval()
         merge_projections(generation)
+        if self.tp_mesh is not None:
+            run_locally(generation, self.tp_mesh)
         return generation
 
     def _blocks(self):

@@ -28,6 +28,7 @@ from spmd_rlhf.envs.multi_turn import single_turn_response
 from spmd_rlhf.hybrid.weight_sync import SyncSides, receive_weights, sync_group_ranks
 from spmd_rlhf.mapping.role_pools import role_pools
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.local_tensor_parallel import run_locally
 from spmd_rlhf.models.merged_linear import merge_projections
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model, load_weights
@@ -69,7 +70,8 @@ def generation_replica(
     """The model at ``path`` TP-sharded over ``tp_mesh`` in ``dtype`` for generation (the LM head gathers the
     logits), its parameters allocated but not filled (the weight sync fills them, in place, before any generation),
     or with ``load`` filled from ``path``'s checkpoint (each rank reading its own TP pieces: a generative judge); its
-    q/k/v and gate/up projections merged (``merge_projections``)."""
+    q/k/v and gate/up projections merged (``merge_projections``), its TP-split modules computing on local shards
+    (``models.local_tensor_parallel``)."""
     model = build_model(path, head="lm", dtype=dtype, attention_backend=attention_backend)
     parallelize(model, tp_mesh=tp_mesh, dp_mesh=None, gather_logits=True, role=role)
     if load:
@@ -80,6 +82,7 @@ def generation_replica(
         model.reset_buffers()
     model.requires_grad_(False).eval()
     merge_projections(model)
+    run_locally(model, tp_mesh)
     return model
 
 
