@@ -23,8 +23,9 @@ fixed-address inputs eagerly; that is how the padding, scratch-block and samplin
 When the graphs apply (``graphs_unsupported`` says why not, once in the log): a CUDA model whose decode attention is the
 Triton paged kernel (which reads the context lengths and block tables from device tensors; the flash-attn paged path
 takes host integers, and the SDPA fallback gathers shapes that change every step), and no DTensor parameters (a
-tensor-parallel step has collectives in it: capturing those is not done here yet), and MoE experts on the grouped-GEMM
-path (the expert loop reads each layer's per-expert counts on the host).
+tensor-parallel step runs on local shards, ``models.local_tensor_parallel``, but has NCCL collectives in it, which NCCL
+allows in a graph and this engine has not yet captured on several GPUs), and MoE experts on the grouped-GEMM path (the
+expert loop reads each layer's per-expert counts on the host).
 
 A row's input token is gathered inside the graph from the host's ids or from the ids the previous step sampled, still
 on the device: the engine's overlapped loop reads those one step late (``llm_engine``).
@@ -85,7 +86,10 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
     if weight.device.type != "cuda":
         return f"the model is on {weight.device.type}, not a CUDA device"
     if any(isinstance(param, DTensor) for param in model.parameters()):
-        return "the model is tensor-parallel (rollout.tp > 1), and its collectives are not captured yet"
+        return (
+            "the model is tensor-parallel (rollout.tp > 1): its steps run on local shards, but capturing their NCCL "
+            "collectives in a graph is not verified on several GPUs yet"
+        )
     backend = resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype)
     if backend == "torch":
         return "decode attention is the pure-torch path (model.attention), whose gathered shapes change every step"
