@@ -1,12 +1,14 @@
 """Expert parallelism in a trained role (``programs/expert_parallel_parity.py``): a tiny Qwen3-MoE actor with
-``actor.ep`` in {2, 4} over 2 or 4 CPU ranks, with the experts also FSDP-sharded (dp4·ep2), through a pipeline
-(dp2·ep2·pp2) and with tensor parallelism (dp2·ep2·tp2; TP alone: tests/models/test_moe.py), computes the same
-log-probs as one rank, and two updates leave the same losses, gradient norms and weights, experts included. A dp4·ep2
-checkpoint resumes bitwise into dp4·ep4, and the next update matches."""
+``actor.ep`` in {2, 4} over 2, 4 or 8 CPU ranks, with the experts also FSDP-sharded (dp4·ep2), through a pipeline
+(dp2·ep2·pp2) and with tensor parallelism (dp2·ep2·tp2, and dp4·ep4·tp2 over 8 ranks; TP alone:
+tests/models/test_moe.py), computes the same log-probs as one rank, and two updates leave the same losses, gradient
+norms and weights, experts included. A dp4·ep2 checkpoint resumes bitwise into dp4·ep4, and the next update
+matches."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,38 +21,54 @@ REFERENCE = "dp1ep1tp1pp1"
 LAYOUTS = ["dp4ep2tp1pp1", "dp4ep4tp1pp1", "dp2ep2tp1pp2", "dp2ep2tp2pp1"]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("expert_parallel")
+EIGHT_RANKS = ["dp4ep4tp2pp1"]
+"""ep = 4 with tensor parallelism: a job of its own on 8 ranks (about 25 s on 2 cores)."""
+
+
+def _parity_run(root: Path, layouts: list[str], nproc: int) -> tuple[str, Path]:
     policy = make_tiny(family="qwen3_moe", out_dir=str(root / "policy"), hidden_size=32, vocab_size=300)
     out = root / "out"
     out.mkdir()
-    finished = torchrun("expert_parallel_parity.py", policy, str(out), REFERENCE, *LAYOUTS, nproc=4, timeout=300)
+    finished = torchrun("expert_parallel_parity.py", policy, str(out), REFERENCE, *layouts, nproc=nproc, timeout=300)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return policy, out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_log_probs_match_one_rank(run, layout):
-    _, out = run
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return _parity_run(tmp_path_factory.mktemp("expert_parallel"), LAYOUTS, 4)
+
+
+@pytest.fixture(scope="module")
+def run_eight(tmp_path_factory):
+    return _parity_run(tmp_path_factory.mktemp("expert_parallel_eight"), EIGHT_RANKS, 8)
+
+
+def _outputs(request, layout: str) -> tuple[str, Path]:
+    return request.getfixturevalue("run_eight" if layout in EIGHT_RANKS else "run")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + EIGHT_RANKS)
+def test_log_probs_match_one_rank(request, layout):
+    _, out = _outputs(request, layout)
     torch.testing.assert_close(
         torch.load(out / f"{layout}.pt"), torch.load(out / f"{REFERENCE}.pt"), rtol=1e-5, atol=1e-5
     )
 
 
-@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.endswith("pp1")])
-def test_every_gradient_matches_one_rank(run, layout):
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS + EIGHT_RANKS if layout.endswith("pp1")])
+def test_every_gradient_matches_one_rank(request, layout):
     """The router's too: under tp its gradient sums each rank's share of the experts' (``sum_gradient_over``)."""
-    _, out = run
+    _, out = _outputs(request, layout)
     reference, gradients = torch.load(out / f"{REFERENCE}_gradients.pt"), torch.load(out / f"{layout}_gradients.pt")
     assert gradients.keys() == reference.keys() and any(".mlp.gate." in name for name in reference)
     for name in reference:
         torch.testing.assert_close(gradients[name], reference[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_updates_match_one_rank(run, layout):
-    policy, out = run
+@pytest.mark.parametrize("layout", LAYOUTS + EIGHT_RANKS)
+def test_two_updates_match_one_rank(request, layout):
+    policy, out = _outputs(request, layout)
     reference_metrics = json.loads((out / f"{REFERENCE}.json").read_text())
     metrics = json.loads((out / f"{layout}.json").read_text())
     for step, (reference_step, step_metrics) in enumerate(zip(reference_metrics, metrics)):
