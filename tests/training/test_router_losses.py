@@ -113,6 +113,9 @@ def test_router_loss_coefficients_change_the_router_gradient(moe_dir):
     assert len(metrics["routed"]) == 2
     load = metrics["actor/expert_load_max_over_mean"]
     assert load == pytest.approx(expected_load(metrics["routed"], 4), rel=1e-6) and load < 4 / top_k
+    for layer in range(2):  # each MoE layer's own, averaged over the micro-batches
+        own = expected_load([[forward[layer]] for forward in metrics["routed"]], 4)
+        assert metrics[f"actor/expert_load_max_over_mean/layer_{layer}"] == pytest.approx(own, rel=1e-6), layer
 
 
 def test_a_router_loss_on_a_dense_model_is_refused(tmp_path):

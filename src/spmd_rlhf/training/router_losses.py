@@ -82,9 +82,13 @@ class RouterLosses:
         self.routings: list[Routing] = []
         self._recording = False
         model.model.register_forward_pre_hook(self._start)
-        for module in model.modules():
-            if isinstance(module, TopKRouter):
-                module.register_forward_hook(self._record)
+        self.layers: list[str] = []
+        """Each router's decoder layer index, in the order the forward meets them."""
+        for index, layer in model.model.layers.items():
+            for module in layer.modules():
+                if isinstance(module, TopKRouter):
+                    module.register_forward_hook(self._record)
+                    self.layers.append(index)
 
     def _start(self, module: nn.Module, inputs: object) -> None:
         self.routings.clear()
@@ -104,8 +108,10 @@ class RouterLosses:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
         """From the last forward's routings: the loss to back-propagate, ``share * (aux_coef * L_aux + z_coef *
         L_z)`` (None when both coefficients are 0), its whole value (detached; the same without ``group``), and the
-        metrics ``<prefix>/router_aux_loss``, ``<prefix>/router_z_loss`` (unweighted, layer means) and
-        ``<prefix>/expert_load_max_over_mean`` (the worst layer), as 0-dim device tensors. ``share``: the
+        metrics ``<prefix>/router_aux_loss``, ``<prefix>/router_z_loss`` (unweighted, layer means),
+        ``<prefix>/expert_load_max_over_mean`` (the worst layer) and ``<prefix>/expert_load_max_over_mean/layer_<i>``
+        (MoE layer ``i``'s: the most token choices any of its experts got over the mean per expert), as 0-dim device
+        tensors. ``share``: the
         micro-batch's part of the mini-batch (its rows over the mini-batch's rows on all DP ranks). ``token_mask``
         ``[tokens]``: the routed tokens that count (padding excluded). ``group``: the context-parallel group whose
         ranks routed the other chunks of the row (module docstring); every rank of it calls ``take`` together."""
@@ -130,11 +136,12 @@ class RouterLosses:
         fraction = all_choices / all_tokens
         aux = (self.num_experts * (fraction * all_probabilities / all_tokens).sum(-1)).mean()
         z = (all_squares / all_tokens).mean()
-        load = (all_choices.amax(-1) / all_choices.mean(-1).clamp(min=1e-9)).max()
+        loads = all_choices.amax(-1) / all_choices.mean(-1).clamp(min=1e-9)
         metrics = {
             f"{prefix}/router_aux_loss": aux,
             f"{prefix}/router_z_loss": z,
-            f"{prefix}/expert_load_max_over_mean": load,
+            f"{prefix}/expert_load_max_over_mean": loads.max(),
+            **{f"{prefix}/expert_load_max_over_mean/layer_{index}": load for index, load in zip(self.layers, loads)},
         }
         if not (self.aux_coef or self.z_coef):
             return None, None, metrics

@@ -4,7 +4,7 @@ dp2ep1tp2pp1 (each expert's width split over tp) or dp2ep2tp2pp1 (both). Each la
 updates (metrics: loss and gradient norm of each) and saves its weights (experts included); before them, without
 pipeline stages, it writes every parameter's whole gradient of the summed response log-probs (the router's
 included, which the update's metrics hardly feel). Then, when both were run,
-the dp4ep2 actor's DCP checkpoint is resumed by a dp4ep4 actor, and both take one more update.
+the dp2ep2 actor's DCP checkpoint is resumed by a dp4ep4 actor, and both take one more update.
 
     torchrun --nproc-per-node 4 expert_parallel_parity.py POLICY_DIR OUT_DIR dp1ep1tp1pp1 dp2ep2tp1pp1 ...
 """
@@ -87,8 +87,8 @@ def main(coordinator):
         Path(f"{out_dir}/{layout}.json").write_text(json.dumps(metrics))
         actor.save_pretrained(f"{out_dir}/{layout}_actor").result()
         actors[layout] = actor
-    if "dp4ep2tp1pp1" in actors:
-        saved = actors["dp4ep2tp1pp1"]
+    if "dp2ep2tp1pp1" in actors:
+        saved = actors["dp2ep2tp1pp1"]
         saved.save_checkpoint(f"{out_dir}/checkpoint").result()
         resumed = coordinator.spawn(
             ActorWorker, config, name="resumed", pool=ResourcePool(range(4)), dims=ParallelDims(dp=4, ep=4)
