@@ -64,6 +64,18 @@ def test_dry_run_prints_the_plan_and_launches_nothing(name, workdir, preloaded):
     assert "from the first generation on (rollout.keep_engine)" in shown.stdout
 
 
+def test_dry_run_of_a_mixture_of_experts_actor_with_ep_and_cp(workdir, preloaded):
+    from spmd_rlhf.tiny.model import make_tiny
+
+    moe = make_tiny(family="qwen3_moe", out_dir=str(workdir / "moe"), hidden_size=32, vocab_size=300)
+    arguments = command("grpo", "--dry-run", "--world-size", "4", f"model.path={moe}", "actor.ep=2", "actor.cp=2")
+    shown = preloaded.run(arguments, cwd=workdir, timeout=120, stderr_apart=True)
+    assert shown.returncode == 0, shown.stderr
+    actor = next(line for line in shown.stdout.splitlines() if line.startswith("actor "))
+    assert actor.split()[2:7] == ["1", "4", "1", "2", "2"]  # pp dp tp ep cp
+    assert len([line for line in shown.stdout.splitlines() if line.startswith("rank ") and "MiB" in line]) == 4
+
+
 def test_bad_key_is_one_line_and_exit_code_2(workdir):
     shown = run("grpo", "actor.tpp=2", cwd=workdir)
     assert shown.returncode == 2
