@@ -10,7 +10,7 @@ KiB or more at once, as in ``scale.py``), and the seconds. The first update also
 moments; later ones are the steady state. Writes one JSON line per length to ``--out``.
 
 The floor of a steady update's rise on one rank: a token's activations as ``training.token_budget`` counts them
-(``bytes_per_token``, checkpointing as configured, the logits at every token, the whole row's on the row's owner)
+(``bytes_per_token``, checkpointing as configured, the logits at every token of the rank's chunk)
 times the tokens of one micro-batch on the rank (``length / cp``), plus the float32 gradients of this rank's share of
 the parameters (FSDP over the ranks; freed after the step, so part of the rise). Not counted: FSDP's gathered
 parameters and unsharded gradients of the unit in flight at cp > 1 (dp = cp ranks), the exchanged rows.
@@ -112,7 +112,6 @@ def main(coordinator) -> None:
             dtype_bytes=4,
             train=True,
             activation_checkpointing=args.activation_checkpointing,
-            cp=world,
         ) * (length / world)
         gradients = 4 * per_rank[0]["parameters"] / world
         record = {

@@ -197,7 +197,7 @@ def head_output_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, trained: 
     ``rows_per_chunk`` rows of the rank's vocabulary slice (``models.logprob``), a few at a time
     (``FORWARD_LOGPROB_CHUNKS``, ``TRAINING_LOGPROB_CHUNKS``): no float32 ``[positions, vocab]`` tensor is counted
     because none exists."""
-    micro = _micro_batch(role, batch)
+    micro = _micro_batch(role, batch) / layout.cp  # each rank of a cp group: its chunk's
     if role.head != "lm":
         positions = micro * (batch.sequence_length if role.head == "score" else batch.response_length)
         return positions * batch.dtype_bytes * (2 if trained else 1)
@@ -241,8 +241,7 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     path's float32 chunks (``head_output_bytes``). Generation is accounted for in ``generation_seconds`` (its shard
     and KV cache take what is left)."""
     shape, b = role.shape, batch.dtype_bytes
-    # Under context parallelism a rank holds its 1/cp chunk of each micro-batch (the head's outputs whole, on the
-    # micro-batch's owner).
+    # Under context parallelism a rank holds its 1/cp chunk of each micro-batch, and the head's outputs of its chunk.
     tokens = _micro_batch(role, batch) * batch.sequence_length / layout.cp
     layer = layer_activation_bytes(role.shape, b) * tokens / layout.tp
     outputs = head_output_bytes(role, layout, batch, trained=role.trained)

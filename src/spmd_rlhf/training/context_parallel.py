@@ -10,17 +10,19 @@ sequence offsets and where the head reads: host tensors, ``exchange_rows``); the
 1. runs the decoder on its chunk of that row (``ContextRow.chunk``; the row padded with one padding sequence to a
    multiple of ``cp`` tokens, counted in ``padding_tokens``), each layer's attention over the whole row by
    all-to-all (``models.context_parallel.ulysses_attend``, installed by ``parallelize``);
-2. picks the final hidden states at the positions its chunk holds of those the head reads (response positions, or
-   each sequence's last token for a score head) and all-gathers them over the group, in row order
-   (``gather_rows``, whose backward hands each rank the gradient of its own rows): ``[outputs, hidden]``, never
-   ``[tokens, vocab]``;
-3. on the row's owner, the head and the caller's loss or result function run as without context parallelism; the
-   others run the head on no rows (so that every rank's parameters get a gradient, zero, and FSDP reduces the same
-   tensors everywhere) and take part in the backward.
+2. runs the head on its chunk's final hidden states at the positions it holds of those the head reads (response
+   positions, or each sequence's last token for a score head); an LM head's logits ``[held, vocab / tp]`` become
+   each token's log-prob (and, in training, entropy) right there, chunk by chunk over the vocabulary
+   (``TokenStatistics``, ``models.logprob``), so no rank holds a whole row's logits;
+3. all-gathers those per-token outputs over the group, in row order (``gather_rows``, whose backward hands each rank
+   the gradient of its own rows): ``[outputs, 2]`` floats for an LM head, ``[outputs]`` for a value or score head;
+4. on the row's owner, the caller's loss or result function runs on them as on the head's outputs without context
+   parallelism (``ShardedModel.response_log_probs`` reads the gathered log-probs); the others take part in the
+   backward, each through its own chunk's head.
 
-Memory per rank: one chunk's activations (``row / cp`` tokens) plus the gathered ``[outputs, hidden]`` and, on the
-owner, the head's outputs. Traffic per micro-batch: Ulysses' all-to-alls in every layer (``ulysses_bytes``) and one
-all-gather of the head's inputs (and its reduce-scatter in the backward).
+Memory per rank: one chunk's activations (``row / cp`` tokens) and one chunk's head outputs, plus the gathered
+per-token floats. Traffic per micro-batch: Ulysses' all-to-alls (or the ring's passes) in every layer and one
+all-gather of the per-token outputs (and its reduce-scatter in the backward).
 """
 
 from __future__ import annotations
@@ -122,6 +124,10 @@ class ContextRow:
             routes=routes,
         )
 
+    def labels(self, rank: int, cp: int, held: torch.Tensor) -> torch.Tensor:
+        """The token each of rank ``rank``'s ``held`` output positions predicts (the next one of the row)."""
+        return self.input_ids[self.positions(rank, cp)[held] + 1]
+
     def real_tokens(self, rank: int, cp: int) -> torch.Tensor:
         """``[T / cp]`` bool: which tokens of rank ``rank``'s chunk are the micro-batch's (not the padding)."""
         return self.positions(rank, cp) < len(self.input_ids) - self.padding_tokens
@@ -144,6 +150,11 @@ class ContextRow:
         held = [positions[torch.isin(positions, self.reads)] for positions in map(self.positions, range(cp), [cp] * cp)]
         order = torch.argsort(torch.cat(held)) if self.zigzag else None
         return [len(positions) for positions in held], order
+
+
+TokenStatistics = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(an LM head's logits ``[n, vocab / tp]`` at a chunk's output positions, their labels ``[n]``) -> per-token floats
+``[n, m]``: the log-prob of each label, and in training its distribution's entropy (``ShardedModel``'s)."""
 
 
 def exchange_rows(rows: list[ContextRow], group: dist.ProcessGroup) -> list[list[ContextRow]]:
@@ -182,15 +193,16 @@ def context_parallel_step(
     group: dist.ProcessGroup,
     device: torch.device,
     train: bool,
+    statistics: TokenStatistics | None = None,
     every_rank: Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
-    """One micro-batch of the group (steps 1-3 of the module docstring): this rank's chunk of ``row`` through
-    ``model``'s decoder, the head's inputs gathered over ``group``; on the row's owner (``micro`` given) the head and
-    ``output_fn`` (its result returned, back-propagated with ``train``), elsewhere the head on no rows and the
-    backward's share. Inputs go to ``device``. ``every_rank(row, real_tokens)``, when given, runs on every rank of
-    the group right after its chunk's decoder forward (``real_tokens``: the chunk's tokens that are not padding, on
-    ``device``); a tensor it returns joins what the rank back-propagates (a mixture-of-experts model's router losses:
-    each rank's tokens' share)."""
+    """One micro-batch of the group (steps 1-4 of the module docstring): this rank's chunk of ``row`` through
+    ``model``'s decoder and head (an LM head's logits through ``statistics``), the per-token outputs gathered over
+    ``group``; on the row's owner (``micro`` given) ``output_fn`` on them (its result returned, back-propagated with
+    ``train``), elsewhere the backward's share. Inputs go to ``device``. ``every_rank(row, real_tokens)``, when
+    given, runs on every rank of the group right after its chunk's decoder forward (``real_tokens``: the chunk's
+    tokens that are not padding, on ``device``); a tensor it returns joins what the rank back-propagates (a
+    mixture-of-experts model's router losses: each rank's tokens' share)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     input_ids, position_ids, held = row.chunk(rank, cp)
     hidden = model.hidden_states(
@@ -201,21 +213,37 @@ def context_parallel_step(
         row_length=len(row.input_ids),
     )
     extra = None if every_rank is None else every_rank(row, row.real_tokens(rank, cp).to(device))
-    counts, order = row.gather_layout(cp)
-    gathered = gather_rows(hidden[0].index_select(0, held.to(device)), counts, group)
-    if order is not None:  # zig-zag chunks gather out of row order
-        gathered = gathered.index_select(0, order.to(device))
+    gathered = _gathered_outputs(model, hidden[0], row, held, group=group, device=device, statistics=statistics)
     if micro is None:
-        # The head on no rows: FSDP's collectives around it run on every rank, and in training every parameter gets a
-        # (zero) gradient, so FSDP reduces the same tensors everywhere.
-        nothing = model.head_outputs(gathered[:0]).sum()
+        nothing = gathered[:0].sum()  # its backward still runs the gather's, which hands this rank its rows' gradient
         if train:
             (nothing if extra is None else nothing + extra).backward()
         return None
-    result = output_fn(model.head_outputs(gathered), micro)
+    result = output_fn(gathered, micro)
     if train:
         (result if extra is None else result + extra).backward()
     return result
+
+
+def _gathered_outputs(
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    row: ContextRow,
+    held: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    statistics: TokenStatistics | None,
+) -> torch.Tensor:
+    """Steps 2-3 of the module docstring: the head on this rank's chunk ``hidden`` ``[T / cp, hidden]`` at its
+    ``held`` output positions (an LM head's logits through ``statistics``), every rank's gathered in row order."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    outputs = model.head_outputs(hidden.index_select(0, held.to(device)))
+    if statistics is not None:
+        outputs = statistics(outputs, row.labels(rank, cp, held).to(device))
+    counts, order = row.gather_layout(cp)
+    gathered = gather_rows(outputs, counts, group)
+    return gathered if order is None else gathered.index_select(0, order.to(device))  # zig-zag: out of row order
 
 
 def context_parallel_pipeline(
@@ -227,13 +255,14 @@ def context_parallel_pipeline(
     *,
     group: dist.ProcessGroup,
     train: bool,
+    statistics: TokenStatistics | None = None,
 ) -> list[torch.Tensor]:
     """The group's micro-batches ``rows`` (``schedule`` order, ``steps`` naming each one's (owner, index)) through
     ``pipeline``, every rank of each stage its chunk of each row: rows padded to common shapes (``padded_to``; a
     schedule needs them), each stage's decoder layers on the chunks (``DecoderLM.forward`` with ``row_length`` hands
-    hidden states on), and on the last stage steps 2-3 of the module docstring per micro-batch: the head's inputs
-    gathered over ``group``, the head and ``output_fn`` on the owner of this rank's ``micros``, the head on no rows
-    elsewhere. Returns the results of this rank's own micro-batches (the last stage's; none elsewhere), detached."""
+    hidden states on), and on the last stage steps 2-4 of the module docstring per micro-batch: the head on this
+    rank's chunk, its per-token outputs gathered over ``group``, ``output_fn`` on the owner of this rank's
+    ``micros``. Returns the results of this rank's own micro-batches (the last stage's; none elsewhere), detached."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     unit = 2 * cp if rows[0].zigzag else cp
     offsets = max(len(row.cu_seqlens) for row in rows) + 1
@@ -251,13 +280,12 @@ def context_parallel_pipeline(
 
     def stage_output(hidden: torch.Tensor, index: int) -> torch.Tensor:
         (owner, mine), row = steps[index], rows[index]
-        counts, order = row.gather_layout(cp)
-        gathered = gather_rows(hidden[0].index_select(0, chunks[index][2].to(device)), counts, group)
-        if order is not None:
-            gathered = gathered.index_select(0, order.to(device))
+        gathered = _gathered_outputs(
+            model, hidden[0], row, chunks[index][2], group=group, device=device, statistics=statistics
+        )
         if owner != rank:
-            return model.head_outputs(gathered[:0]).sum()  # as in context_parallel_step
-        return output_fn(model.head_outputs(gathered), micros[mine])
+            return gathered[:0].sum()  # as in context_parallel_step
+        return output_fn(gathered, micros[mine])
 
     input_ids = torch.stack([chunk[0] for chunk in chunks])
     results = pipeline.run(input_ids, kwargs, output_fn=stage_output, train=train)
@@ -314,6 +342,7 @@ class ContextParallelRunner:
         output_fn: Callable[[torch.Tensor, PackedRows], torch.Tensor],
         *,
         train: bool,
+        statistics: TokenStatistics | None,
         every_rank: Callable[[ContextRow, torch.Tensor], torch.Tensor | None] | None,
     ) -> torch.Tensor | None:
         """``context_parallel_step`` of ``row`` (``micro``: this rank's, if it owns the row), routing by the row's
@@ -328,6 +357,7 @@ class ContextParallelRunner:
                 group=self.group,
                 device=self.device,
                 train=train,
+                statistics=statistics,
                 every_rank=self._after_recording(every_rank),
             )
 

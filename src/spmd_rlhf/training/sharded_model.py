@@ -38,6 +38,7 @@ from spmd_rlhf.training.activation_offload import ActivationOffload
 from spmd_rlhf.training.context_parallel import (
     ContextParallelRunner,
     ContextRow,
+    TokenStatistics,
     context_parallel_pipeline,
     schedule,
 )
@@ -181,6 +182,9 @@ class ShardedModel:
         """Set when micro-batches whose rows carry ``routed_experts`` route by them (``training.router_replay``)."""
         self.context_parallel = None
         """With ``<role>.cp > 1``: runs the micro-batches split over the cp group (``training.context_parallel``)."""
+        self.log_prob_temperature = config.rollout.temperature or 1.0
+        """The temperature of the log-probs each rank computes of its chunk under context parallelism (the actor's
+        and the reference's, as ``response_log_probs``' callers pass it)."""
         if self.cp_group is not None:
             self.context_parallel = ContextParallelRunner(
                 model, self.cp_group, replay=self.router_replay, device=self.device
@@ -235,7 +239,6 @@ class ShardedModel:
             train=train,
             activation_checkpointing=self.config.model.activation_checkpointing,
             checkpoint_policy=self.config.model.checkpoint_policy,
-            cp=dims.cp,
         )
         longest = batch["attention_mask"].shape[1]
         return derived_token_budget(free_bytes=free_device_bytes(self.device), per_token=per_token, longest=longest)
@@ -275,8 +278,16 @@ class ShardedModel:
             with ActivationOffload() if self.offloads_activations and train else contextlib.nullcontext():
                 if rows is not None:
                     rows = [rows[owner][index] for owner, index in steps]
+                    statistics = self._token_statistics(train=train)
                     return context_parallel_pipeline(
-                        self.pipeline, rows, steps, micros, output_fn, group=self.cp_group, train=train
+                        self.pipeline,
+                        rows,
+                        steps,
+                        micros,
+                        output_fn,
+                        group=self.cp_group,
+                        train=train,
+                        statistics=statistics,
                     ), order
                 input_ids, model_kwargs = stack_packed(micros, per_token=per_token)
 
@@ -301,7 +312,12 @@ class ShardedModel:
                     mine = micro if owner == self.context_parallel.rank else None
                     with ActivationOffload() if offload else contextlib.nullcontext():
                         result = self.context_parallel.step(
-                            rows[owner][index], mine, output_fn, train=train, every_rank=every_rank
+                            rows[owner][index],
+                            mine,
+                            output_fn,
+                            train=train,
+                            statistics=self._token_statistics(train=train),
+                            every_rank=every_rank,
                         )
                     if result is not None:
                         results.append(_detached(result))
@@ -361,12 +377,39 @@ class ShardedModel:
             return Batch({key: None}, group_size=batch.group_size)
         return Batch({key: values.pop(key), **values}, group_size=batch.group_size)
 
+    def _token_statistics(self, *, train: bool) -> TokenStatistics | None:
+        """Under context parallelism with an LM head: each rank's per-token log-probs (and in training entropies) of
+        its chunk's logits at the rollout temperature (``training.context_parallel``); None otherwise."""
+        if self.module.head != "lm":
+            return None
+        options = dict(temperature=self.log_prob_temperature, group=self.tp_group, vocab_start=self.vocab_start)
+
+        def statistics(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            if train:
+                return torch.stack(log_probs_and_entropy_from_logits(logits, labels, **options), dim=-1)
+            return log_probs_from_logits(logits, labels, **options)[:, None]
+
+        return statistics
+
     def response_log_probs(
         self, logits: torch.Tensor, micro: MicroBatch, temperature: float, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[rows, R]`` of the response tokens under softmax(logits / temperature), and optionally the
         entropy of that distribution at each response position; zero where ``response_mask`` is 0. Under TP the
-        logits are this rank's vocabulary slice and the softmax statistics are reduced over the TP group."""
+        logits are this rank's vocabulary slice and the softmax statistics are reduced over the TP group. Under
+        context parallelism ``logits`` are the per-token log-probs (and entropies) each rank computed of its chunk
+        at ``log_prob_temperature`` (``_token_statistics``), gathered: they are read as they are."""
+        if self.context_parallel is not None and self.module.head == "lm":
+            if temperature != self.log_prob_temperature:
+                raise ValueError(
+                    f"under {self.context.name}.cp > 1 log-probs are computed at the rollout temperature "
+                    f"{self.log_prob_temperature}, not {temperature}"
+                )
+            statistics = micro.response_outputs(logits)
+            if with_entropy and statistics.shape[1] < 2:
+                raise ValueError("under context parallelism only a training pass computes the entropy")
+            entropy = micro.scatter(statistics[:, 1]) if with_entropy else None
+            return micro.scatter(statistics[:, 0]), entropy
         # The logits go in unscaled and in the model's dtype, at response positions only: the log-prob functions
         # scale them in float32 chunk by chunk (or in the fused kernel's registers), never as a float32
         # [tokens, vocab] copy.

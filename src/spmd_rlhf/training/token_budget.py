@@ -61,12 +61,11 @@ def bytes_per_token(
     train: bool,
     activation_checkpointing: bool,
     checkpoint_policy: str = "full",
-    cp: int = 1,
 ) -> float:
-    """Bytes one token of a micro-batch holds on one rank of a ``tp`` x ``pp`` x ``cp`` layout (module docstring); the
-    logits are counted at every token, an upper bound for the response positions that have them. Under context
-    parallelism a token is one of a rank's chunk of the row, whose owner runs the head on the whole row's outputs:
-    ``cp`` times a chunk's logits."""
+    """Bytes one token of a micro-batch holds on one rank of a ``tp`` x ``pp`` layout (module docstring); the logits
+    are counted at every token, an upper bound for the response positions that have them. Under context parallelism
+    a token is one of a rank's chunk of the row, and each rank runs the head on its own chunk
+    (``training.context_parallel``), so a token's bytes are the same."""
     layer = layer_activation_elements(args) * dtype_bytes / tp
     layers = args.num_layers / pp
     if not train:
@@ -77,7 +76,7 @@ def bytes_per_token(
         kept = 2 * args.hidden_size * dtype_bytes * layers + layer
     else:
         kept = layer * layers
-    logits = args.vocab_size / tp * dtype_bytes * (2 if train else 1) * cp
+    logits = args.vocab_size / tp * dtype_bytes * (2 if train else 1)
     return kept + logits
 
 
