@@ -20,18 +20,13 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
-from transformers import AutoTokenizer
 
-from spmd_rlhf.checkpoint import save_model_config
 from spmd_rlhf.config import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.models import DecoderLM, log_probs_and_entropy_from_logits, log_probs_from_logits
 from spmd_rlhf.models.attention import resolve_backend
-from spmd_rlhf.models.lora import write_peft_adapter
 from spmd_rlhf.models.parallelize import compiles_blocks, parallelize, unsharded_accumulation_bytes
 from spmd_rlhf.models.pipeline import Pipeline, split_stage
-from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import RoleContext
 from spmd_rlhf.training.activation_offload import ActivationOffload
@@ -44,6 +39,7 @@ from spmd_rlhf.training.context_parallel import (
 )
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
+from spmd_rlhf.training.pretrained_export import PretrainedExport
 from spmd_rlhf.training.reducer import DPReducer
 from spmd_rlhf.training.router_replay import RouterReplay, check_router_replay
 from spmd_rlhf.training.token_budget import bytes_per_token, derived_token_budget, free_device_bytes
@@ -71,7 +67,7 @@ def _in_row_order(results: list[torch.Tensor], order: torch.Tensor) -> torch.Ten
     return values
 
 
-class ShardedModel:
+class ShardedModel(PretrainedExport):
     """One ``DecoderLM`` (``module``) of the role in ``context``: its pipeline stage, tensor-parallel over
     ``mesh["tp"]`` and FSDP2-sharded over ``mesh["dp"]``. ``reducer`` (the role's DP group) agrees micro-batch counts
     and checks that every DP rank got as many rows."""
@@ -420,66 +416,3 @@ class ShardedModel:
             log_probs, entropy = log_probs_and_entropy_from_logits(logits, labels, **options)
             return micro.scatter(log_probs), micro.scatter(entropy)
         return micro.scatter(log_probs_from_logits(logits, labels, **options)), None
-
-    # ---- export ------------------------------------------------------------------------------------------------
-
-    def save_config(self, checkpoint_dir: str) -> None:
-        """The model config and tokenizer that ``spmd-rlhf export`` needs to rebuild the model from a checkpoint alone
-        (written by role rank 0)."""
-        if self.context.role_rank == 0:
-            adapter_config = (
-                None if self.adapters is None else self.adapters.peft_config(self.model_path, head=self.module.head)
-            )
-            save_model_config(
-                checkpoint_dir, self.module, tokenizer_path=self.tokenizer_path, adapter_config=adapter_config
-            )
-
-    def save_pretrained(self, out_dir: str) -> str:
-        """With LoRA, the trained adapters as a PEFT adapter directory (``_save_adapter``). Otherwise write the
-        current weights as a Hugging Face directory in ``trainer.save_hf_dtype`` (default
-        ``model.dtype``), streamed from the shards: each pipeline stage's first rank writes that stage's files,
-        gathering one row band of one tensor at a time (``models.sharded_save``); returns ``out_dir``. Every rank of
-        the role calls it."""
-        for module in self.module.modules():
-            if isinstance(module, FSDPModule):
-                # The copy reads the sharded master weights, whatever gathered state the last forward left behind.
-                module.reshard()
-        if self.adapters is not None:
-            return self._save_adapter(out_dir)
-        dims, role_rank = self.context.dims, self.context.role_rank
-        per_stage = dims.dp * dims.tp
-        stage_start = role_rank // per_stage * per_stage
-        tokenizer = None
-        if role_rank == 0:
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        save_sharded_pretrained(
-            self.module,
-            out_dir,
-            stage=self.context.coordinates.pp,
-            stage_ranks=list(self.context.ranks[stage_start : stage_start + per_stage]),
-            writers_group=self.pp_group,
-            group=self.role_group,
-            dtype=getattr(torch, self.config.trainer.save_hf_dtype or self.config.model.dtype),
-            device=self.device,
-            tokenizer=tokenizer,
-        )
-        return out_dir
-
-    def _save_adapter(self, out_dir: str) -> str:
-        """The trained parameters (LoRA adapters, and a critic's head) as a PEFT adapter directory with the tokenizer,
-        which ``peft.PeftModel.from_pretrained`` loads onto the base model (``model_path``). Each adapter is
-        gathered whole (``r x (in + out)`` values: small beside the model) on every rank of its stage; the stages'
-        adapters meet on role rank 0, which writes."""
-        tensors = {
-            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().float().cpu()
-            for name, param in self.module.named_parameters()
-            if param.requires_grad
-        }
-        if self.pp_group is not None:
-            stages: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(self.pp_group))]
-            dist.all_gather_object(stages, tensors, group=self.pp_group)
-            tensors = {name: tensor for stage in stages for name, tensor in stage.items()}
-        if self.context.role_rank == 0:
-            write_peft_adapter(out_dir, tensors, self.adapters.peft_config(self.model_path, head=self.module.head))
-            AutoTokenizer.from_pretrained(self.tokenizer_path).save_pretrained(out_dir)
-        return out_dir
