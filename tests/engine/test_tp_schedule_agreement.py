@@ -19,3 +19,46 @@ def test_different_local_budgets_give_one_schedule(tmp_path):
     assert first["tokens"] == reference["tokens"]
     # The budgets really shape the schedule: the smaller one preempts, the larger one schedules differently.
     assert reference["preemptions"] > 0 and roomy["steps"] != reference["steps"]
+    # On local shards, through the graphs' padded static step (its scratch block leaves one fewer for sequences, so
+    # its schedule may differ): the same tokens.
+    static = results["local_static"]
+    assert static["tokens"] == reference["tokens"], (static["num_blocks"], reference["num_blocks"])
+    assert static["static_steps"] > 0 and first["static_steps"] == 0
+
+
+def test_graphs_take_a_tensor_parallel_model_on_local_shards_and_refuse_dtensor_dispatch(monkeypatch):
+    """A TP model dispatching through DTensor is refused graphs for that; on local shards it passes that check (and
+    here meets the next one: no CUDA device). Blocks under TP compile only when asked."""
+    import torch
+
+    from spmd_rlhf.engine import decode_graphs
+    from spmd_rlhf.models.args import DecoderArgs
+    from spmd_rlhf.models.decoder import DecoderLM
+
+    args = DecoderArgs(
+        family="llama",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+    )
+    model = DecoderLM(args)
+    monkeypatch.setattr(decode_graphs, "DTensor", torch.nn.Parameter)  # every parameter counts as a DTensor here
+    assert "dispatch through DTensor" in decode_graphs.graphs_unsupported(model, block_size=16)
+    model.local_tensor_parallel = True
+    assert decode_graphs.graphs_unsupported(model, block_size=16) == "the model is on cpu, not a CUDA device"
+    assert decode_graphs.compile_backend("auto", graphs=True, tensor_parallel=True) is None
+    assert decode_graphs.compile_backend("auto", graphs=True) == "inductor"
+    assert decode_graphs.compile_backend("on", graphs=True, tensor_parallel=True) == "inductor"

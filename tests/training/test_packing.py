@@ -83,7 +83,7 @@ def groups_of(batch: Batch, budget: int | None | tuple) -> list[list[int]]:
 
 
 # The sharded model's own method, with what it reads from a one-rank model.
-WORKER = types.SimpleNamespace(tp_group=None, vocab_start=0, device=torch.device("cpu"))
+WORKER = types.SimpleNamespace(tp_group=None, vocab_start=0, device=torch.device("cpu"), context_parallel=None)
 
 
 def run_micro_batches(model: DecoderLM, batch: Batch, budget: int | None | str, output_fn) -> list[torch.Tensor]:

@@ -22,10 +22,12 @@ fixed-address inputs eagerly; that is how the padding, scratch-block and samplin
 
 When the graphs apply (``graphs_unsupported`` says why not, once in the log): a CUDA model whose decode attention is the
 Triton paged kernel (which reads the context lengths and block tables from device tensors; the flash-attn paged path
-takes host integers, and the SDPA fallback gathers shapes that change every step), and no DTensor parameters (a
-tensor-parallel step runs on local shards, ``models.local_tensor_parallel``, but has NCCL collectives in it, which NCCL
-allows in a graph and this engine has not yet captured on several GPUs), and MoE experts on the grouped-GEMM path (the
-expert loop reads each layer's per-expert counts on the host).
+takes host integers, and the SDPA fallback gathers shapes that change every step), TP-split modules on local shards
+(``models.local_tensor_parallel``: DTensor's dispatch is not capturable; the step's NCCL all-reduces and all-gathers
+are, as NCCL and PyTorch's ProcessGroupNCCL document it, every rank of the replica capturing and replaying the same
+graphs in the same order, which its agreed schedule gives), and MoE experts on the grouped-GEMM path (the expert loop
+reads each layer's per-expert counts on the host). Under TP the graphs hold eager blocks: ``rollout.compile=auto``
+does not compile them there (TorchDynamo would trace the collectives), ``on`` does.
 
 A row's input token is gathered inside the graph from the host's ids or from the ids the previous step sampled, still
 on the device: the engine's overlapped loop reads those one step late (``llm_engine``).
@@ -83,13 +85,13 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
             "the MoE experts run as a loop over experts here (grouped GEMMs need CUDA bfloat16 on sm90 / sm100), "
             "which reads the per-expert token counts on the host in every layer"
         )
+    if not model.local_tensor_parallel and any(isinstance(param, DTensor) for param in model.parameters()):
+        return (
+            "the model's tensor-parallel modules dispatch through DTensor, which a graph cannot capture "
+            "(models.local_tensor_parallel.run_locally puts them on local shards)"
+        )
     if weight.device.type != "cuda":
         return f"the model is on {weight.device.type}, not a CUDA device"
-    if any(isinstance(param, DTensor) for param in model.parameters()):
-        return (
-            "the model is tensor-parallel (rollout.tp > 1): its steps run on local shards, but capturing their NCCL "
-            "collectives in a graph is not verified on several GPUs yet"
-        )
     backend = resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype)
     if backend == "torch":
         return "decode attention is the pure-torch path (model.attention), whose gathered shapes change every step"
@@ -103,13 +105,14 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
     return None
 
 
-def compile_backend(setting: str, *, graphs: bool) -> str | None:
+def compile_backend(setting: str, *, graphs: bool, tensor_parallel: bool = False) -> str | None:
     """The TorchDynamo backend ``compile_around_attention`` uses for ``rollout.compile``'s ``setting``, or None for
-    eager layers: ``auto`` compiles where decode steps are captured into CUDA graphs (``graphs``), ``on`` everywhere
-    (CPU included: Inductor then needs a C++ compiler), ``off`` never."""
+    eager layers: ``auto`` compiles where decode steps are captured into CUDA graphs (``graphs``) on one rank (not
+    ``tensor_parallel``: its blocks hold collectives, which no GPU run has compiled yet), ``on`` everywhere (CPU
+    included: Inductor then needs a C++ compiler), ``off`` never."""
     if setting not in COMPILE_SETTINGS:
         raise ValueError(f"rollout.compile={setting!r} is unknown; choose one of {', '.join(COMPILE_SETTINGS)}")
-    return "inductor" if setting == "on" or (setting == "auto" and graphs) else None
+    return "inductor" if setting == "on" or (setting == "auto" and graphs and not tensor_parallel) else None
 
 
 def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> None:

@@ -199,6 +199,9 @@ class DecoderLM(nn.Module):
         self.args, self.head, self.attention_backend = args, head, attention_backend
         self.context_parallel: str | None = None
         """``ulysses`` or ``ring`` once ``models.context_parallel.apply_context_parallel`` has installed it."""
+        self.local_tensor_parallel = False
+        """Set by ``models.local_tensor_parallel.run_locally``: the TP-split modules compute on local shards with
+        explicit collectives (a generation copy), not through DTensor's dispatch."""
         self.model = Backbone(args)
         if head == "lm":
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)

@@ -57,6 +57,7 @@ def run_locally(model: DecoderLM, mesh: DeviceMesh) -> None:
     for a mesh of one rank."""
     if mesh.size() == 1:
         return
+    model.local_tensor_parallel = True
     group, coordinate = mesh.get_group(), mesh.get_local_rank()
     # all_gather lists by group rank; the shards lie by mesh coordinate (a generation mesh may order its ranks so).
     gather_order = [dist.get_group_rank(group, rank) for rank in mesh.mesh.flatten().tolist()]

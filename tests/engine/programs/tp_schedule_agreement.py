@@ -2,6 +2,8 @@
 blocks, as ranks that measured different free memory would); the engine agrees on the smaller one, so both ranks run
 the same steps (same sequences prefilled, decoded and preempted, in order) and produce the same tokens as a
 single-rank engine with 10 blocks. Without the agreement the ranks' schedules part and their TP collectives hang.
+Then the same replica on local shards (``run_locally``) runs its decode steps as the CUDA graphs would replay them
+(``decode_graphs="static"``: padded fixed-address inputs, collectives inside the step): the same tokens again.
 Rank 0 writes the results as JSON to the path given.
 
     torchrun --nproc-per-node 2 tests/engine/programs/tp_schedule_agreement.py OUT.json
@@ -19,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from spmd_rlhf.engine import LLMEngine, SamplingParams
 from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.local_tensor_parallel import run_locally
 from spmd_rlhf.models.parallelize import parallelize
 
 ARGS = DecoderArgs(
@@ -49,15 +52,27 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 96, (length,), generator=generator).tolist() for length in (9, 5, 7, 9, 3, 6)]
 
 
-def run(model: DecoderLM, num_blocks: int) -> dict:
+def run(model: DecoderLM, num_blocks: int, decode_graphs: str = "auto") -> dict:
     """Greedy generation with a 4-token block size; the steps the engine ran and what it produced."""
-    engine = LLMEngine(model, eos_token_id=None, block_size=4, num_blocks=num_blocks, max_num_seqs=4)
+    engine = LLMEngine(
+        model, eos_token_id=None, block_size=4, num_blocks=num_blocks, max_num_seqs=4, decode_graphs=decode_graphs
+    )
     steps = []
     run_step = engine.runner.run
+
+    static_steps = []
+    sample_step = engine.runner.sample_step
 
     def recorded(seqs, *, is_prefill):
         steps.append(["prefill" if is_prefill else "decode", [seq.seq_id for seq in seqs]])
         return run_step(seqs, is_prefill=is_prefill)
+
+    def sampled(seqs, **kwargs):  # the overlapped loop's steps, the static ones among them
+        samples = sample_step(seqs, **kwargs)
+        static_steps.append(engine.runner.ran_static_step)
+        return samples
+
+    engine.runner.sample_step = sampled
 
     engine.runner.run = recorded
     outputs = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=12))
@@ -66,6 +81,7 @@ def run(model: DecoderLM, num_blocks: int) -> dict:
         "preemptions": engine.num_preemptions,
         "steps": steps,
         "tokens": [seq.generated_token_ids for seq in outputs],
+        "static_steps": sum(static_steps),
     }
 
 
@@ -76,13 +92,17 @@ def main() -> None:
     model = DecoderLM(ARGS).eval()  # the same weights on both ranks (same seed)
     model.reset_buffers()  # the rotary frequencies are computed here, not in the constructor
     reference = copy.deepcopy(model)
-    parallelize(model, tp_mesh=init_device_mesh("cpu", (2,)), dp_mesh=None, gather_logits=True, role="rollout")
+    mesh = init_device_mesh("cpu", (2,))
+    parallelize(model, tp_mesh=mesh, dp_mesh=None, gather_logits=True, role="rollout")
     mine = run(model, LOCAL_BLOCKS[rank])
     gathered = [None, None]
     dist.all_gather_object(gathered, mine)
+    run_locally(model, mesh)
+    static = run(model, LOCAL_BLOCKS[rank], decode_graphs="static")
     if rank == 0:
         results = {
             "ranks": gathered,
+            "local_static": static,
             "reference": run(reference, min(LOCAL_BLOCKS)),
             "roomy_reference": run(reference, max(LOCAL_BLOCKS)),
         }
