@@ -35,26 +35,24 @@ from spmd_rlhf.models.moe import Routing, TopKRouter
 
 def load_balancing_loss(routing: Routing, num_experts: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` over the tokens where ``token_mask`` ``[tokens]`` is set (all without one); float32,
-    differentiable through the router probabilities (the counts ``f`` are constants, as in Switch)."""
-    probabilities = routing.logits.float().softmax(-1)
-    weights = torch.ones(probabilities.shape[0], device=probabilities.device)
-    if token_mask is not None:
-        weights = token_mask.to(probabilities.device, torch.float32)
-    tokens = weights.sum().clamp(min=1.0)
-    choices = torch.zeros(num_experts, device=probabilities.device).index_add_(
-        0, routing.experts.flatten(), weights.repeat_interleave(routing.experts.shape[1])
-    )
-    mean_probability = (probabilities * weights[:, None]).sum(0) / tokens
-    return num_experts * (choices / tokens * mean_probability).sum()
+    differentiable through the router probabilities (the counts ``f`` are constants, as in Switch). What
+    ``RouterLosses.take`` computes per layer (from the same ``_layer_sums``)."""
+    choices, probabilities, _ = _layer_sums(routing, num_experts, token_mask)
+    tokens = _tokens(routing, token_mask)
+    return num_experts * (choices / tokens * probabilities / tokens).sum()
 
 
 def z_loss(routing: Routing, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``mean_t logsumexp(logits_t)^2`` over the tokens where ``token_mask`` is set; float32."""
-    squares = routing.logits.float().logsumexp(-1).square()
+    return _layer_sums(routing, routing.logits.shape[-1], token_mask)[2] / _tokens(routing, token_mask)
+
+
+def _tokens(routing: Routing, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """The tokens that count (``token_mask``'s set ones, else all), at least 1, as a float32 0-dim tensor."""
+    device = routing.logits.device
     if token_mask is None:
-        return squares.mean()
-    weights = token_mask.to(squares.device, torch.float32)
-    return (squares * weights).sum() / weights.sum().clamp(min=1.0)
+        return torch.tensor(float(routing.logits.shape[0]), device=device).clamp(min=1.0)
+    return token_mask.to(device, torch.float32).sum().clamp(min=1.0)
 
 
 def router_coefficients(role: str, role_config: TrainableRoleConfig, args: DecoderArgs) -> tuple[float, float]:
@@ -111,21 +109,17 @@ class RouterLosses:
         metrics ``<prefix>/router_aux_loss``, ``<prefix>/router_z_loss`` (unweighted, layer means),
         ``<prefix>/expert_load_max_over_mean`` (the worst layer) and ``<prefix>/expert_load_max_over_mean/layer_<i>``
         (MoE layer ``i``'s: the most token choices any of its experts got over the mean per expert), as 0-dim device
-        tensors. ``share``: the
-        micro-batch's part of the mini-batch (its rows over the mini-batch's rows on all DP ranks). ``token_mask``
-        ``[tokens]``: the routed tokens that count (padding excluded). ``group``: the context-parallel group whose
-        ranks routed the other chunks of the row (module docstring); every rank of it calls ``take`` together."""
+        tensors. ``share``: the micro-batch's part of the mini-batch (its rows over the mini-batch's rows on all DP
+        ranks). ``token_mask`` ``[tokens]``: the routed tokens that count (padding excluded). ``group``: the
+        context-parallel group whose ranks routed the other chunks of the row (module docstring); every rank of it
+        calls ``take`` together."""
         routings, self.routings = self.routings, []
         self._recording = False
         if not routings:  # a pipeline stage without MoE layers
             return None, None, {}
         sums = [_layer_sums(routing, self.num_experts, token_mask) for routing in routings]
         choices, probabilities, squares = (torch.stack(parts) for parts in zip(*sums))  # [L, E], [L, E], [L]
-        tokens = (
-            torch.ones(len(routings[0].logits), device=choices.device).sum()
-            if token_mask is None
-            else token_mask.to(choices.device, torch.float32).sum()
-        )
+        tokens = _tokens(routings[0], token_mask)
         totals = torch.cat([choices.flatten(), probabilities.detach().flatten(), squares.detach(), tokens[None]])
         if group is not None:
             dist.all_reduce(totals, group=group)
