@@ -2,8 +2,13 @@
 schedule (that of the smallest budget) and the single-rank engine's tokens."""
 
 import json
+import sys
+from pathlib import Path
 
 from torchrun_helpers import torchrun
+
+sys.path.insert(0, str(Path(__file__).parent / "programs"))
+from tp_schedule_agreement import ARGS  # noqa: E402
 
 
 def test_different_local_budgets_give_one_schedule(tmp_path):
@@ -32,29 +37,9 @@ def test_graphs_take_a_tensor_parallel_model_on_local_shards_and_refuse_dtensor_
     import torch
 
     from spmd_rlhf.engine import decode_graphs
-    from spmd_rlhf.models.args import DecoderArgs
     from spmd_rlhf.models.decoder import DecoderLM
 
-    args = DecoderArgs(
-        family="llama",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        o_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
-    )
-    model = DecoderLM(args)
+    model = DecoderLM(ARGS)
     monkeypatch.setattr(decode_graphs, "DTensor", torch.nn.Parameter)  # every parameter counts as a DTensor here
     assert "dispatch through DTensor" in decode_graphs.graphs_unsupported(model, block_size=16)
     model.local_tensor_parallel = True
