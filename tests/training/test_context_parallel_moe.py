@@ -44,7 +44,7 @@ def test_log_probs_with_and_without_replay_match(run, layout):
         torch.testing.assert_close(results[key], reference[key], rtol=1e-5, atol=1e-5, msg=f"{layout} {key}")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ["dp2cp2ring"])
 def test_recorded_experts_come_back_whole_in_row_order(run, layout):
     reference, results = torch.load(run / f"{REFERENCE}.pt"), torch.load(run / f"{layout}.pt")
     assert results["recorded"].dtype == torch.int8

@@ -6,6 +6,7 @@ after ``run_locally`` must equal the whole model's; afterwards the split copy ho
     torchrun --nproc-per-node 2 tests/models/programs/local_tensor_parallel.py DIR [DIR ...]
 """
 
+import os
 import sys
 
 import torch
@@ -52,7 +53,12 @@ def main():
         assert not hooked, f"DTensor hooks left on {hooked}"
     if dist.get_rank() == 0:
         print("local tensor parallelism matches")
+    dist.barrier()
     dist.destroy_process_group()
+    # Skip the interpreter's teardown (as tests/engine/programs/tp_schedule_agreement.py does): a thread the
+    # collectives leave joinable can abort it under load ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

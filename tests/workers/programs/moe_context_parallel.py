@@ -3,8 +3,8 @@ layouts ``dp2cp1`` (the reference), ``dp2cp2`` (Ulysses), ``dp2cp2ring`` and ``d
 the same ranks as the row). The routers' load-balancing and z losses are on. With ``algorithm.router_replay=rollout``
 each layout computes log-probs of rows without recorded experts and of the same rows carrying random recorded experts
 (``routed_experts``: replayed), every parameter's gradient of the replayed summed log-probs, two updates on the
-replayed rows (loss, gradient norm and the routers' metrics), and saves its weights; with ``recompute`` it records the
-experts of the log-prob pass (``routed_experts`` gathered from the ranks' chunks).
+replayed rows (loss, gradient norm and the routers' metrics), and saves its weights; with ``recompute`` (the reference
+and ring) it records the experts of the log-prob pass (``routed_experts`` gathered from the ranks' chunks).
 
     torchrun --nproc-per-node 2 moe_context_parallel.py POLICY_DIR OUT_DIR dp2cp1 dp2cp2 ...
 """
@@ -73,13 +73,14 @@ def main(coordinator):
         metrics = [actor.update_actor(replayed).result() for _ in range(2)]
         Path(f"{out_dir}/{layout}.json").write_text(json.dumps(metrics))
         actor.save_pretrained(f"{out_dir}/{layout}_actor").result()
-        recording = load_config(
-            None, [*overrides, *attention, "algorithm.router_replay=recompute", "rollout.recompute_log_probs=true"]
-        )
-        recorder = coordinator.spawn(
-            ActorWorker, recording, name=f"recorder_{layout}", pool=ResourcePool(range(2)), dims=dims
-        )
-        results["recorded"] = recorder.compute_log_probs(batch).result().fetch()["routed_experts"]
+        if cp == "1" or ring:  # the reference, and the zig-zag chunks whose experts come back out of row order
+            recording = load_config(
+                None, [*overrides, *attention, "algorithm.router_replay=recompute", "rollout.recompute_log_probs=true"]
+            )
+            recorder = coordinator.spawn(
+                ActorWorker, recording, name=f"recorder_{layout}", pool=ResourcePool(range(2)), dims=dims
+            )
+            results["recorded"] = recorder.compute_log_probs(batch).result().fetch()["routed_experts"]
         torch.save(results, f"{out_dir}/{layout}.pt")
 
 
