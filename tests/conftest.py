@@ -9,7 +9,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 # module runs whole on one worker, in collection order, so a long module collected last would leave the other worker
 # idle at the end. (Without --no-loadscope-reorder xdist orders modules by their number of tests instead, which put
 # the long modules of a few tests last.) The order is the modules' times in one run of the whole suite, the slowest
-# first (module names are unique across tests/); two modules made short since are left to collection order.
+# first (module names are unique across tests/); two modules made short since are left to collection order, and four
+# long ones added later are placed by their times in session 39's run.
 LONGEST_FIRST = (
     "test_gpu_benchmarks.py",
     "test_learning.py",
@@ -20,13 +21,17 @@ LONGEST_FIRST = (
     "test_stop_on_signal.py",
     "test_multiturn_grpo.py",
     "test_moe_learning.py",
+    "test_context_parallel_roles.py",
     "test_tool_learning.py",
+    "test_compiled_blocks.py",
+    "test_expert_parallel.py",
     "test_logprob.py",
     "test_moe.py",
     "test_launch.py",
     "test_parallel_parity.py",
     "test_reward_kinds_grpo.py",
     "test_hybrid_engine.py",
+    "test_context_parallel_moe.py",
     "test_save_memory.py",
     "test_partial_rollouts.py",
     "test_placement.py",
