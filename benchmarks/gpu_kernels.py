@@ -6,7 +6,9 @@
 - ``paged_decode``: one decode step's attention for ``--decode-seqs`` sequences of ``--context`` cached tokens,
   Qwen2.5-7B's attention shape (28 query / 4 KV heads, head_dim 128), 16-token blocks, bf16. The kernel
   (``kernels.paged_attention``) against the torch reference (gather the blocks, masked softmax): time, and the kernel's
-  time against the floor of reading the whole KV context once at the copy bandwidth measured here.
+  time against the floor of reading the whole KV context once at the copy bandwidth measured here; and batch-1 decode
+  (one sequence at 256 and 4,096 tokens) timed inside a CUDA graph: one program per KV head with a separate K/V
+  write, split-K with it, and split-K with the write fused into the kernel.
 - ``fused_logprob``: log-prob and entropy of ``--tokens`` rows of ``--vocab`` bf16 logits at T = 0.7, forward and
   backward. The fused kernels (``kernels.fused_logprob``) against the reference (float32 log-softmax, the way a plain
   PyTorch trainer computes it): time and peak memory above the logits.
@@ -32,7 +34,12 @@ from gpu_common import (
 )
 
 from spmd_rlhf.kernels.fused_logprob import fused_log_probs_and_entropy
-from spmd_rlhf.kernels.paged_attention import _processors, decode_splits, paged_decode_attention
+from spmd_rlhf.kernels.paged_attention import (
+    _processors,
+    decode_splits,
+    paged_decode_attention,
+    write_new_tokens,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
 
@@ -111,30 +118,75 @@ def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
         "copy_bytes_per_s": bandwidth,
         "floor_s": floor_s,
         "kernel_over_floor": kernel_s / floor_s,
-        "batch1_split_k": measure_split_k(args, dtype),
+        "batch1": measure_batch1(args, dtype),
     }
 
 
-def measure_split_k(args: argparse.Namespace, dtype: torch.dtype) -> dict:
+GRAPH_CALLS = 28
+"""Calls captured into one CUDA graph to time a batch-1 call: a decode step's layers (28 in the 1.5B and 7B shapes)."""
+
+
+def graphed_seconds(function, device: str, repeats: int) -> float:
+    """Device time of one call with the host out of the way, as inside a decode step's CUDA graph: ``GRAPH_CALLS``
+    calls captured into one graph, the fastest of ``repeats`` replays divided by ``GRAPH_CALLS`` (a batch-1 call is a
+    few microseconds, below one eager call's host time). Off CUDA: ``best_seconds``."""
+    if torch.device(device).type != "cuda":
+        return best_seconds(function, device, repeats)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (the Triton compile) off the capture, as torch.cuda.graph advises
+        function()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            function()
+    return best_seconds(graph.replay, device, repeats) / GRAPH_CALLS
+
+
+def measure_batch1(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     """Batch-1 decode attention (one sequence: as many programs as KV heads without split-K) at a short and a long
-    context: the kernel with its split-K choice against one program per KV head (session 38's H100 profile: 9.3 us
-    per layer at 256 tokens with one)."""
+    context, timed inside a CUDA graph: one program per KV head with the new token's K/V written first (two
+    ``index_copy_``, the engine before session 40), split-K with that write, and split-K with the write fused into the
+    kernel (the engine's path now). Session 38's H100 profile had 9.3 us per layer for the first at 256 tokens, and
+    1.9 us for each of the two writes."""
     results = {}
     for context in (40,) if args.smoke else (256, 4096):
         q, key_cache, value_cache, block_tables, context_lens = decode_inputs(args.device, 1, context, dtype)
+        last = context - 1
+        slots = (block_tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE).contiguous()
+        new_keys, new_values = (torch.randn_like(key_cache[:1, 0]) for _ in range(2))  # [1, kv_heads, head_dim]
 
-        def run(splits):
-            return lambda: paged_decode_attention(
-                q, key_cache, value_cache, block_tables, context_lens, scale=HEAD_DIM**-0.5, splits=splits
-            )
+        def run(splits, fused):
+            def call():
+                if not fused:
+                    write_new_tokens(key_cache, value_cache, new_keys, new_values, slots)
+                new_tokens = dict(new_keys=new_keys, new_values=new_values, slots=slots) if fused else {}
+                return paged_decode_attention(
+                    q,
+                    key_cache,
+                    value_cache,
+                    block_tables,
+                    context_lens,
+                    scale=HEAD_DIM**-0.5,
+                    splits=splits,
+                    **new_tokens,
+                )
 
-        split_s, single_s = (best_seconds(run(splits), args.device, args.repeats) for splits in (None, 1))
+            return call
+
+        one_split_s, split_s, fused_s = (
+            graphed_seconds(run(splits, fused), args.device, args.repeats)
+            for splits, fused in ((1, False), (None, False), (None, True))
+        )
         chosen = decode_splits(KV_HEADS, block_tables.shape[1] * BLOCK_SIZE, _processors(torch.device(args.device)))
         results[str(context)] = {
             "splits": chosen,
-            "split_s": split_s,
-            "one_split_s": single_s,
-            "speedup": single_s / split_s,
+            "one_split_with_write_s": one_split_s,
+            "split_k_with_write_s": split_s,
+            "split_k_fused_write_s": fused_s,
+            "speedup": one_split_s / fused_s,
+            "saved_us_per_step_at_28_layers": (one_split_s - fused_s) * GRAPH_CALLS * 1e6,
         }
     return results
 
@@ -208,6 +260,12 @@ def main() -> None:
         f"{'paged_decode':<14} {paged['kernel_s']:>10.5f} {paged['reference_s']:>10.5f} {paged['speedup']:>9.2f}  "
         f"kernel / KV-read floor {paged['kernel_over_floor']:.2f}"
     )
+    for context, batch1 in paged["batch1"].items():
+        print(
+            f"  batch 1, {context} tokens, per layer in a graph: one program + write "
+            f"{batch1['one_split_with_write_s'] * 1e6:.1f} us, {batch1['splits']} splits + write "
+            f"{batch1['split_k_with_write_s'] * 1e6:.1f} us, fused write {batch1['split_k_fused_write_s'] * 1e6:.1f} us"
+        )
     peaks = (
         ""
         if fused["kernel_peak_over_logits"] is None

@@ -199,7 +199,8 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             {
                 "paged_decode_speedup": "paged_decode.speedup",
                 "paged_over_floor": "paged_decode.kernel_over_floor",
-                "paged_batch1_split_k_speedup": "paged_decode.batch1_split_k.0.speedup",
+                "paged_batch1_speedup": "paged_decode.batch1.0.speedup",
+                "paged_batch1_saved_us_per_step": "paged_decode.batch1.0.saved_us_per_step_at_28_layers",
                 "fused_speedup": "fused_logprob.speedup",
                 "fused_peak_over_logits": "fused_logprob.kernel_peak_over_logits",
             },

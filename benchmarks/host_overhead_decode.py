@@ -4,7 +4,9 @@ that side of ``host_overhead.py``).
 A random qwen2-shaped model (hidden 64, ``--decode-layers`` layers, a 512-token vocabulary) in the generation copy's
 layout (q/k/v and gate/up projections merged: ``merge_projections``) runs the real ``LLMEngine``. The counts take the
 engine's CUDA attention path: on CPU decode attention would gather the cache (the pure-torch path), so the Triton
-paged kernel is stood in for by what its wrapper dispatches (one ``empty``) plus one call for the kernel launch.
+paged kernel is stood in for by what its wrapper dispatches on an H100 (its output, and split-K's partial results at
+small batches) plus one call per launch (the kernel, and split-K's combine); the kernel stores the new tokens' K/V
+itself (its fused write), so the cache write costs no call.
 Figures, each with its goal from issue 34:
 
 - dispatcher calls and non-view calls (about one kernel each on a GPU) per decode step in bf16: the eager engine
@@ -42,6 +44,7 @@ import torch._inductor.config
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, compile_around_attention
 from spmd_rlhf.engine.readback import PendingSamples
+from spmd_rlhf.kernels.paged_attention import decode_splits
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
 from spmd_rlhf.models import DecoderLM, attention
 from spmd_rlhf.models.args import DecoderArgs
@@ -54,6 +57,9 @@ HOST_GOALS_US = {1: 50.0, 256: 500.0}
 HOST_TIME_REPEATS = 3
 """Host time is the best of this many runs: on a shared machine the other tenants only ever add time."""
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
+COUNTED_MAX_LEN = 2048
+"""Tokens per row the counted engines are prepared for, as a rollout prepares them: the block tables' width decides
+the paged kernel's split-K at batch 1 (on an H100: one more launch per layer, the combine)."""
 
 
 def decode_model(layers: int, dtype: torch.dtype) -> DecoderLM:
@@ -86,9 +92,20 @@ def decode_model(layers: int, dtype: torch.dtype) -> DecoderLM:
     return model
 
 
-def _kernel_stand_in(q, key_cache, value_cache, block_tables, context_lens, *, scale):
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # what the wrapper allocates
-    return out.zero_()  # one call for the Triton kernel's launch
+STAND_IN_PROCESSORS = 132
+"""The multiprocessors of an H100 SXM, for the stand-in's split-K choice (``decode_splits``)."""
+
+
+def _kernel_stand_in(q, key_cache, value_cache, block_tables, context_lens, *, scale, **new_tokens):
+    """What the wrapper dispatches on an H100: its output (and split-K's partial results), one call per launch. The
+    new tokens' K/V (``new_tokens``) are stored by the kernel itself, so they cost no call."""
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    splits = decode_splits(q.shape[0] * kv_heads, block_tables.shape[1] * block_size, STAND_IN_PROCESSORS)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if splits > 1:
+        partial = torch.empty((q.shape[0], kv_heads, splits), dtype=torch.float32, device=q.device)
+        partial.zero_()  # the attention kernel's launch, writing partial results
+    return out.zero_()  # the (combine) kernel's launch writing the output
 
 
 @contextmanager
@@ -171,7 +188,7 @@ def steady_decode(
     sampled: bool,
     mode: str,
     measure,
-    max_len: int = 0,
+    max_len: int = COUNTED_MAX_LEN,
     overlap: bool = True,
 ) -> None:
     """Prefill ``rows`` requests and run one decode step (which captures its bucket's graph), then the last ``steps``
@@ -407,6 +424,9 @@ def decode_result(args: argparse.Namespace, figures: list[dict]) -> dict:
         "batch": args.decode_batch,
         "steps": args.decode_steps,
         "max_len": args.decode_max_len,
-        "attention": "the CUDA path: the Triton paged decode kernel stood in for (empty + one launch)",
+        "attention": (
+            "the CUDA path: the Triton paged decode kernel stood in for as on an H100 (split-K at small batches, the "
+            "K/V write fused)"
+        ),
         "figures": figures,
     }

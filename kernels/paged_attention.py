@@ -16,6 +16,12 @@ unnormalised float32 output, running max and sum, and a second kernel combines t
 on the device from the sequence's own length, so short contexts leave the trailing splits empty (they write nothing
 to combine) rather than unbalanced.
 
+Fused cache write: a decode step's new keys and values (``new_keys``, ``new_values`` with their ``slots``) can be
+passed to the kernel instead of written into the cache first: the program whose tiles hold a sequence's last position
+takes them from registers there instead of the cache, then stores them in their slot (so no program depends on
+another's store). That is two fewer kernels per layer and step (the engine's
+two ``index_copy_`` of a separate write), each about as long as the attention itself at batch 1.
+
 Layouts are the engine's (``spmd_rlhf.models.paged_kv.PagedKV``): one layer's cache is
 ``[num_blocks, block_size, kv_heads, head_dim]``, token ``t`` of sequence ``s`` lives in block
 ``block_tables[s, t // block_size]`` at offset ``t % block_size``, and query head ``h`` reads KV head
@@ -115,6 +121,36 @@ def _check_inputs(
             raise ValueError(f"{name} must be contiguous in head_dim (stride 1), got strides {tensor.stride()}")
 
 
+def _check_new_tokens(
+    q: torch.Tensor, key_cache: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, slots: torch.Tensor
+) -> None:
+    expected = (q.shape[0], key_cache.shape[2], key_cache.shape[3])
+    for name, tensor in (("new_keys", new_keys), ("new_values", new_values)):
+        if tuple(tensor.shape) != expected or tensor.stride(-1) != 1 or tensor.device != q.device:
+            raise ValueError(
+                f"{name} must be [num_seqs, kv_heads, head_dim] = {list(expected)}, contiguous in head_dim, on "
+                f"{q.device}; got {list(tensor.shape)} with strides {tensor.stride()} on {tensor.device}"
+            )
+    if slots.shape != (q.shape[0],) or slots.dtype != torch.int64 or slots.device != q.device:
+        raise ValueError(
+            f"slots must be int64 [num_seqs={q.shape[0]}] on {q.device}, got {slots.dtype} {list(slots.shape)} on "
+            f"{slots.device}"
+        )
+
+
+def write_new_tokens(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Stores ``new_keys``, ``new_values`` ``[tokens, kv_heads, head_dim]`` in one layer's cache at ``slots``
+    (``block * block_size + offset``): the separate write the fused kernel replaces."""
+    for cache, new in ((key_cache, new_keys), (value_cache, new_values)):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+
+
 def decode_splits(pairs: int, max_tokens: int, processors: int) -> int:
     """Programs per (sequence, KV head) pair: 1 when the ``pairs`` fill the ``processors``, else enough to fill them,
     at most one per ``BLOCK_TOKENS`` tile of ``max_tokens`` (the block table's capacity) and ``MAX_SPLITS``."""
@@ -143,6 +179,9 @@ def paged_decode_attention(
     scale: float,
     backend: str = "auto",
     splits: int | None = None,
+    new_keys: torch.Tensor | None = None,
+    new_values: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its cached context; returns ``[num_seqs, heads, head_dim]``.
 
@@ -152,9 +191,19 @@ def paged_decode_attention(
     ``max_blocks * block_size`` (not checked: that would wait for the device). ``backend``: ``auto`` (the Triton kernel
     on CUDA when triton is installed, else the torch reference), ``triton`` or ``torch``. ``splits``: programs per
     (sequence, KV head) pair (split-K, see the module docstring); None: ``decode_splits`` for this device.
+    ``new_keys``, ``new_values`` ``[num_seqs, kv_heads, head_dim]`` and int64 ``slots`` ``[num_seqs]``, all or none:
+    each sequence's new token, stored in the cache at its slot, which must hold the position ``context_lens - 1``
+    (the fused write of the module docstring; the torch path writes first, then attends).
     """
     _check_inputs(q, key_cache, value_cache, block_tables, context_lens)
+    fused_write = new_keys is not None
+    if fused_write != (new_values is not None) or fused_write != (slots is not None):
+        raise ValueError("new_keys, new_values and slots go together: pass all three or none")
+    if fused_write:
+        _check_new_tokens(q, key_cache, new_keys, new_values, slots)
     if not use_triton(q.device, backend):
+        if fused_write:
+            write_new_tokens(key_cache, value_cache, new_keys, new_values, slots)
         return reference_paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale)
     num_seqs, heads, head_dim = q.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -171,6 +220,9 @@ def paged_decode_attention(
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
     partial_out = torch.empty((*partial_shape, head_dim_pad if splits > 1 else 1), dtype=torch.float32, device=q.device)
+    if not fused_write:
+        # Never read (FUSED_WRITE is off); any tensors of the right kinds keep the launch's signature.
+        new_keys, new_values, slots = q, q, context_lens
     with launch_device(q.device):
         _paged_decode_kernel[(num_seqs, kv_heads, splits)](
             out,
@@ -182,6 +234,9 @@ def paged_decode_attention(
             value_cache,
             block_tables,
             context_lens,
+            new_keys,
+            new_values,
+            slots,
             scale * math.log2(math.e),
             out.stride(0),
             out.stride(1),
@@ -195,6 +250,10 @@ def paged_decode_attention(
             value_cache.stride(2),
             block_tables.stride(0),
             block_tables.stride(1),
+            new_keys.stride(0),
+            new_keys.stride(1),
+            new_values.stride(0),
+            new_values.stride(1),
             block_size,
             GROUP=group,
             GROUP_PAD=group_pad,
@@ -202,6 +261,7 @@ def paged_decode_attention(
             HEAD_DIM_PAD=head_dim_pad,
             BLOCK_TOKENS=BLOCK_TOKENS,
             SPLITS=splits,
+            FUSED_WRITE=fused_write,
             # float32 caches get full-precision dots; TF32 would cost about three decimal digits.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
@@ -235,6 +295,9 @@ if triton is not None:
         value_cache_ptr,
         block_tables_ptr,
         context_lens_ptr,
+        new_keys_ptr,
+        new_values_ptr,
+        slots_ptr,
         scale_log2,
         stride_out_seq,
         stride_out_head,
@@ -248,6 +311,10 @@ if triton is not None:
         stride_value_head,
         stride_table_seq,
         stride_table_block,
+        stride_new_key_seq,
+        stride_new_key_head,
+        stride_new_value_seq,
+        stride_new_value_head,
         block_size,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
@@ -255,6 +322,7 @@ if triton is not None:
         HEAD_DIM_PAD: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr,
         SPLITS: tl.constexpr,
+        FUSED_WRITE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -271,6 +339,15 @@ if triton is not None:
         head_dim_mask = dims < HEAD_DIM
         q_mask = (group < GROUP)[:, None] & head_dim_mask[None, :]
         q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
+        if FUSED_WRITE:
+            # The new token, rounded to the cache's dtype as a separate write would store it.
+            new_key = tl.load(
+                new_keys_ptr + seq * stride_new_key_seq + kv_head * stride_new_key_head + dims, mask=head_dim_mask
+            ).to(key_cache_ptr.dtype.element_ty)
+            new_value = tl.load(
+                new_values_ptr + seq * stride_new_value_seq + kv_head * stride_new_value_head + dims,
+                mask=head_dim_mask,
+            ).to(value_cache_ptr.dtype.element_ty)
 
         # Scores are kept in log2 units (scale folded with log2(e)) so that the softmax uses exp2.
         running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -288,6 +365,9 @@ if triton is not None:
             kv_mask = token_mask[:, None] & head_dim_mask[None, :]
             key_rows = blocks * stride_key_block + offsets * stride_key_token + kv_head * stride_key_head
             keys = tl.load(key_cache_ptr + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if FUSED_WRITE:
+                is_new = (tokens == context_len - 1)[:, None]
+                keys = tl.where(is_new, new_key[None, :], keys)
             scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
             scores = tl.where(token_mask[None, :], scores, float("-inf"))
 
@@ -297,8 +377,23 @@ if triton is not None:
             running_sum = running_sum * correction + tl.sum(probs, axis=1)
             value_rows = blocks * stride_value_block + offsets * stride_value_token + kv_head * stride_value_head
             values = tl.load(value_cache_ptr + value_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if FUSED_WRITE:
+                values = tl.where(is_new, new_value[None, :], values)
             acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
             running_max = new_max
+
+        if FUSED_WRITE:
+            # The split holding the last position (split 0 for an empty context) stores the new token, after its own
+            # reads: every program took it from registers, so the store's order among programs does not matter.
+            writer = tl.where(context_len > 0, (context_len - 1) // tl.maximum(share, 1), 0)
+            if split == writer:
+                slot = tl.load(slots_ptr + seq)
+                key_slot = (slot // block_size) * stride_key_block + (slot % block_size) * stride_key_token
+                value_slot = (slot // block_size) * stride_value_block + (slot % block_size) * stride_value_token
+                tl.store(key_cache_ptr + key_slot + kv_head * stride_key_head + dims, new_key, mask=head_dim_mask)
+                tl.store(
+                    value_cache_ptr + value_slot + kv_head * stride_value_head + dims, new_value, mask=head_dim_mask
+                )
 
         if SPLITS == 1:
             # An empty context (a padding row) leaves running_sum at 0: write zeros, not 0 / 0.

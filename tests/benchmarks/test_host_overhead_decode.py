@@ -40,7 +40,16 @@ def test_decode_counts_split_the_step_at_the_graph():
         path: three[f"dispatcher calls per step, {path}"]["value"] - two[f"dispatcher calls per step, {path}"]["value"]
         for path in ("engine eager", "graphed step, greedy", "graphed step, sampled")
     }
-    assert per_layer["engine eager"] == per_layer["graphed step, greedy"] == per_layer["graphed step, sampled"] > 0
+    # The captured step's block tables are as wide as the longest row the engine is prepared for, so at batch 1 the
+    # paged kernel splits the context (the stand-in's partial results and its combine: two calls more per layer);
+    # the eager step's tables are as wide as its rows, a block here: one program per KV head.
+    split_k_calls = 2
+    assert (
+        per_layer["graphed step, greedy"]
+        == per_layer["graphed step, sampled"]
+        == per_layer["engine eager"] + split_k_calls
+    )
+    assert per_layer["engine eager"] > 0
     assert two["kernels per graphed step, greedy"]["meets_goal"] is True  # two layers: far under 500
     syncs = two["syncs per step, graphed"]
     assert syncs["goal"] == "0 in steady state" and syncs["meets_goal"] == (syncs["value"] == 0)

@@ -24,7 +24,11 @@ from spmd_rlhf.kernels.fused_logprob import (
     fused_log_probs_and_entropy,
     reference_log_probs_and_entropy,
 )
-from spmd_rlhf.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
+from spmd_rlhf.kernels.paged_attention import (
+    paged_decode_attention,
+    reference_paged_decode_attention,
+    write_new_tokens,
+)
 from spmd_rlhf.kernels.triton_support import triton, triton_available
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -57,6 +61,9 @@ class PagedCase:
     """q a view with a padded head stride, as a slice of a wider projection would be."""
     splits: int | None = None
     """Split-K programs per (sequence, KV head) pair; None: the wrapper's choice for the device."""
+    fused_write: bool = False
+    """The new token's K/V passed to the kernel (strided, as slices of the merged q/k/v projection are), which stores
+    them at the last position's slot (an unlisted block's for an empty context) and attends with them."""
 
 
 def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, backend: str) -> float:
@@ -82,18 +89,53 @@ def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, back
     block_tables = block_tables.to(device)
     scale = case.head_dim**-0.5
 
+    new_tokens, expected_caches = {}, (key_cache, value_cache)
+    if case.fused_write:
+        new_tokens = _new_tokens(case, block_tables, num_blocks - 1, dtype, device)
+        # The slots hold stale random values, so attending over the cache instead of the new token fails.
+        expected_caches = tuple(cache.clone() for cache in (key_cache, value_cache))
+        write_new_tokens(*expected_caches, new_tokens["new_keys"], new_tokens["new_values"], new_tokens["slots"])
     out = paged_decode_attention(
-        q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend=backend, splits=case.splits
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale=scale,
+        backend=backend,
+        splits=case.splits,
+        **new_tokens,
     )
     expected = reference_paged_decode_attention(
-        q.double(), key_cache.double(), value_cache.double(), block_tables, context_lens, scale=scale
+        q.double(), *(cache.double() for cache in expected_caches), block_tables, context_lens, scale=scale
     )
     assert out.shape == q.shape and out.dtype == dtype, f"{case}: got {out.dtype} {list(out.shape)}"
+    for name, cache, expected_cache in zip(("key", "value"), (key_cache, value_cache), expected_caches, strict=True):
+        assert torch.equal(cache, expected_cache), f"{case} {dtype} seed {seed}: the {name} cache was written wrong"
     empty = context_lens == 0
     assert not out[empty].any(), f"{case} seed {seed}: a sequence with no context must get zeros"
     error = relative_error(out[~empty], expected[~empty])
     assert error < RELATIVE_TOLERANCE[dtype], f"{case} {dtype} seed {seed}: relative error {error:.2e}"
     return error
+
+
+def _new_tokens(
+    case: PagedCase, block_tables: torch.Tensor, spare_block: int, dtype: torch.dtype, device: str
+) -> dict[str, torch.Tensor]:
+    """Each sequence's new token for the fused write: K/V views of wider rows, and the slot of position
+    ``context_len - 1`` (for an empty context, a slot of ``spare_block``, which no table lists)."""
+    slots = []
+    for seq, length in enumerate(case.context_lens):
+        last = length - 1
+        block = int(block_tables[seq, last // case.block_size]) if length else spare_block
+        slots.append(block * case.block_size + (last % case.block_size if length else 0))
+    num_seqs = len(case.context_lens)
+    wide = torch.randn(num_seqs, case.kv_heads, 2, case.head_dim + 8, device=device).to(dtype)
+    return {
+        "new_keys": wide[:, :, 0, : case.head_dim],
+        "new_values": wide[:, :, 1, : case.head_dim],
+        "slots": torch.tensor(slots, dtype=torch.int64, device=device),
+    }
 
 
 @dataclass(frozen=True)
@@ -163,11 +205,14 @@ PAGED_INTERPRETER_CASES = [
     PagedCase(heads=4, kv_heads=4, head_dim=32, block_size=16, context_lens=(200, 3)),
     PagedCase(heads=8, kv_heads=2, head_dim=16, block_size=4, context_lens=(1, 37, 300), splits=3),
     PagedCase(heads=6, kv_heads=2, head_dim=24, block_size=5, context_lens=(0, 9, 70), strided_q=True, splits=4),
+    PagedCase(heads=8, kv_heads=2, head_dim=16, block_size=4, context_lens=(0, 1, 64, 65, 130), fused_write=True),
+    PagedCase(heads=6, kv_heads=2, head_dim=24, block_size=5, context_lens=(0, 9, 70), splits=4, fused_write=True),
 ]
 """Small shapes covering several context tiles, padded GQA groups and head dims, block sizes that are not powers of
 two, an empty context, plain multi-head attention and a strided ``q``; split-K over 3 and 4 programs per pair, with
 splits left empty by short and empty contexts (the first three take the wrapper's choice: one program per pair, the
-interpreter's device counting 8 multiprocessors)."""
+interpreter's device counting 8 multiprocessors); the fused K/V write with the last position first, last and inside a
+tile, with and without split-K."""
 
 PAGED_INTERPRETER_DTYPES = (torch.float32, torch.float16)
 """Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as raw integers, so bfloat16 is checked on CUDA only."""

@@ -38,14 +38,19 @@ def _compile(kernel, pointers: dict[str, str], constexprs: dict, *, floats: tupl
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 8])
-def test_paged_decode_kernel_compiles(dtype, splits):
-    pointers = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr")}
-    pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32"}
+@pytest.mark.parametrize("splits,fused_write", [(1, False), (8, False), (1, True), (8, True)])
+def test_paged_decode_kernel_compiles(dtype, splits, fused_write):
+    tensors = ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr", "new_keys_ptr", "new_values_ptr")
+    pointers = {name: f"*{dtype}" for name in tensors}
+    # Without the fused write the wrapper passes the context lengths as the (unread) slots.
+    pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "slots_ptr": "*i64" if fused_write else "*i32"}
     pointers |= {name: "*fp32" for name in ("partial_out_ptr", "partial_max_ptr", "partial_sum_ptr")}
     shapes = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, SPLITS=splits)
     constexprs = dict(
-        shapes, BLOCK_TOKENS=paged_attention.BLOCK_TOKENS, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32"
+        shapes,
+        BLOCK_TOKENS=paged_attention.BLOCK_TOKENS,
+        FUSED_WRITE=fused_write,
+        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
     )
     _compile(paged_attention._paged_decode_kernel, pointers, constexprs, floats=("scale_log2",))
     if splits > 1:

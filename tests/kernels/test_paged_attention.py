@@ -106,19 +106,27 @@ def test_cpu_falls_back_to_the_reference_and_zeros_an_empty_context():
 def test_attend_sends_decode_steps_to_the_kernel_when_triton_applies(monkeypatch):
     calls = []
 
-    def recording_kernel(q, key_cache, value_cache, block_tables, context_lens, *, scale):
+    def recording_kernel(q, key_cache, value_cache, block_tables, context_lens, *, scale, **new_tokens):
         calls.append((key_cache.data_ptr(), value_cache.data_ptr(), q.shape))
+        new_token_calls.append(new_tokens)
         return paged_decode_attention(
-            q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend="torch"
+            q, key_cache, value_cache, block_tables, context_lens, scale=scale, backend="torch", **new_tokens
         )
 
+    new_token_calls = []
     paged, q, k, v = _decode_step([7, 2, 12])
-    expected = _attend(paged, q, k, v, backend="torch")
+    # The gather path writes the new tokens first, then reads the cache; the kernel is handed them instead.
+    gather_paged = dataclasses.replace(paged, key_cache=paged.key_cache.clone(), value_cache=paged.value_cache.clone())
+    expected = _attend(gather_paged, q, k, v, backend="torch")
     monkeypatch.setattr(attention, "use_triton", lambda device, backend: True)
     monkeypatch.setattr(attention, "paged_decode_attention", recording_kernel)
 
     torch.testing.assert_close(_attend(paged, q, k, v, backend="sdpa"), expected, atol=1e-5, rtol=1e-5)
     assert calls == [(paged.key_cache[1].data_ptr(), paged.value_cache[1].data_ptr(), q[0].shape)]
+    (new_tokens,) = new_token_calls
+    assert new_tokens["new_keys"] is not None and torch.equal(new_tokens["slots"], paged.slot_mapping)
+    assert torch.equal(paged.key_cache, gather_paged.key_cache)
+    assert torch.equal(paged.value_cache, gather_paged.value_cache)
     _attend(paged, q, k, v, backend="torch")
     assert len(calls) == 1, "the pure-torch backend keeps the gather path"
     prefill = dataclasses.replace(paged, max_seqlen_q=2)
@@ -166,6 +174,32 @@ def test_bad_inputs_are_named(overrides, message):
         paged_decode_attention(**_inputs(**overrides), scale=1.0)
 
 
+NEW_TOKENS = dict(new_keys=torch.randn(2, 2, 8), new_values=torch.randn(2, 2, 8), slots=torch.tensor([2, 8]))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(slots=None), "new_keys, new_values and slots go together"),
+        (dict(new_keys=torch.randn(2, 1, 8)), "new_keys must be \\[num_seqs, kv_heads, head_dim\\] = \\[2, 2, 8\\]"),
+        (dict(new_values=torch.randn(2, 8, 2).transpose(1, 2)), "new_values must be .* contiguous in head_dim"),
+        (dict(slots=torch.tensor([2, 8], dtype=torch.int32)), "slots must be int64 \\[num_seqs=2\\]"),
+    ],
+)
+def test_bad_new_tokens_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**_inputs(), scale=1.0, **{**NEW_TOKENS, **overrides})
+
+
+def test_the_torch_path_writes_the_new_tokens_before_attending():
+    inputs = _inputs()
+    out = paged_decode_attention(**inputs, scale=1.0, backend="torch", **NEW_TOKENS)
+    flat_keys = inputs["key_cache"].view(-1, 2, 8)
+    assert torch.equal(flat_keys[NEW_TOKENS["slots"]], NEW_TOKENS["new_keys"])
+    assert torch.equal(inputs["value_cache"].view(-1, 2, 8)[NEW_TOKENS["slots"]], NEW_TOKENS["new_values"])
+    assert torch.equal(out, reference_paged_decode_attention(**inputs, scale=1.0))
+
+
 def test_split_k_fills_the_gpu_only_where_few_pairs_would_leave_it_idle():
     """Batch-1 decode of a 2-KV-head model on 132 multiprocessors: one program per 64-token tile of the block table's
     capacity, at most MAX_SPLITS; 64 pairs get 2 each; from 132 pairs on, one."""
@@ -187,6 +221,8 @@ CUDA_CASES = [
     PagedCase(heads=28, kv_heads=4, head_dim=128, block_size=16, context_lens=(3000, 5, 0, 129), strided_q=True),
     PagedCase(heads=16, kv_heads=16, head_dim=64, block_size=256, context_lens=(300, 1, 700)),
     PagedCase(heads=14, kv_heads=2, head_dim=96, block_size=5, context_lens=(33, 98, 7)),
+    PagedCase(heads=12, kv_heads=2, head_dim=128, block_size=16, context_lens=(300,), fused_write=True),
+    PagedCase(heads=28, kv_heads=4, head_dim=128, block_size=16, context_lens=(3000, 5, 0, 129), fused_write=True),
 ]
 
 
@@ -209,3 +245,6 @@ def test_cuda_decode_step_through_attend_matches_the_gather_path(dtype):
     expected = _attend(gather_paged, q, k, v, backend="torch")
     error = float((out.double() - expected.double()).norm() / expected.double().norm())
     assert error < RELATIVE_TOLERANCE[dtype], error
+    # The kernel's fused write stored the new tokens as the separate write of the gather path did.
+    assert torch.equal(paged.key_cache, gather_paged.key_cache)
+    assert torch.equal(paged.value_cache, gather_paged.value_cache)

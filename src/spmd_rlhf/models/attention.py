@@ -257,10 +257,9 @@ def _paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, layer_index: int, scale: float
 ) -> torch.Tensor:
     paged = batch.paged
-    paged.write(layer_index, k[0], v[0])
-    if batch.backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
-        return _flash_paged_attention(q, paged, layer_index, scale)
-    if _is_triton_decode(q, paged, batch.backend):
+    flash_paged = batch.backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
+    if not flash_paged and _is_triton_decode(q, paged, batch.backend):
+        # The kernel stores the new token's K/V itself (its fused write): two launches fewer per layer and step.
         out = paged_decode_attention(
             q[0],
             paged.key_cache[layer_index],
@@ -268,8 +267,14 @@ def _paged_attention(
             paged.block_tables,
             paged.context_lens,
             scale=scale,
+            new_keys=k[0],
+            new_values=v[0],
+            slots=paged.slot_mapping,
         )
         return out[None]
+    paged.write(layer_index, k[0], v[0])
+    if flash_paged:
+        return _flash_paged_attention(q, paged, layer_index, scale)
     padded_q, cached_k, cached_v, allowed = paged.gather(layer_index, q[0])
     backend = "torch" if batch.backend == "torch" else "sdpa"
     return paged.unpad(_dense_attention(padded_q, cached_k, cached_v, allowed, backend, scale))[None]

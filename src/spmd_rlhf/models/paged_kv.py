@@ -15,6 +15,8 @@ from functools import cached_property
 
 import torch
 
+from spmd_rlhf.kernels.paged_attention import write_new_tokens
+
 
 @dataclass(frozen=True)
 class PagedKV:
@@ -46,8 +48,7 @@ class PagedKV:
 
     def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' ``k, v`` ``[num_new_tokens, kv_heads, head_dim]`` in layer ``layer_index``'s slots."""
-        for cache, new in ((self.key_cache[layer_index], k), (self.value_cache[layer_index], v)):
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, self.slot_mapping, new.to(cache.dtype))
+        write_new_tokens(self.key_cache[layer_index], self.value_cache[layer_index], k, v, self.slot_mapping)
 
     @cached_property
     def cu_seqlens_k(self) -> torch.Tensor:
