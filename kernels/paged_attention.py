@@ -35,7 +35,10 @@ import math
 
 import torch
 
-from spmd_rlhf.kernels.triton_support import launch_device, tl, triton, use_triton
+from spmd_rlhf.kernels.triton_support import launch_device, triton, use_triton
+
+if triton is not None:
+    from spmd_rlhf.kernels.paged_attention_programs import combine_splits_kernel, paged_decode_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -224,7 +227,7 @@ def paged_decode_attention(
         # Never read (FUSED_WRITE is off); any tensors of the right kinds keep the launch's signature.
         new_keys, new_values, slots = q, q, context_lens
     with launch_device(q.device):
-        _paged_decode_kernel[(num_seqs, kv_heads, splits)](
+        paged_decode_kernel[(num_seqs, kv_heads, splits)](
             out,
             partial_out,
             partial_max,
@@ -266,7 +269,7 @@ def paged_decode_attention(
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         if splits > 1:
-            _combine_splits_kernel[(num_seqs, kv_heads)](
+            combine_splits_kernel[(num_seqs, kv_heads)](
                 out,
                 partial_out,
                 partial_max,
@@ -280,171 +283,3 @@ def paged_decode_attention(
                 SPLITS=splits,
             )
     return out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _paged_decode_kernel(
-        out_ptr,
-        partial_out_ptr,
-        partial_max_ptr,
-        partial_sum_ptr,
-        q_ptr,
-        key_cache_ptr,
-        value_cache_ptr,
-        block_tables_ptr,
-        context_lens_ptr,
-        new_keys_ptr,
-        new_values_ptr,
-        slots_ptr,
-        scale_log2,
-        stride_out_seq,
-        stride_out_head,
-        stride_q_seq,
-        stride_q_head,
-        stride_key_block,
-        stride_key_token,
-        stride_key_head,
-        stride_value_block,
-        stride_value_token,
-        stride_value_head,
-        stride_table_seq,
-        stride_table_block,
-        stride_new_key_seq,
-        stride_new_key_head,
-        stride_new_value_seq,
-        stride_new_value_head,
-        block_size,
-        GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        HEAD_DIM_PAD: tl.constexpr,
-        BLOCK_TOKENS: tl.constexpr,
-        SPLITS: tl.constexpr,
-        FUSED_WRITE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        context_len = tl.load(context_lens_ptr + seq)
-        # This program's share of the context: whole tiles, the same count for every split of the sequence.
-        share = tl.cdiv(tl.cdiv(context_len, SPLITS), BLOCK_TOKENS) * BLOCK_TOKENS
-        first = split * share
-        end = tl.minimum(context_len, first + share)
-        group = tl.arange(0, GROUP_PAD)
-        dims = tl.arange(0, HEAD_DIM_PAD)
-        heads = kv_head * GROUP + group
-        head_dim_mask = dims < HEAD_DIM
-        q_mask = (group < GROUP)[:, None] & head_dim_mask[None, :]
-        q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
-        if FUSED_WRITE:
-            # The new token, rounded to the cache's dtype as a separate write would store it.
-            new_key = tl.load(
-                new_keys_ptr + seq * stride_new_key_seq + kv_head * stride_new_key_head + dims, mask=head_dim_mask
-            ).to(key_cache_ptr.dtype.element_ty)
-            new_value = tl.load(
-                new_values_ptr + seq * stride_new_value_seq + kv_head * stride_new_value_head + dims,
-                mask=head_dim_mask,
-            ).to(value_cache_ptr.dtype.element_ty)
-
-        # Scores are kept in log2 units (scale folded with log2(e)) so that the softmax uses exp2.
-        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        running_sum = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        for start in range(first, end, BLOCK_TOKENS):
-            tokens = start + tl.arange(0, BLOCK_TOKENS)
-            token_mask = tokens < end
-            blocks = tl.load(
-                block_tables_ptr + seq * stride_table_seq + (tokens // block_size) * stride_table_block,
-                mask=token_mask,
-                other=0,
-            ).to(tl.int64)
-            offsets = tokens % block_size
-            kv_mask = token_mask[:, None] & head_dim_mask[None, :]
-            key_rows = blocks * stride_key_block + offsets * stride_key_token + kv_head * stride_key_head
-            keys = tl.load(key_cache_ptr + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            if FUSED_WRITE:
-                is_new = (tokens == context_len - 1)[:, None]
-                keys = tl.where(is_new, new_key[None, :], keys)
-            scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
-            scores = tl.where(token_mask[None, :], scores, float("-inf"))
-
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            correction = tl.exp2(running_max - new_max)
-            probs = tl.exp2(scores - new_max[:, None])
-            running_sum = running_sum * correction + tl.sum(probs, axis=1)
-            value_rows = blocks * stride_value_block + offsets * stride_value_token + kv_head * stride_value_head
-            values = tl.load(value_cache_ptr + value_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            if FUSED_WRITE:
-                values = tl.where(is_new, new_value[None, :], values)
-            acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
-            running_max = new_max
-
-        if FUSED_WRITE:
-            # The split holding the last position (split 0 for an empty context) stores the new token, after its own
-            # reads: every program took it from registers, so the store's order among programs does not matter.
-            writer = tl.where(context_len > 0, (context_len - 1) // tl.maximum(share, 1), 0)
-            if split == writer:
-                slot = tl.load(slots_ptr + seq)
-                key_slot = (slot // block_size) * stride_key_block + (slot % block_size) * stride_key_token
-                value_slot = (slot // block_size) * stride_value_block + (slot % block_size) * stride_value_token
-                tl.store(key_cache_ptr + key_slot + kv_head * stride_key_head + dims, new_key, mask=head_dim_mask)
-                tl.store(
-                    value_cache_ptr + value_slot + kv_head * stride_value_head + dims, new_value, mask=head_dim_mask
-                )
-
-        if SPLITS == 1:
-            # An empty context (a padding row) leaves running_sum at 0: write zeros, not 0 / 0.
-            out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-            out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
-            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-        else:
-            # Partial results [seq, kv_head, split, GROUP_PAD(, HEAD_DIM_PAD)], contiguous; an empty share writes a
-            # max of -inf and a sum of 0, which the combine weighs by 0.
-            slot = (seq * tl.num_programs(1) + kv_head) * SPLITS + split
-            tl.store(partial_max_ptr + slot * GROUP_PAD + group, running_max)
-            tl.store(partial_sum_ptr + slot * GROUP_PAD + group, running_sum)
-            tile = slot * GROUP_PAD * HEAD_DIM_PAD + group[:, None] * HEAD_DIM_PAD + dims[None, :]
-            tl.store(partial_out_ptr + tile, acc)
-
-    @triton.jit
-    def _combine_splits_kernel(
-        out_ptr,
-        partial_out_ptr,
-        partial_max_ptr,
-        partial_sum_ptr,
-        stride_out_seq,
-        stride_out_head,
-        GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        HEAD_DIM_PAD: tl.constexpr,
-        SPLITS: tl.constexpr,
-    ):
-        """One (sequence, KV head) pair's splits into its output: each split's sum and output weighed by
-        ``exp2(its max - the overall max)`` (log2 units, as the scores)."""
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        group = tl.arange(0, GROUP_PAD)
-        dims = tl.arange(0, HEAD_DIM_PAD)
-        first_slot = (seq * tl.num_programs(1) + kv_head) * SPLITS
-        overall = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        for split in range(SPLITS):
-            overall = tl.maximum(overall, tl.load(partial_max_ptr + (first_slot + split) * GROUP_PAD + group))
-        # A pair with no context at all keeps -inf everywhere: weigh by exp2(-inf - 0) = 0 and write zeros.
-        safe = tl.where(overall == float("-inf"), 0.0, overall)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        for split in range(SPLITS):
-            slot = first_slot + split
-            weight = tl.exp2(tl.load(partial_max_ptr + slot * GROUP_PAD + group) - safe)
-            total += weight * tl.load(partial_sum_ptr + slot * GROUP_PAD + group)
-            tile = slot * GROUP_PAD * HEAD_DIM_PAD + group[:, None] * HEAD_DIM_PAD + dims[None, :]
-            acc += weight[:, None] * tl.load(partial_out_ptr + tile)
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        heads = kv_head * GROUP + group
-        q_mask = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
-        out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from kernel_checks import triton_version
 
-from spmd_rlhf.kernels import fused_logprob, paged_attention
+from spmd_rlhf.kernels import fused_logprob, paged_attention, paged_attention_programs
 from spmd_rlhf.kernels.triton_support import INTERPRETING, triton
 
 pytestmark = pytest.mark.skipif(
@@ -52,9 +52,9 @@ def test_paged_decode_kernel_compiles(dtype, splits, fused_write):
         FUSED_WRITE=fused_write,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
     )
-    _compile(paged_attention._paged_decode_kernel, pointers, constexprs, floats=("scale_log2",))
+    _compile(paged_attention_programs.paged_decode_kernel, pointers, constexprs, floats=("scale_log2",))
     if splits > 1:
-        _compile(paged_attention._combine_splits_kernel, pointers, shapes)
+        _compile(paged_attention_programs.combine_splits_kernel, pointers, shapes)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
