@@ -72,12 +72,28 @@ class Attention(MergeableProjections):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[batch, seq, heads, head_dim]`` of ``x``: projected, normed (QK-norm models) and rotated."""
         batch_size, seq_len = x.shape[:2]
+        if self.merged is not None and not hasattr(self, "q_norm"):
+            return self._merged_queries_keys_values(x, rope)
         # -1 instead of the configured head counts so a tensor-parallel shard (fewer local heads) runs unchanged.
         q, k, v = (t.view(batch_size, seq_len, -1, self.head_dim) for t in self.projections(x))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def _merged_queries_keys_values(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The generation copy's q, k, v from its one merged matmul, q and k rotated as one tensor: in a decode step
+        one kernel where two rotations were two (q and k lie side by side in the matmul's output, and the rotation
+        is the same for every head). q and k are views of the rotated tensor, v of the matmul's output."""
+        batch_size, seq_len = x.shape[:2]
+        q_size, k_size, _ = self.merged.sizes  # this rank's rows of each (its heads under tensor parallelism)
+        qkv = self.merged.matmul(x)
+        cos, sin = rope
+        query_key = apply_rotary(qkv[..., : q_size + k_size].view(batch_size, seq_len, -1, self.head_dim), cos, sin)
+        q, k = query_key.split((q_size // self.head_dim, k_size // self.head_dim), dim=2)
+        return q, k, qkv[..., q_size + k_size :].view(batch_size, seq_len, -1, self.head_dim)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """The output projection of the attention's ``out`` ``[batch, seq, heads, head_dim]``."""

@@ -96,8 +96,12 @@ class MergedLinear:
         self.bias = _merge(self.linears, "bias") if self.linears[0].bias is not None else None
         self.sizes = [_local(linear.weight).shape[0] for linear in self.linears]
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The one matmul: every layer's output side by side in the last dimension, in ``linears``' order."""
+        return F.linear(x, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.matmul(x).split(self.sizes, dim=-1)
 
 
 class MergeableProjections(nn.Module):
