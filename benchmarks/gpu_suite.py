@@ -16,11 +16,14 @@ call cut short still returns what it measured. ``model`` builds the random-init 
 | ``model`` | the 1.5B-shaped (G1, G2, G3, G5, scale) and 0.5B-shaped (G4) models, built once | 150 s |
 | ``cuda_tests`` | one CUDA test from each file that has them (``FAST_CUDA_TESTS``; one compiles blocks) | 120 s |
 | ``g1`` | G1: batch-1 and batch-64 decode against the HBM floor, graph vs eager | 150 s |
+| ``kernels`` | both Triton kernels against their torch references; batch-1 decode attention in a CUDA graph | 60 s |
 | ``g3`` | G3: ``update_actor`` MFU, 1.5B bf16, 32 rows x 1024 and 2048 tokens, compiled, token budget | 240 s |
 | ``g4`` | G4: GRPO end to end against TRL ``GRPOTrainer`` without vLLM, 0.5B | 240 s |
 | ``g2`` | G2: 256 prompts x 512 new tokens against ``generate`` with the dynamic cache | 180 s |
-| ``kernels`` | both Triton kernels at real sizes against their torch references | 60 s |
 | ``g5`` | the reshard train -> generation against the device-copy bound for the same bytes | 60 s |
+
+``kernels`` runs right after ``g1``: its batch-1 figures (split-K and the fused cache write, each timed inside a CUDA
+graph) are what G1 needs next.
 
 Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_eager_blocks`` (G1 with eager blocks,
 ``rollout.compile=off``: what compiling around attention gains; 29 % against 45 % of the floor on an H100), ``scale``
@@ -335,7 +338,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
     ]
 
 
-STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5")
+STEPS = ("model", "cuda_tests", "g1", "kernels", "g3", "g4", "g2", "g5")
 """What a plain call runs, in this order: G1, G3 and G4 first (about 6 minutes with the model's build on an H100),
 the rest after them (about 8 minutes in all: 476 s of steps in session 37); see the module docstring for each step's
 limit."""
