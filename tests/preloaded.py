@@ -1,7 +1,10 @@
 """``python <recipe> ARGS`` as a fork of a process that has already imported the package: the script runs as
 ``__main__`` in a fresh process of its own (its own pid, directory, output and exit code), without the seconds of
 imports (torch, transformers, DTensor) every interpreter start pays. For suites of short one-process jobs, such as the
-bad-input cases that stop at start and the recipes' ``--help`` and ``--dry-run``.
+bad-input cases that stop at start and the recipes' ``--help`` and ``--dry-run``; and, with ``nproc`` > 1, for a
+recipe's ranks as torchrun would start them on one node (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT``: rank 0 hosts the job's store), without the agent: the tests
+of the recipes' results (``torchrun_helpers.run_recipe``). Tests of how a job ends under faults use torchrun itself.
 
     with PreloadedPython() as python:
         finished = python.run(["recipes/grpo.py", "--config", "..."], cwd=workdir, timeout=240)
@@ -16,6 +19,7 @@ import json
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,9 +47,18 @@ class PreloadedPython:
         )
 
     def run(
-        self, argv: list[str], *, cwd: Path, timeout: float, stderr_apart: bool = False
+        self,
+        argv: list[str],
+        *,
+        cwd: Path,
+        timeout: float,
+        stderr_apart: bool = False,
+        nproc: int = 0,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess:
-        """stdout and stderr together in ``.stdout``, or (``stderr_apart``) each in its own field."""
+        """stdout and stderr together in ``.stdout``, or (``stderr_apart``) each in its own field. ``nproc``: that
+        many ranks of one job (their output interleaved by lines), else one process without rank variables. ``env``:
+        the job's environment (as a subprocess's), else the server's."""
         output, errors = cwd / ".preloaded_stdout", cwd / ".preloaded_stderr"
         request = {
             "argv": argv,
@@ -53,6 +66,8 @@ class PreloadedPython:
             "stdout": str(output),
             "stderr": str(errors if stderr_apart else output),
             "timeout": timeout,
+            "nproc": nproc,
+            "env": env,
         }
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
@@ -78,15 +93,16 @@ class PreloadedPython:
         self.close()
 
 
-def _run_script(argv: list[str], cwd: str, stdout: str, stderr: str) -> int:
+def _run_script(argv: list[str], cwd: str, stdout: str, stderr: str, *, append: bool = False) -> int:
     """In the forked child: what ``python argv[0] argv[1:]`` does after its interpreter started. Returns the exit
-    code."""
+    code. ``append``: write after what the files hold (ranks of one job share them)."""
     os.chdir(cwd)
-    descriptor = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    descriptor = os.open(stdout, flags, 0o644)
     os.dup2(descriptor, 1)
     if stderr != stdout:
         os.close(descriptor)
-        descriptor = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        descriptor = os.open(stderr, flags, 0o644)
     os.dup2(descriptor, 2)
     os.close(descriptor)
     sys.argv = list(argv)
@@ -116,21 +132,68 @@ def _serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()
-        child = os.fork()
-        if child == 0:
-            os._exit(_run_script(request["argv"], request["cwd"], request["stdout"], request["stderr"]))
-        deadline, status, timed_out = time.monotonic() + request["timeout"], None, False
-        while status is None:
-            finished, status_word = os.waitpid(child, os.WNOHANG)
-            if finished:
-                status = status_word
-            elif time.monotonic() > deadline:
-                os.kill(child, signal.SIGKILL)
-                status, timed_out = os.waitpid(child, 0)[1], True
-            else:
-                time.sleep(0.05)
-        returncode = os.waitstatus_to_exitcode(status)
+        nproc = request["nproc"]
+        if nproc:
+            for path in {request["stdout"], request["stderr"]}:
+                open(path, "w").close()  # the ranks append to them
+            port = _free_port()
+        children = []
+        for rank in range(max(nproc, 1)):
+            child = os.fork()
+            if child == 0:
+                if request["env"] is not None:
+                    os.environ.clear()
+                    os.environ.update(request["env"])
+                if nproc:
+                    os.environ.update(
+                        RANK=str(rank),
+                        LOCAL_RANK=str(rank),
+                        WORLD_SIZE=str(nproc),
+                        LOCAL_WORLD_SIZE=str(nproc),
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port),
+                    )
+                code = _run_script(
+                    request["argv"], request["cwd"], request["stdout"], request["stderr"], append=bool(nproc)
+                )
+                os._exit(code)
+            children.append(child)
+        returncode, timed_out = _wait_for(children, deadline=time.monotonic() + request["timeout"])
         print(json.dumps({"returncode": returncode, "timed_out": timed_out}), flush=True)
+
+
+FAILED_JOB_GRACE_S = 60.0
+"""After a rank of a job fails, how long the others get to end on their own (the runtime's own failure handling ends
+them within its timeouts) before they are killed, as torchrun's agent would stop them."""
+
+
+def _wait_for(children: list[int], *, deadline: float) -> tuple[int, bool]:
+    """Wait for every child; returns (the first non-zero exit code, else 0; whether the deadline killed them)."""
+    codes: dict[int, int] = {}
+    timed_out = False
+    while len(codes) < len(children):
+        for child in children:
+            if child not in codes:
+                finished, status_word = os.waitpid(child, os.WNOHANG)
+                if finished:
+                    codes[child] = os.waitstatus_to_exitcode(status_word)
+                    if codes[child] != 0:
+                        deadline = min(deadline, time.monotonic() + FAILED_JOB_GRACE_S)
+        if len(codes) < len(children) and time.monotonic() > deadline:
+            timed_out = not any(codes.values())
+            for child in children:
+                if child not in codes:
+                    os.kill(child, signal.SIGKILL)
+                    codes[child] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+        time.sleep(0.05)
+    failed = [code for code in (codes[child] for child in children) if code != 0]
+    return (failed[0] if failed else 0), timed_out
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 if __name__ == "__main__":

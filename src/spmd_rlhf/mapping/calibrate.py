@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from spmd_rlhf.collectives import all_gather_flat
 from spmd_rlhf.mapping.cost import OPS_PER_LAYER
-from spmd_rlhf.mapping.profile import BUILTIN_PROFILES, DEFAULT_PROFILE_PATH, DeviceProfile, load_profile
+from spmd_rlhf.mapping.profile import BUILTIN_PROFILES, DeviceProfile, default_profile_path, load_profile
 from spmd_rlhf.runtime.device import bind_thread
 
 _JOIN_TIMEOUT_S = 120.0
@@ -258,13 +258,13 @@ def _host_memory_bytes() -> int:
 
 
 def resolve_profile(choice: str) -> DeviceProfile:
-    """``auto``: the calibrated profile at ``DEFAULT_PROFILE_PATH`` if there is one, else the built-in profile whose
+    """``auto``: the calibrated profile at ``default_profile_path()`` if there is one, else the built-in profile whose
     name is in the visible GPU's name, else a quick calibration of this machine (CPU); anything else:
     ``load_profile``."""
     if choice != "auto":
         return load_profile(choice)
-    if DEFAULT_PROFILE_PATH.is_file():
-        return load_profile(DEFAULT_PROFILE_PATH)
+    if (path := default_profile_path()).is_file():
+        return load_profile(path)
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name().lower()
         for name, profile in BUILTIN_PROFILES.items():

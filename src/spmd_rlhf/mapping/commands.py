@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from spmd_rlhf.mapping.profile import DEFAULT_PROFILE_PATH
+from spmd_rlhf.mapping.profile import default_profile_path
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
         "calibrate", help="measure this machine's matmul, memory and link rates into a device profile"
     )
     parser.add_argument(
-        "--out", default=str(DEFAULT_PROFILE_PATH), help=f"profile file to write (default: {DEFAULT_PROFILE_PATH})"
+        "--out", default=str(default_profile_path()), help=f"profile file to write (default: {default_profile_path()})"
     )
     parser.add_argument("--quick", action="store_true", help="smaller measurements (seconds, less exact)")
     parser.add_argument(

@@ -14,10 +14,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_PROFILE_PATH = Path(
-    os.environ.get("SPMD_RLHF_PROFILE", Path.home() / ".cache" / "spmd_rlhf" / "device_profile.json")
-)
-"""Where ``spmd-rlhf calibrate`` writes and ``placement: auto`` looks first (``$SPMD_RLHF_PROFILE`` overrides)."""
+
+def default_profile_path() -> Path:
+    """Where ``spmd-rlhf calibrate`` writes and ``placement: auto`` looks first: ``$SPMD_RLHF_PROFILE`` as it is when
+    asked, else ``~/.cache/spmd_rlhf/device_profile.json``."""
+    return Path(os.environ.get("SPMD_RLHF_PROFILE", Path.home() / ".cache" / "spmd_rlhf" / "device_profile.json"))
 
 
 @dataclass(frozen=True)
