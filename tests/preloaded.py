@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -59,7 +60,20 @@ class PreloadedPython:
         """stdout and stderr together in ``.stdout``, or (``stderr_apart``) each in its own field. ``nproc``: that
         many ranks of one job (their output interleaved by lines), else one process without rank variables. ``env``:
         the job's environment (as a subprocess's), else the server's."""
-        output, errors = cwd / ".preloaded_stdout", cwd / ".preloaded_stderr"
+        with tempfile.TemporaryDirectory(prefix="preloaded_") as outputs:
+            return self._run(argv, cwd, timeout, stderr_apart, nproc, env, Path(outputs))
+
+    def _run(
+        self,
+        argv: list[str],
+        cwd: Path,
+        timeout: float,
+        stderr_apart: bool,
+        nproc: int,
+        env: dict[str, str] | None,
+        outputs: Path,
+    ) -> subprocess.CompletedProcess:
+        output, errors = outputs / "stdout", outputs / "stderr"
         request = {
             "argv": argv,
             "cwd": str(cwd),
@@ -73,11 +87,7 @@ class PreloadedPython:
         self.server.stdin.flush()
         answer = json.loads(self.server.stdout.readline())
         stdout = output.read_text()
-        output.unlink()
-        stderr = None
-        if stderr_apart:
-            stderr = errors.read_text()
-            errors.unlink()
+        stderr = errors.read_text() if stderr_apart else None
         if answer["timed_out"]:
             raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess([sys.executable, *argv], answer["returncode"], stdout, stderr)

@@ -87,9 +87,18 @@ def torchrun(
     cwd: str | None = None,
     monitor_interval_s: float | None = None,
     recipe: bool = False,
+    forked: bool = False,
 ) -> subprocess.CompletedProcess:
     """One torchrun agent with ``nproc`` ranks; stdout and stderr together in ``.stdout``. ``recipe``: the program
-    runs a recipe's entry (``environment``)."""
+    runs a recipe's entry (``environment``). ``forked``: the ranks are forks of this process's preloaded interpreter
+    with torchrun's variables for one node instead (``preloaded.py``: no agent, no imports per rank), for a program
+    whose results are tested, not how its job ends under faults nor its heap (the server's is a recipe's)."""
+    if forked:
+        program_argv = [str(program_path(program)), *args]
+        directory = Path(cwd) if cwd is not None else Path.cwd()
+        return _preloaded().run(
+            program_argv, cwd=directory, timeout=timeout, nproc=nproc, env=environment(recipe=recipe)
+        )
     command = torchrun_command(program, *args, nproc=nproc, port=free_port(), monitor_interval_s=monitor_interval_s)
     return subprocess.run(
         command,

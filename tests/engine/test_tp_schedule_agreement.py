@@ -13,7 +13,7 @@ from tp_schedule_agreement import ARGS  # noqa: E402
 
 def test_different_local_budgets_give_one_schedule(tmp_path):
     out = tmp_path / "results.json"
-    finished = torchrun("tp_schedule_agreement.py", str(out), nproc=2, timeout=180)
+    finished = torchrun("tp_schedule_agreement.py", str(out), nproc=2, timeout=180, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     results = json.loads(out.read_text())
     first, second = results["ranks"]

@@ -26,7 +26,7 @@ MODES = ("off", "rollout", "recompute")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_rollout")
     policy = make_tiny(family="qwen3_moe", out_dir=str(root / "policy"), hidden_size=32, vocab_size=300)
-    finished = torchrun("moe_rollout.py", policy, str(root), nproc=2, timeout=400)
+    finished = torchrun("moe_rollout.py", policy, str(root), nproc=2, timeout=400, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return json.loads((root / "results.json").read_text())
 

@@ -41,7 +41,7 @@ def results(tmp_path_factory):
         vocab_size=300,
         num_layers=LAYERS,
     )
-    finished = torchrun("rollout_log_probs.py", policy, str(root), nproc=4, timeout=400)
+    finished = torchrun("rollout_log_probs.py", policy, str(root), nproc=4, timeout=400, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return json.loads((root / "results.json").read_text())
 

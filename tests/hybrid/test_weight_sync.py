@@ -53,7 +53,9 @@ def synced(tmp_path_factory):
     moe = make_tiny(family="qwen3_moe", out_dir=str(root / "moe"), hidden_size=32, vocab_size=300)
     out = root / "out"
     out.mkdir()
-    finished = torchrun("weight_sync.py", str(policy), str(other), str(moe), str(out), nproc=4, timeout=300)
+    finished = torchrun(
+        "weight_sync.py", str(policy), str(other), str(moe), str(out), nproc=4, timeout=300, forked=True
+    )
     assert finished.returncode == 0, finished.stdout[-4000:]
     return out
 

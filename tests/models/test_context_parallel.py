@@ -22,7 +22,7 @@ from spmd_rlhf.training.context_parallel import ContextRow
 
 @pytest.mark.parametrize("cp", [4])
 def test_ulysses_attention_equals_one_process_on_packed_rows(cp):
-    finished = torchrun("ulysses_attention.py", nproc=cp, timeout=180)
+    finished = torchrun("ulysses_attention.py", nproc=cp, timeout=180, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
 
 
@@ -49,7 +49,7 @@ def test_replicated_heads_and_bytes():
 
 
 def test_ring_attention_over_zigzag_chunks_equals_one_process():
-    finished = torchrun("ring_attention.py", nproc=4, timeout=180)
+    finished = torchrun("ring_attention.py", nproc=4, timeout=180, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
 
 

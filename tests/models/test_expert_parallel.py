@@ -31,7 +31,9 @@ def run(tmp_path_factory):
     policy = make_tiny(family="qwen3_moe", out_dir=str(root / "policy"), hidden_size=32, vocab_size=300)
     out = root / "out"
     out.mkdir()
-    finished = torchrun("expert_parallel_parity.py", policy, str(out), REFERENCE, *LAYOUTS, nproc=4, timeout=300)
+    finished = torchrun(
+        "expert_parallel_parity.py", policy, str(out), REFERENCE, *LAYOUTS, nproc=4, timeout=300, forked=True
+    )
     assert finished.returncode == 0, finished.stdout[-6000:]
     return policy, out
 
@@ -39,7 +41,7 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run_eight(run):
     policy, out = run
-    finished = torchrun("expert_parallel_parity.py", policy, str(out), *EIGHT_RANKS, nproc=8, timeout=300)
+    finished = torchrun("expert_parallel_parity.py", policy, str(out), *EIGHT_RANKS, nproc=8, timeout=300, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return policy, out
 

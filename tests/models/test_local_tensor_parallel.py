@@ -13,6 +13,6 @@ def test_local_shards_with_explicit_collectives_equal_the_whole_model(tmp_path):
     paths = [
         make_tiny(family=family, out_dir=str(tmp_path / family), **common) for family in ("qwen2", "qwen3", "qwen3_moe")
     ]
-    finished = torchrun("local_tensor_parallel.py", *paths, nproc=2, timeout=180)
+    finished = torchrun("local_tensor_parallel.py", *paths, nproc=2, timeout=180, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     assert "local tensor parallelism matches" in finished.stdout

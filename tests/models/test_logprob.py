@@ -73,7 +73,7 @@ def test_temperature_must_be_finite_and_positive(temperature):
 
 def test_vocabulary_parallel_matches_one_rank_at_a_temperature():
     """Two ranks, each holding an unequal slice of the vocabulary, against the full-vocabulary float32 reference."""
-    finished = torchrun("vocab_parallel_logprob.py", nproc=2, timeout=120)
+    finished = torchrun("vocab_parallel_logprob.py", nproc=2, timeout=120, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     assert finished.stdout.count("ok rank") == 2, finished.stdout[-2000:]
 

@@ -186,7 +186,9 @@ def test_fsdp_on_one_and_two_ranks_loads_computes_and_saves_experts(tmp_path):
     pieces, logits and expert gradients against one process); the streamed save equals transformers' checkpoint; and
     TP over 2 ranks (Qwen2-MoE: expert widths, the shared expert) gives the same logits and every gradient."""
     write_hf_model("qwen2_moe", str(tmp_path / "model"), vocab_size=102)  # TP splits the vocabulary
-    finished = torchrun("moe_sharded.py", str(tmp_path / "model"), str(tmp_path / "out"), nproc=2, timeout=120)
+    finished = torchrun(
+        "moe_sharded.py", str(tmp_path / "model"), str(tmp_path / "out"), nproc=2, timeout=120, forked=True
+    )
     assert finished.returncode == 0, finished.stdout[-6000:]
     saved, source = load_file(f"{tmp_path}/out/model.safetensors"), load_file(f"{tmp_path}/model/model.safetensors")
     assert sorted(saved) == sorted(source)
@@ -202,7 +204,7 @@ def test_expert_parallel_layer_and_model_equal_one_process(tmp_path, ep):
     from spmd_rlhf.tiny.model import make_tiny
 
     model_dir = make_tiny(family="qwen3_moe", out_dir=str(tmp_path / "model"), num_experts=8)
-    finished = torchrun("expert_parallel.py", model_dir, nproc=ep, timeout=180)
+    finished = torchrun("expert_parallel.py", model_dir, nproc=ep, timeout=180, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
 
 

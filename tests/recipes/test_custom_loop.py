@@ -14,7 +14,9 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 def test_custom_loop_runs_the_changed_stage(tmp_path):
     shutil.copytree(RECIPES / "configs", tmp_path / "recipes" / "configs")
-    finished = torchrun(str(RECIPES / "examples" / "custom_loop.py"), "3", nproc=2, timeout=240, cwd=str(tmp_path))
+    finished = torchrun(
+        str(RECIPES / "examples" / "custom_loop.py"), "3", nproc=2, timeout=240, cwd=str(tmp_path), forked=True
+    )
     assert finished.returncode == 0, finished.stdout[-6000:]
     lines = re.findall(r"step (\d): reward ([\d.]+) clipped ([\d.]+)", finished.stdout)
     assert [int(step) for step, _, _ in lines] == [0, 1, 2]

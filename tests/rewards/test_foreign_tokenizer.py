@@ -71,7 +71,7 @@ def test_a_reward_and_a_cost_model_of_another_vocabulary_and_template_score_as_t
     (tmp_path / "rows.json").write_text(json.dumps(ROWS))
     out = tmp_path / "out.pt"
     finished = torchrun(
-        "foreign_reward.py", policy, scorer, str(tmp_path / "rows.json"), str(out), nproc=2, timeout=180
+        "foreign_reward.py", policy, scorer, str(tmp_path / "rows.json"), str(out), nproc=2, timeout=180, forked=True
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     result = torch.load(out, weights_only=True)

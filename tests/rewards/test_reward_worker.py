@@ -34,6 +34,7 @@ def test_replica_ranks_split_the_rows_and_match_single_process_scores(tmp_path):
         str(out),
         nproc=2,
         timeout=180,
+        forked=True,
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     result = torch.load(out, weights_only=True)

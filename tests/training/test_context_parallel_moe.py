@@ -26,7 +26,9 @@ def run(tmp_path_factory):
     )
     out = root / "out"
     out.mkdir()
-    finished = torchrun("moe_context_parallel.py", policy, str(out), REFERENCE, *LAYOUTS, nproc=2, timeout=300)
+    finished = torchrun(
+        "moe_context_parallel.py", policy, str(out), REFERENCE, *LAYOUTS, nproc=2, timeout=300, forked=True
+    )
     assert finished.returncode == 0, finished.stdout[-6000:]
     return out
 

@@ -35,7 +35,16 @@ def run(tmp_path_factory):
     out = root / "out"
     out.mkdir()
     finished = torchrun(
-        "context_parallel_parity.py", policy, critic, reward, str(out), REFERENCE, *LAYOUTS, nproc=4, timeout=300
+        "context_parallel_parity.py",
+        policy,
+        critic,
+        reward,
+        str(out),
+        REFERENCE,
+        *LAYOUTS,
+        nproc=4,
+        timeout=300,
+        forked=True,
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     return out

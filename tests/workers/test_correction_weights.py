@@ -17,7 +17,7 @@ from spmd_rlhf.tiny.model import make_tiny
 def runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("correction")
     model_dir = make_tiny(family="qwen2", out_dir=str(root / "model"), hidden_size=32, vocab_size=300)
-    finished = torchrun("correction_weights.py", model_dir, str(root), nproc=1, timeout=240)
+    finished = torchrun("correction_weights.py", model_dir, str(root), nproc=1, timeout=240, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return {path.stem: json.loads(path.read_text()) for path in root.glob("*.json")}
 

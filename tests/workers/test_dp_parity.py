@@ -31,7 +31,7 @@ AGGREGATIONS = ["token_mean", "seq_mean_token_mean"]
 def out(model_dir, tmp_path_factory) -> Path:
     """One job for every aggregation; each one's results in ``out / aggregation``."""
     out = tmp_path_factory.mktemp("dp_parity")
-    finished = torchrun("dp_parity.py", model_dir, str(out), *AGGREGATIONS, nproc=4, timeout=300)
+    finished = torchrun("dp_parity.py", model_dir, str(out), *AGGREGATIONS, nproc=4, timeout=300, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return out
 

@@ -30,7 +30,7 @@ def run(tmp_path_factory):
     )
     out = root / "out"
     out.mkdir()
-    finished = torchrun("lora_parity.py", policy, str(out), "dp1tp1", *LAYOUTS, nproc=4, timeout=400)
+    finished = torchrun("lora_parity.py", policy, str(out), "dp1tp1", *LAYOUTS, nproc=4, timeout=400, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return out
 

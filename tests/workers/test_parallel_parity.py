@@ -43,6 +43,7 @@ def run(tmp_path_factory) -> tuple[str, Path, Path]:
         *("+", tied_policy, tied_critic, tied_critic, str(tied_out), "dp1tp1pp1", "dp2tp2pp1"),
         nproc=4,
         timeout=400,
+        forked=True,
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     return policy, out, tied_out

@@ -28,7 +28,7 @@ def models(tmp_path_factory):
 def test_reward_model_and_critic_match_single_process(models, tmp_path):
     policy, reward, critic_dir = models
     out = tmp_path / "out.pt"
-    finished = torchrun("scoring_roles.py", policy, reward, critic_dir, str(out), nproc=2, timeout=180)
+    finished = torchrun("scoring_roles.py", policy, reward, critic_dir, str(out), nproc=2, timeout=180, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     result = torch.load(out, weights_only=True)
     batch = result["batch"]
