@@ -142,13 +142,14 @@ def _preloaded():
     return _PRELOADED[0]
 
 
-def run_recipe(name: str, workdir: Path, *overrides: str, nproc: int = 2) -> list[dict]:
+def run_recipe(name: str, workdir: Path, *overrides: str, nproc: int = 2, under_torchrun: bool = False) -> list[dict]:
     """Run recipes/<name>.py with its default config on ``nproc`` ranks in ``workdir`` and ``trainer.output_dir=out``;
     returns the metrics records of ``workdir/out/metrics.jsonl``. The first run of this process builds the tiny assets
     in its ``workdir`` on first use; a later run in a new ``workdir`` links to them (about 1.5 s saved each). The ranks
     are forks of a process that has imported the package (``preloaded.py``), as torchrun would start them on one node
     but without its agent and each rank's imports (about 4 s of CPU a rank and 1.3 s an agent): these tests are of
-    the recipes' results; those of how a job ends under faults start torchrun themselves."""
+    the recipes' results; those of how a job ends under faults start torchrun themselves. ``under_torchrun``: a
+    torchrun agent starts the ranks, as the README's main job does."""
     workdir.mkdir(parents=True, exist_ok=True)
     tiny = workdir / "tiny"
     builds_tiny = not tiny.exists() and not SHARED_TINY  # a test may have put its own assets there
@@ -160,8 +161,8 @@ def run_recipe(name: str, workdir: Path, *overrides: str, nproc: int = 2) -> lis
         str(RECIPES / "configs" / f"{name}.yaml"),
         "trainer.output_dir=out",
     ]
-    finished = _preloaded().run(
-        [*argv, *overrides], cwd=workdir, timeout=300, nproc=nproc, env=environment(recipe=True)
+    finished = torchrun(
+        *argv, *overrides, nproc=nproc, timeout=300, cwd=str(workdir), recipe=True, forked=not under_torchrun
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     if builds_tiny and tiny.is_dir():

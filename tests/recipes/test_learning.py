@@ -22,7 +22,7 @@ def mean_reward(records: list[dict]) -> float:
 
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_default_recipe_raises_the_reward(assets, name):
-    records = run_recipe(name, assets / name)
+    records = run_recipe(name, assets / name, under_torchrun=True)  # the README's main job, as it is launched
     assert [record["step"] for record in records] == list(range(150))
     first, last = mean_reward(records[:5]), mean_reward(records[-5:])
     assert last > first + 0.08, (first, last)
