@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -129,17 +130,13 @@ SHARED_TINY: list[Path] = []
 model and task: they are built from fixed seeds)."""
 
 
-_PRELOADED: list = []
-
-
+@functools.cache
 def _preloaded():
     """This test process's ``preloaded.PreloadedPython``, started on first use (its imports once, about 4 s of CPU),
     ended when the process ends (its input closes)."""
-    if not _PRELOADED:
-        from preloaded import PreloadedPython
+    from preloaded import PreloadedPython
 
-        _PRELOADED.append(PreloadedPython())
-    return _PRELOADED[0]
+    return PreloadedPython()
 
 
 def run_recipe(name: str, workdir: Path, *overrides: str, nproc: int = 2, under_torchrun: bool = False) -> list[dict]:
