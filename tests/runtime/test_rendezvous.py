@@ -69,3 +69,30 @@ def test_round_store_scopes_every_key_to_the_round(job_store, monkeypatch):
     scoped.set("pg/key", "value")
     token = job_store.get(rendezvous.ROUND_KEY).decode()
     assert job_store.get(f"spmd_rlhf/{token}/pg/key") == b"value"
+
+
+def test_a_rank_zero_hosting_the_store_waits_for_the_others_to_leave(monkeypatch):
+    """Without torchrun's agent rank 0 hosts the job's store: it ends only after the other ranks have shut down (RPC's
+    shutdown reads the store after its last barrier), or after the timeout, naming the ranks it did not hear from."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    leaves = [
+        threading.Timer(delay_s, rendezvous.depart, args=(store,), kwargs=dict(rank=rank, world_size=3, timeout_s=1))
+        for rank, delay_s in ((1, 0.3), (2, 0.5))
+    ]
+    start = time.monotonic()
+    for leave in leaves:
+        leave.start()
+    assert rendezvous.depart(store, rank=0, world_size=3, timeout_s=5) == []
+    assert 0.5 <= time.monotonic() - start < 3
+    # A rank that never leaves: rank 0 waits the timeout and names it.
+    start = time.monotonic()
+    assert rendezvous.depart(dist.PrefixStore("next", store), rank=0, world_size=2, timeout_s=0.3) == [1]
+    assert 0.3 <= time.monotonic() - start < 2
+
+
+def test_under_torchrun_rank_zero_does_not_wait_for_the_others(job_store, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent keeps the store for the whole job
+    start = time.monotonic()
+    assert rendezvous.depart(job_store, rank=0, world_size=4, timeout_s=5) == []
+    assert time.monotonic() - start < 1

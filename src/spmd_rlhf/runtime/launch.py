@@ -44,7 +44,7 @@ from spmd_rlhf.runtime.coordinator import Coordinator
 from spmd_rlhf.runtime.device import bind_thread, select_device, visible_cuda_devices
 from spmd_rlhf.runtime.errors import RankLostError, RuntimeFailure
 from spmd_rlhf.runtime.executor import Executor
-from spmd_rlhf.runtime.rendezvous import round_store, rpc_init_method
+from spmd_rlhf.runtime.rendezvous import depart, round_store, rpc_init_method
 
 Result = TypeVar("Result")
 
@@ -81,6 +81,7 @@ _state: dict[str, object] = {
     "world_size": 1,
     "stop_reason": None,
     "stop_timer": None,
+    "store": None,  # this launch round's store (rendezvous.round_store): rank 0 may host it
 }
 _stop_lock = threading.Lock()
 
@@ -201,6 +202,7 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
     _state["last_heard"] = time.monotonic()
     timeout = timedelta(seconds=options.collective_timeout_s)
     store = round_store(rank=rank, world_size=world_size, timeout=timeout)
+    _state["store"] = store
     dist.init_process_group(
         backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout
     )
@@ -328,6 +330,14 @@ def _shutdown(options: RuntimeOptions) -> None:
     try:
         rpc.shutdown(graceful=True, timeout=options.shutdown_timeout_s)
         dist.destroy_process_group()
+        silent = depart(
+            _state["store"], rank=_state["rank"], world_size=_state["world_size"], timeout_s=options.shutdown_timeout_s
+        )
     except Exception as error:
         _say(f"clean shutdown failed: {error}")
         _exit(1)
+    if silent:
+        _say(
+            f"ranks {silent} did not finish shutting down within {options.shutdown_timeout_s:g} s; rank 0 ends now, "
+            "and with it the job's store they may still be using"
+        )

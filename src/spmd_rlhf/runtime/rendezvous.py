@@ -19,6 +19,11 @@ can satisfy:
    replaced it.
 
 Every wait ends at the launch's deadline with an error naming the ranks or the store that did not answer.
+
+Without torchrun's agent (``srun python recipe.py`` with the rank variables set), rank 0 hosts the job's store, and
+the store ends with rank 0's process. RPC's graceful shutdown reads the store after its last barrier, so a rank 0
+that ended first would take the store from a rank still shutting down ("Connection reset by peer"). ``depart``: every
+other rank says it has shut down, and a rank 0 that hosts the store waits for them, at most the shutdown timeout.
 """
 
 from __future__ import annotations
@@ -37,15 +42,17 @@ ROUND_KEY = "spmd_rlhf/round"
 _stores: dict[str, dist.Store] = {}
 
 
+def _hosts_store(rank: int) -> bool:
+    """Whether this rank hosts the job's store: rank 0, unless under ``TORCHELASTIC_USE_AGENT_STORE``."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
+
+
 def _job_store(*, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """The job's TCP store at ``MASTER_ADDR:MASTER_PORT``: the torchrun agent's (every rank a client) under
     ``TORCHELASTIC_USE_AGENT_STORE``, else one that rank 0 hosts."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     try:
-        return dist.TCPStore(
-            host, port, world_size, is_master=rank == 0 and not agent_store, timeout=timeout, multi_tenant=True
-        )
+        return dist.TCPStore(host, port, world_size, is_master=_hosts_store(rank), timeout=timeout, multi_tenant=True)
     except Exception as error:
         raise RuntimeError(
             f"rank {rank} could not reach the job's store at {host}:{port} within {timeout.total_seconds():g} s "
@@ -109,6 +116,25 @@ def round_store(*, rank: int, world_size: int, timeout: timedelta) -> dist.Prefi
     deadline = time.monotonic() + timeout.total_seconds()
     token = _announce(store, world_size, deadline) if rank == 0 else _join(store, rank, deadline)
     return dist.PrefixStore(f"spmd_rlhf/{token}", store)  # PrefixStore puts the "/" in
+
+
+def depart(store: dist.Store, *, rank: int, world_size: int, timeout_s: float) -> list[int]:
+    """After this rank's RPC and process group have shut down: any other rank says so under ``left/<rank>``; a rank 0
+    that hosts the job's store waits for every other rank's word, at most ``timeout_s``, and returns the ranks it
+    did not hear from (ending then would take the store from ranks still shutting down). Under torchrun's agent,
+    which keeps the store for the whole job, rank 0 does not wait."""
+    if rank != 0:
+        store.set(f"left/{rank}", b"1")
+        return []
+    if not _hosts_store(rank):
+        return []
+    keys = {peer: f"left/{peer}" for peer in range(1, world_size)}
+    deadline = time.monotonic() + timeout_s
+    pause = 0.01
+    while (missing := _missing(store, list(keys.values()))) and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
+    return sorted(peer for peer, key in keys.items() if key in missing)
 
 
 def rpc_init_method(store: dist.Store, name: str) -> str:
