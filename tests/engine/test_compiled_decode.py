@@ -48,9 +48,10 @@ class CountingBackend:
 
 @pytest.mark.parametrize("family", ["qwen2_untied", "qwen3"])
 def test_compiled_layers_decode_what_eager_layers_decode(tmp_path, family):
-    """Prefill and static decode steps through blocks compiled in two pieces: the same tokens and log-probs as eager
-    blocks (QK-norm included), and every block's calls through two graphs per piece at most (all layers share
-    them), whatever the prompt lengths and the decode buckets."""
+    """Prefill and static decode steps through blocks compiled in two pieces, each block's last residual add carried
+    into the next block's first piece and the last one's into the final norm: the same tokens and log-probs as eager
+    blocks (QK-norm included), and every call through two graphs per piece at most (all layers share them),
+    whatever the prompt lengths and the decode buckets."""
     torch._dynamo.reset()
     write_hf_model(family, str(tmp_path / "model"))
     eager_model = load_model(str(tmp_path / "model"), dtype=torch.float32)
@@ -68,8 +69,14 @@ def test_compiled_layers_decode_what_eager_layers_decode(tmp_path, family):
     layers = compiled_model.args.num_layers
     steps = engine.stats.prefill_steps + engine.stats.decode_steps
     assert layers >= 2 and engine.stats.decode_steps > 1
-    assert backend.calls == 2 * layers * steps  # every block of every step ran both compiled pieces
-    assert backend.graphs <= 4  # two pieces, each for one token and for many (sizes of 1 are specialised)
+    # Every block of every step ran both compiled pieces, the final norm took the last block's residual add, and the
+    # rotary tables were compiled.
+    assert compiled_model.model.carry_residuals
+    assert backend.calls == (2 * layers + 2) * steps
+    # The first block's inputs, a later block's (with the residual add), its outputs, the final norm, the rotary
+    # tables: each for one token and for many (sizes of 1 are specialised); the tables once more for the decode
+    # step's position buffer, made outside inference mode, where prefill's positions are made inside it.
+    assert backend.graphs <= 11
 
 
 def test_the_rollout_compile_key_picks_the_backend_and_the_engine_applies_it(tmp_path, monkeypatch):

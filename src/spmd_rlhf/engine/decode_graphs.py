@@ -42,6 +42,7 @@ replay's output is consumed (copied to the host, on the same stream) before the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -118,23 +119,36 @@ def compile_backend(setting: str, *, graphs: bool, tensor_parallel: bool = False
 def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> None:
     """``torch.compile`` each decoder block of a generation model in two pieces, the block before its attention
     kernel call (input norm, q/k/v projections, QK norms, rotation: ``DecoderLayer.attention_inputs``) and after it
-    (output projection, residuals, post-attention norm, MLP: ``attention_outputs``), so Inductor fuses the casts,
+    (output projection, residuals, post-attention norm, MLP: ``attention_outputs_apart``), so Inductor fuses the casts,
     reductions and elementwise ops between the matmuls: on an H100 these were 1.5 of a batch-1 decode step's 3.3 ms
-    of device time, about 34 kernels per layer (``docs/benchmarks.md``, session 37). The attention call between them
-    (writing the new K/V into the paged cache, reading the context) stays eager: it is what differs between layers
-    and steps, and a compiled write into the cache would be one into a graph input. Each piece is one graph with no
-    break (``fullgraph``; an MoE block's outputs may break where the looped expert path reads counts on the host), its
-    token count symbolic (``dynamic``), so every layer and every decode bucket and prefill length share it: at most
-    two graphs per piece and grad mode, the second for a single token (TorchDynamo specialises sizes of 1), and one
-    more for MoE blocks. Compiled in place (instance attributes over the methods): the first call of each size
-    compiles, which the decode graphs' warm-up pass does before capture. ``backend``: TorchDynamo's (tests trace with
-    ``aot_eager``)."""
-    for layer in model.model.layers.values():
-        moe = isinstance(layer.mlp, MoEBlock)
-        layer.attention_inputs = torch.compile(layer.attention_inputs, fullgraph=True, dynamic=True, backend=backend)
-        layer.attention_outputs = torch.compile(
-            layer.attention_outputs, fullgraph=not moe, dynamic=True, backend=backend
+    of device time, about 34 kernels per layer (``docs/benchmarks.md``, session 37). The residual add after each
+    block's MLP moves into the next block's first piece (``residual_attention_inputs``; ``Backbone.carry_residuals``)
+    and the last one's into the final norm (``residual_norm``), where Inductor fuses it with the norm: one kernel
+    per layer fewer, and the final norm one kernel where it was eight eager ones; the rotary tables are compiled
+    too. The attention call between the
+    pieces (writing the new K/V into the paged cache, reading the context) stays eager: it is what differs between
+    layers and steps, and a compiled write into the cache would be one into a graph input. Each piece is one graph
+    with no break (``fullgraph``; an MoE block's outputs may break where the looped expert path reads counts on the
+    host), its token count symbolic (``dynamic``), so every layer and every decode bucket and prefill length share
+    it: at most two graphs per piece and grad mode, the second for a single token (TorchDynamo specialises sizes of
+    1), and one more for MoE blocks. Compiled in place (instance attributes over the methods): the first call of each
+    size compiles, which the decode graphs' warm-up pass does before capture. ``backend``: TorchDynamo's (tests trace
+    with ``aot_eager``)."""
+
+    def compiled(function: Callable, *, fullgraph: bool = True) -> Callable:
+        return torch.compile(function, fullgraph=fullgraph, dynamic=True, backend=backend)
+
+    layers = list(model.model.layers.values())
+    layers[0].attention_inputs = compiled(layers[0].attention_inputs)  # the first block has no add to take
+    for layer in layers:
+        layer.residual_attention_inputs = compiled(layer.residual_attention_inputs)
+        layer.attention_outputs_apart = compiled(
+            layer.attention_outputs_apart, fullgraph=not isinstance(layer.mlp, MoEBlock)
         )
+    model.model.residual_norm = compiled(model.model.residual_norm)
+    model.model.carry_residuals = True
+    # The step's cos / sin tables (a multiply, a concatenation, cos, sin and two casts) as one kernel.
+    model.model.rotary.forward = compiled(model.model.rotary.forward)
 
 
 _said: set[str] = set()

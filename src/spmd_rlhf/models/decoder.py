@@ -129,8 +129,40 @@ class DecoderLayer(nn.Module):
 
     def attention_outputs(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The block after attention: the output projection and its residual, then the MLP and its residual."""
+        x, mlp_out = self.attention_outputs_apart(x, out)
+        return x + mlp_out
+
+    # The same pieces with the residual add after the MLP carried into the next block (``carried_forward``).
+
+    def carried_forward(
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of ``x + pending`` (``pending`` None: of ``x``) with this block's last residual add left to
+        the caller: returns ``(x, pending)`` whose sum is ``forward``'s output. Compiled, the add then runs inside
+        the next block's input norm (``residual_attention_inputs``): one kernel where two were."""
+        attention = self.self_attn
+        if pending is None:
+            q, k, v = self.attention_inputs(x, rope)
+        else:
+            x, q, k, v = self.residual_attention_inputs(x, pending, rope)
+        out = attention.attend(q, k, v, batch, scale=attention.scale, layer_index=attention.layer_index)
+        return self.attention_outputs_apart(x, out)
+
+    def residual_attention_inputs(
+        self, x: torch.Tensor, pending: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous block's last residual add, then ``attention_inputs``: ``(x + pending, q, k, v)``."""
+        x = x + pending
+        return (x, *self.self_attn.queries_keys_values(self.input_layernorm(x), rope))
+
+    def attention_outputs_apart(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attention_outputs`` before its last residual add: ``(x + the attention's output, the MLP's output)``."""
         x = x + self.self_attn.output(out)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
@@ -150,14 +182,28 @@ class Backbone(nn.Module):
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(head_dim=args.head_dim, theta=args.rope_theta, scaling=args.rope_scaling)
+        self.carry_residuals = False
+        """Run the layers through ``DecoderLayer.carried_forward``, each block's last residual add done by the next
+        block's first piece and the last one's by ``residual_norm``; set where those pieces are compiled
+        (``engine.decode_graphs.compile_around_attention``), which fuses each add with the norm after it."""
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Token ids ``[b, s]`` to hidden states ``[b, s, hidden]``. A pipeline stage without the embedding takes
         the previous stage's hidden states instead; one without the final norm returns its last layer's output."""
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         rope = self.rotary(position_ids, x.dtype)
+        if self.carry_residuals:
+            pending = None
+            for layer in self.layers.values():
+                x, pending = layer.carried_forward(x, pending, rope, batch)
+            return self.residual_norm(x, pending) if pending is not None else self.norm(x)
         for layer in self.layers.values():
             x = layer(x, rope, batch)
+        return self.norm(x) if self.norm is not None else x
+
+    def residual_norm(self, x: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        """The last block's residual add, then the final norm (without one, a pipeline stage's: the sum)."""
+        x = x + pending
         return self.norm(x) if self.norm is not None else x
 
 
