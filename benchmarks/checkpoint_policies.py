@@ -35,12 +35,12 @@ def measure(policy: str, *, layers: int, tokens: int, repeats: int) -> dict:
     """One policy in this process: kept bytes after the forward, the peak over forward and backward, seconds."""
     import torch
 
-    from spmd_rlhf.models.args import DecoderArgs
+    from spmd_rlhf.models.args import decoder_args
     from spmd_rlhf.models.decoder import DecoderLM
     from spmd_rlhf.models.parallelize import parallelize
 
     torch.manual_seed(0)
-    args = DecoderArgs(
+    args = decoder_args(
         family="qwen2",
         vocab_size=1024,
         hidden_size=896,
@@ -49,15 +49,9 @@ def measure(policy: str, *, layers: int, tokens: int, repeats: int) -> dict:
         num_heads=14,
         num_kv_heads=2,
         head_dim=64,
-        rms_norm_eps=1e-6,
         rope_theta=1e6,
-        rope_scaling=None,
         max_position_embeddings=tokens,
-        tie_word_embeddings=False,
         qkv_bias=True,
-        o_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
     )
     model = DecoderLM(args, head="lm")
     model.reset_buffers()
@@ -92,7 +86,7 @@ def main() -> None:
     if args.policy:
         print(json.dumps(measure(args.policy, layers=args.layers, tokens=args.tokens, repeats=args.repeats)))
         return
-    from spmd_rlhf.models.args import DecoderArgs  # noqa: F401 (import check before the children start)
+    from spmd_rlhf.models.args import decoder_args  # noqa: F401 (import check before the children start)
     from spmd_rlhf.training.token_budget import activation_elements, selective_checkpoint_elements
 
     environment = {

@@ -47,7 +47,7 @@ from spmd_rlhf.engine.readback import PendingSamples
 from spmd_rlhf.kernels.paged_attention import decode_splits
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
 from spmd_rlhf.models import DecoderLM, attention
-from spmd_rlhf.models.args import DecoderArgs
+from spmd_rlhf.models.args import decoder_args
 from spmd_rlhf.models.merged_linear import merge_projections
 
 KERNEL_GOAL = 500
@@ -65,7 +65,7 @@ the paged kernel's split-K at batch 1 (on an H100: one more launch per layer, th
 def decode_model(layers: int, dtype: torch.dtype) -> DecoderLM:
     """A random qwen2-shaped model (tied head, q/k/v biases) of ``layers`` layers in ``dtype``, its projections
     merged as the generation copy's are."""
-    args = DecoderArgs(
+    args = decoder_args(
         family="qwen2",
         vocab_size=512,
         hidden_size=64,
@@ -74,15 +74,9 @@ def decode_model(layers: int, dtype: torch.dtype) -> DecoderLM:
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         qkv_bias=True,
-        o_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
     )
     torch.manual_seed(0)
     model = DecoderLM(args, head="lm")

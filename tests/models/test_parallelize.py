@@ -13,13 +13,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from spmd_rlhf.models import DecoderLM
-from spmd_rlhf.models.args import DecoderArgs
+from spmd_rlhf.models.args import DecoderArgs, decoder_args
 from spmd_rlhf.models.parallelize import fsdp_units, group_layers, parallelize
 
 
 def tiny_args() -> DecoderArgs:
-    return DecoderArgs(
-        family="llama",
+    return decoder_args(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -27,15 +26,7 @@ def tiny_args() -> DecoderArgs:
         num_heads=4,
         num_kv_heads=2,
         head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        o_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
     )
 
 

@@ -11,7 +11,8 @@ import torch
 
 from spmd_rlhf.algos import Denominators, entropy_bonus, policy_loss
 from spmd_rlhf.data import Batch
-from spmd_rlhf.models import DecoderArgs, DecoderLM
+from spmd_rlhf.models import DecoderLM
+from spmd_rlhf.models.args import decoder_args
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import PackedRows, PaddedRows, stack_packed
 from spmd_rlhf.training.sharded_model import ShardedModel
@@ -48,8 +49,7 @@ def rollout_batch() -> Batch:
 
 def tiny_model(head: str) -> DecoderLM:
     torch.manual_seed(0)
-    args = DecoderArgs(
-        family="llama",
+    args = decoder_args(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -57,15 +57,8 @@ def tiny_model(head: str) -> DecoderLM:
         num_heads=4,
         num_kv_heads=2,
         head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
         qkv_bias=True,
-        o_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
     )
     model = DecoderLM(args, head=head, attention_backend="sdpa")
     model.reset_buffers()

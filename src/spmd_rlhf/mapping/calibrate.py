@@ -64,11 +64,10 @@ def measure_copy_bandwidth(device: torch.device, *, num_bytes: int, repeats: int
 def _probe_model(device: torch.device, dtype: torch.dtype):
     """A tiny decoder of the framework's own code (4 layers, hidden 64): small enough that only per-op and
     per-collective costs show."""
-    from spmd_rlhf.models.args import DecoderArgs
+    from spmd_rlhf.models.args import decoder_args
     from spmd_rlhf.models.decoder import DecoderLM
 
-    args = DecoderArgs(
-        family="llama",
+    args = decoder_args(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -76,15 +75,7 @@ def _probe_model(device: torch.device, dtype: torch.dtype):
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        o_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
     )
     return DecoderLM(args, head="lm").to(device=device, dtype=dtype)
 

@@ -138,6 +138,26 @@ class DecoderArgs:
     """The ``transformers`` config object this was read from; written back unchanged by ``save_pretrained``."""
 
 
+LLAMA_LAYOUT = dict(
+    family="llama",
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    o_bias=False,
+    mlp_bias=False,
+    qk_norm=False,
+)
+"""What ``decoder_args`` fills in: Llama's layout (no biases, untied, no QK norm, RoPE at theta 10,000 unscaled)."""
+
+
+def decoder_args(**fields: Any) -> DecoderArgs:
+    """``DecoderArgs`` of a model built in code rather than read from a checkpoint (calibration, tests, benchmarks):
+    the sizes given in ``fields``, and ``LLAMA_LAYOUT`` for whatever ``fields`` leaves out."""
+    return DecoderArgs(**(LLAMA_LAYOUT | fields))
+
+
 def _raw_config_dict(path: str) -> dict[str, Any]:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):

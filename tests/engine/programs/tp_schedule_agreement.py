@@ -19,13 +19,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
-from spmd_rlhf.models.args import DecoderArgs
+from spmd_rlhf.models.args import decoder_args
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.local_tensor_parallel import run_locally
 from spmd_rlhf.models.parallelize import parallelize
 
-ARGS = DecoderArgs(
-    family="llama",
+ARGS = decoder_args(
     vocab_size=96,
     hidden_size=32,
     intermediate_size=64,
@@ -33,15 +32,7 @@ ARGS = DecoderArgs(
     num_heads=4,
     num_kv_heads=2,
     head_dim=8,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_scaling=None,
     max_position_embeddings=128,
-    tie_word_embeddings=False,
-    qkv_bias=False,
-    o_bias=False,
-    mlp_bias=False,
-    qk_norm=False,
 )
 LOCAL_BLOCKS = (10, 40)
 """Each rank's own KV budget; the agreed one is the smaller."""
