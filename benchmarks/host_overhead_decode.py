@@ -92,7 +92,8 @@ STAND_IN_PROCESSORS = 132
 
 def _kernel_stand_in(q, key_cache, value_cache, block_tables, context_lens, *, scale, **new_tokens):
     """What the wrapper dispatches on an H100: its output (and split-K's partial results), one call per launch. The
-    new tokens' K/V (``new_tokens``) are stored by the kernel itself, so they cost no call."""
+    new tokens' K/V (``new_tokens``) are stored by the kernel itself, and q and k rotated by it, so they cost no
+    call."""
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     splits = decode_splits(q.shape[0] * kv_heads, block_tables.shape[1] * block_size, STAND_IN_PROCESSORS)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -106,8 +107,8 @@ def _kernel_stand_in(q, key_cache, value_cache, block_tables, context_lens, *, s
 def cuda_attention_path() -> Iterator[None]:
     """Decode attention takes the branch it takes on CUDA (the Triton paged kernel, stood in for)."""
     saved = attention._is_triton_decode, attention.paged_decode_attention
-    attention._is_triton_decode = lambda q, paged, backend: (
-        paged.max_seqlen_q == 1 and q.shape[1] == paged.context_lens.shape[0]
+    attention._is_triton_decode = lambda tokens, paged, backend, dtype, device: (
+        paged.max_seqlen_q == 1 and tokens == paged.context_lens.shape[0]
     )
     attention.paged_decode_attention = _kernel_stand_in
     try:

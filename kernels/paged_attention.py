@@ -22,6 +22,10 @@ takes them from registers there instead of the cache, then stores them in their 
 another's store). That is two fewer kernels per layer and step (the engine's
 two ``index_copy_`` of a separate write), each about as long as the attention itself at batch 1.
 
+Fused rotation: with the fused write, q and the new keys can also arrive unrotated, with the step's rotary tables
+(``rope``: each sequence's cos and sin at its new position); every program rotates its q heads and the new key as it
+loads them (rotate-half layout, float32, rounded once to their dtypes), so the step needs no rotation kernel of its own.
+
 Layouts are the engine's (``spmd_rlhf.models.paged_kv.PagedKV``): one layer's cache is
 ``[num_blocks, block_size, kv_heads, head_dim]``, token ``t`` of sequence ``s`` lives in block
 ``block_tables[s, t // block_size]`` at offset ``t % block_size``, and query head ``h`` reads KV head
@@ -141,6 +145,32 @@ def _check_new_tokens(
         )
 
 
+def _check_rope(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fused_write: bool) -> None:
+    if not fused_write:
+        raise ValueError("rope (a rotation in the kernel) needs the fused write: pass new_keys, new_values and slots")
+    num_seqs, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"a rotation in the kernel needs an even head_dim, got {head_dim}")
+    cos, sin = rope
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (num_seqs, head_dim) or table.stride(-1) != 1 or table.device != q.device:
+            raise ValueError(
+                f"rope's {name} must be [num_seqs, head_dim] = {[num_seqs, head_dim]}, contiguous in head_dim, on "
+                f"{q.device}; got {list(table.shape)} with strides {table.stride()} on {table.device}"
+            )
+    if cos.stride() != sin.stride() or cos.dtype != sin.dtype:
+        raise ValueError(f"rope's cos and sin must share strides and dtype, got {cos.stride()} and {sin.stride()}")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[num_seqs, heads, head_dim]`` rotated by ``cos``, ``sin`` ``[num_seqs, head_dim]`` as the kernel does
+    it: ``x * cos + rotate_half(x) * sin`` in float32 (or wider), rounded once to ``x``'s dtype."""
+    half = x.shape[-1] // 2
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    rotated = torch.cat((-wide[..., half:], wide[..., :half]), dim=-1)
+    return (wide * cos[:, None].to(wide.dtype) + rotated * sin[:, None].to(wide.dtype)).to(x.dtype)
+
+
 def write_new_tokens(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -185,6 +215,7 @@ def paged_decode_attention(
     new_keys: torch.Tensor | None = None,
     new_values: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its cached context; returns ``[num_seqs, heads, head_dim]``.
 
@@ -196,7 +227,9 @@ def paged_decode_attention(
     (sequence, KV head) pair (split-K, see the module docstring); None: ``decode_splits`` for this device.
     ``new_keys``, ``new_values`` ``[num_seqs, kv_heads, head_dim]`` and int64 ``slots`` ``[num_seqs]``, all or none:
     each sequence's new token, stored in the cache at its slot, which must hold the position ``context_lens - 1``
-    (the fused write of the module docstring; the torch path writes first, then attends).
+    (the fused write of the module docstring; the torch path writes first, then attends). ``rope``: ``(cos, sin)``
+    ``[num_seqs, head_dim]``, with the fused write: q and ``new_keys`` come unrotated and are rotated on the way in
+    (the fused rotation; the torch path rotates them first, with ``rotate``).
     """
     _check_inputs(q, key_cache, value_cache, block_tables, context_lens)
     fused_write = new_keys is not None
@@ -204,7 +237,11 @@ def paged_decode_attention(
         raise ValueError("new_keys, new_values and slots go together: pass all three or none")
     if fused_write:
         _check_new_tokens(q, key_cache, new_keys, new_values, slots)
+    if rope is not None:
+        _check_rope(q, rope, fused_write)
     if not use_triton(q.device, backend):
+        if rope is not None:
+            q, new_keys = rotate(q, *rope), rotate(new_keys, *rope)
         if fused_write:
             write_new_tokens(key_cache, value_cache, new_keys, new_values, slots)
         return reference_paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale=scale)
@@ -226,6 +263,7 @@ def paged_decode_attention(
     if not fused_write:
         # Never read (FUSED_WRITE is off); any tensors of the right kinds keep the launch's signature.
         new_keys, new_values, slots = q, q, context_lens
+    cos, sin = rope if rope is not None else (q, q)  # likewise with ROTARY off
     with launch_device(q.device):
         paged_decode_kernel[(num_seqs, kv_heads, splits)](
             out,
@@ -240,6 +278,8 @@ def paged_decode_attention(
             new_keys,
             new_values,
             slots,
+            cos,
+            sin,
             scale * math.log2(math.e),
             out.stride(0),
             out.stride(1),
@@ -257,6 +297,7 @@ def paged_decode_attention(
             new_keys.stride(1),
             new_values.stride(0),
             new_values.stride(1),
+            cos.stride(0),
             block_size,
             GROUP=group,
             GROUP_PAD=group_pad,
@@ -265,6 +306,7 @@ def paged_decode_attention(
             BLOCK_TOKENS=BLOCK_TOKENS,
             SPLITS=splits,
             FUSED_WRITE=fused_write,
+            ROTARY=rope is not None,
             # float32 caches get full-precision dots; TF32 would cost about three decimal digits.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )

@@ -1,7 +1,7 @@
 """The Triton programs of ``paged_attention``: the decode kernel (one program per sequence, KV head and split, with
-its online softmax, split-K partial results and fused cache write) and split-K's combine. The module docstring of
-``paged_attention`` describes them; its ``paged_decode_attention`` checks the inputs and launches them. Imported only
-where triton is installed."""
+its online softmax, split-K partial results, fused cache write and rotation) and split-K's combine. The module
+docstring of ``paged_attention`` describes them; its ``paged_decode_attention`` checks the inputs and launches them.
+Imported only where triton is installed."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def paged_decode_kernel(
     new_keys_ptr,
     new_values_ptr,
     slots_ptr,
+    cos_ptr,
+    sin_ptr,
     scale_log2,
     stride_out_seq,
     stride_out_head,
@@ -39,6 +41,7 @@ def paged_decode_kernel(
     stride_new_key_head,
     stride_new_value_seq,
     stride_new_value_head,
+    stride_rope_seq,
     block_size,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -47,6 +50,7 @@ def paged_decode_kernel(
     BLOCK_TOKENS: tl.constexpr,
     SPLITS: tl.constexpr,
     FUSED_WRITE: tl.constexpr,
+    ROTARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -62,12 +66,27 @@ def paged_decode_kernel(
     heads = kv_head * GROUP + group
     head_dim_mask = dims < HEAD_DIM
     q_mask = (group < GROUP)[:, None] & head_dim_mask[None, :]
-    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
+    q_rows = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if ROTARY:
+        # q and the new key arrive unrotated: x * cos + rotate_half(x) * sin, rotate_half(x) being x's other half
+        # (the first half negated), in float32 and rounded once, as a fused rotation kernel would store them.
+        half = HEAD_DIM // 2
+        partner = tl.where(dims < half, dims + half, dims - half)
+        sign = tl.where(dims < half, -1.0, 1.0)
+        cos = tl.load(cos_ptr + seq * stride_rope_seq + dims, mask=head_dim_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + seq * stride_rope_seq + dims, mask=head_dim_mask, other=0.0).to(tl.float32)
+        signed_sin = sign * sin
+        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * signed_sin[None, :]).to(q.dtype)
     if FUSED_WRITE:
         # The new token, rounded to the cache's dtype as a separate write would store it.
-        new_key = tl.load(
-            new_keys_ptr + seq * stride_new_key_seq + kv_head * stride_new_key_head + dims, mask=head_dim_mask
-        ).to(key_cache_ptr.dtype.element_ty)
+        new_key_row = new_keys_ptr + seq * stride_new_key_seq + kv_head * stride_new_key_head
+        new_key = tl.load(new_key_row + dims, mask=head_dim_mask)
+        if ROTARY:
+            key_partner = tl.load(new_key_row + partner, mask=head_dim_mask)
+            new_key = new_key.to(tl.float32) * cos + key_partner.to(tl.float32) * signed_sin
+        new_key = new_key.to(key_cache_ptr.dtype.element_ty)
         new_value = tl.load(
             new_values_ptr + seq * stride_new_value_seq + kv_head * stride_new_value_head + dims,
             mask=head_dim_mask,

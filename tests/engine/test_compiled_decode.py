@@ -12,10 +12,13 @@ import pytest
 import torch
 from hf_fixtures import write_hf_model
 
+import spmd_rlhf.models.attention as attention
 from spmd_rlhf.config import ConfigError, load_config
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
 from spmd_rlhf.engine.decode_graphs import compile_around_attention, compile_backend
+from spmd_rlhf.kernels.paged_attention import paged_decode_attention
 from spmd_rlhf.models import load_model
+from spmd_rlhf.models.merged_linear import merge_projections
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 40, 41], [70, 71, 72], [3, 4]]
 
@@ -77,6 +80,38 @@ def test_compiled_layers_decode_what_eager_layers_decode(tmp_path, family):
     # tables: each for one token and for many (sizes of 1 are specialised); the tables once more for the decode
     # step's position buffer, made outside inference mode, where prefill's positions are made inside it.
     assert backend.graphs <= 11
+
+
+@pytest.mark.parametrize("family,merged", [("qwen2_untied", True), ("qwen3", False)])
+def test_the_decode_kernel_rotates_what_the_layers_hand_it_unrotated(tmp_path, monkeypatch, family, merged):
+    """Where the Triton decode kernel runs (its torch path here, as on CUDA otherwise), the layers hand it q and k
+    unrotated with the step's rotary tables, and it rotates them: the same tokens and log-probs as the layers
+    rotating them, through the merged q/k/v projection of the generation copy and the QK-norm path."""
+    write_hf_model(family, str(tmp_path / "model"))
+
+    def engine() -> LLMEngine:
+        model = load_model(str(tmp_path / "model"), dtype=torch.float32).requires_grad_(False)
+        if merged:
+            merge_projections(model)
+        return LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs="static")
+
+    expected = engine().generate(PROMPTS, _requests())
+    tables = []
+
+    def kernel(*args, rope=None, **kwargs):
+        tables.append(rope)
+        return paged_decode_attention(*args, rope=rope, backend="torch", **kwargs)
+
+    monkeypatch.setattr(attention, "use_triton", lambda device, backend: True)
+    monkeypatch.setattr(attention, "paged_decode_attention", kernel)
+    decoding = engine()
+    got = decoding.generate(PROMPTS, _requests())
+    for row, reference in zip(got, expected):
+        assert row.generated_token_ids == reference.generated_token_ids
+        torch.testing.assert_close(torch.tensor(row.log_probs), torch.tensor(reference.log_probs), rtol=0, atol=1e-5)
+    layers = decoding.runner.model.args.num_layers
+    assert len(tables) == layers * decoding.stats.decode_steps > 0
+    assert all(rope is not None for rope in tables)
 
 
 def test_the_rollout_compile_key_picks_the_backend_and_the_engine_applies_it(tmp_path, monkeypatch):

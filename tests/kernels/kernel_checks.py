@@ -27,6 +27,7 @@ from spmd_rlhf.kernels.fused_logprob import (
 from spmd_rlhf.kernels.paged_attention import (
     paged_decode_attention,
     reference_paged_decode_attention,
+    rotate,
     write_new_tokens,
 )
 from spmd_rlhf.kernels.triton_support import triton, triton_available
@@ -64,6 +65,9 @@ class PagedCase:
     fused_write: bool = False
     """The new token's K/V passed to the kernel (strided, as slices of the merged q/k/v projection are), which stores
     them at the last position's slot (an unlisted block's for an empty context) and attends with them."""
+    rotary: bool = False
+    """With the fused write: q and the new keys unrotated, with each sequence's rotary tables (rows of a wider
+    table), which the kernel applies as it loads them."""
 
 
 def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, backend: str) -> float:
@@ -89,12 +93,16 @@ def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, back
     block_tables = block_tables.to(device)
     scale = case.head_dim**-0.5
 
-    new_tokens, expected_caches = {}, (key_cache, value_cache)
+    new_tokens, expected_caches, attended_q = {}, (key_cache, value_cache), q
     if case.fused_write:
         new_tokens = _new_tokens(case, block_tables, num_blocks - 1, dtype, device)
+        stored_keys = new_tokens["new_keys"]
+        if case.rotary:
+            new_tokens["rope"] = _rotary_tables(case, dtype, device)
+            attended_q, stored_keys = rotate(q, *new_tokens["rope"]), rotate(stored_keys, *new_tokens["rope"])
         # The slots hold stale random values, so attending over the cache instead of the new token fails.
         expected_caches = tuple(cache.clone() for cache in (key_cache, value_cache))
-        write_new_tokens(*expected_caches, new_tokens["new_keys"], new_tokens["new_values"], new_tokens["slots"])
+        write_new_tokens(*expected_caches, stored_keys, new_tokens["new_values"], new_tokens["slots"])
     out = paged_decode_attention(
         q,
         key_cache,
@@ -107,11 +115,16 @@ def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, back
         **new_tokens,
     )
     expected = reference_paged_decode_attention(
-        q.double(), *(cache.double() for cache in expected_caches), block_tables, context_lens, scale=scale
+        attended_q.double(), *(cache.double() for cache in expected_caches), block_tables, context_lens, scale=scale
     )
     assert out.shape == q.shape and out.dtype == dtype, f"{case}: got {out.dtype} {list(out.shape)}"
     for name, cache, expected_cache in zip(("key", "value"), (key_cache, value_cache), expected_caches, strict=True):
-        assert torch.equal(cache, expected_cache), f"{case} {dtype} seed {seed}: the {name} cache was written wrong"
+        if case.rotary and device == "cuda":
+            # Compiled, the rotation's multiply and add may contract into one FMA: a last-bit difference at most.
+            eps = torch.finfo(dtype).eps
+            torch.testing.assert_close(cache, expected_cache, rtol=eps, atol=4 * eps, msg=f"{case} seed {seed}")
+        else:
+            assert torch.equal(cache, expected_cache), f"{case} {dtype} seed {seed}: the {name} cache was written wrong"
     empty = context_lens == 0
     assert not out[empty].any(), f"{case} seed {seed}: a sequence with no context must get zeros"
     error = relative_error(out[~empty], expected[~empty])
@@ -136,6 +149,17 @@ def _new_tokens(
         "new_values": wide[:, :, 1, : case.head_dim],
         "slots": torch.tensor(slots, dtype=torch.int64, device=device),
     }
+
+
+def _rotary_tables(case: PagedCase, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's cos and sin at its new position (rotate-half layout, theta 10,000), as rows of one
+    ``[num_seqs, 2, head_dim]`` table (strided, as the kernel must take them)."""
+    positions = torch.tensor([max(length - 1, 0) for length in case.context_lens], dtype=torch.float32)
+    inverse = 10000.0 ** -(torch.arange(0, case.head_dim, 2, dtype=torch.float32) / case.head_dim)
+    angles = positions[:, None] * inverse
+    angles = torch.cat((angles, angles), dim=-1)
+    table = torch.stack((angles.cos(), angles.sin()), dim=1).to(device=device, dtype=dtype)
+    return table[:, 0], table[:, 1]
 
 
 @dataclass(frozen=True)
@@ -207,12 +231,27 @@ PAGED_INTERPRETER_CASES = [
     PagedCase(heads=6, kv_heads=2, head_dim=24, block_size=5, context_lens=(0, 9, 70), strided_q=True, splits=4),
     PagedCase(heads=8, kv_heads=2, head_dim=16, block_size=4, context_lens=(0, 1, 64, 65, 130), fused_write=True),
     PagedCase(heads=6, kv_heads=2, head_dim=24, block_size=5, context_lens=(0, 9, 70), splits=4, fused_write=True),
+    PagedCase(
+        heads=8, kv_heads=2, head_dim=16, block_size=4, context_lens=(0, 1, 65, 130), fused_write=True, rotary=True
+    ),
+    PagedCase(
+        heads=6,
+        kv_heads=2,
+        head_dim=24,
+        block_size=5,
+        context_lens=(3, 9, 70),
+        strided_q=True,
+        splits=4,
+        fused_write=True,
+        rotary=True,
+    ),
 ]
 """Small shapes covering several context tiles, padded GQA groups and head dims, block sizes that are not powers of
 two, an empty context, plain multi-head attention and a strided ``q``; split-K over 3 and 4 programs per pair, with
 splits left empty by short and empty contexts (the first three take the wrapper's choice: one program per pair, the
 interpreter's device counting 8 multiprocessors); the fused K/V write with the last position first, last and inside a
-tile, with and without split-K."""
+tile, with and without split-K; and with it the fused rotation (a head dim whose half is not a power of two, split-K
+and a strided ``q``)."""
 
 PAGED_INTERPRETER_DTYPES = (torch.float32, torch.float16)
 """Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as raw integers, so bfloat16 is checked on CUDA only."""

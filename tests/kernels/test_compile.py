@@ -38,9 +38,14 @@ def _compile(kernel, pointers: dict[str, str], constexprs: dict, *, floats: tupl
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits,fused_write", [(1, False), (8, False), (1, True), (8, True)])
-def test_paged_decode_kernel_compiles(dtype, splits, fused_write):
+@pytest.mark.parametrize(
+    "splits,fused_write,rotary",
+    [(1, False, False), (8, False, False), (1, True, False), (8, True, False), (8, True, True)],
+)
+def test_paged_decode_kernel_compiles(dtype, splits, fused_write, rotary):
+    # Without the rotation the wrapper passes q as the (unread) tables.
     tensors = ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr", "new_keys_ptr", "new_values_ptr")
+    tensors += ("cos_ptr", "sin_ptr")
     pointers = {name: f"*{dtype}" for name in tensors}
     # Without the fused write the wrapper passes the context lengths as the (unread) slots.
     pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "slots_ptr": "*i64" if fused_write else "*i32"}
@@ -50,6 +55,7 @@ def test_paged_decode_kernel_compiles(dtype, splits, fused_write):
         shapes,
         BLOCK_TOKENS=paged_attention.BLOCK_TOKENS,
         FUSED_WRITE=fused_write,
+        ROTARY=rotary,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
     )
     _compile(paged_attention_programs.paged_decode_kernel, pointers, constexprs, floats=("scale_log2",))

@@ -23,6 +23,7 @@ from spmd_rlhf.kernels.paged_attention import (
     decode_splits,
     paged_decode_attention,
     reference_paged_decode_attention,
+    rotate,
 )
 from spmd_rlhf.kernels.triton_support import triton_available
 from spmd_rlhf.models.attention import AttentionBatch, attend
@@ -191,6 +192,39 @@ def test_bad_new_tokens_are_named(overrides, message):
         paged_decode_attention(**_inputs(), scale=1.0, **{**NEW_TOKENS, **overrides})
 
 
+ROPE = (torch.randn(2, 8), torch.randn(2, 8))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(new_keys=None, new_values=None, slots=None), "rope .* needs the fused write"),
+        (dict(rope=(torch.randn(2, 4), torch.randn(2, 4))), "rope's cos must be \\[num_seqs, head_dim\\] = \\[2, 8\\]"),
+        (dict(rope=(ROPE[0], torch.randn(8, 2).t())), "rope's sin must be .* contiguous in head_dim"),
+        (dict(rope=(ROPE[0], torch.randn(2, 16)[:, :8])), "rope's cos and sin must share strides and dtype"),
+    ],
+)
+def test_bad_rotary_tables_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**_inputs(), scale=1.0, **{**NEW_TOKENS, "rope": ROPE, **overrides})
+
+
+def test_an_odd_head_dim_cannot_be_rotated_in_the_kernel():
+    inputs = _inputs(q=torch.randn(2, 4, 7), key_cache=torch.randn(5, 4, 2, 7), value_cache=torch.randn(5, 4, 2, 7))
+    new_tokens = dict(new_keys=torch.randn(2, 2, 7), new_values=torch.randn(2, 2, 7), slots=torch.tensor([2, 8]))
+    with pytest.raises(ValueError, match="needs an even head_dim, got 7"):
+        paged_decode_attention(**inputs, scale=1.0, rope=(torch.randn(2, 7), torch.randn(2, 7)), **new_tokens)
+
+
+def test_the_torch_path_rotates_then_writes_the_new_tokens_before_attending():
+    inputs = _inputs()
+    out = paged_decode_attention(**inputs, scale=1.0, backend="torch", rope=ROPE, **NEW_TOKENS)
+    rotated_keys = rotate(NEW_TOKENS["new_keys"], *ROPE)
+    assert torch.equal(inputs["key_cache"].view(-1, 2, 8)[NEW_TOKENS["slots"]], rotated_keys)
+    rotated_q = rotate(inputs.pop("q"), *ROPE)
+    assert torch.equal(out, reference_paged_decode_attention(rotated_q, **inputs, scale=1.0))
+
+
 def test_the_torch_path_writes_the_new_tokens_before_attending():
     inputs = _inputs()
     out = paged_decode_attention(**inputs, scale=1.0, backend="torch", **NEW_TOKENS)
@@ -223,6 +257,17 @@ CUDA_CASES = [
     PagedCase(heads=14, kv_heads=2, head_dim=96, block_size=5, context_lens=(33, 98, 7)),
     PagedCase(heads=12, kv_heads=2, head_dim=128, block_size=16, context_lens=(300,), fused_write=True),
     PagedCase(heads=28, kv_heads=4, head_dim=128, block_size=16, context_lens=(3000, 5, 0, 129), fused_write=True),
+    PagedCase(heads=12, kv_heads=2, head_dim=128, block_size=16, context_lens=(300,), fused_write=True, rotary=True),
+    PagedCase(
+        heads=28,
+        kv_heads=4,
+        head_dim=128,
+        block_size=16,
+        context_lens=(3000, 5, 0, 129),
+        strided_q=True,
+        fused_write=True,
+        rotary=True,
+    ),
 ]
 
 

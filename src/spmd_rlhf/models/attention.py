@@ -81,6 +81,13 @@ class AttentionBatch:
     than ``MASK_TOKEN_LIMIT`` one bucket per power-of-two length class."""
     bucket_order: torch.Tensor | None = None
     """With several buckets: where each packed token's output lies among the buckets' outputs laid end to end."""
+    decode_kernel: bool = False
+    """A paged decode step (one new token per sequence) that the Triton kernel runs, reading the cache in place and
+    writing the new K/V itself: decided once per step by ``build``."""
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    """With ``decode_kernel``: the step's rotary tables ``(cos, sin)`` ``[1, tokens, head_dim]``, which the kernel
+    applies to q and k as it loads them, so the layers hand them on unrotated (``Backbone.forward`` moves the tables
+    here)."""
 
     @staticmethod
     def build(
@@ -111,7 +118,8 @@ class AttentionBatch:
                     f"a paged KV step packs its {paged.slot_mapping.shape[0]} new tokens in one row, got input "
                     f"[{batch_size}, {seq_len}]"
                 )
-            return AttentionBatch(max_seqlen=paged.max_seqlen_q, backend=backend, paged=paged)
+            kernel = _is_triton_decode(seq_len, paged, backend, dtype=dtype, device=device)
+            return AttentionBatch(max_seqlen=paged.max_seqlen_q, backend=backend, paged=paged, decode_kernel=kernel)
         if cu_seqlens is not None:
             if batch_size != 1:
                 raise ValueError(f"packed sequences go in one row (batch size 1), got batch size {batch_size}")
@@ -241,15 +249,18 @@ def _flash_paged_attention(q: torch.Tensor, paged: PagedKV, layer_index: int, sc
     return out[None]
 
 
-def _is_triton_decode(q: torch.Tensor, paged: PagedKV, backend: str) -> bool:
+def _is_triton_decode(tokens: int, paged: PagedKV, backend: str, *, dtype: torch.dtype, device: torch.device) -> bool:
     """A decode step (one new token per sequence) on CUDA reads the cache blocks in place with the Triton kernel,
-    instead of gathering them into a padded copy; the pure-torch backend keeps the gather path."""
-    one_token_per_sequence = paged.max_seqlen_q == 1 and q.shape[1] == paged.context_lens.shape[0]
+    instead of gathering them into a padded copy; the pure-torch backend keeps the gather path, and flash-attn's
+    paged kernel takes the block sizes it reads."""
+    one_token_per_sequence = paged.max_seqlen_q == 1 and tokens == paged.context_lens.shape[0]
+    flash_paged = backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
     return (
         backend != "torch"
+        and not flash_paged
         and one_token_per_sequence
-        and q.dtype == paged.key_cache.dtype
-        and use_triton(q.device, "auto")
+        and dtype == paged.key_cache.dtype
+        and use_triton(device, "auto")
     )
 
 
@@ -257,9 +268,10 @@ def _paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, layer_index: int, scale: float
 ) -> torch.Tensor:
     paged = batch.paged
-    flash_paged = batch.backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
-    if not flash_paged and _is_triton_decode(q, paged, batch.backend):
-        # The kernel stores the new token's K/V itself (its fused write): two launches fewer per layer and step.
+    if batch.decode_kernel:
+        # The kernel stores the new token's K/V itself (its fused write: two launches fewer per layer and step) and,
+        # given the step's tables, rotates q and k (one fewer).
+        rope = None if batch.rope is None else (batch.rope[0][0], batch.rope[1][0])
         out = paged_decode_attention(
             q[0],
             paged.key_cache[layer_index],
@@ -270,10 +282,11 @@ def _paged_attention(
             new_keys=k[0],
             new_values=v[0],
             slots=paged.slot_mapping,
+            rope=rope,
         )
         return out[None]
     paged.write(layer_index, k[0], v[0])
-    if flash_paged:
+    if batch.backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
         return _flash_paged_attention(q, paged, layer_index, scale)
     padded_q, cached_k, cached_v, allowed = paged.gather(layer_index, q[0])
     backend = "torch" if batch.backend == "torch" else "sdpa"

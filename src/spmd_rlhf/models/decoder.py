@@ -8,6 +8,8 @@ from outside by plans in ``parallelize.py``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -68,9 +70,10 @@ class Attention(MergeableProjections):
         return self.output(self.attend(q, k, v, batch, scale=self.scale, layer_index=self.layer_index))
 
     def queries_keys_values(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v ``[batch, seq, heads, head_dim]`` of ``x``: projected, normed (QK-norm models) and rotated."""
+        """q, k, v ``[batch, seq, heads, head_dim]`` of ``x``: projected, normed (QK-norm models) and rotated (``rope``
+        None: not rotated, for the paged decode kernel, which rotates them itself: ``AttentionBatch.rope``)."""
         batch_size, seq_len = x.shape[:2]
         if self.merged is not None and not hasattr(self, "q_norm"):
             return self._merged_queries_keys_values(x, rope)
@@ -78,20 +81,24 @@ class Attention(MergeableProjections):
         q, k, v = (t.view(batch_size, seq_len, -1, self.head_dim) for t in self.projections(x))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        if rope is None:
+            return q, k, v
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def _merged_queries_keys_values(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The generation copy's q, k, v from its one merged matmul, q and k rotated as one tensor: in a decode step
         one kernel where two rotations were two (q and k lie side by side in the matmul's output, and the rotation
-        is the same for every head). q and k are views of the rotated tensor, v of the matmul's output."""
+        is the same for every head). q and k are views of the rotated tensor (``rope`` None: of the matmul's output,
+        for the decode kernel to rotate), v of the matmul's output."""
         batch_size, seq_len = x.shape[:2]
         q_size, k_size, _ = self.merged.sizes  # this rank's rows of each (its heads under tensor parallelism)
         qkv = self.merged.matmul(x)
-        cos, sin = rope
-        query_key = apply_rotary(qkv[..., : q_size + k_size].view(batch_size, seq_len, -1, self.head_dim), cos, sin)
+        query_key = qkv[..., : q_size + k_size].view(batch_size, seq_len, -1, self.head_dim)
+        if rope is not None:
+            query_key = apply_rotary(query_key, *rope)
         q, k = query_key.split((q_size // self.head_dim, k_size // self.head_dim), dim=2)
         return q, k, qkv[..., q_size + k_size :].view(batch_size, seq_len, -1, self.head_dim)
 
@@ -192,6 +199,9 @@ class Backbone(nn.Module):
         the previous stage's hidden states instead; one without the final norm returns its last layer's output."""
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         rope = self.rotary(position_ids, x.dtype)
+        if batch.decode_kernel:
+            # The paged decode kernel rotates q and k as it loads them: the layers hand them on unrotated.
+            batch, rope = replace(batch, rope=rope), None
         if self.carry_residuals:
             pending = None
             for layer in self.layers.values():
