@@ -8,7 +8,7 @@
   (``kernels.paged_attention``) against the torch reference (gather the blocks, masked softmax): time, and the kernel's
   time against the floor of reading the whole KV context once at the copy bandwidth measured here; and batch-1 decode
   (one sequence at 256 and 4,096 tokens) timed inside a CUDA graph: one program per KV head with a separate K/V
-  write, split-K with it, and split-K with the write fused into the kernel.
+  write, split-K with it, split-K with the write fused into the kernel, and with the rotation fused too.
 - ``fused_logprob``: log-prob and entropy of ``--tokens`` rows of ``--vocab`` bf16 logits at T = 0.7, forward and
   backward. The fused kernels (``kernels.fused_logprob``) against the reference (float32 log-softmax, the way a plain
   PyTorch trainer computes it): time and peak memory above the logits.
@@ -147,9 +147,9 @@ def graphed_seconds(function, device: str, repeats: int) -> float:
 def measure_batch1(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     """Batch-1 decode attention (one sequence: as many programs as KV heads without split-K) at a short and a long
     context, timed inside a CUDA graph: one program per KV head with the new token's K/V written first (two
-    ``index_copy_``, the engine before session 40), split-K with that write, and split-K with the write fused into the
-    kernel (the engine's path now). Session 38's H100 profile had 9.3 us per layer for the first at 256 tokens, and
-    1.9 us for each of the two writes."""
+    ``index_copy_``, the engine before session 40), split-K with that write, split-K with the write fused into the
+    kernel, and with the rotation of q and the new key fused too (the engine's path now). Session 38's H100 profile
+    had 9.3 us per layer for the first at 256 tokens, and 1.9 us for each of the two writes."""
     results = {}
     for context in (40,) if args.smoke else (256, 4096):
         q, key_cache, value_cache, block_tables, context_lens = decode_inputs(args.device, 1, context, dtype)
@@ -157,11 +157,16 @@ def measure_batch1(args: argparse.Namespace, dtype: torch.dtype) -> dict:
         slots = (block_tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE).contiguous()
         new_keys, new_values = (torch.randn_like(key_cache[:1, 0]) for _ in range(2))  # [1, kv_heads, head_dim]
 
-        def run(splits, fused):
+        angles = torch.rand(1, HEAD_DIM, device=args.device) * context
+        rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+
+        def run(splits, fused, rotary=False):
             def call():
                 if not fused:
                     write_new_tokens(key_cache, value_cache, new_keys, new_values, slots)
                 new_tokens = dict(new_keys=new_keys, new_values=new_values, slots=slots) if fused else {}
+                if rotary:
+                    new_tokens["rope"] = rope
                 return paged_decode_attention(
                     q,
                     key_cache,
@@ -175,9 +180,14 @@ def measure_batch1(args: argparse.Namespace, dtype: torch.dtype) -> dict:
 
             return call
 
-        one_split_s, split_s, fused_s = (
-            graphed_seconds(run(splits, fused), args.device, args.repeats)
-            for splits, fused in ((1, False), (None, False), (None, True))
+        one_split_s, split_s, fused_s, rotating_s = (
+            graphed_seconds(run(splits, fused, rotary), args.device, args.repeats)
+            for splits, fused, rotary in (
+                (1, False, False),
+                (None, False, False),
+                (None, True, False),
+                (None, True, True),
+            )
         )
         chosen = decode_splits(KV_HEADS, block_tables.shape[1] * BLOCK_SIZE, _processors(torch.device(args.device)))
         results[str(context)] = {
@@ -185,6 +195,10 @@ def measure_batch1(args: argparse.Namespace, dtype: torch.dtype) -> dict:
             "one_split_with_write_s": one_split_s,
             "split_k_with_write_s": split_s,
             "split_k_fused_write_s": fused_s,
+            # The engine's path since session 41: q and the new key rotated in the kernel (the rotation kernel per
+            # layer it replaces took about 1 us in session 38's profile).
+            "split_k_fused_write_and_rotation_s": rotating_s,
+            "rotation_in_kernel_us_per_call": (rotating_s - fused_s) * 1e6,
             "speedup": one_split_s / fused_s,
             "saved_us_per_step_at_28_layers": (one_split_s - fused_s) * GRAPH_CALLS * 1e6,
         }
@@ -264,7 +278,8 @@ def main() -> None:
         print(
             f"  batch 1, {context} tokens, per layer in a graph: one program + write "
             f"{batch1['one_split_with_write_s'] * 1e6:.1f} us, {batch1['splits']} splits + write "
-            f"{batch1['split_k_with_write_s'] * 1e6:.1f} us, fused write {batch1['split_k_fused_write_s'] * 1e6:.1f} us"
+            f"{batch1['split_k_with_write_s'] * 1e6:.1f} us, fused write {batch1['split_k_fused_write_s'] * 1e6:.1f} "
+            f"us, and rotation {batch1['split_k_fused_write_and_rotation_s'] * 1e6:.1f} us"
         )
     peaks = (
         ""

@@ -300,7 +300,16 @@ def test_kernels_at_real_sizes_script(suite):
     assert paged["speedup"] == pytest.approx(paged["reference_s"] / paged["kernel_s"])
     assert paged["floor_s"] == pytest.approx(paged["kv_bytes"] / paged["copy_bytes_per_s"])
     (batch1,) = paged["batch1"].values()
-    assert_positive_finite(batch1, "one_split_with_write_s", "split_k_with_write_s", "split_k_fused_write_s")
+    assert_positive_finite(
+        batch1,
+        "one_split_with_write_s",
+        "split_k_with_write_s",
+        "split_k_fused_write_s",
+        "split_k_fused_write_and_rotation_s",
+    )
+    assert batch1["rotation_in_kernel_us_per_call"] == pytest.approx(
+        (batch1["split_k_fused_write_and_rotation_s"] - batch1["split_k_fused_write_s"]) * 1e6
+    )
     assert batch1["speedup"] == pytest.approx(batch1["one_split_with_write_s"] / batch1["split_k_fused_write_s"])
     assert_positive_finite(fused, "kernel_s", "reference_s", "speedup")
     assert paged["meets_goal"] is None and fused["meets_goal"] is None
