@@ -1,8 +1,9 @@
 """The trainer-to-rollout weight sync (``hybrid.weight_sync``): bucket plans, and on 4 gloo ranks (2 training + 2
 rollout) the rollout's weights bitwise equal to the trainer's cast to the rollout dtype after every sync, from FSDP to
 a TP replica, from TP to two replicas, from a background sender's snapshot while training goes on, and from a
-mixture-of-experts actor with its experts split over ep = 2 to whole-model replicas; a rollout of another model fails
-on both sides, naming both; a background send's failure or hang is raised by the next wait."""
+mixture-of-experts actor with its experts split over ep = 2 to whole-model replicas; a LoRA actor's weights with
+its adapters merged, from FSDP and from TP; a rollout of another model fails on both sides, naming both; a
+background send's failure or hang is raised by the next wait."""
 
 from __future__ import annotations
 
@@ -79,6 +80,25 @@ def test_rollout_weights_equal_the_trainers_bitwise_after_each_sync(synced, scen
         return
     assert metrics["weight_sync/bytes"] == sum(t.numel() * 2 for t in trainer.values())
     assert metrics["weight_sync/buckets"] > 2
+
+
+@pytest.mark.parametrize("scenario", ["lora_fsdp_to_tp", "lora_tp_to_replicas"])
+def test_a_lora_actor_sends_its_weights_with_the_adapters_merged(synced, scenario):
+    """The rollout (a model without adapters) holds the base model's parameters, every adapted weight ``W + s B A``:
+    what merging the whole tensors gives, cast to the rollout dtype; at the start (``B = 0``) the base weights
+    themselves, after an update only the adapted weights differ from them."""
+    for version in (0, 1):
+        expected = torch.load(synced / f"{scenario}_v{version}_trainer.pt")
+        unmerged = torch.load(synced / f"{scenario}_v{version}_unmerged.pt")
+        for rank in (2, 3):
+            rollout = torch.load(synced / f"{scenario}_v{version}_rollout{rank}.pt")
+            assert rollout.keys() == expected.keys()  # the adapters themselves are not sent
+            for name, tensor in expected.items():
+                assert torch.equal(rollout[name], tensor), (scenario, version, rank, name)
+        moved = {name for name, tensor in expected.items() if not torch.equal(tensor, unmerged[name].to(tensor.dtype))}
+        adapted = {f"{name[: -len('.lora_A.weight')]}.weight" for name in unmerged if name.endswith(".lora_A.weight")}
+        assert moved == (adapted if version else set()), (version, sorted(moved ^ adapted))
+        assert any("q_proj" in name for name in adapted) and any("down_proj" in name for name in adapted)
 
 
 @pytest.mark.parametrize("scenario", ["fsdp_to_tp", "tp_to_replicas"])

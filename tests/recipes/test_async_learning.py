@@ -41,6 +41,19 @@ def test_split_with_staleness_zero_gives_the_colocated_runs_results(tmp_path: Pa
         assert asynchronous["off_policy/staleness_max"] == 0 and asynchronous["weight_sync/bytes"] > 0
 
 
+def test_a_lora_actor_split_with_staleness_zero_gives_the_colocated_runs_results(tmp_path: Path):
+    """The rollout role generates with the weights the actor sends, its adapters merged into them on the way
+    (``lora.merged_parameters``), as the colocated actor's generation copy merges them."""
+    lora = ("trainer.total_steps=3", *SHORT, "actor.lora.rank=8")
+    colocated = run_recipe("grpo", tmp_path / "colocated", *lora)
+    split = run_recipe("grpo", tmp_path / "split", *lora, *SPLIT, nproc=4)
+    for synchronous, asynchronous in zip(colocated, split, strict=True):
+        common = without_timings(synchronous)
+        assert {key: asynchronous[key] for key in common} == common
+        assert asynchronous["weight_sync/bytes"] > 0
+    assert colocated[-1]["actor/grad_norm"] > 0
+
+
 @pytest.fixture(scope="module")
 def one_step_off(tmp_path_factory) -> Path:
     """40 steps of k = 1, saving at steps 20 and 40; the run directory."""

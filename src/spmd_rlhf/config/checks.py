@@ -132,11 +132,6 @@ def _check_asynchronous(config: CheckedConfig) -> None:
         require(config, "placement", config.placement in ("split", "standalone", "manual"), rule)
         rule = "the rollout receives the actor's weights from one pipeline; set actor.pp=1 with rollout.enabled"
         require(config, "actor.pp", config.actor.pp == 1, rule)
-        rule = (
-            "the weight sync sends the trained weights, not LoRA adapters merged into them; set "
-            "actor.lora.rank=0 or rollout.enabled=false"
-        )
-        require(config, "actor.lora.rank", not config.actor.lora.enabled, rule)
         rule = "multi-turn environments run on the actor's generation only; set rollout.enabled=false with them"
         require(config, "rollout.environment", rollout.environment is None, rule)
         rule = "draws extra batches on the actor's devices, synchronously; set it false with rollout.enabled=true"

@@ -20,8 +20,9 @@ FSDP2 then shards adapters and base weights of a decoder layer in the layer's un
 and a reduce-scatter of the adapters' gradients only (FSDP2 reduces the parameters that have gradients), so frozen
 weights cost no gradient or optimizer memory while adding no collective of their own.
 
-The reference policy is the base with the adapters switched off (``LoRAAdapters.disabled``); generation and export
-merge ``W + s B A`` into a copy of the weights (``merged_weight``), never into the training weights.
+The reference policy is the base with the adapters switched off (``LoRAAdapters.disabled``); generation, export and
+the asynchronous weight sync (``merged_parameters``) merge ``W + s B A`` into a copy of the weights
+(``merged_weight``), never into the training weights.
 """
 
 from __future__ import annotations
@@ -215,6 +216,38 @@ def apply_lora(model: DecoderLM, config: LoRAConfig, *, tp_mesh: DeviceMesh | No
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
     """``W + scale * B A`` in float32, returned in ``weight``'s dtype (a new tensor: ``weight`` is left as it is)."""
     return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
+
+@torch.no_grad()
+def merged_parameters(params: dict[str, torch.Tensor], adapters: LoRAAdapters) -> dict[str, torch.Tensor]:
+    """``params`` (a LoRA model's parameters by name, as sharded as the model holds them) as the base model's: the
+    adapters left out and every adapted weight replaced by this rank's shard of ``W + s B A`` (``merged_weight``),
+    with the weight's dtype, mesh and placements, so the asynchronous weight sync sends what a rollout without
+    adapters generates with. Every rank holding the parameters calls it together: each adapter is gathered whole
+    (``full_tensor``; a layer's adapters are ``r`` rows or columns of its weight) to take the rows and columns of this
+    rank's shard. Holds one more copy of this rank's shards of the adapted weights until the result is dropped."""
+    merged = {}
+    for name, param in params.items():
+        layer = name.removesuffix(".weight")
+        if is_adapter(name):
+            continue
+        if layer not in adapters.layers or layer == name:
+            merged[name] = param
+            continue
+        lora_a, lora_b = (_whole(params[f"{layer}.{piece}.weight"]) for piece in ("lora_A", "lora_B"))
+        local, piece = local_piece(param)
+        rows, columns = piece.slices()
+        local = merged_weight(local, lora_a[:, columns], lora_b[rows], adapters.config.scale_of(layer))
+        if isinstance(param, DTensor):
+            local = DTensor.from_local(
+                local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        merged[name] = local
+    return merged
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def lora_config_of(saved: dict) -> LoRAConfig:

@@ -34,6 +34,7 @@ from spmd_rlhf.config import FrameworkConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.hybrid import GenerationLayout, HybridEngine
 from spmd_rlhf.hybrid.weight_sync import BackgroundSender, send_weights, snapshot, sync_metrics, trainer_parameters
+from spmd_rlhf.models.lora import merged_parameters
 from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from spmd_rlhf.training.packing import MicroBatch
 from spmd_rlhf.training.router_replay import ROUTED_EXPERTS
@@ -126,9 +127,13 @@ class ActorWorker(TrainedRoleWorker):
     @one_to_all
     def send_weights(self, version: int) -> dict[str, float]:
         """Send the current weights, as policy ``version``, to the rollout role (its ``receive_weights`` runs
-        beside this, ``hybrid.weight_sync``); every actor rank takes part. With ``rollout.background_sync`` this
-        returns once the shards are copied, and a thread sends the copy while the actor goes on."""
+        beside this, ``hybrid.weight_sync``), a LoRA actor's adapters merged into its weights; every actor rank takes
+        part. With ``rollout.background_sync`` this returns once the shards are copied, and a thread sends the copy
+        while the actor goes on."""
         params = trainer_parameters(self.model.module)
+        if self.model.adapters is not None:
+            # The rollout generates without adapters: it gets the base weights with the adapters merged in.
+            params = merged_parameters(params, self.model.adapters)
         dtype = getattr(torch, self.config.model.dtype)
         options = dict(
             sides=sync_sides(self.config, self.context.groups),

@@ -4,8 +4,10 @@ trainer's masters cast to the rollout dtype (rank 0) and what each rollout rank 
 largest tensor any actor rank made during a sync. Then the same from a background sender: the actor snapshots its
 shards, changes its weights and runs the training group's collectives while a thread sends the snapshot; the rollout
 must hold the snapshot. ``experts_ep2``: a mixture-of-experts actor whose experts are split over its two ranks
-(``ep = 2``) syncing into two whole-model replicas. Last, a rollout built from another model: both sides fail, naming
-both.
+(``ep = 2``) syncing into two whole-model replicas. ``lora_*``: a LoRA actor (FSDP over two ranks, or TP over two)
+whose adapters are merged into the weights it sends (``lora.merged_parameters``); rank 0 writes the full merged
+weights ``W + s B A`` it expects, computed from the whole tensors. Last, a rollout built from another model: both
+sides fail, naming both.
 
     torchrun --nproc-per-node 4 weight_sync.py POLICY_DIR OTHER_MODEL_DIR MOE_POLICY_DIR OUT_DIR
 """
@@ -21,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.hybrid.weight_sync import (
     BackgroundSender,
     SyncSides,
@@ -30,6 +33,7 @@ from spmd_rlhf.hybrid.weight_sync import (
     sync_group_ranks,
     trainer_parameters,
 )
+from spmd_rlhf.models.lora import merged_parameters, merged_weight
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.parallel_dims import ParallelDims
@@ -41,7 +45,10 @@ SCENARIOS = {
     "tp_to_replicas": (ParallelDims(dp=1, tp=2), ParallelDims(dp=2, tp=1)),
     "background": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
     "experts_ep2": (ParallelDims(dp=2, ep=2), ParallelDims(dp=2, tp=1)),
+    "lora_fsdp_to_tp": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
+    "lora_tp_to_replicas": (ParallelDims(dp=1, tp=2), ParallelDims(dp=2, tp=1)),
 }
+LORA = LoRAConfig(rank=4, alpha=8.0)
 ROLLOUT_DTYPE = torch.bfloat16
 BUCKET_BYTES = 16_384  # a few parameters per bucket, so the plan has many buckets and a tensor larger than one
 
@@ -79,6 +86,21 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
         for param in model.parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
             local.add_(torch.randn(local.shape, generator=generator) * 1e-2)
+
+
+def merged_full(model: torch.nn.Module, adapters) -> dict[str, torch.Tensor]:
+    """The base model's full weights with the adapters merged, in the rollout dtype: what the rollout must hold."""
+    params = {name: full(param).detach() for name, param in model.named_parameters()}
+    merged = {}
+    for name, tensor in params.items():
+        layer = name.removesuffix(".weight")
+        if name.endswith((".lora_A.weight", ".lora_B.weight")):
+            continue
+        if layer in adapters.layers:
+            lora_a, lora_b = params[f"{layer}.lora_A.weight"], params[f"{layer}.lora_B.weight"]
+            tensor = merged_weight(tensor, lora_a, lora_b, adapters.config.scale_of(layer))
+        merged[name] = tensor.to(ROLLOUT_DTYPE)
+    return merged
 
 
 def send_in_background(model, sides, rank, actor_group, snapshot_group, version) -> dict[str, torch.Tensor]:
@@ -121,15 +143,18 @@ def main() -> None:
         sides = SyncSides(ACTOR[0], ROLLOUT, sync_group if rank in (ACTOR[0], *ROLLOUT) else None, timeout_s=120.0)
         if rank in ACTOR:
             model = build_model(policy, dtype=torch.float32)
-            parallelize(
+            adapters = parallelize(
                 model,
                 tp_mesh=actor_mesh["tp"],
                 dp_mesh=actor_mesh["dp"],
                 ep_mesh=experts_mesh["ep"] if experts_mesh is not None else None,
                 efsdp_mesh=experts_mesh["efsdp"] if experts_mesh is not None else None,
                 mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+                lora=LORA if scenario.startswith("lora") else None,
             )
             load_weights(model, policy, device="cpu")
+            if adapters is not None:
+                adapters.initialize(model, seed=0)
         else:
             model = generation_replica(
                 policy, dtype=ROLLOUT_DTYPE, tp_mesh=rollout_mesh["tp"], device=torch.device("cpu")
@@ -137,15 +162,19 @@ def main() -> None:
         for version in (0, 1):
             if rank in ACTOR:
                 if version:
-                    perturb(model, seed=rank)
+                    # A LoRA actor's replicated adapters (A of a column-parallel layer under TP) move alike on both.
+                    perturb(model, seed=0 if adapters is not None else rank)
                 if scenario == "background":
                     tensors = send_in_background(model, sides, rank, actor_group, snapshot_group, version)
                     now = {name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()}
                     metrics = {"changed_during_send": float(any(not now[name].equal(t) for name, t in tensors.items()))}
                 else:
+                    params = trainer_parameters(model)
+                    if adapters is not None:
+                        params = merged_parameters(params, adapters)
                     with LargestAllocation(model) as largest:
                         metrics = send_weights(
-                            trainer_parameters(model),
+                            params,
                             sides=sides,
                             rank=rank,
                             trainer_group=actor_group,
@@ -157,7 +186,14 @@ def main() -> None:
                     allocated = torch.tensor([largest.bytes])
                     dist.all_reduce(allocated, op=dist.ReduceOp.MAX, group=actor_group)
                     metrics["largest_allocation_bytes"] = int(allocated)
-                    tensors = {name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()}
+                    if adapters is not None:
+                        tensors = merged_full(model, adapters)
+                        unmerged = {name: full(param).detach() for name, param in model.named_parameters()}
+                        torch.save(unmerged, out / f"{scenario}_v{version}_unmerged.pt")
+                    else:
+                        tensors = {
+                            name: full(param).detach().to(ROLLOUT_DTYPE) for name, param in model.named_parameters()
+                        }
                 if rank == ACTOR[0]:
                     torch.save(tensors, out / f"{scenario}_v{version}_trainer.pt")
                     report[f"{scenario}_v{version}"] = metrics
