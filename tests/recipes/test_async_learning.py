@@ -119,3 +119,18 @@ def test_ppo_runs_two_steps_off_with_its_critic_beside_the_rollout(tmp_path: Pat
     )
     assert [record["off_policy/batch_staleness"] for record in records] == [0.0, 1.0, 2.0]
     assert all(record["off_policy/staleness_max"] <= 2 and "critic/loss" in record for record in records)
+
+
+def test_safe_rlhf_runs_one_step_off_with_its_cost_model_and_critics_beside_the_rollout(tmp_path: Path):
+    records = run_recipe(
+        "safe_rlhf",
+        tmp_path / "safe_rlhf",
+        "trainer.total_steps=3",
+        *SHORT,
+        *SPLIT,
+        "algorithm.max_staleness=1",
+        nproc=4,
+    )
+    assert [record["off_policy/batch_staleness"] for record in records] == [0.0, 1.0, 1.0]
+    assert all("critic/loss" in record and "cost_critic/loss" in record and "cost/mean" in record for record in records)
+    assert records[-1]["lambda"] != records[0]["lambda"]  # the multiplier follows the stale batches' costs

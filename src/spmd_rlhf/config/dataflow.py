@@ -268,7 +268,8 @@ PPO = Dataflow(
 SAFE_RLHF = Dataflow(
     "safe_rlhf",
     (
-        generate("actor"),
+        generate("actor", when=ON_ACTOR),
+        generate("rollout", when=ROLLOUT_ROLE),
         forward("reward"),
         forward("actor", when=RECOMPUTE_LOG_PROBS),
         forward("reference", when=KL_TO_REFERENCE),
