@@ -491,6 +491,16 @@ def test_one_key_turns_on_asynchronous_rl_and_the_rest_is_derived(tmp_path):
     assert "# derived: rollout.enabled=true (algorithm.max_staleness=1)" in shown.stdout, shown.stderr
 
 
+def test_asynchronous_rl_takes_lora_environments_and_safe_rlhf_but_not_partial_multi_turn_trajectories():
+    grpo = REPO / "recipes" / "configs" / "grpo.yaml"
+    assert load_config(grpo, ["algorithm.max_staleness=1", "actor.lora.rank=8"]).rollout.enabled
+    assert load_config(grpo, ["algorithm.max_staleness=1", "rollout.environment=tool"]).rollout.enabled
+    safe = load_config(REPO / "recipes" / "configs" / "safe_rlhf.yaml", ["algorithm.max_staleness=1"])
+    assert safe.resource_pools()["scoring"] == ["critic", "reward", "cost", "cost_critic", "rollout"]
+    with pytest.raises(ConfigError, match="rollout.partial_rollouts=.*a multi-turn trajectory is generated in one"):
+        load_config(grpo, ["algorithm.max_staleness=1", "rollout.environment=tool", "rollout.partial_rollouts=keep_kv"])
+
+
 def test_every_independent_problem_is_named_in_one_error():
     with pytest.raises(ConfigError) as caught:
         load_config(None, ["algorithm.name=grpo", "critic.enabled=true", "cost_critic.enabled=true"])

@@ -132,8 +132,13 @@ def _check_asynchronous(config: CheckedConfig) -> None:
         require(config, "placement", config.placement in ("split", "standalone", "manual"), rule)
         rule = "the rollout receives the actor's weights from one pipeline; set actor.pp=1 with rollout.enabled"
         require(config, "actor.pp", config.actor.pp == 1, rule)
-        rule = "multi-turn environments run on the actor's generation only; set rollout.enabled=false with them"
-        require(config, "rollout.environment", rollout.environment is None, rule)
+        rule = (
+            "a multi-turn trajectory is generated in one piece (its turns wait on the environment between them); "
+            "set rollout.partial_rollouts=off with rollout.environment"
+        )
+        require(
+            config, "rollout.partial_rollouts", rollout.environment is None or rollout.partial_rollouts == "off", rule
+        )
         rule = "draws extra batches on the actor's devices, synchronously; set it false with rollout.enabled=true"
         require(config, "algorithm.dynamic_sampling", not config.algorithm.dynamic_sampling, rule)
     if staleness:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from spmd_rlhf.config import FrameworkConfig
@@ -69,7 +70,13 @@ class Replicas(Protocol):
 
 
 class OneReplica:
-    """A DP shard answered by one replica (the rollout role: each DP rank is a replica of its own)."""
+    """A DP shard answered by one replica (the rollout role: each DP group of ``tp_group``'s ranks is a replica of its
+    own)."""
+
+    def __init__(self, tp_group: dist.ProcessGroup | None = None) -> None:
+        self.tp_group = tp_group
+        """The replica's tensor-parallel ranks (None: one rank), which must agree on a multi-turn environment's
+        answers."""
 
     def replica_rows(self, num_rows: int) -> torch.Tensor:
         return torch.arange(num_rows)
@@ -81,8 +88,13 @@ class OneReplica:
         return float(value)
 
     def on_replica_leader(self, compute: Callable[[], T]) -> T:
-        # Only multi-turn environments share answers across a replica's ranks, and a rollout role has none.
-        return compute()
+        """``compute()`` on the replica's first rank, its result on every rank of the replica."""
+        if self.tp_group is None:
+            return compute()
+        leader = dist.get_global_rank(self.tp_group, 0)
+        box = [compute() if dist.get_rank() == leader else None]
+        dist.broadcast_object_list(box, src=leader, group=self.tp_group)
+        return box[0]
 
 
 def kv_cache_budget(*, fraction: float, total: int, free: int, cached: int, role: str) -> int:

@@ -148,7 +148,8 @@ class RolloutWorker(RoleWorker):
         """``Generator.generate`` on this replica's weights, plus ``token_versions`` ``[rows, R]``: the policy
         version of each response token (0 past the response)."""
         version = self._check_weights("generate_sequences")
-        batch = self.generator.generate(prompts, self.model, OneReplica(), greedy=greedy, samples=samples)
+        replica = OneReplica(self.mesh["tp"].get_group() if self.mesh["tp"].size() > 1 else None)
+        batch = self.generator.generate(prompts, self.model, replica, greedy=greedy, samples=samples)
         batch.meta["metrics"]["rollout/policy_version"] = float(version)
         tensors = {**batch.tensors, "token_versions": batch["response_mask"] * version}
         return Batch(tensors, batch.non_tensors, batch.meta, group_size=batch.group_size)
