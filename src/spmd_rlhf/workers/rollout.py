@@ -34,6 +34,7 @@ from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_all
 from spmd_rlhf.runtime.device import check_thread
+from spmd_rlhf.training.router_replay import ROUTED_EXPERTS
 from spmd_rlhf.workers.base import RoleWorker
 from spmd_rlhf.workers.generation import Generator, OneReplica
 
@@ -46,6 +47,9 @@ GENERATED = (
     "token_versions",
 )
 """What generation adds to the prompts of a batch: what a checkpoint keeps of a batch in flight."""
+CARRIED = ("env_reward", ROUTED_EXPERTS)
+"""What generation adds besides ``GENERATED`` when it makes it (a multi-turn environment's rewards, router replay's
+record of the experts): kept with a batch in flight that has it."""
 
 
 def weight_sync_groups(config: FrameworkConfig) -> dict[str, list[list[int]]]:
@@ -261,12 +265,14 @@ class RolloutWorker(RoleWorker):
     @data_parallel
     def save_rows(self, batch: Batch, directory: str) -> None:
         """Write this replica's rows of a generated batch still in flight (what generation made: responses, masks,
-        both engine log-probs, token versions; and its metrics) into ``directory``, one file per replica."""
+        both engine log-probs, token versions, and ``CARRIED`` where it made them; and its metrics) into
+        ``directory``, one file per replica."""
         if self.tp_rank != 0:
             return  # the replica's TP ranks hold the same rows
         Path(directory).mkdir(parents=True, exist_ok=True)
         tensors = {key: batch[key].contiguous() for key in GENERATED if key != "trajectory_mask"}
         tensors["trajectory_mask"] = batch["attention_mask"][:, -batch["responses"].shape[1] :].contiguous()
+        tensors.update((key, batch[key].contiguous()) for key in CARRIED if key in batch.tensors)
         metadata = {"metrics": json.dumps(batch.meta["metrics"]), "group_size": str(batch.group_size)}
         save_file(tensors, str(self._rows_file(directory)), metadata=metadata)
 
@@ -277,12 +283,13 @@ class RolloutWorker(RoleWorker):
         path = self._missing_or(self._rows_file(directory), "dp*_of_*.safetensors")
         with safe_open(str(path), framework="pt") as file:
             metadata = file.metadata()
-            generated = {key: file.get_tensor(key) for key in GENERATED}
+            generated = {key: file.get_tensor(key) for key in (*GENERATED, *CARRIED) if key in file.keys()}
         group_size = int(metadata["group_size"])
         repeated = prompts.repeat(group_size)
         if len(repeated) != len(generated["responses"]):
             raise ValueError(f"{path} holds {len(generated['responses'])} rows, not the {len(repeated)} of its prompts")
         metrics = json.loads(metadata["metrics"])
+        carried = tuple(key for key in CARRIED if key in generated)
         return self.generator.rollout_batch(
-            repeated, generated, metrics, group_size=group_size, extra=("token_versions",)
+            repeated, generated, metrics, group_size=group_size, extra=("token_versions", *carried)
         )
