@@ -1,6 +1,7 @@
 """ReMax (Li et al. 2023): REINFORCE whose baseline is the reward of each prompt's greedy response; no critic.
 
-The step is GRPO's with one more generation: a greedy response per prompt, scored by the same reward.
+The step is GRPO's with one more generation: a greedy response per prompt, scored by the same reward. With a rollout
+role (asynchronous RL), the rollout generates it right behind the step's batch, at the same policy version.
 
     torchrun --nproc-per-node 4 recipes/remax.py --config recipes/configs/remax.yaml trainer.total_steps=20
 """
@@ -23,8 +24,11 @@ class ReMaxRecipe(RLRecipe):
         experience = self.experience(step, timer)  # rollout, scores, old and reference log-probs
         inputs = experience.batches
         with timer("baseline"):
-            greedy = self.actor.generate_sequences(self.loader.batch(step), greedy=True)
-            baseline = self.reward.compute_rewards(greedy).result()
+            if "rollout" in self.roles:  # generated and scored on the rollout side with the step's batch
+                baseline = self.pipeline.baseline(step).result()
+            else:
+                greedy = self.actor.generate_sequences(self.loader.batch(step), greedy=True)
+                baseline = self.reward.compute_rewards(greedy).result()
         with timer("advantages"):
             advantages = self.actor.compute_advantages(
                 *inputs, estimator="remax", baseline=baseline, kl_coef=self.kl_controller.coef

@@ -54,6 +54,18 @@ def test_a_lora_actor_split_with_staleness_zero_gives_the_colocated_runs_results
     assert colocated[-1]["actor/grad_norm"] > 0
 
 
+def test_remax_split_with_staleness_zero_gives_the_colocated_runs_results(tmp_path: Path):
+    """ReMax's greedy baseline generated on the rollout role, right behind the step's batch: the same baselines and
+    updates as the actor generating it."""
+    remax = ("trainer.total_steps=2", *SHORT)
+    colocated = run_recipe("remax", tmp_path / "colocated", *remax)
+    split = run_recipe("remax", tmp_path / "split", *remax, *SPLIT, nproc=4)
+    for synchronous, asynchronous in zip(colocated, split, strict=True):
+        common = without_timings(synchronous)
+        assert {key: asynchronous[key] for key in common} == common
+    assert "baseline/reward/mean" in split[0]
+
+
 @pytest.fixture(scope="module")
 def one_step_off(tmp_path_factory) -> Path:
     """40 steps of k = 1, saving at steps 20 and 40; the run directory."""

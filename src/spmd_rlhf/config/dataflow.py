@@ -128,8 +128,8 @@ def generate(role: str, *, when: Condition | None = None) -> Work:
     return Work(role, "generate", when)
 
 
-def greedy(role: str) -> Work:
-    return Work(role, "greedy")
+def greedy(role: str, *, when: Condition | None = None) -> Work:
+    return Work(role, "greedy", when)
 
 
 def forward(role: str, *, when: Condition | None = None) -> Work:
@@ -238,16 +238,19 @@ GRPO = Dataflow(
 REMAX = Dataflow(
     "remax",
     (
-        generate("actor"),
+        generate("actor", when=ON_ACTOR),
+        generate("rollout", when=ROLLOUT_ROLE),
         forward("reward"),
         forward("actor", when=RECOMPUTE_LOG_PROBS),
         forward("reference", when=KL_TO_REFERENCE),
         forward("actor", when=KL_TO_ACTOR_BASE),
-        greedy("actor"),
+        greedy("actor", when=ON_ACTOR),
+        greedy("rollout", when=ROLLOUT_ROLE),
         train("actor"),
     ),
 )
-"""ReMax (recipes/remax.py): GRPO's step plus a greedy response per prompt as the baseline, scored by the reward."""
+"""ReMax (recipes/remax.py): GRPO's step plus a greedy response per prompt as the baseline, scored by the reward
+(with a rollout role, both generations on it, at the same policy version)."""
 
 PPO = Dataflow(
     "ppo",

@@ -283,6 +283,7 @@ class RLRecipe(RecipeRun):
             timeout_s=self.config.trainer.timeout_s,
             background_sync=self.config.rollout.background_sync,
             partial_rollouts=self.config.rollout.partial_rollouts,
+            greedy_baseline=self.dataflow is not None and any(work.kind == "greedy" for work in self.dataflow.work),
         )
 
     def update_options(self, step: int) -> dict[str, Any]:

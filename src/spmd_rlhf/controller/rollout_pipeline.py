@@ -56,6 +56,7 @@ class RolloutPipeline:
         timeout_s: float,
         partial_rollouts: str = "off",
         background_sync: bool = False,
+        greedy_baseline: bool = False,
     ) -> None:
         self.actor, self.rollout, self.reward, self.loader = actor, rollout, reward, loader
         self.max_staleness, self.total_steps, self.start, self.timeout_s = max_staleness, total_steps, start, timeout_s
@@ -71,6 +72,11 @@ class RolloutPipeline:
         self.segments: list[CallFuture] = []
         """With ``partial``: the segments issued since the latest take, checked at the next."""
         self.background_sync = background_sync
+        self.greedy_baseline = greedy_baseline
+        """ReMax: each batch's prompts also get one greedy response each, generated right behind the batch (the same
+        policy version) and scored: ``baseline``."""
+        self.baselines: dict[int, tuple[CallFuture, CallFuture]] = {}
+        """With ``greedy_baseline``: batch -> its greedy responses and their scores, issued and not yet taken."""
         self.receiving: dict[int, CallFuture] = {}
         """With ``background_sync``: policy version -> the rollout's receive, not yet seen to end (it has once a
         generation command issued after it comes back: the rollout runs commands in issue order)."""
@@ -105,6 +111,9 @@ class RolloutPipeline:
             else:
                 generated = self.rollout.generate_sequences(self.loader.batch(batch))
                 self.pending[batch] = (version, generated, self.reward.compute_rewards(generated))
+            if self.greedy_baseline:
+                greedy = self.rollout.generate_sequences(self.loader.batch(batch), greedy=True)
+                self.baselines[batch] = (greedy, self.reward.compute_rewards(greedy))
             self.issued = batch + 1
 
     def take(self, step: int, timer: StageTimer) -> tuple[BatchRef, CallFuture, dict[str, float]]:
@@ -139,6 +148,12 @@ class RolloutPipeline:
         metrics["off_policy/batch_staleness"] = float(staleness)
         return rollout, scores, metrics
 
+    def baseline(self, step: int) -> CallFuture:
+        """ReMax (``greedy_baseline``): the scores of step ``step``'s greedy responses (a future), taken once, after
+        ``take(step)``."""
+        _, scores = self.baselines.pop(step)
+        return scores
+
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
     def save(self, checkpoint_dir: str) -> dict:
@@ -152,6 +167,9 @@ class RolloutPipeline:
             else:
                 saved = self.rollout.save_generation(directory, batch=batch)
             saved.result(timeout=self.timeout_s)
+            if batch in self.baselines:
+                greedy, _ = self.baselines[batch]
+                self.rollout.save_rows(greedy, _greedy_dir(directory)).result(timeout=self.timeout_s)
         pending = {str(batch): version for batch, (version, _, _) in self.pending.items()}
         return {"max_staleness": self.max_staleness, "partial_rollouts": self.partial_rollouts, "pending": pending}
 
@@ -170,6 +188,9 @@ class RolloutPipeline:
                 )
         for batch, version in sorted((int(batch), version) for batch, version in state["pending"].items()):
             prompts, directory = self.loader.batch(batch), _batch_dir(checkpoint_dir, batch)
+            if self.greedy_baseline:
+                greedy = self.rollout.restore_rows(prompts, _greedy_dir(directory))
+                self.baselines[batch] = (greedy, self.reward.compute_rewards(greedy))
             if not self.partial:
                 restored = self.rollout.restore_rows(prompts, directory)
                 self.pending[batch] = (version, restored, self.reward.compute_rewards(restored))
@@ -181,3 +202,8 @@ class RolloutPipeline:
 
 def _batch_dir(checkpoint_dir: str, batch: int) -> str:
     return str(Path(checkpoint_dir) / "rollouts" / f"batch_{batch}")
+
+
+def _greedy_dir(batch_dir: str) -> str:
+    """Where ReMax's greedy responses of a batch in flight are kept, beside its sampled ones."""
+    return str(Path(batch_dir) / "greedy")
