@@ -105,6 +105,54 @@ def test_a_recipe_runs_on_the_mappers_placement(tmp_path, monkeypatch):
     assert {"time/update_actor", "time/update_critic", "time/values", "time/ref_log_probs"} <= set(records[-1])
 
 
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_asynchronous_rl_plans_the_rollout_role_on_devices_of_its_own(tiny_model_dir, max_staleness):
+    """placement=auto with a rollout role: its TP replicas get a set that no role the step calls shares (only the
+    reward, which the rollout pipeline issues behind each generation), the plan counts the weight sync, and from
+    max_staleness 1 on the step is the longer of generation and training, not their sum."""
+    config = load_config(
+        RECIPES / "configs" / "grpo.yaml",
+        [f"model.path={tiny_model_dir}", "placement=auto", f"algorithm.max_staleness={max_staleness}"]
+        + ["rollout.enabled=true", "rollout.recompute_log_probs=true"],
+    )
+    roles, batch = config_dataflow(config)
+    assert [role.name for role in roles if role.replica] == ["rollout"] and batch.max_staleness == max_staleness
+    result = plan_config(config, 4, profile=BUILTIN_PROFILES["h100"])
+    for mapping in [result.best, *result.runners_up]:
+        (rollout_set,) = [roles for roles in mapping.sets if "rollout" in roles]
+        assert set(rollout_set) <= {"rollout", "reward"}
+        stages = mapping.stage_seconds
+        assert stages["weight_sync"] > 0
+        if max_staleness:
+            assert stages["weight_sync"] < mapping.seconds < sum(stages.values())
+        else:
+            assert mapping.seconds == sum(stages.values())
+        applied = apply_mapping(config, mapping)
+        pools = role_pools(applied, 4)
+        assert (
+            len(pools["rollout"].ranks) == applied.rollout.n_ranks == mapping.devices[mapping.sets.index(rollout_set)]
+        )
+        assert applied.rollout.tp == mapping.layouts["rollout"].tp
+        assert pools["reward"] == pools["rollout"]  # the rule reward scores beside the generation
+        assert not set(pools["rollout"].ranks) & set(pools["actor"].ranks)
+
+
+def test_an_asynchronous_recipe_runs_on_the_mappers_placement(tmp_path):
+    records = run_recipe(
+        "grpo",
+        tmp_path,
+        "placement=auto",
+        "mapping.profile=h100",
+        "algorithm.max_staleness=1",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        nproc=4,
+    )
+    assert [record["off_policy/batch_staleness"] for record in records] == [0.0, 1.0]
+    assert records[0]["weight_sync/bytes"] > 0
+
+
 def test_auto_placement_releases_the_engine_where_keeping_it_fits_nowhere(tiny_model_dir):
     import dataclasses
 

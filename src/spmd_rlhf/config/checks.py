@@ -126,10 +126,10 @@ def _check_asynchronous(config: CheckedConfig) -> None:
     if rollout.enabled:
         rule = (
             f"the rollout role generates on ranks of its own; use placement=split (actor and reference | "
-            f"rollout and scorers), standalone or manual, or set rollout.enabled=false "
+            f"rollout and scorers), auto, standalone or manual, or set rollout.enabled=false "
             f"(placement={config.placement})"
         )
-        require(config, "placement", config.placement in ("split", "standalone", "manual"), rule)
+        require(config, "placement", config.placement in ("split", "auto", "standalone", "manual"), rule)
         rule = "the rollout receives the actor's weights from one pipeline; set actor.pp=1 with rollout.enabled"
         require(config, "actor.pp", config.actor.pp == 1, rule)
         rule = (

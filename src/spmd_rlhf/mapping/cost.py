@@ -128,8 +128,8 @@ def kept_generation_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_
     generation shard and its KV cache, which holds the rows a replica decodes at once at full length, or what
     ``free_bytes`` (the device's room beside every resident state) leaves beside the shard, whichever is less (as
     ``workers.generation`` sizes it); 0 for a layout that does not generate or an engine that is not kept."""
-    if not (batch.keep_engine and layout.tp_g):
-        return 0.0
+    if not (batch.keep_engine and layout.tp_g) or role.replica:
+        return 0.0  # a rollout replica's weights are held_bytes', its KV cache generation_seconds' to size
     shape, b = role.shape, batch.dtype_bytes
     shard = shape.parameters(role.head) * b / layout.tp_g
     replicas = layout.devices // layout.tp_g
@@ -140,10 +140,11 @@ def kept_generation_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_
 
 def held_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_bytes: float) -> float:
     """Bytes per device the role holds between its calls beyond ``resident_bytes``, which depend on its layout: a kept
-    engine's generation copy and KV cache (``kept_generation_bytes``), and for a generative judge its whole replica
-    TP-sharded on each DP rank (``P b / tp``) where ``resident_bytes`` counted an FSDP shard over all its devices."""
+    engine's generation copy and KV cache (``kept_generation_bytes``), and for a generative judge or a rollout role
+    its whole replica TP-sharded on each DP rank (``P b / tp``) where ``resident_bytes`` counted an FSDP shard over all
+    its devices."""
     held = kept_generation_bytes(role, layout, batch, free_bytes=free_bytes)
-    if role.judge_tokens:
+    if role.judge_tokens or role.replica:
         held += role.shape.parameters(role.head) * batch.dtype_bytes / layout.tp - resident_bytes(
             role, layout.devices, batch
         )
@@ -240,6 +241,8 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     their head outputs (training); one layer's activations and the head outputs (forward only), with the log-prob
     path's float32 chunks (``head_output_bytes``). Generation is accounted for in ``generation_seconds`` (its shard
     and KV cache take what is left)."""
+    if role.replica:
+        return 0.0  # a rollout role only generates
     shape, b = role.shape, batch.dtype_bytes
     # Under context parallelism a rank holds its 1/cp chunk of each micro-batch, and the head's outputs of its chunk.
     tokens = _micro_batch(role, batch) * batch.sequence_length / layout.cp

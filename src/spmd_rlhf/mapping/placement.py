@@ -25,7 +25,10 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
     for name, work in dataflow_of(config.algorithm.name).models_of(config).items():
         role, kind = getattr(config, name), ROLE_KINDS[name]
         if kind.worker == "rollout":
-            continue  # the mapper models the synchronous HybridEngine; a rollout role holds a generation shard only
+            # Asynchronous RL: TP replicas of the actor's model that generate, fed its weights.
+            shape = model_shape(config.actor.model_path or config.model.path)
+            specs.append(RoleSpec(name, shape, "lm", False, work, replica=True))
+            continue
         shape = model_shape(role.model_path or config.model.path)
         # A generative judge is a causal LM whose pass writes verdicts: its weights count with the LM head, and its
         # pass is generation (``search.judge_seconds``).
@@ -47,6 +50,7 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
         checkpoint_policy=config.model.checkpoint_policy,
         memory_fraction=config.rollout.memory_fraction,
         keep_engine=config.rollout.keep_engine,
+        max_staleness=config.algorithm.max_staleness,
     )
     return specs, batch
 
@@ -88,15 +92,21 @@ def plan_config(config: FrameworkConfig, world_size: int, *, profile: DeviceProf
 
 def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
     """``mapping`` as config overrides for a manual placement: one pool per colocated set (``set0``, ``set1``, ...),
-    each role's n_ranks, pp, tp, ep and cp, and rollout.tp; rule-based scorers join the actor's pool."""
+    each role's n_ranks, pp, tp, ep and cp, and rollout.tp (the actor's generation layout, or the rollout role's
+    replicas); rule-based scorers join the rollout role's pool, else the actor's."""
     overrides = ["placement=manual"]
     pool_of = {}
     for index, (roles, devices) in enumerate(zip(mapping.sets, mapping.devices)):
         for name in roles:
             pool_of[name] = (f"set{index}", devices)
+    # A rule scorer runs beside the generation it scores: the rollout role's, else the actor's.
+    beside = pool_of.get("rollout", pool_of["actor"])
     for name in config.enabled_roles():
-        pool, devices = pool_of.get(name, pool_of["actor"])
+        pool, devices = pool_of.get(name, beside)
         layout = mapping.layouts.get(name)
+        if name == "rollout":  # asynchronous RL: the rollout role's replicas, rollout.tp wide each
+            overrides += [f"rollout.pool={pool}", f"rollout.n_ranks={devices}", f"rollout.tp={layout.tp}"]
+            continue
         pp, tp = (layout.pp, layout.tp) if layout else (1, 1)
         overrides += [
             f"{name}.pool={pool}",
@@ -107,7 +117,8 @@ def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
         ]
         if hasattr(getattr(config, name), "ep"):  # a role with a model (the rollout role generates with every expert)
             overrides += [f"{name}.ep={layout.ep if layout else 1}", f"{name}.cp={layout.cp if layout else 1}"]
-    overrides.append(f"rollout.tp={mapping.layouts['actor'].tp_g}")
+    if "rollout" not in mapping.layouts:  # the actor generates: its generation layout's tp
+        overrides.append(f"rollout.tp={mapping.layouts['actor'].tp_g}")
     if config.rollout.keep_engine and not mapping.keep_engine:
         overrides.append("rollout.keep_engine=false")  # the kept engine fits beside training nowhere (describe_plan)
     return overrides
@@ -132,7 +143,8 @@ def describe_plan(result: PlanResult, *, devices: int, profile: DeviceProfile) -
         for name in roles:
             lines.append(f"{name:<12} {count:>7}  {best.layouts[name]}")
     stages = "  ".join(f"{stage} {seconds:.3g} s" for stage, seconds in best.stage_seconds.items())
-    lines.append(f"estimated step: {best.seconds:.3g} s ({stages})")
+    overlap = " with the next batch's generation overlapping training" if best.overlapped_seconds is not None else ""
+    lines.append(f"estimated step: {best.seconds:.3g} s{overlap} ({stages})")
     if result.engine_released:
         lines.append(
             "the actor's engine (generation copy, KV cache, CUDA graphs) is released after each generation: kept, it "

@@ -31,6 +31,10 @@ from spmd_rlhf.mapping.cost import (
 )
 from spmd_rlhf.mapping.workload import STAGES, Batch, RoleSpec
 
+PIPELINE_SCORERS = ("reward",)
+"""The roles the rollout pipeline calls itself, right behind each batch's generation (``controller.rollout_pipeline``):
+they may share the rollout role's devices."""
+
 
 @dataclass(frozen=True)
 class Mapping:
@@ -44,10 +48,15 @@ class Mapping:
     """Simulated seconds of each stage (the slowest set's)."""
     keep_engine: bool = field(default=False, compare=False)
     """Whether the actor's engine stays between generations in this mapping (``Batch.keep_engine``)."""
+    overlapped_seconds: float | None = field(default=None, compare=False)
+    """With a rollout role generating ahead (``Batch.max_staleness`` >= 1): the step time, where generation overlaps
+    training (``Planner.evaluate``); None: the stages run one after another."""
 
     @property
     def seconds(self) -> float:
         """d_cost: the simulated step time."""
+        if self.overlapped_seconds is not None:
+            return self.overlapped_seconds
         return sum(self.stage_seconds.values())
 
     def describe(self) -> str:
@@ -115,6 +124,10 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
     for tp in _divisors(devices):
         if tp > cluster.gpus_per_node or any(size % tp for size in sizes):
             continue
+        if role.replica:  # a rollout role: TP replicas on every DP rank, generating with their own tp
+            if batch.rows % (devices // tp) == 0:
+                layouts.append(Layout(pp=1, dp=devices // tp, tp=tp, tp_g=tp))
+            continue
         for pp in _divisors(devices // tp):
             if pp > shape.layers or (pp > 1 and role.head == "lm" and shape.tied) or (pp > 1 and role.judge_tokens):
                 continue
@@ -139,7 +152,9 @@ def role_stage_seconds(
         for kind in work:
             if kind in ("generate", "greedy"):
                 rows = batch.rows if kind == "generate" else batch.prompts
-                total += generation_seconds(role, layout, cluster, batch, rows=rows, free_bytes=free_bytes)
+                total += generation_seconds(
+                    role, layout, cluster, batch, rows=rows, free_bytes=free_bytes, reshard=not role.replica
+                )
             elif kind == "forward" and role.judge_tokens:
                 total += judge_seconds(role, layout, cluster, batch, free_bytes=free_bytes)
             else:
@@ -241,14 +256,49 @@ class Planner:
             if cores:  # CPU ranks sharing cores: the sets busy in this stage slow each other down
                 busy = sum(count for seconds, count in zip(per_set, devices) if seconds[stage] > 0)
                 stage_seconds[stage] *= max(1.0, busy / cores)
+        overlapped = None
+        rollout = [index for index, colocated in enumerate(sets) if any(self.roles[n].replica for n in colocated)]
+        if rollout:
+            # Asynchronous RL: the actor sends its weights to the rollout role every step; from max_staleness 1 on,
+            # the rollout set generates (and scores) the next batch while the other sets prepare and train this one.
+            stage_seconds["weight_sync"] = self.weight_sync_seconds()
+            if self.batch.max_staleness >= 1:
+                rollout_seconds = sum(per_set[rollout[0]].values())
+                others = [seconds for index, seconds in enumerate(per_set) if index not in rollout]
+                training = sum(max((seconds[stage] for seconds in others), default=0.0) for stage in STAGES)
+                overlapped = max(rollout_seconds, training) + stage_seconds["weight_sync"]
         return Mapping(
-            sets=sets, devices=devices, layouts=layouts, stage_seconds=stage_seconds, keep_engine=self.batch.keep_engine
+            sets=sets,
+            devices=devices,
+            layouts=layouts,
+            stage_seconds=stage_seconds,
+            keep_engine=self.batch.keep_engine,
+            overlapped_seconds=overlapped,
+        )
+
+    def weight_sync_seconds(self) -> float:
+        """The actor's weights (the rollout's dtype) broadcast to the rollout role: across nodes on a multi-node
+        cluster (the roles never share devices)."""
+        replica = next(role for role in self.roles.values() if role.replica)
+        weights = replica.shape.parameters(replica.head) * self.batch.dtype_bytes
+        bandwidth = self.cluster.profile.link_bandwidth(across_nodes=self.cluster.devices > self.cluster.gpus_per_node)
+        return weights / bandwidth + self.cluster.profile.collective_latency
+
+    def _stalls_the_pipeline(self, colocated: tuple[str, ...]) -> bool:
+        """Whether a rollout role shares these devices with a role the step itself calls: that call would wait
+        behind the next batch's generation, issued before it (a role runs its calls in issue order). Only the reward,
+        which the rollout pipeline scores each batch with right behind its generation, may sit beside it."""
+        roles = [self.roles[name] for name in colocated]
+        return any(role.replica for role in roles) and any(
+            not role.replica and role.name not in PIPELINE_SCORERS for role in roles
         )
 
     def mappings(self) -> Iterator[Mapping]:
         """Every feasible mapping (placement x allocation) with its auto_parallel layouts."""
         units = self.cluster.devices // self.unit
         for sets in placements(list(self.roles)):
+            if any(self._stalls_the_pipeline(colocated) for colocated in sets):
+                continue
             minimum = [self.minimal_units(colocated) for colocated in sets]
             if None in minimum:
                 continue

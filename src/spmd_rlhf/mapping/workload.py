@@ -220,6 +220,9 @@ class Batch:
     keep_engine: bool = False
     """The actor keeps its generation copy and KV cache from one generation to the next (``rollout.keep_engine``):
     they then take memory in every other stage too."""
+    max_staleness: int = 0
+    """With a rollout role (``RoleSpec.replica``): ``algorithm.max_staleness``. 0 runs each batch's generation and
+    the step's training one after the other; from 1 on the next batch generates while this one trains."""
 
     @property
     def rows(self) -> int:
@@ -259,6 +262,9 @@ class RoleSpec:
     forward_gather_mb: float | None = 4096.0
     """``<role>.forward_gather_mb``: the most a forward-only call may hold gathered for one FSDP gather per call
     (``cost.gathers_forward_once``); None: no bound."""
+    replica: bool = False
+    """The rollout role of asynchronous RL: every DP rank holds a TP-sharded replica of the actor's weights (no FSDP
+    shard, no reshard: the actor sends them), generates on it, and never shares devices with a trained role."""
 
 
 def dataflow(
