@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from spmd_rlhf.config import ConfigError, config_reference, load_config
 from spmd_rlhf.config.derive import describe_derived
@@ -15,6 +14,7 @@ from spmd_rlhf.runtime import (
     REQUEUE_EXIT_CODE,
     Coordinator,
     RuntimeOptions,
+    end_process,
     launch,
 )
 from spmd_rlhf.runtime.device import select_device, visible_cuda_devices
@@ -75,9 +75,6 @@ def main(recipe_class: type[RLRecipe], default_config: str) -> None:
         return recipe.stopped_by
 
     stopped_by = launch(run, options=runtime)
-    # RPC and the process groups are shut down and the sinks closed; skip interpreter teardown, where a C++ thread
-    # of the distributed stack left joinable can abort the process ("terminate called without an active exception",
-    # seen once in ~600 recipe runs) and turn a finished run into a failed one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(REQUEUE_EXIT_CODE if stopped_by else 0)
+    # RPC and the process groups are shut down and the sinks closed (seen once in ~600 recipe runs before it skipped
+    # the interpreter's teardown: an abort after a finished run).
+    end_process(REQUEUE_EXIT_CODE if stopped_by else 0)

@@ -6,7 +6,7 @@ from spmd_rlhf.runtime.dispatch import Dispatch, all_to_all, data_parallel, disp
 from spmd_rlhf.runtime.errors import CallTimeout, RankLostError, RuntimeFailure, WorkerError
 from spmd_rlhf.runtime.futures import wait_together
 from spmd_rlhf.runtime.handles import BatchRef, CallFuture, RoleHandle
-from spmd_rlhf.runtime.launch import REQUEUE_EXIT_CODE, RuntimeOptions, launch, stop_requested
+from spmd_rlhf.runtime.launch import REQUEUE_EXIT_CODE, RuntimeOptions, end_process, launch, stop_requested
 from spmd_rlhf.runtime.layout import ResourcePool
 from spmd_rlhf.runtime.payload import PayloadError
 from spmd_rlhf.runtime.worker import RoleContext, Worker
@@ -31,6 +31,7 @@ __all__ = [
     "all_to_all",
     "data_parallel",
     "dispatch_mode",
+    "end_process",
     "launch",
     "one_to_all",
     "rank_zero",

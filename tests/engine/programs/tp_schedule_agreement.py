@@ -11,7 +11,6 @@ Rank 0 writes the results as JSON to the path given.
 
 import copy
 import json
-import os
 import sys
 
 import torch
@@ -23,6 +22,7 @@ from spmd_rlhf.models.args import decoder_args
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.local_tensor_parallel import run_locally
 from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.runtime import end_process
 
 ARGS = decoder_args(
     vocab_size=96,
@@ -99,12 +99,10 @@ def main() -> None:
         }
         with open(sys.argv[1], "w") as out:
             json.dump(results, out)
-    # Both ranks leave together, and skip the interpreter's teardown: a thread the TP collectives leave joinable can
-    # still abort it ("terminate called without an active exception", seen in CI after the results were written).
+    # Both ranks leave together, without the interpreter's teardown (spmd_rlhf.runtime.end_process).
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    end_process()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from spmd_rlhf.models.lora import merged_parameters, merged_weight
 from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.parallel_dims import ParallelDims
+from spmd_rlhf.runtime import end_process
 from spmd_rlhf.workers.rollout import generation_replica
 
 ACTOR, ROLLOUT = (0, 1), (2, 3)
@@ -237,6 +238,7 @@ def main() -> None:
         (out / "metrics.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from spmd_rlhf.models import DecoderLM, load_model
 from spmd_rlhf.models.expert_parallel import ParallelExperts, shard_experts
 from spmd_rlhf.models.moe import Experts, TopKRouter
 from spmd_rlhf.models.parallelize import parallelize
-from spmd_rlhf.runtime import ParallelDims
+from spmd_rlhf.runtime import ParallelDims, end_process
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 8, 32, 16, 2
 
@@ -108,6 +108,7 @@ def main() -> None:
     check_refusals(sys.argv[1])
     dist.barrier()
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ after ``run_locally`` must equal the whole model's; afterwards the split copy ho
     torchrun --nproc-per-node 2 tests/models/programs/local_tensor_parallel.py DIR [DIR ...]
 """
 
-import os
 import sys
 
 import torch
@@ -17,6 +16,7 @@ from spmd_rlhf.models import load_model
 from spmd_rlhf.models.local_tensor_parallel import run_locally
 from spmd_rlhf.models.merged_linear import merge_projections
 from spmd_rlhf.models.parallelize import parallelize
+from spmd_rlhf.runtime import end_process
 
 
 def logits(model, input_ids, position_ids, cu_seqlens):
@@ -55,10 +55,7 @@ def main():
         print("local tensor parallelism matches")
     dist.barrier()
     dist.destroy_process_group()
-    # Skip the interpreter's teardown (as tests/engine/programs/tp_schedule_agreement.py does): a thread the
-    # collectives leave joinable can abort it under load ("terminate called without an active exception").
-    sys.stdout.flush()
-    os._exit(0)
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

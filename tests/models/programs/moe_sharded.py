@@ -7,7 +7,6 @@ the shared expert's gate whole): logits and every parameter's gradient equal the
     torchrun --nproc-per-node 2 tests/models/programs/moe_sharded.py MODEL_DIR OUT_DIR
 """
 
-import os
 import sys
 
 import torch
@@ -20,6 +19,7 @@ from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.shard_pieces import local_piece
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
+from spmd_rlhf.runtime import end_process
 
 
 def sharded_like_one_process(model_dir: str, dp_mesh, reference) -> torch.nn.Module:
@@ -89,11 +89,7 @@ def main() -> None:
     tensor_parallel_like_one_process(model_dir, reference)
     dist.barrier()
     dist.destroy_process_group()
-    # Skip the interpreter's teardown, as tests/engine/programs/tp_schedule_agreement.py does: a thread the
-    # collectives leave joinable can abort it ("terminate called without an active exception", seen once in CI
-    # under load after every check had passed).
-    sys.stdout.flush()
-    os._exit(0)
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

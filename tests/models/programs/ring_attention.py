@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from spmd_rlhf.models.attention import AttentionBatch, attend
 from spmd_rlhf.models.ring_attention import ring_attend, zigzag_positions
+from spmd_rlhf.runtime import end_process
 
 DIM = 16
 LENGTHS = [5, 19, 1, 7, 16]  # 48 tokens: 2 x cp chunks for cp = 2 and 4
@@ -59,6 +60,7 @@ def main() -> None:
     check(8, 2, dist.group.WORLD, world, rank, torch.bfloat16, query_tile=5)
     dist.barrier()
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

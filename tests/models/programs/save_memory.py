@@ -27,6 +27,7 @@ from spmd_rlhf.models.parallelize import parallelize
 from spmd_rlhf.models.shard_pieces import local_piece
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
+from spmd_rlhf.runtime import end_process
 
 BAND_BYTES = 1 * 2**20
 BUCKET_BYTES = 4 * 2**20
@@ -138,6 +139,7 @@ def main() -> None:
         )
     dist.barrier()
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

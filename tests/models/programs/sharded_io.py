@@ -21,6 +21,7 @@ from spmd_rlhf.models.pipeline import split_stage
 from spmd_rlhf.models.shard_pieces import local_piece
 from spmd_rlhf.models.sharded_save import save_sharded_pretrained
 from spmd_rlhf.models.weights import build_model, load_weights
+from spmd_rlhf.runtime import end_process
 
 BAND_BYTES = 256 * 1024
 
@@ -84,6 +85,7 @@ def main() -> None:
         run_layout(model_dir, out_dir, layout, reference)
     dist.barrier()
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from spmd_rlhf.models.attention import AttentionBatch, attend
 from spmd_rlhf.models.context_parallel import ulysses_attend
+from spmd_rlhf.runtime import end_process
 
 HEADS, DIM = 8, 16
 LENGTHS = [5, 19, 1, 7, 16]  # 48 tokens
@@ -53,6 +54,7 @@ def main() -> None:
             check(kv_heads, backend)
     dist.barrier()
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

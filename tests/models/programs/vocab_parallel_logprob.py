@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rlhf.models import entropy_from_logits, log_probs_and_entropy_from_logits, log_probs_from_logits
+from spmd_rlhf.runtime import end_process
 
 VOCAB, SPLIT = 50, 19
 """Rank 0 holds token ids [0, 19), rank 1 [19, 50): unequal slices, so an offset mixed up between ranks shows."""
@@ -47,6 +48,7 @@ def main() -> None:
             torch.testing.assert_close(grad.float(), reference_grad[..., start:end], atol=1e-2, rtol=1e-2)
     print(f"ok rank {rank}", flush=True)
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rlhf.data.batch import Batch
+from spmd_rlhf.runtime import end_process
 from spmd_rlhf.runtime.transfer import Schema, ShardInfo, plan_exchanges, run_exchanges
 
 ROWS = 3
@@ -57,6 +58,7 @@ def main() -> None:
         assert len(batched_calls) - calls_before == (2 if grouped else 0), batched_calls
         print(f"ok rank {rank} grouped={grouped}", flush=True)
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":

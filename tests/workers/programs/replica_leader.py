@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from spmd_rlhf.runtime import end_process
 from spmd_rlhf.workers.generation import OneReplica
 
 
@@ -29,6 +30,7 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps({"shared": shared, "alone": alone, "calls": calls}))
     dist.barrier()
     dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
 
 
 if __name__ == "__main__":
