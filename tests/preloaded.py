@@ -3,9 +3,10 @@
 imports (torch, transformers, DTensor) every interpreter start pays. For suites of short one-process jobs, such as the
 bad-input cases that stop at start and the recipes' ``--help`` and ``--dry-run``; and, with ``nproc`` > 1, for a
 recipe's ranks as torchrun would start them on one node (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT``; rank 0 hosts the job's store and outlives the other ranks,
-as torchrun's agent keeps it for the whole job), without the agent: the tests of the recipes' and programs' results
-(``torchrun_helpers.run_recipe``, ``torchrun(forked=True)``). Tests of how a job ends under faults use torchrun.
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT``), without the agent: the tests of the recipes' and programs'
+results (``torchrun_helpers.run_recipe``, ``torchrun(forked=True)``). Rank 0 then hosts the job's store, as it does
+in a launch without torchrun, and keeps it until the other ranks have left (``runtime.rendezvous.depart``; a
+program's ranks leave together after a barrier). Tests of how a job ends under faults use torchrun.
 
     with PreloadedPython() as python:
         finished = python.run(["recipes/grpo.py", "--config", "..."], cwd=workdir, timeout=240)
@@ -149,9 +150,7 @@ def _serve() -> None:
                 open(path, "w").close()  # the ranks append to them
             port = _free_port()
         children = []
-        # Rank 0 last: it hosts the job's store, so it waits for the others to end before it ends (torchrun's agent
-        # keeps the store for the whole job; here a rank ending first would take it from those still shutting down).
-        for rank in reversed(range(max(nproc, 1))):
+        for rank in range(max(nproc, 1)):
             child = os.fork()
             if child == 0:
                 if request["env"] is not None:
@@ -169,23 +168,10 @@ def _serve() -> None:
                 code = _run_script(
                     request["argv"], request["cwd"], request["stdout"], request["stderr"], append=bool(nproc)
                 )
-                if rank == 0:
-                    _outlive(children)
                 os._exit(code)
             children.append(child)
         returncode, timed_out = _wait_for(children, deadline=time.monotonic() + request["timeout"])
         print(json.dumps({"returncode": returncode, "timed_out": timed_out}), flush=True)
-
-
-def _outlive(siblings: list[int]) -> None:
-    """Rank 0, done: wait until the other ranks (the server's children, reaped by it as they end) are gone."""
-    for sibling in siblings:
-        while True:
-            try:
-                os.kill(sibling, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
 
 
 FAILED_JOB_GRACE_S = 60.0
