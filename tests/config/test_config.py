@@ -496,7 +496,11 @@ def test_asynchronous_rl_takes_lora_environments_and_safe_rlhf_but_not_partial_m
     assert load_config(grpo, ["algorithm.max_staleness=1", "actor.lora.rank=8"]).rollout.enabled
     assert load_config(grpo, ["algorithm.max_staleness=1", "rollout.environment=tool"]).rollout.enabled
     safe = load_config(REPO / "recipes" / "configs" / "safe_rlhf.yaml", ["algorithm.max_staleness=1"])
-    assert safe.resource_pools()["scoring"] == ["critic", "reward", "cost", "cost_critic", "rollout"]
+    # The rollout beside the reward only: the critics' and the cost model's calls would queue behind its generation.
+    assert safe.resource_pools() == {
+        "policy": ["actor", "critic", "reference", "cost", "cost_critic"],
+        "scoring": ["reward", "rollout"],
+    }
     with pytest.raises(ConfigError, match="rollout.partial_rollouts=.*a multi-turn trajectory is generated in one"):
         load_config(grpo, ["algorithm.max_staleness=1", "rollout.environment=tool", "rollout.partial_rollouts=keep_kv"])
 

@@ -3,7 +3,7 @@ with algorithm.max_staleness=0 the split run's metrics equal the colocated synch
 max_staleness=1 (and 2) it learns the tiny task, every batch is exactly one (two) updates old after the first (two),
 the bound holds for every token, and the importance weights are reported; resumed from a checkpoint with a batch in
 flight, it continues exactly as the uninterrupted run (k = 2 sends its weights from a background thread). PPO takes the
-same switches, its critic placed beside the rollout."""
+same switches, its critic placed beside the actor (split keeps the rollout's pool for it and the reward)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_resume_takes_back_the_batch_in_flight(one_step_off: Path, tmp_path: Pat
     assert [without_timings(record) for record in resumed] == [without_timings(record) for record in whole]
 
 
-def test_ppo_runs_two_steps_off_with_its_critic_beside_the_rollout(tmp_path: Path):
+def test_ppo_runs_two_steps_off_with_its_critic_beside_the_actor(tmp_path: Path):
     records = run_recipe(
         "ppo",
         tmp_path / "ppo",
@@ -133,7 +133,7 @@ def test_ppo_runs_two_steps_off_with_its_critic_beside_the_rollout(tmp_path: Pat
     assert all(record["off_policy/staleness_max"] <= 2 and "critic/loss" in record for record in records)
 
 
-def test_safe_rlhf_runs_one_step_off_with_its_cost_model_and_critics_beside_the_rollout(tmp_path: Path):
+def test_safe_rlhf_runs_one_step_off_with_its_cost_model_and_critics_beside_the_actor(tmp_path: Path):
     records = run_recipe(
         "safe_rlhf",
         tmp_path / "safe_rlhf",

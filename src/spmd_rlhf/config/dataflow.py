@@ -195,6 +195,11 @@ class Dataflow:
         return False, f"algorithm.name={config.algorithm.name}"
 
 
+PIPELINE_SCORERS = ("reward",)
+"""With a rollout role, the roles the rollout pipeline itself calls right behind each batch's generation
+(``controller.rollout_pipeline``): the only ones that may share its devices without a call of the step waiting behind
+the next batch's generation (a role runs its calls in issue order)."""
+
 ROLLOUT_ROLE = Condition(
     "rollout_role",
     lambda config: config.rollout.enabled,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from spmd_rlhf.config.algorithm import AlgorithmConfig
 from spmd_rlhf.config.checks import check_framework
-from spmd_rlhf.config.dataflow import ROLE_KINDS, ROLES
+from spmd_rlhf.config.dataflow import PIPELINE_SCORERS, ROLE_KINDS, ROLES
 from spmd_rlhf.config.derive import derive
 from spmd_rlhf.config.model import ModelConfig
 from spmd_rlhf.config.roles import RoleConfig, ScoringRoleConfig, TrainableRoleConfig
@@ -26,9 +26,9 @@ class FrameworkConfig:
     """Response generation: sampling and the engine; with rollout.enabled, the rollout role that generates on ranks
     of its own (asynchronous RL)."""
     placement: str | None = None
-    """Roles on devices: colocate (one pool), split (actor+reference | rest, a rollout role included), standalone,
-    manual (by pool), or auto (the device mapper picks the pools and every role's pp/tp and rollout.tp; see mapping).
-    null: split with a rollout role (rollout.enabled), else colocate."""
+    """Roles on devices: colocate (one pool), split (actor+reference | rest; with a rollout role, the rest | rollout and
+    reward), standalone, manual (by pool), or auto (the device mapper picks the pools and every role's pp/tp and
+    rollout.tp; see mapping). null: split with a rollout role (rollout.enabled), else colocate."""
     mapping: MappingConfig = field(default_factory=MappingConfig)
     """How placement=auto models the devices."""
     actor: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)
@@ -62,11 +62,14 @@ class FrameworkConfig:
             case "colocate":
                 return {"all": roles}
             case "split":
-                # The policy models (actor, reference) on one pool, the models that score them on the other; a
-                # rollout role generates beside the scorers, so its samples are scored where they are.
-                policy = [
-                    name for name in roles if ROLE_KINDS[name].head == "lm" and ROLE_KINDS[name].worker != "rollout"
-                ]
+                if "rollout" in roles:
+                    # Asynchronous RL: the rollout generates beside the reward that scores each batch behind it; every
+                    # role the step itself calls goes on the other pool, where its calls do not queue behind the next
+                    # batch's generation.
+                    scoring = [name for name in roles if name == "rollout" or name in PIPELINE_SCORERS]
+                    return {"policy": [name for name in roles if name not in scoring], "scoring": scoring}
+                # The policy models (actor, reference) on one pool, the models that score them on the other.
+                policy = [name for name in roles if ROLE_KINDS[name].head == "lm"]
                 return {"policy": policy, "scoring": [name for name in roles if name not in policy]}
             case "standalone":
                 return {name: [name] for name in roles}

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from spmd_rlhf.config.dataflow import PIPELINE_SCORERS
 from spmd_rlhf.mapping.cost import (
     Cluster,
     Layout,
@@ -30,10 +31,6 @@ from spmd_rlhf.mapping.cost import (
     working_bytes,
 )
 from spmd_rlhf.mapping.workload import STAGES, Batch, RoleSpec
-
-PIPELINE_SCORERS = ("reward",)
-"""The roles the rollout pipeline calls itself, right behind each batch's generation (``controller.rollout_pipeline``):
-they may share the rollout role's devices."""
 
 
 @dataclass(frozen=True)
