@@ -206,9 +206,11 @@ class Backbone(nn.Module):
             pending = None
             for layer in self.layers.values():
                 x, pending = layer.carried_forward(x, pending, rope, batch)
-            return self.residual_norm(x, pending) if pending is not None else self.norm(x)
-        for layer in self.layers.values():
-            x = layer(x, rope, batch)
+            if pending is not None:
+                return self.residual_norm(x, pending)
+        else:
+            for layer in self.layers.values():
+                x = layer(x, rope, batch)
         return self.norm(x) if self.norm is not None else x
 
     def residual_norm(self, x: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
