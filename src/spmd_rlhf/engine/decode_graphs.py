@@ -52,7 +52,7 @@ from spmd_rlhf.config.choices import COMPILE_SETTINGS
 from spmd_rlhf.engine.sampler import FILTERED, GREEDY, draw, row_sampling, row_uniforms
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 from spmd_rlhf.kernels.triton_support import use_triton
-from spmd_rlhf.models.attention import FLASH_PAGED_BLOCK_MULTIPLE, resolve_backend
+from spmd_rlhf.models.attention import flash_reads_paged, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.moe import Experts, MoEBlock
 from spmd_rlhf.models.paged_kv import PagedKV
@@ -96,7 +96,7 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
     backend = resolve_backend(model.attention_backend, device=weight.device, dtype=weight.dtype)
     if backend == "torch":
         return "decode attention is the pure-torch path (model.attention), whose gathered shapes change every step"
-    if backend == "flash" and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
+    if flash_reads_paged(backend, block_size):
         return (
             f"flash-attn reads the paged cache at kv block size {block_size}, from host integers each step; "
             "rollout.kv_block_size=16 decodes through the capturable Triton kernel instead"

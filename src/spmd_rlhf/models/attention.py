@@ -85,7 +85,7 @@ class AttentionBatch:
     """A paged decode step (one new token per sequence) that the Triton kernel runs, reading the cache in place and
     writing the new K/V itself: decided once per step by ``build``."""
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    """With ``decode_kernel``: the step's rotary tables ``(cos, sin)`` ``[1, tokens, head_dim]``, which the kernel
+    """With ``decode_kernel``: the step's rotary tables ``(cos, sin)`` ``[tokens, head_dim]``, which the kernel
     applies to q and k as it loads them, so the layers hand them on unrotated (``Backbone.forward`` moves the tables
     here)."""
 
@@ -249,15 +249,20 @@ def _flash_paged_attention(q: torch.Tensor, paged: PagedKV, layer_index: int, sc
     return out[None]
 
 
+def flash_reads_paged(backend: str, block_size: int) -> bool:
+    """Whether flash-attn's paged kernel reads the cache: the flash backend at a block size it takes
+    (``FLASH_PAGED_BLOCK_MULTIPLE``)."""
+    return backend == "flash" and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
+
+
 def _is_triton_decode(tokens: int, paged: PagedKV, backend: str, *, dtype: torch.dtype, device: torch.device) -> bool:
     """A decode step (one new token per sequence) on CUDA reads the cache blocks in place with the Triton kernel,
     instead of gathering them into a padded copy; the pure-torch backend keeps the gather path, and flash-attn's
     paged kernel takes the block sizes it reads."""
     one_token_per_sequence = paged.max_seqlen_q == 1 and tokens == paged.context_lens.shape[0]
-    flash_paged = backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
     return (
         backend != "torch"
-        and not flash_paged
+        and not flash_reads_paged(backend, paged.block_size)
         and one_token_per_sequence
         and dtype == paged.key_cache.dtype
         and use_triton(device, "auto")
@@ -271,7 +276,6 @@ def _paged_attention(
     if batch.decode_kernel:
         # The kernel stores the new token's K/V itself (its fused write: two launches fewer per layer and step) and,
         # given the step's tables, rotates q and k (one fewer).
-        rope = None if batch.rope is None else (batch.rope[0][0], batch.rope[1][0])
         out = paged_decode_attention(
             q[0],
             paged.key_cache[layer_index],
@@ -282,11 +286,11 @@ def _paged_attention(
             new_keys=k[0],
             new_values=v[0],
             slots=paged.slot_mapping,
-            rope=rope,
+            rope=batch.rope,
         )
         return out[None]
     paged.write(layer_index, k[0], v[0])
-    if batch.backend == "flash" and paged.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
+    if flash_reads_paged(batch.backend, paged.block_size):
         return _flash_paged_attention(q, paged, layer_index, scale)
     padded_q, cached_k, cached_v, allowed = paged.gather(layer_index, q[0])
     backend = "torch" if batch.backend == "torch" else "sdpa"

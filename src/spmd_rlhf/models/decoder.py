@@ -201,7 +201,7 @@ class Backbone(nn.Module):
         rope = self.rotary(position_ids, x.dtype)
         if batch.decode_kernel:
             # The paged decode kernel rotates q and k as it loads them: the layers hand them on unrotated.
-            batch, rope = replace(batch, rope=rope), None
+            batch, rope = replace(batch, rope=(rope[0][0], rope[1][0])), None  # the one row's tables
         if self.carry_residuals:
             pending = None
             for layer in self.layers.values():

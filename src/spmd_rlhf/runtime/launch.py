@@ -155,7 +155,7 @@ def _rpc_describe() -> str:
 
 def _rpc_abort(code: int, reason: str) -> None:
     _say(f"stopping (exit code {code}): {reason}")
-    threading.Timer(0.2, _exit, args=(code,)).start()
+    threading.Timer(0.2, end_process, args=(code,)).start()
 
 
 def stored_batch_count() -> int:
@@ -176,10 +176,6 @@ def end_process(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _exit(code: int) -> None:
-    end_process(code)
 
 
 def _environment() -> tuple[int, int, int]:
@@ -322,7 +318,7 @@ def _abort_job(world_size: int, failure: BaseException, code: int = 1) -> None:
     for notice in notices:
         while not notice.done() and time.monotonic() < deadline:
             time.sleep(0.01)
-    _exit(code)
+    end_process(code)
 
 
 def _serve(executor: Executor, options: RuntimeOptions) -> None:
@@ -330,7 +326,7 @@ def _serve(executor: Executor, options: RuntimeOptions) -> None:
         silent = time.monotonic() - _state["last_heard"]
         if silent > options.failure_timeout_s:
             _say(f"no word from the coordinator (rank 0) for {silent:.0f} s; it has probably died. Exiting")
-            _exit(1)
+            end_process(1)
     _shutdown(options)
 
 
@@ -343,7 +339,7 @@ def _shutdown(options: RuntimeOptions) -> None:
         )
     except Exception as error:
         _say(f"clean shutdown failed: {error}")
-        _exit(1)
+        end_process(1)
     if silent:
         _say(
             f"ranks {silent} did not finish shutting down within {options.shutdown_timeout_s:g} s; rank 0 ends now, "

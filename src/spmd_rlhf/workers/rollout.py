@@ -110,6 +110,8 @@ class RolloutWorker(RoleWorker):
             device=self.device,
             attention_backend=config.model.attention,
         )
+        self.replica = OneReplica(self.mesh["tp"].get_group() if self.mesh["tp"].size() > 1 else None)
+        """This rank's replica (its TP ranks agree on a multi-turn environment's answers)."""
         self.generator = Generator(
             config,
             role=context.name,
@@ -152,8 +154,7 @@ class RolloutWorker(RoleWorker):
         """``Generator.generate`` on this replica's weights, plus ``token_versions`` ``[rows, R]``: the policy
         version of each response token (0 past the response)."""
         version = self._check_weights("generate_sequences")
-        replica = OneReplica(self.mesh["tp"].get_group() if self.mesh["tp"].size() > 1 else None)
-        batch = self.generator.generate(prompts, self.model, replica, greedy=greedy, samples=samples)
+        batch = self.generator.generate(prompts, self.model, self.replica, greedy=greedy, samples=samples)
         batch.meta["metrics"]["rollout/policy_version"] = float(version)
         tensors = {**batch.tensors, "token_versions": batch["response_mask"] * version}
         return Batch(tensors, batch.non_tensors, batch.meta, group_size=batch.group_size)
@@ -214,7 +215,7 @@ class RolloutWorker(RoleWorker):
             self.generator.host_prompts(prompts),
             responses,
             counters,
-            replicas=OneReplica(),
+            replicas=self.replica,
             n=self.config.rollout.n,
             carried={"token_versions": token_versions},
         )
