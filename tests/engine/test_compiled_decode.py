@@ -8,6 +8,9 @@ bfloat16 is ``test_cuda_compiled_layers_decode_like_eager_layers`` (the GPU suit
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hf_fixtures import write_hf_model
@@ -20,6 +23,9 @@ from spmd_rlhf.kernels.paged_attention import paged_decode_attention
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.merged_linear import merge_projections
 
+sys.path.insert(0, str(Path(__file__).parent / "programs"))
+from counting_backend import CountingBackend  # noqa: E402
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 40, 41], [70, 71, 72], [3, 4]]
 
 
@@ -31,22 +37,6 @@ def _requests() -> list[SamplingParams]:
         SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, seed=2),
         SamplingParams(temperature=0, max_new_tokens=7),
     ]
-
-
-class CountingBackend:
-    """A TorchDynamo backend that runs each graph as traced and counts graphs compiled and calls made through them."""
-
-    def __init__(self) -> None:
-        self.graphs, self.calls = 0, 0
-
-    def __call__(self, graph: torch.fx.GraphModule, example_inputs) -> callable:
-        self.graphs += 1
-
-        def run(*inputs):
-            self.calls += 1
-            return graph.forward(*inputs)
-
-        return run
 
 
 @pytest.mark.parametrize("family", ["qwen2_untied", "qwen3"])

@@ -29,11 +29,17 @@ def test_different_local_budgets_give_one_schedule(tmp_path):
     static = results["local_static"]
     assert static["tokens"] == reference["tokens"], (static["num_blocks"], reference["num_blocks"])
     assert static["static_steps"] > 0 and first["static_steps"] == 0
+    # The same on blocks compiled around attention: the row-parallel all-reduces traced into the graphs (those of
+    # the second piece, for one token and for many), and no more graphs than on one rank: every layer shares them.
+    compiled, one_rank = results["local_compiled"], results["one_rank_compiled"]
+    assert compiled["tokens"] == reference["tokens"] and compiled["static_steps"] > 0
+    assert compiled["collective_graphs"] == 2 and one_rank["collective_graphs"] == 0
+    assert compiled["graphs"] == one_rank["graphs"] and compiled["calls"] > 0
 
 
 def test_graphs_take_a_tensor_parallel_model_on_local_shards_and_refuse_dtensor_dispatch(monkeypatch):
     """A TP model dispatching through DTensor is refused graphs for that; on local shards it passes that check (and
-    here meets the next one: no CUDA device). Blocks under TP compile only when asked."""
+    here meets the next one: no CUDA device)."""
     import torch
 
     from spmd_rlhf.engine import decode_graphs
@@ -44,6 +50,3 @@ def test_graphs_take_a_tensor_parallel_model_on_local_shards_and_refuse_dtensor_
     assert "dispatch through DTensor" in decode_graphs.graphs_unsupported(model, block_size=16)
     model.local_tensor_parallel = True
     assert decode_graphs.graphs_unsupported(model, block_size=16) == "the model is on cpu, not a CUDA device"
-    assert decode_graphs.compile_backend("auto", graphs=True, tensor_parallel=True) is None
-    assert decode_graphs.compile_backend("auto", graphs=True) == "inductor"
-    assert decode_graphs.compile_backend("on", graphs=True, tensor_parallel=True) == "inductor"

@@ -106,14 +106,14 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
     return None
 
 
-def compile_backend(setting: str, *, graphs: bool, tensor_parallel: bool = False) -> str | None:
+def compile_backend(setting: str, *, graphs: bool) -> str | None:
     """The TorchDynamo backend ``compile_around_attention`` uses for ``rollout.compile``'s ``setting``, or None for
-    eager layers: ``auto`` compiles where decode steps are captured into CUDA graphs (``graphs``) on one rank (not
-    ``tensor_parallel``: its blocks hold collectives, which no GPU run has compiled yet), ``on`` everywhere (CPU
-    included: Inductor then needs a C++ compiler), ``off`` never."""
+    eager layers: ``auto`` compiles where decode steps are captured into CUDA graphs (``graphs``; a TP replica's
+    blocks included, their all-reduces traced as functional collectives), ``on`` everywhere (CPU included: Inductor
+    then needs a C++ compiler), ``off`` never."""
     if setting not in COMPILE_SETTINGS:
         raise ValueError(f"rollout.compile={setting!r} is unknown; choose one of {', '.join(COMPILE_SETTINGS)}")
-    return "inductor" if setting == "on" or (setting == "auto" and graphs and not tensor_parallel) else None
+    return "inductor" if setting == "on" or (setting == "auto" and graphs) else None
 
 
 def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> None:
@@ -131,9 +131,11 @@ def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> 
     with no break (``fullgraph``; an MoE block's outputs may break where the looped expert path reads counts on the
     host), its token count symbolic (``dynamic``), so every layer and every decode bucket and prefill length share
     it: at most two graphs per piece and grad mode, the second for a single token (TorchDynamo specialises sizes of
-    1), and one more for MoE blocks. Compiled in place (instance attributes over the methods): the first call of each
-    size compiles, which the decode graphs' warm-up pass does before capture. ``backend``: TorchDynamo's (tests trace
-    with ``aot_eager``)."""
+    1), and one more for MoE blocks. On a TP replica's local shards (``models.local_tensor_parallel``) the row-parallel
+    projections' all-reduces stay inside the second piece, traced as functional collectives, and the graphs are
+    shared as on one rank (the local forwards are one function bound to each module). Compiled in place (instance
+    attributes over the methods): the first call of each size compiles, which the decode graphs' warm-up pass does
+    before capture. ``backend``: TorchDynamo's (tests trace with ``aot_eager``)."""
 
     def compiled(function: Callable, *, fullgraph: bool = True) -> Callable:
         return torch.compile(function, fullgraph=fullgraph, dynamic=True, backend=backend)

@@ -145,7 +145,7 @@ class LLMEngine:
         if unsupported is not None:
             say_once(unsupported, f"decode steps run eagerly, without CUDA graphs: {unsupported}", device=device)
         capture = decode_graphs == "auto" and unsupported is None
-        backend = compile_backend(compile_layers, graphs=capture, tensor_parallel=bool(groups))
+        backend = compile_backend(compile_layers, graphs=capture)
         if backend is not None:
             compile_around_attention(model, backend=backend)
         self.max_model_len = max_model_len

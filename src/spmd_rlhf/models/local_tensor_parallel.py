@@ -16,12 +16,14 @@ Megatron's way, per TP rank:
   logits on every rank, as ``gather_logits`` did).
 
 A module's local tensors are read once per parameter object (``_Shards``): a parameter replaced later (``to``,
-``tie_weights``, a merge) is picked up at its next call. For generation only: nothing here has a backward.
+``tie_weights``, a merge) is picked up at its next call. Where TorchDynamo traces the forwards (the decode blocks
+compiled around attention, ``engine.decode_graphs``) they read ``to_local()`` of the DTensor instead, and the
+collectives become functional ones inside the graph. For generation only: nothing here has a backward.
 """
 
 from __future__ import annotations
 
-import functools
+import types
 
 import torch
 import torch.distributed as dist
@@ -67,43 +69,52 @@ def run_locally(model: DecoderLM, mesh: DeviceMesh) -> None:
             continue  # per-head norms: their one weight is whole on every rank, their forward already local
         module._forward_pre_hooks.clear()  # DTensor's input and output conversions (distribute_module's hooks)
         module._forward_hooks.clear()
-        shards = _Shards(module)
+        module.local_shards = _Shards(module)
+        module.tp_group, module.tp_coordinate, module.tp_gather_order = group, coordinate, gather_order
         if isinstance(module, nn.Embedding):
-            module.forward = functools.partial(_vocabulary_parallel_embedding, shards, group, coordinate)
+            forward = _vocabulary_parallel_embedding
         elif name == "lm_head":
-            module.forward = functools.partial(_gathered_logits, shards, group, gather_order)
+            forward = _gathered_logits
         elif isinstance(style, RowwiseParallel):
-            module.forward = functools.partial(_row_parallel, shards, group)
+            forward = _row_parallel
         else:
-            module.forward = functools.partial(_column_parallel, shards)
+            forward = _column_parallel
+        # Bound to the module, not a partial over its state: TorchDynamo then traces one function for every layer
+        # (it guards a partial by identity, so compiled blocks would recompile per layer).
+        module.forward = types.MethodType(forward, module)
 
 
-def _column_parallel(shards: _Shards, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, shards("weight"), shards("bias"))
+def _local(module: nn.Module, name: str) -> torch.Tensor | None:
+    """``module``'s parameter ``name`` as this rank's local tensor: looked up once per parameter object in eager
+    calls (``_Shards``), read from the DTensor where TorchDynamo traces (its guards then hold for every layer)."""
+    if torch.compiler.is_compiling():
+        param = getattr(module, name)
+        return param.to_local() if isinstance(param, DTensor) else param
+    return module.local_shards(name)
 
 
-def _row_parallel(shards: _Shards, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
-    out = F.linear(x, shards("weight"))
-    dist.all_reduce(out, group=group)
-    bias = shards("bias")
+def _column_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, _local(module, "weight"), _local(module, "bias"))
+
+
+def _row_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = F.linear(x, _local(module, "weight"))
+    dist.all_reduce(out, group=module.tp_group)
+    bias = _local(module, "bias")
     return out if bias is None else out + bias
 
 
-def _vocabulary_parallel_embedding(
-    shards: _Shards, group: dist.ProcessGroup, coordinate: int, input_ids: torch.Tensor
-) -> torch.Tensor:
-    weight = shards("weight")
-    local_ids = input_ids - coordinate * weight.shape[0]
+def _vocabulary_parallel_embedding(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    weight = _local(module, "weight")
+    local_ids = input_ids - module.tp_coordinate * weight.shape[0]
     outside = (local_ids < 0) | (local_ids >= weight.shape[0])
     embedded = F.embedding(local_ids.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0)
-    dist.all_reduce(embedded, group=group)
+    dist.all_reduce(embedded, group=module.tp_group)
     return embedded
 
 
-def _gathered_logits(
-    shards: _Shards, group: dist.ProcessGroup, gather_order: list[int], x: torch.Tensor
-) -> torch.Tensor:
-    local = F.linear(x, shards("weight"), shards("bias")).contiguous()
-    pieces = [torch.empty_like(local) for _ in gather_order]
-    dist.all_gather(pieces, local, group=group)
-    return torch.cat([pieces[rank] for rank in gather_order], dim=-1)
+def _gathered_logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    local = F.linear(x, _local(module, "weight"), _local(module, "bias")).contiguous()
+    pieces = [torch.empty_like(local) for _ in module.tp_gather_order]
+    dist.all_gather(pieces, local, group=module.tp_group)
+    return torch.cat([pieces[rank] for rank in module.tp_gather_order], dim=-1)

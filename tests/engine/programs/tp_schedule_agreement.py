@@ -3,8 +3,10 @@ blocks, as ranks that measured different free memory would); the engine agrees o
 the same steps (same sequences prefilled, decoded and preempted, in order) and produce the same tokens as a
 single-rank engine with 10 blocks. Without the agreement the ranks' schedules part and their TP collectives hang.
 Then the same replica on local shards (``run_locally``) runs its decode steps as the CUDA graphs would replay them
-(``decode_graphs="static"``: padded fixed-address inputs, collectives inside the step): the same tokens again.
-Rank 0 writes the results as JSON to the path given.
+(``decode_graphs="static"``: padded fixed-address inputs, collectives inside the step): the same tokens again; and
+with its blocks compiled around attention (traced by a counting backend): the same tokens, the all-reduces inside
+the graphs, and as many graphs as the single-rank model compiles (every layer shares them). Rank 0 writes the
+results as JSON to the path given.
 
     torchrun --nproc-per-node 2 tests/engine/programs/tp_schedule_agreement.py OUT.json
 """
@@ -15,9 +17,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from counting_backend import CountingBackend
 from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.engine.decode_graphs import compile_around_attention
 from spmd_rlhf.models.args import decoder_args
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.local_tensor_parallel import run_locally
@@ -76,13 +80,21 @@ def run(model: DecoderLM, num_blocks: int, decode_graphs: str = "auto") -> dict:
     }
 
 
+def compiled_run(model: DecoderLM, num_blocks: int) -> dict:
+    """``run`` on the static step with the blocks compiled around attention; the graphs it compiled."""
+    backend = CountingBackend()
+    compile_around_attention(model, backend=backend)
+    result = run(model, num_blocks, decode_graphs="static")
+    return result | {"graphs": backend.graphs, "collective_graphs": backend.collective_graphs, "calls": backend.calls}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DecoderLM(ARGS).eval()  # the same weights on both ranks (same seed)
     model.reset_buffers()  # the rotary frequencies are computed here, not in the constructor
-    reference = copy.deepcopy(model)
+    reference, one_rank = copy.deepcopy(model), copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (2,))
     parallelize(model, tp_mesh=mesh, dp_mesh=None, gather_logits=True, role="rollout")
     mine = run(model, LOCAL_BLOCKS[rank])
@@ -90,10 +102,14 @@ def main() -> None:
     dist.all_gather_object(gathered, mine)
     run_locally(model, mesh)
     static = run(model, LOCAL_BLOCKS[rank], decode_graphs="static")
+    compiled = compiled_run(model, LOCAL_BLOCKS[rank])
     if rank == 0:
+        torch._dynamo.reset()
         results = {
             "ranks": gathered,
             "local_static": static,
+            "local_compiled": compiled,
+            "one_rank_compiled": compiled_run(one_rank, min(LOCAL_BLOCKS)),
             "reference": run(reference, min(LOCAL_BLOCKS)),
             "roomy_reference": run(reference, max(LOCAL_BLOCKS)),
         }
