@@ -6,7 +6,10 @@ neighbouring ranks (the same node). Expert parallelism borrows from dp, as Torch
 a mixture-of-experts layer's experts are split over the ``ep`` consecutive DP ranks of a group (``dp = efsdp x ep``,
 ep fastest) and FSDP-sharded over the ``efsdp`` groups; everything else is FSDP-sharded over all of dp. Context
 parallelism borrows from dp too: the ``cp`` consecutive DP ranks of a group keep their own rows (as DP ranks) and run
-every micro-batch of the group together, each a chunk of its packed row (``training.context_parallel``).
+every micro-batch of the group together, each a chunk of its packed row (``training.context_parallel``). Hybrid
+sharding (HSDP) groups dp too: with ``fsdp_size`` set, FSDP shards over the ``fsdp_size`` consecutive DP ranks of a
+group (the same node when ``fsdp_size x tp`` fits one) and the ``dp / fsdp_size`` groups hold replicas: each unit is
+gathered within its group, and its gradient reduce-scattered within the group and all-reduced across groups.
 Everything here is plain Python so the coordinator can reason about a role's layout without building its
 ``DeviceMesh``; only the role's own ranks build the mesh.
 """
@@ -47,6 +50,9 @@ class ParallelDims:
     """Expert-parallel degree, a divisor of dp (not a factor of the world size: it splits the DP ranks)."""
     cp: int = 1
     """Context-parallel degree, a divisor of dp (like ep, it groups DP ranks)."""
+    fsdp_size: int = 0
+    """FSDP's shard group: 0 shards over all of dp; a divisor of dp shards over that many consecutive DP ranks and
+    replicates over the ``dp / fsdp_size`` groups (HSDP)."""
 
     def __post_init__(self) -> None:
         for name in (*MESH_DIM_NAMES, "ep", "cp"):
@@ -56,14 +62,25 @@ class ParallelDims:
         for name in ("ep", "cp"):
             if self.dp % getattr(self, name):
                 raise ValueError(f"ParallelDims.{name}={getattr(self, name)} must divide dp={self.dp} (it splits dp)")
+        if not isinstance(self.fsdp_size, int) or self.fsdp_size < 0 or (self.fsdp_size and self.dp % self.fsdp_size):
+            raise ValueError(f"ParallelDims.fsdp_size={self.fsdp_size!r} must be 0 or a divisor of dp={self.dp}")
 
     @classmethod
     def for_ranks(
-        cls, num_ranks: int, *, pp: int = 1, tp: int = 1, dp: int = 0, ep: int = 1, cp: int = 1, role: str = "role"
+        cls,
+        num_ranks: int,
+        *,
+        pp: int = 1,
+        tp: int = 1,
+        dp: int = 0,
+        ep: int = 1,
+        cp: int = 1,
+        fsdp_size: int = 0,
+        role: str = "role",
     ) -> ParallelDims:
         """The layout of ``num_ranks`` ranks: dp is what pp x tp leaves (``dp`` given: checked against that), split
-        into ``ep`` expert-parallel ranks. Errors name ``<role>.pp`` / ``.tp`` / ``.dp`` / ``.ep`` and what to
-        change."""
+        into ``ep`` expert-parallel ranks, ``cp`` context-parallel ones and FSDP groups of ``fsdp_size``. Errors
+        name ``<role>.pp`` / ``.tp`` / ``.dp`` / ``.ep`` / ``.cp`` / ``.fsdp_size`` and what to change."""
         if num_ranks % (pp * tp):
             raise ValueError(
                 f"{role}.pp={pp} x {role}.tp={tp} does not divide the {num_ranks} ranks of its pool; choose sizes "
@@ -75,18 +92,28 @@ class ParallelDims:
                 f"{role}.dp={dp} but its pool of {num_ranks} ranks with pp={pp}, tp={tp} gives dp={derived}; "
                 f"set {role}.dp=0"
             )
-        for name, size in (("ep", ep), ("cp", cp)):
+        for name, size in (("ep", ep), ("cp", cp), ("fsdp_size", fsdp_size or derived)):
             if derived % size:
                 raise ValueError(
                     f"{role}.{name}={size} does not divide its dp={derived} ({num_ranks} ranks / (pp={pp} x tp={tp})): "
                     f"it splits the data-parallel ranks; set {role}.{name} to a divisor of {derived}"
                 )
-        return cls(pp=pp, dp=derived, tp=tp, ep=ep, cp=cp)
+        return cls(pp=pp, dp=derived, tp=tp, ep=ep, cp=cp, fsdp_size=0 if fsdp_size == derived else fsdp_size)
 
     @property
     def efsdp(self) -> int:
         """The DP ranks that hold the same experts, over which FSDP shards them: ``dp / ep``."""
         return self.dp // self.ep
+
+    @property
+    def fsdp_shards(self) -> int:
+        """The DP ranks FSDP shards each parameter over: ``fsdp_size``, or all of dp."""
+        return self.fsdp_size or self.dp
+
+    @property
+    def fsdp_replicas(self) -> int:
+        """The groups of ``fsdp_shards`` DP ranks that each hold a whole sharded copy (1 without HSDP)."""
+        return self.dp // self.fsdp_shards
 
     @property
     def world_size(self) -> int:
@@ -145,6 +172,18 @@ class ParallelDims:
         if self.ep == 1:
             return None
         return mesh._unflatten("dp", (self.efsdp, self.ep), ("efsdp", "ep"))
+
+    def build_hybrid_shard_mesh(
+        self, mesh: torch.distributed.device_mesh.DeviceMesh
+    ) -> torch.distributed.device_mesh.DeviceMesh | None:
+        """With HSDP (``fsdp_replicas > 1``), the role's ``mesh`` with dp unflattened into ``("dp_replicate",
+        "dp_shard")`` (shard fastest: the same ranks, dp order unchanged), sliced to those two dimensions: the 2-D
+        mesh FSDP2 takes for hybrid sharding, sharing ``mesh``'s root as TP's mesh does; None otherwise. Collective
+        like ``build_mesh``."""
+        if self.fsdp_replicas == 1:
+            return None
+        view = mesh._unflatten("dp", (self.fsdp_replicas, self.fsdp_shards), ("dp_replicate", "dp_shard"))
+        return view["dp_replicate", "dp_shard"]
 
     def build_context_group(
         self, mesh: torch.distributed.device_mesh.DeviceMesh

@@ -1,8 +1,8 @@
-"""The 3D-HybridEngine on 4 CPU ranks: greedy generation in every generation layout (tp_g dividing the training
-tp, with FSDP, with pp=2) equals the single-rank generation token for token; peak memory per rank stays within
-training state + generation shard + KV cache (+ one block's gather buffers) and below a full copy when tp_g > 1;
-a generation round trip leaves the weights bitwise equal; after an update, generation equals a fresh single-rank
-actor loaded with the updated weights. The same for a tied policy whose vocabulary streams over dp = 2."""
+"""The 3D-HybridEngine on 4 CPU ranks: greedy generation in every generation layout (tp_g dividing the training tp, with
+FSDP, with HSDP, with pp=2) equals the single-rank generation token for token; peak memory per rank stays within
+training state + generation shard + KV cache (+ one block's gather buffers) and below a full copy when tp_g > 1; a
+generation round trip leaves the weights bitwise equal; after an update, generation equals a fresh single-rank actor
+loaded with the updated weights. The same for a tied policy whose vocabulary streams over dp = 2."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ LAYOUTS = [
     "dp1tp2pp2:1",
     "dp1tp2pp2:2",
     "dp1tp2pp2:1r",  # a pool listed in descending order: stages are not in process-group rank order
+    "dp4tp1pp1fsdp2:1",  # HSDP: FSDP's gather within each pair of DP ranks, two replicas
 ]
 
 
@@ -125,7 +126,7 @@ def test_round_trip_leaves_weights_bitwise_equal(run, layout):
     assert all(before[name].equal(after[name]) for name in before)
 
 
-@pytest.mark.parametrize("layout", ["dp2tp1pp2:1", "dp1tp2pp2:1", "dp1tp4pp1:2", "dp1tp2pp2:1r"])
+@pytest.mark.parametrize("layout", ["dp2tp1pp2:1", "dp1tp2pp2:1", "dp1tp4pp1:2", "dp1tp2pp2:1r", "dp4tp1pp1fsdp2:1"])
 def test_generation_after_update_uses_new_weights(run, layout):
     _, results = run
     assert results[layout]["updated"] == results[layout]["fresh"]

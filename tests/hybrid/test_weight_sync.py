@@ -61,7 +61,7 @@ def synced(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("scenario", ["fsdp_to_tp", "tp_to_replicas", "background", "experts_ep2"])
+@pytest.mark.parametrize("scenario", ["fsdp_to_tp", "tp_to_replicas", "background", "experts_ep2", "hsdp_to_tp"])
 def test_rollout_weights_equal_the_trainers_bitwise_after_each_sync(synced, scenario):
     """``background``: the trainer's weights as snapshotted; the send ran while they changed again."""
     for version in (0, 1):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torchrun_helpers import run_recipe
 
-from spmd_rlhf.config import load_config
+from spmd_rlhf.config import ConfigError, load_config
 from spmd_rlhf.mapping.placement import apply_mapping, config_dataflow, plan_config
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
 from spmd_rlhf.mapping.role_pools import place_roles, resolve_placement, role_pools
@@ -195,3 +195,19 @@ def test_an_ep_or_cp_that_does_not_divide_the_dp_ranks_is_one_error_naming_it(ke
         place_roles(load_config(None, ["actor.tp=2", f"actor.{key}=4"]), 4)
     dims = place_roles(load_config(None, ["actor.tp=2", f"actor.{key}=2"]), 4).roles["actor"][1]
     assert getattr(dims, key) == 2 and dims.dp == 2
+
+
+def test_fsdp_size_groups_the_dp_ranks_into_replicas_or_is_one_error_naming_it():
+    """HSDP: on 8 ranks at tp = 2 (dp = 4), fsdp_size 2 gives two replicas of FSDP over 2 ranks; 3 does not divide
+    dp; 0 (the default) and dp itself both shard over all of dp."""
+    dims = place_roles(load_config(None, ["actor.tp=2", "actor.fsdp_size=2"]), 8).roles["actor"][1]
+    assert (dims.dp, dims.fsdp_shards, dims.fsdp_replicas) == (4, 2, 2)
+    with pytest.raises(ValueError, match=r"^actor\.fsdp_size=3 does not divide its dp=4 \(8 ranks / "):
+        place_roles(load_config(None, ["actor.tp=2", "actor.fsdp_size=3"]), 8)
+    for size in (0, 4):
+        dims = place_roles(load_config(None, ["actor.tp=2", f"actor.fsdp_size={size}"]), 8).roles["actor"][1]
+        assert (dims.fsdp_size, dims.fsdp_shards, dims.fsdp_replicas) == (0, 4, 1)
+    with pytest.raises(ConfigError, match="actor.fsdp_size"):
+        load_config(None, ["actor.fsdp_size=-1"])
+    with pytest.raises(ConfigError, match="reward.fsdp_size.*whole replica per DP rank"):
+        load_config(None, ["reward.kind=generative", "reward.fsdp_size=2"])

@@ -224,3 +224,32 @@ def test_a_generative_judge_holds_a_whole_replica_per_dp_rank():
     small = dataclasses.replace(H100, device_memory=16 * 2**30)
     chosen = Planner([judge], Cluster(8, 8, small), batch).auto_parallel("reward", 8, ("reward",))
     assert chosen is not None and chosen[0].tp >= 2
+
+
+def test_hybrid_sharding_is_offered_where_fsdp_would_cross_nodes_and_chosen_for_7b_on_64_devices():
+    """HSDP (``<role>.fsdp_size``) is a candidate only where FSDP over all of dp would cross nodes, its group the
+    most DP ranks whose TP ranks fit a node; it keeps FSDP's gathers on the node's links (faster passes) at the cost
+    of a replica's whole state per group (held bytes), and on 8 nodes the 7B plan takes it and writes it."""
+    from spmd_rlhf.config import load_config
+    from spmd_rlhf.mapping.cost import held_bytes, pass_seconds, resident_bytes
+    from spmd_rlhf.mapping.placement import mapping_overrides
+
+    actor = dataflow("grpo", actor=NAMED_SHAPES["7b"])[0]
+    cluster = Cluster(64, 8, H100)
+    hybrid = [layout for layout in candidate_layouts(actor, 64, cluster, BATCH) if layout.fsdp]
+    assert hybrid and all(layout.dp * layout.tp > 8 for layout in hybrid)
+    assert all(layout.fsdp * layout.tp == 8 and layout.dp % layout.fsdp == 0 for layout in hybrid)
+    assert not any(layout.fsdp for layout in candidate_layouts(actor, 8, Cluster(8, 8, H100), BATCH))
+    sharded, replicated = Layout(pp=1, dp=64, tp=1, tp_g=1), Layout(pp=1, dp=64, tp=1, tp_g=1, fsdp=8)
+    assert str(replicated) == "pp=1 dp=64 tp=1 fsdp_size=8 tp_g=1"
+    for train in (True, False):
+        faster = pass_seconds(actor, replicated, cluster, BATCH, train=train)
+        assert faster < 0.8 * pass_seconds(actor, sharded, cluster, BATCH, train=train)
+    extra = resident_bytes(actor, 8, BATCH) - resident_bytes(actor, 64, BATCH)
+    assert held_bytes(actor, replicated, BATCH, free_bytes=0) == pytest.approx(extra)
+    assert held_bytes(actor, sharded, BATCH, free_bytes=0) == 0
+    best = Planner(dataflow("grpo", actor=NAMED_SHAPES["7b"]), cluster, BATCH).plan().best
+    chosen = best.layouts["actor"]
+    assert chosen.fsdp_replicas > 1
+    overrides = mapping_overrides(load_config(None, []), best)
+    assert f"actor.fsdp_size={chosen.fsdp}" in overrides

@@ -1,10 +1,11 @@
 """3D-parallel parity: every role (actor, critic, reward model) under (dp, tp, pp) in {(4,1,1), (2,2,1), (1,4,1),
-(2,1,2), (1,2,2)} computes the same log-probs, values and scores as one rank, and one update leaves the same loss,
-gradient norm and weights. TP shards heads, MLP and the vocabulary (log-probs without gathering the logits); PP runs
-1F1B for the actor and GPipe for the critic. Rows have different lengths and every layout feeds packed micro-batches
-(under PP padded to common shapes); the critic groups its rows by a token budget, the actor by one that holds all
-its rows (so 1F1B splits them into one micro-batch per stage) and the reward model by row count. FSDP's units differ
-by role: one per layer (actor), runs of layers (critic), the root alone (reward model)."""
+(2,1,2), (1,2,2)}, and hybrid-sharded (HSDP: fsdp_size 2 of dp 4, and 1 of dp 2 beside tp 2), computes the same
+log-probs, values and scores as one rank, and one update leaves the same loss, gradient norm and weights. TP shards
+heads, MLP and the vocabulary (log-probs without gathering the logits); PP runs 1F1B for the actor and GPipe for the
+critic. Rows have different lengths and every layout feeds packed micro-batches (under PP padded to common shapes); the
+critic groups its rows by a token budget, the actor by one that holds all its rows (so 1F1B splits them into one
+micro-batch per stage) and the reward model by row count. FSDP's units differ by role: one per layer (actor), runs of
+layers (critic), the root alone (reward model)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from torchrun_helpers import hf_weights, torchrun
 
 from spmd_rlhf.tiny.model import make_tiny
 
-LAYOUTS = ["dp4tp1pp1", "dp2tp2pp1", "dp1tp4pp1", "dp2tp1pp2", "dp1tp2pp2"]
+LAYOUTS = ["dp4tp1pp1", "dp2tp2pp1", "dp1tp4pp1", "dp2tp1pp2", "dp1tp2pp2", "dp4tp1pp1fsdp2", "dp2tp2pp1fsdp1"]
+"""The last two hybrid-shard (HSDP): FSDP over 2 of 4 DP ranks, two replicas; TP with FSDP over 1 DP rank (each
+rank's TP shard whole), two replicas."""
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +81,33 @@ def test_update_matches_one_rank(run, layout):
     assert max(float((reference[name] - initial[name]).abs().max()) for name in reference) > 1e-4  # it really trained
 
 
-def test_checkpoint_resumes_into_another_layout(run):
-    """Saved by (dp, tp, pp) = (2, 2, 1), loaded by (1, 2, 2): the weights arrive bitwise, and the next update
-    (restored optimizer moments and schedule) matches the uninterrupted actor's."""
+def test_hybrid_sharding_shards_within_groups_and_replicates_across(run):
+    """With fsdp_size below dp, FSDP shards each weight over its group only and replicates it across groups (HSDP's
+    2-D mesh), where plain FSDP shards it over all of dp; the updates above equal one rank's either way."""
     _, out, _ = run
-    saved, resumed = hf_weights(f"{out}/dp2tp2pp1_actor"), hf_weights(f"{out}/resumed_actor")
+    layouts = {
+        layout: json.loads((out / f"{layout}.json").read_text())["fsdp_layout"]
+        for layout in ("dp4tp1pp1", "dp4tp1pp1fsdp2", "dp2tp2pp1fsdp1")
+    }
+    assert layouts["dp4tp1pp1"] == {"dims": ["dp"], "placements": ["Shard(dim=0)"], "local_fraction": 0.25}
+    assert layouts["dp4tp1pp1fsdp2"] == {
+        "dims": ["dp_replicate", "dp_shard"],
+        "placements": ["Replicate()", "Shard(dim=0)"],
+        "local_fraction": 0.5,
+    }
+    assert layouts["dp2tp2pp1fsdp1"] == {  # the down projection's TP split is over its columns
+        "dims": ["dp_replicate", "dp_shard", "tp"],
+        "placements": ["Replicate()", "Shard(dim=0)", "Shard(dim=1)"],
+        "local_fraction": 0.5,
+    }
+
+
+def test_checkpoint_resumes_into_another_layout(run):
+    """Saved by (dp, tp, pp) = (2, 2, 1) as HSDP (two replicas of each rank's unsharded TP shard), loaded by
+    (1, 2, 2): the weights arrive bitwise, and the next update (restored optimizer moments and schedule) matches the
+    uninterrupted actor's."""
+    _, out, _ = run
+    saved, resumed = hf_weights(f"{out}/dp2tp2pp1fsdp1_actor"), hf_weights(f"{out}/resumed_actor")
     assert all(saved[name].equal(resumed[name]) for name in saved)
     metrics = json.loads((out / "resume.json").read_text())
     for key in ("actor/loss", "actor/grad_norm", "actor/lr"):

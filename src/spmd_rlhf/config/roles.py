@@ -47,6 +47,12 @@ class RoleConfig:
     max_tokens_per_micro_batch then bounds each rank's chunk (a row may be cp times longer). Attention over the whole
     row: cp_attention. Composes with tp, pp and ep; mixture-of-experts models' router losses are the whole row's
     (docs/parallelism.md)."""
+    fsdp_size: int = 0
+    """FSDP's shard group (HSDP, verl's fsdp_size): 0 shards every parameter over all dp ranks; a divisor of dp
+    shards over that many consecutive DP ranks (on the same node while fsdp_size x tp fits one) and keeps dp /
+    fsdp_size replicas, so FSDP's all-gathers and reduce-scatters stay on the node's links and only the gradients'
+    all-reduce across replicas crosses nodes; each rank then holds 1 / fsdp_size of the state, not 1 / dp. The
+    vocabulary is then not streamed (it gathers whole, as below 2 DP ranks)."""
     cp_attention: str = "auto"
     """How attention reads the whole row under cp > 1: ulysses (all-to-all from sequence chunks to head groups around
     each attention call; cp must divide each rank's heads / tp, key/value heads replicated up to cp), ring (zig-zag
@@ -83,7 +89,7 @@ class RoleConfig:
     Never with pp > 1 or offload."""
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "n_ranks", "dp", "forward_micro_batch_size", "fsdp_unit_mb")
+        at_least(self, 0, "n_ranks", "dp", "fsdp_size", "forward_micro_batch_size", "fsdp_unit_mb")
         gathered = self.forward_gather_mb
         require(self, "forward_gather_mb", gathered is None or gathered >= 0, "must be >= 0 or null")
         at_least(self, 1, "pp", "tp", "ep", "cp", "micro_batch_size")
@@ -311,6 +317,7 @@ class ScoringRoleConfig(RoleConfig):
         one_of(self, "kind", ("rule", "model", "remote", "generative"))
         if self.kind == "generative":
             require(self, "pp", self.pp == 1, "kind=generative generates on tp ranks only; set pp=1")
+            require(self, "fsdp_size", self.fsdp_size == 0, "kind=generative keeps a whole replica per DP rank; set 0")
             template_problem = judge_template_problem(self.judge_template_text)
             require(self, "judge_template", template_problem is None, str(template_problem))
             pattern_problem = score_pattern_problem(self.judge_score_pattern)

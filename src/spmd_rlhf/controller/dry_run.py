@@ -26,12 +26,13 @@ from spmd_rlhf.models.expert_parallel import check_expert_parallel
 from spmd_rlhf.parallel_dims import ParallelDims
 from spmd_rlhf.tiny import ensure_tiny_assets
 
-LAYOUT_COLUMNS = ("pp", "dp", "tp", "ep", "cp")
+LAYOUT_COLUMNS = {"pp": "pp", "dp": "dp", "tp": "tp", "ep": "ep", "cp": "cp", "fsdp": "fsdp_shards"}
+"""The table's layout columns and the ``ParallelDims`` attribute each shows (fsdp: the DP ranks FSDP shards over)."""
 
 
 def _layout(dims: ParallelDims | None) -> str:
     """A role's parallel sizes as the table's columns (blank for a role without a model)."""
-    return "".join(f" {getattr(dims, name) if dims is not None else '':>3}" for name in LAYOUT_COLUMNS)
+    return "".join(f" {getattr(dims, name) if dims is not None else '':>4}" for name in LAYOUT_COLUMNS.values())
 
 
 def _mib(num_bytes: float) -> str:
@@ -49,7 +50,7 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
     if plan:
         lines += [plan.rstrip(), ""]
     lines.append(f"# placement: {config.placement}, world size {world_size}")
-    header = "".join(f" {name:>3}" for name in LAYOUT_COLUMNS)
+    header = "".join(f" {name:>4}" for name in LAYOUT_COLUMNS)
     lines.append(f"{'role':<12} {'ranks':<10}{header} {'parameters':>14}  per-rank state")
     per_rank = [0.0] * world_size
     largest_pass = [0.0] * world_size
@@ -76,9 +77,10 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
                 f"to {role.judge_max_new_tokens} tokens per response"
             )
         else:
-            state = resident_bytes(spec, len(pool), batch)
+            state = resident_bytes(spec, len(pool) // dims.fsdp_replicas, batch)  # HSDP: one replica's devices
             what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
-            working = working_bytes(spec, Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp, cp=dims.cp, ep=dims.ep), batch)
+            layout = Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp, cp=dims.cp, ep=dims.ep, fsdp=dims.fsdp_size)
+            working = working_bytes(spec, layout, batch)
         lines.append(f"{name:<12} {_ranks(pool.ranks):<10}{_layout(dims)} {count:>14,}  {_mib(state)} ({what})")
         for rank in pool.ranks:
             per_rank[rank] += state

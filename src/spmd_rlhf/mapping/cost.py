@@ -70,14 +70,26 @@ class Layout:
     ep: int = 1
     """Expert-parallel degree (divides dp and the expert count): each MoE layer's experts split over ep DP ranks, FSDP
     gathering each share over dp / ep, tokens sent to their experts and back by two all-to-alls per layer and pass."""
+    fsdp: int = 0
+    """FSDP's shard group (``<role>.fsdp_size``; divides dp): 0 shards over all of dp; below dp, HSDP: FSDP's
+    gathers and reduce-scatters over the group, the gradients all-reduced across the dp / fsdp replicas."""
 
     @property
     def devices(self) -> int:
         return self.pp * self.dp * self.tp
 
+    @property
+    def fsdp_shards(self) -> int:
+        return self.fsdp or self.dp
+
+    @property
+    def fsdp_replicas(self) -> int:
+        return self.dp // self.fsdp_shards
+
     def __str__(self) -> str:
         text = f"pp={self.pp} dp={self.dp} tp={self.tp}"
         text += (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
+        text += f" fsdp_size={self.fsdp}" if self.fsdp_replicas > 1 else ""
         return text + (f" tp_g={self.tp_g}" if self.tp_g else "")
 
 
@@ -140,12 +152,16 @@ def kept_generation_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_
 
 def held_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_bytes: float) -> float:
     """Bytes per device the role holds between its calls beyond ``resident_bytes``, which depend on its layout: a kept
-    engine's generation copy and KV cache (``kept_generation_bytes``), and for a generative judge or a rollout role
+    engine's generation copy and KV cache (``kept_generation_bytes``), for a generative judge or a rollout role
     its whole replica TP-sharded on each DP rank (``P b / tp``) where ``resident_bytes`` counted an FSDP shard over all
-    its devices."""
+    its devices, and under HSDP the state sharded over one replica's devices instead of all of them."""
     held = kept_generation_bytes(role, layout, batch, free_bytes=free_bytes)
     if role.judge_tokens or role.replica:
         held += role.shape.parameters(role.head) * batch.dtype_bytes / layout.tp - resident_bytes(
+            role, layout.devices, batch
+        )
+    elif layout.fsdp_replicas > 1:  # HSDP: each replica holds the whole state, sharded over its devices only
+        held += resident_bytes(role, layout.devices // layout.fsdp_replicas, batch) - resident_bytes(
             role, layout.devices, batch
         )
     return held
@@ -154,9 +170,10 @@ def held_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_bytes: floa
 def unsharded_accumulation_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     """Bytes per device a trained role holds through a mini-batch when it keeps its stage gathered and its gradients
     unsharded (``parallelize.unsharded_accumulation_bytes``): the decoder blocks' TP shard in the compute dtype and
-    their float32 gradients less FSDP's 1/dp of them (vocabulary weights left out: at a real vocabulary they stream)."""
+    their float32 gradients less FSDP's 1/dp of them (1/fsdp_size under HSDP; vocabulary weights left out: at a real
+    vocabulary they stream)."""
     elements = role.shape.body_parameters / (layout.tp * layout.pp)
-    return elements * (batch.dtype_bytes + GRADIENT_BYTES * (1 - 1 / layout.dp))
+    return elements * (batch.dtype_bytes + GRADIENT_BYTES * (1 - 1 / layout.fsdp_shards))
 
 
 def accumulates_unsharded(role: RoleSpec, layout: Layout, batch: Batch) -> bool:
@@ -295,16 +312,22 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     # With ep > 1 each rank's share of the routed experts (1/ep of them) is gathered over the dp / ep ranks holding it.
     experts = shape.routed_expert_parameters if layout.ep > 1 else 0
     gathered = (shape.parameters(role.head) - experts) * b / (tp * pp * units)
-    fsdp = units * cluster.all_gather(gathered, dp, extent=dp * tp)
-    reduce_scatter = units * cluster.all_gather(gathered * GRADIENT_BYTES / b, dp, extent=dp * tp)
+    shards = layout.fsdp_shards  # HSDP: over the shard group's consecutive ranks, its replicas all-reducing after
+    fsdp = units * cluster.all_gather(gathered, shards, extent=shards * tp)
+    reduce_scatter = units * cluster.all_gather(gathered * GRADIENT_BYTES / b, shards, extent=shards * tp)
+    # Once per mini-batch (``ShardedModel``: the last micro-batch's backward), each rank's gradient shard.
+    replicas_all_reduce = units * cluster.all_reduce(
+        gathered * GRADIENT_BYTES / b / shards, layout.fsdp_replicas, extent=dp * tp
+    )
     if experts:
         expert_gathered, efsdp = experts / layout.ep * b / (tp * pp * units), dp // layout.ep
         fsdp += units * cluster.all_gather(expert_gathered, efsdp, extent=dp * tp)
         reduce_scatter += units * cluster.all_gather(expert_gathered * GRADIENT_BYTES / b, efsdp, extent=dp * tp)
-    per_mini_batch = per_call = 0.0
+    per_mini_batch = replicas_all_reduce if train else 0.0
+    per_call = 0.0
     if train and accumulates_unsharded(role, layout, batch):
         # gathered in the mini-batch's first forward, reduce-scattered in its last backward, nothing in between
-        per_mini_batch, fsdp = fsdp + reduce_scatter, 0.0
+        per_mini_batch, fsdp = per_mini_batch + fsdp + reduce_scatter, 0.0
     elif train:  # gather again for backward, then reduce-scatter float32 gradients
         fsdp = 2 * fsdp + reduce_scatter
     elif gathers_forward_once(role, layout, batch):
@@ -341,11 +364,12 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     seconds = (micro_batches + pp - 1) * slot + per_call
     if train:
         mini = role.mini_batch_size or batch.mini_batch_size or batch.rows
-        steps = batch.ppo_epochs * math.ceil(batch.rows / mini)
-        seconds += steps * per_mini_batch
-        optimizer = (
+        mini_batches = math.ceil(batch.rows / mini)  # per epoch, as ``seconds`` is so far
+        steps = batch.ppo_epochs * mini_batches
+        seconds += mini_batches * per_mini_batch
+        optimizer = (  # each device steps its shard of the state (one replica's share under HSDP)
             shape.parameters(role.head)
-            / layout.devices
+            / (layout.devices // layout.fsdp_replicas)
             * TRAINING_BYTES_PER_PARAMETER
             * 2
             / profile.attained_memory_bandwidth
@@ -405,8 +429,9 @@ def generation_seconds(
     if not reshard:
         return generate
     micro_dp = layout.tp // tp_g
+    shards = layout.fsdp_shards
     reshard = (
-        cluster.all_gather(parameters * b / (layout.tp * layout.pp), layout.dp, extent=layout.dp * layout.tp)
+        cluster.all_gather(parameters * b / (layout.tp * layout.pp), shards, extent=shards * layout.tp)
         + cluster.all_gather(shard / layout.pp, micro_dp, extent=layout.tp)
         + cluster.all_gather(shard, layout.pp, extent=layout.devices)
     )

@@ -92,8 +92,8 @@ def plan_config(config: FrameworkConfig, world_size: int, *, profile: DeviceProf
 
 def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
     """``mapping`` as config overrides for a manual placement: one pool per colocated set (``set0``, ``set1``, ...),
-    each role's n_ranks, pp, tp, ep and cp, and rollout.tp (the actor's generation layout, or the rollout role's
-    replicas); rule-based scorers join the rollout role's pool, else the actor's."""
+    each role's n_ranks, pp, tp, ep, cp and fsdp_size, and rollout.tp (the actor's generation layout, or the rollout
+    role's replicas); rule-based scorers join the rollout role's pool, else the actor's."""
     overrides = ["placement=manual"]
     pool_of = {}
     for index, (roles, devices) in enumerate(zip(mapping.sets, mapping.devices)):
@@ -117,6 +117,7 @@ def mapping_overrides(config: FrameworkConfig, mapping: Mapping) -> list[str]:
         ]
         if hasattr(getattr(config, name), "ep"):  # a role with a model (the rollout role generates with every expert)
             overrides += [f"{name}.ep={layout.ep if layout else 1}", f"{name}.cp={layout.cp if layout else 1}"]
+            overrides.append(f"{name}.fsdp_size={layout.fsdp if layout else 0}")
     if "rollout" not in mapping.layouts:  # the actor generates: its generation layout's tp
         overrides.append(f"rollout.tp={mapping.layouts['actor'].tp_g}")
     if config.rollout.keep_engine and not mapping.keep_engine:

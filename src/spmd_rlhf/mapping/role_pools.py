@@ -43,6 +43,7 @@ def place_roles(config: FrameworkConfig, world_size: int) -> Placement:
                 dp=role.dp,
                 ep=getattr(role, "ep", 1),
                 cp=getattr(role, "cp", 1),
+                fsdp_size=getattr(role, "fsdp_size", 0),
                 role=name,
             ),
         )

@@ -107,7 +107,8 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
     head; dp dividing the step's rows (each DP rank takes an equal share) and, for trained roles, the mini-batch in
     whole micro-batches; tp_g dividing tp; ep (an MoE model's) dividing dp and the expert count; cp (not for a
     generative judge) dividing dp: Ulysses where it divides each rank's heads, ring elsewhere
-    (``cost.ring_context_parallel``)."""
+    (``cost.ring_context_parallel``); and where FSDP over all of dp would cross nodes, also HSDP within a node
+    (``_node_shard_group``; not for a generative judge, which FSDP does not shard)."""
     shape = role.shape
     sizes = [shape.heads, shape.kv_heads, shape.intermediate] + ([shape.vocab] if role.head == "lm" else [])
     if shape.experts:  # tensor parallelism splits each expert's width too (and a shared expert's)
@@ -134,9 +135,18 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
             eps = [ep for ep in _divisors(dp) if shape.experts % ep == 0] if shape.experts else [1]
             context_parallel = not role.judge_tokens
             cps = _divisors(dp) if context_parallel else [1]
-            for tp_g, ep, cp in itertools.product(_divisors(tp) if generates else [0], eps, cps):
-                layouts.append(Layout(pp=pp, dp=dp, tp=tp, tp_g=tp_g, ep=ep, cp=cp))
+            fsdps = [0] if role.judge_tokens else [0, *_node_shard_group(dp, tp, cluster)]
+            for tp_g, ep, cp, fsdp in itertools.product(_divisors(tp) if generates else [0], eps, cps, fsdps):
+                layouts.append(Layout(pp=pp, dp=dp, tp=tp, tp_g=tp_g, ep=ep, cp=cp, fsdp=fsdp))
     return layouts
+
+
+def _node_shard_group(dp: int, tp: int, cluster: Cluster) -> list[int]:
+    """HSDP's one candidate shard group where FSDP over all of dp would cross nodes: the most DP ranks (dividing dp)
+    whose TP ranks fit one node, so FSDP's collectives stay on its links; none where dp x tp fits a node already."""
+    if not cluster.spans_nodes(dp * tp):
+        return []
+    return [max(size for size in _divisors(dp) if size * tp <= cluster.gpus_per_node)]
 
 
 def role_stage_seconds(

@@ -165,7 +165,8 @@ def unsharded_accumulation_bytes(model: DecoderLM, *, compute_dtype: torch.dtype
     """Bytes per rank that keeping the parallelized ``model`` gathered, with its gradients unsharded, across a
     mini-batch's micro-batches holds beyond what FSDP holds: each parameter's TP shard in ``compute_dtype`` and, for
     the trained ones, its float32 gradient (FSDP accumulates unsharded gradients in the reduce dtype) less the share
-    of it that FSDP's sharded gradient holds anyway (1/dp; 1/efsdp of an expert share, which ep keeps sharded).
+    of it that FSDP's sharded gradient holds anyway (1/dp; 1/fsdp_size under HSDP; 1/efsdp of an expert share,
+    which ep keeps sharded).
     Streamed vocabulary weights are left out: they gather and reduce one step of rows at a time whatever FSDP
     does. ``gradients=False``: the parameters only (a forward-only call
     that keeps them gathered)."""
@@ -179,9 +180,13 @@ def unsharded_accumulation_bytes(model: DecoderLM, *, compute_dtype: torch.dtype
     for param in model.parameters():
         if id(param) in streamed:
             continue
-        # FSDP shards dim 0 over its mesh, the first of the parameter's (dp; efsdp for an expert-parallel one): the
-        # local piece times its size is what FSDP gathers (up to its padding).
-        sharded_over = param.device_mesh.size(0) if isinstance(param, DTensor) else 1
+        # FSDP shards dim 0 over its mesh, the first of the parameter's (dp; efsdp for an expert-parallel one; under
+        # HSDP dp_shard, after dp_replicate, whose replicas hold the same piece): the local piece times its size is
+        # what FSDP gathers (up to its padding).
+        sharded_over = 1
+        if isinstance(param, DTensor):
+            names = param.device_mesh.mesh_dim_names or ()
+            sharded_over = param.device_mesh.size(names.index("dp_shard") if "dp_shard" in names else 0)
         elements = (param.to_local() if isinstance(param, DTensor) else param).numel() * sharded_over
         held += elements * compute_dtype.itemsize
         if gradients and param.requires_grad:
@@ -287,7 +292,8 @@ def parallelize(
     or ring by ``cp_attention``; the caller feeds each rank its chunk of a row: ``training.context_parallel``), LoRA
     adapters split like their layers
     when ``lora`` is on (returned; None otherwise), activation checkpointing and ``torch.compile`` of each decoder
-    layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None), the experts' shares over
+    layer if asked, then FSDP2 over ``dp_mesh`` (skipped when None; a 2-D ``("dp_replicate", "dp_shard")`` mesh
+    gives HSDP: ``ParallelDims.build_hybrid_shard_mesh``), the experts' shares over
     ``efsdp_mesh`` (``dp = efsdp x ep``, one root mesh: ``ParallelDims.build_mesh``); ``offload``: FSDP2's
     ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, each block copied to the device
     for its forward and backward); ``min_unit_bytes``: how ``fsdp_units`` groups layers.

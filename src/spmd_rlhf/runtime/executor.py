@@ -202,6 +202,7 @@ class Executor:
     def _spawn(self, command: Spawn) -> None:
         mesh = command.dims.build_mesh(command.ranks, self.device.type)
         expert_mesh = command.dims.build_expert_mesh(mesh)
+        hybrid_shard_mesh = command.dims.build_hybrid_shard_mesh(mesh)
         args, kwargs = pickle.loads(command.arguments)
         # Every role gets a group over all its ranks (checkpoints, role-wide reductions).
         groups = {"role": dist.new_group(sorted(command.ranks))}
@@ -220,7 +221,15 @@ class Executor:
         if self.rank not in command.ranks:
             return None
         context = RoleContext(
-            command.role, command.dims, command.ranks, self.rank, mesh, self.device, groups, expert_mesh
+            command.role,
+            command.dims,
+            command.ranks,
+            self.rank,
+            mesh,
+            self.device,
+            groups,
+            expert_mesh,
+            hybrid_shard_mesh,
         )
         self.roles[command.role] = command.role_class(context, *args, **kwargs)
         return None

@@ -36,6 +36,14 @@ class RoleContext:
     expert_mesh: DeviceMesh | None = None
     """With ``dims.ep > 1``: the ``("pp", "efsdp", "ep", "tp")`` mesh over the same ranks
     (``ParallelDims.build_expert_mesh``)."""
+    hybrid_shard_mesh: DeviceMesh | None = None
+    """With ``dims.fsdp_size`` below dp (HSDP): the ``("dp_replicate", "dp_shard")`` mesh
+    (``ParallelDims.build_hybrid_shard_mesh``)."""
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards the role's parameters over: ``mesh["dp"]``, or the 2-D HSDP mesh."""
+        return self.hybrid_shard_mesh if self.hybrid_shard_mesh is not None else self.mesh["dp"]
 
     @property
     def role_rank(self) -> int:

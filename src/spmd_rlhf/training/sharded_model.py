@@ -2,7 +2,8 @@
 
 ``ShardedModel`` is the part every model-holding role (actor, critic, reference, a reward or cost model) composes: it
 builds one ``DecoderLM`` on the meta device, keeps this rank's pipeline stage (``mesh["pp"]``), applies tensor
-parallelism over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]`` (``models.parallelize``), loads this rank's pieces of
+parallelism over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]`` (HSDP: over the role's 2-D ``fsdp_mesh``;
+``models.parallelize``), loads this rank's pieces of
 the weights, runs micro-batched forward passes over the rollout layout (fed packed, ``training.packing``, with or
 without a pipeline) and writes a Hugging Face copy streamed from the shards (``models.sharded_save``).
 
@@ -69,8 +70,8 @@ def _in_row_order(results: list[torch.Tensor], order: torch.Tensor) -> torch.Ten
 
 class ShardedModel(PretrainedExport):
     """One ``DecoderLM`` (``module``) of the role in ``context``: its pipeline stage, tensor-parallel over
-    ``mesh["tp"]`` and FSDP2-sharded over ``mesh["dp"]``. ``reducer`` (the role's DP group) agrees micro-batch counts
-    and checks that every DP rank got as many rows."""
+    ``mesh["tp"]`` and FSDP2-sharded over ``mesh["dp"]`` (``context.fsdp_mesh``). ``reducer`` (the role's DP
+    group) agrees micro-batch counts and checks that every DP rank got as many rows."""
 
     def __init__(
         self,
@@ -116,7 +117,7 @@ class ShardedModel(PretrainedExport):
         self.adapters = parallelize(
             model,
             tp_mesh=self.mesh["tp"],
-            dp_mesh=self.mesh["dp"],
+            dp_mesh=context.fsdp_mesh,
             ep_mesh=experts["ep"] if experts is not None else None,
             efsdp_mesh=experts["efsdp"] if experts is not None else None,
             ep_tp_mesh=experts["ep", "tp"] if experts is not None and dims.tp > 1 else None,
@@ -295,14 +296,21 @@ class ShardedModel(PretrainedExport):
             return [result.detach() for result in results], order
         accumulate = train and self.accumulate_unsharded and len(steps) > 1
         gathered = accumulate or (not train and self.gather_forward and len(steps) > 1)
+        # HSDP reduce-scattering every micro-batch: the all-reduce across replicas (the one that crosses nodes) once.
+        all_reduce_once = train and not accumulate and len(steps) > 1 and self.context.dims.fsdp_replicas > 1
         results = []
         offload = self.offloads_activations and train
-        with self._gathered_across_micro_batches(train=train) if gathered else contextlib.nullcontext():
+        with (
+            self._gathered_across_micro_batches(train=train) if gathered else contextlib.nullcontext(),
+            self._all_reduced_once() if all_reduce_once else contextlib.nullcontext(),
+        ):
             for step, (owner, index) in enumerate(steps):
+                last = step == len(steps) - 1
                 if accumulate:
-                    last = step == len(steps) - 1
                     self.module.set_requires_gradient_sync(last)
                     self.module.set_reshard_after_backward(last)
+                elif all_reduce_once:
+                    self.module.set_requires_all_reduce(last)
                 micro = micros[index]
                 if rows is not None:
                     mine = micro if owner == self.context_parallel.rank else None
@@ -326,6 +334,17 @@ class ShardedModel(PretrainedExport):
                         result.backward()
                 results.append(_detached(result))
         return results, order
+
+    @contextlib.contextmanager
+    def _all_reduced_once(self) -> Iterator[None]:
+        """HSDP: inside, a backward's gradients are reduce-scattered within the shard group and summed into the
+        sharded gradients without the all-reduce across replicas, except where ``set_requires_all_reduce(True)``
+        asks for it (the last micro-batch, which all-reduces the sum); on the way out every backward all-reduces
+        again, even when a micro-batch raised."""
+        try:
+            yield
+        finally:
+            self.module.set_requires_all_reduce(True)
 
     @contextlib.contextmanager
     def _gathered_across_micro_batches(self, *, train: bool) -> Iterator[None]:

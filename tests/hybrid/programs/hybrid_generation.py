@@ -5,7 +5,8 @@ generation round trip, and generation after an update against a fresh single-ran
     torchrun --nproc-per-node 4 hybrid_generation.py POLICY_DIR OUT_DIR dp1tp1pp1:1 dp1tp4pp1:2 dp1tp2pp2:1r ... \\
         [+ POLICY_DIR OUT_DIR dp1tp1pp1:1 ...]
 
-A trailing ``r`` puts the layout on a pool in descending order (stage 0 on the highest ranks). Each ``+`` starts
+A trailing ``r`` puts the layout on a pool in descending order (stage 0 on the highest ranks); ``fsdp2`` after the
+sizes shards FSDP over groups of 2 DP ranks (HSDP). Each ``+`` starts
 another policy with its own output directory and layouts, run after the one before in the same job.
 """
 
@@ -115,8 +116,8 @@ def generate_in_layouts(coordinator, policy_dir: str, out_dir: str, *layouts: st
     """One policy in ``layouts``; ``prefix`` keeps its roles' names apart from another policy's."""
     results = {}
     for layout in layouts:
-        *sizes, reversed_pool = re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+):(\d+)(r?)", layout).groups()
-        dp, tp, pp, tp_g = (int(size) for size in sizes)
+        *sizes, reversed_pool = re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)(?:fsdp(\d+))?:(\d+)(r?)", layout).groups()
+        dp, tp, pp, fsdp, tp_g = (int(size or 0) for size in sizes)
         config = load_config(
             None,
             [
@@ -139,14 +140,14 @@ def generate_in_layouts(coordinator, policy_dir: str, out_dir: str, *layouts: st
         ranks = list(range(dp * tp * pp))
         if reversed_pool:  # the pool's TP blocks in descending order: stage 0 on the highest ranks
             ranks = [rank for start in reversed(range(0, len(ranks), tp)) for rank in range(start, start + tp)]
-        pool, dims = ResourcePool(ranks), ParallelDims(pp=pp, dp=dp, tp=tp)
+        pool, dims = ResourcePool(ranks), ParallelDims(pp=pp, dp=dp, tp=tp, fsdp_size=fsdp)
         actor = coordinator.spawn(MeasuredActor, config, name=f"{prefix}actor_{layout}", pool=pool, dims=dims)
         prompts = prompts_batch(100)
         actor.save_pretrained(f"{out_dir}/{layout}_before").result()
         measured = actor.measured_generation([None] * len(pool)).result()
         actor.save_pretrained(f"{out_dir}/{layout}_after").result()
         results[layout] = {"measured": measured}
-        if "pp2:1" in layout or layout in ("dp1tp4pp1:2", "dp2tp1pp1:1"):
+        if "pp2:1" in layout or layout in ("dp1tp4pp1:2", "dp2tp1pp1:1", "dp4tp1pp1fsdp2:1"):
             # One update, then greedy generation against a fresh single-rank actor loaded with the new weights.
             actor.update_actor(rollout_batch(16, 5, 6, vocab=100)).result()
             updated = actor.generate_sequences(prompts, greedy=True).result().fetch()["responses"]

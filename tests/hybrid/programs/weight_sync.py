@@ -46,6 +46,7 @@ SCENARIOS = {
     "tp_to_replicas": (ParallelDims(dp=1, tp=2), ParallelDims(dp=2, tp=1)),
     "background": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
     "experts_ep2": (ParallelDims(dp=2, ep=2), ParallelDims(dp=2, tp=1)),
+    "hsdp_to_tp": (ParallelDims(dp=2, fsdp_size=1), ParallelDims(dp=1, tp=2)),  # two replicas of whole weights
     "lora_fsdp_to_tp": (ParallelDims(dp=2, tp=1), ParallelDims(dp=1, tp=2)),
     "lora_tp_to_replicas": (ParallelDims(dp=1, tp=2), ParallelDims(dp=2, tp=1)),
 }
@@ -137,6 +138,7 @@ def main() -> None:
         policy = moe if actor_dims.ep > 1 else dense
         actor_mesh = actor_dims.build_mesh(ACTOR, "cpu")
         experts_mesh = actor_dims.build_expert_mesh(actor_mesh)
+        hybrid_mesh = actor_dims.build_hybrid_shard_mesh(actor_mesh)
         rollout_mesh = rollout_dims.build_mesh(ROLLOUT, "cpu")
         sync_group = dist.new_group(sync_group_ranks(ACTOR, ROLLOUT))
         actor_group = dist.new_group(list(ACTOR))
@@ -147,7 +149,7 @@ def main() -> None:
             adapters = parallelize(
                 model,
                 tp_mesh=actor_mesh["tp"],
-                dp_mesh=actor_mesh["dp"],
+                dp_mesh=hybrid_mesh if hybrid_mesh is not None else actor_mesh["dp"],
                 ep_mesh=experts_mesh["ep"] if experts_mesh is not None else None,
                 efsdp_mesh=experts_mesh["efsdp"] if experts_mesh is not None else None,
                 mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),

@@ -2,7 +2,8 @@
 log-probs and one update_actor (two PPO epochs, KL and entropy terms), the critic's values and one update_critic,
 and a reward model's scores. Each layout saves its results, metrics and updated weights.
 
-Then the (dp, tp, pp) = (2, 2, 1) actor's DCP checkpoint is resumed by a (1, 2, 2) actor and both take one more step.
+Then the (dp, tp, pp) = (2, 2, 1) actor's DCP checkpoint (with ``dp2tp2pp1fsdp1``, that HSDP actor's: two replicas of
+unsharded TP shards) is resumed by a (1, 2, 2) actor and both take one more step.
 
     torchrun --nproc-per-node 4 parallel_parity.py POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1tp1pp1 dp2tp2pp1 ... \\
         [+ POLICY_DIR CRITIC_DIR REWARD_DIR OUT_DIR dp1tp1pp1 ...]
@@ -19,11 +20,27 @@ from pathlib import Path
 import torch
 
 from spmd_rlhf.config import load_config
-from spmd_rlhf.runtime import ParallelDims, ResourcePool, launch
+from spmd_rlhf.runtime import ParallelDims, ResourcePool, launch, one_to_all
 from spmd_rlhf.workers import ActorWorker, CriticWorker, RewardWorker
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from dp_parity import argument_sets, rollout_batch, with_value_targets  # noqa: E402
+
+LAYOUT = r"dp(\d+)tp(\d+)pp(\d+)(?:fsdp(\d+))?"
+"""A layout's name: its sizes, and with ``fsdp`` FSDP's shard group below dp (HSDP)."""
+
+
+class ProbedActor(ActorWorker):
+    """The actor, saying how FSDP laid out one of its decoder weights (on its first rank)."""
+
+    @one_to_all
+    def fsdp_layout(self) -> dict:
+        weight = next(p for name, p in self.model.module.named_parameters() if name.endswith("mlp.down_proj.weight"))
+        return {
+            "dims": list(weight.device_mesh.mesh_dim_names),
+            "placements": [repr(placement) for placement in weight.placements],
+            "local_fraction": weight.to_local().numel() / weight.numel(),
+        }
 
 
 def main(coordinator):
@@ -35,45 +52,47 @@ def run_models(
     coordinator, policy_dir: str, critic_dir: str, reward_dir: str, out_dir: str, *layouts: str, prefix: str
 ) -> None:
     """One set of models in ``layouts``; ``prefix`` keeps its roles' names apart from another set's."""
-    config = load_config(
-        None,
-        [
-            f"model.path={policy_dir}",
-            "algorithm.name=ppo",
-            "algorithm.kl_penalty=loss",
-            "algorithm.entropy_coef=0.01",
-            "rollout.n=2",
-            "rollout.max_new_tokens=6",
-            "data.batch_size=8",
-            "actor.lr=1e-3",
-            "actor.mini_batch_size=16",
-            "actor.micro_batch_size=2",
-            "actor.ppo_epochs=2",
-            "actor.forward_micro_batch_size=4",
-            f"critic.model_path={critic_dir}",
-            "critic.lr=1e-3",
-            "critic.mini_batch_size=16",
-            "critic.micro_batch_size=4",
-            "critic.pp_schedule=gpipe",
-            "critic.max_tokens_per_micro_batch=24",
-            "data.max_prompt_length=5",
-            "actor.max_tokens_per_micro_batch=200",
-            "reward.kind=model",
-            f"reward.model_path={reward_dir}",
-            "reward.micro_batch_size=2",
-            # FSDP units: the actor one per layer; the critic's layers (0.06 MiB each, less under TP) in runs of 2 or 4,
-            # or all in the root when they fall short; the reward model (default bound) the root alone.
-            "actor.fsdp_unit_mb=0",
-            "critic.fsdp_unit_mb=0.1",
-        ],
-    )
+    overrides = [
+        f"model.path={policy_dir}",
+        "algorithm.name=ppo",
+        "algorithm.kl_penalty=loss",
+        "algorithm.entropy_coef=0.01",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "data.batch_size=8",
+        "actor.lr=1e-3",
+        "actor.mini_batch_size=16",
+        "actor.micro_batch_size=2",
+        "actor.ppo_epochs=2",
+        "actor.forward_micro_batch_size=4",
+        f"critic.model_path={critic_dir}",
+        "critic.lr=1e-3",
+        "critic.mini_batch_size=16",
+        "critic.micro_batch_size=4",
+        "critic.pp_schedule=gpipe",
+        "critic.max_tokens_per_micro_batch=24",
+        "data.max_prompt_length=5",
+        "actor.max_tokens_per_micro_batch=200",
+        "reward.kind=model",
+        f"reward.model_path={reward_dir}",
+        "reward.micro_batch_size=2",
+        # FSDP units: the actor one per layer; the critic's layers (0.06 MiB each, less under TP) in runs of 2 or 4,
+        # or all in the root when they fall short; the reward model (default bound) the root alone.
+        "actor.fsdp_unit_mb=0",
+        "critic.fsdp_unit_mb=0.1",
+    ]
+    config = load_config(None, overrides)
+    # Under HSDP the critic reduce-scatters every micro-batch's gradients (as a model too large to keep them unsharded
+    # does), all-reducing them across the replicas once, in the last backward.
+    hybrid_config = load_config(None, [*overrides, "critic.unsharded_accumulation_mb=0"])
     batch = with_value_targets(rollout_batch(16, 5, 6, vocab=100))
     actors = {}
     for layout in layouts:
-        dp, tp, pp = (int(size) for size in re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)", layout).groups())
-        pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp)
-        actor = coordinator.spawn(ActorWorker, config, name=f"{prefix}actor_{layout}", pool=pool, dims=dims)
-        critic = coordinator.spawn(CriticWorker, config, name=f"{prefix}critic_{layout}", pool=pool, dims=dims)
+        dp, tp, pp, fsdp = (int(size or 0) for size in re.fullmatch(LAYOUT, layout).groups())
+        pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp, fsdp_size=fsdp)
+        actor = coordinator.spawn(ProbedActor, config, name=f"{prefix}actor_{layout}", pool=pool, dims=dims)
+        critic_config = hybrid_config if fsdp else config
+        critic = coordinator.spawn(CriticWorker, critic_config, name=f"{prefix}critic_{layout}", pool=pool, dims=dims)
         reward = coordinator.spawn(RewardWorker, config, name=f"{prefix}reward_{layout}", pool=pool, dims=dims)
         results = {
             "log_probs": actor.compute_log_probs(batch).result().fetch()["old_log_probs"],
@@ -82,13 +101,16 @@ def run_models(
         }
         torch.save(results, f"{out_dir}/{layout}.pt")
         metrics = {"actor": actor.update_actor(batch).result(), "critic": critic.update_critic(batch).result()}
+        metrics["fsdp_layout"] = actor.call("fsdp_layout").result()
         Path(f"{out_dir}/{layout}.json").write_text(json.dumps(metrics))
         actor.save_pretrained(f"{out_dir}/{layout}_actor").result()
         critic.save_pretrained(f"{out_dir}/{layout}_critic").result()
         actors[layout] = actor
-    if "dp2tp2pp1" in actors and "dp1tp2pp2" in actors:
-        # A sharded checkpoint of the trained actor in one layout, resumed in another (tp and pp both change).
-        saved = actors["dp2tp2pp1"]
+    saved_layout = "dp2tp2pp1fsdp1" if "dp2tp2pp1fsdp1" in actors else "dp2tp2pp1"
+    if saved_layout in actors and "dp1tp2pp2" in actors:
+        # A sharded checkpoint of the trained actor in one layout (HSDP's replicas where there is one), resumed in
+        # another (tp and pp both change).
+        saved = actors[saved_layout]
         saved.save_checkpoint(f"{out_dir}/checkpoint").result()
         resumed = coordinator.spawn(
             ActorWorker,
