@@ -248,6 +248,14 @@ def test_hybrid_sharding_is_offered_where_fsdp_would_cross_nodes_and_chosen_for_
     extra = resident_bytes(actor, 8, BATCH) - resident_bytes(actor, 64, BATCH)
     assert held_bytes(actor, replicated, BATCH, free_bytes=0) == pytest.approx(extra)
     assert held_bytes(actor, sharded, BATCH, free_bytes=0) == 0
+    # An MoE model's expert-parallel experts stay sharded over efsdp, across the replicas: only the rest replicates.
+    from spmd_rlhf.mapping.cost import replicated_bytes
+
+    moe = dataflow("grpo", actor=NAMED_SHAPES["30b-a3b"])[0]
+    dense_part = 1 - moe.shape.routed_expert_parameters / moe.shape.parameters(moe.head)
+    whole = replicated_bytes(moe, Layout(pp=1, dp=64, tp=1, fsdp=8), BATCH)
+    assert replicated_bytes(moe, Layout(pp=1, dp=64, tp=1, ep=8, fsdp=8), BATCH) == pytest.approx(whole * dense_part)
+    assert 0 < dense_part < 0.1
     best = Planner(dataflow("grpo", actor=NAMED_SHAPES["7b"]), cluster, BATCH).plan().best
     chosen = best.layouts["actor"]
     assert chosen.fsdp_replicas > 1

@@ -1,7 +1,7 @@
 """``models.streamed_vocabulary`` on 3 gloo ranks: an embedding and LM head, tied or not, streamed over dp (an uneven
 split, in several steps; the embedding by steps of rows, or by tokens when they fit one step) give the plain model's
 logits, and gradients equal to the plain model's on the whole batch, averaged over dp as FSDP averages; a streamed
-weight is left out of FSDP and keeps its shard only."""
+weight is left out of FSDP and keeps its shard only. The same on 4 ranks under HSDP (2 replicas of 2 shards)."""
 
 from __future__ import annotations
 
@@ -29,30 +29,40 @@ def _loss(model: DecoderLM, ids: torch.Tensor) -> torch.Tensor:
 
 CASES = [(5, 5, False, True), (20, 2, True, True), (5, 5, False, False)]
 """(rows_per_step, steps, by_tokens, tied): every case runs in one spawn of the ranks (``compared``)."""
+HYBRID_CASES = [(8, 4, False, True), (40, 1, True, False)]
+"""The same on 4 ranks as HSDP: a 2 x 2 ``("dp_replicate", "dp_shard")`` mesh, 63 rows streamed over each pair of
+ranks (32 and 31), the gradients all-reduced across the pairs (``hybrid``)."""
 
 
-def _compare(rank: int, rows_per_step: int, tied: bool) -> dict:
+def _compare(
+    rank: int, rows_per_step: int, tied: bool, *, shape: tuple[int, ...] = (RANKS,), vocab: int = VOCAB
+) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    ranks, shards = dist.get_world_size(), shape[-1]
     hidden = tiny_args().hidden_size
-    streamed_vocabulary.DEFAULT_CHUNK_BYTES = rows_per_step * RANKS * hidden * 4
+    streamed_vocabulary.DEFAULT_CHUNK_BYTES = rows_per_step * shards * hidden * 4
     token_gathers = []
     gather_tokens = streamed_vocabulary.VocabularyStream.gather_tokens
     streamed_vocabulary.VocabularyStream.gather_tokens = lambda *args: token_gathers.append(1) or gather_tokens(*args)
     torch.manual_seed(0)
-    args = dataclasses.replace(tiny_args(), tie_word_embeddings=tied, vocab_size=VOCAB)
+    args = dataclasses.replace(tiny_args(), tie_word_embeddings=tied, vocab_size=vocab)
     plain, sharded = DecoderLM(args, head="lm"), DecoderLM(args, head="lm")
     sharded.load_state_dict(plain.state_dict())
     for model in (plain, sharded):
         model.reset_buffers()
-    parallelize(sharded, tp_mesh=None, dp_mesh=init_device_mesh("cpu", (RANKS,)), min_unit_bytes=0)
+    names = ("dp_replicate", "dp_shard") if len(shape) == 2 else ("dp",)
+    parallelize(sharded, tp_mesh=None, dp_mesh=init_device_mesh("cpu", shape, mesh_dim_names=names), min_unit_bytes=0)
     generator = torch.Generator().manual_seed(1)
-    batch = [torch.randint(0, VOCAB, (2, length), generator=generator) for length in (7, 5, 6)]  # 14, 10, 12 tokens
+    # 14, 10, 12 (and 16) tokens
+    batch = [torch.randint(0, vocab, (2, length), generator=generator) for length in (7, 5, 6, 8)[:ranks]]
     logits_equal = torch.allclose(sharded(batch[rank]), plain(batch[rank]), rtol=1e-5, atol=1e-6)
     _loss(sharded, batch[rank]).backward()
-    (sum(_loss(plain, ids) for ids in batch) / RANKS).backward()
+    (sum(_loss(plain, ids) for ids in batch) / ranks).backward()
     weights = (sharded.model.embed_tokens.weight, sharded.lm_head.weight)
     grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
+    band = -(-vocab // shards)
+    shard_rank = rank % shards
     result = dict(
         logits=logits_equal,
         grads=all(
@@ -60,7 +70,9 @@ def _compare(rank: int, rows_per_step: int, tied: bool) -> dict:
         ),
         tied=(weights[0] is weights[1]) == tied,
         shard=all(
-            isinstance(weight, DTensor) and weight.to_local().shape[0] == (20 if rank == RANKS - 1 else 22)
+            isinstance(weight, DTensor)
+            and weight.to_local().shape[0] == min(band, vocab - shard_rank * band)
+            and weight.device_mesh.ndim == len(shape)
             for weight in weights
         ),
         steps=len(streamed_vocabulary.vocabulary_stream(sharded.model.embed_tokens).steps()),
@@ -70,22 +82,31 @@ def _compare(rank: int, rows_per_step: int, tied: bool) -> dict:
     return result
 
 
-def _compare_every_case(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
-    for rows_per_step, _, _, tied in CASES:
-        results[rank, rows_per_step, tied] = _compare(rank, rows_per_step, tied)
+def _compare_every_case(rank: int, port: int, results, ranks: int, cases: list, shape: tuple[int, ...], vocab: int):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    for rows_per_step, _, _, tied in cases:
+        results[rank, rows_per_step, tied] = _compare(rank, rows_per_step, tied, shape=shape, vocab=vocab)
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def compared() -> dict:
-    """{(rank, rows_per_step, tied): what that rank found}, from one spawn of ``RANKS`` processes."""
+def _spawn(ranks: int, cases: list, shape: tuple[int, ...], vocab: int) -> dict:
+    """{(rank, rows_per_step, tied): what that rank found}, from one spawn of ``ranks`` processes."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_compare_every_case, args=(port, results), nprocs=RANKS)
+    mp.spawn(_compare_every_case, args=(port, results, ranks, cases, shape, vocab), nprocs=ranks)
     return dict(results)
+
+
+@pytest.fixture(scope="module")
+def compared() -> dict:
+    return _spawn(RANKS, CASES, (RANKS,), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> dict:
+    return _spawn(4, HYBRID_CASES, (2, 2), 63)
 
 
 @pytest.mark.parametrize(("rows_per_step", "steps", "by_tokens", "tied"), CASES)
@@ -94,3 +115,11 @@ def test_a_streamed_vocabulary_equals_the_plain_model(compared, rows_per_step, s
     assert {rank: compared[rank, rows_per_step, tied] for rank in range(RANKS)} == {
         rank: expected for rank in range(RANKS)
     }
+
+
+@pytest.mark.parametrize(("rows_per_step", "steps", "by_tokens", "tied"), HYBRID_CASES)
+def test_a_vocabulary_streamed_under_hsdp_equals_the_plain_model(hybrid, rows_per_step, steps, by_tokens, tied):
+    """Streamed within each shard group, replicated across the groups: the plain model's logits, and its gradients
+    on all four ranks' rows (the replicas' all-reduce included), by steps of rows or by tokens."""
+    expected = dict(logits=True, grads=True, tied=True, shard=True, steps=steps, by_tokens=by_tokens)
+    assert {rank: hybrid[rank, rows_per_step, tied] for rank in range(4)} == {rank: expected for rank in range(4)}

@@ -57,7 +57,7 @@ def test_dry_run_prints_the_plan_and_launches_nothing(name, workdir, preloaded):
     assert f"name: {name}" in shown.stdout  # the resolved config
     assert "# placement: colocate, world size 4" in shown.stdout
     actor = next(line for line in shown.stdout.splitlines() if line.startswith("actor "))
-    assert actor.split()[2:7] == ["1", "2", "2", "1", "1"]  # pp dp tp ep cp
+    assert actor.split()[2:8] == ["1", "2", "2", "1", "1", "2"]  # pp dp tp ep cp fsdp
     assert [line.split(":")[0] for line in shown.stdout.splitlines() if line.startswith("rank ")] == [
         f"rank {r}" for r in range(4)
     ]
@@ -74,6 +74,25 @@ def test_dry_run_of_a_mixture_of_experts_actor_with_ep_and_cp(workdir, preloaded
     actor = next(line for line in shown.stdout.splitlines() if line.startswith("actor "))
     assert actor.split()[2:7] == ["1", "4", "1", "2", "2"]  # pp dp tp ep cp
     assert len([line for line in shown.stdout.splitlines() if line.startswith("rank ") and "MiB" in line]) == 4
+
+
+def test_the_dry_run_shows_hsdp_groups_and_the_state_a_replica_holds(workdir, monkeypatch):
+    """actor.fsdp_size=2 of dp 4: the fsdp column says 2 where the reference's says 4, and the actor's state per rank
+    is twice FSDP's over all four ranks."""
+    from spmd_rlhf.config import load_config
+    from spmd_rlhf.controller.dry_run import describe
+
+    monkeypatch.chdir(workdir)
+
+    def actor_line(*overrides: str) -> list[str]:
+        shown = describe(
+            load_config(None, ["algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", *overrides]), 4
+        )
+        return next(line for line in shown.splitlines() if line.startswith("actor ")).split()
+
+    sharded, hybrid = actor_line(), actor_line("actor.fsdp_size=2")
+    assert sharded[2:8] == ["1", "4", "1", "1", "1", "4"] and hybrid[2:8] == ["1", "4", "1", "1", "1", "2"]
+    assert float(hybrid[9]) == pytest.approx(2 * float(sharded[9]), rel=0.1)  # MiB per rank, to 0.1
 
 
 def test_bad_key_is_one_line_and_exit_code_2(workdir):

@@ -51,8 +51,8 @@ class RoleConfig:
     """FSDP's shard group (HSDP, verl's fsdp_size): 0 shards every parameter over all dp ranks; a divisor of dp
     shards over that many consecutive DP ranks (on the same node while fsdp_size x tp fits one) and keeps dp /
     fsdp_size replicas, so FSDP's all-gathers and reduce-scatters stay on the node's links and only the gradients'
-    all-reduce across replicas crosses nodes; each rank then holds 1 / fsdp_size of the state, not 1 / dp. The
-    vocabulary is then not streamed (it gathers whole, as below 2 DP ranks)."""
+    all-reduce across replicas crosses nodes; each rank then holds 1 / fsdp_size of the state, not 1 / dp (a
+    streamed vocabulary streams within the group)."""
     cp_attention: str = "auto"
     """How attention reads the whole row under cp > 1: ulysses (all-to-all from sequence chunks to head groups around
     each attention call; cp must divide each rank's heads / tp, key/value heads replicated up to cp), ring (zig-zag

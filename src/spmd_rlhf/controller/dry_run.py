@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from spmd_rlhf.config import FrameworkConfig, ScoringRoleConfig, to_yaml
 from spmd_rlhf.config.dataflow import dataflow_of
-from spmd_rlhf.mapping.cost import Layout, resident_bytes, working_bytes
+from spmd_rlhf.mapping.cost import Layout, replicated_bytes, resident_bytes, working_bytes
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.role_pools import place_roles
 from spmd_rlhf.mapping.workload import Batch, RoleSpec
@@ -77,9 +77,9 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
                 f"to {role.judge_max_new_tokens} tokens per response"
             )
         else:
-            state = resident_bytes(spec, len(pool) // dims.fsdp_replicas, batch)  # HSDP: one replica's devices
-            what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
             layout = Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp, cp=dims.cp, ep=dims.ep, fsdp=dims.fsdp_size)
+            state = resident_bytes(spec, len(pool), batch) + replicated_bytes(spec, layout, batch)  # HSDP's replicas
+            what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
             working = working_bytes(spec, layout, batch)
         lines.append(f"{name:<12} {_ranks(pool.ranks):<10}{_layout(dims)} {count:>14,}  {_mib(state)} ({what})")
         for rank in pool.ranks:

@@ -160,11 +160,21 @@ def held_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_bytes: floa
         held += role.shape.parameters(role.head) * batch.dtype_bytes / layout.tp - resident_bytes(
             role, layout.devices, batch
         )
-    elif layout.fsdp_replicas > 1:  # HSDP: each replica holds the whole state, sharded over its devices only
-        held += resident_bytes(role, layout.devices // layout.fsdp_replicas, batch) - resident_bytes(
-            role, layout.devices, batch
-        )
+    else:
+        held += replicated_bytes(role, layout, batch)
     return held
+
+
+def replicated_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
+    """Bytes per device HSDP (``layout.fsdp_replicas > 1``) holds beyond ``resident_bytes``'s shard over all the
+    role's devices: each replica holds the whole state sharded over its own devices only, expert-parallel experts
+    excepted (FSDP shards them over efsdp, across the replicas); 0 without HSDP."""
+    if layout.fsdp_replicas == 1:
+        return 0.0
+    devices = layout.devices
+    extra = resident_bytes(role, devices // layout.fsdp_replicas, batch) - resident_bytes(role, devices, batch)
+    experts = role.shape.routed_expert_parameters if layout.ep > 1 else 0
+    return extra * (1 - experts / role.shape.parameters(role.head))
 
 
 def unsharded_accumulation_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:

@@ -152,9 +152,9 @@ def streamed_vocabularies(
 ) -> list[list[torch.nn.Module]]:
     """The vocabulary weights that stream (``streamed_vocabulary``) instead of being FSDP units or in its root, each
     as the modules that use it (a tied embedding and head share one): without TP (a vocab-parallel split is TP's),
-    sharded over a 1-D dp mesh of more than one rank, not offloaded to the host, and each weight at least
-    ``min_unit_bytes`` (the size at which it would be a unit of its own)."""
-    if (tp_mesh is not None and tp_mesh.size() > 1) or dp_mesh.ndim != 1 or dp_mesh.size() < 2 or offload:
+    sharded over more than one rank (the 1-D dp mesh, or the shard dimension of a 2-D HSDP mesh), not offloaded to
+    the host, and each weight at least ``min_unit_bytes`` (the size at which it would be a unit of its own)."""
+    if (tp_mesh is not None and tp_mesh.size() > 1) or dp_mesh.size(-1) < 2 or offload:
         return []
     embedding, head = model.model.embed_tokens, getattr(model, "lm_head", None)
     groups = [[embedding, head]] if _tied(model) else [[module] for module in (embedding, head) if module is not None]

@@ -14,6 +14,8 @@ and FSDP leaves it out (``ignored_params``). Rank ``r`` holds rows ``[r * band, 
 ``ceil(vocab / dp)``; DTensor's uneven ``Shard(0)``). One step of a pass takes rows ``[start, start + count)`` of
 every rank's shard: one all-gather of ``dp * count`` rows in the compute dtype, used and dropped; in the backward,
 the gradient of the same rows is reduce-scattered back to their owners and averaged over dp, as FSDP2 averages.
+Under HSDP (a 2-D ``("dp_replicate", "dp_shard")`` mesh) all of this runs within the shard group, the weight
+replicated across the groups, and each reduced gradient is all-reduced across them before the average.
 
 - Head: each step computes the logits of its rows for every position. Its backward gathers the rows again for the
   hidden states' gradient, and reduce-scatters the rows' gradient ``grad_logits[:, rows].T @ hidden``.
@@ -39,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_rlhf.collectives import all_gather_flat, reduce_scatter_flat
 
@@ -60,6 +62,10 @@ class VocabularyStream:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     rows_per_step: int
+    replica_group: dist.ProcessGroup | None = None
+    """HSDP: the group of the ranks holding this rank's shard in the other replicas, across which a gradient summed
+    over ``group`` is all-reduced; None with one replica."""
+    replicas: int = 1
 
     @property
     def band(self) -> int:
@@ -104,7 +110,14 @@ class VocabularyStream:
         mine = rows_grad.new_empty(count, self.hidden, dtype=self.reduce_dtype)
         reduce_scatter_flat(mine, rows_grad.to(self.reduce_dtype).contiguous(), group=self.group)
         held = grad_shard[start : start + count]
-        held.copy_(mine[: held.shape[0]].div_(self.ranks))
+        held.copy_(self.mean_over_dp(mine)[: held.shape[0]])
+
+    def mean_over_dp(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad``, summed over this rank's shard group, made the mean over every DP rank in place: all-reduced
+        across the replicas first (HSDP), then divided by dp, as FSDP averages."""
+        if self.replica_group is not None:
+            dist.all_reduce(grad, group=self.replica_group)
+        return grad.div_(self.ranks * self.replicas)
 
     def gather_into(self, shard: torch.Tensor, whole: torch.Tensor) -> None:
         """Copy the whole weight into ``whole`` ``[rows, hidden]`` (a copy of the model that holds it whole): one
@@ -169,7 +182,7 @@ class _Embedding(torch.autograd.Function):
             grad_shard = torch.zeros(ctx.shard_shape, dtype=stream.reduce_dtype, device=grad_out.device)
             if grad_shard.shape[0]:
                 grad_shard.index_add_(0, offset, torch.where(mine[:, None], every_grad, 0))
-            return None, grad_shard.div_(stream.ranks).to(ctx.shard_dtype), None
+            return None, stream.mean_over_dp(grad_shard).to(ctx.shard_dtype), None
         owner, offset = ctx.saved_tensors
         grad_shard = grad_out.new_empty(ctx.shard_shape, dtype=ctx.shard_dtype)
         for start, count in stream.steps():
@@ -219,12 +232,14 @@ class _Head(torch.autograd.Function):
 
 
 def _shard(weight: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """``weight`` as a DTensor sharded by rows over ``mesh`` (DTensor's uneven ``Shard(0)`` chunks, as FSDP2 lays
-    out its own parameters); this rank keeps only its rows. Works on the meta device."""
-    band = -(-weight.shape[0] // mesh.size())
-    start = min(mesh.get_local_rank() * band, weight.shape[0])
+    """``weight`` as a DTensor sharded by rows over ``mesh``'s last dimension (DTensor's uneven ``Shard(0)`` chunks,
+    as FSDP2 lays out its own parameters) and replicated over the first of a 2-D HSDP mesh; this rank keeps only its
+    rows. Works on the meta device."""
+    band = -(-weight.shape[0] // mesh.size(-1))
+    start = min(mesh.get_local_rank(mesh.ndim - 1) * band, weight.shape[0])
     local = weight.detach()[start : start + band].clone()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride())
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=weight.shape, stride=weight.stride())
 
 
 def _embed(module: nn.Embedding, stream: VocabularyStream, ids: torch.Tensor) -> torch.Tensor:
@@ -246,25 +261,32 @@ def stream_vocabulary(
     chunk_bytes: int | None = None,
 ) -> nn.Parameter:
     """Shard the ``[vocab, hidden]`` weight ``modules`` share (an embedding, an LM head, or a tied pair of them) by
-    rows over the 1-D ``mesh`` and make each module stream it (see the module docstring); returns the new parameter,
+    rows over the 1-D ``mesh``, or over the shard dimension of a 2-D ``("dp_replicate", "dp_shard")`` HSDP mesh
+    (replicated over the other, the gradients all-reduced across it), and make each module stream it (see the module
+    docstring); returns the new parameter,
     which every module holds, for FSDP's ``ignored_params``. ``compute_dtype`` (rows are gathered and used in it) and
     ``reduce_dtype`` default to the weight's dtype; ``chunk_bytes``, the size of one step's gathered rows, to
     ``DEFAULT_CHUNK_BYTES``."""
     weight = modules[0].weight
     if any(module.weight is not weight for module in modules):
         raise ValueError("stream_vocabulary takes modules that share one weight (an embedding tied to its LM head)")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"stream_vocabulary takes a 1-D dp mesh or a 2-D HSDP mesh, not {mesh.ndim}-D")
     rows, hidden = weight.shape
     compute_dtype = compute_dtype or weight.dtype
-    per_row = mesh.size() * hidden * torch.empty((), dtype=compute_dtype).element_size()
+    shards = mesh.size(-1)
+    per_row = shards * hidden * torch.empty((), dtype=compute_dtype).element_size()
     stream = VocabularyStream(
         rows=rows,
         hidden=hidden,
-        ranks=mesh.size(),
-        rank=mesh.get_local_rank(),
-        group=mesh.get_group(),
+        ranks=shards,
+        rank=mesh.get_local_rank(mesh.ndim - 1),
+        group=mesh.get_group(mesh.ndim - 1),
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype or compute_dtype,
         rows_per_step=max(1, (chunk_bytes or DEFAULT_CHUNK_BYTES) // per_row),
+        replica_group=mesh.get_group(0) if mesh.ndim == 2 else None,
+        replicas=mesh.size(0) if mesh.ndim == 2 else 1,
     )
     parameter = nn.Parameter(_shard(weight, mesh), requires_grad=weight.requires_grad)
     for module in modules:
