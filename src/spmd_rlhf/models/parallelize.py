@@ -195,9 +195,10 @@ def unsharded_accumulation_bytes(model: DecoderLM, *, compute_dtype: torch.dtype
 
 
 def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str, cp: int = 1) -> bool:
-    """Whether ``model.compile`` (``setting``) compiles ``role``'s decoder blocks: on always; auto on a GPU at tp = 1
-    and cp = 1 (blocks of TP's DTensors, or with context parallelism's all-to-alls, under compile have not run here:
-    auto says so once and keeps them eager); off never."""
+    """Whether ``model.compile`` (``setting``) compiles ``role``'s decoder blocks: on always (the config refuses it
+    with a role at tp > 1: AOTAutograd fails on TP's DTensor blocks, ``config.checks``); auto on a GPU at tp = 1 and
+    cp = 1 (blocks with context parallelism's all-to-alls have not run compiled here: auto says so once and keeps them
+    eager); off never."""
     if setting != "auto":
         return setting == "on"
     if on_gpu and (tp > 1 or cp > 1):
