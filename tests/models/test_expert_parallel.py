@@ -1,7 +1,7 @@
 """Expert parallelism in a trained role (``programs/expert_parallel_parity.py``): a tiny Qwen3-MoE actor with
 ``actor.ep`` in {2, 4} over 2, 4 or 8 CPU ranks, with the experts also FSDP-sharded (dp4·ep2), through a pipeline
-(dp2·ep2·pp2) and with tensor parallelism (dp2·ep2·tp2, and dp4·ep4·tp2 over 8 ranks; TP alone:
-tests/models/test_moe.py), computes the same log-probs as one rank, and two updates leave the same losses, gradient
+(dp2·ep2·pp2), with tensor parallelism (dp2·ep2·tp2, and dp4·ep4·tp2 over 8 ranks; TP alone:
+tests/models/test_moe.py) and with HSDP (dp4·ep2, fsdp_size 2), computes the same log-probs as one rank, and two updates leave the same losses, gradient
 norms and weights, experts included. A dp2·ep2 checkpoint resumes bitwise into dp4·ep4, and the next update
 matches."""
 
@@ -18,7 +18,9 @@ from torchrun_helpers import hf_weights, torchrun
 from spmd_rlhf.tiny.model import make_tiny
 
 REFERENCE = "dp1ep1tp1pp1"
-LAYOUTS = ["dp2ep2tp1pp1", "dp4ep2tp1pp1", "dp4ep4tp1pp1", "dp2ep2tp1pp2", "dp2ep2tp2pp1"]
+LAYOUTS = ["dp2ep2tp1pp1", "dp4ep2tp1pp1", "dp4ep4tp1pp1", "dp2ep2tp1pp2", "dp2ep2tp2pp1", "dp4ep2tp1pp1fsdp2"]
+"""The last with HSDP: the dense parts sharded over pairs of DP ranks and replicated across them, the experts
+FSDP-sharded over efsdp (across the replicas) as without it."""
 
 
 EIGHT_RANKS = ["dp4ep4tp2pp1"]

@@ -19,9 +19,18 @@ from torchrun_helpers import hf_weights, torchrun
 
 from spmd_rlhf.tiny.model import make_tiny
 
-LAYOUTS = ["dp4tp1pp1", "dp2tp2pp1", "dp1tp4pp1", "dp2tp1pp2", "dp1tp2pp2", "dp4tp1pp1fsdp2", "dp2tp2pp1fsdp1"]
-"""The last two hybrid-shard (HSDP): FSDP over 2 of 4 DP ranks, two replicas; TP with FSDP over 1 DP rank (each
-rank's TP shard whole), two replicas."""
+LAYOUTS = [
+    "dp4tp1pp1",
+    "dp2tp2pp1",
+    "dp1tp4pp1",
+    "dp2tp1pp2",
+    "dp1tp2pp2",
+    "dp4tp1pp1fsdp2",
+    "dp2tp2pp1fsdp1",
+    "dp2tp1pp2fsdp1",
+]
+"""The last three hybrid-shard (HSDP): FSDP over 2 of 4 DP ranks, two replicas; TP, or two pipeline stages, with FSDP
+over 1 DP rank (each rank's shard whole), two replicas."""
 
 
 @pytest.fixture(scope="module")

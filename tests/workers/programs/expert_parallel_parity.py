@@ -77,8 +77,9 @@ def main(coordinator):
     batch = rollout_batch(16, 5, 6, vocab=100)
     actors = {}
     for layout in layouts:
-        dp, ep, tp, pp = (int(size) for size in re.fullmatch(r"dp(\d+)ep(\d+)tp(\d+)pp(\d+)", layout).groups())
-        pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep)
+        sizes = re.fullmatch(r"dp(\d+)ep(\d+)tp(\d+)pp(\d+)(?:fsdp(\d+))?", layout).groups()
+        dp, ep, tp, pp, fsdp = (int(size or 0) for size in sizes)
+        pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep, fsdp_size=fsdp)
         actor = coordinator.spawn(GradientActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
         torch.save(actor.compute_log_probs(batch).result().fetch()["old_log_probs"], f"{out_dir}/{layout}.pt")
         if pp == 1:
