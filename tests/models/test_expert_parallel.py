@@ -1,8 +1,8 @@
 """Expert parallelism in a trained role (``programs/expert_parallel_parity.py``): a tiny Qwen3-MoE actor with
 ``actor.ep`` in {2, 4} over 2, 4 or 8 CPU ranks, with the experts also FSDP-sharded (dp4·ep2), through a pipeline
-(dp2·ep2·pp2), with tensor parallelism (dp2·ep2·tp2, and dp4·ep4·tp2 over 8 ranks; TP alone:
-tests/models/test_moe.py) and with HSDP (dp4·ep2, fsdp_size 2), computes the same log-probs as one rank, and two updates leave the same losses, gradient
-norms and weights, experts included. A dp2·ep2 checkpoint resumes bitwise into dp4·ep4, and the next update
+(dp2·ep2·pp2), with tensor parallelism (dp2·ep2·tp2, and dp4·ep4·tp2 over 8 ranks; TP alone: tests/models/test_moe.py)
+and with HSDP (dp4·ep2, fsdp_size 2), computes the same log-probs as one rank, and two updates leave the same losses,
+gradient norms and weights, experts included. A dp2·ep2 checkpoint resumes bitwise into dp4·ep4, and the next update
 matches."""
 
 from __future__ import annotations
