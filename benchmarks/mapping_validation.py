@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from spmd_rlhf.config import load_config
-from spmd_rlhf.mapping.cost import Cluster
+from spmd_rlhf.mapping.devices import Cluster
 from spmd_rlhf.mapping.placement import config_dataflow, mapping_overrides
 from spmd_rlhf.mapping.profile import load_profile
 from spmd_rlhf.mapping.search import Planner

@@ -48,7 +48,8 @@ import dataclasses
 import torch
 
 from spmd_rlhf.config import FrameworkConfig
-from spmd_rlhf.mapping.cost import GRADIENT_BYTES, TRAINING_BYTES_PER_PARAMETER, Layout, working_bytes
+from spmd_rlhf.mapping.cost import GRADIENT_BYTES, TRAINING_BYTES_PER_PARAMETER, working_bytes
+from spmd_rlhf.mapping.devices import Layout
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.workload import RoleSpec
 from spmd_rlhf.models.parallelize import group_layers

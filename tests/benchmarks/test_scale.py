@@ -16,7 +16,8 @@ sys.path.insert(0, str(BENCHMARKS))
 from scale_floor import ADAM_BYTES, design_parts, stage_floors  # noqa: E402
 
 from spmd_rlhf.config import load_config  # noqa: E402
-from spmd_rlhf.mapping.cost import Layout, working_bytes  # noqa: E402
+from spmd_rlhf.mapping.cost import working_bytes  # noqa: E402
+from spmd_rlhf.mapping.devices import Layout  # noqa: E402
 from spmd_rlhf.mapping.placement import config_dataflow  # noqa: E402
 from spmd_rlhf.mapping.workload import model_shape  # noqa: E402
 from spmd_rlhf.models.sharded_save import DEFAULT_BAND_BYTES  # noqa: E402

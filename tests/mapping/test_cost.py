@@ -10,8 +10,6 @@ import pytest
 
 from spmd_rlhf.mapping.cost import (
     OPS_PER_LAYER,
-    Cluster,
-    Layout,
     accumulates_unsharded,
     gathers_forward_once,
     generation_seconds,
@@ -22,6 +20,7 @@ from spmd_rlhf.mapping.cost import (
     unsharded_accumulation_bytes,
     working_bytes,
 )
+from spmd_rlhf.mapping.devices import Cluster, Layout
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
 from spmd_rlhf.mapping.workload import NAMED_SHAPES, Batch, dataflow
 

@@ -156,7 +156,7 @@ def test_an_asynchronous_recipe_runs_on_the_mappers_placement(tmp_path):
 def test_auto_placement_releases_the_engine_where_keeping_it_fits_nowhere(tiny_model_dir):
     import dataclasses
 
-    from spmd_rlhf.mapping.cost import Cluster
+    from spmd_rlhf.mapping.devices import Cluster
     from spmd_rlhf.mapping.placement import describe_plan
     from spmd_rlhf.mapping.search import Planner
 

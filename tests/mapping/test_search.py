@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from spmd_rlhf.mapping.cost import Cluster, Layout
+from spmd_rlhf.mapping.devices import Cluster, Layout
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES
 from spmd_rlhf.mapping.search import Planner, allocations, candidate_layouts, placements, role_stage_seconds
 from spmd_rlhf.mapping.workload import NAMED_SHAPES, STAGES, Batch, dataflow
@@ -261,3 +261,16 @@ def test_hybrid_sharding_is_offered_where_fsdp_would_cross_nodes_and_chosen_for_
     assert chosen.fsdp_replicas > 1
     overrides = mapping_overrides(load_config(None, []), best)
     assert f"actor.fsdp_size={chosen.fsdp}" in overrides
+
+
+def test_roles_whose_hsdp_layouts_do_not_fit_together_fall_back_to_fsdp_over_all_of_dp():
+    """Each role picks its fastest layout alone, HSDP's included, which holds a replica's state; on 32 H100s the four
+    7B roles of PPO colocated do not fit together that way, so the set takes the layouts without HSDP (before the
+    fallback colocating everything was refused there as not fitting)."""
+    cluster = Cluster(32, 8, H100)
+    planner = Planner(ppo(), cluster, BATCH)
+    everything = ("actor", "critic", "reference", "reward")
+    assert planner._set_layouts(everything, 32, hybrid=True) is None
+    assert any(planner.auto_parallel(name, 32, everything)[0].fsdp_replicas > 1 for name in everything)
+    mapping = planner.evaluate((everything,), (32,))
+    assert mapping is not None and all(layout.fsdp_replicas == 1 for layout in mapping.layouts.values())

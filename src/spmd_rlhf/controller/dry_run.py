@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from spmd_rlhf.config import FrameworkConfig, ScoringRoleConfig, to_yaml
 from spmd_rlhf.config.dataflow import dataflow_of
-from spmd_rlhf.mapping.cost import Layout, replicated_bytes, resident_bytes, working_bytes
+from spmd_rlhf.mapping.cost import replicated_bytes, resident_bytes, working_bytes
+from spmd_rlhf.mapping.devices import Layout
 from spmd_rlhf.mapping.placement import config_dataflow
 from spmd_rlhf.mapping.role_pools import place_roles
 from spmd_rlhf.mapping.workload import Batch, RoleSpec

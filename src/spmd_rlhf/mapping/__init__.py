@@ -9,7 +9,7 @@ parallel layout, by simulating each candidate's step time with an analytical cos
 """
 
 from spmd_rlhf.mapping.calibrate import resolve_profile
-from spmd_rlhf.mapping.cost import Cluster, Layout
+from spmd_rlhf.mapping.devices import Cluster, Layout
 from spmd_rlhf.mapping.placement import apply_mapping, mapping_overrides, plan_config
 from spmd_rlhf.mapping.profile import BUILTIN_PROFILES, DeviceProfile, load_profile
 from spmd_rlhf.mapping.search import Mapping, Planner, PlanResult

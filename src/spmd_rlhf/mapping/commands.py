@@ -69,7 +69,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_plan(args: argparse.Namespace) -> str:
     """The plan's text for the parsed ``plan`` arguments."""
     from spmd_rlhf.mapping.calibrate import resolve_profile
-    from spmd_rlhf.mapping.cost import Cluster
+    from spmd_rlhf.mapping.devices import Cluster
     from spmd_rlhf.mapping.placement import config_dataflow, describe_plan
     from spmd_rlhf.mapping.search import Planner
     from spmd_rlhf.mapping.workload import Batch, dataflow, model_shape

@@ -10,7 +10,7 @@ import os
 from spmd_rlhf.config import FrameworkConfig, RoleConfig
 from spmd_rlhf.config.dataflow import ROLE_KINDS, dataflow_of
 from spmd_rlhf.mapping.calibrate import resolve_profile
-from spmd_rlhf.mapping.cost import Cluster
+from spmd_rlhf.mapping.devices import Cluster
 from spmd_rlhf.mapping.profile import DeviceProfile
 from spmd_rlhf.mapping.search import Mapping, Planner, PlanResult
 from spmd_rlhf.mapping.workload import Batch, RoleSpec, model_shape

@@ -21,15 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from spmd_rlhf.config.dataflow import PIPELINE_SCORERS
-from spmd_rlhf.mapping.cost import (
-    Cluster,
-    Layout,
-    generation_seconds,
-    held_bytes,
-    pass_seconds,
-    resident_bytes,
-    working_bytes,
-)
+from spmd_rlhf.mapping.cost import generation_seconds, held_bytes, pass_seconds, resident_bytes, working_bytes
+from spmd_rlhf.mapping.devices import Cluster, Layout
 from spmd_rlhf.mapping.workload import STAGES, Batch, RoleSpec
 
 
@@ -201,21 +194,23 @@ class Planner:
         self._cache: dict[tuple[str, int, tuple[str, ...]], tuple[Layout, dict[str, float]] | None] = {}
 
     def auto_parallel(
-        self, name: str, devices: int, colocated: tuple[str, ...]
+        self, name: str, devices: int, colocated: tuple[str, ...], *, hybrid: bool = True
     ) -> tuple[Layout, dict[str, float]] | None:
         """The role's fastest layout on ``devices`` devices shared with ``colocated`` (itself included) and its
-        seconds per stage, or None if no layout fits in memory."""
-        key = (name, devices, colocated)
+        seconds per stage, or None if no layout fits in memory; ``hybrid=False``: among the layouts without HSDP."""
+        key = (name, devices, colocated, hybrid)
         if key not in self._cache:
-            self._cache[key] = self._auto_parallel(self.roles[name], devices, colocated)
+            self._cache[key] = self._auto_parallel(self.roles[name], devices, colocated, hybrid=hybrid)
         return self._cache[key]
 
     def _auto_parallel(
-        self, role: RoleSpec, devices: int, colocated: tuple[str, ...]
+        self, role: RoleSpec, devices: int, colocated: tuple[str, ...], *, hybrid: bool
     ) -> tuple[Layout, dict[str, float]] | None:
         free = self.free_bytes(devices, colocated)
         best = None
         for layout in candidate_layouts(role, devices, self.cluster, self.batch):
+            if not hybrid and layout.fsdp_replicas > 1:
+                continue
             # A kept engine's generation copy and KV cache, a judge's replica, sit beside the role's own passes.
             held = held_bytes(role, layout, self.batch, free_bytes=free)
             if working_bytes(role, layout, self.batch) + held > free:
@@ -237,25 +232,41 @@ class Planner:
                 return units
         return None
 
+    def _set_layouts(
+        self, colocated: tuple[str, ...], count: int, *, hybrid: bool
+    ) -> tuple[dict[str, Layout], dict[str, float]] | None:
+        """Each role of a colocated set on its ``count`` devices at its ``auto_parallel`` layout, and the set's seconds
+        per stage; None where a role fits nowhere or the layouts do not fit together."""
+        layouts, set_seconds = {}, dict.fromkeys(STAGES, 0.0)
+        for name in colocated:
+            chosen = self.auto_parallel(name, count, colocated, hybrid=hybrid)
+            if chosen is None:
+                return None
+            layouts[name] = chosen[0]
+            for stage, seconds in chosen[1].items():
+                set_seconds[stage] += seconds
+        # Each layout was chosen alone; what a role of the set holds by its layout (a kept engine, a judge's replica,
+        # HSDP's replicated state) also stays through the other roles' passes.
+        free = self.free_bytes(count, colocated)
+        held = sum(held_bytes(self.roles[name], layouts[name], self.batch, free_bytes=free) for name in colocated)
+        if any(working_bytes(self.roles[name], layouts[name], self.batch) + held > free for name in colocated):
+            return None
+        return layouts, set_seconds
+
     def evaluate(self, sets: tuple[tuple[str, ...], ...], devices: tuple[int, ...]) -> Mapping | None:
         """d_cost of one placement and allocation with auto_parallel layouts; None if a role does not fit."""
         layouts, stage_seconds = {}, {}
         per_set = []
         for colocated, count in zip(sets, devices):
-            set_seconds = dict.fromkeys(STAGES, 0.0)
-            for name in colocated:
-                chosen = self.auto_parallel(name, count, colocated)
-                if chosen is None:
-                    return None
-                layouts[name] = chosen[0]
-                for stage, seconds in chosen[1].items():
-                    set_seconds[stage] += seconds
-            # Each layout was chosen alone; what a role of the set holds by its layout (a kept engine, a judge's
-            # replica) also stays through the other roles' passes.
-            free = self.free_bytes(count, colocated)
-            held = sum(held_bytes(self.roles[name], layouts[name], self.batch, free_bytes=free) for name in colocated)
-            if any(working_bytes(self.roles[name], layouts[name], self.batch) + held > free for name in colocated):
+            # Each role's HSDP layout holds a replica's state; chosen alone, several may not fit together: then the
+            # set's roles take their fastest layouts without it.
+            chosen = self._set_layouts(colocated, count, hybrid=True) or self._set_layouts(
+                colocated, count, hybrid=False
+            )
+            if chosen is None:
                 return None
+            set_layouts, set_seconds = chosen
+            layouts.update(set_layouts)
             per_set.append(set_seconds)
         cores = self.cluster.profile.shared_cores
         for stage in STAGES:
