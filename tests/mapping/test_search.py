@@ -274,3 +274,22 @@ def test_roles_whose_hsdp_layouts_do_not_fit_together_fall_back_to_fsdp_over_all
     assert any(planner.auto_parallel(name, 32, everything)[0].fsdp_replicas > 1 for name in everything)
     mapping = planner.evaluate((everything,), (32,))
     assert mapping is not None and all(layout.fsdp_replicas == 1 for layout in mapping.layouts.values())
+
+
+def test_a_lora_actor_is_planned_with_a_frozen_base_and_trained_adapters():
+    """A 70B GRPO actor does not fit 8 H100s training every weight (16 bytes each); with rank-16 LoRA on every linear
+    layer it keeps its base in bf16 and trains 207 M adapter parameters, and the plan fits."""
+    from spmd_rlhf.config.choices import LORA_TARGETS
+    from spmd_rlhf.mapping.cost import resident_bytes
+    from spmd_rlhf.mapping.workload import lora_parameters
+
+    actor = dataflow("grpo", actor=NAMED_SHAPES["70b"])[0]
+    adapters = lora_parameters(actor.shape, "lm", LORA_TARGETS, lambda layer: 16)
+    lora = dataclasses.replace(actor, lora_parameters=adapters)
+    assert 200e6 < adapters < 210e6
+    parameters = actor.shape.parameters("lm")
+    assert resident_bytes(lora, 8, BATCH) == (parameters * 2 + adapters * 16) / 8
+    cluster = Cluster(8, 8, H100)
+    with pytest.raises(ValueError, match="no mapping fits"):
+        Planner([actor], cluster, BATCH).plan()
+    assert Planner([lora], cluster, BATCH).plan().best.layouts["actor"].devices == 8

@@ -3,6 +3,8 @@ runs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -83,3 +85,36 @@ def test_the_30b_a3b_shape_has_its_advertised_total_and_active_sizes():
     assert shape.parameters("lm") == pytest.approx(30.5e9, rel=0.01)
     # Qwen's 3.3B activated parameters count the embedding, which the matmul count leaves out (a lookup).
     assert shape.matmul_parameters("lm") + shape.vocab * shape.hidden == pytest.approx(3.3e9, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    ("family", "head", "overrides"),
+    [
+        ("qwen2", "lm", {}),
+        (
+            "qwen2",
+            "value",
+            {"target_modules": ["q_proj", "v_proj"], "rank_pattern": {r"layers\.0\.self_attn\.q_proj": 2}},
+        ),
+        ("qwen2_moe", "lm", {}),  # adapters on attention and the shared experts, the routed experts frozen
+    ],
+)
+def test_lora_parameters_count_what_the_adapters_add(tmp_path, family, head, overrides):
+    """The mapper's count of a LoRA role's trained parameters (``workload.lora_parameters``) equals what
+    ``models.lora.apply_lora`` makes trainable on the built model, every target, rank pattern and head alike."""
+    from spmd_rlhf.config.roles import LoRAConfig
+    from spmd_rlhf.mapping.workload import lora_parameters
+    from spmd_rlhf.models.lora import apply_lora
+    from spmd_rlhf.tiny.model import make_tiny
+
+    path = make_tiny(family=family, out_dir=str(tmp_path / family))
+    if family == "qwen2_moe":  # a shared expert narrower than the dense MLP width (the model is built, not loaded)
+        hf_config = json.loads((tmp_path / family / "config.json").read_text())
+        hf_config["shared_expert_intermediate_size"] = 40
+        (tmp_path / family / "config.json").write_text(json.dumps(hf_config))
+    config = LoRAConfig(rank=4, **overrides)
+    with torch.device("meta"):
+        model = DecoderLM(read_decoder_args(path), head=head)
+    apply_lora(model, config, tp_mesh=None)
+    trained = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    assert lora_parameters(model_shape(path), head, config.modules, config.rank_of) == trained > 0

@@ -81,6 +81,8 @@ def describe(config: FrameworkConfig, world_size: int) -> str:
             layout = Layout(pp=dims.pp, dp=dims.dp, tp=dims.tp, cp=dims.cp, ep=dims.ep, fsdp=dims.fsdp_size)
             state = resident_bytes(spec, len(pool), batch) + replicated_bytes(spec, layout, batch)  # HSDP's replicas
             what = "weights + grads + Adam, float32" if spec.trained else f"weights, {config.model.dtype}"
+            if spec.lora_parameters:
+                what = f"base weights, {config.model.dtype}; {spec.lora_parameters:,} LoRA parameters + grads + Adam"
             working = working_bytes(spec, layout, batch)
         lines.append(f"{name:<12} {_ranks(pool.ranks):<10}{_layout(dims)} {count:>14,}  {_mib(state)} ({what})")
         for rank in pool.ranks:

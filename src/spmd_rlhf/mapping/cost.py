@@ -56,10 +56,21 @@ MAX_DECODE_BATCH = 256
 
 
 def resident_bytes(role: RoleSpec, devices: int, batch: Batch) -> float:
-    """Bytes per device the role keeps between its calls (the same for every layout on ``devices`` devices)."""
+    """Bytes per device the role keeps between its calls (the same for every layout on ``devices`` devices): a
+    trained role's float32 weights, gradients and Adam moments, a frozen one's weights in the compute dtype; with
+    LoRA a frozen base and the adapters' training state."""
     parameters = role.shape.parameters(role.head)
+    if role.trained and role.lora_parameters:
+        return (parameters * batch.dtype_bytes + role.lora_parameters * TRAINING_BYTES_PER_PARAMETER) / devices
     per_parameter = TRAINING_BYTES_PER_PARAMETER if role.trained else batch.dtype_bytes
     return parameters * per_parameter / devices
+
+
+def _trained_fraction(role: RoleSpec) -> float:
+    """The share of the role's parameters with gradients: all of a trained role's, a LoRA role's adapters only."""
+    if not role.trained:
+        return 0.0
+    return role.lora_parameters / role.shape.parameters(role.head) if role.lora_parameters else 1.0
 
 
 def kept_generation_bytes(role: RoleSpec, layout: Layout, batch: Batch, *, free_bytes: float) -> float:
@@ -107,10 +118,11 @@ def replicated_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
 def unsharded_accumulation_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     """Bytes per device a trained role holds through a mini-batch when it keeps its stage gathered and its gradients
     unsharded (``parallelize.unsharded_accumulation_bytes``): the decoder blocks' TP shard in the compute dtype and
-    their float32 gradients less FSDP's 1/dp of them (1/fsdp_size under HSDP; vocabulary weights left out: at a real
-    vocabulary they stream)."""
+    their float32 gradients (a LoRA role's adapters' only) less FSDP's 1/dp of them (1/fsdp_size under HSDP; vocabulary
+    weights left out: at a real vocabulary they stream)."""
     elements = role.shape.body_parameters / (layout.tp * layout.pp)
-    return elements * (batch.dtype_bytes + GRADIENT_BYTES * (1 - 1 / layout.fsdp_shards))
+    gradients = role.lora_parameters / (layout.tp * layout.pp) if role.lora_parameters else elements
+    return elements * batch.dtype_bytes + gradients * GRADIENT_BYTES * (1 - 1 / layout.fsdp_shards)
 
 
 def accumulates_unsharded(role: RoleSpec, layout: Layout, batch: Batch) -> bool:
@@ -251,11 +263,11 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
     gathered = (shape.parameters(role.head) - experts) * b / (tp * pp * units)
     shards = layout.fsdp_shards  # HSDP: over the shard group's consecutive ranks, its replicas all-reducing after
     fsdp = units * cluster.all_gather(gathered, shards, extent=shards * tp)
-    reduce_scatter = units * cluster.all_gather(gathered * GRADIENT_BYTES / b, shards, extent=shards * tp)
+    # Gradients of what trains (a LoRA role's adapters only).
+    gradients = gathered * _trained_fraction(role) * GRADIENT_BYTES / b
+    reduce_scatter = units * cluster.all_gather(gradients, shards, extent=shards * tp)
     # Once per mini-batch (``ShardedModel``: the last micro-batch's backward), each rank's gradient shard.
-    replicas_all_reduce = units * cluster.all_reduce(
-        gathered * GRADIENT_BYTES / b / shards, layout.fsdp_replicas, extent=dp * tp
-    )
+    replicas_all_reduce = units * cluster.all_reduce(gradients / shards, layout.fsdp_replicas, extent=dp * tp)
     if experts:
         expert_gathered, efsdp = experts / layout.ep * b / (tp * pp * units), dp // layout.ep
         fsdp += units * cluster.all_gather(expert_gathered, efsdp, extent=dp * tp)
@@ -305,7 +317,7 @@ def pass_seconds(role: RoleSpec, layout: Layout, cluster: Cluster, batch: Batch,
         steps = batch.ppo_epochs * mini_batches
         seconds += mini_batches * per_mini_batch
         optimizer = (  # each device steps its shard of the state (one replica's share under HSDP)
-            shape.parameters(role.head)
+            (role.lora_parameters or shape.parameters(role.head))
             / (layout.devices // layout.fsdp_replicas)
             * TRAINING_BYTES_PER_PARAMETER
             * 2

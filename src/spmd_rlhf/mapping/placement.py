@@ -13,7 +13,7 @@ from spmd_rlhf.mapping.calibrate import resolve_profile
 from spmd_rlhf.mapping.devices import Cluster
 from spmd_rlhf.mapping.profile import DeviceProfile
 from spmd_rlhf.mapping.search import Mapping, Planner, PlanResult
-from spmd_rlhf.mapping.workload import Batch, RoleSpec, model_shape
+from spmd_rlhf.mapping.workload import Batch, RoleSpec, lora_parameters, model_shape
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -35,6 +35,9 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
         judge = getattr(role, "kind", None) == "generative"
         head = "lm" if judge else kind.head
         spec = RoleSpec(name, shape, head, kind.trained, work, judge_tokens=role.judge_max_new_tokens if judge else 0)
+        lora = getattr(role, "lora", None)
+        if kind.trained and lora is not None and lora.enabled:
+            spec = dataclasses.replace(spec, lora_parameters=lora_parameters(shape, head, lora.modules, lora.rank_of))
         specs.append(_with_batch_sizes(spec, role))
     actor = config.actor
     batch = Batch(

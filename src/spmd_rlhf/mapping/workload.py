@@ -6,6 +6,7 @@ declared dataflow (``spmd_rlhf.config.dataflow``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from spmd_rlhf.config.dataflow import (
@@ -155,6 +156,26 @@ NAMED_SHAPES = {
 (30b-a3b: 128 experts, 8 per token)."""
 
 
+def lora_parameters(shape: ModelShape, head: str, modules: Sequence[str], rank_of: Callable[[str], int]) -> int:
+    """Parameters a LoRA role trains: ``r (in + out)`` for each of ``modules`` (PEFT's layer names) in every decoder
+    layer, ``r = rank_of(its full module name)``, on attention, dense MLPs and an MoE layer's shared expert (the
+    routed experts and routers stay frozen, as ``models.lora`` leaves them; MoE layers counted last), and a value or
+    score head, which trains whole beside the adapters."""
+    h = shape.hidden
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+    total = 0 if head == "lm" else shape.head_parameters(head)
+    for index in range(shape.layers):
+        widths = {f"model.layers.{index}.self_attn.{name}": size for name, size in attention.items()}
+        moe = index >= shape.layers - shape.moe_layers
+        width = shape.shared_expert_intermediate if moe else shape.intermediate
+        prefix = f"model.layers.{index}.mlp" + (".shared_expert" if moe else "")
+        if width:
+            widths.update({f"{prefix}.{name}": h + width for name in ("gate_proj", "up_proj", "down_proj")})
+        total += sum(rank_of(name) * size for name, size in widths.items() if name.rsplit(".", 1)[1] in modules)
+    return total
+
+
 def model_shape(name_or_path: str) -> ModelShape:
     """A shape by size name (``7b``) or from a Hugging Face model directory's ``config.json``."""
     if name_or_path.lower() in NAMED_SHAPES:
@@ -265,6 +286,10 @@ class RoleSpec:
     replica: bool = False
     """The rollout role of asynchronous RL: every DP rank holds a TP-sharded replica of the actor's weights (no FSDP
     shard, no reshard: the actor sends them), generates on it, and never shares devices with a trained role."""
+    lora_parameters: int = 0
+    """A trained role's LoRA adapter parameters (``lora_parameters``; a value or score head's included): only these
+    train (float32 weights, gradients and Adam's moments), the rest is a frozen base in the compute dtype; 0: the
+    whole model trains."""
 
 
 def dataflow(
