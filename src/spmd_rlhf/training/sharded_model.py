@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from spmd_rlhf.training.context_parallel import (
     context_parallel_pipeline,
     schedule,
 )
+from spmd_rlhf.training.fsdp_schedule import micro_batch_schedule
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
 from spmd_rlhf.training.pretrained_export import PretrainedExport
@@ -294,23 +295,18 @@ class ShardedModel(PretrainedExport):
 
                 results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
             return [result.detach() for result in results], order
-        accumulate = train and self.accumulate_unsharded and len(steps) > 1
-        gathered = accumulate or (not train and self.gather_forward and len(steps) > 1)
-        # HSDP reduce-scattering every micro-batch: the all-reduce across replicas (the one that crosses nodes) once.
-        all_reduce_once = train and not accumulate and len(steps) > 1 and self.context.dims.fsdp_replicas > 1
         results = []
         offload = self.offloads_activations and train
-        with (
-            self._gathered_across_micro_batches(train=train) if gathered else contextlib.nullcontext(),
-            self._all_reduced_once() if all_reduce_once else contextlib.nullcontext(),
-        ):
+        with micro_batch_schedule(
+            self.module,
+            micro_batches=len(steps),
+            train=train,
+            accumulate_unsharded=self.accumulate_unsharded,
+            gather_forward=self.gather_forward,
+            hybrid_replicas=self.context.dims.fsdp_replicas,
+        ) as before_micro_batch:
             for step, (owner, index) in enumerate(steps):
-                last = step == len(steps) - 1
-                if accumulate:
-                    self.module.set_requires_gradient_sync(last)
-                    self.module.set_reshard_after_backward(last)
-                elif all_reduce_once:
-                    self.module.set_requires_all_reduce(last)
+                before_micro_batch(step)
                 micro = micros[index]
                 if rows is not None:
                     mine = micro if owner == self.context_parallel.rank else None
@@ -334,38 +330,6 @@ class ShardedModel(PretrainedExport):
                         result.backward()
                 results.append(_detached(result))
         return results, order
-
-    @contextlib.contextmanager
-    def _all_reduced_once(self) -> Iterator[None]:
-        """HSDP: inside, a backward's gradients are reduce-scattered within the shard group and summed into the
-        sharded gradients without the all-reduce across replicas, except where ``set_requires_all_reduce(True)``
-        asks for it (the last micro-batch, which all-reduces the sum); on the way out every backward all-reduces
-        again, even when a micro-batch raised."""
-        try:
-            yield
-        finally:
-            self.module.set_requires_all_reduce(True)
-
-    @contextlib.contextmanager
-    def _gathered_across_micro_batches(self, *, train: bool) -> Iterator[None]:
-        """The FSDP units below the root (which FSDP never reshards after its forward) stay gathered after their
-        forward while inside (``accumulate_unsharded``, ``gather_forward``); on the way out every unit reshards after
-        its forward and backward and syncs its gradients again, as FSDP does by default, even when a micro-batch
-        raised; a forward-only call's units, which no backward reshards, reshard there."""
-        units = [
-            module for module in self.module.modules() if isinstance(module, FSDPModule) and module is not self.module
-        ]
-        for unit in units:
-            unit.set_reshard_after_forward(False, recurse=False)
-        try:
-            yield
-        finally:
-            for unit in units:
-                unit.set_reshard_after_forward(True, recurse=False)
-                if not train:
-                    unit.reshard()
-            self.module.set_requires_gradient_sync(True)
-            self.module.set_reshard_after_backward(True)
 
     def forward_rows(self, batch: Batch, method: str, key: str, output_fn: MicroBatchFunction) -> Batch:
         """``Batch({key: output_fn results of every row})`` in ``batch``'s row order, forward only, on every rank of

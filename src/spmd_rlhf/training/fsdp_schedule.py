@@ -1,0 +1,66 @@
+"""What FSDP2 does across the micro-batches of one call of a role's model: when units gather and reshard, when
+gradients are reduce-scattered, and when HSDP's replicas all-reduce them.
+
+By default FSDP gathers each unit for every micro-batch's forward (and again for its backward) and reduce-scatters
+its gradient in every backward. ``ShardedModel`` changes that for a call of several micro-batches:
+
+- a trained role that keeps its units gathered and its gradients unsharded (``accumulate_unsharded``) gathers each
+  unit once, in the first forward, and reduce-scatters once, in the last backward;
+- a forward-only call within ``forward_gather_mb`` (``gather_forward``) gathers each unit once for the call;
+- under HSDP, a trained role that reduce-scatters every micro-batch all-reduces across the replicas (the collective
+  that crosses nodes) once, in the last backward: the reduce-scattered gradients are summed in the sharded gradients
+  until then.
+
+Whatever happens inside, FSDP's defaults are back on the way out, even when a micro-batch raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+
+@contextlib.contextmanager
+def micro_batch_schedule(
+    module: nn.Module,
+    *,
+    micro_batches: int,
+    train: bool,
+    accumulate_unsharded: bool,
+    gather_forward: bool,
+    hybrid_replicas: int = 1,
+) -> Iterator[Callable[[int], None]]:
+    """Inside, call the yielded function with each micro-batch's index before running it (``micro_batches`` of them)
+    on ``module`` (the FSDP root): it sets what the micro-batch's forward and backward do (module docstring)."""
+    accumulate = train and accumulate_unsharded and micro_batches > 1
+    gathered = accumulate or (not train and gather_forward and micro_batches > 1)
+    all_reduce_once = train and not accumulate and micro_batches > 1 and hybrid_replicas > 1
+    # The units below the root, which FSDP never reshards after the root's forward.
+    units = [unit for unit in module.modules() if isinstance(unit, FSDPModule) and unit is not module]
+    if gathered:
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+
+    def before(index: int) -> None:
+        last = index == micro_batches - 1
+        if accumulate:
+            module.set_requires_gradient_sync(last)
+            module.set_reshard_after_backward(last)
+        elif all_reduce_once:
+            module.set_requires_all_reduce(last)
+
+    try:
+        yield before
+    finally:
+        if gathered:
+            for unit in units:
+                unit.set_reshard_after_forward(True, recurse=False)
+                if not train:
+                    unit.reshard()  # a forward-only call's units, which no backward reshards
+            module.set_requires_gradient_sync(True)
+            module.set_reshard_after_backward(True)
+        if all_reduce_once:
+            module.set_requires_all_reduce(True)
