@@ -227,9 +227,10 @@ def test_a_generative_judge_holds_a_whole_replica_per_dp_rank():
 
 
 def test_hybrid_sharding_is_offered_where_fsdp_would_cross_nodes_and_chosen_for_7b_on_64_devices():
-    """HSDP (``<role>.fsdp_size``) is a candidate only where FSDP over all of dp would cross nodes, its group the
-    most DP ranks whose TP ranks fit a node; it keeps FSDP's gathers on the node's links (faster passes) at the cost
-    of a replica's whole state per group (held bytes), and on 8 nodes the 7B plan takes it and writes it."""
+    """HSDP (``<role>.fsdp_size``) is a candidate where FSDP over all of dp would cross nodes, its group the most DP
+    ranks whose TP ranks fit a node (and for a frozen role, replication: fsdp_size 1); it keeps FSDP's gathers on the
+    node's links (faster passes) at the cost of a replica's whole state per group (held bytes), and on 8 nodes the 7B
+    plan takes it and writes it."""
     from spmd_rlhf.config import load_config
     from spmd_rlhf.mapping.cost import held_bytes, pass_seconds, resident_bytes
     from spmd_rlhf.mapping.placement import mapping_overrides
@@ -240,6 +241,10 @@ def test_hybrid_sharding_is_offered_where_fsdp_would_cross_nodes_and_chosen_for_
     assert hybrid and all(layout.dp * layout.tp > 8 for layout in hybrid)
     assert all(layout.fsdp * layout.tp == 8 and layout.dp % layout.fsdp == 0 for layout in hybrid)
     assert not any(layout.fsdp for layout in candidate_layouts(actor, 8, Cluster(8, 8, H100), BATCH))
+    # A frozen role may also replicate its weights (fsdp_size 1) wherever dp > 1, within a node too.
+    reference = ppo()[2]
+    replicated = {layout.fsdp for layout in candidate_layouts(reference, 8, Cluster(8, 8, H100), BATCH)}
+    assert replicated == {0, 1}
     sharded, replicated = Layout(pp=1, dp=64, tp=1, tp_g=1), Layout(pp=1, dp=64, tp=1, tp_g=1, fsdp=8)
     assert str(replicated) == "pp=1 dp=64 tp=1 fsdp_size=8 tp_g=1"
     for train in (True, False):

@@ -100,8 +100,8 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
     head; dp dividing the step's rows (each DP rank takes an equal share) and, for trained roles, the mini-batch in
     whole micro-batches; tp_g dividing tp; ep (an MoE model's) dividing dp and the expert count; cp (not for a
     generative judge) dividing dp: Ulysses where it divides each rank's heads, ring elsewhere
-    (``cost.ring_context_parallel``); and where FSDP over all of dp would cross nodes, also HSDP within a node
-    (``_node_shard_group``; not for a generative judge, which FSDP does not shard)."""
+    (``cost.ring_context_parallel``); and HSDP (``_hybrid_shard_groups``: within a node where FSDP over all of dp
+    would cross nodes, and a frozen role replicated; not for a generative judge, which FSDP does not shard)."""
     shape = role.shape
     sizes = [shape.heads, shape.kv_heads, shape.intermediate] + ([shape.vocab] if role.head == "lm" else [])
     if shape.experts:  # tensor parallelism splits each expert's width too (and a shared expert's)
@@ -128,18 +128,22 @@ def candidate_layouts(role: RoleSpec, devices: int, cluster: Cluster, batch: Bat
             eps = [ep for ep in _divisors(dp) if shape.experts % ep == 0] if shape.experts else [1]
             context_parallel = not role.judge_tokens
             cps = _divisors(dp) if context_parallel else [1]
-            fsdps = [0] if role.judge_tokens else [0, *_node_shard_group(dp, tp, cluster)]
+            fsdps = [0] if role.judge_tokens else [0, *_hybrid_shard_groups(role, dp, tp, cluster)]
             for tp_g, ep, cp, fsdp in itertools.product(_divisors(tp) if generates else [0], eps, cps, fsdps):
                 layouts.append(Layout(pp=pp, dp=dp, tp=tp, tp_g=tp_g, ep=ep, cp=cp, fsdp=fsdp))
     return layouts
 
 
-def _node_shard_group(dp: int, tp: int, cluster: Cluster) -> list[int]:
-    """HSDP's one candidate shard group where FSDP over all of dp would cross nodes: the most DP ranks (dividing dp)
-    whose TP ranks fit one node, so FSDP's collectives stay on its links; none where dp x tp fits a node already."""
-    if not cluster.spans_nodes(dp * tp):
-        return []
-    return [max(size for size in _divisors(dp) if size * tp <= cluster.gpus_per_node)]
+def _hybrid_shard_groups(role: RoleSpec, dp: int, tp: int, cluster: Cluster) -> list[int]:
+    """HSDP's candidate shard groups (``<role>.fsdp_size``): where FSDP over all of dp would cross nodes, the most DP
+    ranks (dividing dp) whose TP ranks fit one node, so FSDP's collectives stay on its links; and for a frozen role
+    at dp > 1, 1: every DP rank holds its weights whole (in the compute dtype), so its forward gathers nothing."""
+    groups = []
+    if cluster.spans_nodes(dp * tp):
+        groups.append(max(size for size in _divisors(dp) if size * tp <= cluster.gpus_per_node))
+    if not role.trained and dp > 1 and 1 not in groups:
+        groups.append(1)
+    return groups
 
 
 def role_stage_seconds(
