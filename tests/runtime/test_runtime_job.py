@@ -82,6 +82,12 @@ def test_non_batch_results_come_back_per_dp_rank(job):
     ]
 
 
+def test_every_group_of_a_role_waits_the_collective_timeout(job):
+    """trainer.collective_timeout_s bounds a collective on the role-wide group the executor makes as on the mesh's
+    (torch's own default for a new gloo group is 30 minutes)."""
+    assert job["group_timeouts"] == [600.0, 600.0]
+
+
 def test_groups_stay_whole_across_layouts(job):
     groups = job["groups"]
     assert groups["id"] == list(range(12)) and groups["group_size"] == 2

@@ -14,6 +14,7 @@ import pickle
 import threading
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -108,9 +109,20 @@ class RemoteFailure:
 
 
 class Executor:
-    def __init__(self, rank: int, device: torch.device, *, poll_seconds: float = 0.5) -> None:
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        *,
+        poll_seconds: float = 0.5,
+        collective_timeout: timedelta | None = None,
+    ) -> None:
         self.rank = rank
         self.device = device
+        self.collective_timeout = collective_timeout
+        """How long a collective on the groups this executor makes may wait (``trainer.collective_timeout_s``; None:
+        torch's default). A ``DeviceMesh``'s groups take the world group's, which ``launch`` sets to it; a plain
+        ``new_group`` would take torch's default (30 min on gloo, 10 on NCCL) instead."""
         self.roles: dict[str, Any] = {}
         self.declared_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
         """Groups roles declared, by (name, ranks): two roles declaring the same one (the actor and the rollout
@@ -205,7 +217,7 @@ class Executor:
         hybrid_shard_mesh = command.dims.build_hybrid_shard_mesh(mesh)
         args, kwargs = pickle.loads(command.arguments)
         # Every role gets a group over all its ranks (checkpoints, role-wide reductions).
-        groups = {"role": dist.new_group(sorted(command.ranks))}
+        groups = {"role": dist.new_group(sorted(command.ranks), timeout=self.collective_timeout)}
         context_group = command.dims.build_context_group(mesh)
         if context_group is not None:
             groups["cp"] = context_group
@@ -214,7 +226,7 @@ class Executor:
             for ranks in partition:
                 key = (name, tuple(sorted(ranks)))
                 if key not in self.declared_groups:  # every rank runs the same spawns, so all agree on reuse
-                    self.declared_groups[key] = dist.new_group(list(key[1]))
+                    self.declared_groups[key] = dist.new_group(list(key[1]), timeout=self.collective_timeout)
                 group = self.declared_groups[key]
                 if self.rank in ranks:
                     groups[name] = group

@@ -38,6 +38,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.distributed.rpc as rpc
 
 from spmd_rlhf.runtime.coordinator import Coordinator
@@ -193,6 +194,16 @@ def _environment() -> tuple[int, int, int]:
         ) from error
 
 
+def bound_new_groups(timeout: timedelta) -> None:
+    """Make ``timeout`` what a collective may wait on every process group created from now on without a timeout of
+    its own: those of every ``DeviceMesh`` (a role's pp, dp and tp groups, the expert, context and HSDP meshes) take
+    ``torch.distributed``'s module default (30 minutes on gloo, 10 on NCCL), not the world group's, so
+    ``trainer.collective_timeout_s`` would otherwise bound only collectives over every rank."""
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if hasattr(c10d, name):
+            setattr(c10d, name, timeout)
+
+
 def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | None = None) -> Result | None:
     """Run ``main`` as the coordinator on rank 0 and serve as a worker everywhere; returns ``main``'s value on rank 0
     and ``None`` elsewhere after a clean shutdown. Any failure ends every process with exit code 1."""
@@ -201,15 +212,16 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
     _state["rank"] = rank
     device, backend = select_device(options.device, local_rank=local_rank, cuda_devices=visible_cuda_devices())
     bind_thread(device)
-    executor = Executor(rank, device)
+    timeout = timedelta(seconds=options.collective_timeout_s)
+    executor = Executor(rank, device, collective_timeout=timeout)
     _state["executor"] = executor
     _state["last_heard"] = time.monotonic()
-    timeout = timedelta(seconds=options.collective_timeout_s)
     store = round_store(rank=rank, world_size=world_size, timeout=timeout)
     _state["store"] = store
     dist.init_process_group(
         backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout
     )
+    bound_new_groups(timeout)
     if device.type == "cuda":
         # Form the world group's NCCL communicator now, on every rank: batched point-to-point transfers between a
         # subset of ranks (runtime.transfer) are undefined when they are that group's first NCCL call.

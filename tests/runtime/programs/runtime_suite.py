@@ -25,10 +25,12 @@ from spmd_rlhf.runtime import (
     one_to_all,
     rank_zero,
 )
-from spmd_rlhf.runtime.launch import stored_batch_count
+from spmd_rlhf.runtime.launch import RuntimeOptions, stored_batch_count
 from spmd_rlhf.runtime.transfer import traffic
 
 _log: list[tuple[str, int]] = []
+COLLECTIVE_TIMEOUT_S = 600.0
+"""Not torch's default for gloo groups (30 min): every group a role gets must wait this long at most."""
 
 
 class Recorder(Worker):
@@ -52,6 +54,12 @@ class Recorder(Worker):
         tensor = torch.tensor([value + self.context.rank])
         dist.all_reduce(tensor, group=self.mesh["dp"].get_group())
         return int(tensor.item())
+
+    @one_to_all
+    def group_timeouts(self) -> list[float]:
+        """Seconds a collective may wait on this role's groups: the role-wide one and its mesh's dp group."""
+        groups = (self.context.groups["role"], self.mesh["dp"].get_group())
+        return [group._get_backend(torch.device("cpu")).options._timeout.total_seconds() for group in groups]
 
     @one_to_all
     def sleep(self, seconds: float) -> float:
@@ -186,6 +194,7 @@ def observe(coordinator: Coordinator) -> dict:
 
     # Dispatch modes.
     results["one_to_all"] = grid.note(-5).result(timeout=60)
+    results["group_timeouts"] = grid.group_timeouts().result(timeout=60)
     results["all_to_all"] = grid.offset([10, 20, 30, 40], step=[1, 2, 3, 4]).result(timeout=60)
     results["rank_zero"] = b.whoami().result(timeout=60)
     results["rank_zero_log"] = b.logs().result(timeout=60)
@@ -286,4 +295,4 @@ def main(coordinator: Coordinator) -> None:
 
 
 if __name__ == "__main__":
-    launch(main)
+    launch(main, options=RuntimeOptions(collective_timeout_s=COLLECTIVE_TIMEOUT_S))
