@@ -121,8 +121,8 @@ class Executor:
         self.device = device
         self.collective_timeout = collective_timeout
         """How long a collective on the groups this executor makes may wait (``trainer.collective_timeout_s``; None:
-        torch's default). A ``DeviceMesh``'s groups take the world group's, which ``launch`` sets to it; a plain
-        ``new_group`` would take torch's default (30 min on gloo, 10 on NCCL) instead."""
+        torch's module default, 30 min on gloo and 10 on NCCL, which ``launch.bound_new_groups`` also sets to it for
+        the groups a ``DeviceMesh`` makes)."""
         self.roles: dict[str, Any] = {}
         self.declared_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
         """Groups roles declared, by (name, ranks): two roles declaring the same one (the actor and the rollout
