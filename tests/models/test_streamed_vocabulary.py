@@ -48,7 +48,8 @@ def _compare(
     torch.manual_seed(0)
     args = dataclasses.replace(tiny_args(), tie_word_embeddings=tied, vocab_size=vocab)
     plain, sharded = DecoderLM(args, head="lm"), DecoderLM(args, head="lm")
-    sharded.load_state_dict(plain.state_dict())
+    plain_state = {name: tensor.clone() for name, tensor in plain.state_dict().items()}
+    sharded.load_state_dict(plain_state)
     for model in (plain, sharded):
         model.reset_buffers()
     names = ("dp_replicate", "dp_shard") if len(shape) == 2 else ("dp",)
@@ -79,7 +80,60 @@ def _compare(
         by_tokens=len(token_gathers) == 2,  # the embedding's two forwards
     )
     streamed_vocabulary.VocabularyStream.gather_tokens = gather_tokens
+    if len(shape) == 2:
+        result.update(_two_micro_batches(rank, args, plain_state, batch, mesh_shape=shape))
     return result
+
+
+def _two_micro_batches(rank: int, args, state: dict, batch: list, *, mesh_shape: tuple[int, ...]) -> dict:
+    """Two micro-batches per rank under ``training.fsdp_schedule`` (HSDP, reduce-scattering each): the gradients of
+    their summed losses, with the streamed weights' all-reduce across replicas run once after the last backward,
+    not in every step of rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_rlhf.training.fsdp_schedule import micro_batch_schedule
+
+    ranks = dist.get_world_size()
+    plain, sharded = DecoderLM(args, head="lm"), DecoderLM(args, head="lm")
+    for model in (plain, sharded):
+        model.load_state_dict(state)
+        model.reset_buffers()
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+    parallelize(sharded, tp_mesh=None, dp_mesh=mesh, min_unit_bytes=0)
+    streams = {
+        id(stream): stream
+        for stream in map(streamed_vocabulary.vocabulary_stream, (sharded.model.embed_tokens, sharded.lm_head))
+    }
+    deferred, once = [], []  # per reduced step: whether it left out the replicas; the all-reduces made afterwards
+    for stream in streams.values():
+
+        def reduced_step(grad, stream=stream, step=stream.mean_over_dp):
+            deferred.append(stream.defer_replica_reduce)
+            return step(grad)
+
+        def reduced_once(grad, after=stream.all_reduce_across_replicas):
+            once.append(grad.shape)
+            return after(grad)
+
+        stream.mean_over_dp, stream.all_reduce_across_replicas = reduced_step, reduced_once
+    mine = [batch[rank], batch[(rank + 1) % ranks]]
+    with micro_batch_schedule(
+        sharded, micro_batches=2, train=True, accumulate_unsharded=False, gather_forward=False, hybrid_replicas=2
+    ) as before_micro_batch:
+        for index, ids in enumerate(mine):
+            before_micro_batch(index)
+            _loss(sharded, ids).backward()
+    (sum(_loss(plain, ids) + _loss(plain, batch[(r + 1) % ranks]) for r, ids in enumerate(batch)) / ranks).backward()
+    grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
+    return dict(
+        deferred_grads=all(
+            torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-6) for name, param in plain.named_parameters()
+        ),
+        replica_reduces=len(once) == len(streams)
+        and bool(deferred)
+        and all(deferred)
+        and not any(stream.defer_replica_reduce for stream in streams.values()),
+    )
 
 
 def _compare_every_case(rank: int, port: int, results, ranks: int, cases: list, shape: tuple[int, ...], vocab: int):
@@ -120,6 +174,8 @@ def test_a_streamed_vocabulary_equals_the_plain_model(compared, rows_per_step, s
 @pytest.mark.parametrize(("rows_per_step", "steps", "by_tokens", "tied"), HYBRID_CASES)
 def test_a_vocabulary_streamed_under_hsdp_equals_the_plain_model(hybrid, rows_per_step, steps, by_tokens, tied):
     """Streamed within each shard group, replicated across the groups: the plain model's logits, and its gradients
-    on all four ranks' rows (the replicas' all-reduce included), by steps of rows or by tokens."""
+    on all four ranks' rows (the replicas' all-reduce included), by steps of rows or by tokens; and over two
+    micro-batches per rank, the all-reduce across replicas run once per streamed weight, after the last backward."""
     expected = dict(logits=True, grads=True, tied=True, shard=True, steps=steps, by_tokens=by_tokens)
+    expected |= dict(deferred_grads=True, replica_reduces=True)
     assert {rank: hybrid[rank, rows_per_step, tied] for rank in range(4)} == {rank: expected for rank in range(4)}

@@ -49,7 +49,7 @@ DEFAULT_CHUNK_BYTES = 64 * 1024**2
 """Bytes of one step's gathered rows (every rank's part together) in the compute dtype."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class VocabularyStream:
     """How a ``[rows, hidden]`` weight sharded by rows over ``group`` is streamed: the steps' row ranges within each
     rank's shard, the dtype rows are gathered in, and the dtype gradients are reduced in."""
@@ -66,6 +66,10 @@ class VocabularyStream:
     """HSDP: the group of the ranks holding this rank's shard in the other replicas, across which a gradient summed
     over ``group`` is all-reduced; None with one replica."""
     replicas: int = 1
+    defer_replica_reduce: bool = False
+    """Set while a call's micro-batches run (``training.fsdp_schedule``): each backward's reduced gradient is summed
+    into the sharded gradient without the all-reduce across replicas, which ``all_reduce_across_replicas`` then runs
+    once on the sum."""
 
     @property
     def band(self) -> int:
@@ -115,9 +119,15 @@ class VocabularyStream:
     def mean_over_dp(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad``, summed over this rank's shard group, made the mean over every DP rank in place: all-reduced
         across the replicas first (HSDP), then divided by dp, as FSDP averages."""
-        if self.replica_group is not None:
+        if self.replica_group is not None and not self.defer_replica_reduce:
             dist.all_reduce(grad, group=self.replica_group)
         return grad.div_(self.ranks * self.replicas)
+
+    def all_reduce_across_replicas(self, grad: torch.Tensor) -> None:
+        """The deferred all-reduce (``defer_replica_reduce``) of a weight's sharded gradient, in place: the sum over
+        the replicas of what each summed from its micro-batches, already divided by dp."""
+        if self.replica_group is not None:
+            dist.all_reduce(grad, group=self.replica_group)
 
     def gather_into(self, shard: torch.Tensor, whole: torch.Tensor) -> None:
         """Copy the whole weight into ``whole`` ``[rows, hidden]`` (a copy of the model that holds it whole): one

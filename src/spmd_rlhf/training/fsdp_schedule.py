@@ -9,7 +9,8 @@ its gradient in every backward. ``ShardedModel`` changes that for a call of seve
 - a forward-only call within ``forward_gather_mb`` (``gather_forward``) gathers each unit once for the call;
 - under HSDP, a trained role that reduce-scatters every micro-batch all-reduces across the replicas (the collective
   that crosses nodes) once, in the last backward: the reduce-scattered gradients are summed in the sharded gradients
-  until then.
+  until then; a streamed vocabulary (``models.streamed_vocabulary``), which FSDP does not manage, likewise sums its
+  reduced gradients and all-reduces them across the replicas once, after the last backward.
 
 Whatever happens inside, FSDP's defaults are back on the way out, even when a micro-batch raised.
 """
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterator
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from spmd_rlhf.models.streamed_vocabulary import vocabulary_stream
 
 
 @contextlib.contextmanager
@@ -38,6 +41,12 @@ def micro_batch_schedule(
     accumulate = train and accumulate_unsharded and micro_batches > 1
     gathered = accumulate or (not train and gather_forward and micro_batches > 1)
     all_reduce_once = train and not accumulate and micro_batches > 1 and hybrid_replicas > 1
+    streamed = {}  # a tied pair's two modules share one stream and one weight
+    if train and micro_batches > 1 and hybrid_replicas > 1:
+        for each in module.modules():
+            stream = vocabulary_stream(each)
+            if stream is not None and stream.replica_group is not None and each.weight.requires_grad:
+                streamed[id(stream)] = (stream, each.weight)
     # The units below the root, which FSDP never reshards after the root's forward.
     units = [unit for unit in module.modules() if isinstance(unit, FSDPModule) and unit is not module]
     if gathered:
@@ -52,9 +61,16 @@ def micro_batch_schedule(
         elif all_reduce_once:
             module.set_requires_all_reduce(last)
 
+    for stream, _ in streamed.values():
+        stream.defer_replica_reduce = True
     try:
         yield before
+        for stream, weight in streamed.values():
+            if weight.grad is not None:  # every rank ran the same backwards, so every replica has it or none does
+                stream.all_reduce_across_replicas(weight.grad.to_local())
     finally:
+        for stream, _ in streamed.values():
+            stream.defer_replica_reduce = False
         if gathered:
             for unit in units:
                 unit.set_reshard_after_forward(True, recurse=False)
