@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hf_fixtures import write_hf_model
 from torch._dynamo.utils import counters
+from torchrun_helpers import torchrun
 
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.parallelize import compile_block, compiles_blocks
@@ -95,6 +96,7 @@ def test_a_compiled_mixture_of_experts_block_has_no_graph_break_on_grouped_gemms
 
 
 def test_model_compile_auto_compiles_on_a_gpu_at_one_tensor_parallel_rank():
+    """With context or expert parallelism too (their collectives compile: the test above)."""
     decide = {
         (setting, on_gpu, tp): compiles_blocks(setting, on_gpu=on_gpu, tp=tp, role="actor")
         for setting in ("auto", "on", "off")
@@ -105,6 +107,17 @@ def test_model_compile_auto_compiles_on_a_gpu_at_one_tensor_parallel_rank():
         ("auto", True, 1),
         *{("on", on_gpu, tp) for on_gpu in (False, True) for tp in (1, 2)},
     }
+
+
+def test_compiled_blocks_under_context_and_expert_parallelism_equal_eager(tmp_path):
+    """2 gloo ranks (``programs/compiled_parallel_blocks.py``): Ulysses (no graph break; also inside selective
+    activation checkpointing), ring attention (the graph broken only at its exchanges) and expert parallelism, each
+    compiled model's hidden states or logits and every gradient equal to eager blocks'."""
+    dense, moe = str(tmp_path / "dense"), str(tmp_path / "moe")
+    write_hf_model("qwen3", dense)
+    write_hf_model("qwen3_moe", moe)
+    finished = torchrun("compiled_parallel_blocks.py", dense, moe, nproc=2, timeout=240, forked=True)
+    assert finished.returncode == 0, finished.stdout[-6000:]
 
 
 def test_compiled_blocks_under_fsdp_equal_eager(tmp_path, fresh_dynamo):

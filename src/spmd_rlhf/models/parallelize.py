@@ -194,18 +194,16 @@ def unsharded_accumulation_bytes(model: DecoderLM, *, compute_dtype: torch.dtype
     return int(held)
 
 
-def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str, cp: int = 1) -> bool:
+def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str) -> bool:
     """Whether ``model.compile`` (``setting``) compiles ``role``'s decoder blocks: on always (the config refuses it
-    with a role at tp > 1: AOTAutograd fails on TP's DTensor blocks, ``config.checks``); auto on a GPU at tp = 1 and
-    cp = 1 (blocks with context parallelism's all-to-alls have not run compiled here: auto says so once and keeps them
-    eager); off never."""
+    with a role at tp > 1: AOTAutograd fails on TP's DTensor blocks, ``config.checks``); auto on a GPU at tp = 1
+    (with context or expert parallelism too: their collectives compile, ``compile_block``), where it says once that
+    it keeps TP blocks eager; off never."""
     if setting != "auto":
         return setting == "on"
-    if on_gpu and (tp > 1 or cp > 1):
-        logger.info(
-            "model.compile=auto leaves %s's blocks eager at tp=%d, cp=%d (model.compile=on compiles them)", role, tp, cp
-        )
-    return on_gpu and tp == 1 and cp == 1
+    if on_gpu and tp > 1:
+        logger.info("model.compile=auto leaves %s's blocks eager at tp=%d (AOTAutograd fails on them)", role, tp)
+    return on_gpu and tp == 1
 
 
 SAVED_OPS = frozenset(
@@ -238,7 +236,7 @@ COMPILE_BACKEND = "inductor"
 """TorchDynamo's backend for ``parallelize(compile_layers=True)`` (tests set ``aot_eager``: no code generation)."""
 
 
-def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", flash: bool = False) -> None:
+def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", attention_breaks: bool = False) -> None:
     """``torch.compile`` one decoder block in place (``Module.compile``: parameter names stay Hugging Face's;
     TorchDynamo leaves FSDP2's hooks on the block to run eagerly): one graph with no break (``fullgraph``), sizes
     symbolic from the first call (``dynamic``), so packed rows of any length and sequence count reuse it, and every
@@ -247,24 +245,26 @@ def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", flash: b
     training pass and a no-grad pass): at most 3 graphs per grad mode, 2 for packed rows
     (tests/models/test_compiled_blocks.py counts them), and one more where a block's input needs no gradient (LoRA's
     first block). A mixture-of-experts block may break its graph: the looped expert path (where grouped GEMMs do not
-    serve: ``moe.grouped_mm_supported``) reads the expert counts on the host; so may a block on flash-attn
-    (``flash``), whose kernels TorchDynamo traces only where the installed version registers them as torch ops (not
-    tried here: flash-attn has no CPU build). ``backend``: TorchDynamo's (tests trace with ``aot_eager``, which skips
-    Inductor's code generation)."""
-    layer.compile(fullgraph=_whole_graph(layer, flash=flash), dynamic=True, backend=backend)
+    serve: ``moe.grouped_mm_supported``) reads the expert counts on the host, and under expert parallelism the
+    all-to-alls' split sizes; ``attention_breaks`` says the attention call breaks it: flash-attn, whose kernels
+    TorchDynamo traces only where the installed version registers them as torch ops (not tried here: flash-attn has
+    no CPU build), and ring attention, whose point-to-point exchanges run eagerly between two compiled pieces
+    (``ring_attention.ring_attend``). Ulysses' all-to-alls compile inside the graph (functional collectives).
+    ``backend``: TorchDynamo's (tests trace with ``aot_eager``, which skips Inductor's code generation)."""
+    layer.compile(fullgraph=_whole_graph(layer, attention_breaks), dynamic=True, backend=backend)
 
 
-def _whole_graph(layer: torch.nn.Module, *, flash: bool) -> bool:
+def _whole_graph(layer: torch.nn.Module, attention_breaks: bool) -> bool:
     """Whether a block compiles with no graph break (``compile_block`` says when one may break)."""
-    return not isinstance(layer.mlp, MoEBlock) and not flash
+    return not isinstance(layer.mlp, MoEBlock) and not attention_breaks
 
 
-def compiled_forward(layer: torch.nn.Module, *, backend: str = "inductor", flash: bool = False) -> Callable:
+def compiled_forward(layer: torch.nn.Module, *, backend: str = "inductor", attention_breaks: bool = False) -> Callable:
     """``compile_block``'s compile of a block's own forward, for activation checkpointing to wrap: TorchDynamo does not
     trace into ``torch.utils.checkpoint`` from a compiled module call whose forward is the checkpoint (no frame
     compiles, and ``fullgraph`` makes that an error), so a checkpointed block is compiled inside its checkpoint, which
     then runs the compiled forward again in the backward (full), or with its matmuls' outputs kept (selective)."""
-    return torch.compile(layer.forward, fullgraph=_whole_graph(layer, flash=flash), dynamic=True, backend=backend)
+    return torch.compile(layer.forward, fullgraph=_whole_graph(layer, attention_breaks), dynamic=True, backend=backend)
 
 
 def parallelize(
@@ -326,15 +326,20 @@ def parallelize(
             model, cp_group, tp=tp_mesh.size() if tensor_parallel else 1, role=role, attention=cp_attention
         )
     adapters = apply_lora(model, lora, tp_mesh=tp_mesh) if lora is not None and lora.enabled else None
-    flash = model.attention_backend == "flash"
+    # flash-attn's kernels and ring attention's exchanges break a compiled block's graph (``compile_block``).
+    attention_breaks = model.attention_backend == "flash" or getattr(model, "context_parallel", None) == "ring"
     for layer in model.model.layers.values():
         if activation_checkpointing:
             # The layer's own forward, recomputed in the backward pass; hooks (FSDP's) stay on the module's call.
-            forward = compiled_forward(layer, backend=COMPILE_BACKEND, flash=flash) if compile_layers else layer.forward
+            forward = (
+                compiled_forward(layer, backend=COMPILE_BACKEND, attention_breaks=attention_breaks)
+                if compile_layers
+                else layer.forward
+            )
             selective = {"context_fn": selective_checkpoint_contexts} if checkpoint_policy == "selective" else {}
             layer.forward = functools.partial(checkpoint, forward, use_reentrant=False, **selective)
         elif compile_layers:
-            compile_block(layer, backend=COMPILE_BACKEND, flash=flash)
+            compile_block(layer, backend=COMPILE_BACKEND, attention_breaks=attention_breaks)
     if dp_mesh is not None:
         policy = mp_policy or MixedPrecisionPolicy()
         streamed = streamed_vocabularies(model, tp_mesh, dp_mesh, offload=offload, min_unit_bytes=min_unit_bytes)

@@ -52,6 +52,7 @@ def ring_bytes(*, tokens: int, kv_heads: int, head_dim: int, cp: int, dtype_byte
     return tokens / cp * 2 * kv_heads * head_dim * dtype_bytes * (cp - 1)
 
 
+@torch.compiler.disable
 def ring_attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -64,7 +65,9 @@ def ring_attend(
 ) -> torch.Tensor:
     """Causal attention of this rank's zig-zag chunk ``q`` ``[1, T / cp, heads, d]`` (``k, v`` ``[1, T / cp,
     kv_heads, d]``) over the packed row of ``T`` tokens that ``batch.cu_seqlens`` describes; returns this chunk's
-    output ``[1, T / cp, heads, d]``, equal to those positions of ``attend`` over the whole row."""
+    output ``[1, T / cp, heads, d]``, equal to those positions of ``attend`` over the whole row. Never traced by
+    TorchDynamo (its point-to-point exchanges do not compile): a compiled block breaks its graph here and compiles
+    the work around it (``parallelize.compile_block``)."""
     if batch.cu_seqlens is None:
         raise ValueError("ring attention runs over one packed row: the attention batch needs cu_seqlens")
     cp = dist.get_world_size(group)
