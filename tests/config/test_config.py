@@ -516,12 +516,11 @@ def test_every_independent_problem_is_named_in_one_error():
     assert "rollout.n=1: " in str(caught.value) and "; also trainer.val_every=5: " in str(caught.value)
 
 
-def test_compiled_training_blocks_are_refused_under_tensor_parallelism() -> None:
-    """model.compile=on with a trained or scoring role at tp > 1 is one error naming the roles; auto and off pass."""
-    with pytest.raises(ConfigError, match=r"model.compile=on: .* but actor.tp=2, reference.tp=2; set model.compile"):
-        load_config(None, ["model.compile=on", "actor.tp=2", "reference.tp=2"])
-    for setting in ("auto", "off"):
-        assert load_config(None, [f"model.compile={setting}", "actor.tp=2"]).model.compile == setting
+def test_compiled_training_blocks_are_accepted_under_tensor_parallelism() -> None:
+    """TP blocks compile (their forwards on local shards, ``tp_plan``): model.compile=on takes a role at tp > 1."""
+    for setting in ("auto", "on", "off"):
+        config = load_config(None, [f"model.compile={setting}", "actor.tp=2", "reference.tp=2"])
+        assert config.model.compile == setting
 
 
 def test_off_and_on_reach_string_keys_as_words(tmp_path: Path) -> None:

@@ -61,7 +61,6 @@ def check_framework(config: CheckedConfig) -> None:
         _check_token_budgets,
         _check_asynchronous,
         _check_scoring_models,
-        _check_compiled_blocks,
     ):
         check(function, config)
     rule = "needs data.val_files; list validation files or set trainer.val_every=0"
@@ -208,23 +207,6 @@ def _check_training_batches(config: CheckedConfig) -> None:
         require(config, key, role.mini_batch_size % per_pass == 0, f"must be a multiple of {unit}")
         rule = f"must be <= trainer.total_steps={config.trainer.total_steps}"
         require(config, f"{name}.warmup_steps", role.warmup_steps <= config.trainer.total_steps, rule)
-
-
-def _check_compiled_blocks(config: CheckedConfig) -> None:
-    """``model.compile=on`` compiles a role's training-layout blocks at tp = 1 only: on TP's DTensor parameters
-    AOTAutograd fails (torch 2.13 on CPU, checked in session 42: a RecursionError with the dynamic shapes the blocks
-    compile with, and with static ones the embedding's gradient off by 7 %), so such a run would die in its first
-    forward or train on wrong gradients. ``auto`` keeps TP blocks eager, as it does on the GPU."""
-    split = [
-        f"{name}.tp={role.tp}"
-        for name, role in config.enabled_roles().items()
-        if role.tp > 1 and name != "rollout" and getattr(role, "kind", "model") != "generative"  # these generate
-    ]
-    rule = (
-        f"compiles blocks at tp = 1 only (AOTAutograd fails on TP's DTensor blocks), but {', '.join(split)}; "
-        "set model.compile=auto (those blocks stay eager) or off"
-    )
-    require(config, "model.compile", config.model.compile != "on" or not split, rule)
 
 
 def _check_layout(config: CheckedConfig, name: str, role: RoleConfig) -> None:

@@ -32,9 +32,8 @@ class ModelConfig:
     (training.activation_offload): device memory for two PCIe copies. Off the GPU they stay where they are."""
     compile: str = "auto"
     """torch.compile each decoder block of every role's training-layout model (one graph per block, no graph break,
-    packed lengths dynamic; ring attention's exchanges run eagerly between two compiled pieces): auto (on CUDA at
-    tp = 1, with any cp and ep), on (CPU too: needs a C++ compiler; refused with a role at tp > 1, whose DTensor blocks
-    AOTAutograd fails on) or off."""
+    packed lengths dynamic; ring attention's exchanges run eagerly between two compiled pieces): auto (on CUDA, at
+    any tp, cp and ep), on (CPU too: needs a C++ compiler) or off."""
 
     def __post_init__(self) -> None:
         one_of(self, "dtype", ("float32", "bfloat16", "float16"))

@@ -1,13 +1,15 @@
-"""A generation copy's tensor parallelism on local tensors: the forwards of its TP-split modules read their
-parameters' local shards and call the collectives themselves, instead of going through DTensor's dispatch.
+"""A generation copy's tensor parallelism on local tensors, with nothing that serves a backward: the forwards of its
+TP-split modules read their parameters' local shards (looked up once per parameter, not once per call) and call the
+collectives themselves.
 
-``parallelize(..., gather_logits=True)`` splits the generation copy as it splits a trained model: DTensor parameters
-and ``ColwiseParallel`` / ``RowwiseParallel`` hooks that wrap every input in a DTensor, redistribute the output and
-unwrap it. Every such call costs host work, and a decode step is bound by the host (``benchmarks/tp_decode_host.py``
-times both paths). ``run_locally`` keeps the
+``parallelize(..., gather_logits=True)`` splits the generation copy as it splits a trained model: DTensor parameters,
+the decoder layers and the embedding computing on local shards through Megatron's autograd operators
+(``models.tp_plan``: a ``to_local()`` and an autograd function per call), and the LM head through
+``ColwiseParallel``'s hooks that wrap its input in a DTensor and gather its output. A decode step is bound by the host
+(``benchmarks/tp_decode_host.py`` times the DTensor path against this one). ``run_locally`` keeps the
 parameters DTensors (their global shapes and placements are what the reshard, the weight sync and the schedule
 agreement read, and writes into their local tensors in place are what the forwards see) and replaces the forwards,
-Megatron's way, per TP rank:
+Megatron's way without autograd, per TP rank:
 
 - column-parallel linears (q, k, v, gate, up; merged or not): ``x W_local^T + b_local``, the input replicated;
 - row-parallel linears (o, down): ``all_reduce(x_local W_local^T) + b``;

@@ -1,8 +1,9 @@
-"""Tensor and data parallelism for ``DecoderLM``, applied from outside the model in one fixed order: the TP plan
-(a dict of module name -> ``ColwiseParallel`` / ``RowwiseParallel``), activation checkpointing, ``torch.compile``
-(GPU), then FSDP2 ``fully_shard`` per run of decoder layers (one layer each at real sizes; ``fsdp_units``), on an
-untied embedding and LM head (each alone) that do not stream, and on the root. Without TP, vocabulary weights of unit
-size (an embedding, an LM head, a tied pair) stream instead, sharded over dp outside FSDP (``streamed_vocabulary``).
+"""Tensor and data parallelism for ``DecoderLM``, applied from outside the model in one fixed order: the TP plan (a dict
+of module name -> parallel style: ``tp_plan``'s local-shard styles, the LM head's ``ColwiseParallel``), activation
+checkpointing, ``torch.compile`` (GPU), then FSDP2 ``fully_shard`` per run of decoder layers (one layer each at real
+sizes; ``fsdp_units``), on an untied embedding and LM head (each alone) that do not stream, and on the root. Without TP,
+vocabulary weights of unit size (an embedding, an LM head, a tied pair) stream instead, sharded over dp outside FSDP
+(``streamed_vocabulary``).
 
 TP follows Megatron's split: q/k/v and gate/up are column-parallel (each TP rank owns whole heads / a slice of the
 MLP), o and down are row-parallel (their outputs all-reduced), the embedding is vocab-parallel (each rank owns a
@@ -15,14 +16,13 @@ heads are small and replicated over TP.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from spmd_rlhf.config import LoRAConfig
@@ -32,9 +32,12 @@ from spmd_rlhf.models.expert_parallel import check_expert_parallel, shard_expert
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
 from spmd_rlhf.models.moe import MoEBlock
 from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary, vocabulary_stream
-from spmd_rlhf.models.tp_plan import DECODER_LAYER_PLAN, HEAD_NORM_PLAN, SHARED_EXPERT_PLAN
-
-logger = logging.getLogger(__name__)
+from spmd_rlhf.models.tp_plan import (
+    DECODER_LAYER_PLAN,
+    HEAD_NORM_PLAN,
+    SHARED_EXPERT_PLAN,
+    VocabularyParallelEmbedding,
+)
 
 
 def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, ParallelStyle]:
@@ -49,7 +52,7 @@ def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, 
             if _has_submodule(layer, name):
                 plan[f"model.layers.{index}.{name}"] = style
     if model.model.embed_tokens is not None:
-        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["model.embed_tokens"] = VocabularyParallelEmbedding()
     if getattr(model, "lm_head", None) is not None:
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate() if gather_logits else Shard(-1))
     return plan
@@ -194,16 +197,11 @@ def unsharded_accumulation_bytes(model: DecoderLM, *, compute_dtype: torch.dtype
     return int(held)
 
 
-def compiles_blocks(setting: str, *, on_gpu: bool, tp: int, role: str) -> bool:
-    """Whether ``model.compile`` (``setting``) compiles ``role``'s decoder blocks: on always (the config refuses it
-    with a role at tp > 1: AOTAutograd fails on TP's DTensor blocks, ``config.checks``); auto on a GPU at tp = 1
-    (with context or expert parallelism too: their collectives compile, ``compile_block``), where it says once that
-    it keeps TP blocks eager; off never."""
-    if setting != "auto":
-        return setting == "on"
-    if on_gpu and tp > 1:
-        logger.info("model.compile=auto leaves %s's blocks eager at tp=%d (AOTAutograd fails on them)", role, tp)
-    return on_gpu and tp == 1
+def compiles_blocks(setting: str, *, on_gpu: bool) -> bool:
+    """Whether ``model.compile`` (``setting``) compiles decoder blocks: on always; auto on a GPU, whatever the
+    layout (TP blocks compute on local shards, ``tp_plan``; context and expert parallelism's collectives compile:
+    ``compile_block``); off never."""
+    return setting == "on" or (setting == "auto" and on_gpu)
 
 
 SAVED_OPS = frozenset(

@@ -129,7 +129,7 @@ class ShardedModel(PretrainedExport):
             lora=self.lora,
             activation_checkpointing=config.model.activation_checkpointing and trainable,
             checkpoint_policy=config.model.checkpoint_policy,
-            compile_layers=compiles_blocks(config.model.compile, on_gpu=on_gpu, tp=dims.tp, role=name),
+            compile_layers=compiles_blocks(config.model.compile, on_gpu=on_gpu),
             offload=role_config.offload and on_gpu,
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )

@@ -1,10 +1,14 @@
-"""Compiled decoder blocks under context and expert parallelism, over every rank of a gloo job (``model.compile``,
-``parallelize.compile_block`` traced with ``aot_eager``), against the same model with eager blocks on the same rank:
+"""Compiled decoder blocks under tensor, context and expert parallelism, over every rank of a gloo job
+(``model.compile``, ``parallelize.compile_block`` traced with ``aot_eager``), against the same model with eager blocks
+on the same rank:
 
+- tensor parallelism over every rank, a tiny Qwen3 (per-head q/k norms, tied vocabulary-parallel embedding and head)
+  under FSDP2 on a one-rank dp mesh (its unsharded parameters DTensors over tp), packed rows: logits and every
+  gradient, one graph per attention layout with no break (the blocks' TP forwards on local shards, ``tp_plan``);
 - context parallelism, a tiny Qwen3 (per-head q/k norms) over packed rows of mixed lengths, each rank its chunk:
-  Ulysses (its all-to-alls inside one graph, no break; also under selective activation checkpointing, where the
-  compiled forward runs inside the checkpoint) and ring attention (the graph broken only where ``ring_attend`` runs
-  its exchanges eagerly): the chunk's hidden states and every parameter's gradient;
+  Ulysses (its all-to-alls inside one graph, no break; under selective activation checkpointing, where the compiled
+  forward runs inside the checkpoint and its all-to-alls again in the backward) and ring attention (the graph broken
+  only where ``ring_attend`` runs its exchanges eagerly): the chunk's hidden states and every parameter's gradient;
 - expert parallelism, a tiny Qwen3-MoE with ``shard_experts`` over every rank, each rank its own tokens: logits and
   every gradient (the experts' shares included).
 
@@ -42,6 +46,31 @@ def check_gradients(eager: torch.nn.Module, compiled: torch.nn.Module, what: str
             assert ours.grad is None, (what, name)
             continue
         torch.testing.assert_close(local(ours.grad), local(theirs.grad), rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
+
+
+def tensor_parallel(model_dir: str) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    models = []
+    for compiled in (False, True):
+        model = load_model(model_dir, head="lm", dtype=torch.float32)
+        parallelize_module.parallelize(model, tp_mesh=mesh["tp"], dp_mesh=mesh["dp"], compile_layers=compiled)
+        models.append(model)
+    generator = torch.Generator().manual_seed(0)  # the same rows on every rank, as TP ranks take them
+    for lengths in ROWS:
+        ids = torch.randint(3, models[0].args.vocab_size, (1, sum(lengths)), generator=generator)
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        logits = []
+        for model in models:
+            model.zero_grad()
+            out = model(input_ids=ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths))
+            out.pow(2).mean().backward()
+            logits.append(out)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-6, msg="tensor parallel")
+        check_gradients(*models, "tensor parallel")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # two attention layouts
 
 
 def context_parallel(model_dir: str, attention: str, *, checkpointing: bool) -> None:
@@ -128,7 +157,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     parallelize_module.COMPILE_BACKEND = "aot_eager"  # what Inductor sees, without its code generation
     dense_dir, moe_dir = sys.argv[1:3]
-    context_parallel(dense_dir, "ulysses", checkpointing=False)
+    tensor_parallel(dense_dir)
     context_parallel(dense_dir, "ulysses", checkpointing=True)
     context_parallel(dense_dir, "ring", checkpointing=False)
     expert_parallel(moe_dir)
