@@ -1,7 +1,9 @@
 """Host time of one decode-shaped forward (one new token per row) of a tensor-parallel generation copy: its modules
-through DTensor's dispatch (``parallelize(..., gather_logits=True)``) against the same copy on local shards with
-explicit collectives (``models.local_tensor_parallel.run_locally``), on 2 gloo ranks, with the one-rank forward as
-the floor. A tiny model of many layers (hidden 64, 28 layers) so that the time is the host's, not the arithmetic.
+as ``parallelize(..., gather_logits=True)`` leaves them (the "dtensor" path: until session 43 DTensor's hooks and
+dispatch in every split layer; since then ``tp_plan``'s local-shard forwards with Megatron's autograd operators and a
+``to_local()`` per call, the LM head through DTensor) against the same copy on local shards without autograd
+(``models.local_tensor_parallel.run_locally``), on 2 gloo ranks, with the one-rank forward as the floor. A tiny
+model of many layers (hidden 64, 28 layers) so that the time is the host's, not the arithmetic.
 
     python benchmarks/tp_decode_host.py [--layers 28] [--rows 1 64] [--repeats 30]
 
