@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.parallelize import tensor_parallel_plan
 
 
@@ -68,7 +69,11 @@ def run_locally(model: DecoderLM, mesh: DeviceMesh) -> None:
     for name, style in tensor_parallel_plan(model, gather_logits=True).items():
         module = model.get_submodule(name)
         if not isinstance(style, ColwiseParallel | RowwiseParallel):
-            continue  # per-head norms: their one weight is whole on every rank, their forward already local
+            # Per-head norms: their one weight is whole on every rank, their forward already local. A column
+            # layers' parent: no gradient to sum.
+            if isinstance(module := model.get_submodule(name), MergeableProjections):
+                module.tp_group = None
+            continue
         module._forward_pre_hooks.clear()  # DTensor's input and output conversions (distribute_module's hooks)
         module._forward_hooks.clear()
         module.local_shards = _Shards(module)

@@ -95,11 +95,15 @@ class _AdapterHook:
         if not self.adapters.enabled:
             return output
         lora_a, lora_b = _local(module.lora_A.weight), _local(module.lora_B.weight)
+        if self.group is not None and self.split == "column":
+            # The input went through f in the parent (tp_plan.SharedColumnInput), which sums this path's share of its
+            # gradient with the base layer's; A, whole on every rank, takes its gradient summed over tp here.
+            lora_a = sum_gradient_over(lora_a, self.group)
         x = _local(args[0]).to(lora_a.dtype)
         x = F.dropout(x, self.adapters.config.dropout, training=module.training)
         hidden = F.linear(x, lora_a)
-        if self.group is not None:
-            hidden = (sum_gradient_over if self.split == "column" else sum_over)(hidden, self.group)
+        if self.group is not None and self.split == "row":
+            hidden = sum_over(hidden, self.group)
         return output + (F.linear(hidden, lora_b) * self.scale).to(output.dtype)
 
 

@@ -20,9 +20,12 @@ merged matmul would give them none), so the trained model's parameters, sharding
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+
+from spmd_rlhf.collectives import sum_gradient_over
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -111,6 +114,9 @@ class MergeableProjections(nn.Module):
     MERGEABLE: tuple[str, ...] = ()
     """The child linear layers that read one input, in the order ``projections`` returns their outputs."""
     merged: MergedLinear | None = None
+    tp_group: dist.ProcessGroup | None = None
+    """Under tensor parallelism, the group over which the layers are column-parallel (``tp_plan.SharedColumnInput``):
+    ``projections`` sums the input's gradient over it (Megatron's ``f``), once for all the layers."""
 
     def merge_projections(self) -> None:
         """Run the ``MERGEABLE`` layers as one matmul from now on (``MergedLinear``)."""
@@ -119,7 +125,9 @@ class MergeableProjections(nn.Module):
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each ``MERGEABLE`` layer's output for ``x``."""
         if self.merged is not None:
-            return self.merged(x)
+            return self.merged(x)  # a generation copy: no gradient to sum
+        if self.tp_group is not None:
+            x = sum_gradient_over(x, self.tp_group)
         return tuple(getattr(self, name)(x) for name in self.MERGEABLE)
 
     def _apply(self, fn, recurse=True):

@@ -36,6 +36,8 @@ from spmd_rlhf.models.tp_plan import (
     DECODER_LAYER_PLAN,
     HEAD_NORM_PLAN,
     SHARED_EXPERT_PLAN,
+    ColumnParallel,
+    SharedColumnInput,
     VocabularyParallelEmbedding,
 )
 
@@ -51,6 +53,8 @@ def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, 
             name = key.removeprefix("model.layers.*.")
             if _has_submodule(layer, name):
                 plan[f"model.layers.{index}.{name}"] = style
+                if isinstance(style, ColumnParallel):  # its parent sums the shared input's gradient over tp
+                    plan[f"model.layers.{index}.{name.rsplit('.', 1)[0]}"] = SharedColumnInput()
     if model.model.embed_tokens is not None:
         plan["model.embed_tokens"] = VocabularyParallelEmbedding()
     if getattr(model, "lm_head", None) is not None:

@@ -5,7 +5,10 @@ The styles split the parameters as ``ColwiseParallel`` / ``RowwiseParallel`` do 
 what FSDP2, checkpoints, the reshard and the weight sync read), but their forwards compute on this rank's local
 shards with Megatron's two autograd operators (``collectives``) instead of DTensor's input and output hooks:
 
-- column-parallel (q, k, v, gate, up): ``f(x) W_local^T + b_local``, ``f`` summing the input's gradient over tp;
+- column-parallel (q, k, v, gate, up): ``f(x) W_local^T + b_local``, ``f`` summing the input's gradient over tp,
+  once for all the layers that read one input (``SharedColumnInput`` on their ``MergeableProjections`` parent: one
+  all-reduce of ``[tokens, hidden]`` in the backward for q/k/v and one for gate/up, where DTensor's hooks run one
+  per layer, five per decoder layer);
 - row-parallel (o, down): ``g(x_local W_local^T) + b``, ``g`` the forward's all-reduce;
 - the vocabulary-parallel embedding: each rank looks up the ids in its rows (zeros elsewhere), then ``g``.
 
@@ -30,6 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from spmd_rlhf.collectives import sum_gradient_over, sum_over
 from spmd_rlhf.models.decoder import RMSNorm, rms_norm
+from spmd_rlhf.models.merged_linear import MergeableProjections
 
 
 def _local(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -38,7 +42,8 @@ def _local(module: nn.Module, name: str) -> torch.Tensor | None:
 
 
 def _column_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(sum_gradient_over(x, module.tp_group), _local(module, "weight"), _local(module, "bias"))
+    # ``x`` went through ``f`` once for every layer reading it, in the parent's ``projections`` (SharedColumnInput).
+    return F.linear(x, _local(module, "weight"), _local(module, "bias"))
 
 
 def _row_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +72,9 @@ def _compute_locally(module: nn.Module, mesh: DeviceMesh, forward: Callable) -> 
 
 
 class ColumnParallel(ColwiseParallel):
-    """``ColwiseParallel``'s split; the forward on local shards, the input's gradient summed over tp."""
+    """``ColwiseParallel``'s split; the forward on local shards. The input's gradient is summed over tp by the
+    parent module that feeds it (``SharedColumnInput``), which ``tensor_parallel_plan`` puts beside every column
+    layer."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return _compute_locally(super()._apply(module, device_mesh), device_mesh, _column_parallel)
@@ -79,6 +86,17 @@ class RowParallel(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return _compute_locally(super()._apply(module, device_mesh), device_mesh, _row_parallel)
+
+
+class SharedColumnInput(ParallelStyle):
+    """The parent of column-parallel layers that read one input (a ``MergeableProjections``: attention's q/k/v, a
+    SwiGLU's gate/up): its ``projections`` applies Megatron's ``f`` to that input once for all of them."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, MergeableProjections):
+            raise TypeError(f"column-parallel layers in a {type(module).__name__}: their input's gradient needs f")
+        module.tp_group = device_mesh.get_group()
+        return module
 
 
 class VocabularyParallelEmbedding(RowwiseParallel):

@@ -4,7 +4,8 @@ on the same rank:
 
 - tensor parallelism over every rank, a tiny Qwen3 (per-head q/k norms, tied vocabulary-parallel embedding and head)
   under FSDP2 on a one-rank dp mesh (its unsharded parameters DTensors over tp), packed rows: logits and every
-  gradient, one graph per attention layout with no break (the blocks' TP forwards on local shards, ``tp_plan``);
+  gradient, one graph per attention layout with no break (the blocks' TP forwards on local shards, ``tp_plan``), and
+  the eager pass's all-reduces (six per layer: each shared input's gradient summed once);
 - context parallelism, a tiny Qwen3 (per-head q/k norms) over packed rows of mixed lengths, each rank its chunk:
   Ulysses (its all-to-alls inside one graph, no break; under selective activation checkpointing, where the compiled
   forward runs inside the checkpoint and its all-to-alls again in the backward) and ring attention (the graph broken
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
+from spmd_rlhf.metrics.dispatch_counts import DispatchCounts
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models import parallelize as parallelize_module
 from spmd_rlhf.models.expert_parallel import shard_experts
@@ -71,6 +73,14 @@ def tensor_parallel(model_dir: str) -> None:
         check_gradients(*models, "tensor parallel")
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # two attention layouts
+    counts = DispatchCounts()
+    with counts:
+        models[0](input_ids=ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).pow(2).mean().backward()
+    all_reduces = counts.calls["c10d.allreduce_"] + counts.calls["_c10d_functional.all_reduce"]
+    # Per layer: o's and down's outputs; the gradients of q/k/v's one input and of gate/up's (each summed once for its
+    # layers, tp_plan.SharedColumnInput), of q_norm's and k_norm's weights. Then the embedding's output and the LM
+    # head's input gradient.
+    assert all_reduces == 6 * len(models[0].model.layers) + 2, dict(counts.calls)
 
 
 def context_parallel(model_dir: str, attention: str, *, checkpointing: bool) -> None:
