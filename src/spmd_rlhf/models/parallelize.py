@@ -251,7 +251,8 @@ def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", attentio
     all-to-alls' split sizes; ``attention_breaks`` says the attention call breaks it: flash-attn, whose kernels
     TorchDynamo traces only where the installed version registers them as torch ops (not tried here: flash-attn has
     no CPU build), and ring attention, whose point-to-point exchanges run eagerly between two compiled pieces
-    (``ring_attention.ring_attend``). Ulysses' all-to-alls compile inside the graph (functional collectives).
+    (``ring_attention.ring_attend``). Ulysses' all-to-alls and TP's all-reduces (its split layers compute on local
+    shards, ``tp_plan``) compile inside the graph as functional collectives.
     ``backend``: TorchDynamo's (tests trace with ``aot_eager``, which skips Inductor's code generation)."""
     layer.compile(fullgraph=_whole_graph(layer, attention_breaks), dynamic=True, backend=backend)
 
