@@ -19,15 +19,15 @@ class _SumGradientOverGroup(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over ``group`` (Megatron's ``f``)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup, copy: bool) -> torch.Tensor:
         ctx.group = group
-        return tensor.view_as(tensor)
+        return tensor.clone() if copy else tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return grad, None, None
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -44,10 +44,12 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-def sum_gradient_over(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def sum_gradient_over(tensor: torch.Tensor, group: dist.ProcessGroup, *, copy: bool = False) -> torch.Tensor:
     """``tensor`` unchanged, its gradient summed over ``group`` in the backward (the input of a split layer that
-    every rank of ``group`` feeds the same tensor)."""
-    return _SumGradientOverGroup.apply(tensor, group)
+    every rank of ``group`` feeds the same tensor). A view of ``tensor``, or with ``copy`` a copy: for a small
+    ``tensor`` that is itself a view made by a custom autograd function (a DTensor's ``to_local()``), whose view
+    TorchDynamo refuses to trace."""
+    return _SumGradientOverGroup.apply(tensor, group, copy)
 
 
 def sum_over(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

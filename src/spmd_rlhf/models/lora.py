@@ -98,7 +98,7 @@ class _AdapterHook:
         if self.group is not None and self.split == "column":
             # The input went through f in the parent (tp_plan.SharedColumnInput), which sums this path's share of its
             # gradient with the base layer's; A, whole on every rank, takes its gradient summed over tp here.
-            lora_a = sum_gradient_over(lora_a, self.group)
+            lora_a = sum_gradient_over(lora_a, self.group, copy=True)  # to_local()'s view; [rank, in] floats
         x = _local(args[0]).to(lora_a.dtype)
         x = F.dropout(x, self.adapters.config.dropout, training=module.training)
         hidden = F.linear(x, lora_a)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
+from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models import parallelize as parallelize_module
@@ -50,14 +51,38 @@ def check_gradients(eager: torch.nn.Module, compiled: torch.nn.Module, what: str
         torch.testing.assert_close(local(ours.grad), local(theirs.grad), rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
 
 
-def tensor_parallel(model_dir: str) -> None:
+def with_lora(model: torch.nn.Module, adapters) -> None:
+    """Adapters initialised as ``LoRAAdapters.initialize`` does, then every ``B`` random (zero, it would give ``A`` no
+    gradient), the same on every rank and in every model."""
+    adapters.initialize(model, seed=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                generator = torch.Generator().manual_seed(len(name))
+                full = torch.randn(param.shape, generator=generator) * 0.1
+                local(param).copy_(
+                    full.chunk(dist.get_world_size())[dist.get_rank()]
+                    if hasattr(param, "to_local") and param.placements[0].is_shard()
+                    else full
+                )
+
+
+def tensor_parallel(model_dir: str, *, lora: bool) -> None:
     torch._dynamo.reset()
     counters.clear()
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
     models = []
     for compiled in (False, True):
         model = load_model(model_dir, head="lm", dtype=torch.float32)
-        parallelize_module.parallelize(model, tp_mesh=mesh["tp"], dp_mesh=mesh["dp"], compile_layers=compiled)
+        adapters = parallelize_module.parallelize(
+            model,
+            tp_mesh=mesh["tp"],
+            dp_mesh=None if lora else mesh["dp"],
+            compile_layers=compiled,
+            lora=LoRAConfig(rank=4, alpha=8.0) if lora else None,
+        )
+        if lora:
+            with_lora(model, adapters)
         models.append(model)
     generator = torch.Generator().manual_seed(0)  # the same rows on every rank, as TP ranks take them
     for lengths in ROWS:
@@ -69,10 +94,13 @@ def tensor_parallel(model_dir: str) -> None:
             out = model(input_ids=ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths))
             out.pow(2).mean().backward()
             logits.append(out)
-        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-6, msg="tensor parallel")
-        check_gradients(*models, "tensor parallel")
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-6, msg=f"tensor parallel lora={lora}")
+        check_gradients(*models, f"tensor parallel lora={lora}")
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # two attention layouts
+    # Two attention layouts (and with LoRA, the first block, whose input needs no gradient).
+    assert counters["stats"]["unique_graphs"] <= (4 if lora else 2), dict(counters["stats"])
+    if lora:
+        return
     counts = DispatchCounts()
     with counts:
         models[0](input_ids=ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).pow(2).mean().backward()
@@ -167,7 +195,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     parallelize_module.COMPILE_BACKEND = "aot_eager"  # what Inductor sees, without its code generation
     dense_dir, moe_dir = sys.argv[1:3]
-    tensor_parallel(dense_dir)
+    tensor_parallel(dense_dir, lora=False)
+    tensor_parallel(dense_dir, lora=True)
     context_parallel(dense_dir, "ulysses", checkpointing=True)
     context_parallel(dense_dir, "ring", checkpointing=False)
     expert_parallel(moe_dir)
