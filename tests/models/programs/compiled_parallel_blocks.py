@@ -5,7 +5,8 @@ on the same rank:
 - tensor parallelism over every rank, a tiny Qwen3 (per-head q/k norms, tied vocabulary-parallel embedding and head)
   under FSDP2 on a one-rank dp mesh (its unsharded parameters DTensors over tp), packed rows: logits and every
   gradient, one graph per attention layout with no break (the blocks' TP forwards on local shards, ``tp_plan``), and
-  the eager pass's all-reduces (six per layer: each shared input's gradient summed once);
+  the eager pass's all-reduces (six per layer: each shared input's gradient summed once); again with LoRA adapters
+  on every projection (no FSDP), their random ``B`` giving ``A`` a gradient;
 - context parallelism, a tiny Qwen3 (per-head q/k norms) over packed rows of mixed lengths, each rank its chunk:
   Ulysses (its all-to-alls inside one graph, no break; under selective activation checkpointing, where the compiled
   forward runs inside the checkpoint and its all-to-alls again in the backward) and ring attention (the graph broken
