@@ -1,7 +1,8 @@
 """The flat all-gather and reduce-scatter under the names this torch has: 2.13 renames ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor`` to ``all_gather_single`` and ``reduce_scatter_single`` (the old names kept, deprecated);
 2.11 has only the old ones. And Megatron's two tensor-parallel autograd operators, ``sum_gradient_over`` (``f``) and
-``sum_over`` (``g``), for layers split by hand rather than by a DTensor plan (LoRA adapters, experts)."""
+``sum_over`` (``g``), for layers split by hand rather than by a DTensor plan (LoRA adapters, experts), with their
+sequence-parallel counterparts ``gather_sequence`` and ``sum_scattered_sequence``."""
 
 from __future__ import annotations
 
@@ -56,3 +57,66 @@ def sum_over(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``tensor`` summed over ``group`` (a new tensor), its gradient passed through unchanged (the partial outputs of
     a split layer)."""
     return _SumOverGroup.apply(tensor, group)
+
+
+def _gathered(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[1, t, ...]`` chunks over ``group`` -> ``[1, n t, ...]`` in rank order (a new tensor, not a view: a view
+    made inside an autograd function is what TorchDynamo refuses as a compiled block's input)."""
+    chunk = tensor[0].contiguous()
+    out = chunk.new_empty((1, dist.get_world_size(group) * chunk.shape[0], *chunk.shape[1:]))
+    all_gather_flat(out[0], chunk, group=group)
+    return out
+
+
+def _scattered(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[1, T, ...]`` partial results over ``group`` -> this rank's chunk ``[1, T / n, ...]`` of their sum."""
+    whole = tensor[0].contiguous()
+    out = whole.new_empty((1, whole.shape[0] // dist.get_world_size(group), *whole.shape[1:]))
+    reduce_scatter_flat(out[0], whole, group=group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup, replicated_gradient: bool) -> torch.Tensor:
+        ctx.group, ctx.replicated_gradient = group, replicated_gradient
+        ctx.chunk, ctx.rank = tensor.shape[1], dist.get_rank(group)
+        return _gathered(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.replicated_gradient:
+            return grad[:, ctx.rank * ctx.chunk : (ctx.rank + 1) * ctx.chunk].contiguous(), None, None
+        return _scattered(grad, ctx.group), None, None
+
+
+class _SumScatteredSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _scattered(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gathered(grad, ctx.group), None
+
+
+def gather_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[1, tokens / n, ...]`` chunks of one row, laid end to end over ``group`` in rank order: ``[1, tokens,
+    ...]``; the backward sums the gradient over ``group`` and hands each rank its chunk's (sequence parallelism's
+    ``f``: an all-gather, then a reduce-scatter in the backward)."""
+    return _GatherSequence.apply(tensor, group, False)
+
+
+def gather_sequence_for_replicas(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``gather_sequence`` for a consumer that every rank of ``group`` runs whole (a replicated head, whose own
+    gradient is summed over the group already): the gradient arrives the same on every rank, so the backward keeps
+    this rank's chunk of it, no collective (Megatron's gather with ``tensor_parallel_output_grad=False``)."""
+    return _GatherSequence.apply(tensor, group, True)
+
+
+def sum_scattered_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ``group`` of ``[1, tokens, ...]`` partial results of one row, each rank keeping its chunk ``[1,
+    tokens / n, ...]`` (``tokens`` a multiple of ``n``); the backward all-gathers the chunks' gradients (sequence
+    parallelism's ``g``: a reduce-scatter, then an all-gather in the backward)."""
+    return _SumScatteredSequence.apply(tensor, group)

@@ -28,9 +28,10 @@ LAYOUTS = [
     "dp4tp1pp1fsdp2",
     "dp2tp2pp1fsdp1",
     "dp2tp1pp2fsdp1",
+    "dp2tp2pp1sp",
 ]
-"""The last three hybrid-shard (HSDP): FSDP over 2 of 4 DP ranks, two replicas; TP, or two pipeline stages, with FSDP
-over 1 DP rank (each rank's shard whole), two replicas."""
+"""Three hybrid-shard (HSDP): FSDP over 2 of 4 DP ranks, two replicas; TP, or two pipeline stages, with FSDP over 1 DP
+rank (each rank's shard whole), two replicas. The last with every role's sequence parallelism."""
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ def check_framework(config: CheckedConfig) -> None:
     if not problems:
         for name, role in config.enabled_roles().items():
             check(_check_layout, config, name, role)
+            check(_check_sequence_parallel, config, name, role)
         check(_check_pools, config)
     if problems:
         _raise(problems)  # what follows reads the roles and their layouts
@@ -207,6 +208,22 @@ def _check_training_batches(config: CheckedConfig) -> None:
         require(config, key, role.mini_batch_size % per_pass == 0, f"must be a multiple of {unit}")
         rule = f"must be <= trainer.total_steps={config.trainer.total_steps}"
         require(config, f"{name}.warmup_steps", role.warmup_steps <= config.trainer.total_steps, rule)
+
+
+def _check_sequence_parallel(config: CheckedConfig, name: str, role: RoleConfig) -> None:
+    if not getattr(role, "sequence_parallel", False):
+        return
+    generates = name == "rollout" or getattr(role, "kind", "model") == "generative"
+    lora = getattr(role, "lora", None)
+    cases = {
+        "needs tp > 1 (it splits the row over the TP ranks)": role.tp == 1,
+        "splits training and scoring passes, not generation": generates,
+        f"does not split the row of a pipeline stage yet; set {name}.pp=1 or this to false": role.pp > 1,
+        f"does not split the row with context parallelism yet; set {name}.cp=1 or this to false": role.cp > 1,
+        "does not split the row with LoRA adapters yet; set this to false": lora is not None and bool(lora.rank),
+    }
+    for rule, broken in cases.items():
+        require(config, f"{name}.sequence_parallel", not broken, rule)
 
 
 def _check_layout(config: CheckedConfig, name: str, role: RoleConfig) -> None:

@@ -19,6 +19,7 @@ from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import MoEBlock, SwiGLU
 from spmd_rlhf.models.paged_kv import PagedKV
 from spmd_rlhf.models.rope import RotaryEmbedding, apply_rotary
+from spmd_rlhf.models.sequence_parallel import padded_row
 
 HEADS = ("lm", "value", "score")
 
@@ -74,11 +75,11 @@ class Attention(MergeableProjections):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[batch, seq, heads, head_dim]`` of ``x``: projected, normed (QK-norm models) and rotated (``rope``
         None: not rotated, for the paged decode kernel, which rotates them itself: ``AttentionBatch.rope``)."""
-        batch_size, seq_len = x.shape[:2]
         if self.merged is not None and not hasattr(self, "q_norm"):
             return self._merged_queries_keys_values(x, rope)
-        # -1 instead of the configured head counts so a tensor-parallel shard (fewer local heads) runs unchanged.
-        q, k, v = (t.view(batch_size, seq_len, -1, self.head_dim) for t in self.projections(x))
+        # -1 instead of the configured head counts so a tensor-parallel shard (fewer local heads) runs unchanged; the
+        # projections' length, which under sequence parallelism is the whole row's where x holds this rank's chunk.
+        q, k, v = (t.view(*t.shape[:2], -1, self.head_dim) for t in self.projections(x))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is None:
@@ -273,6 +274,9 @@ class DecoderLM(nn.Module):
         self.args, self.head, self.attention_backend = args, head, attention_backend
         self.context_parallel: str | None = None
         """``ulysses`` or ``ring`` once ``models.context_parallel.apply_context_parallel`` has installed it."""
+        self.sequence_parallel = 1
+        """The TP degree once ``parallelize`` has split the row between the TP regions (``models.tp_plan``): rows are
+        padded to a multiple of it (``models.sequence_parallel``)."""
         self.local_tensor_parallel = False
         """Set by ``models.local_tensor_parallel.run_locally``: the TP-split modules compute on local shards with
         explicit collectives (a generation copy), not through DTensor's dispatch."""
@@ -325,6 +329,11 @@ class DecoderLM(nn.Module):
             cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
+        tokens = input_ids.shape[1]
+        if self.sequence_parallel > 1 and paged is None:
+            input_ids, position_ids, cu_seqlens, max_seqlen = padded_row(
+                input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, self.sequence_parallel
+            )
         if row_length is not None and self.context_parallel == "ring":
             # Ring attention reads only the row's offsets: no whole-row mask, which would be [T, T].
             batch = AttentionBatch(cu_seqlens=cu_seqlens.to(input_ids.device), max_seqlen=max_seqlen or 0)
@@ -340,7 +349,8 @@ class DecoderLM(nn.Module):
             paged=paged,
             max_seqlen=max_seqlen,
         )
-        return self.model(input_ids, position_ids, batch)
+        hidden = self.model(input_ids, position_ids, batch)
+        return hidden if hidden.shape[1] == tokens else hidden[:, :tokens]  # sequence parallelism's padding dropped
 
     def forward(
         self,

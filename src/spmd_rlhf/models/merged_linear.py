@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from spmd_rlhf.collectives import sum_gradient_over
+from spmd_rlhf.collectives import gather_sequence, sum_gradient_over
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,6 +117,8 @@ class MergeableProjections(nn.Module):
     tp_group: dist.ProcessGroup | None = None
     """Under tensor parallelism, the group over which the layers are column-parallel (``tp_plan.SharedColumnInput``):
     ``projections`` sums the input's gradient over it (Megatron's ``f``), once for all the layers."""
+    sequence_parallel = False
+    """With ``tp_group``: the input is this rank's chunk of the row, which ``projections`` gathers from the group."""
 
     def merge_projections(self) -> None:
         """Run the ``MERGEABLE`` layers as one matmul from now on (``MergedLinear``)."""
@@ -127,7 +129,7 @@ class MergeableProjections(nn.Module):
         if self.merged is not None:
             return self.merged(x)  # a generation copy: no gradient to sum
         if self.tp_group is not None:
-            x = sum_gradient_over(x, self.tp_group)
+            x = (gather_sequence if self.sequence_parallel else sum_gradient_over)(x, self.tp_group)
         return tuple(getattr(self, name)(x) for name in self.MERGEABLE)
 
     def _apply(self, fn, recurse=True):

@@ -37,26 +37,39 @@ from spmd_rlhf.models.tp_plan import (
     HEAD_NORM_PLAN,
     SHARED_EXPERT_PLAN,
     ColumnParallel,
+    RowParallel,
+    SequenceParallelNorm,
     SharedColumnInput,
     VocabularyParallelEmbedding,
 )
 
 
-def tensor_parallel_plan(model: DecoderLM, *, gather_logits: bool) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(
+    model: DecoderLM, *, gather_logits: bool, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """Module name -> parallel style, for the parts ``model`` has: each layer's entries of the layer plans whose
     module the layer holds (a mixture-of-experts layer has no dense MLP, only some have a shared expert, only
-    ``qk_norm`` models per-head norms), the embedding and the head (a pipeline stage may lack them)."""
+    ``qk_norm`` models per-head norms), the embedding and the head (a pipeline stage may lack them);
+    ``sequence_parallel``: the sequence-parallel styles, and the decoder norms' (``tp_plan``)."""
     plan: dict[str, ParallelStyle] = {}
     layer_plans = {**DECODER_LAYER_PLAN, **SHARED_EXPERT_PLAN, **HEAD_NORM_PLAN}
     for index, layer in model.model.layers.items():
         for key, style in layer_plans.items():
             name = key.removeprefix("model.layers.*.")
             if _has_submodule(layer, name):
+                if sequence_parallel and isinstance(style, RowParallel):
+                    style = RowParallel(sequence_parallel=True)
                 plan[f"model.layers.{index}.{name}"] = style
                 if isinstance(style, ColumnParallel):  # its parent sums the shared input's gradient over tp
-                    plan[f"model.layers.{index}.{name.rsplit('.', 1)[0]}"] = SharedColumnInput()
+                    parent = f"model.layers.{index}.{name.rsplit('.', 1)[0]}"
+                    plan[parent] = SharedColumnInput(sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                plan[f"model.layers.{index}.{norm}"] = SequenceParallelNorm()
+    if sequence_parallel and model.model.norm is not None:
+        plan["model.norm"] = SequenceParallelNorm(gather=True)
     if model.model.embed_tokens is not None:
-        plan["model.embed_tokens"] = VocabularyParallelEmbedding()
+        plan["model.embed_tokens"] = VocabularyParallelEmbedding(sequence_parallel=sequence_parallel)
     if getattr(model, "lm_head", None) is not None:
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate() if gather_logits else Shard(-1))
     return plan
@@ -87,6 +100,22 @@ def check_tensor_parallel(model: DecoderLM, tp: int, *, role: str) -> None:
     for name, size in sizes.items():
         if size % tp:
             raise ValueError(f"{role}.tp={tp} does not divide the model's {name}={size}; choose a tp that divides it")
+
+
+def check_sequence_parallel(model: DecoderLM, *, cp: bool, lora: bool, role: str) -> None:
+    """Raise a ``ValueError`` naming the setting to change where ``<role>.sequence_parallel`` cannot split the row
+    yet: mixture-of-experts layers (their experts' TP split needs every rank's tokens), a pipeline stage, context
+    parallelism and LoRA adapters."""
+    moe = model.args.moe
+    cases = {
+        "mixture-of-experts layers": moe is not None and bool(moe.layers),
+        f"a pipeline stage ({role}.pp > 1)": model.model.embed_tokens is None or model.model.norm is None,
+        f"context parallelism ({role}.cp > 1)": cp,
+        "LoRA adapters (lora.enabled)": lora,
+    }
+    for what, present in cases.items():
+        if present:
+            raise ValueError(f"{role}.sequence_parallel does not split the row with {what} yet; set it to false")
 
 
 def group_layers(layer_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
@@ -282,6 +311,7 @@ def parallelize(
     cp_attention: str = "auto",
     mp_policy: MixedPrecisionPolicy | None = None,
     gather_logits: bool = False,
+    sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
     checkpoint_policy: str = "full",
     compile_layers: bool = False,
@@ -309,9 +339,14 @@ def parallelize(
     compiling wraps a layer in another module, so parameter names stay Hugging Face's.
     """
     tensor_parallel = tp_mesh is not None and tp_mesh.size() > 1
+    sequence_parallel = sequence_parallel and tensor_parallel
     if tensor_parallel:
         check_tensor_parallel(model, tp_mesh.size(), role=role)
-        parallelize_module(model, tp_mesh, tensor_parallel_plan(model, gather_logits=gather_logits))
+        if sequence_parallel:
+            check_sequence_parallel(model, cp=cp_group is not None, lora=lora is not None and lora.enabled, role=role)
+            model.sequence_parallel = tp_mesh.size()
+        plan = tensor_parallel_plan(model, gather_logits=gather_logits, sequence_parallel=sequence_parallel)
+        parallelize_module(model, tp_mesh, plan)
         if model.model.embed_tokens is not None and getattr(model, "lm_head", None) is not None:
             model.tie_weights()
     expert_parallel = ep_mesh is not None and ep_mesh.size() > 1

@@ -12,6 +12,14 @@ shards with Megatron's two autograd operators (``collectives``) instead of DTens
 - row-parallel (o, down): ``g(x_local W_local^T) + b``, ``g`` the forward's all-reduce;
 - the vocabulary-parallel embedding: each rank looks up the ids in its rows (zeros elsewhere), then ``g``.
 
+Sequence parallelism (``sequence_parallel=True``, Megatron's): between the TP regions, each rank keeps its chunk of
+the packed row (``[1, tokens / tp, hidden]``, the row padded to a multiple of tp: ``DecoderLM.hidden_states``), so the
+residual stream and the norms' activations, replicated over tp otherwise, are split: ``f`` becomes an all-gather of
+the row (a reduce-scatter in the backward, ``gather_sequence``) and ``g`` a reduce-scatter (an all-gather in the
+backward, ``sum_scattered_sequence``), the same bytes as the all-reduces they replace. The norms' weights (and a
+row-parallel bias), applied to each rank's own tokens, take their gradients summed over tp; the final norm gathers
+the row for the head.
+
 The same arithmetic and collectives as the DTensor hooks, without their dispatch (host work per call), and what
 ``torch.compile`` traces in a block: a block on DTensor hooks fails in AOTAutograd (torch 2.13: a RecursionError
 with dynamic shapes), and an embedding output that is ``to_local``'s view loses its gradient through a compiled
@@ -31,7 +39,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from spmd_rlhf.collectives import sum_gradient_over, sum_over
+from spmd_rlhf.collectives import (
+    gather_sequence_for_replicas,
+    sum_gradient_over,
+    sum_over,
+    sum_scattered_sequence,
+)
 from spmd_rlhf.models.decoder import RMSNorm, rms_norm
 from spmd_rlhf.models.merged_linear import MergeableProjections
 
@@ -52,12 +65,35 @@ def _row_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out if bias is None else out + bias
 
 
-def _vocabulary_parallel_embedding(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def _sequence_parallel_row(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = sum_scattered_sequence(F.linear(x, _local(module, "weight")), module.tp_group)
+    bias = _local(module, "bias")  # added to this rank's tokens: its gradient summed over tp
+    return out if bias is None else out + sum_gradient_over(bias, module.tp_group, copy=True)
+
+
+def _partial_embedding(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     weight = _local(module, "weight")
     local_ids = input_ids - module.tp_coordinate * weight.shape[0]
     outside = (local_ids < 0) | (local_ids >= weight.shape[0])
-    embedded = F.embedding(local_ids.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0)
-    return sum_over(embedded, module.tp_group)
+    return F.embedding(local_ids.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0)
+
+
+def _vocabulary_parallel_embedding(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return sum_over(_partial_embedding(module, input_ids), module.tp_group)
+
+
+def _sequence_parallel_embedding(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return sum_scattered_sequence(_partial_embedding(module, input_ids), module.tp_group)
+
+
+def _norm_summing_weight_gradient(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, sum_gradient_over(module.weight, module.tp_group), module.eps)
+
+
+def _gathering_norm(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    # The head runs whole on every rank (the LM head's input replicated, its gradient all-reduced; a value or score
+    # head replicated): its gradient arrives the same on every rank.
+    return gather_sequence_for_replicas(_norm_summing_weight_gradient(module, x), module.tp_group)
 
 
 def _compute_locally(module: nn.Module, mesh: DeviceMesh, forward: Callable) -> nn.Module:
@@ -82,33 +118,60 @@ class ColumnParallel(ColwiseParallel):
 
 class RowParallel(RowwiseParallel):
     """``RowwiseParallel``'s split (the input's last dimension sharded, the output replicated); the forward on local
-    shards, its partial outputs summed over tp."""
+    shards, its partial outputs summed over tp (``sequence_parallel``: reduce-scattered over the row)."""
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return _compute_locally(super()._apply(module, device_mesh), device_mesh, _row_parallel)
+        forward = _sequence_parallel_row if self.sequence_parallel else _row_parallel
+        return _compute_locally(super()._apply(module, device_mesh), device_mesh, forward)
 
 
 class SharedColumnInput(ParallelStyle):
     """The parent of column-parallel layers that read one input (a ``MergeableProjections``: attention's q/k/v, a
-    SwiGLU's gate/up): its ``projections`` applies Megatron's ``f`` to that input once for all of them."""
+    SwiGLU's gate/up): its ``projections`` applies Megatron's ``f`` to that input once for all of them
+    (``sequence_parallel``: gathers the row from every rank's chunk)."""
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, MergeableProjections):
             raise TypeError(f"column-parallel layers in a {type(module).__name__}: their input's gradient needs f")
-        module.tp_group = device_mesh.get_group()
+        module.tp_group, module.sequence_parallel = device_mesh.get_group(), self.sequence_parallel
         return module
 
 
 class VocabularyParallelEmbedding(RowwiseParallel):
     """An embedding's rows split over tp (``RowwiseParallel`` of a replicated input to a replicated output); the
-    forward on local rows, the partial embeddings summed over tp."""
+    forward on local rows, the partial embeddings summed over tp (``sequence_parallel``: reduce-scattered over the
+    row, each rank keeping its chunk)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
         super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, nn.Embedding), module
-        return _compute_locally(super()._apply(module, device_mesh), device_mesh, _vocabulary_parallel_embedding)
+        forward = _sequence_parallel_embedding if self.sequence_parallel else _vocabulary_parallel_embedding
+        return _compute_locally(super()._apply(module, device_mesh), device_mesh, forward)
+
+
+class SequenceParallelNorm(ParallelStyle):
+    """A decoder norm under sequence parallelism: applied to this rank's chunk of the row, its whole weight's
+    gradient summed over tp; ``gather``: the row gathered after it (the final norm, before the head)."""
+
+    def __init__(self, *, gather: bool = False) -> None:
+        super().__init__()
+        self.gather = gather
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, RMSNorm), module
+        forward = _gathering_norm if self.gather else _norm_summing_weight_gradient
+        return _compute_locally(module, device_mesh, forward)
 
 
 DECODER_LAYER_PLAN: dict[str, ParallelStyle] = {
@@ -139,11 +202,7 @@ class HeadNormParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, RMSNorm), module
-        return _compute_locally(module, device_mesh, _head_norm)
-
-
-def _head_norm(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return rms_norm(x, sum_gradient_over(module.weight, module.tp_group), module.eps)
+        return _compute_locally(module, device_mesh, _norm_summing_weight_gradient)
 
 
 HEAD_NORM_PLAN: dict[str, ParallelStyle] = {

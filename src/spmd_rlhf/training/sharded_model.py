@@ -124,6 +124,7 @@ class ShardedModel(PretrainedExport):
             ep_tp_mesh=experts["ep", "tp"] if experts is not None and dims.tp > 1 else None,
             cp_group=self.cp_group,
             cp_attention=role_config.cp_attention,
+            sequence_parallel=role_config.sequence_parallel,
             mp_policy=policy,
             role=name,
             lora=self.lora,

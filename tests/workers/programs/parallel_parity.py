@@ -26,8 +26,9 @@ from spmd_rlhf.workers import ActorWorker, CriticWorker, RewardWorker
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from dp_parity import argument_sets, rollout_batch, with_value_targets  # noqa: E402
 
-LAYOUT = r"dp(\d+)tp(\d+)pp(\d+)(?:fsdp(\d+))?"
-"""A layout's name: its sizes, and with ``fsdp`` FSDP's shard group below dp (HSDP)."""
+LAYOUT = r"dp(\d+)tp(\d+)pp(\d+)(?:fsdp(\d+))?(sp)?"
+"""A layout's name: its sizes, with ``fsdp`` FSDP's shard group below dp (HSDP), with ``sp`` every role's
+sequence parallelism."""
 
 
 class ProbedActor(ActorWorker):
@@ -85,15 +86,20 @@ def run_models(
     # Under HSDP the critic reduce-scatters every micro-batch's gradients (as a model too large to keep them unsharded
     # does), all-reducing them across the replicas once, in the last backward.
     hybrid_config = load_config(None, [*overrides, "critic.unsharded_accumulation_mb=0"])
+    roles = ("actor", "critic", "reward")
+    sequence_parallel = [f"{role}.{key}" for role in roles for key in ("tp=2", "sequence_parallel=true")]
+    split_config = load_config(None, [*overrides, *sequence_parallel])  # tp as the layouts with sp have it
     batch = with_value_targets(rollout_batch(16, 5, 6, vocab=100))
     actors = {}
     for layout in layouts:
-        dp, tp, pp, fsdp = (int(size or 0) for size in re.fullmatch(LAYOUT, layout).groups())
+        *sizes, split = re.fullmatch(LAYOUT, layout).groups()
+        dp, tp, pp, fsdp = (int(size or 0) for size in sizes)
         pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp, fsdp_size=fsdp)
-        actor = coordinator.spawn(ProbedActor, config, name=f"{prefix}actor_{layout}", pool=pool, dims=dims)
-        critic_config = hybrid_config if fsdp else config
+        role_config = split_config if split else config
+        actor = coordinator.spawn(ProbedActor, role_config, name=f"{prefix}actor_{layout}", pool=pool, dims=dims)
+        critic_config = hybrid_config if fsdp else role_config
         critic = coordinator.spawn(CriticWorker, critic_config, name=f"{prefix}critic_{layout}", pool=pool, dims=dims)
-        reward = coordinator.spawn(RewardWorker, config, name=f"{prefix}reward_{layout}", pool=pool, dims=dims)
+        reward = coordinator.spawn(RewardWorker, role_config, name=f"{prefix}reward_{layout}", pool=pool, dims=dims)
         results = {
             "log_probs": actor.compute_log_probs(batch).result().fetch()["old_log_probs"],
             "values": critic.compute_values(batch).result().fetch()["values"],

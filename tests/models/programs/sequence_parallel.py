@@ -1,0 +1,137 @@
+"""Sequence parallelism (``parallelize(sequence_parallel=True)``, ``models.tp_plan``) over every rank of a gloo job
+as its TP group, against the same TP split without it on the same rank: packed rows whose lengths are not multiples
+of tp (padded inside the model), a single sequence without offsets, Qwen3 (per-head q/k norms, tied vocabulary) and a
+Llama with biases on its row-parallel layers, an LM head and a value head: outputs and every gradient equal, eager
+and with compiled blocks; the bytes autograd saves for the backward smaller; the refusals name the setting.
+
+    torchrun --nproc-per-node 2 tests/models/programs/sequence_parallel.py QWEN3_DIR LLAMA_VALUE_DIR MOE_DIR
+"""
+
+import itertools
+import sys
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
+
+from spmd_rlhf.config import LoRAConfig
+from spmd_rlhf.models import load_model
+from spmd_rlhf.models import parallelize as parallelize_module
+from spmd_rlhf.runtime import end_process
+
+ROWS = ([12, 14, 9], [20, 4, 6, 2, 1], [31])
+"""Packed rows of 35, 33 and 31 tokens: each padded by one token at tp = 2."""
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def built(model_dir: str, head: str, mesh, *, sequence_parallel: bool, compiled: bool = False):
+    model = load_model(model_dir, head=head, dtype=torch.float32)
+    parallelize_module.parallelize(
+        model, tp_mesh=mesh, dp_mesh=None, sequence_parallel=sequence_parallel, compile_layers=compiled
+    )
+    return model
+
+
+def saved_bytes(model, inputs: dict) -> int:
+    """Bytes of the activations autograd keeps for the backward of one forward (tensors sharing a parameter's
+    storage left out)."""
+    parameters = {local(param).untyped_storage().data_ptr() for param in model.parameters()}
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        try:
+            owned = tensor.untyped_storage().data_ptr() not in parameters
+        except RuntimeError:  # a tensor without storage of its own (a wrapper subclass): an activation
+            owned = True
+        if owned:
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(**inputs)
+    return total
+
+
+def check_family(model_dir: str, head: str, mesh) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    plain = built(model_dir, head, mesh, sequence_parallel=False)
+    split = built(model_dir, head, mesh, sequence_parallel=True)
+    compiled = built(model_dir, head, mesh, sequence_parallel=True, compiled=True)
+    models = (plain, split, compiled)
+    generator = torch.Generator().manual_seed(0)  # the same rows on every rank
+    vocab = plain.args.vocab_size
+    batches = [
+        {
+            "input_ids": torch.randint(3, vocab, (1, sum(lengths)), generator=generator),
+            "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+            "max_seqlen": max(lengths),
+        }
+        for lengths in ROWS
+    ]
+    batches.append({"input_ids": torch.randint(3, vocab, (1, 17), generator=generator)})  # one sequence, no offsets
+    for inputs in batches:
+        outputs = []
+        for model in models:
+            model.zero_grad()
+            out = model(**inputs)
+            out.pow(2).mean().backward()
+            outputs.append(out)
+        for name, out, model in (("eager", outputs[1], split), ("compiled", outputs[2], compiled)):
+            what = f"{model_dir} {head} {name}"
+            torch.testing.assert_close(out, outputs[0], rtol=1e-5, atol=1e-6, msg=what)
+            for (param_name, theirs), ours in zip(plain.named_parameters(), model.parameters()):
+                torch.testing.assert_close(
+                    local(ours.grad), local(theirs.grad), rtol=1e-5, atol=1e-6, msg=f"{what} {param_name}"
+                )
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    inputs = batches[0]
+    with_split, without = saved_bytes(split, inputs), saved_bytes(plain, inputs)
+    assert with_split < without, (with_split, without)
+    if dist.get_rank() == 0:
+        print(f"{head}: saved for the backward {with_split} bytes with sequence parallelism, {without} without")
+
+
+def check_refusals(moe_dir: str, dense_dir: str, mesh) -> None:
+    cases = [
+        (moe_dir, {}, "actor.sequence_parallel does not split the row with mixture-of-experts layers yet"),
+        (dense_dir, {"lora": LoRAConfig(rank=2)}, "with LoRA adapters (lora.enabled) yet"),
+        (dense_dir, {"cp_group": dist.group.WORLD}, "with context parallelism (actor.cp > 1) yet"),
+    ]
+    for model_dir, extra, message in cases:
+        model = load_model(model_dir, head="lm", dtype=torch.float32)
+        try:
+            parallelize_module.parallelize(
+                model, tp_mesh=mesh, dp_mesh=None, sequence_parallel=True, role="actor", **extra
+            )
+            raise AssertionError(f"accepted: {message}")
+        except ValueError as error:
+            assert message in str(error), error
+    model = built(dense_dir, "lm", mesh, sequence_parallel=True)
+    try:
+        model(torch.ones(2, 8, dtype=torch.long), attention_mask=torch.ones(2, 8, dtype=torch.long))
+        raise AssertionError("padded rows accepted")
+    except ValueError as error:
+        assert "sequence parallelism splits one packed row" in str(error), error
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    parallelize_module.COMPILE_BACKEND = "aot_eager"  # what Inductor sees, without its code generation
+    qwen3_dir, llama_dir, moe_dir = sys.argv[1:4]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    check_family(qwen3_dir, "lm", mesh)
+    check_family(llama_dir, "value", mesh)
+    check_refusals(moe_dir, qwen3_dir, mesh)
+    dist.barrier()
+    dist.destroy_process_group()
+    end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
+
+
+if __name__ == "__main__":
+    main()
