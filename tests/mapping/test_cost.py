@@ -58,6 +58,19 @@ def test_training_costs_about_three_forward_passes_when_compute_bound():
     assert full_kept < selective_kept < 0.6 * none_kept
 
 
+def test_sequence_parallelism_splits_the_replicated_activations_over_tp():
+    """Without sequence parallelism a TP rank keeps the residual stream's and the norms' activations whole (8 h per
+    token and layer): at tp = 4 more than a quarter of tp = 1's; with it every activation splits, at tp = 1 a no-op,
+    and under activation checkpointing the kept block inputs split too."""
+    split = dataclasses.replace(ACTOR, sequence_parallel=True)
+    full = dataclasses.replace(BATCH, activation_checkpointing=True)
+    for batch in (BATCH, full):
+        whole = working_bytes(ACTOR, Layout(1, 1, 1), batch)
+        assert working_bytes(split, Layout(1, 1, 1), batch) == whole
+        replicated, divided = (working_bytes(role, Layout(1, 1, 4), batch) for role in (ACTOR, split))
+        assert divided < 0.85 * replicated and replicated > 0.3 * whole
+
+
 def test_context_and_expert_parallelism_cost_their_all_to_alls():
     """Ulysses (cp): per layer, q, k and v out to head shards and the output back, once in the forward and once in the
     backward, for each of a rank's 1/cp chunks; experts (ep): each token's routed copies out and back per MoE layer, and

@@ -40,7 +40,6 @@ def test_a_row_is_padded_by_one_sequence_to_a_multiple_of_tp():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ([], "needs tp > 1"),
         (["actor.tp=2", "actor.cp=2", "actor.n_ranks=8"], "with context parallelism yet; set actor.cp=1"),
         (["actor.tp=2", "actor.pp=2", "actor.n_ranks=4"], "of a pipeline stage yet; set actor.pp=1"),
         (["actor.tp=2", "actor.lora.rank=4"], "with LoRA adapters yet"),
@@ -49,4 +48,5 @@ def test_a_row_is_padded_by_one_sequence_to_a_multiple_of_tp():
 def test_refusals_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=f"actor.sequence_parallel=true: .*{message}"):
         load_config(None, ["actor.sequence_parallel=true", *overrides])
-    assert load_config(None, ["actor.sequence_parallel=true", "actor.tp=2"]).actor.sequence_parallel
+    for tp in (1, 2):  # at tp = 1 it has no effect (placement=auto may choose it)
+        assert load_config(None, ["actor.sequence_parallel=true", f"actor.tp={tp}"]).actor.sequence_parallel

@@ -100,7 +100,13 @@ def test_a_derived_token_budget_follows_the_free_memory_and_the_pass():
     forward = bytes_per_token(args, tp=1, pp=1, dtype_bytes=2, train=False, activation_checkpointing=False)
     assert forward == layer + 151936 * 2
     checkpointed = bytes_per_token(args, tp=2, pp=2, dtype_bytes=2, train=True, activation_checkpointing=True)
-    assert checkpointed == 2 * 1536 * 2 * 14 + layer / 2 + 2 * 151936 * 2 / 2
+    # Under TP each rank keeps the block inputs, the residual stream and the norms' activations whole (8 h)...
+    replicated = 8 * 1536 * 2
+    assert checkpointed == 2 * 1536 * 2 * 14 + (layer - replicated) / 2 + replicated + 2 * 151936 * 2 / 2
+    split = bytes_per_token(
+        args, tp=2, pp=2, dtype_bytes=2, train=True, activation_checkpointing=True, sequence_parallel=True
+    )
+    assert split == (2 * 1536 * 2 * 14 + layer) / 2 + 2 * 151936 * 2 / 2  # ... and sequence parallelism splits them
     selective = bytes_per_token(
         args, tp=1, pp=1, dtype_bytes=2, train=True, activation_checkpointing=True, checkpoint_policy="selective"
     )

@@ -37,7 +37,13 @@ from spmd_rlhf.mapping.devices import Cluster, Layout
 from spmd_rlhf.mapping.workload import Batch, ModelShape, RoleSpec
 from spmd_rlhf.models.context_parallel import resolve_cp_attention
 from spmd_rlhf.models.logprob import rows_per_chunk
-from spmd_rlhf.training.token_budget import activation_elements, selective_checkpoint_elements
+from spmd_rlhf.training.token_budget import (
+    REPLICATED_HIDDENS,
+    REPLICATED_SELECTIVE_HIDDENS,
+    activation_elements,
+    selective_checkpoint_elements,
+    tp_rank_elements,
+)
 
 TRAINING_BYTES_PER_PARAMETER = 16
 """float32 weight + float32 gradient + Adam's two float32 moments."""
@@ -212,7 +218,11 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     shape, b = role.shape, batch.dtype_bytes
     # Under context parallelism a rank holds its 1/cp chunk of each micro-batch, and the head's outputs of its chunk.
     tokens = _micro_batch(role, batch) * batch.sequence_length / layout.cp
-    layer = layer_activation_bytes(role.shape, b) * tokens / layout.tp
+    # Without sequence parallelism (or where it does not apply) every TP rank keeps the residual stream's and the
+    # norms' activations whole (token_budget.REPLICATED_HIDDENS).
+    split = {"tp": layout.tp, "sequence_parallel": role.sequence_parallel and layout.pp == layout.cp == 1}
+    hidden = shape.hidden
+    layer = tp_rank_elements(layer_activation_bytes(role.shape, b), REPLICATED_HIDDENS * hidden * b, **split) * tokens
     outputs = head_output_bytes(role, layout, batch, trained=role.trained)
     if not role.trained:
         gathered = forward_gathered_bytes(role, layout, batch) if gathers_forward_once(role, layout, batch) else 0.0
@@ -222,9 +232,11 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     # 1F1B keeps pp micro-batches in flight on the first stage, each through layers/pp layers: ~ all layers' worth.
     in_flight = shape.layers / layout.pp * min(layout.pp, batch.rows)
     if batch.activation_checkpointing and batch.checkpoint_policy == "selective":
-        kept = selective_checkpoint_bytes(role.shape, b) * tokens / layout.tp * in_flight + layer
+        selective = selective_checkpoint_bytes(role.shape, b)
+        kept = tp_rank_elements(selective, REPLICATED_SELECTIVE_HIDDENS * hidden * b, **split) * tokens * in_flight
+        kept += layer
     elif batch.activation_checkpointing:
-        kept = 2 * shape.hidden * b * tokens * in_flight + layer
+        kept = tp_rank_elements(2 * hidden * b, 2 * hidden * b, **split) * tokens * in_flight + layer
     else:
         kept = layer * in_flight
     return kept + outputs

@@ -34,7 +34,15 @@ def config_dataflow(config: FrameworkConfig) -> tuple[list[RoleSpec], Batch]:
         # pass is generation (``search.judge_seconds``).
         judge = getattr(role, "kind", None) == "generative"
         head = "lm" if judge else kind.head
-        spec = RoleSpec(name, shape, head, kind.trained, work, judge_tokens=role.judge_max_new_tokens if judge else 0)
+        spec = RoleSpec(
+            name,
+            shape,
+            head,
+            kind.trained,
+            work,
+            judge_tokens=role.judge_max_new_tokens if judge else 0,
+            sequence_parallel=getattr(role, "sequence_parallel", False),
+        )
         lora = getattr(role, "lora", None)
         if kind.trained and lora is not None and lora.enabled:
             spec = dataclasses.replace(spec, lora_parameters=lora_parameters(shape, head, lora.modules, lora.rank_of))

@@ -238,6 +238,7 @@ class ShardedModel(PretrainedExport):
             train=train,
             activation_checkpointing=self.config.model.activation_checkpointing,
             checkpoint_policy=self.config.model.checkpoint_policy,
+            sequence_parallel=self.module.sequence_parallel > 1,
         )
         longest = batch["attention_mask"].shape[1]
         return derived_token_budget(free_bytes=free_device_bytes(self.device), per_token=per_token, longest=longest)

@@ -45,6 +45,22 @@ def activation_elements(*, hidden: int, kv_width: int, mlp_width: int) -> int:
     return 11 * hidden + 3 * kv_width + 4 * mlp_width
 
 
+REPLICATED_HIDDENS = 8
+"""Of ``activation_elements``, the hidden-wide ones every TP rank keeps whole unless sequence parallelism splits the
+row: each RMSNorm's input and float32 copy (3 h each), the normed input and the residual (h each); q, its rotated
+copy and the attention output (3 h), k and v (3 kv) and the MLP's (4 I) are split over tp."""
+
+REPLICATED_SELECTIVE_HIDDENS = 3
+"""Of ``selective_checkpoint_elements``, the ones every TP rank keeps whole without sequence parallelism: the block's
+input and the output and down projections' summed outputs."""
+
+
+def tp_rank_elements(total: float, replicated: float, *, tp: int, sequence_parallel: bool) -> float:
+    """What one rank of ``tp`` keeps of ``total`` per-token elements of which ``replicated`` are whole on every TP
+    rank unless ``sequence_parallel`` splits them too."""
+    return (total - replicated) / tp + replicated / (tp if sequence_parallel else 1)
+
+
 def selective_checkpoint_elements(*, hidden: int, kv_width: int, mlp_width: int) -> int:
     """Elements one token keeps in one layer under ``model.checkpoint_policy=selective`` (``parallelize.SAVED_OPS``):
     the block's input (h) and the outputs of its matmuls and attention, q (h), k and v (2 kv), the attention output
@@ -61,19 +77,25 @@ def bytes_per_token(
     train: bool,
     activation_checkpointing: bool,
     checkpoint_policy: str = "full",
+    sequence_parallel: bool = False,
 ) -> float:
     """Bytes one token of a micro-batch holds on one rank of a ``tp`` x ``pp`` layout (module docstring); the logits
     are counted at every token, an upper bound for the response positions that have them. Under context parallelism
     a token is one of a rank's chunk of the row, and each rank runs the head on its own chunk
-    (``training.context_parallel``), so a token's bytes are the same."""
-    layer = layer_activation_elements(args) * dtype_bytes / tp
+    (``training.context_parallel``), so a token's bytes are the same. Without ``sequence_parallel`` the residual
+    stream's and the norms' activations are whole on every TP rank (``REPLICATED_HIDDENS``)."""
+    hidden = args.hidden_size
+    split = {"tp": tp, "sequence_parallel": sequence_parallel}
+    layer = tp_rank_elements(layer_activation_elements(args), REPLICATED_HIDDENS * hidden, **split) * dtype_bytes
     layers = args.num_layers / pp
     if not train:
         kept = layer
     elif activation_checkpointing and checkpoint_policy == "selective":
-        kept = selective_checkpoint_elements(**_widths(args)) * dtype_bytes / tp * layers + layer
+        selective = selective_checkpoint_elements(**_widths(args))
+        kept = tp_rank_elements(selective, REPLICATED_SELECTIVE_HIDDENS * hidden, **split) * dtype_bytes * layers
+        kept += layer
     elif activation_checkpointing:
-        kept = 2 * args.hidden_size * dtype_bytes * layers + layer
+        kept = tp_rank_elements(2 * hidden, 2 * hidden, **split) * dtype_bytes * layers + layer
     else:
         kept = layer * layers
     logits = args.vocab_size / tp * dtype_bytes * (2 if train else 1)
