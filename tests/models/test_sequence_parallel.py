@@ -42,7 +42,6 @@ def test_a_row_is_padded_by_one_sequence_to_a_multiple_of_tp():
     [
         (["actor.tp=2", "actor.cp=2", "actor.n_ranks=8"], "with context parallelism yet; set actor.cp=1"),
         (["actor.tp=2", "actor.pp=2", "actor.n_ranks=4"], "of a pipeline stage yet; set actor.pp=1"),
-        (["actor.tp=2", "actor.lora.rank=4"], "with LoRA adapters yet"),
     ],
 )
 def test_refusals_name_the_key(overrides, message):

@@ -214,12 +214,10 @@ def _check_sequence_parallel(config: CheckedConfig, name: str, role: RoleConfig)
     if not getattr(role, "sequence_parallel", False):
         return
     generates = name == "rollout" or getattr(role, "kind", "model") == "generative"
-    lora = getattr(role, "lora", None)
     cases = {
         "splits training and scoring passes, not generation": generates,
         f"does not split the row of a pipeline stage yet; set {name}.pp=1 or this to false": role.pp > 1,
         f"does not split the row with context parallelism yet; set {name}.cp=1 or this to false": role.cp > 1,
-        "does not split the row with LoRA adapters yet; set this to false": lora is not None and bool(lora.rank),
     }
     for rule, broken in cases.items():
         require(config, f"{name}.sequence_parallel", not broken, rule)

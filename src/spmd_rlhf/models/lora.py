@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from spmd_rlhf.collectives import sum_gradient_over, sum_over
+from spmd_rlhf.collectives import sum_gradient_over, sum_over, sum_scattered_sequence
 from spmd_rlhf.config import LoRAConfig, format_value
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.shard_pieces import local_piece
@@ -103,7 +103,14 @@ class _AdapterHook:
         x = F.dropout(x, self.adapters.config.dropout, training=module.training)
         hidden = F.linear(x, lora_a)
         if self.group is not None and self.split == "row":
-            hidden = sum_over(hidden, self.group)
+            if module.sequence_parallel:
+                # The base output is this rank's chunk of the row (tp_plan.RowParallel): the adapter's partial A x
+                # are summed into the same chunk (r wide), and B, whole on every rank but applied to each rank's own
+                # tokens, takes its gradient summed over tp.
+                hidden = sum_scattered_sequence(hidden, self.group)
+                lora_b = sum_gradient_over(lora_b, self.group, copy=True)
+            else:
+                hidden = sum_over(hidden, self.group)
         return output + (F.linear(hidden, lora_b) * self.scale).to(output.dtype)
 
 

@@ -102,16 +102,15 @@ def check_tensor_parallel(model: DecoderLM, tp: int, *, role: str) -> None:
             raise ValueError(f"{role}.tp={tp} does not divide the model's {name}={size}; choose a tp that divides it")
 
 
-def check_sequence_parallel(model: DecoderLM, *, cp: bool, lora: bool, role: str) -> None:
+def check_sequence_parallel(model: DecoderLM, *, cp: bool, role: str) -> None:
     """Raise a ``ValueError`` naming the setting to change where ``<role>.sequence_parallel`` cannot split the row
-    yet: mixture-of-experts layers (their experts' TP split needs every rank's tokens), a pipeline stage, context
-    parallelism and LoRA adapters."""
+    yet: mixture-of-experts layers (their experts' TP split needs every rank's tokens), a pipeline stage and context
+    parallelism."""
     moe = model.args.moe
     cases = {
         "mixture-of-experts layers": moe is not None and bool(moe.layers),
         f"a pipeline stage ({role}.pp > 1)": model.model.embed_tokens is None or model.model.norm is None,
         f"context parallelism ({role}.cp > 1)": cp,
-        "LoRA adapters (lora.enabled)": lora,
     }
     for what, present in cases.items():
         if present:
@@ -343,7 +342,7 @@ def parallelize(
     if tensor_parallel:
         check_tensor_parallel(model, tp_mesh.size(), role=role)
         if sequence_parallel:
-            check_sequence_parallel(model, cp=cp_group is not None, lora=lora is not None and lora.enabled, role=role)
+            check_sequence_parallel(model, cp=cp_group is not None, role=role)
             model.sequence_parallel = tp_mesh.size()
         plan = tensor_parallel_plan(model, gather_logits=gather_logits, sequence_parallel=sequence_parallel)
         parallelize_module(model, tp_mesh, plan)

@@ -126,6 +126,7 @@ class RowParallel(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         forward = _sequence_parallel_row if self.sequence_parallel else _row_parallel
+        module.sequence_parallel = self.sequence_parallel  # its output a chunk of the row (a LoRA adapter reads it)
         return _compute_locally(super()._apply(module, device_mesh), device_mesh, forward)
 
 

@@ -1,8 +1,9 @@
 """Sequence parallelism (``parallelize(sequence_parallel=True)``, ``models.tp_plan``) over every rank of a gloo job
 as its TP group, against the same TP split without it on the same rank: packed rows whose lengths are not multiples
 of tp (padded inside the model), a single sequence without offsets, Qwen3 (per-head q/k norms, tied vocabulary) and a
-Llama with biases on its row-parallel layers, an LM head and a value head: outputs and every gradient equal, eager
-and with compiled blocks; the bytes autograd saves for the backward smaller; the refusals name the setting.
+Llama with biases on its row-parallel layers, an LM head and a value head, and LoRA adapters on every projection:
+outputs and every gradient equal, eager and with compiled blocks; the bytes autograd saves for the backward smaller;
+the refusals name the setting.
 
     torchrun --nproc-per-node 2 tests/models/programs/sequence_parallel.py QWEN3_DIR LLAMA_VALUE_DIR MOE_DIR
 """
@@ -28,11 +29,24 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def built(model_dir: str, head: str, mesh, *, sequence_parallel: bool, compiled: bool = False):
+def built(model_dir: str, head: str, mesh, *, sequence_parallel: bool, compiled: bool = False, lora: bool = False):
     model = load_model(model_dir, head=head, dtype=torch.float32)
-    parallelize_module.parallelize(
-        model, tp_mesh=mesh, dp_mesh=None, sequence_parallel=sequence_parallel, compile_layers=compiled
+    adapters = parallelize_module.parallelize(
+        model,
+        tp_mesh=mesh,
+        dp_mesh=None,
+        sequence_parallel=sequence_parallel,
+        compile_layers=compiled,
+        lora=LoRAConfig(rank=4, alpha=8.0) if lora else None,
     )
+    if lora:  # as LoRAAdapters.initialize does, then every B random (zero, it would give A no gradient)
+        adapters.initialize(model, seed=0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("lora_B.weight"):
+                    full = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1
+                    sharded = hasattr(param, "placements") and param.placements[0].is_shard()
+                    local(param).copy_(full.chunk(dist.get_world_size())[dist.get_rank()] if sharded else full)
     return model
 
 
@@ -57,12 +71,12 @@ def saved_bytes(model, inputs: dict) -> int:
     return total
 
 
-def check_family(model_dir: str, head: str, mesh) -> None:
+def check_family(model_dir: str, head: str, mesh, *, lora: bool = False) -> None:
     torch._dynamo.reset()
     counters.clear()
-    plain = built(model_dir, head, mesh, sequence_parallel=False)
-    split = built(model_dir, head, mesh, sequence_parallel=True)
-    compiled = built(model_dir, head, mesh, sequence_parallel=True, compiled=True)
+    plain = built(model_dir, head, mesh, sequence_parallel=False, lora=lora)
+    split = built(model_dir, head, mesh, sequence_parallel=True, lora=lora)
+    compiled = built(model_dir, head, mesh, sequence_parallel=True, compiled=True, lora=lora)
     models = (plain, split, compiled)
     generator = torch.Generator().manual_seed(0)  # the same rows on every rank
     vocab = plain.args.vocab_size
@@ -86,10 +100,15 @@ def check_family(model_dir: str, head: str, mesh) -> None:
             what = f"{model_dir} {head} {name}"
             torch.testing.assert_close(out, outputs[0], rtol=1e-5, atol=1e-6, msg=what)
             for (param_name, theirs), ours in zip(plain.named_parameters(), model.parameters()):
+                if theirs.grad is None:  # LoRA's frozen base
+                    assert ours.grad is None, param_name
+                    continue
                 torch.testing.assert_close(
                     local(ours.grad), local(theirs.grad), rtol=1e-5, atol=1e-6, msg=f"{what} {param_name}"
                 )
     assert not counters["graph_break"], dict(counters["graph_break"])
+    if lora:
+        return
     inputs = batches[0]
     with_split, without = saved_bytes(split, inputs), saved_bytes(plain, inputs)
     assert with_split < without, (with_split, without)
@@ -100,7 +119,6 @@ def check_family(model_dir: str, head: str, mesh) -> None:
 def check_refusals(moe_dir: str, dense_dir: str, mesh) -> None:
     cases = [
         (moe_dir, {}, "actor.sequence_parallel does not split the row with mixture-of-experts layers yet"),
-        (dense_dir, {"lora": LoRAConfig(rank=2)}, "with LoRA adapters (lora.enabled) yet"),
         (dense_dir, {"cp_group": dist.group.WORLD}, "with context parallelism (actor.cp > 1) yet"),
     ]
     for model_dir, extra, message in cases:
@@ -127,6 +145,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     check_family(qwen3_dir, "lm", mesh)
     check_family(llama_dir, "value", mesh)
+    check_family(qwen3_dir, "lm", mesh, lora=True)  # adapters on every projection, column and row
     check_refusals(moe_dir, qwen3_dir, mesh)
     dist.barrier()
     dist.destroy_process_group()
