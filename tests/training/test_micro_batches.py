@@ -147,7 +147,7 @@ def test_a_role_derives_its_budget_on_gpu_only(monkeypatch):
     args = read_decoder_args(config.model.path)
     role = SimpleNamespace(
         device=torch.device("cuda"),
-        module=SimpleNamespace(args=args),
+        module=SimpleNamespace(args=args, sequence_parallel=1),
         context=SimpleNamespace(dims=SimpleNamespace(tp=1, pp=1, cp=1)),
         config=config,
     )

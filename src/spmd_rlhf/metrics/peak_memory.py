@@ -8,12 +8,13 @@ storage created through the dispatcher while tracking, counted from its creation
 
 The CPU count sees what PyTorch allocates for op outputs (factories, collectives' output buffers, FSDP's gathered
 parameters, DTensor locals), sampled after every op, not a backend's private scratch buffers or an op's internal
-temporaries.
+temporaries. And ``saved_activation_bytes``: what autograd keeps for the backward of one forward pass.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -101,3 +102,28 @@ def step_memory_metrics() -> dict[str, float]:
     }
     torch.cuda.reset_peak_memory_stats(device)
     return metrics
+
+
+def saved_activation_bytes(model: torch.nn.Module, forward: Callable[[], object]) -> int:
+    """Bytes autograd keeps for the backward of ``forward()`` (a forward pass of ``model``), tensors that share a
+    parameter's storage left out: the activations a device holds between the forward and the backward. Counts each
+    time a tensor is saved, so a tensor saved by two ops counts twice (an upper bound)."""
+    parameters = set()
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        parameters.add(local.untyped_storage().data_ptr())
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        try:
+            owned = tensor.untyped_storage().data_ptr() not in parameters
+        except RuntimeError:  # a wrapper subclass without storage of its own: an activation
+            owned = True
+        if owned:
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    return total

@@ -25,6 +25,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from lora_weights import randomize_adapters
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -52,22 +53,6 @@ def check_gradients(eager: torch.nn.Module, compiled: torch.nn.Module, what: str
         torch.testing.assert_close(local(ours.grad), local(theirs.grad), rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
 
 
-def with_lora(model: torch.nn.Module, adapters) -> None:
-    """Adapters initialised as ``LoRAAdapters.initialize`` does, then every ``B`` random (zero, it would give ``A`` no
-    gradient), the same on every rank and in every model."""
-    adapters.initialize(model, seed=0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lora_B.weight"):
-                generator = torch.Generator().manual_seed(len(name))
-                full = torch.randn(param.shape, generator=generator) * 0.1
-                local(param).copy_(
-                    full.chunk(dist.get_world_size())[dist.get_rank()]
-                    if hasattr(param, "to_local") and param.placements[0].is_shard()
-                    else full
-                )
-
-
 def tensor_parallel(model_dir: str, *, lora: bool) -> None:
     torch._dynamo.reset()
     counters.clear()
@@ -83,7 +68,7 @@ def tensor_parallel(model_dir: str, *, lora: bool) -> None:
             lora=LoRAConfig(rank=4, alpha=8.0) if lora else None,
         )
         if lora:
-            with_lora(model, adapters)
+            randomize_adapters(model, adapters)
         models.append(model)
     generator = torch.Generator().manual_seed(0)  # the same rows on every rank, as TP ranks take them
     for lengths in ROWS:

@@ -8,15 +8,18 @@ the refusals name the setting.
     torchrun --nproc-per-node 2 tests/models/programs/sequence_parallel.py QWEN3_DIR LLAMA_VALUE_DIR MOE_DIR
 """
 
+import functools
 import itertools
 import sys
 
 import torch
 import torch.distributed as dist
+from lora_weights import randomize_adapters
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rlhf.config import LoRAConfig
+from spmd_rlhf.metrics.peak_memory import saved_activation_bytes
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models import parallelize as parallelize_module
 from spmd_rlhf.runtime import end_process
@@ -39,36 +42,9 @@ def built(model_dir: str, head: str, mesh, *, sequence_parallel: bool, compiled:
         compile_layers=compiled,
         lora=LoRAConfig(rank=4, alpha=8.0) if lora else None,
     )
-    if lora:  # as LoRAAdapters.initialize does, then every B random (zero, it would give A no gradient)
-        adapters.initialize(model, seed=0)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("lora_B.weight"):
-                    full = torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1
-                    sharded = hasattr(param, "placements") and param.placements[0].is_shard()
-                    local(param).copy_(full.chunk(dist.get_world_size())[dist.get_rank()] if sharded else full)
+    if lora:
+        randomize_adapters(model, adapters)
     return model
-
-
-def saved_bytes(model, inputs: dict) -> int:
-    """Bytes of the activations autograd keeps for the backward of one forward (tensors sharing a parameter's
-    storage left out)."""
-    parameters = {local(param).untyped_storage().data_ptr() for param in model.parameters()}
-    total = 0
-
-    def pack(tensor):
-        nonlocal total
-        try:
-            owned = tensor.untyped_storage().data_ptr() not in parameters
-        except RuntimeError:  # a tensor without storage of its own (a wrapper subclass): an activation
-            owned = True
-        if owned:
-            total += tensor.numel() * tensor.element_size()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(**inputs)
-    return total
 
 
 def check_family(model_dir: str, head: str, mesh, *, lora: bool = False) -> None:
@@ -110,7 +86,9 @@ def check_family(model_dir: str, head: str, mesh, *, lora: bool = False) -> None
     if lora:
         return
     inputs = batches[0]
-    with_split, without = saved_bytes(split, inputs), saved_bytes(plain, inputs)
+    with_split, without = (
+        saved_activation_bytes(model, functools.partial(model, **inputs)) for model in (split, plain)
+    )
     assert with_split < without, (with_split, without)
     if dist.get_rank() == 0:
         print(f"{head}: saved for the backward {with_split} bytes with sequence parallelism, {without} without")
