@@ -5,8 +5,8 @@ on the same rank:
 - tensor parallelism over every rank, a tiny Qwen3 (per-head q/k norms, tied vocabulary-parallel embedding and head)
   under FSDP2 on a one-rank dp mesh (its unsharded parameters DTensors over tp), packed rows: logits and every
   gradient, one graph per attention layout with no break (the blocks' TP forwards on local shards, ``tp_plan``), and
-  the eager pass's all-reduces (six per layer: each shared input's gradient summed once); again with LoRA adapters
-  on every projection (no FSDP), their random ``B`` giving ``A`` a gradient;
+  the eager pass's all-reduces (six per layer: each shared input's gradient summed once; compiled LoRA adapters
+  under TP: ``programs/sequence_parallel.py``);
 - context parallelism, a tiny Qwen3 (per-head q/k norms) over packed rows of mixed lengths, each rank its chunk:
   Ulysses (its all-to-alls inside one graph, no break; under selective activation checkpointing, where the compiled
   forward runs inside the checkpoint and its all-to-alls again in the backward) and ring attention (the graph broken
@@ -25,11 +25,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from lora_weights import randomize_adapters
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
-from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models import parallelize as parallelize_module
@@ -53,22 +51,14 @@ def check_gradients(eager: torch.nn.Module, compiled: torch.nn.Module, what: str
         torch.testing.assert_close(local(ours.grad), local(theirs.grad), rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
 
 
-def tensor_parallel(model_dir: str, *, lora: bool) -> None:
+def tensor_parallel(model_dir: str) -> None:
     torch._dynamo.reset()
     counters.clear()
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
     models = []
     for compiled in (False, True):
         model = load_model(model_dir, head="lm", dtype=torch.float32)
-        adapters = parallelize_module.parallelize(
-            model,
-            tp_mesh=mesh["tp"],
-            dp_mesh=None if lora else mesh["dp"],
-            compile_layers=compiled,
-            lora=LoRAConfig(rank=4, alpha=8.0) if lora else None,
-        )
-        if lora:
-            randomize_adapters(model, adapters)
+        parallelize_module.parallelize(model, tp_mesh=mesh["tp"], dp_mesh=mesh["dp"], compile_layers=compiled)
         models.append(model)
     generator = torch.Generator().manual_seed(0)  # the same rows on every rank, as TP ranks take them
     for lengths in ROWS:
@@ -80,13 +70,10 @@ def tensor_parallel(model_dir: str, *, lora: bool) -> None:
             out = model(input_ids=ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths))
             out.pow(2).mean().backward()
             logits.append(out)
-        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-6, msg=f"tensor parallel lora={lora}")
-        check_gradients(*models, f"tensor parallel lora={lora}")
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-6, msg="tensor parallel")
+        check_gradients(*models, "tensor parallel")
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # Two attention layouts (and with LoRA, the first block, whose input needs no gradient).
-    assert counters["stats"]["unique_graphs"] <= (4 if lora else 2), dict(counters["stats"])
-    if lora:
-        return
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # two attention layouts
     counts = DispatchCounts()
     with counts:
         models[0](input_ids=ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).pow(2).mean().backward()
@@ -181,8 +168,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     parallelize_module.COMPILE_BACKEND = "aot_eager"  # what Inductor sees, without its code generation
     dense_dir, moe_dir = sys.argv[1:3]
-    tensor_parallel(dense_dir, lora=False)
-    tensor_parallel(dense_dir, lora=True)
+    tensor_parallel(dense_dir)
     context_parallel(dense_dir, "ulysses", checkpointing=True)
     context_parallel(dense_dir, "ring", checkpointing=False)
     expert_parallel(moe_dir)
