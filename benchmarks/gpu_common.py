@@ -318,6 +318,29 @@ def write_result(out_dir: str, name: str, result: dict) -> str:
     return path
 
 
+def run_workers(script: str, arguments: list[str], *, nproc: int = 2) -> dict:
+    """``script --worker <arguments> --out=<file>`` under torchrun on ``nproc`` CPU ranks of one OpenMP thread each
+    (a benchmark that runs itself as its own ranks); returns the JSON its rank 0 wrote to ``--out``."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="workers_") as scratch:
+        out = f"{scratch}/result.json"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            script,
+            "--worker",
+            *arguments,
+            f"--out={out}",
+        ]
+        root = Path(__file__).resolve().parents[1]
+        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=root)
+        return json.loads(Path(out).read_text())
+
+
 def main() -> None:
     """Build each ``SHAPE=DIR`` of the command line (``shaped_model``: a directory holding that shape is kept)."""
     for spec in sys.argv[1:]:

@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,29 +87,14 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from gpu_common import environment, write_result
+    from gpu_common import environment, run_workers, write_result
 
     from spmd_rlhf.tiny.model import make_tiny
 
     with tempfile.TemporaryDirectory(prefix="sequence_parallel_") as scratch:
         model_dir = make_tiny(out_dir=f"{scratch}/model", num_layers=args.layers, **WIDTHS)
-        out = f"{scratch}/result.json"
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            __file__,
-            "--worker",
-            f"--model-dir={model_dir}",
-            f"--layers={args.layers}",
-            f"--tokens={args.tokens}",
-            f"--repeats={args.repeats}",
-            f"--out={out}",
-        ]
-        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
-        measured = json.loads(Path(out).read_text())
+        arguments = [f"--model-dir={model_dir}", f"--layers={args.layers}", f"--tokens={args.tokens}"]
+        measured = run_workers(__file__, [*arguments, f"--repeats={args.repeats}"])
     plain, split = measured["tensor_parallel"], measured["sequence_parallel"]
     ratio = split["saved_bytes"] / plain["saved_bytes"]
     print("| tp = 2, per rank | saved for the backward (MiB) | forward + backward (s) |\n| --- | --- | --- |")

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,7 +80,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from gpu_common import environment, write_result
+    from gpu_common import environment, run_workers, write_result
 
     from spmd_rlhf.tiny.model import make_tiny
 
@@ -91,23 +88,8 @@ def main() -> None:
         model_dir = make_tiny(
             family="qwen2", out_dir=f"{scratch}/model", hidden_size=64, num_layers=args.layers, vocab_size=512
         )
-        out = f"{scratch}/result.json"
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            __file__,
-            "--worker",
-            f"--model-dir={model_dir}",
-            f"--repeats={args.repeats}",
-            "--rows",
-            *map(str, args.rows),
-            f"--out={out}",
-        ]
-        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
-        measured = json.loads(Path(out).read_text())
+        arguments = [f"--model-dir={model_dir}", f"--repeats={args.repeats}", "--rows", *map(str, args.rows)]
+        measured = run_workers(__file__, arguments)
     rows = []
     print("| rows | one rank ms | tp=2 DTensor ms | tp=2 local ms | DTensor / local |\n|" + " --- |" * 5)
     for count in map(str, args.rows):
