@@ -31,6 +31,7 @@ from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.expert_parallel import check_expert_parallel, shard_experts
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
 from spmd_rlhf.models.moe import MoEBlock
+from spmd_rlhf.models.sequence_parallel import check_sequence_parallel
 from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary, vocabulary_stream
 from spmd_rlhf.models.tp_plan import (
     DECODER_LAYER_PLAN,
@@ -100,21 +101,6 @@ def check_tensor_parallel(model: DecoderLM, tp: int, *, role: str) -> None:
     for name, size in sizes.items():
         if size % tp:
             raise ValueError(f"{role}.tp={tp} does not divide the model's {name}={size}; choose a tp that divides it")
-
-
-def check_sequence_parallel(model: DecoderLM, *, cp: bool, role: str) -> None:
-    """Raise a ``ValueError`` naming the setting to change where ``<role>.sequence_parallel`` cannot split the row
-    yet: mixture-of-experts layers (their experts' TP split needs every rank's tokens), a pipeline stage and context
-    parallelism."""
-    moe = model.args.moe
-    cases = {
-        "mixture-of-experts layers": moe is not None and bool(moe.layers),
-        f"a pipeline stage ({role}.pp > 1)": model.model.embed_tokens is None or model.model.norm is None,
-        f"context parallelism ({role}.cp > 1)": cp,
-    }
-    for what, present in cases.items():
-        if present:
-            raise ValueError(f"{role}.sequence_parallel does not split the row with {what} yet; set it to false")
 
 
 def group_layers(layer_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
