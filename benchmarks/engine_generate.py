@@ -89,10 +89,11 @@ class StepClock:
         self.seconds.clear()
 
 
-def _best_times(runs: dict, *, repeats: int, device: str) -> tuple[dict[str, float], dict]:
-    """Fastest of ``repeats`` timed calls of each run after one warm-up call, the runs interleaved so that a noisy
-    neighbour on the machine slows both alike; and each run's result of its fastest call."""
-    results = {name: run() for name, run in runs.items()}
+def _best_times(runs: dict, *, repeats: int, device: str, warmups: dict | None = None) -> tuple[dict[str, float], dict]:
+    """Fastest of ``repeats`` timed calls of each run after one warm-up call (``warmups[name]`` where given: a shorter
+    call for a run with nothing to compile or capture), the runs interleaved so that a noisy neighbour on the machine
+    slows both alike; and each run's result of its fastest call."""
+    results = {name: (warmups or {}).get(name, run)() for name, run in runs.items()}
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(repeats):
         for name, run in runs.items():

@@ -3,7 +3,7 @@
 # in .whl/ (the call names .whl in `carry`), prints the versions it found, and runs benchmarks/gpu_suite.py, which
 # builds the models once and runs every step under its own limit, writing its JSON after each (docs/benchmarks.md).
 #
-#     bash benchmarks/gpu_suite.sh --out "$OUT"            # about 8 minutes on an H100; --budget-s 520 by default
+#     bash benchmarks/gpu_suite.sh --out "$OUT"            # 8 to 9.5 minutes; --budget-s 550 by default (timeout_s 600)
 #     bash benchmarks/gpu_suite.sh --only g2_static --out "$OUT"
 #     bash benchmarks/gpu_suite.sh --smoke --out /tmp/s    # tiny sizes, CPU: checks the suite (tests do this cold)
 #

@@ -124,23 +124,44 @@ def test_the_rollout_compile_key_picks_the_backend_and_the_engine_applies_it(tmp
     assert compiled == ["inductor"]  # "auto" on CPU: no CUDA graphs, so eager blocks
 
 
+def greedy_shortfall_and_log_prob_error(reference, outputs) -> tuple[float, float]:
+    """The rows' generated tokens scored by ``reference`` (teacher-forced, its own precision): how far each token's
+    log-prob falls below the best token's at its position (0 for greedy tokens) and how far the engine's reported
+    log-probs are from the reference's, the largest of each over every row and step."""
+    shortfall, error = 0.0, 0.0
+    device = next(reference.parameters()).device
+    for seq in outputs:
+        ids = torch.tensor([seq.token_ids], device=device)
+        with torch.no_grad():
+            log_probs = torch.log_softmax(reference(ids)[0, seq.num_prompt_tokens - 1 : -1].float(), dim=-1)
+        chosen = log_probs.gather(1, ids[0, seq.num_prompt_tokens :, None])[:, 0]
+        shortfall = max(shortfall, (log_probs.max(dim=-1).values - chosen).max().item())
+        error = max(error, (torch.tensor(seq.log_probs, device=device) - chosen).abs().max().item())
+    return shortfall, error
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_compiled_layers_decode_like_eager_layers(tmp_path):
-    """On CUDA in bfloat16, Inductor's fused blocks inside the captured decode graphs: greedy tokens equal to eager
-    blocks' for the first steps (bfloat16 rounding may part them later), log-probs close, and graphs captured."""
+    """On CUDA in bfloat16, Inductor's fused blocks inside the captured decode graphs decode greedily and report the
+    log-probs of the same model in float32 (teacher-forced on the tokens they chose), as closely as eager blocks do,
+    and graphs are captured.
+
+    Not token equality with eager blocks: the tiny random model's logits are nearly flat, and bfloat16 rounding in a
+    different kernel order parts near-ties (on an H200 a row's fourth token: 19 against 38), so each token is held
+    to be the float32 model's best up to bfloat16's rounding instead."""
     torch._dynamo.reset()
     write_hf_model("qwen2_untied", str(tmp_path / "model"))
+    reference = load_model(str(tmp_path / "model"), dtype=torch.float32, device=torch.device("cuda"))
     params = [SamplingParams(temperature=0, max_new_tokens=8) for _ in PROMPTS]
-    outputs = {}
+    measured = {}
     for setting in ("off", "on"):
         model = load_model(str(tmp_path / "model"), dtype=torch.bfloat16, device=torch.device("cuda"))
         engine = LLMEngine(model, eos_token_id=None, block_size=16, compile_layers=setting)
-        outputs[setting] = engine.generate(PROMPTS, params)
+        outputs = engine.generate(PROMPTS, params)
         assert engine.stats.cuda_graphs > 0
-    for got, expected in zip(outputs["on"], outputs["off"]):
-        assert got.generated_token_ids[:4] == expected.generated_token_ids[:4]
-        steps = min(len(got.log_probs), len(expected.log_probs), 4)
-        torch.testing.assert_close(
-            torch.tensor(got.log_probs[:steps]), torch.tensor(expected.log_probs[:steps]), rtol=0, atol=0.1
-        )
+        assert all(len(seq.generated_token_ids) == 8 for seq in outputs)
+        measured[setting] = greedy_shortfall_and_log_prob_error(reference, outputs)
+    for setting, (shortfall, error) in measured.items():
+        assert shortfall < 0.05, (setting, measured)
+        assert error < 0.1, (setting, measured)
