@@ -108,6 +108,7 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, *, batch: i
             max_num_batched_tokens=batch * args.decode_prompt,
             decode_graphs=mode,
             compile_layers=args.compile_layers,
+            decode_matmul=args.decode_matmul,
         )
         for mode in ("auto", "off")
     }
@@ -201,6 +202,7 @@ def measure_batch(
         max_num_seqs=args.batch,
         max_num_batched_tokens=sum(map(len, prompts)),
         compile_layers=args.compile_layers,
+        decode_matmul=args.decode_matmul,
     )
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
 
@@ -274,6 +276,13 @@ def main() -> None:
         "captured; the model is shared, so G1's eager engine runs the compiled blocks too",
     )
     parser.add_argument(
+        "--decode-matmul",
+        choices=("torch", "triton"),
+        default="torch",
+        help="rollout.decode_matmul (default torch, the config's): triton runs the blocks' projections at 1 to 4 rows "
+        "through the skinny-linear kernels",
+    )
+    parser.add_argument(
         "--profile", help="write a profile of one more batch-1 decode run (G1, default engine) to this file"
     )
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's copy")
@@ -289,6 +298,7 @@ def main() -> None:
         "shape": args.shape,
         "dtype": args.dtype,
         "compile_layers": args.compile_layers,
+        "decode_matmul": args.decode_matmul,
         "environment": environment(args.device),
     }
     name = f"gpu_generate_{args.shape}_{result['environment']['device']}"

@@ -9,6 +9,10 @@
   time against the floor of reading the whole KV context once at the copy bandwidth measured here; and batch-1 decode
   (one sequence at 256 and 4,096 tokens) timed inside a CUDA graph: one program per KV head with a separate K/V
   write, split-K with it, split-K with the write fused into the kernel, and with the rotation fused too.
+- ``skinny_linear``: the projections of one decoder block of the 1.5B and 7B shapes (q/k/v merged with their bias,
+  o, gate/up merged, down) at 1, 2 and 4 rows, bf16: ``F.linear`` (cuBLAS) against ``kernels.skinny_linear``, each
+  timed inside a CUDA graph over 28 distinct weights (one per layer: a repeated weight would be read from L2), as
+  bandwidth against the copy's; and the microseconds a 28-layer decode step would save (``rollout.decode_matmul``).
 - ``fused_logprob``: log-prob and entropy of ``--tokens`` rows of ``--vocab`` bf16 logits at T = 0.7, forward and
   backward. The fused kernels (``kernels.fused_logprob``) against the reference (float32 log-softmax, the way a plain
   PyTorch trainer computes it): time and peak memory above the logits.
@@ -20,9 +24,11 @@ Writes ``benchmarks/results/gpu_kernels_<device>.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
+import torch.nn.functional as F
 from gpu_common import (
     copy_bandwidth,
     default_device,
@@ -35,11 +41,12 @@ from gpu_common import (
 
 from spmd_rlhf.kernels.fused_logprob import fused_log_probs_and_entropy
 from spmd_rlhf.kernels.paged_attention import (
-    _processors,
     decode_splits,
     paged_decode_attention,
     write_new_tokens,
 )
+from spmd_rlhf.kernels.skinny_linear import skinny_launch, skinny_linear
+from spmd_rlhf.kernels.triton_support import multiprocessors
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
 
@@ -189,7 +196,7 @@ def measure_batch1(args: argparse.Namespace, dtype: torch.dtype) -> dict:
                 (None, True, True),
             )
         )
-        chosen = decode_splits(KV_HEADS, block_tables.shape[1] * BLOCK_SIZE, _processors(torch.device(args.device)))
+        chosen = decode_splits(KV_HEADS, block_tables.shape[1] * BLOCK_SIZE, multiprocessors(torch.device(args.device)))
         results[str(context)] = {
             "splits": chosen,
             "one_split_with_write_s": one_split_s,
@@ -203,6 +210,76 @@ def measure_batch1(args: argparse.Namespace, dtype: torch.dtype) -> dict:
             "saved_us_per_step_at_28_layers": (one_split_s - fused_s) * GRAPH_CALLS * 1e6,
         }
     return results
+
+
+SKINNY_SHAPES = {
+    "1.5b": {
+        "qkv": (1536, 2048, True),
+        "o": (1536, 1536, False),
+        "gate_up": (1536, 17920, False),
+        "down": (8960, 1536, False),
+    },
+    "7b": {
+        "qkv": (3584, 4608, True),
+        "o": (3584, 3584, False),
+        "gate_up": (3584, 37888, False),
+        "down": (18944, 3584, False),
+    },
+}
+"""(in_features, out_features, bias) of each projection of a block of the Qwen2.5 shapes, q/k/v and gate/up merged."""
+
+
+def _per_layer_seconds(linear, x, weights, biases, device: str, repeats: int) -> float:
+    """``graphed_seconds`` of ``linear(x, weight, bias)`` through ``weights`` in turn, one per captured call."""
+    layer = itertools.cycle(range(len(weights)))
+
+    def call():
+        index = next(layer)
+        return linear(x, weights[index], biases[index])
+
+    return graphed_seconds(call, device, repeats)
+
+
+def measure_skinny_linear(args: argparse.Namespace, dtype: torch.dtype, copy_bytes_per_s: float) -> dict:
+    """``skinny_linear`` against ``F.linear`` per projection and row count (module docstring)."""
+    results, saved_per_shape = {}, {}
+    for shape, layers in SKINNY_SHAPES.items():
+        saved = dict.fromkeys(args.skinny_rows, 0.0)
+        for name, (in_features, out_features, has_bias) in layers.items():
+            if args.smoke:
+                in_features, out_features = in_features // 64, out_features // 64
+            weights = [
+                torch.randn(out_features, in_features, device=args.device, dtype=dtype) * in_features**-0.5
+                for _ in range(GRAPH_CALLS)
+            ]
+            biases = [torch.randn(out_features, device=args.device, dtype=dtype) if has_bias else None for _ in weights]
+            weight_bytes = weights[0].numel() * weights[0].element_size()
+            for rows in args.skinny_rows:
+                x = torch.randn(rows, in_features, device=args.device, dtype=dtype)
+                times = {
+                    kernel: _per_layer_seconds(linear, x, weights, biases, args.device, args.repeats)
+                    for kernel, linear in (("torch", F.linear), ("skinny", skinny_linear))
+                }
+                expected = F.linear(x.double(), weights[0].double(), None if biases[0] is None else biases[0].double())
+                error = ((skinny_linear(x, weights[0], biases[0]).double() - expected).norm() / expected.norm()).item()
+                _, _, splits, _ = skinny_launch(
+                    rows, in_features, out_features, multiprocessors(torch.device(args.device))
+                )
+                results[f"{shape}_{name}_rows{rows}"] = {
+                    "in_features": in_features,
+                    "out_features": out_features,
+                    "rows": rows,
+                    "splits": splits,
+                    "torch_us": times["torch"] * 1e6,
+                    "skinny_us": times["skinny"] * 1e6,
+                    "speedup": times["torch"] / times["skinny"],
+                    "torch_over_copy": weight_bytes / times["torch"] / copy_bytes_per_s,
+                    "skinny_over_copy": weight_bytes / times["skinny"] / copy_bytes_per_s,
+                    "relative_error": error,
+                }
+                saved[rows] += (times["torch"] - times["skinny"]) * GRAPH_CALLS * 1e6
+        saved_per_shape[shape] = {str(rows): value for rows, value in saved.items()}
+    return {"projections": results, "saved_us_per_28_layer_step": saved_per_shape}
 
 
 def measure_fused_logprob(args: argparse.Namespace, dtype: torch.dtype) -> dict:
@@ -244,6 +321,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skinny-rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, dict(decode_seqs=4, context=40, tokens=64, vocab=512, repeats=2, copy_mib=4))
@@ -251,6 +329,7 @@ def main() -> None:
     dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
     paged = measure_paged_decode(args, dtype)
     fused = measure_fused_logprob(args, dtype)
+    skinny = measure_skinny_linear(args, dtype, paged["copy_bytes_per_s"])
     # Goals: the paged kernel within 2x of reading its KV once; the fused pass at least as fast as the reference while
     # holding no float32 [tokens, vocab] table (peak below 1.5x the bf16 logits, the gradient itself being 1x).
     paged["meets_goal"] = meets_goal(paged["kernel_over_floor"], 2.0, at_least=False, real_run=real_run)
@@ -266,6 +345,7 @@ def main() -> None:
         "environment": environment(args.device),
         "paged_decode": paged,
         "fused_logprob": fused,
+        "skinny_linear": skinny,
     }
     if args.smoke:
         print("SMOKE RUN: not a GPU figure")
@@ -293,6 +373,14 @@ def main() -> None:
         f"{'fused_logprob':<14} {fused['kernel_s']:>10.5f} {fused['reference_s']:>10.5f} "
         f"{fused['speedup']:>9.2f}  {peaks}"
     )
+    for name, figures in skinny["projections"].items():
+        print(
+            f"  skinny_linear {name} ({figures['splits']} splits): F.linear {figures['torch_us']:.1f} us "
+            f"({figures['torch_over_copy']:.2f} of copy), skinny {figures['skinny_us']:.1f} us "
+            f"({figures['skinny_over_copy']:.2f}), {figures['speedup']:.2f}x, error {figures['relative_error']:.1e}"
+        )
+    for shape, saved in skinny["saved_us_per_28_layer_step"].items():
+        print(f"  skinny_linear {shape}: us saved per 28-layer decode step by rows {saved}")
     write_result(args.out, f"gpu_kernels_{torch.device(args.device).type}", result)
 
 

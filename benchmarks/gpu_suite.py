@@ -19,14 +19,16 @@ call cut short still returns what it measured. ``model`` builds the random-init 
 | ``g3`` | G3: ``update_actor`` MFU, 1.5B bf16, 32 rows x 1024 and 2048 tokens, compiled, token budget | 240 s |
 | ``g4`` | G4: GRPO end to end against TRL ``GRPOTrainer`` without vLLM, 0.5B | 240 s |
 | ``g2`` | G2: 256 prompts x 512 new tokens against ``generate`` with the dynamic cache | 180 s |
-| ``kernels`` | both Triton kernels against their torch references; batch-1 decode attention in a CUDA graph | 60 s |
+| ``kernels`` | the Triton kernels against torch; batch-1 attention and skinny linears in CUDA graphs | 120 s |
 | ``g5`` | the reshard train -> generation against the device-copy bound for the same bytes | 60 s |
 
 The goals' steps run first: on an H200 (session 44) the steps took 627 s where 520 s of budget let ``g2`` start with
 25 s left, so ``kernels`` and ``g5``, which measure no goal, run last, and the default budget is 550 s (the call's
 wall time is the budget plus about 20 s of install and start, inside a 600 s call).
 
-Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_eager_blocks`` (G1 with eager blocks,
+Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_skinny`` (G1 with the decode projections
+through the skinny-linear kernels, ``rollout.decode_matmul=triton``: run it when ``kernels`` says they beat
+cuBLAS), ``g1_eager_blocks`` (G1 with eager blocks,
 ``rollout.compile=off``: what compiling around attention gains; 29 % against 45 % of the floor on an H100), ``scale``
 (per-stage ``max_memory_allocated`` against the floor, GRPO at the 1.5B shape on one rank: two minutes, which the plain
 call no longer has on an H100 since G3 compiles and G4 ran 172 s), ``cuda_tests_full`` (every test marked ``gpu``),
@@ -76,6 +78,7 @@ FAST_CUDA_TESTS = (
     "tests/models/test_compiled_blocks.py::test_cuda_inductor_blocks_equal_eager_in_bf16",
     "tests/engine/test_overlap.py::test_overlapped_cuda_graph_loop_equals_the_synchronous_loop",
     "tests/engine/test_compiled_decode.py::test_cuda_compiled_layers_decode_like_eager_layers",
+    "tests/kernels/test_skinny_linear.py::test_cuda_bf16_kernels_match_float64_and_replay_in_a_cuda_graph",
 )
 """``cuda_tests``: one test from each file that holds CUDA tests (the whole ``-m gpu`` run took 50 s on an H100)."""
 
@@ -161,6 +164,25 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             },
         ),
         Step(
+            "g1_skinny",
+            [
+                *generate,
+                "--measure",
+                "decode",
+                "--decode-matmul",
+                "triton",
+                *([] if smoke else ["--decode-tokens", "128", "--repeats", "2"]),
+                *step_out("g1_skinny"),
+            ],
+            150,
+            "*.json",
+            {
+                "G1_skinny_batch1_over_floor": "decode.1.ratio_to_floor",
+                "G1_skinny_largest_batch_over_floor": "decode.-1.ratio_to_floor",
+                "G1_skinny_first_mismatch": "decode.1.graph_eager_first_mismatch",
+            },
+        ),
+        Step(
             "g3",
             [
                 python,
@@ -198,7 +220,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
         Step(
             "kernels",
             [python, str(BENCHMARKS / "gpu_kernels.py"), *smoke_flag, *step_out("kernels")],
-            60,
+            120,
             "*.json",
             {
                 "paged_decode_speedup": "paged_decode.speedup",
@@ -207,6 +229,9 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "paged_batch1_saved_us_per_step": "paged_decode.batch1.0.saved_us_per_step_at_28_layers",
                 "fused_speedup": "fused_logprob.speedup",
                 "fused_peak_over_logits": "fused_logprob.kernel_peak_over_logits",
+                # skinny_linear against F.linear: microseconds a 28-layer batch-1 step saves, 1.5B and 7B shapes.
+                "skinny_saved_us_1.5b_batch1": "skinny_linear.saved_us_per_28_layer_step.0.1",
+                "skinny_saved_us_7b_batch1": "skinny_linear.saved_us_per_28_layer_step.1.1",
             },
         ),
         Step(
@@ -344,6 +369,7 @@ STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5")
 build and the CUDA tests on an H200), then ``kernels`` and ``g5`` (476 s of steps in all in session 37 on an H100, 627 s
 in session 44 on an H200); see the module docstring for each step's limit."""
 OPTIONAL = (
+    "g1_skinny",
     "g1_eager_blocks",
     "scale",
     "cuda_tests_full",
@@ -358,6 +384,7 @@ OPTIONAL = (
 """Run only when named in ``--only``."""
 MODEL_USERS = (
     "g1",
+    "g1_skinny",
     "g1_eager_blocks",
     "g3",
     "g4",

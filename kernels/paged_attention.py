@@ -34,12 +34,11 @@ Layouts are the engine's (``spmd_rlhf.models.paged_kv.PagedKV``): one layer's ca
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from spmd_rlhf.kernels.triton_support import launch_device, triton, use_triton
+from spmd_rlhf.kernels.triton_support import launch_device, multiprocessors, triton, use_triton
 
 if triton is not None:
     from spmd_rlhf.kernels.paged_attention_programs import combine_splits_kernel, paged_decode_kernel
@@ -193,15 +192,6 @@ def decode_splits(pairs: int, max_tokens: int, processors: int) -> int:
     return max(1, min(processors // max(pairs, 1), tiles, MAX_SPLITS))
 
 
-@functools.cache
-def _processors(device: torch.device) -> int:
-    """The device's multiprocessor count (CUDA), or 8 under the CPU interpreter; asked once per device (every layer
-    of every eager decode step calls the kernel)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -254,7 +244,7 @@ def paged_decode_attention(
     group_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(group))
     head_dim_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
     if splits is None:
-        splits = decode_splits(num_seqs * kv_heads, block_tables.shape[1] * block_size, _processors(q.device))
+        splits = decode_splits(num_seqs * kv_heads, block_tables.shape[1] * block_size, multiprocessors(q.device))
     # Split-K's partial results, float32 and padded like the kernel's tiles (unused and tiny when splits is 1).
     partial_shape = (num_seqs, kv_heads, splits, group_pad) if splits > 1 else (1, 1, 1, 1)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)

@@ -9,6 +9,7 @@ environment before a kernel module is first imported (the tests run those checks
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -58,3 +59,12 @@ def use_triton(device: torch.device, backend: str) -> bool:
             "TRITON_INTERPRET=1 set before the kernel module is imported"
         )
     return True
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (CUDA), or 8 under the CPU interpreter; asked once per device (kernels that
+    size their launch by it run in every layer of every eager decode step)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8

@@ -358,6 +358,13 @@ def test_attention_choices_are_the_model_backends():
     assert ATTENTION_BACKENDS == BACKENDS
 
 
+def test_decode_matmul_choices_are_the_engine_ones():
+    from spmd_rlhf.config.choices import DECODE_MATMULS
+    from spmd_rlhf.engine.decode_matmul import DECODE_MATMULS as ENGINE_DECODE_MATMULS
+
+    assert DECODE_MATMULS == ENGINE_DECODE_MATMULS
+
+
 def test_partial_rollout_choices_are_the_engine_modes():
     from spmd_rlhf.config import PARTIAL_ROLLOUTS
     from spmd_rlhf.engine import IN_FLIGHT

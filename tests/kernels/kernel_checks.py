@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy
 import torch
+import torch.nn.functional as F
 
 from spmd_rlhf.kernels.fused_logprob import (
     MAX_BLOCK_VOCAB,
@@ -30,6 +31,7 @@ from spmd_rlhf.kernels.paged_attention import (
     rotate,
     write_new_tokens,
 )
+from spmd_rlhf.kernels.skinny_linear import skinny_linear
 from spmd_rlhf.kernels.triton_support import triton, triton_available
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -223,6 +225,50 @@ def check_out_of_range_label_gives_nan(device: str) -> None:
     assert log_probs[:2].isnan().all() and log_probs[2].isfinite() and entropy.isfinite().all(), log_probs
 
 
+@dataclass(frozen=True)
+class SkinnyCase:
+    rows: int
+    in_features: int
+    out_features: int
+    bias: bool = True
+    splits: int | None = None
+    leading: tuple[int, ...] | None = None
+    """``x``'s leading dimensions (their product is ``rows``); None: ``(rows,)``."""
+    strided_x: bool = False
+
+
+def check_skinny_linear(case: SkinnyCase, dtype: torch.dtype, device: str, backend: str) -> float:
+    """Runs ``skinny_linear`` and its operator on random inputs; returns its relative error against float64."""
+    seed = torch.seed()
+    padding = 8 if case.strided_x else 0
+    x = torch.randn(*(case.leading or (case.rows,)), case.in_features + padding, device=device)
+    x = x.to(dtype)[..., : case.in_features]
+    weight = (torch.randn(case.out_features, case.in_features, device=device) / case.in_features**0.5).to(dtype)
+    bias = torch.randn(case.out_features, device=device).to(dtype) if case.bias else None
+    out = skinny_linear(x, weight, bias, backend=backend, splits=case.splits)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert out.shape == expected.shape and out.dtype == dtype, f"{case}: {out.dtype} {list(out.shape)}"
+    error = relative_error(out, expected)
+    assert error < RELATIVE_TOLERANCE[dtype], f"seed {seed}: {case} {dtype} relative error {error:.2e}"
+    if case.splits is None:
+        through_op = torch.ops.spmd_rlhf.skinny_linear(x, weight, bias, backend)
+        assert torch.equal(through_op, out), f"seed {seed}: {case} {dtype}: the operator differs from the function"
+    return error
+
+
+SKINNY_INTERPRETER_CASES = [
+    SkinnyCase(rows=1, in_features=100, out_features=37),
+    SkinnyCase(rows=2, in_features=600, out_features=20, bias=False, strided_x=True),
+    SkinnyCase(rows=3, in_features=1100, out_features=19, splits=3),
+    SkinnyCase(rows=4, in_features=5000, out_features=9, leading=(2, 2)),
+    SkinnyCase(rows=1, in_features=2000, out_features=8, bias=False, splits=2),
+]
+"""One row to ``MAX_ROWS`` (padded to 1, 2, 4 and 4), widths that are not multiples of the tiles, with and without a
+bias, a strided and a three-dimensional ``x``; split inputs as asked (3 splits of 1,100 features) and as
+``skinny_launch`` picks them (5,000 features over the interpreter's 8 multiprocessors: 14 splits of 384), and two
+splits whose last is short."""
+
+
 PAGED_INTERPRETER_CASES = [
     PagedCase(heads=8, kv_heads=2, head_dim=16, block_size=4, context_lens=(1, 37, 130)),
     PagedCase(heads=6, kv_heads=2, head_dim=24, block_size=5, context_lens=(0, 9, 70), strided_q=True),
@@ -305,8 +351,12 @@ def _run_interpreted(kernel: str) -> None:
                 print("ok", case, dtype, check_log_probs_and_entropy(case, dtype, "cpu", "triton"))
         check_out_of_range_label_gives_nan("cpu")
         print("ok out-of-range label")
+    elif kernel == "skinny_linear":
+        for case in SKINNY_INTERPRETER_CASES:
+            for dtype in RELATIVE_TOLERANCE:
+                print("ok", case, dtype, f"{check_skinny_linear(case, dtype, 'cpu', 'triton'):.1e}")
     else:
-        raise SystemExit(f"unknown kernel {kernel!r}; choose paged_attention or fused_logprob")
+        raise SystemExit(f"unknown kernel {kernel!r}; choose paged_attention, fused_logprob or skinny_linear")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from kernel_checks import triton_version
 
-from spmd_rlhf.kernels import fused_logprob, paged_attention, paged_attention_programs
+from spmd_rlhf.kernels import fused_logprob, paged_attention, paged_attention_programs, skinny_linear_programs
 from spmd_rlhf.kernels.triton_support import INTERPRETING, triton
 
 pytestmark = pytest.mark.skipif(
@@ -77,3 +77,13 @@ def test_log_prob_kernels_compile(dtype):
         "grad_entropy_ptr": "*fp32",
     }
     _compile(fused_logprob._backward_kernel, backward, constexprs, num_warps=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows_pad,splits,bias", [(1, 1, True), (1, 5, False), (4, 5, True), (2, 1, False)])
+def test_skinny_linear_kernels_compile(dtype, rows_pad, splits, bias):
+    pointers = {name: f"*{dtype}" for name in ("out_ptr", "x_ptr", "weight_ptr", "bias_ptr")} | {"partial_ptr": "*fp32"}
+    shapes = dict(ROWS_PAD=rows_pad, SPLITS=splits, HAS_BIAS=bias)
+    _compile(skinny_linear_programs.skinny_linear_kernel, pointers, dict(shapes, BLOCK_OUT=8, BLOCK_IN=512 // rows_pad))
+    if splits > 1:
+        _compile(skinny_linear_programs.sum_splits_kernel, pointers, dict(shapes, BLOCK_OUT=256))

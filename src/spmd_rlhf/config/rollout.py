@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from spmd_rlhf.config.choices import (
     COMPILE_SETTINGS,
+    DECODE_MATMULS,
     ENVIRONMENTS,
     PARTIAL_ROLLOUTS,
 )
@@ -52,6 +53,12 @@ class RolloutConfig:
     decode bucket and prefill length: auto (where decode steps replay from CUDA graphs), on (CPU too: needs a C++
     compiler) or off. On an H100 (session 38) auto took batch-1 decode of the 1.5B shape from 29 % to 45 % of the HBM
     floor with the same tokens; the compile runs once per engine (``rollout.keep_engine``)."""
+    decode_matmul: str = "torch"
+    """The generation copy's projections (q/k/v, o, gate/up, down) at 1 to 4 rows: torch (F.linear: cuBLAS on CUDA)
+    or triton (spmd_rlhf.kernels.skinny_linear, which spreads a small matrix-vector product over every multiprocessor;
+    CUDA with triton, at tp 1; more rows and prefill stay F.linear). On an H200 (session 44) cuBLAS ran batch-1 decode's
+    small products at 0.75-2.4 TB/s of 4.25; whether triton beats it is for the next GPU run to say
+    (benchmarks/gpu_kernels.py), until then torch."""
     overlap_host: bool = True
     """Read each graphed decode step's tokens back one step late (pinned copy and event), so the host plans and
     launches step t + 1 while the device runs step t; the same tokens and log-probs as false (a synchronous read after
@@ -109,6 +116,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         at_least(self, 1, "n", "max_new_tokens", "tp", "max_num_seqs", "max_turns", "environment_workers")
         one_of(self, "compile", COMPILE_SETTINGS)
+        one_of(self, "decode_matmul", DECODE_MATMULS)
         require(
             self,
             "environment",

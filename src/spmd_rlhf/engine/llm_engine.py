@@ -37,6 +37,7 @@ from spmd_rlhf.engine.decode_graphs import (
     graphs_unsupported,
     say_once,
 )
+from spmd_rlhf.engine.decode_matmul import DECODE_MATMULS, skinny_linear_unsupported, use_skinny_linear
 from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
@@ -88,6 +89,7 @@ class LLMEngine:
         record_routes: bool = False,
         overlap_host: bool = True,
         compile_layers: str = "off",
+        decode_matmul: str = "torch",
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size (``kv_cache_bytes`` at most what ``max_num_seqs``
         rows of ``max_model_len`` tokens fill, when that is given); with neither, each call gets a cache that holds
@@ -109,7 +111,9 @@ class LLMEngine:
         late, so the host plans and launches step t + 1 while the device runs step t (``advance``); the same tokens
         and log-probs as the synchronous loop (False). ``compile_layers``: ``rollout.compile`` (``auto``, ``on`` or
         ``off``): each decoder block compiled around its attention call (``decode_graphs.compile_around_attention``;
-        ``auto`` where decode steps are captured)."""
+        ``auto`` where decode steps are captured). ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or
+        ``triton``: the blocks' projections at 1 to 4 rows through ``kernels.skinny_linear``,
+        ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why, once)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
@@ -145,6 +149,14 @@ class LLMEngine:
         if unsupported is not None:
             say_once(unsupported, f"decode steps run eagerly, without CUDA graphs: {unsupported}", device=device)
         capture = decode_graphs == "auto" and unsupported is None
+        if decode_matmul not in DECODE_MATMULS:
+            raise ValueError(f"decode_matmul={decode_matmul!r} is unknown; choose one of {', '.join(DECODE_MATMULS)}")
+        if decode_matmul == "triton":
+            why = skinny_linear_unsupported(model)
+            if why is None:
+                use_skinny_linear(model)
+            else:
+                say_once(why, f"rollout.decode_matmul=triton falls back to F.linear: {why}", device=device)
         backend = compile_backend(compile_layers, graphs=capture)
         if backend is not None:
             compile_around_attention(model, backend=backend)

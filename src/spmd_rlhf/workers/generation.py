@@ -202,6 +202,7 @@ class Generator:
             decode_graphs="auto" if rollout.cuda_graphs else "off",
             overlap_host=rollout.overlap_host,
             compile_layers=rollout.compile,
+            decode_matmul=rollout.decode_matmul,
             # Decode is prepared once for the longest row, so graphs captured in one step serve every later one.
             max_model_len=self.config.data.max_prompt_length + rollout.response_length,
             record_routes=self.config.algorithm.router_replay == "rollout",

@@ -70,6 +70,7 @@ class Judge:
             decode_graphs="auto" if config.rollout.cuda_graphs else "off",
             overlap_host=config.rollout.overlap_host,
             compile_layers=config.rollout.compile,
+            decode_matmul=config.rollout.decode_matmul,
         )
         self.params = SamplingParams(
             temperature=role_config.judge_temperature,

@@ -1,0 +1,90 @@
+"""``rollout.decode_matmul=triton``: the generation copy's projections through the skinny-linear operator
+(``engine.decode_matmul``), the kernels run under Triton's interpreter in a subprocess (they must be defined under it):
+the same tokens and log-probs as ``F.linear`` blocks, eager and compiled around attention; and where it cannot run,
+``F.linear`` with one log line saying why."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hf_fixtures import write_hf_model
+
+import spmd_rlhf.kernels.skinny_linear as skinny_module
+from spmd_rlhf.config import ConfigError, load_config
+from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
+from spmd_rlhf.engine.decode_matmul import skinny_linear_unsupported, use_skinny_linear
+from spmd_rlhf.models import load_model
+from spmd_rlhf.models.merged_linear import merge_projections
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from kernel_checks import interpreter_unusable_reason  # noqa: E402
+
+PROGRAM = Path(__file__).parent / "programs" / "skinny_decode.py"
+PROMPTS = [[5, 6, 7, 8, 9], [70, 71, 72]]
+
+
+@pytest.mark.skipif(interpreter_unusable_reason() is not None, reason=str(interpreter_unusable_reason()))
+def test_the_kernels_decode_what_f_linear_decodes_eager_and_compiled(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, str(PROGRAM), str(tmp_path / "model")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-6000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for blocks in ("eager", "compiled"):
+        got = report[blocks]
+        assert got["tokens_equal"] and got["max_log_prob_difference"] < 1e-5, report
+        # Merged q/k/v, o, merged gate/up and down in every block; decode steps (3 rows and fewer) through the kernels,
+        # prefill (17 tokens) through F.linear.
+        assert got["per_block"] == 4
+        assert got["kernel_calls"] > 0 and got["fallback_calls"] > 0
+
+
+def test_every_projection_of_a_block_goes_through_the_operator(tmp_path, monkeypatch):
+    write_hf_model("qwen2_untied", str(tmp_path))
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    expected = LLMEngine(load_model(str(tmp_path)), eos_token_id=None, block_size=4).generate(PROMPTS, params)
+    plain = load_model(str(tmp_path))
+    assert use_skinny_linear(plain, backend="torch") == 7  # q, k, v, o, gate, up, down
+    merged = load_model(str(tmp_path)).requires_grad_(False)
+    merge_projections(merged)
+    assert use_skinny_linear(merged, backend="torch") == 4
+    for model in (plain, merged):
+        got = LLMEngine(model, eos_token_id=None, block_size=4).generate(PROMPTS, params)
+        assert [g.generated_token_ids for g in got] == [e.generated_token_ids for e in expected]
+    calls = []
+    wrapped = skinny_module.skinny_linear
+    monkeypatch.setattr(
+        skinny_module, "skinny_linear", lambda x, *args, **kwargs: calls.append(x) or wrapped(x, *args, **kwargs)
+    )
+    LLMEngine(merged, eos_token_id=None, block_size=4).generate(PROMPTS[:1], params)
+    assert len(calls) == 4 * merged.args.num_layers * 4  # 4 per block in prefill and 3 decode steps
+
+
+def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp_path, caplog, monkeypatch):
+    write_hf_model("qwen2_untied", str(tmp_path))
+    model = load_model(str(tmp_path))
+    assert "need CUDA tensors" in skinny_linear_unsupported(model)
+    layer = next(iter(model.model.layers.values()))
+    layer.self_attn.o_proj.forward = layer.self_attn.o_proj.forward  # as a TP replica's local forwards are bound
+    assert "tp=1" in skinny_linear_unsupported(model)
+    model = load_model(str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="spmd_rlhf.engine.decode_graphs"):
+        engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton")
+    assert "rollout.decode_matmul=triton falls back to F.linear" in caplog.text
+    assert all("forward" not in vars(m) for m in engine.runner.model.model.layers.modules())
+    # Where it can run (CUDA with triton), the engine points the blocks at the operator.
+    monkeypatch.setattr(llm_engine, "skinny_linear_unsupported", lambda model: None)
+    LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton")
+    assert all("forward" in vars(layer.mlp.down_proj) for layer in model.model.layers.values())
+    with pytest.raises(ValueError, match="decode_matmul='cublas' is unknown"):
+        LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="cublas")
+    assert load_config(None, []).rollout.decode_matmul == "torch"
+    with pytest.raises(ConfigError, match="rollout.decode_matmul"):
+        load_config(None, ["rollout.decode_matmul=cublas"])

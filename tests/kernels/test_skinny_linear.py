@@ -1,0 +1,110 @@
+"""``skinny_linear``: the few-row linear kernels against float64 under Triton's interpreter (``kernel_checks``), the
+launch's splits, the fallback to ``F.linear``, the operator inside a compiled graph, and on CUDA in bfloat16 inside a
+CUDA graph. The engine's use of it (``rollout.decode_matmul``) is tested in ``tests/engine/test_skinny_decode.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import (
+    SKINNY_INTERPRETER_CASES,
+    SkinnyCase,
+    check_skinny_linear,
+    interpreter_unusable_reason,
+    run_under_interpreter,
+)
+
+from spmd_rlhf.kernels.skinny_linear import (
+    MAX_ROWS,
+    MAX_SPLITS,
+    TILE_ELEMENTS,
+    skinny_launch,
+    skinny_linear,
+)
+from spmd_rlhf.kernels.triton_support import triton
+
+
+@pytest.mark.skipif(interpreter_unusable_reason() is not None, reason=str(interpreter_unusable_reason()))
+def test_the_kernels_match_float64_under_the_interpreter():
+    assert len(run_under_interpreter("skinny_linear")) == len(SKINNY_INTERPRETER_CASES) * 3
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("in_features", [1, 7, 511, 512, 1536, 8960, 14336, 29568])
+@pytest.mark.parametrize("out_features", [1, 8, 1536, 17920])
+@pytest.mark.parametrize("processors", [8, 132])
+def test_the_launch_covers_the_input_in_whole_tiles_with_no_empty_split(rows, in_features, out_features, processors):
+    rows_pad, block_in, splits, chunk = skinny_launch(rows, in_features, out_features, processors)
+    assert rows <= rows_pad < 2 * rows and rows_pad & (rows_pad - 1) == 0
+    assert rows_pad * block_in == TILE_ELEMENTS and chunk % block_in == 0
+    assert 1 <= splits <= MAX_SPLITS
+    assert (splits - 1) * chunk < in_features <= splits * chunk
+
+
+def test_the_launch_splits_a_wide_input_until_the_gpu_is_full():
+    # The 1.5B shape's layers at batch 1 on 132 multiprocessors: q/k/v, o and gate/up walk 3 tiles of 512 in one
+    # program per 8 outputs; down's 8,960 inputs would be 18 tiles, so 5 splits of 4 (960 programs: the 8 per
+    # multiprocessor the split stops at, 192 output blocks).
+    for out_features in (2048, 1536, 17920):
+        assert skinny_launch(1, 1536, out_features, 132) == (1, 512, 1, 1536)
+    assert skinny_launch(1, 8960, 1536, 132) == (1, 512, 5, 2048)
+    assert skinny_launch(4, 8960, 1536, 132) == (4, 128, 5, 1792)
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        skinny_launch(MAX_ROWS + 1, 64, 64, 132)
+
+
+def test_without_triton_or_past_the_row_limit_it_is_f_linear():
+    x, weight, bias = torch.randn(2, 3, 16), torch.randn(5, 16), torch.randn(5)
+    assert torch.equal(skinny_linear(x, weight, bias), F.linear(x, weight, bias))  # auto on CPU
+    assert torch.equal(skinny_linear(x, weight, bias, backend="torch"), F.linear(x, weight, bias))
+    # Six rows is past MAX_ROWS: F.linear even where Triton is asked for.
+    if triton is not None:
+        assert torch.equal(skinny_linear(x, weight, bias, backend="triton"), F.linear(x, weight, bias))
+    assert skinny_linear(torch.randn(0, 16), weight).shape == (0, 5)
+
+
+@pytest.mark.parametrize(
+    "x,weight,bias,message",
+    [
+        (torch.randn(2, 16), torch.randn(5, 15), None, "in_features"),
+        (torch.randn(2, 16), torch.randn(5, 16), torch.randn(4), "bias must be"),
+        (torch.randn(2, 16), torch.randn(5, 16, dtype=torch.float64), None, "share one of"),
+        (torch.randn(2, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64), None, "share one of"),
+    ],
+)
+def test_inputs_are_checked(x, weight, bias, message):
+    with pytest.raises(ValueError, match=message):
+        skinny_linear(x, weight, bias)
+
+
+def test_the_operator_traces_into_one_graph_with_symbolic_rows():
+    """A compiled block calls the operator as one opaque call: no graph break, the row count symbolic."""
+    weight, bias = torch.randn(5, 16), torch.randn(5)
+
+    def block(x):
+        return torch.ops.spmd_rlhf.skinny_linear(x.relu(), weight, bias, "auto") * 2
+
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(compiled(x), F.linear(x.relu(), weight, bias) * 2, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and triton")
+def test_cuda_bf16_kernels_match_float64_and_replay_in_a_cuda_graph():
+    for case in (*SKINNY_INTERPRETER_CASES, SkinnyCase(rows=1, in_features=8960, out_features=1536)):
+        for dtype in (torch.float32, torch.bfloat16):
+            check_skinny_linear(case, dtype, "cuda", "triton")
+    # The 1.5B shape's down projection at batch 1 (5 splits and their sum), captured and replayed.
+    x = torch.randn(1, 8960, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(1536, 8960, device="cuda", dtype=torch.bfloat16) / 95
+    eager = skinny_linear(x, weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_linear(x, weight)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(captured, skinny_linear(x, weight), rtol=0, atol=0)
+    assert not torch.equal(captured, eager)
