@@ -37,14 +37,17 @@ def skinny_linear_kernel(
     end = tl.minimum(in_features, first + chunk)
     weight_rows = weight_ptr + outs.to(tl.int64)[:, None] * stride_weight_out
     x_rows = x_ptr + row[:, None] * stride_x_row
-    acc = tl.zeros([ROWS_PAD, BLOCK_OUT], tl.float32)
+    # Products accumulate elementwise, [ROWS_PAD, BLOCK_OUT, BLOCK_IN] in float32 (ROWS_PAD * BLOCK_IN is fixed, so
+    # as many registers at any row count), and are summed over the inputs once after the walk: a sum per tile would
+    # put a cross-thread reduction, with its barriers, between one tile's loads and the next's.
+    products = tl.zeros([ROWS_PAD, BLOCK_OUT, BLOCK_IN], tl.float32)
     for start in range(first, end, BLOCK_IN):
         ins = start + tl.arange(0, BLOCK_IN)
         in_mask = ins < end
         weights = tl.load(weight_rows + ins[None, :], mask=out_mask[:, None] & in_mask[None, :], other=0.0)
         inputs = tl.load(x_rows + ins[None, :], mask=row_mask[:, None] & in_mask[None, :], other=0.0)
-        # [ROWS_PAD, 1, BLOCK_IN] x [1, BLOCK_OUT, BLOCK_IN], summed over the inputs, in float32.
-        acc += tl.sum(inputs.to(tl.float32)[:, None, :] * weights.to(tl.float32)[None, :, :], axis=2)
+        products += inputs.to(tl.float32)[:, None, :] * weights.to(tl.float32)[None, :, :]
+    acc = tl.sum(products, axis=2)
     if SPLITS == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
