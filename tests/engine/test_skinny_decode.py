@@ -71,8 +71,7 @@ def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp
     write_hf_model("qwen2_untied", str(tmp_path))
     model = load_model(str(tmp_path))
     assert "need CUDA tensors" in skinny_linear_unsupported(model)
-    layer = next(iter(model.model.layers.values()))
-    layer.self_attn.o_proj.forward = layer.self_attn.o_proj.forward  # as a TP replica's local forwards are bound
+    model.local_tensor_parallel = True  # what run_locally marks a TP replica's generation copy with
     assert "tp=1" in skinny_linear_unsupported(model)
     model = load_model(str(tmp_path))
     with caplog.at_level(logging.INFO, logger="spmd_rlhf.engine.decode_graphs"):

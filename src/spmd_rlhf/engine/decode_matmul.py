@@ -35,7 +35,7 @@ def _skinny_matmul(self, x: torch.Tensor) -> torch.Tensor:
 def skinny_linear_unsupported(model: DecoderLM, *, backend: str = "auto") -> str | None:
     """Why ``use_skinny_linear`` cannot serve ``model`` with ``backend`` (a sentence), or None when it can."""
     weight = model.model.embed_tokens.weight
-    if isinstance(weight, DTensor) or any("forward" in vars(m) for m in model.model.layers.modules()):
+    if getattr(model, "local_tensor_parallel", False) or isinstance(weight, DTensor):
         return "the kernel runs on a tp=1 generation copy (its TP layers compute on local shards of their own)"
     if not use_triton(weight.device, backend):
         return f"the Triton kernels need CUDA tensors and the triton package (the model is on {weight.device})"
