@@ -18,7 +18,7 @@ def test_sequence_parallel_equals_tensor_parallel(tmp_path):
     qwen3, llama, moe = (str(tmp_path / name) for name in ("qwen3", "llama", "moe"))
     write_hf_model("qwen3", qwen3, vocab_size=128)  # tp = 2 splits the vocabulary
     write_hf_model("llama2_bias", llama, kind="value", vocab_size=128)
-    write_hf_model("qwen3_moe", moe, vocab_size=128)
+    write_hf_model("qwen2_moe", moe, vocab_size=128)
     finished = torchrun("sequence_parallel.py", qwen3, llama, moe, nproc=2, timeout=240, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
 

@@ -19,7 +19,7 @@ from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import MoEBlock, SwiGLU
 from spmd_rlhf.models.paged_kv import PagedKV
 from spmd_rlhf.models.rope import RotaryEmbedding, apply_rotary
-from spmd_rlhf.models.sequence_parallel import padded_row
+from spmd_rlhf.models.sequence_parallel import RowPadding, padded_row
 
 HEADS = ("lm", "value", "score")
 
@@ -277,6 +277,7 @@ class DecoderLM(nn.Module):
         self.sequence_parallel = 1
         """The TP degree once ``parallelize`` has split the row between the TP regions (``models.tp_plan``): rows are
         padded to a multiple of it (``models.sequence_parallel``)."""
+        self.row_padding = RowPadding()
         self.local_tensor_parallel = False
         """Set by ``models.local_tensor_parallel.run_locally``: the TP-split modules compute on local shards with
         explicit collectives (a generation copy), not through DTensor's dispatch."""
@@ -334,6 +335,7 @@ class DecoderLM(nn.Module):
             input_ids, position_ids, cu_seqlens, max_seqlen = padded_row(
                 input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, self.sequence_parallel
             )
+            self.row_padding.tokens = input_ids.shape[1] - tokens  # what the MoE blocks route nowhere
         if row_length is not None and self.context_parallel == "ring":
             # Ring attention reads only the row's offsets: no whole-row mask, which would be [T, T].
             batch = AttentionBatch(cu_seqlens=cu_seqlens.to(input_ids.device), max_seqlen=max_seqlen or 0)

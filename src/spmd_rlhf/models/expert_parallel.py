@@ -85,8 +85,9 @@ class ParallelExperts(Experts):
             for weight in (self.gate_proj, self.up_proj, self.down_proj)
         )
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``x`` ``[tokens, H]`` -> the weighted sum of each token's ``k`` experts ``[tokens, H]``."""
+    def forward(self, x: torch.Tensor, routing: Routing, *, summed: bool = True) -> torch.Tensor:
+        """``x`` ``[tokens, H]`` -> the weighted sum of each token's ``k`` experts ``[tokens, H]``; under tp, not
+        ``summed``: this rank's partial sum, for the caller to reduce (sequence parallelism reduce-scatters it)."""
         if self.tp_group is not None:
             # Each TP rank's copies feed its slice of the experts, so the copies' and the routing weights'
             # gradients are partial sums over tp (the router's own gradient is then whole on every rank).
@@ -98,7 +99,7 @@ class ParallelExperts(Experts):
         else:
             outputs = self._dispatched(routed, counts, like=x)
         out = combine(outputs, order, routing)
-        return out if self.tp_group is None else sum_over(out, self.tp_group)
+        return out if self.tp_group is None or not summed else sum_over(out, self.tp_group)
 
     def _dispatched(self, routed: torch.Tensor, counts: torch.Tensor, *, like: torch.Tensor) -> torch.Tensor:
         """The local experts' outputs of this rank's ``routed`` copies (sorted by expert, ``counts`` per expert),

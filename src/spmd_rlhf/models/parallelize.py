@@ -31,7 +31,7 @@ from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.expert_parallel import check_expert_parallel, shard_experts
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
 from spmd_rlhf.models.moe import MoEBlock
-from spmd_rlhf.models.sequence_parallel import check_sequence_parallel
+from spmd_rlhf.models.sequence_parallel import check_sequence_parallel, split_moe_rows
 from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary, vocabulary_stream
 from spmd_rlhf.models.tp_plan import (
     DECODER_LAYER_PLAN,
@@ -344,6 +344,8 @@ def parallelize(
         shard_experts(model, ep_tp_mesh, split=("ep", "tp"))
     elif expert_parallel or tensor_parallel:
         shard_experts(model, ep_mesh if expert_parallel else tp_mesh, split=("ep",) if expert_parallel else ("tp",))
+    if sequence_parallel and tensor_parallel:
+        split_moe_rows(model, tp_mesh)
     if cp_group is not None:
         apply_context_parallel(
             model, cp_group, tp=tp_mesh.size() if tensor_parallel else 1, role=role, attention=cp_attention

@@ -1,17 +1,39 @@
 """Sequence parallelism's row: under ``<role>.sequence_parallel`` each TP rank keeps ``1 / tp`` of a packed row's
 tokens between the TP regions (``models.tp_plan``), so the row's length must be a multiple of tp. ``padded_row``
 appends one padding sequence (token 0, positions from 0, its own entry in ``cu_seqlens``, so no real token attends to
-it) and ``DecoderLM.hidden_states`` drops its hidden states again before the head. ``check_sequence_parallel``:
-what it does not split yet."""
+it) and ``DecoderLM.hidden_states`` drops its hidden states again before the head (telling the row's
+``RowPadding`` how many tokens it added). ``check_sequence_parallel``: what it does not split yet.
+
+Mixture-of-experts layers (``split_moe_rows``): the routed experts split each expert's width over tp and need every
+rank's tokens, so an MoE block gathers the row (``gather_sequence_for_replicas``: the router's and the experts'
+input gradients arrive summed over tp already), routes the row's real tokens (the padding is routed to no expert:
+forward hooks, router replay and the router losses see the tokens they would without sequence parallelism), and
+reduce-scatters the experts' partial outputs back to its chunk (``sum_scattered_sequence``). The shared expert
+runs on the chunk through its own sequence-parallel styles, its one-output gate on the chunk with the gate weight's
+gradient summed over tp."""
 
 from __future__ import annotations
 
+import types
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from spmd_rlhf.collectives import gather_sequence_for_replicas, sum_gradient_over, sum_scattered_sequence
+from spmd_rlhf.models.moe import MoEBlock, Routing
 
 if TYPE_CHECKING:
     from spmd_rlhf.models.decoder import DecoderLM
+
+
+@dataclass
+class RowPadding:
+    """The padding tokens at the end of the row the model is running (set by ``DecoderLM.hidden_states``)."""
+
+    tokens: int = 0
 
 
 def padded_row(
@@ -45,14 +67,47 @@ def padded_row(
 
 def check_sequence_parallel(model: DecoderLM, *, cp: bool, role: str) -> None:
     """Raise a ``ValueError`` naming the setting to change where ``<role>.sequence_parallel`` cannot split the row
-    yet: mixture-of-experts layers (their experts' TP split needs every rank's tokens), a pipeline stage and context
-    parallelism."""
-    moe = model.args.moe
+    yet: a pipeline stage and context parallelism."""
     cases = {
-        "mixture-of-experts layers": moe is not None and bool(moe.layers),
         f"a pipeline stage ({role}.pp > 1)": model.model.embed_tokens is None or model.model.norm is None,
         f"context parallelism ({role}.cp > 1)": cp,
     }
     for what, present in cases.items():
         if present:
             raise ValueError(f"{role}.sequence_parallel does not split the row with {what} yet; set it to false")
+
+
+def split_moe_rows(model: DecoderLM, mesh: DeviceMesh) -> None:
+    """Every MoE block of ``model`` (its experts already split over ``mesh``'s tp, ``shard_experts``) takes its chunk
+    of the row and returns its chunk (module docstring)."""
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            module.tp_group, module.row_padding = mesh.get_group(), model.row_padding
+            module.forward = types.MethodType(_moe_on_chunks, module)
+
+
+def _moe_on_chunks(self: MoEBlock, x: torch.Tensor) -> torch.Tensor:
+    hidden = x.shape[-1]
+    flat = gather_sequence_for_replicas(x, self.tp_group).reshape(-1, hidden)
+    real = flat.shape[0] - self.row_padding.tokens
+    routing = self.gate(flat[:real])
+    if real < flat.shape[0]:
+        routing = _route_padding_nowhere(routing, flat.shape[0] - real)
+    partial = self.experts(flat, routing, summed=False)
+    out = sum_scattered_sequence(partial.view(1, -1, hidden), self.tp_group).view_as(x)
+    if hasattr(self, "shared_expert"):
+        gate_weight = sum_gradient_over(self.shared_expert_gate.weight, self.tp_group)  # each rank's own tokens
+        out = out + torch.sigmoid(F.linear(x, gate_weight)) * self.shared_expert(x)
+    return out
+
+
+def _route_padding_nowhere(routing: Routing, padding: int) -> Routing:
+    """``routing`` of the real tokens, extended by ``padding`` tokens sent to the first ``k`` experts with weight 0
+    (their outputs, zeros, are dropped with them)."""
+    k = routing.experts.shape[1]
+    experts = torch.arange(k, device=routing.experts.device, dtype=routing.experts.dtype).expand(padding, k)
+    return Routing(
+        F.pad(routing.logits, (0, 0, 0, padding)),
+        torch.cat([routing.experts, experts]),
+        F.pad(routing.weights, (0, 0, 0, padding)),
+    )

@@ -3,8 +3,9 @@ as its TP group, against the same TP split without it on the same rank: packed r
 of tp (padded inside the model) and a single sequence without offsets; a Llama with biases on its row-parallel layers
 and a value head, every weight trained, eager (the bytes autograd saves for the backward smaller too), and a Qwen3
 (per-head q/k norms, tied vocabulary) with LoRA adapters on every projection, eager and with compiled blocks: outputs
-and every gradient equal. The refusals name the setting. (Every role's full update under it against one rank:
-tests/workers/test_parallel_parity.py.)
+and every gradient equal; and a Qwen2-MoE (a shared expert, the routed experts' widths split over tp), eager, every
+weight trained, whose routers see the row's real tokens only and replay routes given for them. The refusals name the
+setting. (Every role's full update under it against one rank: tests/workers/test_parallel_parity.py.)
 
     torchrun --nproc-per-node 2 tests/models/programs/sequence_parallel.py QWEN3_DIR LLAMA_VALUE_DIR MOE_DIR
 """
@@ -23,6 +24,7 @@ from spmd_rlhf.config import LoRAConfig
 from spmd_rlhf.metrics.peak_memory import saved_activation_bytes
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models import parallelize as parallelize_module
+from spmd_rlhf.models.moe import TopKRouter
 from spmd_rlhf.runtime import end_process
 
 ROWS = ([12, 14, 9], [20, 4, 6, 2, 1], [31])
@@ -96,11 +98,41 @@ def check_family(model_dir: str, head: str, mesh, *, lora: bool = False, compile
         print(f"{head}: saved for the backward {with_split} bytes with sequence parallelism, {without} without")
 
 
-def check_refusals(moe_dir: str, dense_dir: str, mesh) -> None:
-    cases = [
-        (moe_dir, {}, "actor.sequence_parallel does not split the row with mixture-of-experts layers yet"),
-        (dense_dir, {"cp_group": dist.group.WORLD}, "with context parallelism (actor.cp > 1) yet"),
-    ]
+def check_moe_routing(moe_dir: str, mesh) -> None:
+    """Under sequence parallelism the routers route the row's real tokens, not its padding: forward hooks (the router
+    losses, route recording) see what they see without it, and replayed routes of the real tokens apply."""
+    plain, split = (built(moe_dir, "lm", mesh, sequence_parallel=flag) for flag in (False, True))
+    lengths = ROWS[0]
+    generator = torch.Generator().manual_seed(1)
+    inputs = {
+        "input_ids": torch.randint(3, plain.args.vocab_size, (1, sum(lengths)), generator=generator),
+        "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+    }
+    seen = {id(model): [] for model in (plain, split)}
+    routers = {id(model): [m for m in model.modules() if isinstance(m, TopKRouter)] for model in (plain, split)}
+    for key, modules in routers.items():
+        for router in modules:
+            router.register_forward_hook(lambda module, args, routing, key=key: seen[key].append(routing))
+    with torch.no_grad():
+        plain(**inputs), split(**inputs)
+    assert len(seen[id(plain)]) == len(seen[id(split)]) > 0
+    for ours, theirs in zip(seen[id(split)], seen[id(plain)]):
+        assert ours.experts.shape == (sum(lengths), plain.args.moe.num_experts_per_tok), ours.experts.shape
+        assert torch.equal(ours.experts, theirs.experts)
+        torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-6)
+    replay = torch.randint(0, plain.args.moe.num_experts, (sum(lengths), plain.args.moe.num_experts_per_tok))
+    replay[::3] = -1  # some tokens keep the router's own choice
+    outputs = []
+    for model in (plain, split):
+        for router in routers[id(model)]:
+            router.replay = replay
+        with torch.no_grad():
+            outputs.append(model(**inputs))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+
+
+def check_refusals(dense_dir: str, mesh) -> None:
+    cases = [(dense_dir, {"cp_group": dist.group.WORLD}, "with context parallelism (actor.cp > 1) yet")]
     for model_dir, extra, message in cases:
         model = load_model(model_dir, head="lm", dtype=torch.float32)
         try:
@@ -127,7 +159,10 @@ def main() -> None:
     check_family(llama_dir, "value", mesh, compile_too=False)
     # Tied vocabulary, q/k norms and LoRA adapters on every projection (column and row), eager and compiled.
     check_family(qwen3_dir, "lm", mesh, lora=True)
-    check_refusals(moe_dir, qwen3_dir, mesh)
+    # Mixture-of-experts layers with a shared expert, every weight trained: the experts split their widths over tp.
+    check_family(moe_dir, "lm", mesh, compile_too=False)
+    check_moe_routing(moe_dir, mesh)
+    check_refusals(qwen3_dir, mesh)
     dist.barrier()
     dist.destroy_process_group()
     end_process()  # no interpreter teardown (spmd_rlhf.runtime.end_process)
