@@ -1,9 +1,9 @@
 """Expert parallelism in a trained role (``programs/expert_parallel_parity.py``): a tiny Qwen3-MoE actor with
 ``actor.ep`` in {2, 4} over 2, 4 or 8 CPU ranks, with the experts also FSDP-sharded (dp4·ep2), through a pipeline
-(dp2·ep2·pp2), with tensor parallelism (dp2·ep2·tp2, and dp4·ep4·tp2 over 8 ranks; TP alone: tests/models/test_moe.py)
-and with HSDP (dp4·ep2, fsdp_size 2), computes the same log-probs as one rank, and two updates leave the same losses,
-gradient norms and weights, experts included. A dp2·ep2 checkpoint resumes bitwise into dp4·ep4, and the next update
-matches."""
+(dp2·ep2·pp2), with tensor parallelism (dp2·ep2·tp2, with and without sequence parallelism, and dp4·ep4·tp2 over 8
+ranks; TP alone: tests/models/test_moe.py) and with HSDP (dp4·ep2, fsdp_size 2), computes the same log-probs as one
+rank, and two updates leave the same losses, gradient norms and weights, experts included. A dp2·ep2 checkpoint
+resumes bitwise into dp4·ep4, and the next update matches."""
 
 from __future__ import annotations
 
@@ -18,9 +18,18 @@ from torchrun_helpers import hf_weights, torchrun
 from spmd_rlhf.tiny.model import make_tiny
 
 REFERENCE = "dp1ep1tp1pp1"
-LAYOUTS = ["dp2ep2tp1pp1", "dp4ep2tp1pp1", "dp4ep4tp1pp1", "dp2ep2tp1pp2", "dp2ep2tp2pp1", "dp4ep2tp1pp1fsdp2"]
-"""The last with HSDP: the dense parts sharded over pairs of DP ranks and replicated across them, the experts
-FSDP-sharded over efsdp (across the replicas) as without it."""
+LAYOUTS = [
+    "dp2ep2tp1pp1",
+    "dp4ep2tp1pp1",
+    "dp4ep4tp1pp1",
+    "dp2ep2tp1pp2",
+    "dp2ep2tp2pp1",
+    "dp2ep2tp2pp1sp",
+    "dp4ep2tp1pp1fsdp2",
+]
+"""``sp``: with sequence parallelism (the MoE blocks gather the row for the experts split over ep and tp). The last
+with HSDP: the dense parts sharded over pairs of DP ranks and replicated across them, the experts FSDP-sharded over
+efsdp (across the replicas) as without it."""
 
 
 EIGHT_RANKS = ["dp4ep4tp2pp1"]
@@ -60,7 +69,7 @@ def test_log_probs_match_one_rank(request, layout):
     )
 
 
-@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS + EIGHT_RANKS if layout.endswith("pp1")])
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS + EIGHT_RANKS if "pp1" in layout])
 def test_every_gradient_matches_one_rank(request, layout):
     """The router's too: under tp its gradient sums each rank's share of the experts' (``sum_gradient_over``)."""
     _, out = _outputs(request, layout)

@@ -1,9 +1,9 @@
 """A tiny mixture-of-experts actor under expert and tensor parallelism on the same ranks, against one rank: layouts
 ``dp{dp}ep{ep}tp{tp}pp{pp}`` such as dp2ep2tp1pp1, dp4ep2tp1pp1 (experts FSDP-sharded over efsdp = 2 as well),
-dp2ep1tp2pp1 (each expert's width split over tp) or dp2ep2tp2pp1 (both). Each layout computes log-probs, takes two
-updates (metrics: loss and gradient norm of each) and saves its weights (experts included); before them, without
-pipeline stages, it writes every parameter's whole gradient of the summed response log-probs (the router's
-included, which the update's metrics hardly feel). Then, when both were run,
+dp2ep1tp2pp1 (each expert's width split over tp) or dp2ep2tp2pp1 (both; dp2ep2tp2pp1sp: with sequence parallelism
+too). Each layout computes log-probs, takes two updates (metrics: loss and gradient norm of each) and saves its
+weights (experts included); before them, without pipeline stages, it writes every parameter's whole gradient of the
+summed response log-probs (the router's included, which the update's metrics hardly feel). Then, when both were run,
 the dp2ep2 actor's DCP checkpoint is resumed by a dp4ep4 actor, and both take one more update.
 
     torchrun --nproc-per-node 4 expert_parallel_parity.py POLICY_DIR OUT_DIR dp1ep1tp1pp1 dp2ep2tp1pp1 ...
@@ -54,33 +54,32 @@ class GradientActor(ActorWorker):
 
 def main(coordinator):
     policy_dir, out_dir, *layouts = sys.argv[1:]
-    config = load_config(
-        None,
-        [
-            f"model.path={policy_dir}",
-            "algorithm.name=grpo",
-            "algorithm.kl_penalty=loss",
-            "rollout.n=2",
-            "rollout.max_new_tokens=6",
-            "data.batch_size=8",
-            "data.max_prompt_length=5",
-            "actor.lr=1e-3",
-            "actor.mini_batch_size=16",
-            "actor.micro_batch_size=2",
-            "actor.forward_micro_batch_size=2",
-            "actor.fsdp_unit_mb=0",
-            # The routers' losses are per micro-batch, so they differ between data-parallel layouts; expert
-            # parallelism changes nothing about them (each rank routes its own tokens, as under dp).
-            "actor.router_aux_loss_coef=0",
-        ],
-    )
+    overrides = [
+        f"model.path={policy_dir}",
+        "algorithm.name=grpo",
+        "algorithm.kl_penalty=loss",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "data.batch_size=8",
+        "data.max_prompt_length=5",
+        "actor.lr=1e-3",
+        "actor.mini_batch_size=16",
+        "actor.micro_batch_size=2",
+        "actor.forward_micro_batch_size=2",
+        "actor.fsdp_unit_mb=0",
+        # The routers' losses are per micro-batch, so they differ between data-parallel layouts; expert
+        # parallelism changes nothing about them (each rank routes its own tokens, as under dp).
+        "actor.router_aux_loss_coef=0",
+    ]
+    config = load_config(None, overrides)
     batch = rollout_batch(16, 5, 6, vocab=100)
     actors = {}
     for layout in layouts:
-        sizes = re.fullmatch(r"dp(\d+)ep(\d+)tp(\d+)pp(\d+)(?:fsdp(\d+))?", layout).groups()
+        *sizes, split = re.fullmatch(r"dp(\d+)ep(\d+)tp(\d+)pp(\d+)(?:fsdp(\d+))?(sp)?", layout).groups()
         dp, ep, tp, pp, fsdp = (int(size or 0) for size in sizes)
         pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep, fsdp_size=fsdp)
-        actor = coordinator.spawn(GradientActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
+        role_config = load_config(None, [*overrides, "actor.sequence_parallel=true"]) if split else config
+        actor = coordinator.spawn(GradientActor, role_config, name=f"actor_{layout}", pool=pool, dims=dims)
         torch.save(actor.compute_log_probs(batch).result().fetch()["old_log_probs"], f"{out_dir}/{layout}.pt")
         if pp == 1:
             actor.save_log_prob_gradients(batch.tensors, f"{out_dir}/{layout}_gradients.pt").result()
