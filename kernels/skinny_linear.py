@@ -77,13 +77,20 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [out_features={weight.shape[0]}], got {list(bias.shape)}")
+
+
+def _kernels_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, backend: str) -> bool:
+    """Whether the kernels run this product: at most ``MAX_ROWS`` rows, one supported dtype and device for all,
+    a weight contiguous in its inputs, and ``backend`` picking Triton; anything else is ``F.linear``'s (which also
+    raises what it raises for mismatched inputs)."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
-    if x.dtype not in SUPPORTED_DTYPES or any(t.dtype != x.dtype for t in tensors):
-        raise ValueError(
-            f"x, weight and bias must share one of float16, bfloat16, float32; got {[t.dtype for t in tensors]}"
-        )
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"x, weight and bias must be on one device, got {sorted(str(t.device) for t in tensors)}")
+    return (
+        1 <= rows <= MAX_ROWS
+        and x.dtype in SUPPORTED_DTYPES
+        and all(t.dtype == x.dtype and t.device == x.device for t in tensors)
+        and weight.stride(-1) == 1
+        and use_triton(x.device, backend)
+    )
 
 
 def skinny_linear(
@@ -95,19 +102,18 @@ def skinny_linear(
     splits: int | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: through the Triton kernels when ``x`` has at most ``MAX_ROWS`` rows (its
-    leading dimensions flattened) and ``backend`` picks Triton (``auto``: CUDA tensors with triton installed;
-    ``triton``; ``torch``: always ``F.linear``), in float32 rounded once to ``x``'s dtype. ``splits``: programs per
+    leading dimensions flattened), every tensor one float16 / bfloat16 / float32 dtype, and ``backend`` picks Triton
+    (``auto``: CUDA tensors with triton installed; ``triton``; ``torch``: always ``F.linear``), in float32 rounded
+    once to ``x``'s dtype; otherwise ``F.linear`` itself. ``splits``: programs per
     output block (None: ``skinny_launch``'s choice for this device)."""
     _check_inputs(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 <= rows <= MAX_ROWS or not use_triton(x.device, backend):
+    if not _kernels_take(x, weight, bias, rows, backend):
         return F.linear(x, weight, bias)
     out_features, in_features = weight.shape
     x_rows = x.reshape(rows, in_features)
     if x_rows.stride(-1) != 1:
         x_rows = x_rows.contiguous()
-    if weight.stride(-1) != 1:
-        raise ValueError(f"weight must be contiguous in in_features (stride 1), got strides {weight.stride()}")
     rows_pad, block_in, chosen, chunk = skinny_launch(rows, in_features, out_features, multiprocessors(x.device))
     if splits is not None:
         if not 1 <= splits <= MAX_SPLITS:

@@ -69,13 +69,22 @@ def test_without_triton_or_past_the_row_limit_it_is_f_linear():
     [
         (torch.randn(2, 16), torch.randn(5, 15), None, "in_features"),
         (torch.randn(2, 16), torch.randn(5, 16), torch.randn(4), "bias must be"),
-        (torch.randn(2, 16), torch.randn(5, 16, dtype=torch.float64), None, "share one of"),
-        (torch.randn(2, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64), None, "share one of"),
     ],
 )
-def test_inputs_are_checked(x, weight, bias, message):
+def test_shapes_are_checked(x, weight, bias, message):
     with pytest.raises(ValueError, match=message):
         skinny_linear(x, weight, bias)
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton")
+def test_what_the_kernels_do_not_take_is_f_linear_even_where_triton_is_asked_for():
+    """float64, mixed dtypes (F.linear's own error) and a weight strided in its inputs: no launch, no new error."""
+    x, weight = torch.randn(2, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
+    assert torch.equal(skinny_linear(x, weight, backend="triton"), F.linear(x, weight))
+    with pytest.raises(RuntimeError):
+        skinny_linear(x.float(), weight, backend="triton")
+    strided = torch.randn(16, 5).t()
+    assert torch.equal(skinny_linear(x.float(), strided, backend="triton"), F.linear(x.float(), strided))
 
 
 def test_the_operator_traces_into_one_graph_with_symbolic_rows():
