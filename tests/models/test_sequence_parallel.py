@@ -35,17 +35,19 @@ def test_a_row_is_padded_by_one_sequence_to_a_multiple_of_tp():
     assert padded_row(ids[:, :4], positions[:, :4], None, cu_seqlens[:2], 3, 4)[0] is not None  # a multiple already
     with pytest.raises(ValueError, match="splits one packed row"):
         padded_row(ids.expand(2, 7), positions.expand(2, 7), torch.ones(2, 7), None, None, 2)
+    # A later pipeline stage's chunk of hidden states cannot be padded: its row must be a multiple already.
+    chunk = torch.zeros(1, 4, 8)
+    assert padded_row(chunk, torch.arange(8)[None], None, None, None, 2, chunk=True)[0] is chunk
+    with pytest.raises(ValueError, match="stack_packed\\(multiple=4\\)"):
+        padded_row(chunk, positions, None, cu_seqlens, 4, 4, chunk=True)
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (["actor.tp=2", "actor.cp=2", "actor.n_ranks=8"], "with context parallelism yet; set actor.cp=1"),
-        (["actor.tp=2", "actor.pp=2", "actor.n_ranks=4"], "of a pipeline stage yet; set actor.pp=1"),
-    ],
-)
-def test_refusals_name_the_key(overrides, message):
-    with pytest.raises(ConfigError, match=f"actor.sequence_parallel=true: .*{message}"):
+def test_refusals_name_the_key():
+    overrides = ["actor.tp=2", "actor.cp=2", "actor.n_ranks=8"]
+    with pytest.raises(
+        ConfigError, match="actor.sequence_parallel=true: .*with context parallelism yet; set actor.cp=1"
+    ):
         load_config(None, ["actor.sequence_parallel=true", *overrides])
+    assert load_config(None, ["actor.sequence_parallel=true", "actor.tp=2", "actor.pp=2", "actor.n_ranks=4"])
     for tp in (1, 2):  # at tp = 1 it has no effect (placement=auto may choose it)
         assert load_config(None, ["actor.sequence_parallel=true", f"actor.tp={tp}"]).actor.sequence_parallel

@@ -29,9 +29,11 @@ LAYOUTS = [
     "dp2tp2pp1fsdp1",
     "dp2tp1pp2fsdp1",
     "dp2tp2pp1sp",
+    "dp1tp2pp2sp",
 ]
 """Three hybrid-shard (HSDP): FSDP over 2 of 4 DP ranks, two replicas; TP, or two pipeline stages, with FSDP over 1 DP
-rank (each rank's shard whole), two replicas. The last with every role's sequence parallelism."""
+rank (each rank's shard whole), two replicas. The last two with every role's sequence parallelism, the second
+through two pipeline stages."""
 
 
 @pytest.fixture(scope="module")

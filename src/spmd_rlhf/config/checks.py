@@ -216,7 +216,6 @@ def _check_sequence_parallel(config: CheckedConfig, name: str, role: RoleConfig)
     generates = name == "rollout" or getattr(role, "kind", "model") == "generative"
     cases = {
         "splits training and scoring passes, not generation": generates,
-        f"does not split the row of a pipeline stage yet; set {name}.pp=1 or this to false": role.pp > 1,
         f"does not split the row with context parallelism yet; set {name}.cp=1 or this to false": role.cp > 1,
     }
     for rule, broken in cases.items():

@@ -330,19 +330,27 @@ class DecoderLM(nn.Module):
             cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
-        tokens = input_ids.shape[1]
-        if self.sequence_parallel > 1 and paged is None:
+        split = self.sequence_parallel > 1 and paged is None
+        # Under sequence parallelism a later pipeline stage's input is this rank's chunk: the row is the positions'.
+        tokens = position_ids.shape[1] if split else input_ids.shape[1]
+        if split:
             input_ids, position_ids, cu_seqlens, max_seqlen = padded_row(
-                input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, self.sequence_parallel
+                input_ids,
+                position_ids,
+                attention_mask,
+                cu_seqlens,
+                max_seqlen,
+                self.sequence_parallel,
+                chunk=self.model.embed_tokens is None,
             )
-            self.row_padding.tokens = input_ids.shape[1] - tokens  # what the MoE blocks route nowhere
+            self.row_padding.tokens = position_ids.shape[1] - tokens  # what the MoE blocks route nowhere
         if row_length is not None and self.context_parallel == "ring":
             # Ring attention reads only the row's offsets: no whole-row mask, which would be [T, T].
             batch = AttentionBatch(cu_seqlens=cu_seqlens.to(input_ids.device), max_seqlen=max_seqlen or 0)
             return self.model(input_ids, position_ids, batch)
         batch = AttentionBatch.build(
             batch_size=input_ids.shape[0],
-            seq_len=row_length or input_ids.shape[1],
+            seq_len=row_length or position_ids.shape[1],
             attention_mask=attention_mask,
             cu_seqlens=cu_seqlens,
             backend=self.attention_backend,
@@ -352,7 +360,7 @@ class DecoderLM(nn.Module):
             max_seqlen=max_seqlen,
         )
         hidden = self.model(input_ids, position_ids, batch)
-        return hidden if hidden.shape[1] == tokens else hidden[:, :tokens]  # sequence parallelism's padding dropped
+        return hidden[:, :tokens] if hidden.shape[1] > tokens else hidden  # sequence parallelism's padding dropped
 
     def forward(
         self,

@@ -43,19 +43,28 @@ def padded_row(
     cu_seqlens: torch.Tensor | None,
     max_seqlen: int | None,
     multiple: int,
+    *,
+    chunk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int | None]:
     """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` of a packed row ``[1, tokens]`` padded to a multiple of
     ``multiple`` tokens (unchanged where it is one already); a ``ValueError`` for padded rows (``attention_mask``) or
-    a batch of several, which sequence parallelism does not split."""
+    a batch of several, which sequence parallelism does not split. ``chunk``: ``input_ids`` are a later pipeline
+    stage's input, this rank's chunk of hidden states, which cannot be padded: the row (``position_ids``) must be a
+    multiple already, as the pipeline's micro-batching pads it (``training.packing.stack_packed``)."""
     if input_ids.shape[0] != 1 or attention_mask is not None:
         raise ValueError(
             "sequence parallelism splits one packed row (input_ids [1, tokens] with cu_seqlens), not padded rows "
             f"{tuple(input_ids.shape)}; pack the sequences or set <role>.sequence_parallel=false"
         )
-    tokens = input_ids.shape[1]
+    tokens = position_ids.shape[1]
     padding = -tokens % multiple
     if padding == 0:
         return input_ids, position_ids, cu_seqlens, max_seqlen
+    if chunk:
+        raise ValueError(
+            f"a pipeline stage under sequence parallelism got a row of {tokens} tokens, not a multiple of tp = "
+            f"{multiple}: stack the micro-batches with stack_packed(multiple={multiple})"
+        )
     device = input_ids.device
     if cu_seqlens is None:  # one sequence
         cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)
@@ -67,14 +76,12 @@ def padded_row(
 
 def check_sequence_parallel(model: DecoderLM, *, cp: bool, role: str) -> None:
     """Raise a ``ValueError`` naming the setting to change where ``<role>.sequence_parallel`` cannot split the row
-    yet: a pipeline stage and context parallelism."""
-    cases = {
-        f"a pipeline stage ({role}.pp > 1)": model.model.embed_tokens is None or model.model.norm is None,
-        f"context parallelism ({role}.cp > 1)": cp,
-    }
-    for what, present in cases.items():
-        if present:
-            raise ValueError(f"{role}.sequence_parallel does not split the row with {what} yet; set it to false")
+    yet: under context parallelism (the row is already a chunk)."""
+    if cp:
+        raise ValueError(
+            f"{role}.sequence_parallel does not split the row with context parallelism ({role}.cp > 1) yet; set it "
+            "to false"
+        )
 
 
 def split_moe_rows(model: DecoderLM, mesh: DeviceMesh) -> None:

@@ -159,10 +159,13 @@ class PackedRows(MicroBatch):
         return self.response_tokens if per_token else len(self)
 
 
-def stack_packed(micros: list[PackedRows], *, per_token: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def stack_packed(
+    micros: list[PackedRows], *, per_token: bool, multiple: int = 1
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The model inputs of ``micros`` stacked along a new dim 0 at common sizes, for a pipeline schedule: ``input_ids``
     ``[M, T]`` and the keyword inputs ``position_ids`` ``[M, T]``, ``cu_seqlens`` ``[M, S]`` and (``per_token``)
-    ``output_positions`` ``[M, R]``.
+    ``output_positions`` ``[M, R]``; ``T`` a multiple of ``multiple`` (sequence parallelism's tp: every stage then
+    splits the row as it comes).
 
     Each micro-batch is padded at its end with at least one padding sequence of at least one token (token 0,
     position 0), so every sequence is non-empty whatever the attention backend, and each real sequence attends
@@ -171,6 +174,7 @@ def stack_packed(micros: list[PackedRows], *, per_token: bool) -> tuple[torch.Te
     sequences come after the rows)."""
     num_offsets = max(len(micro.cu_seqlens) for micro in micros) + 1
     total = max(micro.total_tokens + num_offsets - len(micro.cu_seqlens) for micro in micros)
+    total = -(-total // multiple) * multiple
     input_ids, position_ids, cu_seqlens, output_positions = [], [], [], []
     for micro in micros:
         padding_sequences = num_offsets - len(micro.cu_seqlens)

@@ -289,7 +289,9 @@ class ShardedModel(PretrainedExport):
                         train=train,
                         statistics=statistics,
                     ), order
-                input_ids, model_kwargs = stack_packed(micros, per_token=per_token)
+                input_ids, model_kwargs = stack_packed(
+                    micros, per_token=per_token, multiple=self.pipeline.module.sequence_parallel
+                )
 
                 def stage_output(output: torch.Tensor, index: int) -> torch.Tensor:
                     micro = micros[index]
