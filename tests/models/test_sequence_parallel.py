@@ -1,7 +1,7 @@
 """Sequence parallelism (``<role>.sequence_parallel``, ``models.tp_plan``): on 2 gloo ranks the split row equals tensor
 parallelism without it, eager and compiled, and keeps fewer bytes for the backward (``programs/sequence_parallel.py``;
-every role's update against one rank: tests/workers/test_parallel_parity.py, ``dp2tp2pp1sp``); the padded row; the
-refusals name the key."""
+every role's update against one rank: tests/workers/test_parallel_parity.py, ``dp2tp2pp1sp`` and ``dp1tp2pp2sp``;
+with context parallelism: tests/training/test_context_parallel_roles.py); the padded row; what the config takes."""
 
 from __future__ import annotations
 
@@ -42,12 +42,10 @@ def test_a_row_is_padded_by_one_sequence_to_a_multiple_of_tp():
         padded_row(chunk, positions, None, cu_seqlens, 4, 4, chunk=True)
 
 
-def test_refusals_name_the_key():
-    overrides = ["actor.tp=2", "actor.cp=2", "actor.n_ranks=8"]
-    with pytest.raises(
-        ConfigError, match="actor.sequence_parallel=true: .*with context parallelism yet; set actor.cp=1"
-    ):
-        load_config(None, ["actor.sequence_parallel=true", *overrides])
-    assert load_config(None, ["actor.sequence_parallel=true", "actor.tp=2", "actor.pp=2", "actor.n_ranks=4"])
+def test_the_config_takes_it_with_pipelines_and_context_parallelism_and_refuses_it_for_generation():
+    for layout in (["actor.pp=2", "actor.n_ranks=4"], ["actor.cp=2", "actor.n_ranks=4"]):
+        assert load_config(None, ["actor.sequence_parallel=true", "actor.tp=2", *layout]).actor.sequence_parallel
+    with pytest.raises(ConfigError, match="reward.sequence_parallel=true: splits training and scoring passes, not gen"):
+        load_config(None, ["reward.kind=generative", "reward.sequence_parallel=true"])
     for tp in (1, 2):  # at tp = 1 it has no effect (placement=auto may choose it)
         assert load_config(None, ["actor.sequence_parallel=true", f"actor.tp={tp}"]).actor.sequence_parallel

@@ -1,12 +1,13 @@
 """Context parallelism in every trained and scoring role (``programs/context_parallel_parity.py``): a tiny Qwen3 actor
 (per-head q/k norms, 4 query and 2 key/value heads), a critic and a reward model under ``cp`` 2 and 4 over 2 or 4 CPU
-ranks, with two cp groups (dp4·cp2, also under HSDP: fsdp_size 2) and with tensor parallelism (dp2·cp2·tp2), by Ulysses
-and by ring attention (``cp_attention=ring``: zig-zag chunks, cp = 4 beyond the 2 key/value heads), equal one rank:
-log-probs, values and scores; every gradient of the summed log-probs; two actor updates (loss, gradient norm; each
-rank's own entropy and KL do not depend on the cp degree) and a critic update (loss, gradient norm), and the actor's
-weights. Through a two-stage pipeline (dp2·cp2·pp2 ring: chunks padded to the schedule's common shapes, the head's
-inputs gathered on the last stage) the same but the gradients. A token budget that holds half the longest row trains at
-cp = 2 (and is refused at cp = 1). Mixture-of-experts models: test_context_parallel_moe.py."""
+ranks, with two cp groups (dp4·cp2, also under HSDP: fsdp_size 2) and with tensor parallelism (dp2·cp2·tp2, also with
+sequence parallelism), by Ulysses and by ring attention (``cp_attention=ring``: zig-zag chunks, cp = 4 beyond the 2
+key/value heads), equal one rank: log-probs, values and scores; every gradient of the summed log-probs; two actor
+updates (loss, gradient norm; each rank's own entropy and KL do not depend on the cp degree) and a critic update
+(loss, gradient norm), and the actor's weights. Through a two-stage pipeline (dp2·cp2·pp2 ring: chunks padded to the
+schedule's common shapes, the head's inputs gathered on the last stage) the same but the gradients. A token budget
+that holds half the longest row trains at cp = 2 (and is refused at cp = 1). Mixture-of-experts models:
+test_context_parallel_moe.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,17 @@ from torchrun_helpers import hf_weights, torchrun
 from spmd_rlhf.tiny.model import make_tiny
 
 REFERENCE = "dp1cp1tp1"
-LAYOUTS = ["dp4cp2tp1", "dp2cp2tp2", "dp4cp4tp1ring", "dp2cp2tp2ring", "dp2cp2tp1pp2ring", "dp4cp2tp1fsdp2"]
+LAYOUTS = [
+    "dp4cp2tp1",
+    "dp2cp2tp2",
+    "dp2cp2tp2sp",
+    "dp4cp4tp1ring",
+    "dp2cp2tp2ring",
+    "dp2cp2tp2ringsp",
+    "dp2cp2tp1pp2ring",
+    "dp4cp2tp1fsdp2",
+]
+"""``sp``: every role with sequence parallelism too (each rank's chunk split again over tp)."""
 """The last with HSDP: each cp pair FSDP-sharded within itself, the two pairs replicas."""
 BY_CP = {2: "dp4cp2tp1", 4: "dp4cp4tp1ring"}
 """The dp = 4 layouts whose per-rank metrics are compared across cp degrees (Ulysses' cp = 4 with key/value heads

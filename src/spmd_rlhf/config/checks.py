@@ -214,12 +214,7 @@ def _check_sequence_parallel(config: CheckedConfig, name: str, role: RoleConfig)
     if not getattr(role, "sequence_parallel", False):
         return
     generates = name == "rollout" or getattr(role, "kind", "model") == "generative"
-    cases = {
-        "splits training and scoring passes, not generation": generates,
-        f"does not split the row with context parallelism yet; set {name}.cp=1 or this to false": role.cp > 1,
-    }
-    for rule, broken in cases.items():
-        require(config, f"{name}.sequence_parallel", not broken, rule)
+    require(config, f"{name}.sequence_parallel", not generates, "splits training and scoring passes, not generation")
 
 
 def _check_layout(config: CheckedConfig, name: str, role: RoleConfig) -> None:

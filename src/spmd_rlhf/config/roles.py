@@ -38,8 +38,9 @@ class RoleConfig:
     """With tp > 1 (Megatron's sequence parallelism): between the TP-split layers each TP rank keeps 1 / tp of a
     micro-batch's tokens, so the residual stream, the norms and what they keep for the backward are split instead
     of replicated over tp, for the same bytes on the wire (all-gathers and reduce-scatters where the all-reduces
-    were). Dense and mixture-of-experts models, pipeline stages included, with cp = 1, LoRA included
-    (docs/parallelism.md); no effect at tp = 1 (so that placement=auto may choose it)."""
+    were). Dense and mixture-of-experts models, with pipeline stages, context parallelism and LoRA
+    (docs/parallelism.md); trained and scoring roles, not generation; no effect at tp = 1 (so that placement=auto may
+    choose it)."""
     ep: int = 1
     """Expert-parallel degree of a mixture-of-experts model, borrowed from dp (it must divide dp, and the model's
     expert count): each MoE layer's experts are split over ep consecutive DP ranks (each expert's width over tp as

@@ -220,7 +220,7 @@ def working_bytes(role: RoleSpec, layout: Layout, batch: Batch) -> float:
     tokens = _micro_batch(role, batch) * batch.sequence_length / layout.cp
     # Without sequence parallelism (or where it does not apply) every TP rank keeps the residual stream's and the
     # norms' activations whole (token_budget.REPLICATED_HIDDENS).
-    split = {"tp": layout.tp, "sequence_parallel": role.sequence_parallel and layout.cp == 1}
+    split = {"tp": layout.tp, "sequence_parallel": role.sequence_parallel}
     hidden = shape.hidden
     layer = tp_rank_elements(layer_activation_bytes(role.shape, b), REPLICATED_HIDDENS * hidden * b, **split) * tokens
     outputs = head_output_bytes(role, layout, batch, trained=role.trained)

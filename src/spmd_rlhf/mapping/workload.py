@@ -287,7 +287,7 @@ class RoleSpec:
     """The rollout role of asynchronous RL: every DP rank holds a TP-sharded replica of the actor's weights (no FSDP
     shard, no reshard: the actor sends them), generates on it, and never shares devices with a trained role."""
     sequence_parallel: bool = False
-    """``<role>.sequence_parallel``: at tp > 1 (cp = 1) the residual stream's and the norms' activations split over
+    """``<role>.sequence_parallel``: at tp > 1 the residual stream's and the norms' activations split over
     tp, not whole on every TP rank (``cost.working_bytes``)."""
     lora_parameters: int = 0
     """A trained role's LoRA adapter parameters (``lora_parameters``; a value or score head's included): only these

@@ -332,6 +332,7 @@ class DecoderLM(nn.Module):
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
         split = self.sequence_parallel > 1 and paged is None
         # Under sequence parallelism a later pipeline stage's input is this rank's chunk: the row is the positions'.
+        # A later stage's row, and a context-parallel chunk, come padded to a multiple of tp (``padded_row``).
         tokens = position_ids.shape[1] if split else input_ids.shape[1]
         if split:
             input_ids, position_ids, cu_seqlens, max_seqlen = padded_row(
@@ -341,7 +342,7 @@ class DecoderLM(nn.Module):
                 cu_seqlens,
                 max_seqlen,
                 self.sequence_parallel,
-                chunk=self.model.embed_tokens is None,
+                chunk=self.model.embed_tokens is None or row_length is not None,
             )
             self.row_padding.tokens = position_ids.shape[1] - tokens  # what the MoE blocks route nowhere
         if row_length is not None and self.context_parallel == "ring":

@@ -31,7 +31,7 @@ from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.expert_parallel import check_expert_parallel, shard_experts
 from spmd_rlhf.models.lora import LoRAAdapters, apply_lora
 from spmd_rlhf.models.moe import MoEBlock
-from spmd_rlhf.models.sequence_parallel import check_sequence_parallel, split_moe_rows
+from spmd_rlhf.models.sequence_parallel import split_moe_rows
 from spmd_rlhf.models.streamed_vocabulary import stream_vocabulary, vocabulary_stream
 from spmd_rlhf.models.tp_plan import (
     DECODER_LAYER_PLAN,
@@ -328,7 +328,6 @@ def parallelize(
     if tensor_parallel:
         check_tensor_parallel(model, tp_mesh.size(), role=role)
         if sequence_parallel:
-            check_sequence_parallel(model, cp=cp_group is not None, role=role)
             model.sequence_parallel = tp_mesh.size()
         plan = tensor_parallel_plan(model, gather_logits=gather_logits, sequence_parallel=sequence_parallel)
         parallelize_module(model, tp_mesh, plan)

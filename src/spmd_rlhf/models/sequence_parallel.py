@@ -2,7 +2,8 @@
 tokens between the TP regions (``models.tp_plan``), so the row's length must be a multiple of tp. ``padded_row``
 appends one padding sequence (token 0, positions from 0, its own entry in ``cu_seqlens``, so no real token attends to
 it) and ``DecoderLM.hidden_states`` drops its hidden states again before the head (telling the row's
-``RowPadding`` how many tokens it added). ``check_sequence_parallel``: what it does not split yet.
+``RowPadding`` how many tokens it added). A pipeline's micro-batches and a context-parallel rank's chunk come padded
+to a multiple of tp already.
 
 Mixture-of-experts layers (``split_moe_rows``): the routed experts split each expert's width over tp and need every
 rank's tokens, so an MoE block gathers the row (``gather_sequence_for_replicas``: the router's and the experts'
@@ -49,8 +50,9 @@ def padded_row(
     """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` of a packed row ``[1, tokens]`` padded to a multiple of
     ``multiple`` tokens (unchanged where it is one already); a ``ValueError`` for padded rows (``attention_mask``) or
     a batch of several, which sequence parallelism does not split. ``chunk``: ``input_ids`` are a later pipeline
-    stage's input, this rank's chunk of hidden states, which cannot be padded: the row (``position_ids``) must be a
-    multiple already, as the pipeline's micro-batching pads it (``training.packing.stack_packed``)."""
+    stage's input (this rank's chunk of hidden states) or a context-parallel rank's chunk of the row, which cannot be
+    padded here: it must be a multiple already, as the pipeline's micro-batching (``training.packing.stack_packed``)
+    and context parallelism's rows (``training.context_parallel.ContextRow``) pad it."""
     if input_ids.shape[0] != 1 or attention_mask is not None:
         raise ValueError(
             "sequence parallelism splits one packed row (input_ids [1, tokens] with cu_seqlens), not padded rows "
@@ -72,16 +74,6 @@ def padded_row(
     input_ids = torch.cat([input_ids, input_ids.new_zeros(1, padding)], dim=1)
     position_ids = torch.cat([position_ids, torch.arange(padding, device=position_ids.device)[None]], dim=1)
     return input_ids, position_ids, cu_seqlens, None if max_seqlen is None else max(max_seqlen, padding)
-
-
-def check_sequence_parallel(model: DecoderLM, *, cp: bool, role: str) -> None:
-    """Raise a ``ValueError`` naming the setting to change where ``<role>.sequence_parallel`` cannot split the row
-    yet: under context parallelism (the row is already a chunk)."""
-    if cp:
-        raise ValueError(
-            f"{role}.sequence_parallel does not split the row with context parallelism ({role}.cp > 1) yet; set it "
-            "to false"
-        )
 
 
 def split_moe_rows(model: DecoderLM, mesh: DeviceMesh) -> None:

@@ -74,10 +74,12 @@ class ContextRow:
         per_token: bool,
         zigzag: bool = False,
         routes: torch.Tensor | None = None,
+        multiple: int = 1,
     ) -> ContextRow:
-        """``micro``'s row for a group of ``cp`` ranks; ``routes``: its packed tokens' recorded experts, if replayed."""
+        """``micro``'s row for a group of ``cp`` ranks; ``routes``: its packed tokens' recorded experts, if replayed;
+        ``multiple``: each rank's chunk a multiple of it (sequence parallelism's tp, which splits the chunk)."""
         total = micro.total_tokens
-        padding = -total % (2 * cp if zigzag else cp)
+        padding = -total % ((2 * cp if zigzag else cp) * multiple)
         input_ids, position_ids = micro.input_ids[0], micro.position_ids[0]
         cu_seqlens = micro.cu_seqlens
         reads = micro.output_positions if per_token else cu_seqlens[1:].long() - 1
@@ -264,7 +266,7 @@ def context_parallel_pipeline(
     rank's chunk, its per-token outputs gathered over ``group``, ``output_fn`` on the owner of this rank's
     ``micros``. Returns the results of this rank's own micro-batches (the last stage's; none elsewhere), detached."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    unit = 2 * cp if rows[0].zigzag else cp
+    unit = (2 * cp if rows[0].zigzag else cp) * pipeline.module.sequence_parallel  # chunks that tp splits evenly
     offsets = max(len(row.cu_seqlens) for row in rows) + 1
     length = max(len(row.input_ids) + offsets - len(row.cu_seqlens) for row in rows)
     length += -length % unit
@@ -329,6 +331,7 @@ class ContextParallelRunner:
                 per_token=per_token,
                 zigzag=zigzag,
                 routes=None if replay is None else replay.packed_routes(micro),
+                multiple=self.model.sequence_parallel,
             )
             for micro in micros
         ]

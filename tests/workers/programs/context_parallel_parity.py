@@ -53,10 +53,12 @@ def main(coordinator):
     ]
     batch = with_value_targets(rollout_batch(16, 5, 6, vocab=100))
     for layout in layouts:
-        sizes = re.fullmatch(r"dp(\d+)cp(\d+)tp(\d+)(?:pp(\d+))?(?:fsdp(\d+))?(ring)?", layout).groups()
-        dp, cp, tp, pp, fsdp, ring = sizes
+        sizes = re.fullmatch(r"dp(\d+)cp(\d+)tp(\d+)(?:pp(\d+))?(?:fsdp(\d+))?(ring)?(sp)?", layout).groups()
+        dp, cp, tp, pp, fsdp, ring, split = sizes
         dp, cp, tp, pp, fsdp = int(dp), int(cp), int(tp), int(pp or 1), int(fsdp or 0)
-        attention = [f"{role}.cp_attention=ring" for role in ("actor", "critic", "reward")] if ring else []
+        roles = ("actor", "critic", "reward")
+        attention = [f"{role}.cp_attention=ring" for role in roles] if ring else []
+        attention += [f"{role}.sequence_parallel=true" for role in roles] if split else []
         config = load_config(None, [*overrides, *attention])
         pool, dims = ResourcePool(range(dp * tp * pp)), ParallelDims(pp=pp, dp=dp, tp=tp, cp=cp, fsdp_size=fsdp)
         actor = coordinator.spawn(GradientActor, config, name=f"actor_{layout}", pool=pool, dims=dims)
