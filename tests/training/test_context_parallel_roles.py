@@ -23,14 +23,14 @@ REFERENCE = "dp1cp1tp1"
 LAYOUTS = [
     "dp4cp2tp1",
     "dp2cp2tp2",
-    "dp2cp2tp2sp",
     "dp4cp4tp1ring",
     "dp2cp2tp2ring",
     "dp2cp2tp2ringsp",
     "dp2cp2tp1pp2ring",
     "dp4cp2tp1fsdp2",
 ]
-"""``sp``: every role with sequence parallelism too (each rank's chunk split again over tp)."""
+"""``sp``: every role with sequence parallelism too (each rank's chunk split again over tp; ring attention, whose
+zig-zag chunks are the stricter padding, where Ulysses takes the chunk after the same gather)."""
 """The last with HSDP: each cp pair FSDP-sharded within itself, the two pairs replicas."""
 BY_CP = {2: "dp4cp2tp1", 4: "dp4cp4tp1ring"}
 """The dp = 4 layouts whose per-rank metrics are compared across cp degrees (Ulysses' cp = 4 with key/value heads
