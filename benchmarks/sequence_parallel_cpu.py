@@ -24,16 +24,6 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-WIDTHS = dict(
-    family="qwen2",
-    hidden_size=896,
-    intermediate_size=4864,
-    num_heads=14,
-    num_kv_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
-"""Qwen2.5-0.5B's widths (``make_tiny`` writes its shapes with a small tokenizer)."""
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -45,10 +35,12 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    # The model's own vocabulary: ids past it would be nobody's under the vocabulary-parallel embedding (zeros).
+    vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     lengths = [args.tokens // 4 - 3, args.tokens // 4 + 5, args.tokens // 4, args.tokens // 4 - 1]  # packed, odd
     inputs = {
-        "input_ids": torch.randint(3, WIDTHS["vocab_size"], (1, sum(lengths)), generator=generator),
+        "input_ids": torch.randint(3, vocab, (1, sum(lengths)), generator=generator),
         "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
         "max_seqlen": max(lengths),
         "output_positions": torch.arange(0, sum(lengths), 8),  # a response position in eight
@@ -87,12 +79,13 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from gpu_common import environment, run_workers, write_result
+    from gpu_common import environment, run_workers, shape_fields, write_result
 
     from spmd_rlhf.tiny.model import make_tiny
 
     with tempfile.TemporaryDirectory(prefix="sequence_parallel_") as scratch:
-        model_dir = make_tiny(out_dir=f"{scratch}/model", num_layers=args.layers, **WIDTHS)
+        # The 0.5B shape's widths and its 151,936-row vocabulary (``model_vocab_size``: a small tokenizer).
+        model_dir = make_tiny(out_dir=f"{scratch}/model", **shape_fields("0.5b", layers=args.layers))
         arguments = [f"--model-dir={model_dir}", f"--layers={args.layers}", f"--tokens={args.tokens}"]
         measured = run_workers(__file__, [*arguments, f"--repeats={args.repeats}"])
     plain, split = measured["tensor_parallel"], measured["sequence_parallel"]
@@ -106,7 +99,7 @@ def main() -> None:
         "layers": args.layers,
         "tokens": args.tokens,
         "tp": 2,
-        "widths": WIDTHS,
+        "shape": {key: value for key, value in shape_fields("0.5b", layers=args.layers).items()},
         "tensor_parallel": plain,
         "sequence_parallel": split,
         "saved_bytes_ratio": ratio,
