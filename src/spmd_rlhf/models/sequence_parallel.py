@@ -64,8 +64,9 @@ def padded_row(
         return input_ids, position_ids, cu_seqlens, max_seqlen
     if chunk:
         raise ValueError(
-            f"a pipeline stage under sequence parallelism got a row of {tokens} tokens, not a multiple of tp = "
-            f"{multiple}: stack the micro-batches with stack_packed(multiple={multiple})"
+            f"sequence parallelism got a chunk of {tokens} tokens (a later pipeline stage's or a context-parallel "
+            f"rank's), not a multiple of tp = {multiple}, which it cannot pad: pad the row before it is cut, "
+            f"stack_packed(multiple={multiple}) or ContextRow.of(multiple={multiple})"
         )
     device = input_ids.device
     if cu_seqlens is None:  # one sequence
