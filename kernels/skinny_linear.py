@@ -22,6 +22,8 @@ to say (``benchmarks/gpu_kernels.py``'s ``skinny_linear``); ``rollout.decode_mat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -51,10 +53,12 @@ PROGRAMS_PER_PROCESSOR = 8
 """Splitting the input stops once the launch has this many programs per multiprocessor."""
 
 
+@functools.cache
 def skinny_launch(rows: int, in_features: int, out_features: int, processors: int) -> tuple[int, int, int, int]:
     """``(rows_pad, block_in, splits, chunk)`` for a product of ``rows`` rows: the rows padded to a power of two, the
     tile's input width, the programs per output block and the input features each walks (a multiple of
-    ``block_in``; ``splits * chunk >= in_features``, and the last split is never empty)."""
+    ``block_in``; ``splits * chunk >= in_features``, and the last split is never empty). Cached: every layer of every
+    eager decode step asks it for the same few shapes."""
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"skinny_launch takes 1 to {MAX_ROWS} rows, got {rows}")
     rows_pad = 1 << (rows - 1).bit_length()

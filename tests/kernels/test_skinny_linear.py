@@ -19,6 +19,7 @@ from spmd_rlhf.kernels.skinny_linear import (
     MAX_ROWS,
     MAX_SPLITS,
     TILE_ELEMENTS,
+    TILES_PER_SPLIT,
     skinny_launch,
     skinny_linear,
 )
@@ -38,8 +39,11 @@ def test_the_launch_covers_the_input_in_whole_tiles_with_no_empty_split(rows, in
     rows_pad, block_in, splits, chunk = skinny_launch(rows, in_features, out_features, processors)
     assert rows <= rows_pad < 2 * rows and rows_pad & (rows_pad - 1) == 0
     assert rows_pad * block_in == TILE_ELEMENTS and chunk % block_in == 0
-    assert 1 <= splits <= MAX_SPLITS
     assert (splits - 1) * chunk < in_features <= splits * chunk
+    tiles = -(-in_features // block_in)
+    assert chunk == -(-tiles // splits) * block_in  # the splits as even as whole tiles allow
+    assert splits == 1 or tiles > TILES_PER_SPLIT  # an input a program walks in a few tiles is not split
+    assert splits <= MAX_SPLITS
 
 
 def test_the_launch_splits_a_wide_input_until_the_gpu_is_full():

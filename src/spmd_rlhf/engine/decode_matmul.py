@@ -24,11 +24,8 @@ from spmd_rlhf.models.merged_linear import MergeableProjections
 DECODE_MATMULS = ("torch", "triton")
 
 
-def _skinny_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, self.skinny_backend)
-
-
-def _skinny_matmul(self, x: torch.Tensor) -> torch.Tensor:
+def _skinny_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer's forward, or a merged one's matmul, through the operator."""
     return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, self.skinny_backend)
 
 
@@ -48,25 +45,13 @@ def use_skinny_linear(model: DecoderLM, *, backend: str = "auto") -> int:
     Triton's interpreter pass ``triton``). Call before ``compile_around_attention``, which traces the forwards."""
     per_block = 0
     for index, layer in enumerate(model.model.layers.values()):
-        swapped = 0
-        for module in layer.modules():
-            if isinstance(module, MergeableProjections) and module.merged is not None:
-                module.merged.skinny_backend = backend
-                module.merged.matmul = types.MethodType(_skinny_matmul, module.merged)
-                swapped += 1
-            elif isinstance(module, nn.Linear) and not _merged_into_parent(layer, module):
-                module.skinny_backend = backend
-                module.forward = types.MethodType(_skinny_forward, module)
-                swapped += 1
+        merged = [m.merged for m in layer.modules() if isinstance(m, MergeableProjections) and m.merged is not None]
+        inside_merged = {id(linear) for matmul in merged for linear in matmul.linears}
+        for matmul in merged:
+            matmul.skinny_backend, matmul.matmul = backend, types.MethodType(_skinny_linear, matmul)
+        linears = [m for m in layer.modules() if isinstance(m, nn.Linear) and id(m) not in inside_merged]
+        for linear in linears:
+            linear.skinny_backend, linear.forward = backend, types.MethodType(_skinny_linear, linear)
+        swapped = len(merged) + len(linears)
         per_block = swapped if index == 0 else min(per_block, swapped)
     return per_block
-
-
-def _merged_into_parent(layer: nn.Module, linear: nn.Linear) -> bool:
-    """Whether ``linear`` is one of a merged ``MergeableProjections``' layers (run through its merged matmul)."""
-    return any(
-        isinstance(module, MergeableProjections)
-        and module.merged is not None
-        and any(child is linear for child in module.merged.linears)
-        for module in layer.modules()
-    )

@@ -330,11 +330,10 @@ class DecoderLM(nn.Module):
             cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
-        split = self.sequence_parallel > 1 and paged is None
-        # Under sequence parallelism a later pipeline stage's input is this rank's chunk: the row is the positions'.
-        # A later stage's row, and a context-parallel chunk, come padded to a multiple of tp (``padded_row``).
-        tokens = position_ids.shape[1] if split else input_ids.shape[1]
-        if split:
+        # The row is the positions' (under sequence parallelism a later pipeline stage's input is this rank's chunk;
+        # a later stage's row, and a context-parallel chunk, come padded to a multiple of tp: ``padded_row``).
+        tokens = position_ids.shape[1]
+        if self.sequence_parallel > 1 and paged is None:
             input_ids, position_ids, cu_seqlens, max_seqlen = padded_row(
                 input_ids,
                 position_ids,
