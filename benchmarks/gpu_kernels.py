@@ -12,7 +12,9 @@
 - ``skinny_linear``: the projections of one decoder block of the 1.5B and 7B shapes (q/k/v merged with their bias,
   o, gate/up merged, down) at 1, 2 and 4 rows, bf16: ``F.linear`` (cuBLAS) against ``kernels.skinny_linear``, each
   timed inside a CUDA graph over 28 distinct weights (one per layer: a repeated weight would be read from L2), as
-  bandwidth against the copy's; and the microseconds a 28-layer decode step would save (``rollout.decode_matmul``).
+  bandwidth against the copy's; and the microseconds a 28-layer decode step would save (``rollout.decode_matmul``);
+  at one row, q/k/v and gate/up also with the residual add and RMSNorm before them and down with SwiGLU's activation
+  in its kernel (``FUSED_PROLOGUES``), as the engine runs them.
 - ``fused_logprob``: log-prob and entropy of ``--tokens`` rows of ``--vocab`` bf16 logits at T = 0.7, forward and
   backward. The fused kernels (``kernels.fused_logprob``) against the reference (float32 log-softmax, the way a plain
   PyTorch trainer computes it): time and peak memory above the logits.
@@ -45,7 +47,12 @@ from spmd_rlhf.kernels.paged_attention import (
     paged_decode_attention,
     write_new_tokens,
 )
-from spmd_rlhf.kernels.skinny_linear import skinny_launch, skinny_linear
+from spmd_rlhf.kernels.skinny_linear import (
+    skinny_launch,
+    skinny_linear,
+    skinny_norm_linear,
+    skinny_silu_mul_linear,
+)
 from spmd_rlhf.kernels.triton_support import multiprocessors
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
@@ -229,6 +236,22 @@ SKINNY_SHAPES = {
 """(in_features, out_features, bias) of each projection of a block of the Qwen2.5 shapes, q/k/v and gate/up merged."""
 
 
+FUSED_PROLOGUES = {"qkv": "residual add and RMSNorm", "gate_up": "residual add and RMSNorm", "down": "silu * up"}
+"""The elementwise work ``engine.decode_matmul`` moves into each projection's kernel at a few rows: each such
+projection is also timed with it (``prologue_us``: what it adds to the plain kernel; the kernels it removes took
+about 1.5 us each in session 44's H200 profile)."""
+
+
+def _fused(name: str, in_features: int, device: str, dtype: torch.dtype):
+    """``linear(x, weight, bias)`` for ``_per_layer_seconds`` with projection ``name``'s prologue."""
+    if name == "down":
+        gate_up = torch.randn(1, 2 * in_features, device=device, dtype=dtype)
+        return lambda x, weight, bias: skinny_silu_mul_linear(gate_up, weight, bias)
+    residual = torch.randn(1, in_features, device=device, dtype=dtype)
+    norm_weight = torch.rand(in_features, device=device, dtype=dtype) + 0.5
+    return lambda x, weight, bias: skinny_norm_linear(x, norm_weight, 1e-6, weight, bias, residual=residual)[1]
+
+
 def _per_layer_seconds(linear, x, weights, biases, device: str, repeats: int) -> float:
     """``graphed_seconds`` of ``linear(x, weight, bias)`` through ``weights`` in turn, one per captured call."""
     layer = itertools.cycle(range(len(weights)))
@@ -278,6 +301,15 @@ def measure_skinny_linear(args: argparse.Namespace, dtype: torch.dtype, copy_byt
                     "relative_error": error,
                 }
                 saved[rows] += (times["torch"] - times["skinny"]) * GRAPH_CALLS * 1e6
+                if rows == 1 and name in FUSED_PROLOGUES:
+                    fused_s = _per_layer_seconds(
+                        _fused(name, in_features, args.device, dtype), x, weights, biases, args.device, args.repeats
+                    )
+                    results[f"{shape}_{name}_rows{rows}"] |= {
+                        "fused": FUSED_PROLOGUES[name],
+                        "fused_us": fused_s * 1e6,
+                        "prologue_us": (fused_s - times["skinny"]) * 1e6,
+                    }
         saved_per_shape[shape] = {str(rows): value for rows, value in saved.items()}
     return {"projections": results, "saved_us_per_28_layer_step": saved_per_shape}
 
@@ -381,6 +413,8 @@ def main() -> None:
             f"({figures['torch_over_copy']:.2f} of copy), skinny {figures['skinny_us']:.1f} us "
             f"({figures['skinny_over_copy']:.2f}), {figures['speedup']:.2f}x, error {figures['relative_error']:.1e}"
         )
+        if "fused" in figures:
+            print(f"    with the {figures['fused']}: {figures['fused_us']:.1f} us (+{figures['prologue_us']:.1f})")
     for shape, saved in skinny["saved_us_per_28_layer_step"].items():
         print(f"  skinny_linear {shape}: us saved per 28-layer decode step by rows {saved}")
     write_result(args.out, result_name, result)

@@ -1,9 +1,12 @@
-"""A linear layer for a few rows (batch-1 to batch-4 decode), spread over every multiprocessor.
+"""A linear layer for a few rows (batch-1 to batch-4 decode), spread over every multiprocessor, optionally with the
+elementwise work before it (a residual add and an RMSNorm, or SwiGLU's activation) done as it reads its input.
 
 At batch 1 a decode step's matmuls are matrix-vector products, and cuBLAS runs the small ones well below the memory
 bandwidth they need: on an H200 (session 44, the 1.5B shape) q/k/v's 6.3 MB in 5.4 us and o's 4.7 MB in 6.3 us
 (1.2 and 0.75 TB/s, where a large copy runs at 4.25), down's 27.5 MB in 10.0 us plus a split-K reduction of 1.6 us.
-Such a product is latency: each program's chain of loads, and how many loads the whole GPU keeps in flight.
+Such a product is latency: each program's chain of loads, and how many loads the whole GPU keeps in flight. The
+same profile spent 4.7 us per layer in three more kernels (each residual add with the norm after it, and the MLP's
+activation) over a few KB each: launches, not bytes.
 
 ``skinny_linear_kernel``: each program computes ``BLOCK_OUT`` outputs for every row (the rows padded to a power of
 two, ``ROWS_PAD``), walking its share of the input features in tiles of ``BLOCK_IN``, in float32. Outputs are split
@@ -11,13 +14,23 @@ finely (8 per program: hundreds of programs for a 1,536-wide layer, every multip
 input is split too (``SPLITS`` programs per output block, each writing float32 partial products that
 ``sum_splits_kernel`` adds up with the bias), so that no program walks more than a few tiles (``skinny_launch``).
 Each weight element is read once whatever the row count; the rows' inputs are reread by every program (a few KB,
-from cache).
+from cache), which is what lets each program compute them itself:
 
-``skinny_linear`` takes up to ``MAX_ROWS`` rows through the kernels and anything else through ``F.linear``, so a
-layer can call it for every batch; ``skinny_linear_op`` is the same as a custom operator
-(``torch.ops.spmd_rlhf.skinny_linear``), which a compiled decoder block calls as one opaque kernel call and a CUDA
-graph captures. Forward only: the generation copy's weights take no gradient. Whether it beats cuBLAS is for a GPU
-to say (``benchmarks/gpu_kernels.py``'s ``skinny_linear``); ``rollout.decode_matmul=triton`` turns it on.
+- ``skinny_norm_linear``: ``linear(rms_norm(h))`` with ``h = x + residual`` (rounded to the dtype, as the model
+  adds; the first program of each split stores its share of ``h``, the block's new residual stream). The norm's
+  weight multiplies each input feature as it is read and ``1 / rms(h)``, one number per row, the finished sums: the
+  program that walks the whole row adds up its squares on the way, and with a split input ``sum_splits_kernel``
+  reads the row again (a few KB). The normalised input is not rounded to the dtype before the product, as the
+  model's norm rounds it: the float32 value is used, a difference within the dtype's rounding.
+- ``skinny_silu_mul_linear``: ``linear(silu(gate) * up)`` of ``[gate, up]`` (the merged gate/up matmul's output),
+  rounded where SwiGLU rounds.
+
+Each function takes up to ``MAX_ROWS`` rows through the kernels and anything else through its torch reference
+(``F.linear`` after the model's own ``rms_norm`` / ``silu``), so a layer can call it for every batch; each has an
+operator (``torch.ops.spmd_rlhf.skinny_linear`` and the others below) that a compiled decoder block calls as one
+opaque kernel call and a CUDA graph captures. Forward only: the generation copy's weights take no gradient. Whether
+they beat cuBLAS and Inductor is for a GPU to say (``benchmarks/gpu_kernels.py``'s ``skinny_linear``);
+``rollout.decode_matmul=triton`` turns them on (``engine.decode_matmul``).
 """
 
 from __future__ import annotations
@@ -28,9 +41,16 @@ import torch
 import torch.nn.functional as F
 
 from spmd_rlhf.kernels.triton_support import launch_device, multiprocessors, triton, use_triton
+from spmd_rlhf.models.decoder import rms_norm
 
 if triton is not None:
-    from spmd_rlhf.kernels.skinny_linear_programs import skinny_linear_kernel, sum_splits_kernel
+    from spmd_rlhf.kernels.skinny_linear_programs import (
+        NORM,
+        PLAIN,
+        SILU_MUL,
+        skinny_linear_kernel,
+        sum_splits_kernel,
+    )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -51,6 +71,9 @@ MAX_SPLITS = 16
 
 PROGRAMS_PER_PROCESSOR = 8
 """Splitting the input stops once the launch has this many programs per multiprocessor."""
+
+SUM_BLOCK = 256
+"""Outputs per program of ``sum_splits_kernel``, and the row features it reads per step to normalise."""
 
 
 @functools.cache
@@ -73,28 +96,117 @@ def skinny_launch(rows: int, in_features: int, out_features: int, processors: in
     return rows_pad, block_in, splits, chunk
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, x_width: int) -> None:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != x_width:
         raise ValueError(
-            f"skinny_linear takes x [..., in_features] and weight [out_features, in_features], got x "
-            f"{list(x.shape)} and weight {list(weight.shape)}"
+            f"takes x [..., {x_width}] for a weight [out_features, in_features] = {list(weight.shape)}, got x "
+            f"{list(x.shape)} (in_features mismatch)"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [out_features={weight.shape[0]}], got {list(bias.shape)}")
 
 
-def _kernels_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, backend: str) -> bool:
+def _kernels_take(rows: int, backend: str, weight: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
     """Whether the kernels run this product: at most ``MAX_ROWS`` rows, one supported dtype and device for all,
-    a weight contiguous in its inputs, and ``backend`` picking Triton; anything else is ``F.linear``'s (which also
-    raises what it raises for mismatched inputs)."""
-    tensors = (x, weight) if bias is None else (x, weight, bias)
+    a weight contiguous in its inputs, and ``backend`` picking Triton; anything else is the torch reference's (which
+    also raises what it raises for mismatched inputs)."""
+    given = [t for t in (weight, *tensors) if t is not None]
     return (
         1 <= rows <= MAX_ROWS
-        and x.dtype in SUPPORTED_DTYPES
-        and all(t.dtype == x.dtype and t.device == x.device for t in tensors)
+        and weight.dtype in SUPPORTED_DTYPES
+        and all(t.dtype == weight.dtype and t.device == weight.device for t in given)
         and weight.stride(-1) == 1
-        and use_triton(x.device, backend)
+        and use_triton(weight.device, backend)
     )
+
+
+def _row_major(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` as ``[rows, features]``, each row contiguous."""
+    x_rows = x.reshape(rows, x.shape[-1])
+    return x_rows if x_rows.stride(-1) == 1 else x_rows.contiguous()
+
+
+def _launch(
+    x_rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    input_kind: int,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out [rows, out_features], h [rows, in_features] or None)``: the kernels' product of ``x_rows`` (row-major
+    ``[rows, in_features]``, ``[rows, 2 * in_features]`` for ``SILU_MUL``), ``h`` where a residual is added."""
+    rows = x_rows.shape[0]
+    out_features, in_features = weight.shape
+    rows_pad, block_in, chosen, chunk = skinny_launch(rows, in_features, out_features, multiprocessors(x_rows.device))
+    if splits is not None:
+        if not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"splits={splits} must be 1 to {MAX_SPLITS}")
+        chunk = -(-in_features // (splits * block_in)) * block_in
+        chosen = -(-in_features // chunk)
+    out = torch.empty((rows, out_features), dtype=x_rows.dtype, device=x_rows.device)
+    h = torch.empty_like(x_rows) if residual is not None else None
+    partial = torch.empty(
+        (chosen, rows_pad, out_features) if chosen > 1 else (1,), dtype=torch.float32, device=x_rows.device
+    )
+    # Pointers a launch does not read (no bias, no residual, no norm) are x's, never dereferenced.
+    unused = x_rows
+    normed = h if h is not None else x_rows
+    with launch_device(x_rows.device):
+        skinny_linear_kernel[(-(-out_features // BLOCK_OUT), chosen)](
+            out,
+            partial,
+            x_rows,
+            residual if residual is not None else unused,
+            normed,
+            norm_weight if norm_weight is not None else unused,
+            weight,
+            bias if bias is not None else unused,
+            rows,
+            in_features,
+            out_features,
+            chunk,
+            x_rows.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            normed.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            eps,
+            ROWS_PAD=rows_pad,
+            BLOCK_OUT=BLOCK_OUT,
+            BLOCK_IN=block_in,
+            SPLITS=chosen,
+            HAS_BIAS=bias is not None,
+            INPUT=input_kind,
+            HAS_RESIDUAL=residual is not None,
+        )
+        if chosen > 1:
+            sum_splits_kernel[(-(-out_features // SUM_BLOCK),)](
+                out,
+                partial,
+                bias if bias is not None else unused,
+                normed,
+                rows,
+                in_features,
+                out_features,
+                normed.stride(0),
+                out.stride(0),
+                eps,
+                ROWS_PAD=rows_pad,
+                BLOCK_OUT=SUM_BLOCK,
+                SPLITS=chosen,
+                HAS_BIAS=bias is not None,
+                NORMED=input_kind == NORM.value,
+                BLOCK_NORM=SUM_BLOCK,
+            )
+    return out, h
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def skinny_linear(
@@ -110,68 +222,125 @@ def skinny_linear(
     (``auto``: CUDA tensors with triton installed; ``triton``; ``torch``: always ``F.linear``), in float32 rounded
     once to ``x``'s dtype; otherwise ``F.linear`` itself. ``splits``: programs per
     output block (None: ``skinny_launch``'s choice for this device)."""
-    _check_inputs(x, weight, bias)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not _kernels_take(x, weight, bias, rows, backend):
+    _check_inputs(x, weight, bias, x_width=weight.shape[-1])
+    rows = _rows(x)
+    if not _kernels_take(rows, backend, weight, x, bias):
         return F.linear(x, weight, bias)
-    out_features, in_features = weight.shape
-    x_rows = x.reshape(rows, in_features)
-    if x_rows.stride(-1) != 1:
-        x_rows = x_rows.contiguous()
-    rows_pad, block_in, chosen, chunk = skinny_launch(rows, in_features, out_features, multiprocessors(x.device))
-    if splits is not None:
-        if not 1 <= splits <= MAX_SPLITS:
-            raise ValueError(f"splits={splits} must be 1 to {MAX_SPLITS}")
-        chunk = -(-in_features // (splits * block_in)) * block_in
-        chosen = -(-in_features // chunk)
-    out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
-    partial = torch.empty(
-        (chosen, rows_pad, out_features) if chosen > 1 else (1,), dtype=torch.float32, device=x.device
-    )
-    bias_or_x = bias if bias is not None else x_rows  # never read without HAS_BIAS
-    with launch_device(x.device):
-        skinny_linear_kernel[(-(-out_features // BLOCK_OUT), chosen)](
-            out,
-            partial,
-            x_rows,
-            weight,
-            bias_or_x,
-            rows,
-            in_features,
-            out_features,
-            chunk,
-            x_rows.stride(0),
-            weight.stride(0),
-            out.stride(0),
-            ROWS_PAD=rows_pad,
-            BLOCK_OUT=BLOCK_OUT,
-            BLOCK_IN=block_in,
-            SPLITS=chosen,
-            HAS_BIAS=bias is not None,
+    out, _ = _launch(_row_major(x, rows), weight, bias, input_kind=PLAIN.value, splits=splits)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def skinny_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    backend: str = "auto",
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, F.linear(rms_norm(h, norm_weight, eps), weight, bias))`` with ``h = x + residual`` (``x`` itself where
+    ``residual`` is None): through the kernels under ``skinny_linear``'s conditions (``residual`` and
+    ``norm_weight`` of ``x``'s dtype and device), else the torch reference."""
+    _check_inputs(x, weight, bias, x_width=weight.shape[-1])
+    if tuple(norm_weight.shape) != (x.shape[-1],) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(
+            f"norm_weight must be [{x.shape[-1]}] and residual x's shape {list(x.shape)}, got "
+            f"{list(norm_weight.shape)} and {None if residual is None else list(residual.shape)}"
         )
-        if chosen > 1:
-            sum_block = 256
-            sum_splits_kernel[(-(-out_features // sum_block),)](
-                out,
-                partial,
-                bias_or_x,
-                rows,
-                out_features,
-                out.stride(0),
-                ROWS_PAD=rows_pad,
-                BLOCK_OUT=sum_block,
-                SPLITS=chosen,
-                HAS_BIAS=bias is not None,
-            )
-    return out.reshape(*x.shape[:-1], out_features)
+    rows = _rows(x)
+    if not _kernels_take(rows, backend, weight, x, bias, residual, norm_weight):
+        h = x if residual is None else x + residual
+        return h, F.linear(rms_norm(h, norm_weight, eps), weight, bias)
+    out, h = _launch(
+        _row_major(x, rows),
+        weight,
+        bias,
+        input_kind=NORM.value,
+        residual=None if residual is None else _row_major(residual, rows),
+        norm_weight=norm_weight,
+        eps=eps,
+        splits=splits,
+    )
+    return x if h is None else h.view(x.shape), out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def skinny_silu_mul_linear(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    splits: int | None = None,
+) -> torch.Tensor:
+    """``F.linear(F.silu(gate) * up, weight, bias)`` of ``gate_up = [gate, up]`` (``[..., 2 * in_features]``):
+    through the kernels under ``skinny_linear``'s conditions, else that torch reference."""
+    _check_inputs(gate_up, weight, bias, x_width=2 * weight.shape[-1])
+    rows = _rows(gate_up)
+    if not _kernels_take(rows, backend, weight, gate_up, bias):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, weight, bias)
+    out, _ = _launch(_row_major(gate_up, rows), weight, bias, input_kind=SILU_MUL.value, splits=splits)
+    return out.reshape(*gate_up.shape[:-1], weight.shape[0])
+
+
+# The functions as operators that TorchDynamo and Inductor leave opaque (a compiled block calls each as one call).
 
 
 @torch.library.custom_op("spmd_rlhf::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-    """``skinny_linear`` as an operator that TorchDynamo and Inductor leave opaque."""
     return skinny_linear(x, weight, bias, backend=backend)
 
 
 @skinny_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("spmd_rlhf::skinny_norm_linear", mutates_args=())
+def skinny_norm_linear_op(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    return skinny_norm_linear(x, norm_weight, eps, weight, bias, backend=backend)[1]
+
+
+@skinny_norm_linear_op.register_fake
+def _(x, norm_weight, eps, weight, bias, backend) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("spmd_rlhf::skinny_residual_norm_linear", mutates_args=())
+def skinny_residual_norm_linear_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return skinny_norm_linear(x, norm_weight, eps, weight, bias, residual=residual, backend=backend)
+
+
+@skinny_residual_norm_linear_op.register_fake
+def _(x, residual, norm_weight, eps, weight, bias, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("spmd_rlhf::skinny_silu_mul_linear", mutates_args=())
+def skinny_silu_mul_linear_op(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str
+) -> torch.Tensor:
+    return skinny_silu_mul_linear(gate_up, weight, bias, backend=backend)
+
+
+@skinny_silu_mul_linear_op.register_fake
+def _(gate_up, weight, bias, backend) -> torch.Tensor:
+    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))

@@ -313,6 +313,16 @@ def test_kernels_at_real_sizes_script(suite):
     assert batch1["speedup"] == pytest.approx(batch1["one_split_with_write_s"] / batch1["split_k_fused_write_s"])
     assert_positive_finite(fused, "kernel_s", "reference_s", "speedup")
     assert paged["meets_goal"] is None and fused["meets_goal"] is None
+    projections = result["skinny_linear"]["projections"]
+    for figures in projections.values():
+        assert_positive_finite(figures, "torch_us", "skinny_us", "speedup", "torch_over_copy", "skinny_over_copy")
+    # At one row, the projections whose kernels take the block's elementwise work are timed with it too.
+    with_prologue = {name for name, figures in projections.items() if "fused" in figures}
+    assert with_prologue == {f"{shape}_{name}_rows1" for shape in ("1.5b", "7b") for name in ("qkv", "gate_up", "down")}
+    for name in with_prologue:
+        figures = projections[name]
+        assert_positive_finite(figures, "fused_us")
+        assert figures["prologue_us"] == pytest.approx(figures["fused_us"] - figures["skinny_us"])
 
 
 def test_gpu_suite_reports_every_step_it_had_no_time_for(tmp_path):

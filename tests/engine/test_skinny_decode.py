@@ -40,10 +40,20 @@ def test_the_kernels_decode_what_f_linear_decodes_eager_and_compiled(tmp_path):
     for blocks in ("eager", "compiled"):
         got = report[blocks]
         assert got["tokens_equal"] and got["max_log_prob_difference"] < 1e-5, report
-        # Merged q/k/v, o, merged gate/up and down in every block; decode steps (3 rows and fewer) through the kernels,
-        # prefill (17 tokens) through F.linear.
-        assert got["per_block"] == 4
-        assert got["kernel_calls"] > 0 and got["fallback_calls"] > 0
+        # Merged q/k/v, o, merged gate/up and down in every block, every block fused. A decode step (3 rows and
+        # fewer) runs each block as two norm-linear kernels, o and the activation-linear; prefill (17 tokens) the
+        # block's own pieces, each projection through F.linear.
+        assert got["per_block"] == 4 and got["fused_blocks"] == got["layers"]
+        kernel, fallback = got["kernel_calls"], got["fallback_calls"]
+        decode_steps = kernel["skinny_silu_mul_linear"] // got["layers"]
+        assert decode_steps > 0 and kernel == {
+            "skinny_linear": decode_steps * got["layers"],
+            "skinny_norm_linear": 2 * decode_steps * got["layers"],
+            "skinny_silu_mul_linear": decode_steps * got["layers"],
+        }
+        assert (
+            fallback["skinny_linear"] > 0 and fallback["skinny_norm_linear"] == fallback["skinny_silu_mul_linear"] == 0
+        )
 
 
 def test_every_projection_of_a_block_goes_through_the_operator(tmp_path, monkeypatch):
@@ -51,20 +61,25 @@ def test_every_projection_of_a_block_goes_through_the_operator(tmp_path, monkeyp
     params = SamplingParams(temperature=0, max_new_tokens=4)
     expected = LLMEngine(load_model(str(tmp_path)), eos_token_id=None, block_size=4).generate(PROMPTS, params)
     plain = load_model(str(tmp_path))
-    assert use_skinny_linear(plain, backend="torch") == 7  # q, k, v, o, gate, up, down
+    assert use_skinny_linear(plain, backend="torch") == (7, 0)  # q, k, v, o, gate, up, down; nothing to fuse
     merged = load_model(str(tmp_path)).requires_grad_(False)
     merge_projections(merged)
-    assert use_skinny_linear(merged, backend="torch") == 4
+    assert use_skinny_linear(merged, backend="torch") == (4, merged.args.num_layers)
     for model in (plain, merged):
         got = LLMEngine(model, eos_token_id=None, block_size=4).generate(PROMPTS, params)
         assert [g.generated_token_ids for g in got] == [e.generated_token_ids for e in expected]
     calls = []
-    wrapped = skinny_module.skinny_linear
-    monkeypatch.setattr(
-        skinny_module, "skinny_linear", lambda x, *args, **kwargs: calls.append(x) or wrapped(x, *args, **kwargs)
-    )
+    for name in ("skinny_linear", "skinny_norm_linear", "skinny_silu_mul_linear"):
+        wrapped = getattr(skinny_module, name)
+        monkeypatch.setattr(
+            skinny_module,
+            name,
+            lambda x, *args, wrapped=wrapped, name=name, **kwargs: calls.append(name) or wrapped(x, *args, **kwargs),
+        )
     LLMEngine(merged, eos_token_id=None, block_size=4).generate(PROMPTS[:1], params)
-    assert len(calls) == 4 * merged.args.num_layers * 4  # 4 per block in prefill and 3 decode steps
+    # 4 per block in prefill (each projection) and in each of 3 decode steps (the fused block).
+    assert len(calls) == 4 * merged.args.num_layers * 4
+    assert calls.count("skinny_silu_mul_linear") == 3 * merged.args.num_layers
 
 
 def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp_path, caplog, monkeypatch):

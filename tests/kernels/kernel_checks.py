@@ -31,8 +31,8 @@ from spmd_rlhf.kernels.paged_attention import (
     rotate,
     write_new_tokens,
 )
-from spmd_rlhf.kernels.skinny_linear import skinny_linear
-from spmd_rlhf.kernels.triton_support import triton, triton_available
+from spmd_rlhf.kernels.skinny_linear import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
+from spmd_rlhf.kernels.triton_support import INTERPRETING, triton, triton_available
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 """Bound on ``|out - ref| / |ref|`` (Frobenius) for outputs stored in each dtype: a few roundings of that dtype."""
@@ -235,24 +235,79 @@ class SkinnyCase:
     leading: tuple[int, ...] | None = None
     """``x``'s leading dimensions (their product is ``rows``); None: ``(rows,)``."""
     strided_x: bool = False
+    prologue: str = "plain"
+    """What the kernel computes its input from: ``plain`` (``x``), ``norm`` (``rms_norm(x)``), ``residual_norm``
+    (``rms_norm(x + residual)``, and that sum) or ``silu_mul`` (``silu(gate) * up`` of ``x = [gate, up]``)."""
+
+
+NORM_EPS = 1e-6
+
+
+def _skinny_reference(case: SkinnyCase, x, residual, norm_weight, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(the float64 input of the product, the float64 product)``; the input's elementwise ops rounded to the dtype
+    where the model rounds them (the residual add, SwiGLU's silu and product), the norm in float64."""
+    if case.prologue == "silu_mul":
+        gate, up = x.chunk(2, dim=-1)
+        inputs = (F.silu(gate) * up).double()
+    elif case.prologue == "plain":
+        inputs = x.double()
+    else:
+        h = (x if residual is None else x + residual).double()
+        inputs = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + NORM_EPS) * norm_weight.double()
+    return inputs, F.linear(inputs, weight.double(), None if bias is None else bias.double())
+
+
+def _run_skinny(case: SkinnyCase, x, residual, norm_weight, weight, bias, backend: str, *, through_op: bool):
+    """``(the product, h or None)`` from the function of ``case.prologue``, or from its operator."""
+    if case.prologue == "plain":
+        if through_op:
+            return torch.ops.spmd_rlhf.skinny_linear(x, weight, bias, backend), None
+        return skinny_linear(x, weight, bias, backend=backend, splits=case.splits), None
+    if case.prologue == "silu_mul":
+        if through_op:
+            return torch.ops.spmd_rlhf.skinny_silu_mul_linear(x, weight, bias, backend), None
+        return skinny_silu_mul_linear(x, weight, bias, backend=backend, splits=case.splits), None
+    if through_op and residual is None:
+        return torch.ops.spmd_rlhf.skinny_norm_linear(x, norm_weight, NORM_EPS, weight, bias, backend), None
+    if through_op:
+        h, out = torch.ops.spmd_rlhf.skinny_residual_norm_linear(
+            x, residual, norm_weight, NORM_EPS, weight, bias, backend
+        )
+        return out, h
+    h, out = skinny_norm_linear(
+        x, norm_weight, NORM_EPS, weight, bias, residual=residual, backend=backend, splits=case.splits
+    )
+    assert residual is not None or h is x, "without a residual, h is x itself"
+    return out, None if residual is None else h
 
 
 def check_skinny_linear(case: SkinnyCase, dtype: torch.dtype, device: str, backend: str) -> float:
-    """Runs ``skinny_linear`` and its operator on random inputs; returns its relative error against float64."""
+    """Runs ``case.prologue``'s skinny-linear function and its operator on random inputs; returns its relative error
+    against float64 (and checks the residual sum it returns, which must equal the model's add exactly)."""
     seed = torch.seed()
     padding = 8 if case.strided_x else 0
-    x = torch.randn(*(case.leading or (case.rows,)), case.in_features + padding, device=device)
-    x = x.to(dtype)[..., : case.in_features]
+    width = 2 * case.in_features if case.prologue == "silu_mul" else case.in_features
+    x = torch.randn(*(case.leading or (case.rows,)), width + padding, device=device)
+    x = (x * 3).to(dtype)[..., :width]  # rms well away from 1, so a norm left out shows
+    residual = torch.randn(x.shape, device=device).to(dtype) if case.prologue == "residual_norm" else None
+    norm_weight = (torch.rand(case.in_features, device=device) + 0.5).to(dtype) if "norm" in case.prologue else None
     weight = (torch.randn(case.out_features, case.in_features, device=device) / case.in_features**0.5).to(dtype)
     bias = torch.randn(case.out_features, device=device).to(dtype) if case.bias else None
-    out = skinny_linear(x, weight, bias, backend=backend, splits=case.splits)
-    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    tensors = (x, residual, norm_weight, weight, bias)
+    out, h = _run_skinny(case, *tensors, backend, through_op=False)
+    _, expected = _skinny_reference(case, *tensors)
     assert out.shape == expected.shape and out.dtype == dtype, f"{case}: {out.dtype} {list(out.shape)}"
     error = relative_error(out, expected)
     assert error < RELATIVE_TOLERANCE[dtype], f"seed {seed}: {case} {dtype} relative error {error:.2e}"
+    if residual is not None and dtype == torch.bfloat16 and INTERPRETING:
+        # The interpreter rounds float32 to bfloat16 toward zero (a GPU to nearest even): one unit in the last place.
+        torch.testing.assert_close(h, x + residual, rtol=2**-7, atol=0)
+    elif residual is not None:
+        assert torch.equal(h, x + residual), f"seed {seed}: {case} {dtype}: h is not the model's x + residual"
     if case.splits is None:
-        through_op = torch.ops.spmd_rlhf.skinny_linear(x, weight, bias, backend)
+        through_op, h_through_op = _run_skinny(case, *tensors, backend, through_op=True)
         assert torch.equal(through_op, out), f"seed {seed}: {case} {dtype}: the operator differs from the function"
+        assert h is None or torch.equal(h_through_op, h), f"seed {seed}: {case} {dtype}: the operator's h differs"
     return error
 
 
@@ -262,11 +317,18 @@ SKINNY_INTERPRETER_CASES = [
     SkinnyCase(rows=3, in_features=1100, out_features=19, splits=3),
     SkinnyCase(rows=4, in_features=5000, out_features=9, leading=(2, 2)),
     SkinnyCase(rows=1, in_features=2000, out_features=8, bias=False, splits=2),
+    SkinnyCase(rows=1, in_features=700, out_features=37, prologue="norm"),
+    SkinnyCase(rows=3, in_features=1100, out_features=19, prologue="norm", splits=3, strided_x=True),
+    SkinnyCase(rows=2, in_features=600, out_features=20, prologue="residual_norm", leading=(2, 1)),
+    SkinnyCase(rows=4, in_features=1700, out_features=11, bias=False, prologue="residual_norm", splits=4),
+    SkinnyCase(rows=1, in_features=300, out_features=24, prologue="silu_mul"),
+    SkinnyCase(rows=3, in_features=1300, out_features=10, bias=False, prologue="silu_mul", splits=3),
 ]
 """One row to ``MAX_ROWS`` (padded to 1, 2, 4 and 4), widths that are not multiples of the tiles, with and without a
 bias, a strided and a three-dimensional ``x``; split inputs as asked (3 splits of 1,100 features) and as
 ``skinny_launch`` picks them (5,000 features over the interpreter's 8 multiprocessors: 14 splits of 384), and two
-splits whose last is short."""
+splits whose last is short; then each prologue (the norm, the norm of a residual sum, SwiGLU's activation) in one
+program per output block and split (the norm's ``1 / rms`` then applied by ``sum_splits_kernel``)."""
 
 
 PAGED_INTERPRETER_CASES = [

@@ -1,11 +1,20 @@
-"""``rollout.decode_matmul``: which kernel runs the generation copy's projections at a few rows.
+"""``rollout.decode_matmul``: which kernels run the generation copy's projections at a few rows.
 
 ``use_skinny_linear`` points every decoder block's projections (the merged q/k/v and gate/up, o and down; not the
 LM head, which cuBLAS already runs near the copy bandwidth, nor MoE experts) at ``torch.ops.spmd_rlhf.skinny_linear``,
 which takes 1 to ``MAX_ROWS`` rows through ``spmd_rlhf.kernels.skinny_linear``'s Triton kernels and anything else
-through ``F.linear``: decode steps at small batches use it, prefill and large batches do not. The operator is opaque
-to TorchDynamo, so compiled blocks (``rollout.compile``) call it between their fused kernels, and decode graphs
-capture it.
+through ``F.linear``: decode steps at small batches use it, prefill and large batches do not. In a dense block with
+merged projections (the generation copy's) it also moves the elementwise work between the matmuls into them: at
+most ``MAX_ROWS`` rows, the block runs as
+
+    h, qkv = skinny_residual_norm_linear(x, pending, input norm, q/k/v)   # the previous block's residual add too
+    (attention)
+    h, gate_up = skinny_residual_norm_linear(h, o_proj(out), post-attention norm, gate/up)
+    pending = skinny_silu_mul_linear(gate_up, down)
+
+four kernels (and down's split sum) where the compiled block ran seven; more rows take the block's own pieces. The
+operators are opaque to TorchDynamo, so compiled blocks (``rollout.compile``) call them between what is left to fuse,
+and decode graphs capture them.
 """
 
 from __future__ import annotations
@@ -16,10 +25,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from spmd_rlhf.kernels import skinny_linear as _registers_the_operator  # noqa: F401
+from spmd_rlhf.kernels.skinny_linear import MAX_ROWS
 from spmd_rlhf.kernels.triton_support import use_triton
-from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.decoder import DecoderLayer, DecoderLM
 from spmd_rlhf.models.merged_linear import MergeableProjections
+from spmd_rlhf.models.moe import SwiGLU
 
 DECODE_MATMULS = ("torch", "triton")
 
@@ -27,6 +37,61 @@ DECODE_MATMULS = ("torch", "triton")
 def _skinny_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A linear layer's forward, or a merged one's matmul, through the operator."""
     return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, self.skinny_backend)
+
+
+def _takes(x: torch.Tensor) -> bool:
+    """Whether the fused pieces run ``x`` (``[batch, seq, hidden]``): at most ``MAX_ROWS`` tokens."""
+    return x.shape[0] * x.shape[1] <= MAX_ROWS
+
+
+def _attention_inputs(self: DecoderLayer, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``DecoderLayer.attention_inputs``: the input norm inside the q/k/v matmul."""
+    if not _takes(x):
+        return DecoderLayer.attention_inputs(self, x, rope)
+    attention, norm = self.self_attn, self.input_layernorm
+    qkv = torch.ops.spmd_rlhf.skinny_norm_linear(
+        x, norm.weight, norm.eps, attention.merged.weight, attention.merged.bias, self.skinny_backend
+    )
+    return attention.split_merged_queries_keys_values(qkv, rope)
+
+
+def _residual_attention_inputs(
+    self: DecoderLayer, x: torch.Tensor, pending: torch.Tensor, rope
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``DecoderLayer.residual_attention_inputs``: the residual add and the input norm inside the q/k/v matmul."""
+    if not _takes(x):
+        return DecoderLayer.residual_attention_inputs(self, x, pending, rope)
+    attention, norm = self.self_attn, self.input_layernorm
+    x, qkv = torch.ops.spmd_rlhf.skinny_residual_norm_linear(
+        x, pending, norm.weight, norm.eps, attention.merged.weight, attention.merged.bias, self.skinny_backend
+    )
+    return (x, *attention.split_merged_queries_keys_values(qkv, rope))
+
+
+def _attention_outputs_apart(
+    self: DecoderLayer, x: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DecoderLayer.attention_outputs_apart``: the residual add and the post-attention norm inside the gate/up
+    matmul, the activation inside the down projection's."""
+    if not _takes(x):
+        return DecoderLayer.attention_outputs_apart(self, x, out)
+    mlp, norm = self.mlp, self.post_attention_layernorm
+    x, gate_up = torch.ops.spmd_rlhf.skinny_residual_norm_linear(
+        x, self.self_attn.output(out), norm.weight, norm.eps, mlp.merged.weight, mlp.merged.bias, self.skinny_backend
+    )
+    down = mlp.down_proj
+    return x, torch.ops.spmd_rlhf.skinny_silu_mul_linear(gate_up, down.weight, down.bias, self.skinny_backend)
+
+
+def _fusable(layer: DecoderLayer) -> bool:
+    """A dense block whose q/k/v (without QK norms) and gate/up are merged: the fused pieces' shape."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return (
+        attention.merged is not None
+        and not hasattr(attention, "q_norm")
+        and isinstance(mlp, SwiGLU)
+        and mlp.merged is not None
+    )
 
 
 def skinny_linear_unsupported(model: DecoderLM, *, backend: str = "auto") -> str | None:
@@ -39,11 +104,12 @@ def skinny_linear_unsupported(model: DecoderLM, *, backend: str = "auto") -> str
     return None
 
 
-def use_skinny_linear(model: DecoderLM, *, backend: str = "auto") -> int:
-    """Point ``model``'s decoder projections at the skinny-linear operator (in place, for good: the engine's model is
-    a generation copy); returns how many matmuls per block did. ``backend``: the kernels' (``auto``; tests under
-    Triton's interpreter pass ``triton``). Call before ``compile_around_attention``, which traces the forwards."""
-    per_block = 0
+def use_skinny_linear(model: DecoderLM, *, backend: str = "auto") -> tuple[int, int]:
+    """Point ``model``'s decoder projections at the skinny-linear operators (in place, for good: the engine's model
+    is a generation copy), and the pieces of its fusable blocks at the fused ones; returns ``(matmuls per block
+    through the operator, blocks fused)``. ``backend``: the kernels' (``auto``; tests under Triton's interpreter pass
+    ``triton``). Call before ``compile_around_attention``, which traces the forwards."""
+    per_block, fused = 0, 0
     for index, layer in enumerate(model.model.layers.values()):
         merged = [m.merged for m in layer.modules() if isinstance(m, MergeableProjections) and m.merged is not None]
         inside_merged = {id(linear) for matmul in merged for linear in matmul.linears}
@@ -54,4 +120,13 @@ def use_skinny_linear(model: DecoderLM, *, backend: str = "auto") -> int:
             linear.skinny_backend, linear.forward = backend, types.MethodType(_skinny_linear, linear)
         swapped = len(merged) + len(linears)
         per_block = swapped if index == 0 else min(per_block, swapped)
-    return per_block
+        if _fusable(layer):
+            layer.skinny_backend = backend
+            for name, piece in (
+                ("attention_inputs", _attention_inputs),
+                ("residual_attention_inputs", _residual_attention_inputs),
+                ("attention_outputs_apart", _attention_outputs_apart),
+            ):
+                setattr(layer, name, types.MethodType(piece, layer))
+            fused += 1
+    return per_block, fused

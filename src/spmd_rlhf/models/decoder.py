@@ -94,9 +94,14 @@ class Attention(MergeableProjections):
         one kernel where two rotations were two (q and k lie side by side in the matmul's output, and the rotation
         is the same for every head). q and k are views of the rotated tensor (``rope`` None: of the matmul's output,
         for the decode kernel to rotate), v of the matmul's output."""
-        batch_size, seq_len = x.shape[:2]
+        return self.split_merged_queries_keys_values(self.merged.matmul(x), rope)
+
+    def split_merged_queries_keys_values(
+        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_merged_queries_keys_values`` after its matmul, given the matmul's output ``qkv``."""
+        batch_size, seq_len = qkv.shape[:2]
         q_size, k_size, _ = self.merged.sizes  # this rank's rows of each (its heads under tensor parallelism)
-        qkv = self.merged.matmul(x)
         query_key = qkv[..., : q_size + k_size].view(batch_size, seq_len, -1, self.head_dim)
         if rope is not None:
             query_key = apply_rotary(query_key, *rope)
