@@ -243,7 +243,7 @@ about 1.5 us each in session 44's H200 profile)."""
 
 
 def _fused(name: str, in_features: int, device: str, dtype: torch.dtype):
-    """``linear(x, weight, bias)`` for ``_per_layer_seconds`` with projection ``name``'s prologue."""
+    """``linear(x, weight, bias)`` for ``per_layer_seconds`` with projection ``name``'s prologue."""
     if name == "down":
         gate_up = torch.randn(1, 2 * in_features, device=device, dtype=dtype)
         return lambda x, weight, bias: skinny_silu_mul_linear(gate_up, weight, bias)
@@ -252,7 +252,7 @@ def _fused(name: str, in_features: int, device: str, dtype: torch.dtype):
     return lambda x, weight, bias: skinny_norm_linear(x, norm_weight, 1e-6, weight, bias, residual=residual)[1]
 
 
-def _per_layer_seconds(linear, x, weights, biases, device: str, repeats: int) -> float:
+def per_layer_seconds(linear, x, weights, biases, device: str, repeats: int) -> float:
     """``graphed_seconds`` of ``linear(x, weight, bias)`` through ``weights`` in turn, one per captured call."""
     layer = itertools.cycle(range(len(weights)))
 
@@ -280,7 +280,7 @@ def measure_skinny_linear(args: argparse.Namespace, dtype: torch.dtype, copy_byt
             for rows in args.skinny_rows:
                 x = torch.randn(rows, in_features, device=args.device, dtype=dtype)
                 times = {
-                    kernel: _per_layer_seconds(linear, x, weights, biases, args.device, args.repeats)
+                    kernel: per_layer_seconds(linear, x, weights, biases, args.device, args.repeats)
                     for kernel, linear in (("torch", F.linear), ("skinny", skinny_linear))
                 }
                 expected = F.linear(x.double(), weights[0].double(), None if biases[0] is None else biases[0].double())
@@ -302,7 +302,7 @@ def measure_skinny_linear(args: argparse.Namespace, dtype: torch.dtype, copy_byt
                 }
                 saved[rows] += (times["torch"] - times["skinny"]) * GRAPH_CALLS * 1e6
                 if rows == 1 and name in FUSED_PROLOGUES:
-                    fused_s = _per_layer_seconds(
+                    fused_s = per_layer_seconds(
                         _fused(name, in_features, args.device, dtype), x, weights, biases, args.device, args.repeats
                     )
                     results[f"{shape}_{name}_rows{rows}"] |= {

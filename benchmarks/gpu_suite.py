@@ -28,7 +28,9 @@ wall time is the budget plus about 20 s of install and start, inside a 600 s cal
 
 Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_skinny`` (G1 with the decode projections
 through the skinny-linear kernels, ``rollout.decode_matmul=triton``: run it when ``kernels`` says they beat
-cuBLAS), ``g1_eager_blocks`` (G1 with eager blocks,
+cuBLAS; with them the dense blocks' norms and activation run inside the projections' kernels),
+``skinny_sweep`` (``gpu_skinny_sweep.py``: the skinny-linear kernels' tilings, ``SkinnyConfig``, against each other
+and cuBLAS per projection at one row: which tiling ``g1_skinny`` should use), ``g1_eager_blocks`` (G1 with eager blocks,
 ``rollout.compile=off``: what compiling around attention gains; 29 % against 45 % of the floor on an H100), ``scale``
 (per-stage ``max_memory_allocated`` against the floor, GRPO at the 1.5B shape on one rank: two minutes, which the plain
 call no longer has on an H100 since G3 compiles and G4 ran 172 s), ``cuda_tests_full`` (every test marked ``gpu``),
@@ -235,6 +237,17 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             },
         ),
         Step(
+            "skinny_sweep",
+            [python, str(BENCHMARKS / "gpu_skinny_sweep.py"), *smoke_flag, *step_out("skinny_sweep")],
+            150,
+            "*.json",
+            {
+                "skinny_sweep_best_1.5b": "shapes.0.best",
+                "skinny_sweep_saved_us_over_default_1.5b": "shapes.0.best_saved_us_per_28_layer_step_over_default",
+                "skinny_sweep_saved_us_over_torch_1.5b": "shapes.0.best_saved_us_per_28_layer_step_over_torch",
+            },
+        ),
+        Step(
             "g5",
             [python, str(BENCHMARKS / "gpu_reshard.py"), *large_model, *smoke_flag, *step_out("g5")],
             60,
@@ -370,6 +383,7 @@ build and the CUDA tests on an H200), then ``kernels`` and ``g5`` (476 s of step
 in session 44 on an H200); see the module docstring for each step's limit."""
 OPTIONAL = (
     "g1_skinny",
+    "skinny_sweep",
     "g1_eager_blocks",
     "scale",
     "cuda_tests_full",

@@ -36,6 +36,7 @@ they beat cuBLAS and Inductor is for a GPU to say (``benchmarks/gpu_kernels.py``
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,27 +58,47 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 4
 """Most rows the kernels take; more go through ``F.linear`` (from 8 rows on, a GEMM's tiles use the tensor cores)."""
 
-BLOCK_OUT = 8
-"""Outputs per program: few, so that even a 1,536-wide layer is hundreds of programs."""
-
-TILE_ELEMENTS = 512
-"""Rows x input features per tile (``ROWS_PAD * BLOCK_IN``): the float32 products a program holds at once."""
-
-TILES_PER_SPLIT = 3
-"""Tiles one program walks at most before the input is split: each is a dependent load, about a microsecond."""
-
 MAX_SPLITS = 16
 """Most programs one output block is split over (``sum_splits_kernel`` reads every split's partial products)."""
-
-PROGRAMS_PER_PROCESSOR = 8
-"""Splitting the input stops once the launch has this many programs per multiprocessor."""
 
 SUM_BLOCK = 256
 """Outputs per program of ``sum_splits_kernel``, and the row features it reads per step to normalise."""
 
 
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """How the kernels tile a product: the defaults are reasoned, not measured; ``benchmarks/gpu_skinny_sweep.py``
+    times alternatives on a GPU."""
+
+    block_out: int = 8
+    """Outputs per program: few, so that even a 1,536-wide layer is hundreds of programs."""
+    tile_elements: int = 512
+    """Rows x input features per tile (``rows_pad * block_in``): the float32 products a program holds at once are
+    ``block_out`` times as many, and each thread loads ``block_out * tile_elements / (32 * num_warps)`` weights
+    per tile (16 bytes of bf16 at the defaults, four times)."""
+    tiles_per_split: int = 3
+    """Tiles one program walks at most before the input is split: each is a dependent load, about a microsecond."""
+    programs_per_processor: int = 8
+    """Splitting the input stops once the launch has this many programs per multiprocessor."""
+    num_warps: int = 4
+    """Warps per program of the product kernel."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_out", "tile_elements"):
+            value = getattr(self, name)
+            if value < MAX_ROWS or value & (value - 1):
+                raise ValueError(f"SkinnyConfig.{name}={value} must be a power of two of at least {MAX_ROWS}")
+        if self.tiles_per_split < 1 or self.programs_per_processor < 1 or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{self}: tiles_per_split and programs_per_processor >= 1, num_warps a power of two")
+
+
+DEFAULT_CONFIG = SkinnyConfig()
+
+
 @functools.cache
-def skinny_launch(rows: int, in_features: int, out_features: int, processors: int) -> tuple[int, int, int, int]:
+def skinny_launch(
+    rows: int, in_features: int, out_features: int, processors: int, config: SkinnyConfig = DEFAULT_CONFIG
+) -> tuple[int, int, int, int]:
     """``(rows_pad, block_in, splits, chunk)`` for a product of ``rows`` rows: the rows padded to a power of two, the
     tile's input width, the programs per output block and the input features each walks (a multiple of
     ``block_in``; ``splits * chunk >= in_features``, and the last split is never empty). Cached: every layer of every
@@ -85,11 +106,11 @@ def skinny_launch(rows: int, in_features: int, out_features: int, processors: in
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"skinny_launch takes 1 to {MAX_ROWS} rows, got {rows}")
     rows_pad = 1 << (rows - 1).bit_length()
-    block_in = TILE_ELEMENTS // rows_pad
+    block_in = config.tile_elements // rows_pad
     tiles = -(-in_features // block_in)
-    blocks = -(-out_features // BLOCK_OUT)
-    wanted = min(-(-tiles // TILES_PER_SPLIT), MAX_SPLITS)
-    room = max(1, PROGRAMS_PER_PROCESSOR * processors // blocks)
+    blocks = -(-out_features // config.block_out)
+    wanted = min(-(-tiles // config.tiles_per_split), MAX_SPLITS)
+    room = max(1, config.programs_per_processor * processors // blocks)
     splits = max(1, min(wanted, room))
     chunk = -(-tiles // splits) * block_in
     splits = -(-in_features // chunk)  # rounding the chunk up to whole tiles can leave the last split empty: drop it
@@ -136,12 +157,14 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     splits: int | None = None,
+    config: SkinnyConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out [rows, out_features], h [rows, in_features] or None)``: the kernels' product of ``x_rows`` (row-major
     ``[rows, in_features]``, ``[rows, 2 * in_features]`` for ``SILU_MUL``), ``h`` where a residual is added."""
     rows = x_rows.shape[0]
     out_features, in_features = weight.shape
-    rows_pad, block_in, chosen, chunk = skinny_launch(rows, in_features, out_features, multiprocessors(x_rows.device))
+    processors = multiprocessors(x_rows.device)
+    rows_pad, block_in, chosen, chunk = skinny_launch(rows, in_features, out_features, processors, config)
     if splits is not None:
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"splits={splits} must be 1 to {MAX_SPLITS}")
@@ -156,7 +179,7 @@ def _launch(
     unused = x_rows
     normed = h if h is not None else x_rows
     with launch_device(x_rows.device):
-        skinny_linear_kernel[(-(-out_features // BLOCK_OUT), chosen)](
+        skinny_linear_kernel[(-(-out_features // config.block_out), chosen)](
             out,
             partial,
             x_rows,
@@ -176,12 +199,13 @@ def _launch(
             out.stride(0),
             eps,
             ROWS_PAD=rows_pad,
-            BLOCK_OUT=BLOCK_OUT,
+            BLOCK_OUT=config.block_out,
             BLOCK_IN=block_in,
             SPLITS=chosen,
             HAS_BIAS=bias is not None,
             INPUT=input_kind,
             HAS_RESIDUAL=residual is not None,
+            num_warps=config.num_warps,
         )
         if chosen > 1:
             sum_splits_kernel[(-(-out_features // SUM_BLOCK),)](
@@ -216,17 +240,18 @@ def skinny_linear(
     *,
     backend: str = "auto",
     splits: int | None = None,
+    config: SkinnyConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: through the Triton kernels when ``x`` has at most ``MAX_ROWS`` rows (its
     leading dimensions flattened), every tensor one float16 / bfloat16 / float32 dtype, and ``backend`` picks Triton
     (``auto``: CUDA tensors with triton installed; ``triton``; ``torch``: always ``F.linear``), in float32 rounded
-    once to ``x``'s dtype; otherwise ``F.linear`` itself. ``splits``: programs per
-    output block (None: ``skinny_launch``'s choice for this device)."""
+    once to ``x``'s dtype; otherwise ``F.linear`` itself. ``splits``: programs per output block (None:
+    ``skinny_launch``'s choice for this device); ``config``: the tiling (``SkinnyConfig``)."""
     _check_inputs(x, weight, bias, x_width=weight.shape[-1])
     rows = _rows(x)
     if not _kernels_take(rows, backend, weight, x, bias):
         return F.linear(x, weight, bias)
-    out, _ = _launch(_row_major(x, rows), weight, bias, input_kind=PLAIN.value, splits=splits)
+    out, _ = _launch(_row_major(x, rows), weight, bias, input_kind=PLAIN.value, splits=splits, config=config)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -240,6 +265,7 @@ def skinny_norm_linear(
     residual: torch.Tensor | None = None,
     backend: str = "auto",
     splits: int | None = None,
+    config: SkinnyConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, F.linear(rms_norm(h, norm_weight, eps), weight, bias))`` with ``h = x + residual`` (``x`` itself where
     ``residual`` is None): through the kernels under ``skinny_linear``'s conditions (``residual`` and
@@ -263,6 +289,7 @@ def skinny_norm_linear(
         norm_weight=norm_weight,
         eps=eps,
         splits=splits,
+        config=config,
     )
     return x if h is None else h.view(x.shape), out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -274,6 +301,7 @@ def skinny_silu_mul_linear(
     *,
     backend: str = "auto",
     splits: int | None = None,
+    config: SkinnyConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """``F.linear(F.silu(gate) * up, weight, bias)`` of ``gate_up = [gate, up]`` (``[..., 2 * in_features]``):
     through the kernels under ``skinny_linear``'s conditions, else that torch reference."""
@@ -282,7 +310,7 @@ def skinny_silu_mul_linear(
     if not _kernels_take(rows, backend, weight, gate_up, bias):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, weight, bias)
-    out, _ = _launch(_row_major(gate_up, rows), weight, bias, input_kind=SILU_MUL.value, splits=splits)
+    out, _ = _launch(_row_major(gate_up, rows), weight, bias, input_kind=SILU_MUL.value, splits=splits, config=config)
     return out.reshape(*gate_up.shape[:-1], weight.shape[0])
 
 

@@ -31,7 +31,13 @@ from spmd_rlhf.kernels.paged_attention import (
     rotate,
     write_new_tokens,
 )
-from spmd_rlhf.kernels.skinny_linear import skinny_linear, skinny_norm_linear, skinny_silu_mul_linear
+from spmd_rlhf.kernels.skinny_linear import (
+    DEFAULT_CONFIG,
+    SkinnyConfig,
+    skinny_linear,
+    skinny_norm_linear,
+    skinny_silu_mul_linear,
+)
 from spmd_rlhf.kernels.triton_support import INTERPRETING, triton, triton_available
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -238,6 +244,7 @@ class SkinnyCase:
     prologue: str = "plain"
     """What the kernel computes its input from: ``plain`` (``x``), ``norm`` (``rms_norm(x)``), ``residual_norm``
     (``rms_norm(x + residual)``, and that sum) or ``silu_mul`` (``silu(gate) * up`` of ``x = [gate, up]``)."""
+    config: SkinnyConfig = DEFAULT_CONFIG
 
 
 NORM_EPS = 1e-6
@@ -262,11 +269,14 @@ def _run_skinny(case: SkinnyCase, x, residual, norm_weight, weight, bias, backen
     if case.prologue == "plain":
         if through_op:
             return torch.ops.spmd_rlhf.skinny_linear(x, weight, bias, backend), None
-        return skinny_linear(x, weight, bias, backend=backend, splits=case.splits), None
+        return skinny_linear(x, weight, bias, backend=backend, splits=case.splits, config=case.config), None
     if case.prologue == "silu_mul":
         if through_op:
             return torch.ops.spmd_rlhf.skinny_silu_mul_linear(x, weight, bias, backend), None
-        return skinny_silu_mul_linear(x, weight, bias, backend=backend, splits=case.splits), None
+        return (
+            skinny_silu_mul_linear(x, weight, bias, backend=backend, splits=case.splits, config=case.config),
+            None,
+        )
     if through_op and residual is None:
         return torch.ops.spmd_rlhf.skinny_norm_linear(x, norm_weight, NORM_EPS, weight, bias, backend), None
     if through_op:
@@ -275,7 +285,15 @@ def _run_skinny(case: SkinnyCase, x, residual, norm_weight, weight, bias, backen
         )
         return out, h
     h, out = skinny_norm_linear(
-        x, norm_weight, NORM_EPS, weight, bias, residual=residual, backend=backend, splits=case.splits
+        x,
+        norm_weight,
+        NORM_EPS,
+        weight,
+        bias,
+        residual=residual,
+        backend=backend,
+        splits=case.splits,
+        config=case.config,
     )
     assert residual is not None or h is x, "without a residual, h is x itself"
     return out, None if residual is None else h
@@ -304,7 +322,7 @@ def check_skinny_linear(case: SkinnyCase, dtype: torch.dtype, device: str, backe
         torch.testing.assert_close(h, x + residual, rtol=2**-7, atol=0)
     elif residual is not None:
         assert torch.equal(h, x + residual), f"seed {seed}: {case} {dtype}: h is not the model's x + residual"
-    if case.splits is None:
+    if case.splits is None and case.config == DEFAULT_CONFIG:
         through_op, h_through_op = _run_skinny(case, *tensors, backend, through_op=True)
         assert torch.equal(through_op, out), f"seed {seed}: {case} {dtype}: the operator differs from the function"
         assert h is None or torch.equal(h_through_op, h), f"seed {seed}: {case} {dtype}: the operator's h differs"
@@ -323,12 +341,20 @@ SKINNY_INTERPRETER_CASES = [
     SkinnyCase(rows=4, in_features=1700, out_features=11, bias=False, prologue="residual_norm", splits=4),
     SkinnyCase(rows=1, in_features=300, out_features=24, prologue="silu_mul"),
     SkinnyCase(rows=3, in_features=1300, out_features=10, bias=False, prologue="silu_mul", splits=3),
+    SkinnyCase(
+        rows=2,
+        in_features=900,
+        out_features=40,
+        prologue="residual_norm",
+        config=SkinnyConfig(block_out=16, tile_elements=256, tiles_per_split=1, num_warps=2),
+    ),
 ]
 """One row to ``MAX_ROWS`` (padded to 1, 2, 4 and 4), widths that are not multiples of the tiles, with and without a
 bias, a strided and a three-dimensional ``x``; split inputs as asked (3 splits of 1,100 features) and as
 ``skinny_launch`` picks them (5,000 features over the interpreter's 8 multiprocessors: 14 splits of 384), and two
 splits whose last is short; then each prologue (the norm, the norm of a residual sum, SwiGLU's activation) in one
-program per output block and split (the norm's ``1 / rms`` then applied by ``sum_splits_kernel``)."""
+program per output block and split (the norm's ``1 / rms`` then applied by ``sum_splits_kernel``); and a tiling
+other than the default (``SkinnyConfig``: 16 outputs per program, tiles of 128 inputs, split at once)."""
 
 
 PAGED_INTERPRETER_CASES = [

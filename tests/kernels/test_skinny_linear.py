@@ -16,10 +16,10 @@ from kernel_checks import (
 )
 
 from spmd_rlhf.kernels.skinny_linear import (
+    DEFAULT_CONFIG,
     MAX_ROWS,
     MAX_SPLITS,
-    TILE_ELEMENTS,
-    TILES_PER_SPLIT,
+    SkinnyConfig,
     skinny_launch,
     skinny_linear,
 )
@@ -35,15 +35,26 @@ def test_the_kernels_match_float64_under_the_interpreter():
 @pytest.mark.parametrize("in_features", [1, 7, 511, 512, 1536, 8960, 14336, 29568])
 @pytest.mark.parametrize("out_features", [1, 8, 1536, 17920])
 @pytest.mark.parametrize("processors", [8, 132])
-def test_the_launch_covers_the_input_in_whole_tiles_with_no_empty_split(rows, in_features, out_features, processors):
-    rows_pad, block_in, splits, chunk = skinny_launch(rows, in_features, out_features, processors)
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, SkinnyConfig(block_out=16, tile_elements=1024, tiles_per_split=2)])
+def test_the_launch_covers_the_input_in_whole_tiles_with_no_empty_split(
+    rows, in_features, out_features, processors, config
+):
+    rows_pad, block_in, splits, chunk = skinny_launch(rows, in_features, out_features, processors, config)
     assert rows <= rows_pad < 2 * rows and rows_pad & (rows_pad - 1) == 0
-    assert rows_pad * block_in == TILE_ELEMENTS and chunk % block_in == 0
+    assert rows_pad * block_in == config.tile_elements and chunk % block_in == 0
     assert (splits - 1) * chunk < in_features <= splits * chunk
     tiles = -(-in_features // block_in)
     assert chunk == -(-tiles // splits) * block_in  # the splits as even as whole tiles allow
-    assert splits == 1 or tiles > TILES_PER_SPLIT  # an input a program walks in a few tiles is not split
+    assert splits == 1 or tiles > config.tiles_per_split  # an input a program walks in a few tiles is not split
     assert splits <= MAX_SPLITS
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(block_out=6), dict(tile_elements=2), dict(tiles_per_split=0), dict(num_warps=3)]
+)
+def test_a_config_the_kernels_cannot_tile_is_refused(fields):
+    with pytest.raises(ValueError, match="SkinnyConfig|tiles_per_split"):
+        SkinnyConfig(**fields)
 
 
 def test_the_launch_splits_a_wide_input_until_the_gpu_is_full():

@@ -1,0 +1,52 @@
+"""``benchmarks/gpu_skinny_sweep.py``: on CPU (``--smoke``) every config of the sweep runs every projection of both
+shapes (``F.linear`` stands in for the kernels: the script, not the figures, is checked), the best config is the
+fastest block, and a config that failed is reported and never chosen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from gpu_kernels import GRAPH_CALLS, SKINNY_SHAPES  # noqa: E402
+from gpu_skinny_sweep import SWEEP, summarise  # noqa: E402
+
+
+def test_the_smoke_sweep_times_every_config_and_picks_the_fastest_block(tmp_path):
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_skinny_sweep.py"), "--smoke", "--out", str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    result = json.loads((tmp_path / "gpu_skinny_sweep_cpu.json").read_text())
+    assert result["smoke"] and len(result["configs"]) == len(SWEEP) and set(result["shapes"]) == set(SKINNY_SHAPES)
+    for figures in result["shapes"].values():
+        assert set(figures["projections"]) == {"qkv", "o", "gate_up", "down"}
+        for projection in figures["projections"].values():
+            assert projection["torch_us"] > 0
+            for index in range(len(SWEEP)):
+                assert projection[str(index)]["us"] > 0 and projection[str(index)]["relative_error"] < 1e-5
+        blocks = figures["block_us"]
+        assert figures["best"] == int(min(blocks, key=blocks.get))
+        best_us = blocks[str(figures["best"])]
+        assert figures["best_saved_us_per_28_layer_step_over_default"] == (blocks["0"] - best_us) * GRAPH_CALLS
+
+
+def test_a_config_that_failed_is_reported_and_never_best():
+    projections = {
+        name: {"torch_us": 10.0} | {str(index): {"us": 5.0 + index} for index in range(len(SWEEP))}
+        for name in ("qkv", "o")
+    }
+    projections["o"]["0"] = {"us": None, "error": "CompilationError: out of resources"}
+    summary = summarise(projections)
+    assert summary["block_us"]["0"] is None and summary["best"] == 1
+    assert summary["best_saved_us_per_28_layer_step_over_default"] is None
+    assert summary["best_saved_us_per_28_layer_step_over_torch"] == (20.0 - 12.0) * GRAPH_CALLS
