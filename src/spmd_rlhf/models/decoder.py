@@ -17,6 +17,7 @@ from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.attention import AttentionBatch, attend
 from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import MoEBlock, SwiGLU
+from spmd_rlhf.models.packed_rows import default_position_ids, last_token_index, packed_offsets
 from spmd_rlhf.models.paged_kv import PagedKV
 from spmd_rlhf.models.rope import RotaryEmbedding, apply_rotary
 from spmd_rlhf.models.sequence_parallel import RowPadding, padded_row
@@ -225,43 +226,6 @@ class Backbone(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Sequence offsets of a packed row ``[1, total]`` whose position ids restart at 0; None if there is one
-    sequence."""
-    if position_ids.shape[0] != 1:
-        return None
-    starts = (position_ids[0] == 0).nonzero().squeeze(1)
-    if starts.numel() <= 1 or int(starts[0]) != 0:
-        return None
-    total = torch.tensor([position_ids.shape[1]], device=position_ids.device)
-    return torch.cat([starts, total]).to(torch.int32)
-
-
-def _packed_offsets(
-    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The given ``cu_seqlens``, else the offsets implied by restarting position ids of an unmasked row."""
-    if cu_seqlens is None and attention_mask is None and position_ids is not None:
-        return cu_seqlens_from_position_ids(position_ids)
-    return cu_seqlens
-
-
-def default_position_ids(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
-) -> torch.Tensor:
-    """Positions counting real tokens only: 0.. per row, restarting per packed sequence, skipping left padding."""
-    batch_size, seq_len = input_ids.shape[:2]
-    if cu_seqlens is not None:
-        positions = torch.arange(seq_len, device=input_ids.device)
-        starts = cu_seqlens.to(input_ids.device)[
-            torch.bucketize(positions, cu_seqlens[1:].to(input_ids.device), right=True)
-        ]
-        return (positions - starts)[None]
-    if attention_mask is not None:
-        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
-
-
 class DecoderLM(nn.Module):
     """Decoder with one head.
 
@@ -332,7 +296,7 @@ class DecoderLM(nn.Module):
             if position_ids is None:
                 raise ValueError("a paged KV step needs the new tokens' position_ids (their places in their sequences)")
         else:
-            cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
+            cu_seqlens = packed_offsets(position_ids, attention_mask, cu_seqlens)
         if position_ids is None:
             position_ids = default_position_ids(input_ids, attention_mask, cu_seqlens)
         # The row is the positions' (under sequence parallelism a later pipeline stage's input is this rank's chunk;
@@ -403,7 +367,7 @@ class DecoderLM(nn.Module):
             raise ValueError(
                 "output_positions selects per-token outputs; the score head reads each sequence's last token"
             )
-        cu_seqlens = _packed_offsets(position_ids, attention_mask, cu_seqlens)
+        cu_seqlens = packed_offsets(position_ids, attention_mask, cu_seqlens)
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen=max_seqlen)
         if self.model.norm is None:  # a pipeline stage before the last: hand the hidden states on
             return hidden
@@ -419,18 +383,3 @@ class DecoderLM(nn.Module):
         if self.head == "lm":
             return self.lm_head(hidden)
         return self.score(hidden).squeeze(-1)
-
-
-def last_token_index(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
-) -> torch.Tensor:
-    """Flat index of each sequence's last real token (rightmost mask position, so left and right padding both work)."""
-    batch_size, seq_len = input_ids.shape[:2]
-    if cu_seqlens is not None:
-        return cu_seqlens[1:].to(input_ids.device).long() - 1
-    if attention_mask is None:
-        last = torch.full((batch_size,), seq_len - 1, device=input_ids.device)
-    else:
-        positions = torch.arange(seq_len, device=input_ids.device)
-        last = (positions * attention_mask.to(positions.dtype)).argmax(-1)
-    return torch.arange(batch_size, device=input_ids.device) * seq_len + last
