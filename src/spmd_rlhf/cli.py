@@ -33,7 +33,13 @@ def _add_make_tiny(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 4 x hidden)")
-    parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary to train")
+    parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary to train (an upper bound)")
+    parser.add_argument(
+        "--model-vocab-size",
+        type=int,
+        default=None,
+        help="the model's vocabulary rows, past the tokenizer's (151936 for Qwen2.5's shape); default: the tokenizer's",
+    )
     parser.add_argument(
         "--head", default="lm", choices=["lm", "score"], help="lm: *ForCausalLM; score: *ForSequenceClassification"
     )
@@ -153,20 +159,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "make-tiny":
         from spmd_rlhf.tiny.model import make_tiny
 
-        make_tiny(
-            family=args.family,
-            out_dir=args.out,
-            hidden_size=args.hidden,
-            num_layers=args.layers,
-            num_heads=args.heads,
-            num_kv_heads=args.kv_heads,
-            intermediate_size=args.intermediate,
-            vocab_size=args.vocab_size,
-            head=args.head,
-            tokenizer_tasks=tuple(args.tokenizer_tasks),
-            chat_template=args.chat_template,
-            seed=args.seed,
-        )
+        try:
+            make_tiny(
+                family=args.family,
+                out_dir=args.out,
+                hidden_size=args.hidden,
+                num_layers=args.layers,
+                num_heads=args.heads,
+                num_kv_heads=args.kv_heads,
+                intermediate_size=args.intermediate,
+                vocab_size=args.vocab_size,
+                model_vocab_size=args.model_vocab_size,
+                head=args.head,
+                tokenizer_tasks=tuple(args.tokenizer_tasks),
+                chat_template=args.chat_template,
+                seed=args.seed,
+            )
+        except ValueError as error:
+            print(f"make-tiny error: {error}", file=sys.stderr)
+            return 2
         print(f"wrote {args.family} model and tokenizer to {args.out}")
         return 0
     if args.command == "make-task":

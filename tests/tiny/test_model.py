@@ -111,6 +111,9 @@ def test_bad_arguments_are_rejected(tmp_path):
         make_tiny(family="llama", out_dir=str(tmp_path), num_kv_heads=3)
     with pytest.raises(ValueError, match="model_vocab_size=10 is smaller than the tokenizer"):
         make_tiny(family="llama", out_dir=str(tmp_path), model_vocab_size=10)
+    # A real vocabulary's size as the tokenizer's bound would give the model the corpus's few hundred rows.
+    with pytest.raises(ValueError, match="pass model_vocab_size=151936"):
+        make_tiny(family="qwen2", out_dir=str(tmp_path), vocab_size=151936)
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -168,3 +171,12 @@ def test_make_tiny_loads_identically_in_transformers_and_spmd_rlhf(tmp_path, fam
         logits = ours(batch["input_ids"], attention_mask=batch["attention_mask"])
     real = batch["attention_mask"].bool()
     assert (logits[real] - expected[real]).abs().max() <= 1e-5
+
+
+def test_make_tiny_on_the_command_line_takes_a_model_vocabulary_and_names_the_flag_when_it_is_missing(tmp_path, capsys):
+    from spmd_rlhf.cli import main
+
+    assert main(["make-tiny", "--family", "qwen2", "--out", str(tmp_path / "bad"), "--vocab-size", "151936"]) == 2
+    assert "--model-vocab-size" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    assert main(["make-tiny", "--family", "qwen2", "--out", str(tmp_path / "good"), "--model-vocab-size", "2000"]) == 0
+    assert json.loads((tmp_path / "good" / "config.json").read_text())["vocab_size"] == 2000

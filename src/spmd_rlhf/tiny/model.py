@@ -60,6 +60,11 @@ _GENERIC_TEXT = [
 MAX_POSITION_EMBEDDINGS = 512
 
 
+UNFILLED_VOCABULARY = 4
+"""``make_tiny`` refuses a ``vocab_size`` this many times the tokenizer its corpus trains, without
+``model_vocab_size``: a real vocabulary's size meant for the model."""
+
+
 def make_tiny(
     *,
     family: str,
@@ -110,8 +115,15 @@ def make_tiny(
     if model_vocab_size is not None and model_vocab_size < len(tokenizer):
         raise ValueError(
             f"model_vocab_size={model_vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; "
-            f"give at least "
-            f"{len(tokenizer)} or leave it out"
+            f"give at least {len(tokenizer)} or leave it out"
+        )
+    if model_vocab_size is None and vocab_size > UNFILLED_VOCABULARY * len(tokenizer):
+        # A real vocabulary's size given as the tokenizer's bound: the model would silently get the corpus's few
+        # hundred rows (benchmarks/sequence_parallel_cpu.py measured such a model in session 43).
+        raise ValueError(
+            f"vocab_size={vocab_size} bounds the tokenizer, which this small corpus fills to {len(tokenizer)} tokens, "
+            f"so the model would have {len(tokenizer)} rows; for a model with {vocab_size} vocabulary rows pass "
+            f"model_vocab_size={vocab_size} (make-tiny --model-vocab-size)"
         )
     config_class, family_fields = _FAMILIES[family]
     if tie_word_embeddings is not None:
