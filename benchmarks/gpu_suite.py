@@ -175,6 +175,8 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "triton",
                 *([] if smoke else ["--decode-tokens", "128", "--repeats", "2"]),
                 *step_out("g1_skinny"),
+                "--profile",
+                str(out / "g1_skinny_decode_profile.txt"),
             ],
             150,
             "*.json",
