@@ -1,5 +1,6 @@
 """Run under ``TRITON_INTERPRET=1`` (the kernels must be defined under the interpreter): the engine with its blocks'
-projections through the skinny-linear Triton kernels, eager and compiled around attention (``aot_eager``), against
+projections through the skinny-linear Triton kernels, eager and compiled around attention (FX graphs run as traced,
+counted), against
 plain blocks on the same model. Prints one JSON line: the largest log-prob difference, whether tokens were equal, and
 how many calls of each operator took the kernels (at most 4 rows) and how many fell back (prefill)."""
 
@@ -12,6 +13,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from counting_backend import CountingBackend  # noqa: E402
 from hf_fixtures import write_hf_model  # noqa: E402
 
 import spmd_rlhf.kernels.skinny_linear as skinny_module  # noqa: E402
@@ -61,8 +64,9 @@ def generate(model_dir: str, *, skinny: bool, compiled: bool):
     model = load_model(model_dir, dtype=torch.float32).requires_grad_(False)
     merge_projections(model)
     swapped = use_skinny_linear(model, backend="triton") if skinny else None
+    backend = CountingBackend()
     if compiled:
-        compile_around_attention(model, backend="aot_eager")
+        compile_around_attention(model, backend=backend)
     params = [
         SamplingParams(temperature=0, max_new_tokens=5),
         SamplingParams(temperature=1.0, max_new_tokens=4, seed=3),
@@ -70,18 +74,18 @@ def generate(model_dir: str, *, skinny: bool, compiled: bool):
     params.append(SamplingParams(temperature=0, max_new_tokens=3))
     with SkinnyCalls() as calls:
         outputs = LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs="static").generate(PROMPTS, params)
-    return outputs, swapped, calls, model.args.num_layers
+    return outputs, swapped, calls, model.args.num_layers, backend.graphs
 
 
 def main() -> None:
     assert INTERPRETING, "run with TRITON_INTERPRET=1"
     model_dir = sys.argv[1]
-    write_hf_model("qwen2_untied", model_dir)
+    write_hf_model("qwen2_untied", model_dir, num_hidden_layers=3)  # two blocks take the residual add
     expected, *_ = generate(model_dir, skinny=False, compiled=False)
     report = {}
     for compiled in (False, True):
         torch._dynamo.reset()
-        got, swapped, calls, layers = generate(model_dir, skinny=True, compiled=compiled)
+        got, swapped, calls, layers, graphs = generate(model_dir, skinny=True, compiled=compiled)
         report["compiled" if compiled else "eager"] = {
             "tokens_equal": [g.generated_token_ids for g in got] == [e.generated_token_ids for e in expected],
             "max_log_prob_difference": max(
@@ -91,6 +95,7 @@ def main() -> None:
             "per_block": swapped[0],
             "fused_blocks": swapped[1],
             "layers": layers,
+            "graphs": graphs,
             "kernel_calls": calls.kernel,
             "fallback_calls": calls.fallback,
         }
