@@ -252,6 +252,21 @@ def _fused(name: str, in_features: int, device: str, dtype: torch.dtype):
     return lambda x, weight, bias: skinny_norm_linear(x, norm_weight, 1e-6, weight, bias, residual=residual)[1]
 
 
+def projection_weights(
+    in_features: int, out_features: int, has_bias: bool, args: argparse.Namespace, dtype: torch.dtype
+) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor | None]]:
+    """``(in_features, out_features, weights, biases)``: ``GRAPH_CALLS`` distinct weights (and biases, or None) of
+    one projection, each width a 64th under ``--smoke``."""
+    if args.smoke:
+        in_features, out_features = in_features // 64, out_features // 64
+    weights = [
+        torch.randn(out_features, in_features, device=args.device, dtype=dtype) * in_features**-0.5
+        for _ in range(GRAPH_CALLS)
+    ]
+    biases = [torch.randn(out_features, device=args.device, dtype=dtype) if has_bias else None for _ in weights]
+    return in_features, out_features, weights, biases
+
+
 def per_layer_seconds(linear, x, weights, biases, device: str, repeats: int) -> float:
     """``graphed_seconds`` of ``linear(x, weight, bias)`` through ``weights`` in turn, one per captured call."""
     layer = itertools.cycle(range(len(weights)))
@@ -269,13 +284,9 @@ def measure_skinny_linear(args: argparse.Namespace, dtype: torch.dtype, copy_byt
     for shape, layers in SKINNY_SHAPES.items():
         saved = dict.fromkeys(args.skinny_rows, 0.0)
         for name, (in_features, out_features, has_bias) in layers.items():
-            if args.smoke:
-                in_features, out_features = in_features // 64, out_features // 64
-            weights = [
-                torch.randn(out_features, in_features, device=args.device, dtype=dtype) * in_features**-0.5
-                for _ in range(GRAPH_CALLS)
-            ]
-            biases = [torch.randn(out_features, device=args.device, dtype=dtype) if has_bias else None for _ in weights]
+            in_features, out_features, weights, biases = projection_weights(
+                in_features, out_features, has_bias, args, dtype
+            )
             weight_bytes = weights[0].numel() * weights[0].element_size()
             for rows in args.skinny_rows:
                 x = torch.randn(rows, in_features, device=args.device, dtype=dtype)

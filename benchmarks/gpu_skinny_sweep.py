@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 from gpu_common import default_device, environment, parse_with_smoke, write_result
-from gpu_kernels import GRAPH_CALLS, SKINNY_SHAPES, per_layer_seconds
+from gpu_kernels import GRAPH_CALLS, SKINNY_SHAPES, per_layer_seconds, projection_weights
 
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, skinny_launch, skinny_linear
 from spmd_rlhf.kernels.triton_support import multiprocessors
@@ -60,13 +60,9 @@ def measure_shape(args: argparse.Namespace, shape: str, dtype: torch.dtype) -> d
     """Every config of ``SWEEP`` (and cuBLAS) on each projection of ``shape`` at ``args.rows`` rows."""
     projections = {}
     for name, (in_features, out_features, has_bias) in SKINNY_SHAPES[shape].items():
-        if args.smoke:
-            in_features, out_features = in_features // 64, out_features // 64
-        weights = [
-            torch.randn(out_features, in_features, device=args.device, dtype=dtype) * in_features**-0.5
-            for _ in range(GRAPH_CALLS)
-        ]
-        biases = [torch.randn(out_features, device=args.device, dtype=dtype) if has_bias else None for _ in weights]
+        in_features, out_features, weights, biases = projection_weights(
+            in_features, out_features, has_bias, args, dtype
+        )
         x = torch.randn(args.rows, in_features, device=args.device, dtype=dtype)
         torch_s = per_layer_seconds(F.linear, x, weights, biases, args.device, args.repeats)
         projections[name] = {"torch_us": torch_s * 1e6}
