@@ -27,6 +27,9 @@ Writes ``benchmarks/results/gpu_generate_<shape>_<device>.json`` and prints a ta
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from engine_generate import _best_times, mixed_prompts
@@ -46,6 +49,7 @@ from gpu_common import (
 )
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.merged_linear import merge_projections
 
@@ -67,6 +71,30 @@ SMOKE = dict(
     repeats=3,
     copy_mib=16,
 )
+
+
+def skinny_tiling(given: str | None, shape: str) -> tuple[SkinnyConfig, str]:
+    """``--skinny-config``: the skinny-linear kernels' tiling and where it came from. ``given``: None (the defaults),
+    a JSON object of ``SkinnyConfig`` fields, or a ``gpu_skinny_sweep.py`` result, a file or the folder it was written
+    to (the suite's ``skinny_sweep`` step), whose best tiling for ``shape`` (else its first shape's) is taken; a
+    path without one gives the defaults, said so."""
+    if given is None:
+        return DEFAULT_CONFIG, "the defaults"
+    if given.lstrip().startswith("{"):
+        return SkinnyConfig(**json.loads(given)), "--skinny-config"
+    path = Path(given)
+    if not path.exists():
+        return DEFAULT_CONFIG, f"the defaults: no gpu_skinny_sweep result at {path}"
+    if path.is_dir():
+        found = sorted(path.glob("gpu_skinny_sweep_*.json"))
+        if not found:
+            return DEFAULT_CONFIG, f"the defaults: no gpu_skinny_sweep result in {path}"
+        path = found[0]
+    shapes = json.loads(path.read_text())["shapes"]
+    chosen = shapes.get(shape) or next(iter(shapes.values()))
+    if chosen["best_config"] is None:
+        return DEFAULT_CONFIG, f"the defaults: {path} has no tiling that ran"
+    return SkinnyConfig(**chosen["best_config"]), f"the best of {path}"
 
 
 def first_mismatch(graphed: list[list[int]], eager: list[list[int]]) -> dict | None:
@@ -109,6 +137,7 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, *, batch: i
             decode_graphs=mode,
             compile_layers=args.compile_layers,
             decode_matmul=args.decode_matmul,
+            decode_tiling=args.decode_tiling,
         )
         for mode in ("auto", "off")
     }
@@ -203,6 +232,7 @@ def measure_batch(
         max_num_batched_tokens=sum(map(len, prompts)),
         compile_layers=args.compile_layers,
         decode_matmul=args.decode_matmul,
+        decode_tiling=args.decode_tiling,
     )
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
 
@@ -283,6 +313,11 @@ def main() -> None:
         "through the skinny-linear kernels",
     )
     parser.add_argument(
+        "--skinny-config",
+        help="with --decode-matmul triton, the kernels' tiling: a JSON object of SkinnyConfig fields, or a "
+        "gpu_skinny_sweep.py result (a file or its folder) whose best tiling is taken; default: SkinnyConfig()",
+    )
+    parser.add_argument(
         "--profile", help="write a profile of one more batch-1 decode run (G1, default engine) to this file"
     )
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's copy")
@@ -291,6 +326,7 @@ def main() -> None:
     args.dtype = args.dtype or default_dtype(args.device)
     dtype = getattr(torch, args.dtype)
     real_run = torch.device(args.device).type == "cuda" and not args.smoke
+    args.decode_tiling, tiling_source = skinny_tiling(args.skinny_config, args.shape)
 
     result = {
         "benchmark": "gpu_generate",
@@ -299,6 +335,7 @@ def main() -> None:
         "dtype": args.dtype,
         "compile_layers": args.compile_layers,
         "decode_matmul": args.decode_matmul,
+        "decode_tiling": {**asdict(args.decode_tiling), "source": tiling_source},
         "environment": environment(args.device),
     }
     name = f"gpu_generate_{args.shape}_{result['environment']['device']}"

@@ -4,12 +4,13 @@ says which tiling decode should use:
     python benchmarks/gpu_skinny_sweep.py [--rows 1] [--repeats 5]    # on a GPU: about a minute
     python benchmarks/gpu_skinny_sweep.py --smoke                     # CPU-sized: checks the script in seconds
 
-For each config of ``SWEEP`` (the default, then one field changed at a time, then a few pairs), every projection of one
-block of the 1.5B and 7B shapes (``gpu_kernels.SKINNY_SHAPES``: q/k/v and gate/up merged, o, down) at ``--rows``
-rows, bf16, timed inside CUDA graphs over 28 distinct weights as ``gpu_kernels`` times them, with ``F.linear``
-(cuBLAS) in the same run; each config's outputs checked against float64. Per shape: each config's block (the four
-projections' sum), the best config, and the microseconds a 28-layer step saves with it over the default and over
-cuBLAS. A config whose kernels fail to compile or run is reported with its error, not dropped.
+For each config of ``SWEEP`` (the default, then one field changed at a time, then a few pairs and prefetching),
+every projection of one block of the 1.5B and 7B shapes (``gpu_kernels.SKINNY_SHAPES``: q/k/v and gate/up merged, o,
+down) at ``--rows`` rows, bf16, timed inside CUDA graphs over 28 distinct weights as ``gpu_kernels`` times them, with
+``F.linear`` (cuBLAS) in the same run; each config's outputs checked against float64. Per shape: each config's block
+(the four projections' sum), the best config, and the microseconds a 28-layer step saves with it over the default and
+over cuBLAS. A config whose kernels fail to compile or run is reported with its error, not dropped. The suite's
+``g1_skinny``, run after it, decodes with the best (``gpu_generate.py --skinny-config``).
 
 On CPU (or with ``--smoke``) both sides run ``F.linear``: the figures check the script, not the kernels. Writes
 ``benchmarks/results/gpu_skinny_sweep_<device>.json`` and prints a table.
@@ -43,9 +44,14 @@ SWEEP = (
     replace(DEFAULT_CONFIG, tile_elements=1024, num_warps=8),
     replace(DEFAULT_CONFIG, block_out=16, num_warps=8),
     replace(DEFAULT_CONFIG, block_out=4, tiles_per_split=1),
+    replace(DEFAULT_CONFIG, prefetch=True),
+    replace(DEFAULT_CONFIG, prefetch=True, tiles_per_split=6),
+    replace(DEFAULT_CONFIG, prefetch=True, tile_elements=256),
 )
-"""The default, each field moved once either way, and pairs that keep a thread's loads per tile as they are (wider
-tiles or more outputs with more warps) or trade outputs per program for splits."""
+"""The default, each field moved once either way, pairs that keep a thread's loads per tile as they are (wider
+tiles or more outputs with more warps) or trade outputs per program for splits, and the next tile's loads issued a
+tile ahead (``prefetch``), alone, with longer walks (fewer splits: the latency it hides is per tile) and with smaller
+tiles (two of them in registers)."""
 
 ERROR_BOUND = 1.6e-2
 """bf16's bound on the relative error against float64 (``tests/kernels/kernel_checks.RELATIVE_TOLERANCE``)."""

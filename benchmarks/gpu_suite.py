@@ -173,6 +173,9 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "decode",
                 "--decode-matmul",
                 "triton",
+                # The tiling skinny_sweep found best, where it ran before (--only ... skinny_sweep g1_skinny).
+                "--skinny-config",
+                str(work / "skinny_sweep"),
                 *([] if smoke else ["--decode-tokens", "128", "--repeats", "2"]),
                 *step_out("g1_skinny"),
                 "--profile",
@@ -184,6 +187,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "G1_skinny_batch1_over_floor": "decode.1.ratio_to_floor",
                 "G1_skinny_largest_batch_over_floor": "decode.-1.ratio_to_floor",
                 "G1_skinny_first_mismatch": "decode.1.graph_eager_first_mismatch",
+                "G1_skinny_tiling": "decode_tiling.source",
             },
         ),
         Step(

@@ -36,7 +36,7 @@ they beat cuBLAS and Inductor is for a GPU to say (``benchmarks/gpu_kernels.py``
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,13 @@ class SkinnyConfig:
     """Splitting the input stops once the launch has this many programs per multiprocessor."""
     num_warps: int = 4
     """Warps per program of the product kernel."""
+    prefetch: bool = False
+    """Issue each tile's loads a tile ahead (registers hold two tiles), so that a program's walk waits on memory once
+    instead of once per tile."""
+
+    def as_tiling(self) -> list[int]:
+        """The fields as the operators take them (``torch.ops.spmd_rlhf.skinny_linear``'s ``tiling``)."""
+        return [int(getattr(self, field.name)) for field in fields(self)]
 
     def __post_init__(self) -> None:
         for name in ("block_out", "tile_elements"):
@@ -93,6 +100,11 @@ class SkinnyConfig:
 
 
 DEFAULT_CONFIG = SkinnyConfig()
+
+
+def config_of(tiling: list[int]) -> SkinnyConfig:
+    """The ``SkinnyConfig`` of an operator's ``tiling`` (``SkinnyConfig.as_tiling``)."""
+    return SkinnyConfig(*tiling[:-1], prefetch=bool(tiling[-1]))
 
 
 @functools.cache
@@ -205,6 +217,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             INPUT=input_kind,
             HAS_RESIDUAL=residual is not None,
+            PREFETCH=config.prefetch,
             num_warps=config.num_warps,
         )
         if chosen > 1:
@@ -314,16 +327,19 @@ def skinny_silu_mul_linear(
     return out.reshape(*gate_up.shape[:-1], weight.shape[0])
 
 
-# The functions as operators that TorchDynamo and Inductor leave opaque (a compiled block calls each as one call).
+# The functions as operators that TorchDynamo and Inductor leave opaque (a compiled block calls each as one call);
+# ``tiling``: ``SkinnyConfig.as_tiling()``.
 
 
 @torch.library.custom_op("spmd_rlhf::skinny_linear", mutates_args=())
-def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-    return skinny_linear(x, weight, bias, backend=backend)
+def skinny_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str, tiling: list[int]
+) -> torch.Tensor:
+    return skinny_linear(x, weight, bias, backend=backend, config=config_of(tiling))
 
 
 @skinny_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
+def _(x, weight, bias, backend, tiling) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -335,12 +351,13 @@ def skinny_norm_linear_op(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     backend: str,
+    tiling: list[int],
 ) -> torch.Tensor:
-    return skinny_norm_linear(x, norm_weight, eps, weight, bias, backend=backend)[1]
+    return skinny_norm_linear(x, norm_weight, eps, weight, bias, backend=backend, config=config_of(tiling))[1]
 
 
 @skinny_norm_linear_op.register_fake
-def _(x, norm_weight, eps, weight, bias, backend) -> torch.Tensor:
+def _(x, norm_weight, eps, weight, bias, backend, tiling) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -353,22 +370,25 @@ def skinny_residual_norm_linear_op(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     backend: str,
+    tiling: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return skinny_norm_linear(x, norm_weight, eps, weight, bias, residual=residual, backend=backend)
+    return skinny_norm_linear(
+        x, norm_weight, eps, weight, bias, residual=residual, backend=backend, config=config_of(tiling)
+    )
 
 
 @skinny_residual_norm_linear_op.register_fake
-def _(x, residual, norm_weight, eps, weight, bias, backend) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x, residual, norm_weight, eps, weight, bias, backend, tiling) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("spmd_rlhf::skinny_silu_mul_linear", mutates_args=())
 def skinny_silu_mul_linear_op(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str, tiling: list[int]
 ) -> torch.Tensor:
-    return skinny_silu_mul_linear(gate_up, weight, bias, backend=backend)
+    return skinny_silu_mul_linear(gate_up, weight, bias, backend=backend, config=config_of(tiling))
 
 
 @skinny_silu_mul_linear_op.register_fake
-def _(gate_up, weight, bias, backend) -> torch.Tensor:
+def _(gate_up, weight, bias, backend, tiling) -> torch.Tensor:
     return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))

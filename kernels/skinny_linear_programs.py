@@ -17,6 +17,51 @@ SILU_MUL: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
+def _tile(
+    start,
+    end,
+    in_features,
+    block,
+    weight_rows,
+    x_rows,
+    residual_rows,
+    h_rows,
+    norm_ptr,
+    out_mask,
+    row_mask,
+    dtype: tl.constexpr,
+    ROWS_PAD: tl.constexpr,
+    BLOCK_IN: tl.constexpr,
+    INPUT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """The tile of input features from ``start``: its weights ``[BLOCK_OUT, BLOCK_IN]`` as stored, its inputs
+    ``[ROWS_PAD, BLOCK_IN]`` in float32 after the prologue (``NORM``: times the norm's weight), and their squares
+    before that weight (``NORM``; zeros otherwise). Features from ``end`` on are zeros; ``h`` is stored by the first
+    program of each split."""
+    ins = start + tl.arange(0, BLOCK_IN)
+    in_mask = ins < end
+    mask = row_mask[:, None] & in_mask[None, :]
+    weights = tl.load(weight_rows + ins[None, :], mask=out_mask[:, None] & in_mask[None, :], other=0.0)
+    inputs = tl.load(x_rows + ins[None, :], mask=mask, other=0.0).to(tl.float32)
+    if INPUT == SILU_MUL:
+        up = tl.load(x_rows + in_features + ins[None, :], mask=mask, other=0.0).to(tl.float32)
+        activated = (inputs * tl.sigmoid(inputs)).to(dtype).to(tl.float32)
+        inputs = (activated * up).to(dtype).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_rows + ins[None, :], mask=mask, other=0.0)
+        inputs = (inputs + residual.to(tl.float32)).to(dtype)
+        if block == 0:  # one program per split stores h, each split's share of the row
+            tl.store(h_rows + ins[None, :], inputs, mask=mask)
+        inputs = inputs.to(tl.float32)
+    squares = tl.zeros([ROWS_PAD, BLOCK_IN], tl.float32)
+    if INPUT == NORM:
+        squares = inputs * inputs
+        inputs *= tl.load(norm_ptr + ins, mask=in_mask, other=0.0).to(tl.float32)[None, :]
+    return weights, inputs, squares
+
+
+@triton.jit
 def skinny_linear_kernel(
     out_ptr,
     partial_ptr,
@@ -43,6 +88,7 @@ def skinny_linear_kernel(
     HAS_BIAS: tl.constexpr,
     INPUT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -55,31 +101,36 @@ def skinny_linear_kernel(
     end = tl.minimum(in_features, first + chunk)
     weight_rows = weight_ptr + outs.to(tl.int64)[:, None] * stride_weight_out
     x_rows = x_ptr + row[:, None] * stride_x_row
+    residual_rows = residual_ptr + row[:, None] * stride_residual_row
+    h_rows = h_ptr + row[:, None] * stride_h_row
     # Products accumulate elementwise, [ROWS_PAD, BLOCK_OUT, BLOCK_IN] in float32 (ROWS_PAD * BLOCK_IN is fixed, so
     # as many registers at any row count), and are summed over the inputs once after the walk: a sum per tile would
     # put a cross-thread reduction, with its barriers, between one tile's loads and the next's.
     products = tl.zeros([ROWS_PAD, BLOCK_OUT, BLOCK_IN], tl.float32)
     squares = tl.zeros([ROWS_PAD, BLOCK_IN], tl.float32)
-    for start in range(first, end, BLOCK_IN):
-        ins = start + tl.arange(0, BLOCK_IN)
-        in_mask = ins < end
-        mask = row_mask[:, None] & in_mask[None, :]
-        weights = tl.load(weight_rows + ins[None, :], mask=out_mask[:, None] & in_mask[None, :], other=0.0)
-        inputs = tl.load(x_rows + ins[None, :], mask=mask, other=0.0).to(tl.float32)
-        if INPUT == SILU_MUL:
-            up = tl.load(x_rows + in_features + ins[None, :], mask=mask, other=0.0).to(tl.float32)
-            activated = (inputs * tl.sigmoid(inputs)).to(dtype).to(tl.float32)
-            inputs = (activated * up).to(dtype).to(tl.float32)
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row[:, None] * stride_residual_row + ins[None, :], mask=mask, other=0.0)
-            inputs = (inputs + residual.to(tl.float32)).to(dtype)
-            if block == 0:  # one program per split stores h, each split's share of the row
-                tl.store(h_ptr + row[:, None] * stride_h_row + ins[None, :], inputs, mask=mask)
-            inputs = inputs.to(tl.float32)
-        if INPUT == NORM:
-            squares += inputs * inputs
-            inputs *= tl.load(norm_ptr + ins, mask=in_mask, other=0.0).to(tl.float32)[None, :]
-        products += inputs[:, None, :] * weights.to(tl.float32)[None, :, :]
+    if PREFETCH:
+        # The next tile's loads are issued before this tile's products, which wait only on loads issued a tile ago:
+        # one tile's latency overlapped with the next (the last iteration's are all masked: no memory read).
+        weights, inputs, tile_squares = _tile(
+            first, end, in_features, block, weight_rows, x_rows, residual_rows, h_rows, norm_ptr, out_mask, row_mask,
+            dtype, ROWS_PAD, BLOCK_IN, INPUT, HAS_RESIDUAL
+        )  # fmt: skip
+        for start in range(first, end, BLOCK_IN):
+            next_weights, next_inputs, next_squares = _tile(
+                start + BLOCK_IN, end, in_features, block, weight_rows, x_rows, residual_rows, h_rows, norm_ptr,
+                out_mask, row_mask, dtype, ROWS_PAD, BLOCK_IN, INPUT, HAS_RESIDUAL
+            )  # fmt: skip
+            products += inputs[:, None, :] * weights.to(tl.float32)[None, :, :]
+            squares += tile_squares
+            weights, inputs, tile_squares = next_weights, next_inputs, next_squares
+    else:
+        for start in range(first, end, BLOCK_IN):
+            weights, inputs, tile_squares = _tile(
+                start, end, in_features, block, weight_rows, x_rows, residual_rows, h_rows, norm_ptr, out_mask,
+                row_mask, dtype, ROWS_PAD, BLOCK_IN, INPUT, HAS_RESIDUAL
+            )  # fmt: skip
+            products += inputs[:, None, :] * weights.to(tl.float32)[None, :, :]
+            squares += tile_squares
     acc = tl.sum(products, axis=2)
     if SPLITS == 1:
         if INPUT == NORM:  # the program walked the whole row

@@ -1,6 +1,7 @@
 """``benchmarks/gpu_skinny_sweep.py``: on CPU (``--smoke``) every config of the sweep runs every projection of both
 shapes (``F.linear`` stands in for the kernels: the script, not the figures, is checked), the best config is the
-fastest block, and a config that failed is reported and never chosen."""
+fastest block and is what ``gpu_generate.py --skinny-config`` takes, and a config that failed is reported and never
+chosen."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+from gpu_generate import skinny_tiling  # noqa: E402
 from gpu_kernels import GRAPH_CALLS, SKINNY_SHAPES  # noqa: E402
 from gpu_skinny_sweep import SWEEP, summarise  # noqa: E402
+
+from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig  # noqa: E402
 
 
 def test_the_smoke_sweep_times_every_config_and_picks_the_fastest_block(tmp_path):
@@ -38,6 +42,16 @@ def test_the_smoke_sweep_times_every_config_and_picks_the_fastest_block(tmp_path
         assert figures["best"] == int(min(blocks, key=blocks.get))
         best_us = blocks[str(figures["best"])]
         assert figures["best_saved_us_per_28_layer_step_over_default"] == (blocks["0"] - best_us) * GRAPH_CALLS
+    # G1 with the kernels (gpu_generate --skinny-config, the suite's g1_skinny) takes the sweep's best tiling for its
+    # shape from the folder the sweep wrote to (another shape: the sweep's first), the defaults where it finds none.
+    for shape, swept in (("7b", "7b"), ("smoke", "1.5b")):
+        tiling, source = skinny_tiling(str(tmp_path), shape)
+        assert tiling == SkinnyConfig(**result["shapes"][swept]["best_config"]) and "the best of" in source
+    assert skinny_tiling(None, "1.5b") == (DEFAULT_CONFIG, "the defaults")
+    assert skinny_tiling(str(tmp_path / "nothing"), "1.5b")[0] == DEFAULT_CONFIG
+    (tmp_path / "empty").mkdir()
+    assert skinny_tiling(str(tmp_path / "empty"), "1.5b")[0] == DEFAULT_CONFIG
+    assert skinny_tiling('{"prefetch": true}', "1.5b")[0] == SkinnyConfig(prefetch=True)
 
 
 def test_a_config_that_failed_is_reported_and_never_best():

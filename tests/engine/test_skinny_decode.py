@@ -19,6 +19,7 @@ import spmd_rlhf.kernels.skinny_linear as skinny_module
 from spmd_rlhf.config import ConfigError, load_config
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
 from spmd_rlhf.engine.decode_matmul import skinny_linear_unsupported, use_skinny_linear
+from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.merged_linear import merge_projections
 
@@ -99,8 +100,10 @@ def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp
     assert all("forward" not in vars(m) for m in engine.runner.model.model.layers.modules())
     # Where it can run (CUDA with triton), the engine points the blocks at the operator.
     monkeypatch.setattr(llm_engine, "skinny_linear_unsupported", lambda model: None)
-    LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton")
+    tiling = SkinnyConfig(block_out=16, prefetch=True)
+    LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton", decode_tiling=tiling)
     assert all("forward" in vars(layer.mlp.down_proj) for layer in model.model.layers.values())
+    assert all(layer.mlp.down_proj.skinny_tiling == tiling.as_tiling() for layer in model.model.layers.values())
     with pytest.raises(ValueError, match="decode_matmul='cublas' is unknown"):
         LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="cublas")
     assert load_config(None, []).rollout.decode_matmul == "torch"

@@ -81,25 +81,28 @@ def test_log_prob_kernels_compile(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "rows_pad,splits,bias,prologue,residual",
+    "rows_pad,splits,bias,prologue,residual,prefetch",
     [
-        (1, 1, True, "PLAIN", False),
-        (1, 5, False, "PLAIN", False),
-        (4, 5, True, "PLAIN", False),
-        (2, 1, False, "PLAIN", False),
-        (1, 1, True, "NORM", True),
-        (4, 5, False, "NORM", True),
-        (2, 1, False, "NORM", False),
-        (1, 5, True, "SILU_MUL", False),
-        (4, 1, False, "SILU_MUL", False),
+        (1, 1, True, "PLAIN", False, False),
+        (1, 5, False, "PLAIN", False, True),
+        (4, 5, True, "PLAIN", False, False),
+        (2, 1, False, "PLAIN", False, False),
+        (1, 1, True, "NORM", True, False),
+        (1, 1, True, "NORM", True, True),
+        (4, 5, False, "NORM", True, False),
+        (2, 1, False, "NORM", False, False),
+        (1, 5, True, "SILU_MUL", False, False),
+        (4, 1, False, "SILU_MUL", False, True),
     ],
 )
-def test_skinny_linear_kernels_compile(dtype, rows_pad, splits, bias, prologue, residual):
+def test_skinny_linear_kernels_compile(dtype, rows_pad, splits, bias, prologue, residual, prefetch):
     tensors = ("out_ptr", "x_ptr", "residual_ptr", "h_ptr", "norm_ptr", "weight_ptr", "bias_ptr", "normed_ptr")
     pointers = {name: f"*{dtype}" for name in tensors} | {"partial_ptr": "*fp32"}
     shapes = dict(ROWS_PAD=rows_pad, SPLITS=splits, HAS_BIAS=bias)
     kind = getattr(skinny_linear_programs, prologue).value
-    constexprs = dict(shapes, BLOCK_OUT=8, BLOCK_IN=512 // rows_pad, INPUT=kind, HAS_RESIDUAL=residual)
+    constexprs = dict(
+        shapes, BLOCK_OUT=8, BLOCK_IN=512 // rows_pad, INPUT=kind, HAS_RESIDUAL=residual, PREFETCH=prefetch
+    )
     _compile(skinny_linear_programs.skinny_linear_kernel, pointers, constexprs, floats=("eps",))
     if splits > 1:
         constexprs = dict(shapes, BLOCK_OUT=256, NORMED=prologue == "NORM", BLOCK_NORM=256)

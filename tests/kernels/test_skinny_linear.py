@@ -20,6 +20,7 @@ from spmd_rlhf.kernels.skinny_linear import (
     MAX_ROWS,
     MAX_SPLITS,
     SkinnyConfig,
+    config_of,
     skinny_launch,
     skinny_linear,
 )
@@ -55,6 +56,11 @@ def test_the_launch_covers_the_input_in_whole_tiles_with_no_empty_split(
 def test_a_config_the_kernels_cannot_tile_is_refused(fields):
     with pytest.raises(ValueError, match="SkinnyConfig|tiles_per_split"):
         SkinnyConfig(**fields)
+
+
+def test_a_config_travels_to_the_operators_as_its_tiling_and_back():
+    config = SkinnyConfig(block_out=16, tile_elements=1024, tiles_per_split=2, num_warps=8, prefetch=True)
+    assert config_of(config.as_tiling()) == config and config_of(DEFAULT_CONFIG.as_tiling()) == DEFAULT_CONFIG
 
 
 def test_the_launch_splits_a_wide_input_until_the_gpu_is_full():
@@ -107,7 +113,7 @@ def test_the_operator_traces_into_one_graph_with_symbolic_rows():
     weight, bias = torch.randn(5, 16), torch.randn(5)
 
     def block(x):
-        return torch.ops.spmd_rlhf.skinny_linear(x.relu(), weight, bias, "auto") * 2
+        return torch.ops.spmd_rlhf.skinny_linear(x.relu(), weight, bias, "auto", DEFAULT_CONFIG.as_tiling()) * 2
 
     compiled = torch.compile(block, fullgraph=True, dynamic=True, backend="aot_eager")
     for rows in (1, 3, 9):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from spmd_rlhf.kernels.skinny_linear import MAX_ROWS
+from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, MAX_ROWS, SkinnyConfig
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.decoder import DecoderLayer, DecoderLM
 from spmd_rlhf.models.merged_linear import MergeableProjections
@@ -36,7 +36,7 @@ DECODE_MATMULS = ("torch", "triton")
 
 def _skinny_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A linear layer's forward, or a merged one's matmul, through the operator."""
-    return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, self.skinny_backend)
+    return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, self.skinny_backend, self.skinny_tiling)
 
 
 def _takes(x: torch.Tensor) -> bool:
@@ -50,7 +50,7 @@ def _attention_inputs(self: DecoderLayer, x: torch.Tensor, rope) -> tuple[torch.
         return DecoderLayer.attention_inputs(self, x, rope)
     attention, norm = self.self_attn, self.input_layernorm
     qkv = torch.ops.spmd_rlhf.skinny_norm_linear(
-        x, norm.weight, norm.eps, attention.merged.weight, attention.merged.bias, self.skinny_backend
+        x, norm.weight, norm.eps, attention.merged.weight, attention.merged.bias, *self.skinny_kernels
     )
     return attention.split_merged_queries_keys_values(qkv, rope)
 
@@ -63,7 +63,7 @@ def _residual_attention_inputs(
         return DecoderLayer.residual_attention_inputs(self, x, pending, rope)
     attention, norm = self.self_attn, self.input_layernorm
     x, qkv = torch.ops.spmd_rlhf.skinny_residual_norm_linear(
-        x, pending, norm.weight, norm.eps, attention.merged.weight, attention.merged.bias, self.skinny_backend
+        x, pending, norm.weight, norm.eps, attention.merged.weight, attention.merged.bias, *self.skinny_kernels
     )
     return (x, *attention.split_merged_queries_keys_values(qkv, rope))
 
@@ -77,10 +77,10 @@ def _attention_outputs_apart(
         return DecoderLayer.attention_outputs_apart(self, x, out)
     mlp, norm = self.mlp, self.post_attention_layernorm
     x, gate_up = torch.ops.spmd_rlhf.skinny_residual_norm_linear(
-        x, self.self_attn.output(out), norm.weight, norm.eps, mlp.merged.weight, mlp.merged.bias, self.skinny_backend
+        x, self.self_attn.output(out), norm.weight, norm.eps, mlp.merged.weight, mlp.merged.bias, *self.skinny_kernels
     )
     down = mlp.down_proj
-    return x, torch.ops.spmd_rlhf.skinny_silu_mul_linear(gate_up, down.weight, down.bias, self.skinny_backend)
+    return x, torch.ops.spmd_rlhf.skinny_silu_mul_linear(gate_up, down.weight, down.bias, *self.skinny_kernels)
 
 
 def _fusable(layer: DecoderLayer) -> bool:
@@ -104,24 +104,29 @@ def skinny_linear_unsupported(model: DecoderLM, *, backend: str = "auto") -> str
     return None
 
 
-def use_skinny_linear(model: DecoderLM, *, backend: str = "auto") -> tuple[int, int]:
+def use_skinny_linear(
+    model: DecoderLM, *, backend: str = "auto", config: SkinnyConfig = DEFAULT_CONFIG
+) -> tuple[int, int]:
     """Point ``model``'s decoder projections at the skinny-linear operators (in place, for good: the engine's model
     is a generation copy), and the pieces of its fusable blocks at the fused ones; returns ``(matmuls per block
     through the operator, blocks fused)``. ``backend``: the kernels' (``auto``; tests under Triton's interpreter pass
-    ``triton``). Call before ``compile_around_attention``, which traces the forwards."""
+    ``triton``); ``config``: their tiling. Call before ``compile_around_attention``, which traces the forwards."""
+    tiling = config.as_tiling()
     per_block, fused = 0, 0
     for index, layer in enumerate(model.model.layers.values()):
         merged = [m.merged for m in layer.modules() if isinstance(m, MergeableProjections) and m.merged is not None]
         inside_merged = {id(linear) for matmul in merged for linear in matmul.linears}
         for matmul in merged:
-            matmul.skinny_backend, matmul.matmul = backend, types.MethodType(_skinny_linear, matmul)
+            matmul.skinny_backend, matmul.skinny_tiling = backend, tiling
+            matmul.matmul = types.MethodType(_skinny_linear, matmul)
         linears = [m for m in layer.modules() if isinstance(m, nn.Linear) and id(m) not in inside_merged]
         for linear in linears:
-            linear.skinny_backend, linear.forward = backend, types.MethodType(_skinny_linear, linear)
+            linear.skinny_backend, linear.skinny_tiling = backend, tiling
+            linear.forward = types.MethodType(_skinny_linear, linear)
         swapped = len(merged) + len(linears)
         per_block = swapped if index == 0 else min(per_block, swapped)
         if _fusable(layer):
-            layer.skinny_backend = backend
+            layer.skinny_kernels = (backend, tiling)  # the operators' last two arguments
             for name, piece in (
                 ("attention_inputs", _attention_inputs),
                 ("residual_attention_inputs", _residual_attention_inputs),

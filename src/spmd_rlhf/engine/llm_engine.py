@@ -44,6 +44,7 @@ from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
 from spmd_rlhf.engine.sampler import derive_seed, read_samples
 from spmd_rlhf.engine.scheduler import Scheduler
 from spmd_rlhf.engine.sequence import FINISHED, SamplingParams, Sequence
+from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig
 from spmd_rlhf.models.attention import DEFAULT_KV_BLOCK_SIZE, default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 
@@ -90,6 +91,7 @@ class LLMEngine:
         overlap_host: bool = True,
         compile_layers: str = "off",
         decode_matmul: str = "torch",
+        decode_tiling: SkinnyConfig = DEFAULT_CONFIG,
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size (``kv_cache_bytes`` at most what ``max_num_seqs``
         rows of ``max_model_len`` tokens fill, when that is given); with neither, each call gets a cache that holds
@@ -113,7 +115,8 @@ class LLMEngine:
         ``off``): each decoder block compiled around its attention call (``decode_graphs.compile_around_attention``;
         ``auto`` where decode steps are captured). ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or
         ``triton``: the blocks' projections at 1 to 4 rows through ``kernels.skinny_linear``,
-        ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why, once)."""
+        ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why, once), ``decode_tiling`` its
+        kernels' tiling (``SkinnyConfig``: ``benchmarks/gpu_skinny_sweep.py`` times alternatives)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
@@ -154,7 +157,7 @@ class LLMEngine:
         if decode_matmul == "triton":
             why = skinny_linear_unsupported(model)
             if why is None:
-                use_skinny_linear(model)
+                use_skinny_linear(model, config=decode_tiling)
             else:
                 say_once(why, f"rollout.decode_matmul=triton falls back to F.linear: {why}", device=device)
         backend = compile_backend(compile_layers, graphs=capture)

@@ -21,7 +21,7 @@ import spmd_rlhf.kernels.skinny_linear as skinny_module  # noqa: E402
 from spmd_rlhf.engine import LLMEngine, SamplingParams  # noqa: E402
 from spmd_rlhf.engine.decode_graphs import compile_around_attention  # noqa: E402
 from spmd_rlhf.engine.decode_matmul import use_skinny_linear  # noqa: E402
-from spmd_rlhf.kernels.skinny_linear import MAX_ROWS  # noqa: E402
+from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, MAX_ROWS, SkinnyConfig  # noqa: E402
 from spmd_rlhf.kernels.triton_support import INTERPRETING  # noqa: E402
 from spmd_rlhf.models import load_model  # noqa: E402
 from spmd_rlhf.models.merged_linear import merge_projections  # noqa: E402
@@ -63,7 +63,9 @@ class SkinnyCalls:
 def generate(model_dir: str, *, skinny: bool, compiled: bool):
     model = load_model(model_dir, dtype=torch.float32).requires_grad_(False)
     merge_projections(model)
-    swapped = use_skinny_linear(model, backend="triton") if skinny else None
+    # The compiled blocks' kernels issue each tile's loads a tile ahead (a tiling other than the default's).
+    tiling = SkinnyConfig(prefetch=True) if compiled else DEFAULT_CONFIG
+    swapped = use_skinny_linear(model, backend="triton", config=tiling) if skinny else None
     backend = CountingBackend()
     if compiled:
         compile_around_attention(model, backend=backend)
