@@ -48,6 +48,8 @@ from spmd_rlhf.kernels.paged_attention import (
     write_new_tokens,
 )
 from spmd_rlhf.kernels.skinny_linear import (
+    DEFAULT_CONFIG,
+    SkinnyConfig,
     skinny_launch,
     skinny_linear,
     skinny_norm_linear,
@@ -242,14 +244,22 @@ projection is also timed with it (``prologue_us``: what it adds to the plain ker
 about 1.5 us each in session 44's H200 profile)."""
 
 
-def _fused(name: str, in_features: int, device: str, dtype: torch.dtype):
-    """``linear(x, weight, bias)`` for ``per_layer_seconds`` with projection ``name``'s prologue."""
+def engine_projection(
+    name: str, in_features: int, rows: int, device: str, dtype: torch.dtype, config: SkinnyConfig = DEFAULT_CONFIG
+):
+    """``linear(x, weight, bias)`` for ``per_layer_seconds`` running projection ``name`` as a fused decode block
+    does (``engine.decode_matmul``): with its prologue (``FUSED_PROLOGUES``; its other inputs made here, ``rows``
+    rows), or plain (o), through the kernels tiled by ``config``."""
     if name == "down":
-        gate_up = torch.randn(1, 2 * in_features, device=device, dtype=dtype)
-        return lambda x, weight, bias: skinny_silu_mul_linear(gate_up, weight, bias)
-    residual = torch.randn(1, in_features, device=device, dtype=dtype)
+        gate_up = torch.randn(rows, 2 * in_features, device=device, dtype=dtype)
+        return lambda x, weight, bias: skinny_silu_mul_linear(gate_up, weight, bias, config=config)
+    if name not in FUSED_PROLOGUES:
+        return lambda x, weight, bias: skinny_linear(x, weight, bias, config=config)
+    residual = torch.randn(rows, in_features, device=device, dtype=dtype)
     norm_weight = torch.rand(in_features, device=device, dtype=dtype) + 0.5
-    return lambda x, weight, bias: skinny_norm_linear(x, norm_weight, 1e-6, weight, bias, residual=residual)[1]
+    return lambda x, weight, bias: skinny_norm_linear(
+        x, norm_weight, 1e-6, weight, bias, residual=residual, config=config
+    )[1]
 
 
 def projection_weights(
@@ -314,7 +324,12 @@ def measure_skinny_linear(args: argparse.Namespace, dtype: torch.dtype, copy_byt
                 saved[rows] += (times["torch"] - times["skinny"]) * GRAPH_CALLS * 1e6
                 if rows == 1 and name in FUSED_PROLOGUES:
                     fused_s = per_layer_seconds(
-                        _fused(name, in_features, args.device, dtype), x, weights, biases, args.device, args.repeats
+                        engine_projection(name, in_features, rows, args.device, dtype),
+                        x,
+                        weights,
+                        biases,
+                        args.device,
+                        args.repeats,
                     )
                     results[f"{shape}_{name}_rows{rows}"] |= {
                         "fused": FUSED_PROLOGUES[name],

@@ -6,11 +6,13 @@ says which tiling decode should use:
 
 For each config of ``SWEEP`` (the default, then one field changed at a time, then a few pairs and prefetching),
 every projection of one block of the 1.5B and 7B shapes (``gpu_kernels.SKINNY_SHAPES``: q/k/v and gate/up merged, o,
-down) at ``--rows`` rows, bf16, timed inside CUDA graphs over 28 distinct weights as ``gpu_kernels`` times them, with
-``F.linear`` (cuBLAS) in the same run; each config's outputs checked against float64. Per shape: each config's block
-(the four projections' sum), the best config, and the microseconds a 28-layer step saves with it over the default and
-over cuBLAS. A config whose kernels fail to compile or run is reported with its error, not dropped. The suite's
-``g1_skinny``, run after it, decodes with the best (``gpu_generate.py --skinny-config``).
+down) at ``--rows`` rows, bf16, as a fused decode block runs it (``gpu_kernels.engine_projection``: q/k/v and gate/up
+with the residual add and RMSNorm before them, down with SwiGLU's activation, o plain), timed inside CUDA graphs over
+28 distinct weights as ``gpu_kernels`` times them, with ``F.linear`` (cuBLAS, no prologue: the kernels the fusion
+removes are not counted for it) in the same run; each config's plain product checked against float64. Per shape:
+each config's block (the four projections' sum), the best config, and the microseconds a 28-layer step saves with
+it over the default and over cuBLAS. A config whose kernels fail to compile or run is reported with its error, not
+dropped. The suite's ``g1_skinny``, run after it, decodes with the best (``gpu_generate.py --skinny-config``).
 
 On CPU (or with ``--smoke``) both sides run ``F.linear``: the figures check the script, not the kernels. Writes
 ``benchmarks/results/gpu_skinny_sweep_<device>.json`` and prints a table.
@@ -24,7 +26,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 from gpu_common import default_device, environment, parse_with_smoke, write_result
-from gpu_kernels import GRAPH_CALLS, SKINNY_SHAPES, per_layer_seconds, projection_weights
+from gpu_kernels import GRAPH_CALLS, SKINNY_SHAPES, engine_projection, per_layer_seconds, projection_weights
 
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, skinny_launch, skinny_linear
 from spmd_rlhf.kernels.triton_support import multiprocessors
@@ -74,15 +76,13 @@ def measure_shape(args: argparse.Namespace, shape: str, dtype: torch.dtype) -> d
         projections[name] = {"torch_us": torch_s * 1e6}
         processors = multiprocessors(torch.device(args.device))
         for index, config in enumerate(SWEEP):
-
-            def linear(x, weight, bias, config=config):
-                return skinny_linear(x, weight, bias, config=config)
-
+            as_the_engine = engine_projection(name, in_features, args.rows, args.device, dtype, config)
             try:
-                error = _relative_error(linear(x, weights[0], biases[0]), x, weights[0], biases[0])
+                plain = skinny_linear(x, weights[0], biases[0], config=config)
+                error = _relative_error(plain, x, weights[0], biases[0])
                 if not error < ERROR_BOUND:
                     raise ValueError(f"relative error {error:.2e} against float64")
-                seconds = per_layer_seconds(linear, x, weights, biases, args.device, args.repeats)
+                seconds = per_layer_seconds(as_the_engine, x, weights, biases, args.device, args.repeats)
                 figures = {"us": seconds * 1e6, "relative_error": error}
             except Exception as failure:  # a config that does not compile or run is reported, and the sweep goes on
                 figures = {"us": None, "error": f"{type(failure).__name__}: {str(failure)[:300]}"}
