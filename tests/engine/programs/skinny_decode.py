@@ -27,6 +27,7 @@ from spmd_rlhf.models import load_model  # noqa: E402
 from spmd_rlhf.models.merged_linear import merge_projections  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 40, 41], [70, 71, 72]]
+SHORT_PROMPT = [70, 71, 90]
 
 
 FUNCTIONS = ("skinny_linear", "skinny_norm_linear", "skinny_silu_mul_linear")
@@ -75,7 +76,10 @@ def generate(model_dir: str, *, skinny: bool, compiled: bool):
     ]
     params.append(SamplingParams(temperature=0, max_new_tokens=3))
     with SkinnyCalls() as calls:
-        outputs = LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs="static").generate(PROMPTS, params)
+        engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs="static")
+        outputs = engine.generate(PROMPTS, params)
+        # A prompt of at most MAX_ROWS tokens: its prefill runs the fused pieces too, with the rotation.
+        outputs += engine.generate([SHORT_PROMPT], [SamplingParams(temperature=0, max_new_tokens=3)])
     return outputs, swapped, calls, model.args.num_layers, backend.graphs
 
 
