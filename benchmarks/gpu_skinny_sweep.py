@@ -5,8 +5,8 @@ says which tiling decode should use:
     python benchmarks/gpu_skinny_sweep.py --smoke                     # CPU-sized: checks the script in seconds
 
 For each config of ``SWEEP`` (the default, then one field changed at a time, then a few pairs and prefetching),
-every projection of one block of the 1.5B and 7B shapes (``gpu_kernels.SKINNY_SHAPES``: q/k/v and gate/up merged, o,
-down) at ``--rows`` rows, bf16, as a fused decode block runs it (``gpu_kernels.engine_projection``: q/k/v and gate/up
+every projection of one block of the 1.5B and 7B shapes (``gpu_skinny.SKINNY_SHAPES``: q/k/v and gate/up merged, o,
+down) at ``--rows`` rows, bf16, as a fused decode block runs it (``gpu_skinny.engine_projection``: q/k/v and gate/up
 with the residual add and RMSNorm before them, down with SwiGLU's activation, o plain), timed inside CUDA graphs over
 28 distinct weights as ``gpu_kernels`` times them, with ``F.linear`` (cuBLAS, no prologue: the kernels the fusion
 removes are not counted for it) in the same run; each config's plain product checked against float64. Per shape:
@@ -26,7 +26,8 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 from gpu_common import default_device, environment, parse_with_smoke, write_result
-from gpu_kernels import GRAPH_CALLS, SKINNY_SHAPES, engine_projection, per_layer_seconds, projection_weights
+from gpu_skinny import SKINNY_SHAPES, engine_projection, per_layer_seconds, projection_weights
+from gpu_timing import GRAPH_CALLS
 
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, skinny_launch, skinny_linear
 from spmd_rlhf.kernels.triton_support import multiprocessors

@@ -15,8 +15,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from gpu_generate import skinny_tiling  # noqa: E402
-from gpu_kernels import GRAPH_CALLS, SKINNY_SHAPES  # noqa: E402
+from gpu_skinny import SKINNY_SHAPES  # noqa: E402
 from gpu_skinny_sweep import SWEEP, summarise  # noqa: E402
+from gpu_timing import GRAPH_CALLS  # noqa: E402
 
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig  # noqa: E402
 
