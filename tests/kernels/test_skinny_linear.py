@@ -4,6 +4,8 @@ CUDA graph. The engine's use of it (``rollout.decode_matmul``) is tested in ``te
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,22 +34,21 @@ def test_the_kernels_match_float64_under_the_interpreter():
     assert len(run_under_interpreter("skinny_linear")) == len(SKINNY_INTERPRETER_CASES) * 3
 
 
-@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
-@pytest.mark.parametrize("in_features", [1, 7, 511, 512, 1536, 8960, 14336, 29568])
-@pytest.mark.parametrize("out_features", [1, 8, 1536, 17920])
-@pytest.mark.parametrize("processors", [8, 132])
 @pytest.mark.parametrize("config", [DEFAULT_CONFIG, SkinnyConfig(block_out=16, tile_elements=1024, tiles_per_split=2)])
-def test_the_launch_covers_the_input_in_whole_tiles_with_no_empty_split(
-    rows, in_features, out_features, processors, config
-):
-    rows_pad, block_in, splits, chunk = skinny_launch(rows, in_features, out_features, processors, config)
-    assert rows <= rows_pad < 2 * rows and rows_pad & (rows_pad - 1) == 0
-    assert rows_pad * block_in == config.tile_elements and chunk % block_in == 0
-    assert (splits - 1) * chunk < in_features <= splits * chunk
-    tiles = -(-in_features // block_in)
-    assert chunk == -(-tiles // splits) * block_in  # the splits as even as whole tiles allow
-    assert splits == 1 or tiles > config.tiles_per_split  # an input a program walks in a few tiles is not split
-    assert splits <= MAX_SPLITS
+def test_the_launch_covers_the_input_in_whole_tiles_with_no_empty_split(config):
+    shapes = itertools.product(
+        range(1, MAX_ROWS + 1), [1, 7, 511, 512, 1536, 8960, 14336, 29568], [1, 8, 1536, 17920], [8, 132]
+    )
+    for rows, in_features, out_features, processors in shapes:
+        case = (rows, in_features, out_features, processors)
+        rows_pad, block_in, splits, chunk = skinny_launch(*case, config)
+        assert rows <= rows_pad < 2 * rows and rows_pad & (rows_pad - 1) == 0, case
+        assert rows_pad * block_in == config.tile_elements and chunk % block_in == 0, case
+        assert (splits - 1) * chunk < in_features <= splits * chunk, case
+        tiles = -(-in_features // block_in)
+        assert chunk == -(-tiles // splits) * block_in, case  # the splits as even as whole tiles allow
+        assert splits == 1 or tiles > config.tiles_per_split, case  # a walk of a few tiles is not split
+        assert splits <= MAX_SPLITS, case
 
 
 @pytest.mark.parametrize(
