@@ -104,7 +104,7 @@ def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp
     tiling = SkinnyConfig(block_out=16, prefetch=True)
     LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton", decode_tiling=tiling)
     assert all("forward" in vars(layer.mlp.down_proj) for layer in model.model.layers.values())
-    assert all(layer.mlp.down_proj.skinny_tiling == tiling.as_tiling() for layer in model.model.layers.values())
+    assert all(layer.mlp.down_proj.skinny_kernels[1] == tiling.as_tiling() for layer in model.model.layers.values())
     with pytest.raises(ValueError, match="decode_matmul='cublas' is unknown"):
         LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="cublas")
     assert load_config(None, []).rollout.decode_matmul == "torch"

@@ -36,7 +36,7 @@ DECODE_MATMULS = ("torch", "triton")
 
 def _skinny_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A linear layer's forward, or a merged one's matmul, through the operator."""
-    return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, self.skinny_backend, self.skinny_tiling)
+    return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, *self.skinny_kernels)
 
 
 def _takes(x: torch.Tensor) -> bool:
@@ -111,22 +111,20 @@ def use_skinny_linear(
     is a generation copy), and the pieces of its fusable blocks at the fused ones; returns ``(matmuls per block
     through the operator, blocks fused)``. ``backend``: the kernels' (``auto``; tests under Triton's interpreter pass
     ``triton``); ``config``: their tiling. Call before ``compile_around_attention``, which traces the forwards."""
-    tiling = config.as_tiling()
+    kernels = (backend, config.as_tiling())  # every operator's last two arguments
     per_block, fused = 0, 0
     for index, layer in enumerate(model.model.layers.values()):
         merged = [m.merged for m in layer.modules() if isinstance(m, MergeableProjections) and m.merged is not None]
         inside_merged = {id(linear) for matmul in merged for linear in matmul.linears}
         for matmul in merged:
-            matmul.skinny_backend, matmul.skinny_tiling = backend, tiling
-            matmul.matmul = types.MethodType(_skinny_linear, matmul)
+            matmul.skinny_kernels, matmul.matmul = kernels, types.MethodType(_skinny_linear, matmul)
         linears = [m for m in layer.modules() if isinstance(m, nn.Linear) and id(m) not in inside_merged]
         for linear in linears:
-            linear.skinny_backend, linear.skinny_tiling = backend, tiling
-            linear.forward = types.MethodType(_skinny_linear, linear)
+            linear.skinny_kernels, linear.forward = kernels, types.MethodType(_skinny_linear, linear)
         swapped = len(merged) + len(linears)
         per_block = swapped if index == 0 else min(per_block, swapped)
         if _fusable(layer):
-            layer.skinny_kernels = (backend, tiling)  # the operators' last two arguments
+            layer.skinny_kernels = kernels
             for name, piece in (
                 ("attention_inputs", _attention_inputs),
                 ("residual_attention_inputs", _residual_attention_inputs),
