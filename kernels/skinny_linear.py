@@ -141,14 +141,16 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _kernels_take(rows: int, backend: str, weight: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
     """Whether the kernels run this product: at most ``MAX_ROWS`` rows, one supported dtype and device for all,
-    a weight contiguous in its inputs, and ``backend`` picking Triton; anything else is the torch reference's (which
-    also raises what it raises for mismatched inputs)."""
+    a weight contiguous in its inputs and vectors (a bias, a norm's weight) contiguous, and ``backend`` picking
+    Triton; anything else is the torch reference's (which also raises what it raises for mismatched inputs). Rows
+    of any layout are taken (``_row_major`` copies them where needed)."""
     given = [t for t in (weight, *tensors) if t is not None]
     return (
         1 <= rows <= MAX_ROWS
         and weight.dtype in SUPPORTED_DTYPES
         and all(t.dtype == weight.dtype and t.device == weight.device for t in given)
         and weight.stride(-1) == 1
+        and all(t.stride(-1) == 1 for t in given if t.dim() == 1)
         and use_triton(weight.device, backend)
     )
 

@@ -25,8 +25,10 @@ from spmd_rlhf.kernels.skinny_linear import (
     config_of,
     skinny_launch,
     skinny_linear,
+    skinny_norm_linear,
 )
 from spmd_rlhf.kernels.triton_support import triton
+from spmd_rlhf.models.decoder import rms_norm
 
 
 @pytest.mark.skipif(interpreter_unusable_reason() is not None, reason=str(interpreter_unusable_reason()))
@@ -100,13 +102,21 @@ def test_shapes_are_checked(x, weight, bias, message):
 
 @pytest.mark.skipif(triton is None, reason="needs triton")
 def test_what_the_kernels_do_not_take_is_f_linear_even_where_triton_is_asked_for():
-    """float64, mixed dtypes (F.linear's own error) and a weight strided in its inputs: no launch, no new error."""
+    """float64, mixed dtypes (F.linear's own error), a weight strided in its inputs, a strided bias or norm weight:
+    the torch reference, no launch (on CPU outside the interpreter a launch would fail), no new error."""
     x, weight = torch.randn(2, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
     assert torch.equal(skinny_linear(x, weight, backend="triton"), F.linear(x, weight))
     with pytest.raises(RuntimeError):
         skinny_linear(x.float(), weight, backend="triton")
     strided = torch.randn(16, 5).t()
     assert torch.equal(skinny_linear(x.float(), strided, backend="triton"), F.linear(x.float(), strided))
+    # A strided bias or norm weight (the kernels read vectors as contiguous): the torch reference, no launch.
+    x, weight, every_other = x.float(), weight.float(), torch.randn(32)[::2]
+    assert torch.equal(
+        skinny_linear(x, weight, every_other[:5], backend="triton"), F.linear(x, weight, every_other[:5])
+    )
+    h, out = skinny_norm_linear(x, every_other, 1e-6, weight, backend="triton")
+    assert h is x and torch.equal(out, F.linear(rms_norm(x, every_other, 1e-6), weight))
 
 
 def test_the_operator_traces_into_one_graph_with_symbolic_rows():
