@@ -64,8 +64,9 @@ class SkinnyCalls:
 def generate(model_dir: str, *, skinny: bool, compiled: bool):
     model = load_model(model_dir, dtype=torch.float32).requires_grad_(False)
     merge_projections(model)
-    # The compiled blocks' kernels issue each tile's loads a tile ahead (a tiling other than the default's).
-    tiling = SkinnyConfig(prefetch=True) if compiled else DEFAULT_CONFIG
+    # The compiled blocks' kernels issue each tile's loads a tile ahead, 32 outputs per program (a tiling other than
+    # the default's, with a quarter of its programs for the interpreter to run).
+    tiling = SkinnyConfig(block_out=32, prefetch=True) if compiled else DEFAULT_CONFIG
     swapped = use_skinny_linear(model, backend="triton", config=tiling) if skinny else None
     backend = CountingBackend()
     if compiled:
