@@ -30,7 +30,9 @@ Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_skinny`` 
 through the skinny-linear kernels, ``rollout.decode_matmul=triton``: run it when ``kernels`` says they beat
 cuBLAS; with them the dense blocks' norms and activation run inside the projections' kernels),
 ``skinny_sweep`` (``gpu_skinny_sweep.py``: the skinny-linear kernels' tilings, ``SkinnyConfig``, against each other
-and cuBLAS per projection at one row: which tiling ``g1_skinny`` should use), ``g1_eager_blocks`` (G1 with eager blocks,
+and cuBLAS per projection at one row: which tiling ``g1_skinny`` should use), ``paged_sweep`` (``gpu_paged_sweep.py``:
+the paged decode kernel's tilings, ``PagedConfig``, at batch 1 and 256: the default spills on sm_90),
+``g1_eager_blocks`` (G1 with eager blocks,
 ``rollout.compile=off``: what compiling around attention gains; 29 % against 45 % of the floor on an H100), ``scale``
 (per-stage ``max_memory_allocated`` against the floor, GRPO at the 1.5B shape on one rank: two minutes, which the plain
 call no longer has on an H100 since G3 compiles and G4 ran 172 s), ``cuda_tests_full`` (every test marked ``gpu``),
@@ -254,6 +256,18 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             },
         ),
         Step(
+            "paged_sweep",
+            [python, str(BENCHMARKS / "gpu_paged_sweep.py"), *smoke_flag, *step_out("paged_sweep")],
+            120,
+            "*.json",
+            {
+                "paged_sweep_best_batch1_256": "regimes.batch1_256.best",
+                "paged_sweep_speedup_batch1_256": "regimes.batch1_256.best_speedup_over_default",
+                "paged_sweep_best_batch256": "regimes.batch256_1024.best",
+                "paged_sweep_speedup_batch256": "regimes.batch256_1024.best_speedup_over_default",
+            },
+        ),
+        Step(
             "g5",
             [python, str(BENCHMARKS / "gpu_reshard.py"), *large_model, *smoke_flag, *step_out("g5")],
             60,
@@ -390,6 +404,7 @@ in session 44 on an H200); see the module docstring for each step's limit."""
 OPTIONAL = (
     "g1_skinny",
     "skinny_sweep",
+    "paged_sweep",
     "g1_eager_blocks",
     "scale",
     "cuda_tests_full",

@@ -35,6 +35,7 @@ Layouts are the engine's (``spmd_rlhf.models.paged_kv.PagedKV``): one layer's ca
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -45,14 +46,35 @@ if triton is not None:
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+MIN_DOT_SIZE = 16
+"""``tl.dot`` needs every matrix dimension to be at least 16, so query-head groups and head dims are padded to it."""
+
 BLOCK_TOKENS = 64
 """Context tokens per tile: enough to keep the tensor-core dots busy, few enough for the tile to stay in registers."""
 
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """How the decode kernel tiles its walk: the defaults are reasoned, not measured;
+    ``benchmarks/gpu_paged_sweep.py`` times alternatives on a GPU."""
+
+    block_tokens: int = BLOCK_TOKENS
+    """Context tokens per tile (a power of two of at least 16, the dots' smallest side)."""
+    num_warps: int = 4
+    """Warps per program. (Triton's ``num_stages`` is left at its default: compiled for sm_90 the walk's loop has no
+    asynchronous copies to pipeline at any value.)"""
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < MIN_DOT_SIZE or self.block_tokens & (self.block_tokens - 1):
+            raise ValueError(f"PagedConfig.block_tokens={self.block_tokens} must be a power of two of at least 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"PagedConfig.num_warps={self.num_warps} must be a power of two up to 16")
+
+
+DEFAULT_PAGED_CONFIG = PagedConfig()
+
 MAX_SPLITS = 32
 """Most programs one (sequence, KV head) pair is split over: the combine reads every split's partial output."""
-
-MIN_DOT_SIZE = 16
-"""``tl.dot`` needs every matrix dimension to be at least 16, so query-head groups and head dims are padded to it."""
 
 
 def reference_paged_decode_attention(
@@ -183,12 +205,12 @@ def write_new_tokens(
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
 
 
-def decode_splits(pairs: int, max_tokens: int, processors: int) -> int:
+def decode_splits(pairs: int, max_tokens: int, processors: int, *, block_tokens: int = BLOCK_TOKENS) -> int:
     """Programs per (sequence, KV head) pair: 1 when the ``pairs`` fill the ``processors``, else enough to fill them,
-    at most one per ``BLOCK_TOKENS`` tile of ``max_tokens`` (the block table's capacity) and ``MAX_SPLITS``."""
+    at most one per ``block_tokens`` tile of ``max_tokens`` (the block table's capacity) and ``MAX_SPLITS``."""
     if pairs >= processors:
         return 1
-    tiles = -(-max_tokens // BLOCK_TOKENS)
+    tiles = -(-max_tokens // block_tokens)
     return max(1, min(processors // max(pairs, 1), tiles, MAX_SPLITS))
 
 
@@ -206,6 +228,7 @@ def paged_decode_attention(
     new_values: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: PagedConfig = DEFAULT_PAGED_CONFIG,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its cached context; returns ``[num_seqs, heads, head_dim]``.
 
@@ -219,7 +242,7 @@ def paged_decode_attention(
     each sequence's new token, stored in the cache at its slot, which must hold the position ``context_lens - 1``
     (the fused write of the module docstring; the torch path writes first, then attends). ``rope``: ``(cos, sin)``
     ``[num_seqs, head_dim]``, with the fused write: q and ``new_keys`` come unrotated and are rotated on the way in
-    (the fused rotation; the torch path rotates them first, with ``rotate``).
+    (the fused rotation; the torch path rotates them first, with ``rotate``). ``config``: the kernel's tiling.
     """
     _check_inputs(q, key_cache, value_cache, block_tables, context_lens)
     fused_write = new_keys is not None
@@ -244,7 +267,8 @@ def paged_decode_attention(
     group_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(group))
     head_dim_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
     if splits is None:
-        splits = decode_splits(num_seqs * kv_heads, block_tables.shape[1] * block_size, multiprocessors(q.device))
+        capacity, processors = block_tables.shape[1] * block_size, multiprocessors(q.device)
+        splits = decode_splits(num_seqs * kv_heads, capacity, processors, block_tokens=config.block_tokens)
     # Split-K's partial results, float32 and padded like the kernel's tiles (unused and tiny when splits is 1).
     partial_shape = (num_seqs, kv_heads, splits, group_pad) if splits > 1 else (1, 1, 1, 1)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
@@ -293,12 +317,13 @@ def paged_decode_attention(
             GROUP_PAD=group_pad,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_TOKENS=BLOCK_TOKENS,
+            BLOCK_TOKENS=config.block_tokens,
             SPLITS=splits,
             FUSED_WRITE=fused_write,
             ROTARY=rope is not None,
             # float32 caches get full-precision dots; TF32 would cost about three decimal digits.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps,
         )
         if splits > 1:
             combine_splits_kernel[(num_seqs, kv_heads)](

@@ -26,6 +26,8 @@ from spmd_rlhf.kernels.fused_logprob import (
     reference_log_probs_and_entropy,
 )
 from spmd_rlhf.kernels.paged_attention import (
+    DEFAULT_PAGED_CONFIG,
+    PagedConfig,
     paged_decode_attention,
     reference_paged_decode_attention,
     rotate,
@@ -76,6 +78,8 @@ class PagedCase:
     rotary: bool = False
     """With the fused write: q and the new keys unrotated, with each sequence's rotary tables (rows of a wider
     table), which the kernel applies as it loads them."""
+    config: PagedConfig = DEFAULT_PAGED_CONFIG
+    """The kernel's tiling."""
 
 
 def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, backend: str) -> float:
@@ -120,6 +124,7 @@ def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, back
         scale=scale,
         backend=backend,
         splits=case.splits,
+        config=case.config,
         **new_tokens,
     )
     expected = reference_paged_decode_attention(
@@ -398,13 +403,25 @@ PAGED_INTERPRETER_CASES = [
         fused_write=True,
         rotary=True,
     ),
+    PagedCase(
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        context_lens=(0, 1, 33, 130),
+        splits=3,
+        fused_write=True,
+        rotary=True,
+        config=PagedConfig(block_tokens=32, num_warps=2),
+    ),
 ]
 """Small shapes covering several context tiles, padded GQA groups and head dims, block sizes that are not powers of
 two, an empty context, plain multi-head attention and a strided ``q``; split-K over 3 and 4 programs per pair, with
 splits left empty by short and empty contexts (the first three take the wrapper's choice: one program per pair, the
 interpreter's device counting 8 multiprocessors); the fused K/V write with the last position first, last and inside a
 tile, with and without split-K; and with it the fused rotation (a head dim whose half is not a power of two, split-K
-and a strided ``q``)."""
+and a strided ``q``); and a tiling other than the default's (``PagedConfig``: 32-token tiles, the last position
+first in its tile and a context ending mid-tile)."""
 
 PAGED_INTERPRETER_DTYPES = (torch.float32, torch.float16)
 """Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as raw integers, so bfloat16 is checked on CUDA only."""

@@ -39,10 +39,18 @@ def _compile(kernel, pointers: dict[str, str], constexprs: dict, *, floats: tupl
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "splits,fused_write,rotary",
-    [(1, False, False), (8, False, False), (1, True, False), (8, True, False), (8, True, True)],
+    "splits,fused_write,rotary,block_tokens",
+    [
+        (1, False, False, paged_attention.BLOCK_TOKENS),
+        (8, False, False, paged_attention.BLOCK_TOKENS),
+        (1, True, False, paged_attention.BLOCK_TOKENS),
+        (8, True, False, paged_attention.BLOCK_TOKENS),
+        (8, True, True, paged_attention.BLOCK_TOKENS),
+        (1, True, True, 32),
+        (1, True, True, 128),
+    ],
 )
-def test_paged_decode_kernel_compiles(dtype, splits, fused_write, rotary):
+def test_paged_decode_kernel_compiles(dtype, splits, fused_write, rotary, block_tokens):
     # Without the rotation the wrapper passes q as the (unread) tables.
     tensors = ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr", "new_keys_ptr", "new_values_ptr")
     tensors += ("cos_ptr", "sin_ptr")
@@ -53,7 +61,7 @@ def test_paged_decode_kernel_compiles(dtype, splits, fused_write, rotary):
     shapes = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, SPLITS=splits)
     constexprs = dict(
         shapes,
-        BLOCK_TOKENS=paged_attention.BLOCK_TOKENS,
+        BLOCK_TOKENS=block_tokens,
         FUSED_WRITE=fused_write,
         ROTARY=rotary,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",

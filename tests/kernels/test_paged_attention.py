@@ -20,6 +20,7 @@ from kernel_checks import (
 import spmd_rlhf.models.attention as attention
 from spmd_rlhf.kernels.paged_attention import (
     MAX_SPLITS,
+    PagedConfig,
     decode_splits,
     paged_decode_attention,
     reference_paged_decode_attention,
@@ -242,6 +243,13 @@ def test_split_k_fills_the_gpu_only_where_few_pairs_would_leave_it_idle():
     assert decode_splits(64, 32_768, 132) == 2  # 132 // 64
     assert decode_splits(132, 32_768, 132) == decode_splits(512, 32_768, 132) == 1
     assert decode_splits(2, 0, 132) == 1
+    assert decode_splits(2, 256, 132, block_tokens=32) == 8  # a tiling of 32-token tiles: 8 of them
+
+
+@pytest.mark.parametrize("fields", [dict(block_tokens=8), dict(block_tokens=48), dict(num_warps=3)])
+def test_a_tiling_the_kernel_cannot_run_is_refused(fields):
+    with pytest.raises(ValueError, match="PagedConfig"):
+        PagedConfig(**fields)
 
 
 @pytest.mark.skipif(interpreter_unusable_reason() is not None, reason=str(interpreter_unusable_reason()))

@@ -1,7 +1,7 @@
-"""``benchmarks/gpu_skinny_sweep.py``: on CPU (``--smoke``) every config of the sweep runs every projection of both
-shapes (``F.linear`` stands in for the kernels: the script, not the figures, is checked), the best config is the
-fastest block and is what ``gpu_generate.py --skinny-config`` takes, and a config that failed is reported and never
-chosen."""
+"""The kernels' tiling sweeps on CPU (``--smoke``: the torch paths stand in for the kernels, so the scripts, not the
+figures, are checked). ``benchmarks/gpu_skinny_sweep.py``: every config runs every projection of both shapes, the best
+config is the fastest block and is what ``gpu_generate.py --skinny-config`` takes, and a config that failed is
+reported and never chosen. ``benchmarks/gpu_paged_sweep.py``: every tiling in every regime."""
 
 from __future__ import annotations
 
@@ -65,3 +65,27 @@ def test_a_config_that_failed_is_reported_and_never_best():
     assert summary["block_us"]["0"] is None and summary["best"] == 1
     assert summary["best_saved_us_per_28_layer_step_over_default"] is None
     assert summary["best_saved_us_per_28_layer_step_over_torch"] == (20.0 - 12.0) * GRAPH_CALLS
+
+
+def test_the_paged_kernel_sweep_times_every_tiling_in_every_regime(tmp_path):
+    """``benchmarks/gpu_paged_sweep.py --smoke``: each regime times every tiling of its sweep (the torch path on CPU),
+    each output checked against the default tiling's, the best the fastest, its speed-up over the default."""
+    from gpu_paged_sweep import REGIMES
+    from gpu_paged_sweep import SWEEP as PAGED_SWEEP
+
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_paged_sweep.py"), "--smoke", "--out", str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    result = json.loads((tmp_path / "gpu_paged_sweep_cpu.json").read_text())
+    assert set(result["regimes"]) == set(REGIMES) and len(result["configs"]) == len(PAGED_SWEEP)
+    for figures in result["regimes"].values():
+        times = {index: config["us"] for index, config in figures["configs"].items()}
+        assert len(times) == len(PAGED_SWEEP) and all(us > 0 for us in times.values())
+        assert all(config["relative_difference"] < 1e-5 for config in figures["configs"].values())
+        assert figures["best"] == int(min(times, key=times.get))
+        assert figures["best_speedup_over_default"] == times["0"] / times[str(figures["best"])]

@@ -1,0 +1,135 @@
+"""The paged decode kernel's tiling (``kernels.paged_attention.PagedConfig``) swept on one GPU:
+
+    python benchmarks/gpu_paged_sweep.py [--repeats 5]    # on a GPU: under a minute
+    python benchmarks/gpu_paged_sweep.py --smoke          # CPU-sized: checks the script in seconds
+
+Each regime runs the kernel as the engine does (the new token's K/V written and q and the new key rotated in the
+kernel, split-K by ``decode_splits``), at Qwen2.5-7B's attention shape (``gpu_kernels``: 28 query / 4 KV heads of
+128, 16-token blocks), bf16, timed inside a CUDA graph of 28 calls (a decode step's layers): batch 1 at 256 and 4,096
+cached tokens (G1's attention) and 256 sequences at 1,024 tokens (G2's batch, where session 44 measured the kernel at
+2.6x its KV read). Per regime: each tiling's microseconds per call, its output against the default tiling's, the best
+and its speed-up over the default. A tiling that fails to compile or run is reported with its error, not chosen.
+
+Why: compiled for sm_90 here, the default tiling (64-token tiles, 4 warps) uses 255 registers and spills 100 bytes
+(236 with split-K) at head_dim 128; 8 warps (197-229 registers) and 32-token tiles (254) do not. Which is faster is
+for a GPU to say.
+
+On CPU (or with ``--smoke``) every tiling runs the torch path: the figures check the script, not the kernel. Writes
+``benchmarks/results/gpu_paged_sweep_<device>.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+import torch
+from gpu_common import default_device, environment, parse_with_smoke, write_result
+from gpu_kernels import BLOCK_SIZE, HEAD_DIM, decode_inputs
+from gpu_timing import graphed_seconds
+
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig, paged_decode_attention
+
+SWEEP = (
+    DEFAULT_PAGED_CONFIG,
+    PagedConfig(num_warps=8),
+    PagedConfig(block_tokens=32),
+    PagedConfig(block_tokens=32, num_warps=2),
+    PagedConfig(block_tokens=16),
+    PagedConfig(block_tokens=128, num_warps=8),
+)
+"""The default; the two tilings that do not spill at head_dim 128 (more warps, shorter tiles); shorter tiles on fewer
+warps and shortest tiles (more, cheaper iterations); longer tiles on more warps (fewer iterations)."""
+
+REGIMES = {"batch1_256": (1, 256), "batch1_4096": (1, 4096), "batch256_1024": (256, 1024)}
+"""(sequences, cached tokens) of each regime."""
+
+ERROR_BOUND = 1.6e-2
+"""bf16's bound on a tiling's relative difference from the default's output (each a few roundings from exact)."""
+
+
+def engine_call(seqs: int, context: int, device: str, dtype: torch.dtype):
+    """``call(config)``: the kernel on ``seqs`` sequences of ``context`` cached tokens as a decode step runs it."""
+    q, key_cache, value_cache, block_tables, context_lens = decode_inputs(device, seqs, context, dtype)
+    last = context - 1
+    slots = (block_tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE).contiguous()
+    new_keys, new_values = (torch.randn_like(key_cache[:seqs, 0]) for _ in range(2))  # [seqs, kv_heads, head_dim]
+    angles = torch.rand(seqs, HEAD_DIM, device=device) * context
+    rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+
+    def call(config: PagedConfig) -> torch.Tensor:
+        return paged_decode_attention(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale=HEAD_DIM**-0.5,
+            new_keys=new_keys,
+            new_values=new_values,
+            slots=slots,
+            rope=rope,
+            config=config,
+        )
+
+    return call
+
+
+def measure_regime(args: argparse.Namespace, seqs: int, context: int, dtype: torch.dtype) -> dict:
+    call = engine_call(seqs, context, args.device, dtype)
+    expected = call(DEFAULT_PAGED_CONFIG).double()
+    configs = {}
+    for index, config in enumerate(SWEEP):
+        try:
+            error = ((call(config).double() - expected).norm() / expected.norm()).item()
+            if not error < ERROR_BOUND:
+                raise ValueError(f"relative difference {error:.2e} from the default tiling's output")
+            seconds = graphed_seconds(lambda config=config: call(config), args.device, args.repeats)
+            configs[str(index)] = {"us": seconds * 1e6, "relative_difference": error}
+        except Exception as failure:  # a tiling that does not compile or run is reported, and the sweep goes on
+            configs[str(index)] = {"us": None, "error": f"{type(failure).__name__}: {str(failure)[:300]}"}
+    ran = {index: figures["us"] for index, figures in configs.items() if figures["us"] is not None}
+    best = min(ran, key=ran.get) if ran else None
+    default = configs["0"]["us"]
+    return {
+        "seqs": seqs,
+        "context": context,
+        "configs": configs,
+        "best": None if best is None else int(best),
+        "best_config": None if best is None else asdict(SWEEP[int(best)]),
+        "best_speedup_over_default": None if best is None or default is None else default / ran[best],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parse_with_smoke(parser, dict(repeats=2))
+    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    result = {
+        "smoke": args.smoke,
+        "dtype": str(dtype).removeprefix("torch."),
+        "environment": environment(args.device),
+        "configs": [asdict(config) for config in SWEEP],
+        "regimes": {},
+    }
+    name = f"gpu_paged_sweep_{torch.device(args.device).type}"
+    for regime, (seqs, context) in REGIMES.items():
+        if args.smoke:
+            seqs, context = min(seqs, 4), min(context, 64)
+        result["regimes"][regime] = measure_regime(args, seqs, context, dtype)
+        write_result(args.out, name, result)  # after each regime: a call cut short keeps what it measured
+    if args.smoke:
+        print("SMOKE RUN: not a GPU figure")
+    for regime, figures in result["regimes"].items():
+        print(f"{regime}: {figures['seqs']} sequence(s) x {figures['context']} tokens")
+        for index, config_figures in figures["configs"].items():
+            shown = "failed" if config_figures["us"] is None else f"{config_figures['us']:.1f} us"
+            print(f"  {index} {shown:>10}  {SWEEP[int(index)]}")
+        print(f"  best: {figures['best']}, {figures['best_speedup_over_default']}x the default")
+
+
+if __name__ == "__main__":
+    main()
