@@ -49,6 +49,7 @@ from gpu_common import (
 )
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.merged_linear import merge_projections
@@ -73,28 +74,45 @@ SMOKE = dict(
 )
 
 
-def skinny_tiling(given: str | None, shape: str) -> tuple[SkinnyConfig, str]:
-    """``--skinny-config``: the skinny-linear kernels' tiling and where it came from. ``given``: None (the defaults),
-    a JSON object of ``SkinnyConfig`` fields, or a ``gpu_skinny_sweep.py`` result, a file or the folder it was written
-    to (the suite's ``skinny_sweep`` step), whose best tiling for ``shape`` (else its first shape's) is taken; a
-    path without one gives the defaults, said so."""
+def _swept_tiling(given: str | None, pattern: str, pick, make, default):
+    """``(tiling, where it came from)`` for a ``--*-config`` flag: None (``default``), a JSON object of the tiling's
+    fields (``make``), or a sweep's result, a file or the folder it was written to (a suite step's), whose tiling
+    ``pick`` chooses; a path without one gives ``default``, said so."""
     if given is None:
-        return DEFAULT_CONFIG, "the defaults"
+        return default, "the defaults"
     if given.lstrip().startswith("{"):
-        return SkinnyConfig(**json.loads(given)), "--skinny-config"
+        return make(json.loads(given)), "the command line"
     path = Path(given)
-    if not path.exists():
-        return DEFAULT_CONFIG, f"the defaults: no gpu_skinny_sweep result at {path}"
-    if path.is_dir():
-        found = sorted(path.glob("gpu_skinny_sweep_*.json"))
-        if not found:
-            return DEFAULT_CONFIG, f"the defaults: no gpu_skinny_sweep result in {path}"
-        path = found[0]
-    shapes = json.loads(path.read_text())["shapes"]
-    chosen = shapes.get(shape) or next(iter(shapes.values()))
-    if chosen["best_config"] is None:
-        return DEFAULT_CONFIG, f"the defaults: {path} has no tiling that ran"
-    return SkinnyConfig(**chosen["best_config"]), f"the best of {path}"
+    found = sorted(path.glob(pattern)) if path.is_dir() else [path] if path.exists() else []
+    if not found:
+        return default, f"the defaults: no {pattern} at {path}"
+    chosen = pick(json.loads(found[0].read_text()))
+    if chosen is None:
+        return default, f"the defaults: {found[0]} has no tiling that ran"
+    return make(chosen), f"the best of {found[0]}"
+
+
+def skinny_tiling(given: str | None, shape: str) -> tuple[SkinnyConfig, str]:
+    """``--skinny-config``: the skinny-linear kernels' tiling, from a ``gpu_skinny_sweep.py`` result its best for
+    ``shape`` (else its first shape's)."""
+
+    def pick(result: dict) -> dict | None:
+        shapes = result["shapes"]
+        return (shapes.get(shape) or next(iter(shapes.values())))["best_config"]
+
+    return _swept_tiling(given, "gpu_skinny_sweep_*.json", pick, lambda fields: SkinnyConfig(**fields), DEFAULT_CONFIG)
+
+
+def paged_tiling(given: str | None) -> tuple[PagedConfig, str]:
+    """``--paged-config``: the paged decode kernel's tiling, from a ``gpu_paged_sweep.py`` result its best at batch 1
+    (256 tokens: G1's regime)."""
+    return _swept_tiling(
+        given,
+        "gpu_paged_sweep_*.json",
+        lambda result: result["regimes"]["batch1_256"]["best_config"],
+        lambda fields: PagedConfig(**fields),
+        DEFAULT_PAGED_CONFIG,
+    )
 
 
 def first_mismatch(graphed: list[list[int]], eager: list[list[int]]) -> dict | None:
@@ -138,6 +156,7 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, *, batch: i
             compile_layers=args.compile_layers,
             decode_matmul=args.decode_matmul,
             decode_tiling=args.decode_tiling,
+            attention_tiling=args.attention_tiling,
         )
         for mode in ("auto", "off")
     }
@@ -233,6 +252,7 @@ def measure_batch(
         compile_layers=args.compile_layers,
         decode_matmul=args.decode_matmul,
         decode_tiling=args.decode_tiling,
+        attention_tiling=args.attention_tiling,
     )
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
 
@@ -318,6 +338,11 @@ def main() -> None:
         "gpu_skinny_sweep.py result (a file or its folder) whose best tiling is taken; default: SkinnyConfig()",
     )
     parser.add_argument(
+        "--paged-config",
+        help="the paged decode kernel's tiling: a JSON object of PagedConfig fields, or a gpu_paged_sweep.py result "
+        "(a file or its folder) whose best at batch 1 is taken; default: PagedConfig()",
+    )
+    parser.add_argument(
         "--profile", help="write a profile of one more batch-1 decode run (G1, default engine) to this file"
     )
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's copy")
@@ -327,6 +352,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     real_run = torch.device(args.device).type == "cuda" and not args.smoke
     args.decode_tiling, tiling_source = skinny_tiling(args.skinny_config, args.shape)
+    args.attention_tiling, attention_source = paged_tiling(args.paged_config)
 
     result = {
         "benchmark": "gpu_generate",
@@ -336,6 +362,7 @@ def main() -> None:
         "compile_layers": args.compile_layers,
         "decode_matmul": args.decode_matmul,
         "decode_tiling": {**asdict(args.decode_tiling), "source": tiling_source},
+        "attention_tiling": {**asdict(args.attention_tiling), "source": attention_source},
         "environment": environment(args.device),
     }
     name = f"gpu_generate_{args.shape}_{result['environment']['device']}"

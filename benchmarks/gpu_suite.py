@@ -28,7 +28,8 @@ wall time is the budget plus about 20 s of install and start, inside a 600 s cal
 
 Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_skinny`` (G1 with the decode projections
 through the skinny-linear kernels, ``rollout.decode_matmul=triton``: run it when ``kernels`` says they beat
-cuBLAS; with them the dense blocks' norms and activation run inside the projections' kernels),
+cuBLAS; with them the dense blocks' norms and activation run inside the projections' kernels, and the tilings
+``skinny_sweep`` and ``paged_sweep`` found best where they ran before it),
 ``skinny_sweep`` (``gpu_skinny_sweep.py``: the skinny-linear kernels' tilings, ``SkinnyConfig``, against each other
 and cuBLAS per projection at one row: which tiling ``g1_skinny`` should use), ``paged_sweep`` (``gpu_paged_sweep.py``:
 the paged decode kernel's tilings, ``PagedConfig``, at batch 1 and 256: the default spills on sm_90),
@@ -175,9 +176,11 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "decode",
                 "--decode-matmul",
                 "triton",
-                # The tiling skinny_sweep found best, where it ran before (--only ... skinny_sweep g1_skinny).
+                # The tilings skinny_sweep and paged_sweep found best, where they ran before it.
                 "--skinny-config",
                 str(work / "skinny_sweep"),
+                "--paged-config",
+                str(work / "paged_sweep"),
                 *([] if smoke else ["--decode-tokens", "128", "--repeats", "2"]),
                 *step_out("g1_skinny"),
                 "--profile",
@@ -190,6 +193,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "G1_skinny_largest_batch_over_floor": "decode.-1.ratio_to_floor",
                 "G1_skinny_first_mismatch": "decode.1.graph_eager_first_mismatch",
                 "G1_skinny_tiling": "decode_tiling.source",
+                "G1_skinny_attention_tiling": "attention_tiling.source",
             },
         ),
         Step(

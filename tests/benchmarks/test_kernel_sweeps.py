@@ -14,11 +14,12 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from gpu_generate import skinny_tiling  # noqa: E402
+from gpu_generate import paged_tiling, skinny_tiling  # noqa: E402
 from gpu_skinny import SKINNY_SHAPES  # noqa: E402
 from gpu_skinny_sweep import SWEEP, summarise  # noqa: E402
 from gpu_timing import GRAPH_CALLS  # noqa: E402
 
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig  # noqa: E402
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig  # noqa: E402
 
 
@@ -50,6 +51,8 @@ def test_the_smoke_sweep_times_every_config_and_picks_the_fastest_block(tmp_path
         assert tiling == SkinnyConfig(**result["shapes"][swept]["best_config"]) and "the best of" in source
     assert skinny_tiling(None, "1.5b") == (DEFAULT_CONFIG, "the defaults")
     assert skinny_tiling(str(tmp_path / "nothing"), "1.5b")[0] == DEFAULT_CONFIG
+    best_7b = SkinnyConfig(**result["shapes"]["7b"]["best_config"])
+    assert skinny_tiling(str(tmp_path / "gpu_skinny_sweep_cpu.json"), "7b")[0] == best_7b  # the file itself
     (tmp_path / "empty").mkdir()
     assert skinny_tiling(str(tmp_path / "empty"), "1.5b")[0] == DEFAULT_CONFIG
     assert skinny_tiling('{"prefetch": true}', "1.5b")[0] == SkinnyConfig(prefetch=True)
@@ -89,3 +92,8 @@ def test_the_paged_kernel_sweep_times_every_tiling_in_every_regime(tmp_path):
         assert all(config["relative_difference"] < 1e-5 for config in figures["configs"].values())
         assert figures["best"] == int(min(times, key=times.get))
         assert figures["best_speedup_over_default"] == times["0"] / times[str(figures["best"])]
+    # G1 with the tuned kernels (gpu_generate --paged-config, the suite's g1_skinny) takes the best at batch 1.
+    tiling, source = paged_tiling(str(tmp_path))
+    assert tiling == PagedConfig(**result["regimes"]["batch1_256"]["best_config"]) and "the best of" in source
+    assert paged_tiling(None) == (DEFAULT_PAGED_CONFIG, "the defaults")
+    assert paged_tiling('{"num_warps": 8}')[0] == PagedConfig(num_warps=8)

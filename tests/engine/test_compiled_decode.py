@@ -19,7 +19,7 @@ import spmd_rlhf.models.attention as attention
 from spmd_rlhf.config import ConfigError, load_config
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
 from spmd_rlhf.engine.decode_graphs import compile_around_attention, compile_backend
-from spmd_rlhf.kernels.paged_attention import paged_decode_attention
+from spmd_rlhf.kernels.paged_attention import PagedConfig, paged_decode_attention
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.merged_linear import merge_projections
 
@@ -102,6 +102,26 @@ def test_the_decode_kernel_rotates_what_the_layers_hand_it_unrotated(tmp_path, m
     layers = decoding.runner.model.args.num_layers
     assert len(tables) == layers * decoding.stats.decode_steps > 0
     assert all(rope is not None for rope in tables)
+
+
+@pytest.mark.parametrize("decode_graphs", ["static", "off"])
+def test_the_engines_attention_tiling_reaches_every_decode_kernel_call(tmp_path, monkeypatch, decode_graphs):
+    """``LLMEngine(attention_tiling=)``: every decode step's kernel call gets it, on the static step (graphs) and on
+    the eager one."""
+    write_hf_model("qwen2_untied", str(tmp_path / "model"))
+    tiling, configs = PagedConfig(block_tokens=32, num_warps=8), []
+
+    def kernel(*args, config, **kwargs):
+        configs.append(config)
+        return paged_decode_attention(*args, backend="torch", config=config, **kwargs)
+
+    monkeypatch.setattr(attention, "use_triton", lambda device, backend: True)
+    monkeypatch.setattr(attention, "paged_decode_attention", kernel)
+    model = load_model(str(tmp_path / "model"), dtype=torch.float32)
+    engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs=decode_graphs, attention_tiling=tiling)
+    engine.generate(PROMPTS, _requests())
+    assert len(configs) == model.args.num_layers * engine.stats.decode_steps > 0
+    assert set(configs) == {tiling}
 
 
 def test_the_rollout_compile_key_picks_the_backend_and_the_engine_applies_it(tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from spmd_rlhf.config.choices import COMPILE_SETTINGS
 from spmd_rlhf.engine.sampler import FILTERED, GREEDY, draw, row_sampling, row_uniforms
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.attention import flash_reads_paged, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
@@ -168,7 +169,8 @@ def say_once(key: str, message: str, *, device: torch.device) -> None:
 class StaticDecodeStep:
     """One decode step of ``model`` over fixed-address inputs padded to a bucket; captured into one CUDA graph per
     bucket when ``capture``. ``scratch_block``: a cache block no sequence owns, written and read by padding rows.
-    ``max_blocks_per_seq``: block-table width, enough for the longest request."""
+    ``max_blocks_per_seq``: block-table width, enough for the longest request. ``attention_tiling``: the decode
+    kernel's (``PagedKV.kernel_tiling``)."""
 
     def __init__(
         self,
@@ -180,8 +182,10 @@ class StaticDecodeStep:
         max_rows: int,
         max_blocks_per_seq: int,
         capture: bool,
+        attention_tiling: PagedConfig = DEFAULT_PAGED_CONFIG,
     ) -> None:
         self.model, self.key_cache, self.value_cache = model, key_cache, value_cache
+        self.attention_tiling = attention_tiling
         self.block_size = key_cache.shape[2]
         self.scratch_block, self.capture = scratch_block, capture
         self.buckets = decode_buckets(max_rows)
@@ -338,6 +342,7 @@ class StaticDecodeStep:
             # An upper bound, fixed like every shape here; kernels that read the cache in place ignore it, and the
             # gather path masks the padded keys (context_lens decides what each row sees).
             max_context_len=self.max_blocks_per_seq * self.block_size,
+            kernel_tiling=self.attention_tiling,
         )
         torch.index_select(self._token_pool, 0, self.token_sources[:rows], out=self.input_ids[:rows])
         hidden = self.model.hidden_states(self.input_ids[:rows][None], self.positions[:rows][None], paged=paged)

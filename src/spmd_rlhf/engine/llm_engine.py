@@ -44,6 +44,7 @@ from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
 from spmd_rlhf.engine.sampler import derive_seed, read_samples
 from spmd_rlhf.engine.scheduler import Scheduler
 from spmd_rlhf.engine.sequence import FINISHED, SamplingParams, Sequence
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig
 from spmd_rlhf.models.attention import DEFAULT_KV_BLOCK_SIZE, default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
@@ -92,6 +93,7 @@ class LLMEngine:
         compile_layers: str = "off",
         decode_matmul: str = "torch",
         decode_tiling: SkinnyConfig = DEFAULT_CONFIG,
+        attention_tiling: PagedConfig = DEFAULT_PAGED_CONFIG,
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size (``kv_cache_bytes`` at most what ``max_num_seqs``
         rows of ``max_model_len`` tokens fill, when that is given); with neither, each call gets a cache that holds
@@ -116,7 +118,8 @@ class LLMEngine:
         ``auto`` where decode steps are captured). ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or
         ``triton``: the blocks' projections at 1 to 4 rows through ``kernels.skinny_linear``,
         ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why, once), ``decode_tiling`` its
-        kernels' tiling (``SkinnyConfig``: ``benchmarks/gpu_skinny_sweep.py`` times alternatives)."""
+        kernels' tiling (``SkinnyConfig``: ``benchmarks/gpu_skinny_sweep.py`` times alternatives);
+        ``attention_tiling`` the paged decode kernel's (``PagedConfig``: ``benchmarks/gpu_paged_sweep.py``)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
@@ -170,6 +173,7 @@ class LLMEngine:
             static_decode=capture or decode_graphs == "static",
             capture_graphs=capture,
             record_routes=record_routes,
+            attention_tiling=attention_tiling,
         )
         # Blocks from bytes after the block size is agreed: every rank of the mesh holds an equal shard, so one
         # block costs the same bytes everywhere.

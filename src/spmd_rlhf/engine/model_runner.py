@@ -19,6 +19,7 @@ from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, say_once
 from spmd_rlhf.engine.routes import RouteRecorder
 from spmd_rlhf.engine.sampler import sample_on_device
 from spmd_rlhf.engine.sequence import Sequence
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.paged_kv import PagedKV
 
@@ -39,15 +40,18 @@ class ModelRunner:
         static_decode: bool = False,
         capture_graphs: bool = False,
         record_routes: bool = False,
+        attention_tiling: PagedConfig = DEFAULT_PAGED_CONFIG,
     ) -> None:
         """``record_routes``: keep each sequence's experts per MoE layer in ``Sequence.routed_experts``
-        (``routes.RouteRecorder``; eager steps only)."""
+        (``routes.RouteRecorder``; eager steps only). ``attention_tiling``: the Triton decode kernel's, every step's
+        (``PagedKV.kernel_tiling``)."""
         if model.head != "lm":
             raise ValueError(f"generation needs a model with an LM head, got head={model.head!r}")
         if capture_graphs and not static_decode:
             raise ValueError("capture_graphs records the static decode step: it needs static_decode=True")
         self.model = model
         self.block_size = block_size
+        self.attention_tiling = attention_tiling
         self.static_decode, self.capture_graphs = static_decode, capture_graphs
         self._scratch_blocks = 1 if static_decode else 0
         """Cache blocks past the block manager's: padding rows of a static decode step write and read one."""
@@ -145,6 +149,7 @@ class ModelRunner:
             max_rows=max_rows,
             max_blocks_per_seq=max_blocks_per_seq,
             capture=self.capture_graphs,
+            attention_tiling=self.attention_tiling,
         )
 
     @property
@@ -230,6 +235,7 @@ class ModelRunner:
             cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
             max_seqlen_q=max(end - start for start, end in zip(cu_seqlens_q, cu_seqlens_q[1:])),
             max_context_len=max(context_lens),
+            kernel_tiling=self.attention_tiling,
         )
         recording = self.routes.recording(paged.slot_mapping) if self.routes is not None else contextlib.nullcontext()
         with torch.inference_mode(), recording:

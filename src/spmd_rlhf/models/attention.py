@@ -287,6 +287,7 @@ def _paged_attention(
             new_values=v[0],
             slots=paged.slot_mapping,
             rope=batch.rope,
+            config=paged.kernel_tiling,
         )
         return out[None]
     paged.write(layer_index, k[0], v[0])

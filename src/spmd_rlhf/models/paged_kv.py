@@ -15,7 +15,7 @@ from functools import cached_property
 
 import torch
 
-from spmd_rlhf.kernels.paged_attention import write_new_tokens
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig, write_new_tokens
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class PagedKV:
     """``[num_seqs + 1]`` int32 offsets of each sequence's new tokens in the packed row."""
     max_seqlen_q: int
     max_context_len: int
+    kernel_tiling: PagedConfig = DEFAULT_PAGED_CONFIG
+    """How the Triton decode kernel tiles its walk over the cache (``LLMEngine(attention_tiling=)``)."""
 
     @property
     def block_size(self) -> int:
