@@ -82,6 +82,18 @@ def decode_inputs(device: str, seqs: int, context: int, dtype: torch.dtype) -> t
     return q, key_cache, value_cache, block_tables, context_lens
 
 
+def new_token_inputs(key_cache: torch.Tensor, block_tables: torch.Tensor, context: int, dtype: torch.dtype) -> dict:
+    """A decode step's new tokens for ``decode_inputs``' sequences, as the kernel's keyword arguments: their K/V
+    (``new_keys``, ``new_values`` ``[seqs, kv_heads, head_dim]``), the ``slots`` of their last position and the
+    step's rotary tables (``rope``)."""
+    seqs, last = block_tables.shape[0], context - 1
+    slots = (block_tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE).contiguous()
+    new_keys, new_values = (torch.randn_like(key_cache[:seqs, 0]) for _ in range(2))
+    angles = torch.rand(seqs, HEAD_DIM, device=key_cache.device) * context
+    rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+    return {"new_keys": new_keys, "new_values": new_values, "slots": slots, "rope": rope}
+
+
 def measure_paged_decode(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     device, seqs, context = args.device, args.decode_seqs, args.context
     q, key_cache, value_cache, block_tables, context_lens = decode_inputs(device, seqs, context, dtype)
@@ -125,20 +137,15 @@ def measure_batch1(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     results = {}
     for context in (40,) if args.smoke else (256, 4096):
         q, key_cache, value_cache, block_tables, context_lens = decode_inputs(args.device, 1, context, dtype)
-        last = context - 1
-        slots = (block_tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE).contiguous()
-        new_keys, new_values = (torch.randn_like(key_cache[:1, 0]) for _ in range(2))  # [1, kv_heads, head_dim]
-
-        angles = torch.rand(1, HEAD_DIM, device=args.device) * context
-        rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+        step = new_token_inputs(key_cache, block_tables, context, dtype)
 
         def run(splits, fused, rotary=False):
             def call():
                 if not fused:
-                    write_new_tokens(key_cache, value_cache, new_keys, new_values, slots)
-                new_tokens = dict(new_keys=new_keys, new_values=new_values, slots=slots) if fused else {}
+                    write_new_tokens(key_cache, value_cache, step["new_keys"], step["new_values"], step["slots"])
+                new_tokens = {key: step[key] for key in ("new_keys", "new_values", "slots")} if fused else {}
                 if rotary:
-                    new_tokens["rope"] = rope
+                    new_tokens["rope"] = step["rope"]
                 return paged_decode_attention(
                     q,
                     key_cache,

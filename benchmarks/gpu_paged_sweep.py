@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 import torch
 from gpu_common import default_device, environment, parse_with_smoke, write_result
-from gpu_kernels import BLOCK_SIZE, HEAD_DIM, decode_inputs
+from gpu_kernels import HEAD_DIM, decode_inputs, new_token_inputs
 from gpu_timing import graphed_seconds
 
 from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig, paged_decode_attention
@@ -51,25 +51,11 @@ ERROR_BOUND = 1.6e-2
 def engine_call(seqs: int, context: int, device: str, dtype: torch.dtype):
     """``call(config)``: the kernel on ``seqs`` sequences of ``context`` cached tokens as a decode step runs it."""
     q, key_cache, value_cache, block_tables, context_lens = decode_inputs(device, seqs, context, dtype)
-    last = context - 1
-    slots = (block_tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE).contiguous()
-    new_keys, new_values = (torch.randn_like(key_cache[:seqs, 0]) for _ in range(2))  # [seqs, kv_heads, head_dim]
-    angles = torch.rand(seqs, HEAD_DIM, device=device) * context
-    rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+    new_tokens = new_token_inputs(key_cache, block_tables, context, dtype)
 
     def call(config: PagedConfig) -> torch.Tensor:
         return paged_decode_attention(
-            q,
-            key_cache,
-            value_cache,
-            block_tables,
-            context_lens,
-            scale=HEAD_DIM**-0.5,
-            new_keys=new_keys,
-            new_values=new_values,
-            slots=slots,
-            rope=rope,
-            config=config,
+            q, key_cache, value_cache, block_tables, context_lens, scale=HEAD_DIM**-0.5, config=config, **new_tokens
         )
 
     return call
