@@ -21,7 +21,7 @@ import spmd_rlhf.kernels.skinny_linear as skinny_module  # noqa: E402
 from spmd_rlhf.engine import LLMEngine, SamplingParams  # noqa: E402
 from spmd_rlhf.engine.decode_graphs import compile_around_attention  # noqa: E402
 from spmd_rlhf.engine.decode_matmul import use_skinny_linear  # noqa: E402
-from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, MAX_ROWS, SkinnyConfig  # noqa: E402
+from spmd_rlhf.kernels.skinny_linear import MAX_ROWS, SkinnyConfig  # noqa: E402
 from spmd_rlhf.kernels.triton_support import INTERPRETING  # noqa: E402
 from spmd_rlhf.models import load_model  # noqa: E402
 from spmd_rlhf.models.merged_linear import merge_projections  # noqa: E402
@@ -64,9 +64,9 @@ class SkinnyCalls:
 def generate(model_dir: str, *, skinny: bool, compiled: bool):
     model = load_model(model_dir, dtype=torch.float32).requires_grad_(False)
     merge_projections(model)
-    # The compiled blocks' kernels issue each tile's loads a tile ahead, 32 outputs per program (a tiling other than
-    # the default's, with a quarter of its programs for the interpreter to run).
-    tiling = SkinnyConfig(block_out=32, prefetch=True) if compiled else DEFAULT_CONFIG
+    # 32 outputs per program, a quarter of the default's programs for the interpreter to run (the default tiling is
+    # kernel_checks.py's), and in the compiled blocks each tile's loads issued a tile ahead.
+    tiling = SkinnyConfig(block_out=32, prefetch=compiled)
     swapped = use_skinny_linear(model, backend="triton", config=tiling) if skinny else None
     backend = CountingBackend()
     if compiled:
