@@ -103,7 +103,13 @@ DEFAULT_CONFIG = SkinnyConfig()
 
 
 def config_of(tiling: list[int]) -> SkinnyConfig:
-    """The ``SkinnyConfig`` of an operator's ``tiling`` (``SkinnyConfig.as_tiling``)."""
+    """The ``SkinnyConfig`` of an operator's ``tiling`` (``SkinnyConfig.as_tiling``): built and validated once per
+    tiling, not at every call of every layer of an eager decode step."""
+    return _config_of(tuple(tiling))
+
+
+@functools.cache
+def _config_of(tiling: tuple[int, ...]) -> SkinnyConfig:
     return SkinnyConfig(*tiling[:-1], prefetch=bool(tiling[-1]))
 
 

@@ -117,9 +117,8 @@ class LLMEngine:
         ``off``): each decoder block compiled around its attention call (``decode_graphs.compile_around_attention``;
         ``auto`` where decode steps are captured). ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or
         ``triton``: the blocks' projections at 1 to 4 rows through ``kernels.skinny_linear``,
-        ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why, once), ``decode_tiling`` its
-        kernels' tiling (``SkinnyConfig``: ``benchmarks/gpu_skinny_sweep.py`` times alternatives);
-        ``attention_tiling`` the paged decode kernel's (``PagedConfig``: ``benchmarks/gpu_paged_sweep.py``)."""
+        ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why, once). ``decode_tiling``,
+        ``attention_tiling``: the skinny-linear and paged decode kernels' (``benchmarks/gpu_*_sweep.py`` time them)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
