@@ -17,8 +17,8 @@ Figures, each with its goal from issue 34:
   at batch 1 and ``--decode-batch`` rows, greedy and sampled, float32, the engine prepared for rows of
   ``--decode-max-len`` tokens as the rollout prepares it (this thread's CPU time, the best of 3 runs, the
   synchronous loop's beside it); goal <= 50 µs at batch 1 and <= 500 µs at batch 256;
-- kernels per graphed decode step with the blocks compiled around attention (``rollout.compile=on``,
-  ``decode_graphs.compile_around_attention``: Inductor's C++ kernels on CPU, each counted as one launch, as in
+- kernels per graphed decode step with what ``rollout.compile=on`` compiles (``engine.decode_compile``: the blocks
+  around attention and the greedy draw; Inductor's C++ kernels on CPU, each counted as one launch, as in
   ``host_overhead.py --train``'s compiled figure), greedy, batch 1, bf16, plus the work outside the graph; goal <= 500;
 - syncs per decode step in steady state (``aten._local_scalar_dense``: ``.item()``, ``int()``; and ``.tolist()``), with
   the lines that made them; goal 0. The engine's overlapped loop (``overlap_host``, the default) reads each graphed
@@ -42,7 +42,7 @@ import torch
 import torch._inductor.config
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
-from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, compile_around_attention
+from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
 from spmd_rlhf.engine.readback import PendingSamples
 from spmd_rlhf.kernels.paged_attention import decode_splits
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
@@ -185,10 +185,11 @@ def steady_decode(
     measure,
     max_len: int = COUNTED_MAX_LEN,
     overlap: bool = True,
+    compile_layers: str = "off",
 ) -> None:
     """Prefill ``rows`` requests and run one decode step (which captures its bucket's graph), then the last ``steps``
     decode steps inside ``measure`` (the last one finishes every request); ``overlap``: the engine's
-    ``overlap_host``."""
+    ``overlap_host``; ``compile_layers``: its ``rollout.compile``."""
     engine = LLMEngine(
         model,
         eos_token_id=None,
@@ -197,6 +198,7 @@ def steady_decode(
         decode_graphs=mode,
         max_model_len=max(max_len, len(PROMPT) + steps + 2),
         overlap_host=overlap,
+        compile_layers=compile_layers,
     )
     run = engine.start([PROMPT] * rows, _params(sampled, steps))
     engine.advance(run, segment_tokens=2)
@@ -247,16 +249,16 @@ class _Profiled:
 
 
 def compiled_graph_launches(layers: int, steps: int, *, backend: str = "inductor") -> Counter[str]:
-    """Launches per graphed decode step (greedy, batch 1, bf16) with the blocks compiled around attention by
-    Inductor: the profiler's view inside each captured step (``host_overhead._launch_name``: non-view ATen ops and
-    Inductor's kernels, none counted inside another), which ``DispatchCounts`` cannot give (TorchDynamo does not run a
-    graph under a dispatch mode). ``backend``: TorchDynamo's (a test counts ``aot_eager``'s ATen calls: seconds,
-    where Inductor's C++ compilation takes a minute)."""
+    """Launches per graphed decode step (greedy, batch 1, bf16) with what ``rollout.compile=on`` compiles (the blocks
+    around attention and the greedy draw, ``engine.decode_compile``) compiled by Inductor: the profiler's view inside
+    each captured step (``host_overhead._launch_name``: non-view ATen ops and Inductor's kernels, none counted inside
+    another), which ``DispatchCounts`` cannot give (TorchDynamo does not run a graph under a dispatch mode).
+    ``backend``: TorchDynamo's (a test counts ``aot_eager``'s ATen calls: seconds, where Inductor's C++ compilation
+    takes a minute)."""
     from host_overhead import _launch_name
 
     model = decode_model(layers, torch.bfloat16)
-    compile_around_attention(model, backend=backend)
-    step_function = StaticDecodeStep._step
+    step_function, choose_backend = StaticDecodeStep._step, llm_engine.compile_backend
 
     def marked(step, rows, kind):
         with torch.profiler.record_function(GRAPHED_STEP):
@@ -264,13 +266,14 @@ def compiled_graph_launches(layers: int, steps: int, *, backend: str = "inductor
 
     measure = _Profiled()
     StaticDecodeStep._step = marked
+    llm_engine.compile_backend = lambda setting, graphs: backend
     # Kernel names reach the profiler only from code generated with this flag, so no cached graph may serve.
     profiled_kernels = {"cpp.enable_kernel_profile": True, "force_disable_caches": True}
     try:
         with torch._inductor.config.patch(profiled_kernels), cuda_attention_path(), graphs_on_cpu(compute=True):
-            steady_decode(model, rows=1, steps=steps, sampled=False, mode="auto", measure=measure)
+            steady_decode(model, rows=1, steps=steps, sampled=False, mode="auto", measure=measure, compile_layers="on")
     finally:
-        StaticDecodeStep._step = step_function
+        StaticDecodeStep._step, llm_engine.compile_backend = step_function, choose_backend
     launches: Counter[str] = Counter()
     for event in measure.profile.events():
         name = _launch_name(event)
@@ -329,7 +332,7 @@ def decode_figures(args: argparse.Namespace) -> list[dict]:
         kernels = sum(compiled.values()) + outside[False].non_view_calls / steps
         figures.append(
             _figure(
-                "kernels per graphed step, greedy, blocks compiled around attention",
+                "kernels per graphed step, greedy, rollout.compile=on",
                 kernels,
                 f"<= {KERNEL_GOAL}",
                 kernels <= KERNEL_GOAL,

@@ -1,5 +1,5 @@
 """Decoder blocks compiled around their attention call for generation (``rollout.compile``,
-``decode_graphs.compile_around_attention``): the same tokens and log-probs as eager blocks through prefill and the
+``decode_compile.compile_around_attention``): the same tokens and log-probs as eager blocks through prefill and the
 static decode step, a bounded number of graphs whatever the layer count, bucket or prompt length, and the key's wiring.
 
 The graphs are traced here by a counting backend that runs TorchDynamo's FX graphs as they are (what ``aot_eager``
@@ -18,7 +18,7 @@ from hf_fixtures import write_hf_model
 import spmd_rlhf.models.attention as attention
 from spmd_rlhf.config import ConfigError, load_config
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
-from spmd_rlhf.engine.decode_graphs import compile_around_attention, compile_backend
+from spmd_rlhf.engine.decode_compile import compile_around_attention, compile_backend
 from spmd_rlhf.kernels.paged_attention import PagedConfig, paged_decode_attention
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.merged_linear import merge_projections
@@ -142,6 +142,37 @@ def test_the_rollout_compile_key_picks_the_backend_and_the_engine_applies_it(tmp
     for setting in ("off", "auto", "on"):
         LLMEngine(model, eos_token_id=None, block_size=4, compile_layers=setting)
     assert compiled == ["inductor"]  # "auto" on CPU: no CUDA graphs, so eager blocks
+
+
+def test_the_static_steps_greedy_draws_run_compiled(tmp_path, monkeypatch):
+    """With ``rollout.compile`` on, every decode step of a greedy batch on the static step draws through the compiled
+    ``greedy_draw`` (once per step, through three graphs at most: 4 rows, then any count, and one row, which
+    TorchDynamo specialises) and decodes what the eager draw decodes; a batch with sampled rows keeps the eager
+    draw."""
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    monkeypatch.setattr(llm_engine, "compile_backend", lambda setting, graphs: backend if setting == "on" else None)
+    monkeypatch.setattr(llm_engine, "compile_around_attention", lambda model, backend: None)
+    write_hf_model("qwen2_untied", str(tmp_path / "model"))
+    model = load_model(str(tmp_path / "model"), dtype=torch.float32)
+    greedy = [SamplingParams(temperature=0, max_new_tokens=n) for n in (3, 9, 5, 7)]
+    for requests in (greedy, _requests()):
+        outputs, steps = {}, {}
+        for setting in ("off", "on"):
+            engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs="static", compile_layers=setting)
+            calls = backend.calls
+            outputs[setting] = engine.generate(PROMPTS, requests)
+            steps[setting] = (engine.stats.decode_steps, backend.calls - calls)
+        for got, expected in zip(outputs["on"], outputs["off"]):
+            assert got.generated_token_ids == expected.generated_token_ids
+            assert got.log_probs == expected.log_probs
+        assert steps["off"][1] == 0
+        decode_steps, compiled_draws = steps["on"]
+        if requests is greedy:
+            assert decode_steps > 3 and compiled_draws == decode_steps
+        else:  # the sampled row of 9 tokens outlives both greedy ones: no step's batch is all greedy
+            assert compiled_draws == 0
+    assert backend.graphs <= 3
 
 
 def greedy_shortfall_and_log_prob_error(reference, outputs) -> tuple[float, float]:

@@ -42,20 +42,19 @@ replay's output is consumed (copied to the host, on the same stream) before the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmd_rlhf.config.choices import COMPILE_SETTINGS
+from spmd_rlhf.engine.decode_compile import compile_greedy_draw, greedy_draw
 from spmd_rlhf.engine.sampler import FILTERED, GREEDY, draw, row_sampling, row_uniforms
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.attention import flash_reads_paged, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
-from spmd_rlhf.models.moe import Experts, MoEBlock
+from spmd_rlhf.models.moe import Experts
 from spmd_rlhf.models.paged_kv import PagedKV
 
 logger = logging.getLogger(__name__)
@@ -107,53 +106,6 @@ def graphs_unsupported(model: DecoderLM, *, block_size: int) -> str | None:
     return None
 
 
-def compile_backend(setting: str, *, graphs: bool) -> str | None:
-    """The TorchDynamo backend ``compile_around_attention`` uses for ``rollout.compile``'s ``setting``, or None for
-    eager layers: ``auto`` compiles where decode steps are captured into CUDA graphs (``graphs``; a TP replica's
-    blocks included, their all-reduces traced as functional collectives), ``on`` everywhere (CPU included: Inductor
-    then needs a C++ compiler), ``off`` never."""
-    if setting not in COMPILE_SETTINGS:
-        raise ValueError(f"rollout.compile={setting!r} is unknown; choose one of {', '.join(COMPILE_SETTINGS)}")
-    return "inductor" if setting == "on" or (setting == "auto" and graphs) else None
-
-
-def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> None:
-    """``torch.compile`` each decoder block of a generation model in two pieces, the block before its attention
-    kernel call (input norm, q/k/v projections, QK norms, rotation: ``DecoderLayer.attention_inputs``) and after it
-    (output projection, residuals, post-attention norm, MLP: ``attention_outputs_apart``), so Inductor fuses the casts,
-    reductions and elementwise ops between the matmuls: on an H100 these were 1.5 of a batch-1 decode step's 3.3 ms
-    of device time, about 34 kernels per layer (``docs/benchmarks.md``, session 37). The residual add after each
-    block's MLP moves into the next block's first piece (``residual_attention_inputs``; ``Backbone.carry_residuals``)
-    and the last one's into the final norm (``residual_norm``), where Inductor fuses it with the norm: one kernel
-    per layer fewer, and the final norm one kernel where it was eight eager ones; the rotary tables are compiled
-    too. The attention call between the
-    pieces (writing the new K/V into the paged cache, reading the context) stays eager: it is what differs between
-    layers and steps, and a compiled write into the cache would be one into a graph input. Each piece is one graph
-    with no break (``fullgraph``; an MoE block's outputs may break where the looped expert path reads counts on the
-    host), its token count symbolic (``dynamic``), so every layer and every decode bucket and prefill length share
-    it: at most two graphs per piece and grad mode, the second for a single token (TorchDynamo specialises sizes of
-    1), and one more for MoE blocks. On a TP replica's local shards (``models.local_tensor_parallel``) the row-parallel
-    projections' all-reduces stay inside the second piece, traced as functional collectives, and the graphs are
-    shared as on one rank (the local forwards are one function bound to each module). Compiled in place (instance
-    attributes over the methods): the first call of each size compiles, which the decode graphs' warm-up pass does
-    before capture. ``backend``: TorchDynamo's (tests trace with ``aot_eager``)."""
-
-    def compiled(function: Callable, *, fullgraph: bool = True) -> Callable:
-        return torch.compile(function, fullgraph=fullgraph, dynamic=True, backend=backend)
-
-    layers = list(model.model.layers.values())
-    layers[0].attention_inputs = compiled(layers[0].attention_inputs)  # the first block has no add to take
-    for layer in layers:
-        layer.residual_attention_inputs = compiled(layer.residual_attention_inputs)
-        layer.attention_outputs_apart = compiled(
-            layer.attention_outputs_apart, fullgraph=not isinstance(layer.mlp, MoEBlock)
-        )
-    model.model.residual_norm = compiled(model.model.residual_norm)
-    model.model.carry_residuals = True
-    # The step's cos / sin tables (a multiply, a concatenation, cos, sin and two casts) as one kernel.
-    model.model.rotary.forward = compiled(model.model.rotary.forward)
-
-
 _said: set[str] = set()
 
 
@@ -170,7 +122,8 @@ class StaticDecodeStep:
     """One decode step of ``model`` over fixed-address inputs padded to a bucket; captured into one CUDA graph per
     bucket when ``capture``. ``scratch_block``: a cache block no sequence owns, written and read by padding rows.
     ``max_blocks_per_seq``: block-table width, enough for the longest request. ``attention_tiling``: the decode
-    kernel's (``PagedKV.kernel_tiling``)."""
+    kernel's (``PagedKV.kernel_tiling``). ``draw_backend``: the TorchDynamo backend greedy batches' draws are compiled
+    with (``compile_greedy_draw``; the blocks' own, ``compile_backend``), or None for the eager draw."""
 
     def __init__(
         self,
@@ -183,9 +136,11 @@ class StaticDecodeStep:
         max_blocks_per_seq: int,
         capture: bool,
         attention_tiling: PagedConfig = DEFAULT_PAGED_CONFIG,
+        draw_backend: str | None = None,
     ) -> None:
         self.model, self.key_cache, self.value_cache = model, key_cache, value_cache
         self.attention_tiling = attention_tiling
+        self._greedy_draw = greedy_draw if draw_backend is None else compile_greedy_draw(draw_backend)
         self.block_size = key_cache.shape[2]
         self.scratch_block, self.capture = scratch_block, capture
         self.buckets = decode_buckets(max_rows)
@@ -354,15 +309,17 @@ class StaticDecodeStep:
         ``[3, rows]`` are returned."""
         logits = self.model.lm_head(self._trunk(rows))
         temperature, top_k, top_p, greedy = self.sampling[:, :rows]
-        values = {"temperature": temperature.to(torch.float32)}
-        if kind != GREEDY:
-            values |= {"uniforms": self.uniforms[:rows], "greedy": greedy != 0}
-        if kind == FILTERED:
-            values |= {
-                "top_k": top_k.to(torch.int64),
-                "top_p": top_p.to(torch.promote_types(logits.dtype, torch.float32)),
-            }
-        token_ids, samples = draw(logits, kind=kind, **values)
+        if kind == GREEDY:
+            token_ids, samples = self._greedy_draw(logits, temperature)
+        else:
+            values = {"temperature": temperature.to(torch.float32), "uniforms": self.uniforms[:rows]}
+            values["greedy"] = greedy != 0
+            if kind == FILTERED:
+                values |= {
+                    "top_k": top_k.to(torch.int64),
+                    "top_p": top_p.to(torch.promote_types(logits.dtype, torch.float32)),
+                }
+            token_ids, samples = draw(logits, kind=kind, **values)
         self._sampled[:rows].copy_(token_ids)
         return samples
 

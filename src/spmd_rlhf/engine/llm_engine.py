@@ -30,13 +30,8 @@ import torch
 
 from spmd_rlhf.engine.agreement import agree_minimum, schedule_groups
 from spmd_rlhf.engine.block_manager import BlockManager
-from spmd_rlhf.engine.decode_graphs import (
-    DECODE_MODES,
-    compile_around_attention,
-    compile_backend,
-    graphs_unsupported,
-    say_once,
-)
+from spmd_rlhf.engine.decode_compile import compile_around_attention, compile_backend
+from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_unsupported, say_once
 from spmd_rlhf.engine.decode_matmul import DECODE_MATMULS, skinny_linear_unsupported, use_skinny_linear
 from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
@@ -114,11 +109,12 @@ class LLMEngine:
         ``overlap_host``: decode steps on the static step (CUDA graphs, or ``static``) read their tokens back one step
         late, so the host plans and launches step t + 1 while the device runs step t (``advance``); the same tokens
         and log-probs as the synchronous loop (False). ``compile_layers``: ``rollout.compile`` (``auto``, ``on`` or
-        ``off``): each decoder block compiled around its attention call (``decode_graphs.compile_around_attention``;
-        ``auto`` where decode steps are captured). ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or
-        ``triton``: the blocks' projections at 1 to 4 rows through ``kernels.skinny_linear``,
-        ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why, once). ``decode_tiling``,
-        ``attention_tiling``: the skinny-linear and paged decode kernels' (``benchmarks/gpu_*_sweep.py`` time them)."""
+        ``off``): each decoder block compiled around its attention call (``decode_compile.compile_around_attention``),
+        and the static step's greedy draws (``compile_greedy_draw``); ``auto`` where steps are captured.
+        ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or ``triton``: the blocks' projections at 1 to 4 rows
+        through ``kernels.skinny_linear``, ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why,
+        once). ``decode_tiling``, ``attention_tiling``: the skinny-linear and paged decode kernels'
+        (``benchmarks/gpu_*_sweep.py`` time them)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
@@ -173,6 +169,7 @@ class LLMEngine:
             capture_graphs=capture,
             record_routes=record_routes,
             attention_tiling=attention_tiling,
+            draw_backend=backend,
         )
         # Blocks from bytes after the block size is agreed: every rank of the mesh holds an equal shard, so one
         # block costs the same bytes everywhere.

@@ -41,17 +41,19 @@ class ModelRunner:
         capture_graphs: bool = False,
         record_routes: bool = False,
         attention_tiling: PagedConfig = DEFAULT_PAGED_CONFIG,
+        draw_backend: str | None = None,
     ) -> None:
         """``record_routes``: keep each sequence's experts per MoE layer in ``Sequence.routed_experts``
         (``routes.RouteRecorder``; eager steps only). ``attention_tiling``: the Triton decode kernel's, every step's
-        (``PagedKV.kernel_tiling``)."""
+        (``PagedKV.kernel_tiling``). ``draw_backend``: the static decode step's greedy draw compiled with it
+        (``decode_graphs.compile_greedy_draw``), or None."""
         if model.head != "lm":
             raise ValueError(f"generation needs a model with an LM head, got head={model.head!r}")
         if capture_graphs and not static_decode:
             raise ValueError("capture_graphs records the static decode step: it needs static_decode=True")
         self.model = model
         self.block_size = block_size
-        self.attention_tiling = attention_tiling
+        self.attention_tiling, self.draw_backend = attention_tiling, draw_backend
         self.static_decode, self.capture_graphs = static_decode, capture_graphs
         self._scratch_blocks = 1 if static_decode else 0
         """Cache blocks past the block manager's: padding rows of a static decode step write and read one."""
@@ -150,6 +152,7 @@ class ModelRunner:
             max_blocks_per_seq=max_blocks_per_seq,
             capture=self.capture_graphs,
             attention_tiling=self.attention_tiling,
+            draw_backend=self.draw_backend,
         )
 
     @property

@@ -199,7 +199,7 @@ class Backbone(nn.Module):
         self.carry_residuals = False
         """Run the layers through ``DecoderLayer.carried_forward``, each block's last residual add done by the next
         block's first piece and the last one's by ``residual_norm``; set where those pieces are compiled
-        (``engine.decode_graphs.compile_around_attention``), which fuses each add with the norm after it."""
+        (``engine.decode_compile.compile_around_attention``), which fuses each add with the norm after it."""
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Token ids ``[b, s]`` to hidden states ``[b, s, hidden]``. A pipeline stage without the embedding takes

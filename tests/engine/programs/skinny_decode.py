@@ -19,7 +19,7 @@ from hf_fixtures import write_hf_model  # noqa: E402
 
 import spmd_rlhf.kernels.skinny_linear as skinny_module  # noqa: E402
 from spmd_rlhf.engine import LLMEngine, SamplingParams  # noqa: E402
-from spmd_rlhf.engine.decode_graphs import compile_around_attention  # noqa: E402
+from spmd_rlhf.engine.decode_compile import compile_around_attention  # noqa: E402
 from spmd_rlhf.engine.decode_matmul import use_skinny_linear  # noqa: E402
 from spmd_rlhf.kernels.skinny_linear import MAX_ROWS, SkinnyConfig  # noqa: E402
 from spmd_rlhf.kernels.triton_support import INTERPRETING  # noqa: E402

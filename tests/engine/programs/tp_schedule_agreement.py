@@ -21,7 +21,7 @@ from counting_backend import CountingBackend
 from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
-from spmd_rlhf.engine.decode_graphs import compile_around_attention
+from spmd_rlhf.engine.decode_compile import compile_around_attention
 from spmd_rlhf.models.args import decoder_args
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.local_tensor_parallel import run_locally

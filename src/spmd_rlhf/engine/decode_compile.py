@@ -1,0 +1,76 @@
+"""What ``rollout.compile`` compiles for generation: each decoder block around its attention call, and a greedy
+batch's draw on the static decode step (``decode_graphs``), both before the decode graphs capture them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from spmd_rlhf.config.choices import COMPILE_SETTINGS
+from spmd_rlhf.engine.sampler import GREEDY, draw
+from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.moe import MoEBlock
+
+
+def compile_backend(setting: str, *, graphs: bool) -> str | None:
+    """The TorchDynamo backend ``compile_around_attention`` uses for ``rollout.compile``'s ``setting``, or None for
+    eager layers: ``auto`` compiles where decode steps are captured into CUDA graphs (``graphs``; a TP replica's
+    blocks included, their all-reduces traced as functional collectives), ``on`` everywhere (CPU included: Inductor
+    then needs a C++ compiler), ``off`` never."""
+    if setting not in COMPILE_SETTINGS:
+        raise ValueError(f"rollout.compile={setting!r} is unknown; choose one of {', '.join(COMPILE_SETTINGS)}")
+    return "inductor" if setting == "on" or (setting == "auto" and graphs) else None
+
+
+def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> None:
+    """``torch.compile`` each decoder block of a generation model in two pieces, the block before its attention
+    kernel call (input norm, q/k/v projections, QK norms, rotation: ``DecoderLayer.attention_inputs``) and after it
+    (output projection, residuals, post-attention norm, MLP: ``attention_outputs_apart``), so Inductor fuses the casts,
+    reductions and elementwise ops between the matmuls: on an H100 these were 1.5 of a batch-1 decode step's 3.3 ms
+    of device time, about 34 kernels per layer (``docs/benchmarks.md``, session 37). The residual add after each
+    block's MLP moves into the next block's first piece (``residual_attention_inputs``; ``Backbone.carry_residuals``)
+    and the last one's into the final norm (``residual_norm``), where Inductor fuses it with the norm: one kernel
+    per layer fewer, and the final norm one kernel where it was eight eager ones; the rotary tables are compiled
+    too. The attention call between the
+    pieces (writing the new K/V into the paged cache, reading the context) stays eager: it is what differs between
+    layers and steps, and a compiled write into the cache would be one into a graph input. Each piece is one graph
+    with no break (``fullgraph``; an MoE block's outputs may break where the looped expert path reads counts on the
+    host), its token count symbolic (``dynamic``), so every layer and every decode bucket and prefill length share
+    it: at most two graphs per piece and grad mode, the second for a single token (TorchDynamo specialises sizes of
+    1), and one more for MoE blocks. On a TP replica's local shards (``models.local_tensor_parallel``) the row-parallel
+    projections' all-reduces stay inside the second piece, traced as functional collectives, and the graphs are
+    shared as on one rank (the local forwards are one function bound to each module). Compiled in place (instance
+    attributes over the methods): the first call of each size compiles, which the decode graphs' warm-up pass does
+    before capture. ``backend``: TorchDynamo's (tests trace with ``aot_eager``)."""
+
+    def compiled(function: Callable, *, fullgraph: bool = True) -> Callable:
+        return torch.compile(function, fullgraph=fullgraph, dynamic=True, backend=backend)
+
+    layers = list(model.model.layers.values())
+    layers[0].attention_inputs = compiled(layers[0].attention_inputs)  # the first block has no add to take
+    for layer in layers:
+        layer.residual_attention_inputs = compiled(layer.residual_attention_inputs)
+        layer.attention_outputs_apart = compiled(
+            layer.attention_outputs_apart, fullgraph=not isinstance(layer.mlp, MoEBlock)
+        )
+    model.model.residual_norm = compiled(model.model.residual_norm)
+    model.model.carry_residuals = True
+    # The step's cos / sin tables (a multiply, a concatenation, cos, sin and two casts) as one kernel.
+    model.model.rotary.forward = compiled(model.model.rotary.forward)
+
+
+def greedy_draw(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sampler.draw`` of a greedy batch, ``temperature`` the sampling buffer's row (float64, 1 for greedy rows)."""
+    return draw(logits, kind=GREEDY, temperature=temperature.to(torch.float32))
+
+
+def compile_greedy_draw(backend: str) -> Callable:
+    """``greedy_draw`` compiled: at a 151,936-token vocabulary the eager draw is about a dozen kernels over the logits
+    (the division by T, logsumexp's max, exponentials and sum, the argmax, the gather, the casts and the stack:
+    about 30 µs of the 1.7 ms batch-1 step on an H200, ``docs/benchmarks.md``, session 44), which Inductor fuses into
+    a few reductions. Same tokens (the argmax of the same float32 quotients) and log-probs within float32 rounding
+    (the sum's order). Only greedy batches: a sampled draw's float64 cumulative sum is left to its own scan kernel.
+    The row count is left to TorchDynamo's automatic dynamic shapes: a graph for one row, one for any other count;
+    the vocabulary stays static, so Inductor sizes its reductions for it."""
+    return torch.compile(greedy_draw, fullgraph=True, backend=backend)
