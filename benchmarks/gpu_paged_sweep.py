@@ -10,9 +10,9 @@ cached tokens (G1's attention) and 256 sequences at 1,024 tokens (G2's batch, wh
 2.6x its KV read). Per regime: each tiling's microseconds per call, its output against the default tiling's, the best
 and its speed-up over the default. A tiling that fails to compile or run is reported with its error, not chosen.
 
-Why: compiled for sm_90 here, the default tiling (64-token tiles, 4 warps) uses 255 registers and spills 100 bytes
-(236 with split-K) at head_dim 128; 8 warps (197-229 registers) and 32-token tiles (254) do not. Which is faster is
-for a GPU to say.
+Why: which tiling is fastest is for a GPU to say. Compiled for sm_90 as the JIT specialises these launches
+(``benchmarks/kernel_resources.py``), none of them spills (104-186 registers), and the walk's block-table, key and
+value loads are asynchronous copies pipelined ``num_stages`` deep, so the sweep also moves the pipeline's depth.
 
 On CPU (or with ``--smoke``) every tiling runs the torch path: the figures check the script, not the kernel. Writes
 ``benchmarks/results/gpu_paged_sweep_<device>.json`` and prints a table.
@@ -37,9 +37,14 @@ SWEEP = (
     PagedConfig(block_tokens=32, num_warps=2),
     PagedConfig(block_tokens=16),
     PagedConfig(block_tokens=128, num_warps=8),
+    PagedConfig(num_stages=1),
+    PagedConfig(num_stages=2),
+    PagedConfig(block_tokens=32, num_stages=4),
 )
-"""The default; the two tilings that do not spill at head_dim 128 (more warps, shorter tiles); shorter tiles on fewer
-warps and shortest tiles (more, cheaper iterations); longer tiles on more warps (fewer iterations)."""
+"""The default; more warps; shorter tiles (on fewer warps too) and shortest tiles (more, cheaper iterations); longer
+tiles on more warps (fewer iterations); the walk unpipelined and pipelined 2 deep (the default 3), and shorter tiles
+pipelined 4 deep (the same bytes in flight as the default)."""
+
 
 REGIMES = {"batch1_256": (1, 256), "batch1_4096": (1, 4096), "batch256_1024": (256, 1024)}
 """(sequences, cached tokens) of each regime."""

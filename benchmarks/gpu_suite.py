@@ -32,7 +32,7 @@ cuBLAS; with them the dense blocks' norms and activation run inside the projecti
 ``skinny_sweep`` and ``paged_sweep`` found best where they ran before it),
 ``skinny_sweep`` (``gpu_skinny_sweep.py``: the skinny-linear kernels' tilings, ``SkinnyConfig``, against each other
 and cuBLAS per projection at one row: which tiling ``g1_skinny`` should use), ``paged_sweep`` (``gpu_paged_sweep.py``:
-the paged decode kernel's tilings, ``PagedConfig``, at batch 1 and 256: the default spills on sm_90),
+the paged decode kernel's tilings and pipeline depths, ``PagedConfig``, at batch 1 and 256),
 ``g1_eager_blocks`` (G1 with eager blocks,
 ``rollout.compile=off``: what compiling around attention gains; 29 % against 45 % of the floor on an H100), ``scale``
 (per-stage ``max_memory_allocated`` against the floor, GRPO at the 1.5B shape on one rank: two minutes, which the plain

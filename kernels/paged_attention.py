@@ -61,14 +61,19 @@ class PagedConfig:
     block_tokens: int = BLOCK_TOKENS
     """Context tokens per tile (a power of two of at least 16, the dots' smallest side)."""
     num_warps: int = 4
-    """Warps per program. (Triton's ``num_stages`` is left at its default: compiled for sm_90 the walk's loop has no
-    asynchronous copies to pipeline at any value.)"""
+    """Warps per program."""
+    num_stages: int = 3
+    """Tiles in flight (Triton's ``num_stages``, its default 3): compiled for sm_90 as the JIT specialises the
+    engine's launches, the walk's block-table, key and value loads are asynchronous copies pipelined this deep
+    (``benchmarks/kernel_resources.py``); 1 turns the pipelining off."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < MIN_DOT_SIZE or self.block_tokens & (self.block_tokens - 1):
             raise ValueError(f"PagedConfig.block_tokens={self.block_tokens} must be a power of two of at least 16")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"PagedConfig.num_warps={self.num_warps} must be a power of two up to 16")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"PagedConfig.num_stages={self.num_stages} must be 1 to 6")
 
 
 DEFAULT_PAGED_CONFIG = PagedConfig()
@@ -324,6 +329,7 @@ def paged_decode_attention(
             # float32 caches get full-precision dots; TF32 would cost about three decimal digits.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
         if splits > 1:
             combine_splits_kernel[(num_seqs, kv_heads)](
