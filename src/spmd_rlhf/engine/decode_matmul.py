@@ -133,3 +133,17 @@ def use_skinny_linear(
                 setattr(layer, name, types.MethodType(piece, layer))
             fused += 1
     return per_block, fused
+
+
+def apply_decode_matmul(model: DecoderLM, setting: str, *, config: SkinnyConfig = DEFAULT_CONFIG) -> str | None:
+    """``rollout.decode_matmul``'s ``setting`` applied to ``model`` (``triton``: ``use_skinny_linear`` with
+    ``config``, where ``skinny_linear_unsupported`` allows; ``torch``: nothing). Returns why ``triton`` could not
+    be applied (the caller logs it once), else None."""
+    if setting not in DECODE_MATMULS:
+        raise ValueError(f"decode_matmul={setting!r} is unknown; choose one of {', '.join(DECODE_MATMULS)}")
+    if setting == "torch":
+        return None
+    why = skinny_linear_unsupported(model)
+    if why is None:
+        use_skinny_linear(model, config=config)
+    return why

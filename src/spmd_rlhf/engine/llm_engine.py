@@ -32,7 +32,7 @@ from spmd_rlhf.engine.agreement import agree_minimum, schedule_groups
 from spmd_rlhf.engine.block_manager import BlockManager
 from spmd_rlhf.engine.decode_compile import compile_around_attention, compile_backend
 from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_unsupported, say_once
-from spmd_rlhf.engine.decode_matmul import DECODE_MATMULS, skinny_linear_unsupported, use_skinny_linear
+from spmd_rlhf.engine.decode_matmul import apply_decode_matmul
 from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
@@ -150,14 +150,8 @@ class LLMEngine:
         if unsupported is not None:
             say_once(unsupported, f"decode steps run eagerly, without CUDA graphs: {unsupported}", device=device)
         capture = decode_graphs == "auto" and unsupported is None
-        if decode_matmul not in DECODE_MATMULS:
-            raise ValueError(f"decode_matmul={decode_matmul!r} is unknown; choose one of {', '.join(DECODE_MATMULS)}")
-        if decode_matmul == "triton":
-            why = skinny_linear_unsupported(model)
-            if why is None:
-                use_skinny_linear(model, config=decode_tiling)
-            else:
-                say_once(why, f"rollout.decode_matmul=triton falls back to F.linear: {why}", device=device)
+        if (why := apply_decode_matmul(model, decode_matmul, config=decode_tiling)) is not None:
+            say_once(why, f"rollout.decode_matmul=triton falls back to F.linear: {why}", device=device)
         backend = compile_backend(compile_layers, graphs=capture)
         if backend is not None:
             compile_around_attention(model, backend=backend)
