@@ -17,7 +17,7 @@ from hf_fixtures import write_hf_model
 
 import spmd_rlhf.kernels.skinny_linear as skinny_module
 from spmd_rlhf.config import ConfigError, load_config
-from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
+from spmd_rlhf.engine import LLMEngine, SamplingParams, decode_matmul
 from spmd_rlhf.engine.decode_matmul import skinny_linear_unsupported, use_skinny_linear
 from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.models import load_model
@@ -100,7 +100,7 @@ def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp
     assert "rollout.decode_matmul=triton falls back to F.linear" in caplog.text
     assert all("forward" not in vars(m) for m in engine.runner.model.model.layers.modules())
     # Where it can run (CUDA with triton), the engine points the blocks at the operator.
-    monkeypatch.setattr(llm_engine, "skinny_linear_unsupported", lambda model: None)
+    monkeypatch.setattr(decode_matmul, "skinny_linear_unsupported", lambda model: None)
     tiling = SkinnyConfig(block_out=16, prefetch=True)
     LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton", decode_tiling=tiling)
     assert all("forward" in vars(layer.mlp.down_proj) for layer in model.model.layers.values())
