@@ -11,9 +11,11 @@ import torch
 from spmd_rlhf.engine.sampler import (
     _MASK64,
     FILTERED,
+    SEARCH_CHUNK,
     derive_seed,
     draw,
     filter_logits,
+    inverse_cdf,
     row_sampling,
     row_uniforms,
     sample,
@@ -292,6 +294,34 @@ def test_a_token_outside_the_support_is_never_drawn():
         assert tokens[0] == 1 and tokens[1] in (1, 2)
 
 
+@pytest.mark.parametrize("vocab", [7, SEARCH_CHUNK, SEARCH_CHUNK + 1, 3 * SEARCH_CHUNK + 100])
+def test_the_two_level_search_finds_what_one_float64_cumulative_sum_finds(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(300, vocab, generator=generator) * 4, dim=-1)
+    probs[:, 1::3] = 0  # tokens without mass between those with it
+    uniforms = torch.rand(300, generator=generator, dtype=torch.float64)
+    uniforms[:2] = torch.tensor([2.0**-53, 1 - 2.0**-30], dtype=torch.float64)  # the extremes row_uniforms makes
+    cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
+    expected = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None], right=True).squeeze(1)
+    tokens, mass = inverse_cdf(probs, uniforms)
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(mass, cumulative[:, -1], rtol=1e-12, atol=0)
+
+
+def test_rounding_between_the_two_levels_never_draws_outside_the_support():
+    # The first chunk: one token of mass 1 and 1,023 of 0.75 * 2^-53, each too small to move a float64 running sum
+    # past 1, while the chunk's sum (summed in a tree) is 1 + 378 * 2^-52; the second chunk's first token has no
+    # mass. A target between the two sums passes the chunk's own cumulative total: the chunk's last token with mass
+    # is drawn, not the next chunk's first.
+    probs = torch.zeros(1, 2 * SEARCH_CHUNK)
+    probs[0, 0], probs[0, 1:SEARCH_CHUNK], probs[0, SEARCH_CHUNK + 1] = 1.0, 0.75 * 2.0**-53, 1.0
+    chunk_mass = probs[:, :SEARCH_CHUNK].sum(dim=-1, dtype=torch.float64).item()
+    assert chunk_mass > probs[0, :SEARCH_CHUNK].double().cumsum(0)[-1].item() == 1.0
+    uniforms = torch.tensor([(1 + (chunk_mass - 1) / 2) / (chunk_mass + 1)], dtype=torch.float64)
+    tokens, _ = inverse_cdf(probs, uniforms)
+    assert tokens.tolist() == [SEARCH_CHUNK - 1]
+
+
 def test_peak_memory_is_as_documented():
     rows, vocab = 8, 20_000
     logits = torch.randn(rows, vocab)
@@ -299,8 +329,15 @@ def test_peak_memory_is_as_documented():
     params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=100 * (row % 2)) for row in range(rows)]
     with PeakMemory("cpu") as memory:
         _sample(logits, params, list(range(rows)), [0] * rows)
-    # 16 bytes per element documented; a little room for per-row vectors.
+    # 16 bytes per element documented while the support floor sorts; a little room for per-row vectors.
     assert 12 * elements <= memory.peak_increase <= 17 * elements, memory.peak_increase / elements
+    sampled = [SamplingParams(temperature=0.9)] * rows
+    with PeakMemory("cpu") as memory:
+        _sample(logits, sampled, list(range(rows)), [0] * rows)
+    # 8 bytes per element and 32 per row and search-chunk token documented (no float64 cumulative sum over the
+    # vocabulary, which alone was 8 bytes per element).
+    search = 32 * rows * SEARCH_CHUNK
+    assert 8 * elements <= memory.peak_increase <= 8 * elements + search, (memory.peak_increase - 8 * elements) / search
     greedy = [SamplingParams(temperature=0)] * rows
     with PeakMemory("cpu") as memory:
         _sample(logits, greedy, [0] * rows, [0] * rows)

@@ -2,7 +2,8 @@
 top-k, top-p, per-request seeds.
 
 Sampling is by inverse CDF: the token is the first whose cumulative probability (softmax(logits / T) over the top-k /
-top-p support, summed in float64) exceeds u times the support's mass, with u a counter-based uniform: a hash of
+top-p support, summed in float64, in two levels: ``inverse_cdf``) exceeds u times the support's mass, with u a
+counter-based uniform: a hash of
 (request seed, response position), one per row. The draw is a function of its key, not a generator's stream, so a
 request's tokens depend only on its seed, its positions and its own logits: never on the other rows of the batch,
 their order, preemption, or how many steps ran before. One uniform per row (where Gumbel-max needs one per
@@ -166,6 +167,43 @@ def read_samples(rows: list[list[float]]) -> tuple[list[int], list[float], list[
     return [int(token) for token in token_row], log_prob_row, sampling_log_prob_row
 
 
+SEARCH_CHUNK = 1024
+"""Tokens per chunk of ``inverse_cdf``'s first level: at a 151,936-token vocabulary 149 chunk masses per row, and
+the second level's cumulative sum over 1,024 tokens."""
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``probs`` ``[rows, vocab]`` (non-negative, some mass in every row), the first token whose cumulative
+    mass, summed in float64, exceeds ``uniforms`` (``[rows]`` float64 in (0, 1 - 2^-30]) times the row's mass; returns
+    the tokens ``[rows]`` (int64) and the masses ``[rows]`` (float64).
+
+    In two levels, so that no float64 ``[rows, vocab]`` cumulative sum is written (at 256 rows and a 151,936-token
+    vocabulary it was 311 MB per decode step, besides reading the probabilities for it): the masses of chunks of
+    ``SEARCH_CHUNK`` tokens and their cumulative sum find the chunk the target falls in, then a cumulative sum over
+    that chunk alone finds the token. The chunk the target falls in has mass, and the token found has mass of its own
+    (the cumulative sum steps past the target at it). Where the two sums' rounding leaves the target past the chunk's
+    own cumulative total, the chunk's last token with mass is taken: no token outside the support is ever drawn."""
+    rows, vocab = probs.shape
+    whole = vocab // SEARCH_CHUNK * SEARCH_CHUNK
+    chunk_masses = probs[:, :whole].reshape(rows, -1, SEARCH_CHUNK).sum(dim=-1, dtype=torch.float64)
+    if whole < vocab:
+        last = probs[:, whole:].sum(dim=-1, dtype=torch.float64, keepdim=True)
+        chunk_masses = torch.cat([chunk_masses, last], dim=1)
+    cumulative = chunk_masses.cumsum(dim=-1)
+    mass = cumulative[:, -1]
+    targets = (uniforms * mass)[:, None]
+    chunks = torch.searchsorted(cumulative, targets, right=True).clamp_(max=cumulative.shape[1] - 1)
+    before = torch.where(chunks > 0, cumulative.gather(1, (chunks - 1).clamp(min=0)), 0.0)
+    offsets = torch.arange(SEARCH_CHUNK, device=probs.device)
+    indices = chunks * SEARCH_CHUNK + offsets
+    outside = indices >= vocab
+    chunk_probs = probs.gather(1, indices.clamp_(max=vocab - 1)).masked_fill_(outside, 0.0)
+    within = chunk_probs.cumsum(dim=-1, dtype=torch.float64).add_(before)
+    found = torch.searchsorted(within, targets, right=True)
+    last_with_mass = torch.where(chunk_probs > 0, offsets, -1).amax(dim=-1, keepdim=True)
+    return (chunks * SEARCH_CHUNK + torch.minimum(found, last_with_mass)).squeeze(1), mass
+
+
 GREEDY, SAMPLED, FILTERED = 0, 1, 2
 """Sampling kinds, each a fixed sequence of device work: every row greedy (an argmax); some row sampled, none
 filtered (softmax, cumulative sum, search); some row with top-k / top-p (its support's floor first). A batch's kind is
@@ -223,32 +261,35 @@ def draw(
     ``largest_k`` as ``_support_floor`` takes it. Returns the chosen ids ``[rows]`` (int64) and ``samples``
     ``[3, rows]`` float32 (the ids, exact up to 2^24, and their two log-probs: one copy brings all three to the host).
 
-    Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T, the float32
-    probabilities over the support and their float64 cumulative sum (16 bytes per [rows, vocab] element); greedy-only
-    batches hold the float32 copy alone."""
+    Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T and the float32
+    probabilities over the support (8 bytes per [rows, vocab] element; ``inverse_cdf`` adds about 32 bytes per row
+    and token of ``SEARCH_CHUNK``); a
+    filtered batch's support floor sorts the rows first (``_support_floor``: 16 bytes per element while it sorts);
+    greedy-only batches hold the float32 copy alone."""
     vocab_size = logits.shape[-1]
     assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
     scaled = logits / temperature[:, None]  # float32 (or wider) whatever came in
-    log_normaliser = torch.logsumexp(scaled, dim=-1)
     log_support_mass = None
     if kind == GREEDY:
+        log_normaliser = torch.logsumexp(scaled, dim=-1)
         tokens = scaled.argmax(dim=-1)
     else:
         floor = None if kind == SAMPLED else _support_floor(scaled, top_k, top_p, largest_k=largest_k)
-        probs = (scaled - log_normaliser[:, None]).exp_()
+        # torch.logsumexp's own steps (the same normaliser, bit for bit), its exponentials kept as the probabilities:
+        # two passes over the vocabulary fewer than exponentiating again.
+        maxes = scaled.amax(dim=-1, keepdim=True)
+        probs = (scaled - maxes).exp_()
+        sums = probs.sum(dim=-1, keepdim=True)
+        log_normaliser = sums.log().add_(maxes).squeeze(1)
+        probs.div_(sums)
         if floor is not None:
             probs.masked_fill_(scaled < floor[:, None], 0.0)
-        cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
+        tokens, support_mass = inverse_cdf(probs, uniforms)
         del probs
-        support_mass = cumulative[:, -1]
         if floor is not None:
             # A row that keeps every token gets log Z = 0 exactly, not the log of a float sum near 1.
             filters = (top_k > 0) | (top_p < 1)
             log_support_mass = torch.where(filters, support_mass.log(), 0.0)
-        targets = uniforms * support_mass
-        # The first token whose cumulative mass passes the target: its own mass is positive, so it is in the support.
-        tokens = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1).clamp_(max=vocab_size - 1)
-        del cumulative, support_mass
         if greedy is not None:
             tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
     # The chosen token is always in the support, so both its log-probs are finite.
