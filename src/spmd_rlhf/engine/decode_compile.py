@@ -1,5 +1,5 @@
-"""What ``rollout.compile`` compiles for generation: each decoder block around its attention call, and a greedy
-batch's draw on the static decode step (``decode_graphs``), both before the decode graphs capture them."""
+"""What ``rollout.compile`` compiles for generation: each decoder block around its attention call, and the draw of
+the static decode step (``decode_graphs``), both before the decode graphs capture them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from spmd_rlhf.config.choices import COMPILE_SETTINGS
-from spmd_rlhf.engine.sampler import GREEDY, draw
+from spmd_rlhf.engine.sampler import draw_rows
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.moe import MoEBlock
 
@@ -60,17 +60,24 @@ def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> 
     model.model.rotary.forward = compiled(model.model.rotary.forward)
 
 
-def greedy_draw(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sampler.draw`` of a greedy batch, ``temperature`` the sampling buffer's row (float64, 1 for greedy rows)."""
-    return draw(logits, kind=GREEDY, temperature=temperature.to(torch.float32))
+def compile_draw(backend: str) -> Callable:
+    """``sampler.draw_rows`` compiled (the static decode step's draw). At a 151,936-token vocabulary an eager draw is a
+    dozen or more kernels over the ``[rows, vocab]`` logits: a greedy one's division by T, logsumexp's max,
+    exponentials and sum, the argmax, the gather, the casts and the stack (about 30 µs of the 1.7 ms batch-1 step on
+    an H200, ``docs/benchmarks.md``, session 44); a sampled one's also the probabilities, the greedy rows' argmax
+    and the search's chunk masses, each a pass over the vocabulary in float32 (some 1.6 GB per step at 256 rows).
+    Inductor fuses them into a few reductions. The same greedy tokens (the argmax of the same float32 quotients),
+    log-probs within float32 rounding (the sums' order), and sampled tokens equal but where a target lies within
+    that rounding of a token's cumulative mass. Each sampling kind is its own graph (``kind`` is a constant to
+    TorchDynamo), the row count and the buffers' length symbolic from the first call: a graph for one row
+    (TorchDynamo specialises sizes of 1) and one for any other count, at most six, within its recompile limit; the
+    vocabulary stays static, so Inductor sizes its reductions for it."""
+    compiled = torch.compile(draw_rows, fullgraph=True, backend=backend)
 
+    def draw_any_rows(logits: torch.Tensor, sampling: torch.Tensor, uniforms: torch.Tensor, *, kind: int):
+        # The rows, and the buffers' length (a static step prepared for more rows makes longer ones).
+        for tensor, dim in ((logits, 0), (sampling, 1), (uniforms, 0)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return compiled(logits, sampling, uniforms, kind=kind)
 
-def compile_greedy_draw(backend: str) -> Callable:
-    """``greedy_draw`` compiled: at a 151,936-token vocabulary the eager draw is about a dozen kernels over the logits
-    (the division by T, logsumexp's max, exponentials and sum, the argmax, the gather, the casts and the stack:
-    about 30 µs of the 1.7 ms batch-1 step on an H200, ``docs/benchmarks.md``, session 44), which Inductor fuses into
-    a few reductions. Same tokens (the argmax of the same float32 quotients) and log-probs within float32 rounding
-    (the sum's order). Only greedy batches: a sampled draw's float64 cumulative sum is left to its own scan kernel.
-    The row count is left to TorchDynamo's automatic dynamic shapes: a graph for one row, one for any other count;
-    the vocabulary stays static, so Inductor sizes its reductions for it."""
-    return torch.compile(greedy_draw, fullgraph=True, backend=backend)
+    return draw_any_rows

@@ -8,13 +8,14 @@ input buffers padded to a few batch sizes (``decode_buckets``), one graph each, 
 size decodes. A padding row decodes token 0 at position 0 into a scratch KV block that no sequence owns (the runner
 keeps one past the block manager's), reading only that block, so it touches nothing real; its output is dropped.
 
-The whole step is captured: the trunk, the LM head and the sampler (``sampler.draw``, which reads every per-row
-value from device tensors), leaving the sampled ids where the next step gathers its inputs from and the ids with
-their two log-probs (``[3, rows]`` float32) in the graph's output, which the host copies back. Each row's sampling
+The whole step is captured: the trunk, the LM head and the sampler (``sampler.draw_rows``, which reads every per-row
+value from device tensors; compiled with the blocks under ``rollout.compile``: ``decode_compile.compile_draw``),
+leaving the sampled ids where the next step gathers its inputs from and the ids with their two log-probs
+(``[3, rows]`` float32) in the graph's output, which the host copies back. Each row's sampling
 parameters live in a device buffer, rewritten only when the row's sequence (its ``SamplingParams``) changes; its
 uniform (``row_uniforms`` of its seed and position) travels with the step's positions in one copy. The work of a
-draw depends on the batch's sampling kind (``sampler.GREEDY``, ``SAMPLED``, ``FILTERED``: an argmax, a cumulative
-sum, a sort of the vocabulary), so a graph is captured per batch size and kind, the kind chosen on the host from
+draw depends on the batch's sampling kind (``sampler.GREEDY``, ``SAMPLED``, ``FILTERED``: an argmax, a two-level
+search, a sort of the vocabulary), so a graph is captured per batch size and kind, the kind chosen on the host from
 the rows' parameters; every ``SamplingParams`` has a kind, so no sampling falls back to eager steps. A filtered
 graph sorts each row to find its support, where the eager sampler takes ``topk`` when no row has top-p: the same
 floor, so the same tokens. The same class without capture (``capture=False``) runs the identical padded,
@@ -47,8 +48,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmd_rlhf.engine.decode_compile import compile_greedy_draw, greedy_draw
-from spmd_rlhf.engine.sampler import FILTERED, GREEDY, draw, row_sampling, row_uniforms
+from spmd_rlhf.engine.decode_compile import compile_draw
+from spmd_rlhf.engine.sampler import GREEDY, draw_rows, row_sampling, row_uniforms
 from spmd_rlhf.engine.sequence import SamplingParams, Sequence
 from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig
 from spmd_rlhf.kernels.triton_support import use_triton
@@ -122,8 +123,8 @@ class StaticDecodeStep:
     """One decode step of ``model`` over fixed-address inputs padded to a bucket; captured into one CUDA graph per
     bucket when ``capture``. ``scratch_block``: a cache block no sequence owns, written and read by padding rows.
     ``max_blocks_per_seq``: block-table width, enough for the longest request. ``attention_tiling``: the decode
-    kernel's (``PagedKV.kernel_tiling``). ``draw_backend``: the TorchDynamo backend greedy batches' draws are compiled
-    with (``compile_greedy_draw``; the blocks' own, ``compile_backend``), or None for the eager draw."""
+    kernel's (``PagedKV.kernel_tiling``). ``draw_backend``: the TorchDynamo backend the step's draw is compiled with
+    (``decode_compile.compile_draw``; the blocks' own, ``compile_backend``), or None for the eager draw."""
 
     def __init__(
         self,
@@ -140,7 +141,7 @@ class StaticDecodeStep:
     ) -> None:
         self.model, self.key_cache, self.value_cache = model, key_cache, value_cache
         self.attention_tiling = attention_tiling
-        self._greedy_draw = greedy_draw if draw_backend is None else compile_greedy_draw(draw_backend)
+        self._draw = draw_rows if draw_backend is None else compile_draw(draw_backend)
         self.block_size = key_cache.shape[2]
         self.scratch_block, self.capture = scratch_block, capture
         self.buckets = decode_buckets(max_rows)
@@ -308,18 +309,7 @@ class StaticDecodeStep:
         sampling ``kind``; the ids go to the row the next step gathers pending tokens from, and the samples
         ``[3, rows]`` are returned."""
         logits = self.model.lm_head(self._trunk(rows))
-        temperature, top_k, top_p, greedy = self.sampling[:, :rows]
-        if kind == GREEDY:
-            token_ids, samples = self._greedy_draw(logits, temperature)
-        else:
-            values = {"temperature": temperature.to(torch.float32), "uniforms": self.uniforms[:rows]}
-            values["greedy"] = greedy != 0
-            if kind == FILTERED:
-                values |= {
-                    "top_k": top_k.to(torch.int64),
-                    "top_p": top_p.to(torch.promote_types(logits.dtype, torch.float32)),
-                }
-            token_ids, samples = draw(logits, kind=kind, **values)
+        token_ids, samples = self._draw(logits, self.sampling, self.uniforms, kind=kind)
         self._sampled[:rows].copy_(token_ids)
         return samples
 

@@ -110,7 +110,7 @@ class LLMEngine:
         late, so the host plans and launches step t + 1 while the device runs step t (``advance``); the same tokens
         and log-probs as the synchronous loop (False). ``compile_layers``: ``rollout.compile`` (``auto``, ``on`` or
         ``off``): each decoder block compiled around its attention call (``decode_compile.compile_around_attention``),
-        and the static step's greedy draws (``compile_greedy_draw``); ``auto`` where steps are captured.
+        and the static step's draw (``compile_draw``); ``auto`` where steps are captured.
         ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or ``triton``: the blocks' projections at 1 to 4 rows
         through ``kernels.skinny_linear``, ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why,
         once). ``decode_tiling``, ``attention_tiling``: the skinny-linear and paged decode kernels'

@@ -45,8 +45,8 @@ class ModelRunner:
     ) -> None:
         """``record_routes``: keep each sequence's experts per MoE layer in ``Sequence.routed_experts``
         (``routes.RouteRecorder``; eager steps only). ``attention_tiling``: the Triton decode kernel's, every step's
-        (``PagedKV.kernel_tiling``). ``draw_backend``: the static decode step's greedy draw compiled with it
-        (``decode_graphs.compile_greedy_draw``), or None."""
+        (``PagedKV.kernel_tiling``). ``draw_backend``: the static decode step's draw compiled with it
+        (``decode_compile.compile_draw``), or None."""
         if model.head != "lm":
             raise ValueError(f"generation needs a model with an LM head, got head={model.head!r}")
         if capture_graphs and not static_decode:

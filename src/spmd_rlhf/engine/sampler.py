@@ -242,6 +242,27 @@ def sample_on_device(
     return draw(logits, kind=kind, **sampling)
 
 
+def draw_rows(
+    logits: torch.Tensor, sampling: torch.Tensor, uniforms: torch.Tensor, *, kind: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw`` with the per-row parameters as ``decode_graphs``' buffers hold them, for their first ``rows`` (the
+    logits' rows) entries: ``sampling`` ``[4, max_rows]`` float64, the last four of ``row_sampling``'s values
+    (temperature, top_k, top_p, greedy) one row each, and ``uniforms`` ``[max_rows]`` float64 (``row_uniforms``); the
+    conversions ``draw`` needs made here, on the device."""
+    rows = logits.shape[0]
+    temperature, top_k, top_p, greedy = sampling[:, :rows]
+    uniforms = uniforms[:rows]
+    values = {"temperature": temperature.to(torch.float32)}
+    if kind != GREEDY:
+        values |= {"uniforms": uniforms, "greedy": greedy != 0}
+    if kind == FILTERED:
+        values |= {
+            "top_k": top_k.to(torch.int64),
+            "top_p": top_p.to(torch.promote_types(logits.dtype, torch.float32)),
+        }
+    return draw(logits, kind=kind, **values)
+
+
 def draw(
     logits: torch.Tensor,
     *,
