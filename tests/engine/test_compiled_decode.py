@@ -8,6 +8,7 @@ bfloat16 is ``test_cuda_compiled_layers_decode_like_eager_layers`` (the GPU suit
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -169,6 +170,29 @@ def test_the_static_steps_draws_run_compiled(tmp_path, monkeypatch):
         assert steps["off"][1] == 0
         assert steps["on"][0] > 3 and steps["on"][1] == steps["on"][0]
     assert backend.graphs <= 4
+
+
+def test_a_draw_the_backend_cannot_compile_runs_eagerly_and_says_so(tmp_path, monkeypatch, caplog):
+    """A compiler failure on the draw (first met in a step's warm-up) is logged once and the eager draw serves:
+    the same tokens and log-probs as an engine that never compiled it."""
+    torch._dynamo.reset()
+
+    def failing(graph, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    monkeypatch.setattr(llm_engine, "compile_backend", lambda setting, graphs: failing if setting == "on" else None)
+    monkeypatch.setattr(llm_engine, "compile_around_attention", lambda model, backend: None)
+    write_hf_model("qwen2_untied", str(tmp_path / "model"))
+    model = load_model(str(tmp_path / "model"), dtype=torch.float32)
+    outputs = {}
+    for setting in ("off", "on"):
+        engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_graphs="static", compile_layers=setting)
+        with caplog.at_level(logging.WARNING, logger="spmd_rlhf.engine.decode_compile"):
+            outputs[setting] = engine.generate(PROMPTS, _requests())
+    for got, expected in zip(outputs["on"], outputs["off"]):
+        assert got.generated_token_ids == expected.generated_token_ids and got.log_probs == expected.log_probs
+    assert caplog.text.count("the decode step's draw runs eagerly") == 1
+    assert "this backend compiles nothing" in caplog.text
 
 
 def greedy_shortfall_and_log_prob_error(reference, outputs) -> tuple[float, float]:

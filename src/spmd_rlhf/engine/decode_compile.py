@@ -3,6 +3,7 @@ the static decode step (``decode_graphs``), both before the decode graphs captur
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -11,6 +12,8 @@ from spmd_rlhf.config.choices import COMPILE_SETTINGS
 from spmd_rlhf.engine.sampler import draw_rows
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.moe import MoEBlock
+
+logger = logging.getLogger(__name__)
 
 
 def compile_backend(setting: str, *, graphs: bool) -> str | None:
@@ -71,13 +74,25 @@ def compile_draw(backend: str) -> Callable:
     that rounding of a token's cumulative mass. Each sampling kind is its own graph (``kind`` is a constant to
     TorchDynamo), the row count and the buffers' length symbolic from the first call: a graph for one row
     (TorchDynamo specialises sizes of 1) and one for any other count, at most six, within its recompile limit; the
-    vocabulary stays static, so Inductor sizes its reductions for it."""
+    vocabulary stays static, so Inductor sizes its reductions for it.
+
+    Where the backend fails on the draw, the error is logged once and the eager draw serves from then on (the same
+    tokens): a step's first call of each shape is the decode graphs' warm-up, outside any capture, so that is where
+    it fails."""
     compiled = torch.compile(draw_rows, fullgraph=True, backend=backend)
+    failed = False
 
     def draw_any_rows(logits: torch.Tensor, sampling: torch.Tensor, uniforms: torch.Tensor, *, kind: int):
-        # The rows, and the buffers' length (a static step prepared for more rows makes longer ones).
-        for tensor, dim in ((logits, 0), (sampling, 1), (uniforms, 0)):
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        return compiled(logits, sampling, uniforms, kind=kind)
+        nonlocal failed
+        if not failed:
+            # The rows, and the buffers' length (a static step prepared for more rows makes longer ones).
+            for tensor, dim in ((logits, 0), (sampling, 1), (uniforms, 0)):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            try:
+                return compiled(logits, sampling, uniforms, kind=kind)
+            except Exception as error:  # any compiler failure: the eager draw computes the same
+                failed = True
+                logger.warning("rollout.compile: the decode step's draw runs eagerly; compiling it failed: %s", error)
+        return draw_rows(logits, sampling, uniforms, kind=kind)
 
     return draw_any_rows
