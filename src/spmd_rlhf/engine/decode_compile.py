@@ -35,9 +35,9 @@ def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> 
     block's MLP moves into the next block's first piece (``residual_attention_inputs``; ``Backbone.carry_residuals``)
     and the last one's into the final norm (``residual_norm``), where Inductor fuses it with the norm: one kernel
     per layer fewer, and the final norm one kernel where it was eight eager ones; the rotary tables are compiled
-    too. The attention call between the
-    pieces (writing the new K/V into the paged cache, reading the context) stays eager: it is what differs between
-    layers and steps, and a compiled write into the cache would be one into a graph input. Each piece is one graph
+    too. The attention call between the pieces (writing the new K/V into the paged cache, reading the context)
+    stays eager: it is what differs between layers and steps, and a compiled write into the cache would be one into
+    a graph input. Each piece is one graph
     with no break (``fullgraph``; an MoE block's outputs may break where the looped expert path reads counts on the
     host), its token count symbolic (``dynamic``), so every layer and every decode bucket and prefill length share
     it: at most two graphs per piece and grad mode, the second for a single token (TorchDynamo specialises sizes of
