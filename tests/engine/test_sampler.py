@@ -322,6 +322,16 @@ def test_rounding_between_the_two_levels_never_draws_outside_the_support():
     assert tokens.tolist() == [SEARCH_CHUNK - 1]
 
 
+def test_any_uniform_gives_a_token_index_in_range():
+    # A padding row of a graphed step may hold a stale uniform; whatever it is (negative, past 1, NaN), the draw's
+    # index stays inside the vocabulary where the chunk it lands in has no mass, so no gather reads out of range.
+    probs = torch.zeros(4, 2 * SEARCH_CHUNK + 5)
+    probs[:, SEARCH_CHUNK + 3] = 1.0
+    uniforms = torch.tensor([-0.5, 1.5, float("nan"), 0.0], dtype=torch.float64)
+    tokens, _ = inverse_cdf(probs, uniforms)
+    assert ((tokens >= 0) & (tokens < probs.shape[1])).all() and tokens[3] == SEARCH_CHUNK + 3
+
+
 def test_peak_memory_is_as_documented():
     rows, vocab = 8, 20_000
     logits = torch.randn(rows, vocab)

@@ -201,7 +201,9 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tens
     within = chunk_probs.cumsum(dim=-1, dtype=torch.float64).add_(before)
     found = torch.searchsorted(within, targets, right=True)
     last_with_mass = torch.where(chunk_probs > 0, offsets, -1).amax(dim=-1, keepdim=True)
-    return (chunks * SEARCH_CHUNK + torch.minimum(found, last_with_mass)).squeeze(1), mass
+    tokens = (chunks * SEARCH_CHUNK + torch.minimum(found, last_with_mass)).squeeze(1)
+    # An index whatever the uniforms hold (a padding row's are stale values): a gather never reads out of bounds.
+    return tokens.clamp_(0, vocab - 1), mass
 
 
 GREEDY, SAMPLED, FILTERED = 0, 1, 2
