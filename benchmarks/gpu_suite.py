@@ -32,7 +32,8 @@ cuBLAS; with them the dense blocks' norms and activation run inside the projecti
 ``skinny_sweep`` and ``paged_sweep`` found best where they ran before it),
 ``skinny_sweep`` (``gpu_skinny_sweep.py``: the skinny-linear kernels' tilings, ``SkinnyConfig``, against each other
 and cuBLAS per projection at one row: which tiling ``g1_skinny`` should use), ``paged_sweep`` (``gpu_paged_sweep.py``:
-the paged decode kernel's tilings and pipeline depths, ``PagedConfig``, at batch 1 and 256),
+the paged decode kernel's tilings and pipeline depths, ``PagedConfig``, at batch 1 and 256), ``draw``
+(``gpu_draw.py``: the decode step's draw eager against compiled, greedy and sampled, at 1 and 256 rows),
 ``g1_eager_blocks`` (G1 with eager blocks,
 ``rollout.compile=off``: what compiling around attention gains; 29 % against 45 % of the floor on an H100), ``scale``
 (per-stage ``max_memory_allocated`` against the floor, GRPO at the 1.5B shape on one rank: two minutes, which the plain
@@ -249,6 +250,17 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             },
         ),
         Step(
+            "draw",
+            [python, str(BENCHMARKS / "gpu_draw.py"), *smoke_flag, *step_out("draw")],
+            120,
+            "*.json",
+            {
+                "draw_greedy_1_speedup": "cases.greedy_1.speedup",
+                "draw_greedy_1_compiled_us": "cases.greedy_1.compiled_us",
+                "draw_sampled_256_speedup": "cases.sampled_256.speedup",
+            },
+        ),
+        Step(
             "skinny_sweep",
             [python, str(BENCHMARKS / "gpu_skinny_sweep.py"), *smoke_flag, *step_out("skinny_sweep")],
             150,
@@ -406,6 +418,7 @@ STEPS = ("model", "cuda_tests", "g1", "g3", "g4", "g2", "kernels", "g5")
 build and the CUDA tests on an H200), then ``kernels`` and ``g5`` (476 s of steps in all in session 37 on an H100, 627 s
 in session 44 on an H200); see the module docstring for each step's limit."""
 OPTIONAL = (
+    "draw",
     "g1_skinny",
     "skinny_sweep",
     "paged_sweep",

@@ -1,7 +1,8 @@
 """The kernels' tiling sweeps on CPU (``--smoke``: the torch paths stand in for the kernels, so the scripts, not the
 figures, are checked). ``benchmarks/gpu_skinny_sweep.py``: every config runs every projection of both shapes, the best
 config is the fastest block and is what ``gpu_generate.py --skinny-config`` takes, and a config that failed is
-reported and never chosen. ``benchmarks/gpu_paged_sweep.py``: every tiling in every regime."""
+reported and never chosen. ``benchmarks/gpu_paged_sweep.py``: every tiling in every regime. ``benchmarks/gpu_draw.py``:
+every case on both sides."""
 
 from __future__ import annotations
 
@@ -97,3 +98,20 @@ def test_the_paged_kernel_sweep_times_every_tiling_in_every_regime(tmp_path):
     assert tiling == PagedConfig(**result["regimes"]["batch1_256"]["best_config"]) and "the best of" in source
     assert paged_tiling(None) == (DEFAULT_PAGED_CONFIG, "the defaults")
     assert paged_tiling('{"num_warps": 8}')[0] == PagedConfig(num_warps=8)
+
+
+def test_the_smoke_draw_benchmark_times_every_case_on_both_sides(tmp_path):
+    """``benchmarks/gpu_draw.py --smoke``: greedy and sampled draws at 1 and 256 rows, both sides timed (eager on
+    CPU), the same tokens, a result written."""
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_draw.py"), "--smoke", "--out", str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_draw_cpu.json").read_text())
+    assert set(result["cases"]) == {"greedy_1", "greedy_256", "sampled_1", "sampled_256"} and not result["compiled"]
+    for figures in result["cases"].values():
+        assert figures["eager_us"] > 0 and figures["compiled_us"] > 0 and figures["tokens_equal"]
