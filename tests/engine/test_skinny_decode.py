@@ -25,6 +25,7 @@ from spmd_rlhf.models.merged_linear import merge_projections
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
 from kernel_checks import interpreter_unusable_reason  # noqa: E402
+from torchrun_helpers import torchrun  # noqa: E402
 
 PROGRAM = Path(__file__).parent / "programs" / "skinny_decode.py"
 PROMPTS = [[5, 6, 7, 8, 9], [70, 71, 72]]
@@ -62,6 +63,31 @@ def test_the_kernels_decode_what_f_linear_decodes_eager_and_compiled(tmp_path):
     assert report["compiled"]["graphs"] <= 14 and report["eager"]["graphs"] == 0
 
 
+@pytest.mark.skipif(interpreter_unusable_reason() is not None, reason=str(interpreter_unusable_reason()))
+def test_a_tensor_parallel_replica_on_local_shards_decodes_through_the_kernels(tmp_path, monkeypatch):
+    """Two gloo ranks, one TP replica on local shards: the fused blocks on each rank's shards (o and down then
+    summed over the group), eager and compiled around attention, decode what its F.linear blocks decode; a replica
+    dispatching through DTensor is refused, naming run_locally."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks are fresh interpreters: the kernels defined under it
+    out = tmp_path / "results.json"
+    finished = torchrun("tp_skinny_decode.py", str(out), nproc=2, timeout=240)
+    assert finished.returncode == 0, finished.stdout[-6000:]
+    report = json.loads(out.read_text())
+    assert "run_locally" in report["refused_on_dtensor"] and report["taken_on_local_shards"] is None
+    for blocks in ("eager", "compiled"):
+        got = report[blocks]
+        assert got["tokens_equal"] and got["max_log_prob_difference"] < 1e-5, report
+        assert got["per_block"] == 4 and got["fused_blocks"] == 2  # both layers
+        kernel = got["kernel_calls"]
+        decode_steps = kernel["skinny_linear"] // 2  # o, once per layer and step
+        assert (
+            decode_steps > 0
+            and kernel["skinny_norm_linear"] == 2 * kernel["skinny_silu_mul_linear"] == 4 * decode_steps
+        )
+    # The row-parallel all-reduces (o's and down's) traced into the compiled blocks' second piece.
+    assert report["compiled"]["collective_graphs"] > 0 and report["eager"]["collective_graphs"] == 0
+
+
 def test_every_projection_of_a_block_goes_through_the_operator(tmp_path, monkeypatch):
     write_hf_model("qwen2_untied", str(tmp_path))
     params = SamplingParams(temperature=0, max_new_tokens=4)
@@ -91,10 +117,7 @@ def test_every_projection_of_a_block_goes_through_the_operator(tmp_path, monkeyp
 def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp_path, caplog, monkeypatch):
     write_hf_model("qwen2_untied", str(tmp_path))
     model = load_model(str(tmp_path))
-    assert "need CUDA tensors" in skinny_linear_unsupported(model)
-    model.local_tensor_parallel = True  # what run_locally marks a TP replica's generation copy with
-    assert "tp=1" in skinny_linear_unsupported(model)
-    model = load_model(str(tmp_path))
+    assert "need CUDA tensors" in skinny_linear_unsupported(model)  # a TP replica: test_a_tensor_parallel_replica_...
     with caplog.at_level(logging.INFO, logger="spmd_rlhf.engine.decode_graphs"):
         engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton")
     assert "rollout.decode_matmul=triton falls back to F.linear" in caplog.text

@@ -14,7 +14,9 @@ most ``MAX_ROWS`` rows, the block runs as
 
 four kernels (and down's split sum) where the compiled block ran seven; more rows take the block's own pieces. The
 operators are opaque to TorchDynamo, so compiled blocks (``rollout.compile``) call them between what is left to fuse,
-and decode graphs capture them.
+and decode graphs capture them. A TP replica on local shards (``models.local_tensor_parallel.run_locally``) takes
+them too, on its shards: the merged matmuls hold local rows already, o and down (row-parallel) compute this rank's
+partial product through the operator and then sum it over the TP group (``summed_over_ranks``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, MAX_ROWS, SkinnyConfig
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.decoder import DecoderLayer, DecoderLM
+from spmd_rlhf.models.local_tensor_parallel import local_parameter, summed_over_ranks
 from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import SwiGLU
 
@@ -80,7 +83,17 @@ def _attention_outputs_apart(
         x, self.self_attn.output(out), norm.weight, norm.eps, mlp.merged.weight, mlp.merged.bias, *self.skinny_kernels
     )
     down = mlp.down_proj
+    if _on_local_shards(down):  # row-parallel: this rank's share of the product, then summed over the TP group
+        partial = torch.ops.spmd_rlhf.skinny_silu_mul_linear(
+            gate_up, local_parameter(down, "weight"), None, *self.skinny_kernels
+        )
+        return x, summed_over_ranks(down, partial)
     return x, torch.ops.spmd_rlhf.skinny_silu_mul_linear(gate_up, down.weight, down.bias, *self.skinny_kernels)
+
+
+def _on_local_shards(linear: nn.Module) -> bool:
+    """Whether ``linear`` computes on its local shards (``models.local_tensor_parallel.run_locally``)."""
+    return getattr(linear, "local_shards", None) is not None
 
 
 def _fusable(layer: DecoderLayer) -> bool:
@@ -97,8 +110,11 @@ def _fusable(layer: DecoderLayer) -> bool:
 def skinny_linear_unsupported(model: DecoderLM, *, backend: str = "auto") -> str | None:
     """Why ``use_skinny_linear`` cannot serve ``model`` with ``backend`` (a sentence), or None when it can."""
     weight = model.model.embed_tokens.weight
-    if getattr(model, "local_tensor_parallel", False) or isinstance(weight, DTensor):
-        return "the kernel runs on a tp=1 generation copy (its TP layers compute on local shards of their own)"
+    if isinstance(weight, DTensor) and not model.local_tensor_parallel:
+        return (
+            "the model's tensor-parallel layers dispatch through DTensor; the kernels take a TP replica on local "
+            "shards (models.local_tensor_parallel.run_locally)"
+        )
     if not use_triton(weight.device, backend):
         return f"the Triton kernels need CUDA tensors and the triton package (the model is on {weight.device})"
     return None
@@ -120,7 +136,9 @@ def use_skinny_linear(
             matmul.skinny_kernels, matmul.matmul = kernels, types.MethodType(_skinny_linear, matmul)
         linears = [m for m in layer.modules() if isinstance(m, nn.Linear) and id(m) not in inside_merged]
         for linear in linears:
-            linear.skinny_kernels, linear.forward = kernels, types.MethodType(_skinny_linear, linear)
+            linear.skinny_kernels = kernels
+            if not _on_local_shards(linear):  # a TP layer's own local forward takes the operator (skinny_kernels)
+                linear.forward = types.MethodType(_skinny_linear, linear)
         swapped = len(merged) + len(linears)
         per_block = swapped if index == 0 else min(per_block, swapped)
         if _fusable(layer):

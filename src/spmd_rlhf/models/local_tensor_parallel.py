@@ -13,6 +13,8 @@ Megatron's way without autograd, per TP rank:
 
 - column-parallel linears (q, k, v, gate, up; merged or not): ``x W_local^T + b_local``, the input replicated;
 - row-parallel linears (o, down): ``all_reduce(x_local W_local^T) + b``;
+- each of those products through ``torch.ops.spmd_rlhf.skinny_linear`` where ``engine.decode_matmul`` gave the
+  module ``skinny_kernels`` (decode's few rows, ``rollout.decode_matmul=triton``), else ``F.linear``;
 - the vocabulary-parallel embedding: each rank looks up the ids in its rows (zeros elsewhere), then an all-reduce;
 - the LM head: this rank's vocabulary columns of the logits, all-gathered in mesh order (the sampler reads whole
   logits on every rank, as ``gather_logits`` did).
@@ -91,7 +93,7 @@ def run_locally(model: DecoderLM, mesh: DeviceMesh) -> None:
         module.forward = types.MethodType(forward, module)
 
 
-def _local(module: nn.Module, name: str) -> torch.Tensor | None:
+def local_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     """``module``'s parameter ``name`` as this rank's local tensor: looked up once per parameter object in eager
     calls (``_Shards``), read from the DTensor where TorchDynamo traces (its guards then hold for every layer)."""
     if torch.compiler.is_compiling():
@@ -100,19 +102,33 @@ def _local(module: nn.Module, name: str) -> torch.Tensor | None:
     return module.local_shards(name)
 
 
+def _matmul(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on local shards, or the skinny-linear operator where ``engine.decode_matmul`` pointed the module
+    at it (its ``skinny_kernels``: the operator's backend and tiling)."""
+    kernels = getattr(module, "skinny_kernels", None)
+    if kernels is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.spmd_rlhf.skinny_linear(x, weight, bias, *kernels)
+
+
+def summed_over_ranks(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
+    """A row-parallel module's output from this rank's partial product (its input shard times its weight shard):
+    summed over the TP group, then the (whole) bias added."""
+    dist.all_reduce(partial, group=module.tp_group)
+    bias = local_parameter(module, "bias")
+    return partial if bias is None else partial + bias
+
+
 def _column_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, _local(module, "weight"), _local(module, "bias"))
+    return _matmul(module, x, local_parameter(module, "weight"), local_parameter(module, "bias"))
 
 
 def _row_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = F.linear(x, _local(module, "weight"))
-    dist.all_reduce(out, group=module.tp_group)
-    bias = _local(module, "bias")
-    return out if bias is None else out + bias
+    return summed_over_ranks(module, _matmul(module, x, local_parameter(module, "weight"), None))
 
 
 def _vocabulary_parallel_embedding(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    weight = _local(module, "weight")
+    weight = local_parameter(module, "weight")
     local_ids = input_ids - module.tp_coordinate * weight.shape[0]
     outside = (local_ids < 0) | (local_ids >= weight.shape[0])
     embedded = F.embedding(local_ids.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0)
@@ -121,7 +137,7 @@ def _vocabulary_parallel_embedding(module: nn.Module, input_ids: torch.Tensor) -
 
 
 def _gathered_logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    local = F.linear(x, _local(module, "weight"), _local(module, "bias")).contiguous()
+    local = F.linear(x, local_parameter(module, "weight"), local_parameter(module, "bias")).contiguous()
     pieces = [torch.empty_like(local) for _ in module.tp_gather_order]
     dist.all_gather(pieces, local, group=module.tp_group)
     return torch.cat([pieces[rank] for rank in module.tp_gather_order], dim=-1)
