@@ -24,16 +24,21 @@ from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig 
 from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig  # noqa: E402
 
 
-def test_the_smoke_sweep_times_every_config_and_picks_the_fastest_block(tmp_path):
+def smoke_result(script: str, out: Path) -> dict:
+    """``benchmarks/<script>.py --smoke`` run in a fresh interpreter, writing to ``out``: its result on CPU."""
     finished = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_skinny_sweep.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(BENCHMARKS / f"{script}.py"), "--smoke", "--out", str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert finished.returncode == 0, finished.stderr[-4000:]
-    result = json.loads((tmp_path / "gpu_skinny_sweep_cpu.json").read_text())
+    return json.loads((out / f"{script}_cpu.json").read_text())
+
+
+def test_the_smoke_sweep_times_every_config_and_picks_the_fastest_block(tmp_path):
+    result = smoke_result("gpu_skinny_sweep", tmp_path)
     assert result["smoke"] and len(result["configs"]) == len(SWEEP) and set(result["shapes"]) == set(SKINNY_SHAPES)
     for figures in result["shapes"].values():
         assert set(figures["projections"]) == {"qkv", "o", "gate_up", "down"}
@@ -77,15 +82,7 @@ def test_the_paged_kernel_sweep_times_every_tiling_in_every_regime(tmp_path):
     from gpu_paged_sweep import REGIMES
     from gpu_paged_sweep import SWEEP as PAGED_SWEEP
 
-    finished = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_paged_sweep.py"), "--smoke", "--out", str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert finished.returncode == 0, finished.stderr[-4000:]
-    result = json.loads((tmp_path / "gpu_paged_sweep_cpu.json").read_text())
+    result = smoke_result("gpu_paged_sweep", tmp_path)
     assert set(result["regimes"]) == set(REGIMES) and len(result["configs"]) == len(PAGED_SWEEP)
     for figures in result["regimes"].values():
         times = {index: config["us"] for index, config in figures["configs"].items()}
@@ -103,15 +100,7 @@ def test_the_paged_kernel_sweep_times_every_tiling_in_every_regime(tmp_path):
 def test_the_smoke_draw_benchmark_times_every_case_on_both_sides(tmp_path):
     """``benchmarks/gpu_draw.py --smoke``: greedy and sampled draws at 1 and 256 rows, both sides timed (eager on
     CPU), the same tokens, a result written."""
-    finished = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_draw.py"), "--smoke", "--out", str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_draw_cpu.json").read_text())
+    result = smoke_result("gpu_draw", tmp_path)
     assert set(result["cases"]) == {"greedy_1", "greedy_256", "sampled_1", "sampled_256"} and not result["compiled"]
     for figures in result["cases"].values():
         assert figures["eager_us"] > 0 and figures["compiled_us"] > 0 and figures["tokens_equal"]
