@@ -189,6 +189,18 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
+def kernel_dtype(device: torch.device | str) -> torch.dtype:
+    """The kernel benchmarks' dtype: bfloat16 on CUDA, float32 where the torch paths stand in for the kernels."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--repeats`` and ``--out``, as every kernel benchmark takes them."""
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results")
+
+
 def synchronize(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from gpu_common import default_device, environment, parse_with_smoke, write_result
+from gpu_common import add_kernel_arguments, environment, kernel_dtype, parse_with_smoke, write_result
 from gpu_timing import graphed_seconds
 
 from spmd_rlhf.engine.decode_compile import compile_draw
@@ -32,7 +32,7 @@ ROWS = (1, 256)
 def draw_inputs(rows: int, vocab: int, kind: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits (bf16 on CUDA), the sampling buffer (T 0.8 for sampled rows, 1 for greedy ones; nothing filtered) and
     the rows' uniforms, as ``decode_graphs.StaticDecodeStep`` holds them."""
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    dtype = kernel_dtype(device)
     generator = torch.Generator(device=device).manual_seed(rows)
     logits = torch.randn(rows, vocab, device=device, generator=generator).mul_(3).to(dtype)
     sampling = torch.zeros(4, rows, dtype=torch.float64, device=device)
@@ -45,10 +45,8 @@ def draw_inputs(rows: int, vocab: int, kind: int, device: str) -> tuple[torch.Te
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=default_device())
+    add_kernel_arguments(parser)
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, dict(vocab=4096, repeats=2))
     compiles = torch.device(args.device).type == "cuda" and not args.smoke
     compiled = compile_draw("inductor") if compiles else draw_rows

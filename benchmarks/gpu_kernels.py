@@ -29,9 +29,10 @@ import argparse
 
 import torch
 from gpu_common import (
+    add_kernel_arguments,
     copy_bandwidth,
-    default_device,
     environment,
+    kernel_dtype,
     meets_goal,
     parse_with_smoke,
     synchronize,
@@ -217,18 +218,16 @@ def measure_fused_logprob(args: argparse.Namespace, dtype: torch.dtype) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=default_device())
+    add_kernel_arguments(parser)
     parser.add_argument("--decode-seqs", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skinny-rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--copy-mib", type=int, default=1024)
-    parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, dict(decode_seqs=4, context=40, tokens=64, vocab=512, repeats=2, copy_mib=4))
     real_run = torch.device(args.device).type == "cuda" and not args.smoke
-    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    dtype = kernel_dtype(args.device)
     paged = measure_paged_decode(args, dtype)
     fused = measure_fused_logprob(args, dtype)
     # Goals: the paged kernel within 2x of reading its KV once; the fused pass at least as fast as the reference while

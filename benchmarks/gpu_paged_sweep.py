@@ -24,7 +24,7 @@ import argparse
 from dataclasses import asdict
 
 import torch
-from gpu_common import default_device, environment, parse_with_smoke, write_result
+from gpu_common import add_kernel_arguments, environment, kernel_dtype, parse_with_smoke, write_result
 from gpu_kernels import HEAD_DIM, decode_inputs, new_token_inputs
 from gpu_timing import graphed_seconds
 
@@ -94,11 +94,9 @@ def measure_regime(args: argparse.Namespace, seqs: int, context: int, dtype: tor
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=default_device())
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results")
+    add_kernel_arguments(parser)
     args = parse_with_smoke(parser, dict(repeats=2))
-    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    dtype = kernel_dtype(args.device)
     result = {
         "smoke": args.smoke,
         "dtype": str(dtype).removeprefix("torch."),

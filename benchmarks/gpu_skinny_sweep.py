@@ -25,7 +25,7 @@ from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
-from gpu_common import default_device, environment, parse_with_smoke, write_result
+from gpu_common import add_kernel_arguments, environment, kernel_dtype, parse_with_smoke, write_result
 from gpu_skinny import SKINNY_SHAPES, engine_projection, per_layer_seconds, projection_weights
 from gpu_timing import GRAPH_CALLS
 
@@ -118,12 +118,10 @@ def summarise(projections: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=default_device())
+    add_kernel_arguments(parser)
     parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results")
     args = parse_with_smoke(parser, dict(repeats=2))
-    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    dtype = kernel_dtype(args.device)
     result = {
         "smoke": args.smoke,
         "dtype": str(dtype).removeprefix("torch."),
