@@ -168,8 +168,44 @@ def read_samples(rows: list[list[float]]) -> tuple[list[int], list[float], list[
 
 
 SEARCH_CHUNK = 1024
-"""Tokens per chunk of ``inverse_cdf``'s first level: at a 151,936-token vocabulary 149 chunk masses per row, and
-the second level's cumulative sum over 1,024 tokens."""
+"""Tokens per chunk of the draw's two-level reductions (``argmax_in_chunks``) and search (``inverse_cdf``'s first
+level): at a 151,936-token vocabulary 149 chunks per row, and the second level's cumulative sum over 1,024 tokens."""
+
+
+def _chunked(values: torch.Tensor) -> list[torch.Tensor]:
+    """``values`` ``[rows, vocab]`` as ``[rows, chunks, size]`` views: whole chunks of ``SEARCH_CHUNK`` tokens, then
+    the rest as one more (the vocabulary stays static to TorchDynamo, so which there are is fixed per graph)."""
+    rows, vocab = values.shape
+    whole = vocab // SEARCH_CHUNK * SEARCH_CHUNK
+    pieces = [values[:, :whole].reshape(rows, -1, SEARCH_CHUNK)] if whole else []
+    return pieces + ([values[:, whole:].unsqueeze(1)] if whole < vocab else [])
+
+
+def argmax_in_chunks(values: torch.Tensor, *, normaliser: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row of ``values`` ``[rows, vocab]``: the index of its first largest value (``values.argmax(-1)``'s) and,
+    with ``normaliser``, its logsumexp, both in two levels over chunks of ``SEARCH_CHUNK`` tokens.
+
+    Why: TorchDynamo's Inductor never splits an argmax over many programs, so a compiled ``argmax(-1)`` of one row of
+    a 151,936-token vocabulary ran as a single program reading all of it, 35 µs of the 1.56 ms batch-1 decode step
+    on an H200 (session 47's profile), where a reduction spread over the GPU takes a few. Here each chunk's maximum,
+    its first index and (``normaliser``) its sum of exponentials are one reduction per chunk, rows × chunks programs,
+    and the second level reads 149 values per row. The first largest chunk maximum's chunk holds the first largest
+    value, so the index equals ``argmax``'s, ties included. The logsumexp is ``torch.logsumexp``'s up to float32
+    summation order (each chunk shifted by its own maximum; chunks whose maximum is infinite shift by zero, as
+    ``torch.logsumexp`` does)."""
+    maxima, indices, sums = [], [], []
+    start = 0
+    for piece in _chunked(values):
+        chunk_max, chunk_index = piece.max(dim=-1)
+        maxima.append(chunk_max)
+        indices.append(chunk_index + start + torch.arange(piece.shape[1], device=values.device) * piece.shape[2])
+        if normaliser:
+            shift = torch.where(chunk_max.abs() == float("inf"), 0.0, chunk_max)
+            sums.append((piece - shift[..., None]).exp_().sum(dim=-1).log() + shift)
+        start += piece.shape[1] * piece.shape[2]
+    maxima, indices = torch.cat(maxima, dim=1), torch.cat(indices, dim=1)
+    tokens = indices.gather(1, maxima.argmax(dim=-1, keepdim=True)).squeeze(1)
+    return tokens, torch.logsumexp(torch.cat(sums, dim=1), dim=-1) if normaliser else None
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,12 +219,8 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tens
     that chunk alone finds the token. The chunk the target falls in has mass, and the token found has mass of its own
     (the cumulative sum steps past the target at it). Where the two sums' rounding leaves the target past the chunk's
     own cumulative total, the chunk's last token with mass is taken: no token outside the support is ever drawn."""
-    rows, vocab = probs.shape
-    whole = vocab // SEARCH_CHUNK * SEARCH_CHUNK
-    chunk_masses = probs[:, :whole].reshape(rows, -1, SEARCH_CHUNK).sum(dim=-1, dtype=torch.float64)
-    if whole < vocab:
-        last = probs[:, whole:].sum(dim=-1, dtype=torch.float64, keepdim=True)
-        chunk_masses = torch.cat([chunk_masses, last], dim=1)
+    vocab = probs.shape[1]
+    chunk_masses = torch.cat([piece.sum(dim=-1, dtype=torch.float64) for piece in _chunked(probs)], dim=1)
     cumulative = chunk_masses.cumsum(dim=-1)
     mass = cumulative[:, -1]
     targets = (uniforms * mass)[:, None]
@@ -288,14 +320,13 @@ def draw(
     probabilities over the support (8 bytes per [rows, vocab] element; ``inverse_cdf`` adds about 32 bytes per row
     and token of ``SEARCH_CHUNK``); a
     filtered batch's support floor sorts the rows first (``_support_floor``: 16 bytes per element while it sorts);
-    greedy-only batches hold the float32 copy alone."""
+    greedy-only batches the float32 copy and, run eagerly, its chunk-shifted exponentials (``argmax_in_chunks``)."""
     vocab_size = logits.shape[-1]
     assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
     scaled = logits / temperature[:, None]  # float32 (or wider) whatever came in
     log_support_mass = None
     if kind == GREEDY:
-        log_normaliser = torch.logsumexp(scaled, dim=-1)
-        tokens = scaled.argmax(dim=-1)
+        tokens, log_normaliser = argmax_in_chunks(scaled, normaliser=True)
     else:
         floor = None if kind == SAMPLED else _support_floor(scaled, top_k, top_p, largest_k=largest_k)
         # torch.logsumexp's own steps (the same normaliser, bit for bit), its exponentials kept as the probabilities:
@@ -314,7 +345,7 @@ def draw(
             filters = (top_k > 0) | (top_p < 1)
             log_support_mass = torch.where(filters, support_mass.log(), 0.0)
         if greedy is not None:
-            tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
+            tokens = torch.where(greedy, argmax_in_chunks(scaled)[0], tokens)
     # The chosen token is always in the support, so both its log-probs are finite.
     chosen_log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_normaliser
     sampling_log_probs = chosen_log_probs if log_support_mass is None else chosen_log_probs.double() - log_support_mass
