@@ -49,8 +49,9 @@ from gpu_common import (
 )
 
 from spmd_rlhf.engine import LLMEngine, SamplingParams
+from spmd_rlhf.engine.decode_matmul import DEFAULT_TILINGS
 from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig
-from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig
+from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.merged_linear import merge_projections
 
@@ -92,15 +93,34 @@ def _swept_tiling(given: str | None, pattern: str, pick, make, default):
     return make(chosen), f"the best of {found[0]}"
 
 
-def skinny_tiling(given: str | None, shape: str) -> tuple[SkinnyConfig, str]:
-    """``--skinny-config``: the skinny-linear kernels' tiling, from a ``gpu_skinny_sweep.py`` result its best for
-    ``shape`` (else its first shape's)."""
+def skinny_tiling(given: str | None, shape: str) -> tuple[SkinnyConfig | dict[str, SkinnyConfig], str]:
+    """``--skinny-config``: the skinny-linear kernels' tilings, from a ``gpu_skinny_sweep.py`` result each
+    projection's fastest for ``shape`` (else for its first shape), taking as many rows as ``DEFAULT_TILINGS``; a JSON
+    object of ``SkinnyConfig`` fields is one tiling for every projection."""
 
     def pick(result: dict) -> dict | None:
         shapes = result["shapes"]
-        return (shapes.get(shape) or next(iter(shapes.values())))["best_config"]
+        projections = (shapes.get(shape) or next(iter(shapes.values())))["projections"]
+        fastest = {
+            name: min((key for key in timings if key.isdigit()), key=lambda key: timings[key]["us"])
+            for name, timings in projections.items()
+        }
+        return {name: result["configs"][int(key)] for name, key in fastest.items()}
 
-    return _swept_tiling(given, "gpu_skinny_sweep_*.json", pick, lambda fields: SkinnyConfig(**fields), DEFAULT_CONFIG)
+    def make(fields: dict) -> SkinnyConfig | dict[str, SkinnyConfig]:
+        if fields.keys() == DEFAULT_TILINGS.keys():
+            return {
+                name: SkinnyConfig(**{**each, "max_rows": DEFAULT_TILINGS[name].max_rows})
+                for name, each in fields.items()
+            }
+        return SkinnyConfig(**fields)
+
+    return _swept_tiling(given, "gpu_skinny_sweep_*.json", pick, make, DEFAULT_TILINGS)
+
+
+def tiling_fields(tiling: SkinnyConfig | dict[str, SkinnyConfig]) -> dict:
+    """``--skinny-config``'s tilings as the result JSON records them."""
+    return asdict(tiling) if isinstance(tiling, SkinnyConfig) else {name: asdict(t) for name, t in tiling.items()}
 
 
 def paged_tiling(given: str | None) -> tuple[PagedConfig, str]:
@@ -180,8 +200,9 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, *, batch: i
             f"{args.decode_tokens} new tokens took no longer than 1 ({times}); the machine is too noisy "
             "for this measurement, or --decode-tokens is too small: raise it or --repeats"
         )
-    if args.profile and batch == 1:
-        with profiled(args.profile):
+    if args.profile:
+        path = Path(args.profile)
+        with profiled(str(path if batch == 1 else path.with_name(f"{path.stem}_batch{batch}{path.suffix}"))):
             runs["auto_to_last_token"]()
             synchronize(args.device)
     tokens_per_s = batch * (args.decode_tokens - 1) / decode_s["auto"]
@@ -329,7 +350,7 @@ def main() -> None:
         "--decode-matmul",
         choices=("torch", "triton"),
         default="torch",
-        help="rollout.decode_matmul (default torch, the config's): triton runs the blocks' projections at 1 to 4 rows "
+        help="rollout.decode_matmul (default torch, the config's): triton runs the blocks' projections at one row "
         "through the skinny-linear kernels",
     )
     parser.add_argument(
@@ -343,7 +364,9 @@ def main() -> None:
         "(a file or its folder) whose best at batch 1 is taken; default: PagedConfig()",
     )
     parser.add_argument(
-        "--profile", help="write a profile of one more batch-1 decode run (G1, default engine) to this file"
+        "--profile",
+        help="write a profile of one more batch-1 decode run (G1, the engine measured) to this file, and of each other "
+        "batch size to <stem>_batch<rows><suffix> beside it",
     )
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's copy")
     parser.add_argument("--out", default="benchmarks/results")
@@ -361,7 +384,7 @@ def main() -> None:
         "dtype": args.dtype,
         "compile_layers": args.compile_layers,
         "decode_matmul": args.decode_matmul,
-        "decode_tiling": {**asdict(args.decode_tiling), "source": tiling_source},
+        "decode_tiling": {**tiling_fields(args.decode_tiling), "source": tiling_source},
         "attention_tiling": {**asdict(args.attention_tiling), "source": attention_source},
         "environment": environment(args.device),
     }

@@ -25,7 +25,8 @@ from cache), which is what lets each program compute them itself:
 - ``skinny_silu_mul_linear``: ``linear(silu(gate) * up)`` of ``[gate, up]`` (the merged gate/up matmul's output),
   rounded where SwiGLU rounds.
 
-Each function takes up to ``MAX_ROWS`` rows through the kernels and anything else through its torch reference
+Each function takes up to its tiling's ``max_rows`` rows (at most ``MAX_ROWS``) through the kernels and anything
+else through its torch reference
 (``F.linear`` after the model's own ``rms_norm`` / ``silu``), so a layer can call it for every batch; each has an
 operator (``torch.ops.spmd_rlhf.skinny_linear`` and the others below) that a compiled decoder block calls as one
 opaque kernel call and a CUDA graph captures. Forward only: the generation copy's weights take no gradient. Whether
@@ -82,6 +83,10 @@ class SkinnyConfig:
     """Splitting the input stops once the launch has this many programs per multiprocessor."""
     num_warps: int = 4
     """Warps per program of the product kernel."""
+    max_rows: int = MAX_ROWS
+    """Most rows (1 to ``MAX_ROWS``) the kernels take; more go through the torch reference. On an H200 (session 47,
+    the 1.5B shape) the kernels beat cuBLAS at one row and lost at two and four (q/k/v 7.6 and 10.9 us against 6.2,
+    gate/up 22.4 and 34.5 against 16.7): the engine's tilings take one (``engine.decode_matmul.DEFAULT_TILINGS``)."""
     prefetch: bool = False
     """Issue each tile's loads a tile ahead (registers hold two tiles), so that a program's walk waits on memory once
     instead of once per tile."""
@@ -97,6 +102,8 @@ class SkinnyConfig:
                 raise ValueError(f"SkinnyConfig.{name}={value} must be a power of two of at least {MAX_ROWS}")
         if self.tiles_per_split < 1 or self.programs_per_processor < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{self}: tiles_per_split and programs_per_processor >= 1, num_warps a power of two")
+        if not 1 <= self.max_rows <= MAX_ROWS:
+            raise ValueError(f"SkinnyConfig.max_rows={self.max_rows} must be 1 to {MAX_ROWS}")
 
 
 DEFAULT_CONFIG = SkinnyConfig()
@@ -145,14 +152,16 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"bias must be [out_features={weight.shape[0]}], got {list(bias.shape)}")
 
 
-def _kernels_take(rows: int, backend: str, weight: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
-    """Whether the kernels run this product: at most ``MAX_ROWS`` rows, one supported dtype and device for all,
+def _kernels_take(
+    rows: int, config: SkinnyConfig, backend: str, weight: torch.Tensor, *tensors: torch.Tensor | None
+) -> bool:
+    """Whether the kernels run this product: at most ``config.max_rows`` rows, one supported dtype and device for all,
     a weight contiguous in its inputs and vectors (a bias, a norm's weight) contiguous, and ``backend`` picking
     Triton; anything else is the torch reference's (which also raises what it raises for mismatched inputs). Rows
     of any layout are taken (``_row_major`` copies them where needed)."""
     given = [t for t in (weight, *tensors) if t is not None]
     return (
-        1 <= rows <= MAX_ROWS
+        1 <= rows <= config.max_rows
         and weight.dtype in SUPPORTED_DTYPES
         and all(t.dtype == weight.dtype and t.device == weight.device for t in given)
         and weight.stride(-1) == 1
@@ -263,14 +272,14 @@ def skinny_linear(
     splits: int | None = None,
     config: SkinnyConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: through the Triton kernels when ``x`` has at most ``MAX_ROWS`` rows (its
+    """``F.linear(x, weight, bias)``: through the Triton kernels when ``x`` has at most ``config.max_rows`` rows (its
     leading dimensions flattened), every tensor one float16 / bfloat16 / float32 dtype, and ``backend`` picks Triton
     (``auto``: CUDA tensors with triton installed; ``triton``; ``torch``: always ``F.linear``), in float32 rounded
     once to ``x``'s dtype; otherwise ``F.linear`` itself. ``splits``: programs per output block (None:
     ``skinny_launch``'s choice for this device); ``config``: the tiling (``SkinnyConfig``)."""
     _check_inputs(x, weight, bias, x_width=weight.shape[-1])
     rows = _rows(x)
-    if not _kernels_take(rows, backend, weight, x, bias):
+    if not _kernels_take(rows, config, backend, weight, x, bias):
         return F.linear(x, weight, bias)
     out, _ = _launch(_row_major(x, rows), weight, bias, input_kind=PLAIN.value, splits=splits, config=config)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -298,7 +307,7 @@ def skinny_norm_linear(
             f"{list(norm_weight.shape)} and {None if residual is None else list(residual.shape)}"
         )
     rows = _rows(x)
-    if not _kernels_take(rows, backend, weight, x, bias, residual, norm_weight):
+    if not _kernels_take(rows, config, backend, weight, x, bias, residual, norm_weight):
         h = x if residual is None else x + residual
         return h, F.linear(rms_norm(h, norm_weight, eps), weight, bias)
     out, h = _launch(
@@ -328,7 +337,7 @@ def skinny_silu_mul_linear(
     through the kernels under ``skinny_linear``'s conditions, else that torch reference."""
     _check_inputs(gate_up, weight, bias, x_width=2 * weight.shape[-1])
     rows = _rows(gate_up)
-    if not _kernels_take(rows, backend, weight, gate_up, bias):
+    if not _kernels_take(rows, config, backend, weight, gate_up, bias):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, weight, bias)
     out, _ = _launch(_row_major(gate_up, rows), weight, bias, input_kind=SILU_MUL.value, splits=splits, config=config)

@@ -1,8 +1,8 @@
 """The kernels' tiling sweeps on CPU (``--smoke``: the torch paths stand in for the kernels, so the scripts, not the
 figures, are checked). ``benchmarks/gpu_skinny_sweep.py``: every config runs every projection of both shapes, the best
-config is the fastest block and is what ``gpu_generate.py --skinny-config`` takes, and a config that failed is
-reported and never chosen. ``benchmarks/gpu_paged_sweep.py``: every tiling in every regime. ``benchmarks/gpu_draw.py``:
-every case on both sides."""
+config is the fastest block, each projection's fastest is what ``gpu_generate.py --skinny-config`` takes, and a
+config that failed is reported and never chosen. ``benchmarks/gpu_paged_sweep.py``: every tiling in every regime.
+``benchmarks/gpu_draw.py``: every case on both sides."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -20,8 +21,9 @@ from gpu_skinny import SKINNY_SHAPES  # noqa: E402
 from gpu_skinny_sweep import SWEEP, summarise  # noqa: E402
 from gpu_timing import GRAPH_CALLS  # noqa: E402
 
+from spmd_rlhf.engine.decode_matmul import DEFAULT_TILINGS  # noqa: E402
 from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig  # noqa: E402
-from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig  # noqa: E402
+from spmd_rlhf.kernels.skinny_linear import SkinnyConfig  # noqa: E402
 
 
 def smoke_result(script: str, out: Path) -> dict:
@@ -50,17 +52,25 @@ def test_the_smoke_sweep_times_every_config_and_picks_the_fastest_block(tmp_path
         assert figures["best"] == int(min(blocks, key=blocks.get))
         best_us = blocks[str(figures["best"])]
         assert figures["best_saved_us_per_28_layer_step_over_default"] == (blocks["0"] - best_us) * GRAPH_CALLS
+
     # G1 with the kernels (gpu_generate --skinny-config, the suite's g1_skinny) takes the sweep's best tiling for its
     # shape from the folder the sweep wrote to (another shape: the sweep's first), the defaults where it finds none.
+    def fastest(swept: str) -> dict[str, SkinnyConfig]:
+        """Each projection's fastest tiling at ``swept``, taking one row as the engine's defaults do."""
+        projections = result["shapes"][swept]["projections"]
+        return {
+            name: replace(SWEEP[min(range(len(SWEEP)), key=lambda index: timings[str(index)]["us"])], max_rows=1)
+            for name, timings in projections.items()
+        }
+
     for shape, swept in (("7b", "7b"), ("smoke", "1.5b")):
         tiling, source = skinny_tiling(str(tmp_path), shape)
-        assert tiling == SkinnyConfig(**result["shapes"][swept]["best_config"]) and "the best of" in source
-    assert skinny_tiling(None, "1.5b") == (DEFAULT_CONFIG, "the defaults")
-    assert skinny_tiling(str(tmp_path / "nothing"), "1.5b")[0] == DEFAULT_CONFIG
-    best_7b = SkinnyConfig(**result["shapes"]["7b"]["best_config"])
-    assert skinny_tiling(str(tmp_path / "gpu_skinny_sweep_cpu.json"), "7b")[0] == best_7b  # the file itself
+        assert tiling == fastest(swept) and "the best of" in source
+    assert skinny_tiling(None, "1.5b") == (DEFAULT_TILINGS, "the defaults")
+    assert skinny_tiling(str(tmp_path / "nothing"), "1.5b")[0] == DEFAULT_TILINGS
+    assert skinny_tiling(str(tmp_path / "gpu_skinny_sweep_cpu.json"), "7b")[0] == fastest("7b")  # the file itself
     (tmp_path / "empty").mkdir()
-    assert skinny_tiling(str(tmp_path / "empty"), "1.5b")[0] == DEFAULT_CONFIG
+    assert skinny_tiling(str(tmp_path / "empty"), "1.5b")[0] == DEFAULT_TILINGS
     assert skinny_tiling('{"prefetch": true}', "1.5b")[0] == SkinnyConfig(prefetch=True)
 
 

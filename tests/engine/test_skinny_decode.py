@@ -18,7 +18,7 @@ from hf_fixtures import write_hf_model
 import spmd_rlhf.kernels.skinny_linear as skinny_module
 from spmd_rlhf.config import ConfigError, load_config
 from spmd_rlhf.engine import LLMEngine, SamplingParams, decode_matmul
-from spmd_rlhf.engine.decode_matmul import skinny_linear_unsupported, use_skinny_linear
+from spmd_rlhf.engine.decode_matmul import DEFAULT_TILINGS, skinny_linear_unsupported, use_skinny_linear
 from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.models import load_model
 from spmd_rlhf.models.merged_linear import merge_projections
@@ -112,6 +112,23 @@ def test_every_projection_of_a_block_goes_through_the_operator(tmp_path, monkeyp
     # 4 per block in prefill (each projection) and in each of 3 decode steps (the fused block).
     assert len(calls) == 4 * merged.args.num_layers * 4
     assert calls.count("skinny_silu_mul_linear") == 3 * merged.args.num_layers
+    # Each projection its own tiling (session 47's sweep), the fused block at one row: two rows of decode take the
+    # block's own pieces, each projection through the plain operator.
+    first, unmerged = (next(iter(m.model.layers.values())) for m in (merged, plain))
+    projections = {
+        "qkv": (first.self_attn.merged, unmerged.self_attn.k_proj),
+        "o": (first.self_attn.o_proj, unmerged.self_attn.o_proj),
+        "gate_up": (first.mlp.merged, unmerged.mlp.up_proj),
+        "down": (first.mlp.down_proj, unmerged.mlp.down_proj),
+    }
+    for name, modules in projections.items():
+        assert all(m.skinny_kernels[1] == DEFAULT_TILINGS[name].as_tiling() for m in modules), name
+    assert first.skinny_rows == 1
+    calls.clear()
+    LLMEngine(merged, eos_token_id=None, block_size=4).generate(PROMPTS, params)
+    assert set(calls) == {"skinny_linear"} and len(calls) == 4 * merged.args.num_layers * 4
+    with pytest.raises(ValueError, match="one per"):
+        use_skinny_linear(plain, backend="torch", config={"qkv": SkinnyConfig()})
 
 
 def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp_path, caplog, monkeypatch):

@@ -54,7 +54,15 @@ def test_the_launch_covers_the_input_in_whole_tiles_with_no_empty_split(config):
 
 
 @pytest.mark.parametrize(
-    "fields", [dict(block_out=6), dict(tile_elements=2), dict(tiles_per_split=0), dict(num_warps=3)]
+    "fields",
+    [
+        dict(block_out=6),
+        dict(tile_elements=2),
+        dict(tiles_per_split=0),
+        dict(num_warps=3),
+        dict(max_rows=0),
+        dict(max_rows=MAX_ROWS + 1),
+    ],
 )
 def test_a_config_the_kernels_cannot_tile_is_refused(fields):
     with pytest.raises(ValueError, match="SkinnyConfig|tiles_per_split"):
@@ -85,6 +93,11 @@ def test_without_triton_or_past_the_row_limit_it_is_f_linear():
     # Six rows is past MAX_ROWS: F.linear even where Triton is asked for.
     if triton is not None:
         assert torch.equal(skinny_linear(x, weight, bias, backend="triton"), F.linear(x, weight, bias))
+        # Two rows past a tiling's one (the engine's, ``decode_matmul.DEFAULT_TILINGS``): F.linear too.
+        two, one_row = x[0, :2], SkinnyConfig(max_rows=1)
+        assert torch.equal(
+            skinny_linear(two, weight, bias, backend="triton", config=one_row), F.linear(two, weight, bias)
+        )
     assert skinny_linear(torch.randn(0, 16), weight).shape == (0, 5)
 
 

@@ -54,12 +54,13 @@ class RolloutConfig:
     compiler) or off. On an H100 (session 38) auto took batch-1 decode of the 1.5B shape from 29 % to 45 % of the HBM
     floor with the same tokens; the compile runs once per engine (``rollout.keep_engine``)."""
     decode_matmul: str = "torch"
-    """The generation copy's projections (q/k/v, o, gate/up, down) at 1 to 4 rows: torch (F.linear: cuBLAS on CUDA)
-    or triton (spmd_rlhf.kernels.skinny_linear, which spreads a small matrix-vector product over every multiprocessor;
-    CUDA with triton, at tp 1; more rows and prefill stay F.linear; in dense blocks the residual adds, norms and
-    SwiGLU's activation run inside the projections' kernels too: four kernels per block where seven were). On an
-    H200 (session 44) cuBLAS ran batch-1 decode's small products at 0.75-2.4 TB/s of 4.25; whether triton beats it is
-    for the next GPU run to say (benchmarks/gpu_kernels.py), until then torch."""
+    """The generation copy's projections (q/k/v, o, gate/up, down) at batch-1 decode steps: torch (F.linear: cuBLAS
+    on CUDA) or triton (spmd_rlhf.kernels.skinny_linear, which spreads a small matrix-vector product over every
+    multiprocessor; CUDA with triton, at tp 1; more rows and prefill stay F.linear; in dense blocks the residual adds,
+    norms and SwiGLU's activation run inside the projections' kernels too: four kernels per block where seven were).
+    On an H200 (session 47, the 1.5B shape) triton took batch-1 decode from 43.1 % to 46.9 % of the HBM floor, but the
+    same engine decoded batch 64 in 3.2 ms per step where torch took 2.1 (those rows run F.linear either way: not
+    yet explained), so the default stays torch until a GPU run's profile of that batch says why."""
     overlap_host: bool = True
     """Read each graphed decode step's tokens back one step late (pinned copy and event), so the host plans and
     launches step t + 1 while the device runs step t; the same tokens and log-probs as false (a synchronous read after

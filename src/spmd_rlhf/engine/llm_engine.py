@@ -22,7 +22,7 @@ model's mesh when the engine is built (``agreement.py``), so every rank of a rep
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -32,7 +32,7 @@ from spmd_rlhf.engine.agreement import agree_minimum, schedule_groups
 from spmd_rlhf.engine.block_manager import BlockManager
 from spmd_rlhf.engine.decode_compile import compile_around_attention, compile_backend
 from spmd_rlhf.engine.decode_graphs import DECODE_MODES, graphs_unsupported, say_once
-from spmd_rlhf.engine.decode_matmul import apply_decode_matmul
+from spmd_rlhf.engine.decode_matmul import DEFAULT_TILINGS, apply_decode_matmul
 from spmd_rlhf.engine.generation_run import GenerationRun
 from spmd_rlhf.engine.model_runner import ModelRunner
 from spmd_rlhf.engine.readback import PendingSamples, SampleReadback
@@ -40,7 +40,7 @@ from spmd_rlhf.engine.sampler import derive_seed, read_samples
 from spmd_rlhf.engine.scheduler import Scheduler
 from spmd_rlhf.engine.sequence import FINISHED, SamplingParams, Sequence
 from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig
-from spmd_rlhf.kernels.skinny_linear import DEFAULT_CONFIG, SkinnyConfig
+from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.models.attention import DEFAULT_KV_BLOCK_SIZE, default_kv_block_size, resolve_backend
 from spmd_rlhf.models.decoder import DecoderLM
 
@@ -87,7 +87,7 @@ class LLMEngine:
         overlap_host: bool = True,
         compile_layers: str = "off",
         decode_matmul: str = "torch",
-        decode_tiling: SkinnyConfig = DEFAULT_CONFIG,
+        decode_tiling: SkinnyConfig | Mapping[str, SkinnyConfig] = DEFAULT_TILINGS,
         attention_tiling: PagedConfig = DEFAULT_PAGED_CONFIG,
     ) -> None:
         """``num_blocks`` or ``kv_cache_bytes`` fix the KV cache size (``kv_cache_bytes`` at most what ``max_num_seqs``
@@ -111,10 +111,10 @@ class LLMEngine:
         and log-probs as the synchronous loop (False). ``compile_layers``: ``rollout.compile`` (``auto``, ``on`` or
         ``off``): each decoder block compiled around its attention call (``decode_compile.compile_around_attention``),
         and the static step's draw (``compile_draw``); ``auto`` where steps are captured.
-        ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or ``triton``: the blocks' projections at 1 to 4 rows
-        through ``kernels.skinny_linear``, ``decode_matmul.use_skinny_linear``; where it cannot run, the log says why,
-        once). ``decode_tiling``, ``attention_tiling``: the skinny-linear and paged decode kernels'
-        (``benchmarks/gpu_*_sweep.py`` time them)."""
+        ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or ``triton``: the blocks' projections at batch-1
+        steps through ``kernels.skinny_linear``, ``decode_matmul.use_skinny_linear``; where it cannot run, the log says
+        why, once). ``decode_tiling`` (one for every projection, or one each: ``decode_matmul.DEFAULT_TILINGS``),
+        ``attention_tiling``: the skinny-linear and paged decode kernels' (``benchmarks/gpu_*_sweep.py`` time them)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:
