@@ -5,7 +5,8 @@ A random qwen2-shaped model (hidden 64, ``--decode-layers`` layers, a 512-token 
 layout (q/k/v and gate/up projections merged: ``merge_projections``) runs the real ``LLMEngine``. The counts take the
 engine's CUDA attention path: on CPU decode attention would gather the cache (the pure-torch path), so the Triton
 paged kernel is stood in for by what its wrapper dispatches on an H100 (its output, and split-K's partial results at
-small batches) plus one call per launch (the kernel, and split-K's combine); the kernel stores the new tokens' K/V
+small batches) plus one call per launch (the kernel; split-K's combine is in it, ``PagedConfig.last_combines``); the
+kernel stores the new tokens' K/V
 itself (its fused write), so the cache write costs no call.
 Figures, each with its goal from issue 34:
 
@@ -44,7 +45,7 @@ import torch._inductor.config
 from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
 from spmd_rlhf.engine.readback import PendingSamples
-from spmd_rlhf.kernels.paged_attention import decode_splits
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, decode_splits
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
 from spmd_rlhf.models import DecoderLM, attention
 from spmd_rlhf.models.args import decoder_args
@@ -59,7 +60,7 @@ HOST_TIME_REPEATS = 3
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 COUNTED_MAX_LEN = 2048
 """Tokens per row the counted engines are prepared for, as a rollout prepares them: the block tables' width decides
-the paged kernel's split-K at batch 1 (on an H100: one more launch per layer, the combine)."""
+the paged kernel's split-K at batch 1 (on an H100: split-K's partial results, combined in the same launch)."""
 
 
 def decode_model(layers: int, dtype: torch.dtype) -> DecoderLM:
@@ -99,8 +100,9 @@ def _kernel_stand_in(q, key_cache, value_cache, block_tables, context_lens, *, s
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if splits > 1:
         partial = torch.empty((q.shape[0], kv_heads, splits), dtype=torch.float32, device=q.device)
-        partial.zero_()  # the attention kernel's launch, writing partial results
-    return out.zero_()  # the (combine) kernel's launch writing the output
+        if not DEFAULT_PAGED_CONFIG.last_combines:
+            partial.zero_()  # the attention kernel's launch writing partial results, before the combine kernel's
+    return out.zero_()  # the launch writing the output (split-K's last programs combine inside the kernel)
 
 
 @contextmanager

@@ -12,7 +12,8 @@ multiprocessors) one program's walk over the context is a chain of dependent loa
 (9.3 us per layer for a 256-token context on an H100, session 38, where the KV read needs well under one). There the
 context is split over ``splits`` programs per pair (``decode_splits``: as many as fill the GPU, at most one per tile of
 the longest context the block table can hold, so the choice is fixed for a captured graph), each writing its
-unnormalised float32 output, running max and sum, and a second kernel combines them. Each split's share is computed
+unnormalised float32 output, running max and sum, and the pair's last program to finish combines them (it counts
+the pair's arrivals: ``PagedConfig.last_combines``; else a second kernel does). Each split's share is computed
 on the device from the sequence's own length, so short contexts leave the trailing splits empty (they write nothing
 to combine) rather than unbalanced.
 
@@ -66,6 +67,10 @@ class PagedConfig:
     """Tiles in flight (Triton's ``num_stages``, its default 3): compiled for sm_90 as the JIT specialises the
     engine's launches, the walk's block-table, key and value loads are asynchronous copies pipelined this deep
     (``benchmarks/kernel_resources.py``); 1 turns the pipelining off."""
+    last_combines: bool = True
+    """Split-K's combine done by each pair's last program to finish (an arrival count per pair), not by a second
+    kernel: on an H200 (session 47) that kernel was 1.7 us of each layer's 8.2 us of batch-1 attention, its launch
+    and the wait for it besides (``benchmarks/gpu_paged_sweep.py`` times both)."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < MIN_DOT_SIZE or self.block_tokens & (self.block_tokens - 1):
@@ -80,6 +85,23 @@ DEFAULT_PAGED_CONFIG = PagedConfig()
 
 MAX_SPLITS = 32
 """Most programs one (sequence, KV head) pair is split over: the combine reads every split's partial output."""
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, pairs: int) -> torch.Tensor:
+    """Zeroed int32 arrival counts for ``pairs`` (sequence, KV head) pairs on ``device``, one buffer per device
+    kept for the process: each launch's last program per pair sets its count back to 0, so the buffer is zero
+    between launches (launches on one stream run in order), and a CUDA graph captures its address once. Grown by
+    powers of two (a larger batch, once: outside capture, the decode graphs' warm-up asks first)."""
+    device = torch.device(device)
+    buffer = _ARRIVALS.get(device)
+    if buffer is None or buffer.numel() < pairs:
+        buffer = _ARRIVALS[device] = torch.zeros(
+            max(1024, 1 << (pairs - 1).bit_length()), dtype=torch.int32, device=device
+        )
+    return buffer
 
 
 def reference_paged_decode_attention(
@@ -284,11 +306,14 @@ def paged_decode_attention(
         new_keys, new_values, slots = q, q, context_lens
     cos, sin = rope if rope is not None else (q, q)  # likewise with ROTARY off
     with launch_device(q.device):
+        last_combines = splits > 1 and config.last_combines
+        arrivals = _arrivals(q.device, num_seqs * kv_heads) if last_combines else context_lens  # else never read
         paged_decode_kernel[(num_seqs, kv_heads, splits)](
             out,
             partial_out,
             partial_max,
             partial_sum,
+            arrivals,
             q,
             key_cache,
             value_cache,
@@ -324,6 +349,7 @@ def paged_decode_attention(
             HEAD_DIM_PAD=head_dim_pad,
             BLOCK_TOKENS=config.block_tokens,
             SPLITS=splits,
+            LAST_COMBINES=last_combines,
             FUSED_WRITE=fused_write,
             ROTARY=rope is not None,
             # float32 caches get full-precision dots; TF32 would cost about three decimal digits.
@@ -331,7 +357,7 @@ def paged_decode_attention(
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-        if splits > 1:
+        if splits > 1 and not last_combines:
             combine_splits_kernel[(num_seqs, kv_heads)](
                 out,
                 partial_out,

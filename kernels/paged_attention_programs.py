@@ -1,5 +1,6 @@
 """The Triton programs of ``paged_attention``: the decode kernel (one program per sequence, KV head and split, with
-its online softmax, split-K partial results, fused cache write and rotation) and split-K's combine. The module
+its online softmax, split-K partial results and combine by the last split to finish, fused cache write and rotation)
+and split-K's combine as a kernel of its own. The module
 docstring of ``paged_attention`` describes them; its ``paged_decode_attention`` checks the inputs and launches them.
 Imported only where triton is installed."""
 
@@ -14,6 +15,7 @@ def paged_decode_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    arrivals_ptr,
     q_ptr,
     key_cache_ptr,
     value_cache_ptr,
@@ -49,6 +51,7 @@ def paged_decode_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     SPLITS: tl.constexpr,
+    LAST_COMBINES: tl.constexpr,
     FUSED_WRITE: tl.constexpr,
     ROTARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -144,11 +147,79 @@ def paged_decode_kernel(
     else:
         # Partial results [seq, kv_head, split, GROUP_PAD(, HEAD_DIM_PAD)], contiguous; an empty share writes a
         # max of -inf and a sum of 0, which the combine weighs by 0.
-        slot = (seq * tl.num_programs(1) + kv_head) * SPLITS + split
+        pair = seq * tl.num_programs(1) + kv_head
+        slot = pair * SPLITS + split
         tl.store(partial_max_ptr + slot * GROUP_PAD + group, running_max)
         tl.store(partial_sum_ptr + slot * GROUP_PAD + group, running_sum)
         tile = slot * GROUP_PAD * HEAD_DIM_PAD + group[:, None] * HEAD_DIM_PAD + dims[None, :]
         tl.store(partial_out_ptr + tile, acc)
+        if LAST_COMBINES:
+            # Every thread's stores before the arrival is counted (a barrier, then the count's release); the
+            # pair's last program to arrive reads them all after its acquire, from L2 (``_combine``), combines
+            # them, and sets the count back to 0 for the next launch.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + pair, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                _combine(
+                    out_ptr,
+                    partial_out_ptr,
+                    partial_max_ptr,
+                    partial_sum_ptr,
+                    seq,
+                    kv_head,
+                    pair * SPLITS,
+                    stride_out_seq,
+                    stride_out_head,
+                    GROUP,
+                    GROUP_PAD,
+                    HEAD_DIM,
+                    HEAD_DIM_PAD,
+                    SPLITS,
+                )
+                tl.atomic_xchg(arrivals_ptr + pair, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _combine(
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    seq,
+    kv_head,
+    first_slot,
+    stride_out_seq,
+    stride_out_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """One (sequence, KV head) pair's splits, from ``first_slot`` on, into its output: each split's sum and output
+    weighed by ``exp2(its max - the overall max)`` (log2 units, as the scores). The partial results are read past
+    the multiprocessor's L1 (``.cg``): another program wrote them."""
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    overall = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    for split in range(SPLITS):
+        split_max = tl.load(partial_max_ptr + (first_slot + split) * GROUP_PAD + group, cache_modifier=".cg")
+        overall = tl.maximum(overall, split_max)
+    # A pair with no context at all keeps -inf everywhere: weigh by exp2(-inf - 0) = 0 and write zeros.
+    safe = tl.where(overall == float("-inf"), 0.0, overall)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for split in range(SPLITS):
+        slot = first_slot + split
+        weight = tl.exp2(tl.load(partial_max_ptr + slot * GROUP_PAD + group, cache_modifier=".cg") - safe)
+        total += weight * tl.load(partial_sum_ptr + slot * GROUP_PAD + group, cache_modifier=".cg")
+        tile = slot * GROUP_PAD * HEAD_DIM_PAD + group[:, None] * HEAD_DIM_PAD + dims[None, :]
+        acc += weight[:, None] * tl.load(partial_out_ptr + tile, cache_modifier=".cg")
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    heads = kv_head * GROUP + group
+    q_mask = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -165,28 +236,23 @@ def combine_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """One (sequence, KV head) pair's splits into its output: each split's sum and output weighed by
-    ``exp2(its max - the overall max)`` (log2 units, as the scores)."""
+    """Split-K's combine as a kernel of its own (``PagedConfig.last_combines`` off): one program per pair."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    group = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
     first_slot = (seq * tl.num_programs(1) + kv_head) * SPLITS
-    overall = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for split in range(SPLITS):
-        overall = tl.maximum(overall, tl.load(partial_max_ptr + (first_slot + split) * GROUP_PAD + group))
-    # A pair with no context at all keeps -inf everywhere: weigh by exp2(-inf - 0) = 0 and write zeros.
-    safe = tl.where(overall == float("-inf"), 0.0, overall)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for split in range(SPLITS):
-        slot = first_slot + split
-        weight = tl.exp2(tl.load(partial_max_ptr + slot * GROUP_PAD + group) - safe)
-        total += weight * tl.load(partial_sum_ptr + slot * GROUP_PAD + group)
-        tile = slot * GROUP_PAD * HEAD_DIM_PAD + group[:, None] * HEAD_DIM_PAD + dims[None, :]
-        acc += weight[:, None] * tl.load(partial_out_ptr + tile)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    heads = kv_head * GROUP + group
-    q_mask = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
-    out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    _combine(
+        out_ptr,
+        partial_out_ptr,
+        partial_max_ptr,
+        partial_sum_ptr,
+        seq,
+        kv_head,
+        first_slot,
+        stride_out_seq,
+        stride_out_head,
+        GROUP,
+        GROUP_PAD,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        SPLITS,
+    )

@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))
 from gpu_paged_sweep import engine_call  # noqa: E402
 from kernel_resources import compile_and_count, launches_of, specialise  # noqa: E402
 
-from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG  # noqa: E402
+from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, PagedConfig  # noqa: E402
 from spmd_rlhf.kernels.triton_support import INTERPRETING, triton  # noqa: E402
 
 
@@ -33,7 +33,10 @@ needs_compiler = pytest.mark.skipif(
 @needs_compiler
 def test_a_decode_steps_launches_are_specialised_as_the_jit_would():
     launches = launches_of(lambda: engine_call(1, 256, "cpu", torch.bfloat16)(DEFAULT_PAGED_CONFIG))
-    assert [kernel.__name__ for kernel, _, _ in launches] == ["paged_decode_kernel", "combine_splits_kernel"]
+    assert [kernel.__name__ for kernel, _, _ in launches] == ["paged_decode_kernel"]  # split-K, combined inside
+    separate = PagedConfig(last_combines=False)
+    combined_apart = launches_of(lambda: engine_call(1, 256, "cpu", torch.bfloat16)(separate))
+    assert [kernel.__name__ for kernel, _, _ in combined_apart] == ["paged_decode_kernel", "combine_splits_kernel"]
     kernel, args, kwargs = launches[0]
     signature, constexprs, attrs, options = specialise(kernel, args, kwargs)
     assert options == {"num_warps": 4, "num_stages": 3}
@@ -49,7 +52,7 @@ def test_a_decode_steps_launches_are_specialised_as_the_jit_would():
 
 @needs_compiler
 def test_the_paged_kernels_walk_is_pipelined_with_wide_loads_and_no_spill():
-    (kernel, args, kwargs), _ = launches_of(lambda: engine_call(1, 256, "cpu", torch.bfloat16)(DEFAULT_PAGED_CONFIG))
+    [(kernel, args, kwargs)] = launches_of(lambda: engine_call(1, 256, "cpu", torch.bfloat16)(DEFAULT_PAGED_CONFIG))
     counted = compile_and_count(kernel, args, kwargs, 90)
     assert counted["spill_store_bytes"] == 0 and 0 < counted["registers"] <= 255
     assert counted["async_copies"] > 0 and counted["global_loads_16_byte"] > 0

@@ -20,6 +20,7 @@ import numpy
 import torch
 import torch.nn.functional as F
 
+import spmd_rlhf.kernels.paged_attention as paged_attention_module
 from spmd_rlhf.kernels.fused_logprob import (
     MAX_BLOCK_VOCAB,
     fused_log_probs_and_entropy,
@@ -115,18 +116,26 @@ def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, back
         # The slots hold stale random values, so attending over the cache instead of the new token fails.
         expected_caches = tuple(cache.clone() for cache in (key_cache, value_cache))
         write_new_tokens(*expected_caches, stored_keys, new_tokens["new_values"], new_tokens["slots"])
-    out = paged_decode_attention(
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        scale=scale,
-        backend=backend,
-        splits=case.splits,
-        config=case.config,
-        **new_tokens,
-    )
+    outs = [
+        paged_decode_attention(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale=scale,
+            backend=backend,
+            splits=case.splits,
+            config=case.config,
+            **new_tokens,
+        )
+        for _ in range(2)
+    ]
+    # A second launch equal to the first, and every pair's arrival count back at 0: split-K's last program to
+    # finish combines (``PagedConfig.last_combines``) only where the counts start from 0.
+    out = outs[0]
+    assert torch.equal(outs[1], out), f"{case} {dtype} seed {seed}: a second launch differs"
+    assert not any(counts.any() for counts in paged_attention_module._ARRIVALS.values()), f"{case}: counts left"
     expected = reference_paged_decode_attention(
         attended_q.double(), *(cache.double() for cache in expected_caches), block_tables, context_lens, scale=scale
     )
@@ -414,14 +423,25 @@ PAGED_INTERPRETER_CASES = [
         rotary=True,
         config=PagedConfig(block_tokens=32, num_warps=2),
     ),
+    PagedCase(
+        heads=6,
+        kv_heads=2,
+        head_dim=24,
+        block_size=5,
+        context_lens=(0, 9, 70),
+        splits=4,
+        fused_write=True,
+        config=PagedConfig(last_combines=False),
+    ),
 ]
 """Small shapes covering several context tiles, padded GQA groups and head dims, block sizes that are not powers of
 two, an empty context, plain multi-head attention and a strided ``q``; split-K over 3 and 4 programs per pair, with
 splits left empty by short and empty contexts (the first three take the wrapper's choice: one program per pair, the
 interpreter's device counting 8 multiprocessors); the fused K/V write with the last position first, last and inside a
 tile, with and without split-K; and with it the fused rotation (a head dim whose half is not a power of two, split-K
-and a strided ``q``); and a tiling other than the default's (``PagedConfig``: 32-token tiles, the last position
-first in its tile and a context ending mid-tile)."""
+and a strided ``q``); a tiling other than the default's (``PagedConfig``: 32-token tiles, the last position
+first in its tile and a context ending mid-tile); and split-K's combine as a kernel of its own (``last_combines``
+off)."""
 
 PAGED_INTERPRETER_DTYPES = (torch.float32, torch.float16)
 """Triton's interpreter multiplies bfloat16 ``tl.dot`` operands as raw integers, so bfloat16 is checked on CUDA only."""

@@ -57,11 +57,13 @@ def test_paged_decode_kernel_compiles(dtype, splits, fused_write, rotary, block_
     pointers = {name: f"*{dtype}" for name in tensors}
     # Without the fused write the wrapper passes the context lengths as the (unread) slots.
     pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "slots_ptr": "*i64" if fused_write else "*i32"}
+    pointers |= {"arrivals_ptr": "*i32"}  # split-K's arrival counts (the context lengths, unread, without split-K)
     pointers |= {name: "*fp32" for name in ("partial_out_ptr", "partial_max_ptr", "partial_sum_ptr")}
     shapes = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, SPLITS=splits)
     constexprs = dict(
         shapes,
         BLOCK_TOKENS=block_tokens,
+        LAST_COMBINES=splits > 1,  # the default's; the combine kernel of its own below
         FUSED_WRITE=fused_write,
         ROTARY=rotary,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
