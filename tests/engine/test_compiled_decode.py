@@ -149,7 +149,9 @@ def test_the_static_steps_draws_run_compiled(tmp_path, monkeypatch):
     """With ``rollout.compile`` on, every decode step on the static step draws through the compiled
     ``sampler.draw_rows`` (once per step; greedy batches, and batches with sampled and top-k / top-p rows) and
     decodes what the eager draw decodes: at most two graphs per sampling kind (one row, any other count; the mixed
-    batch's kind is filtered throughout), each holding the uniforms' float64 view of the step's integer buffer."""
+    batch's kind is filtered throughout), each holding the uniforms' float64 view of the step's integer buffer.
+    Traced, the draw takes its argmax in two levels (``sampler.argmax_in_chunks``: Inductor never splits an argmax);
+    eagerly, torch's own."""
     torch._dynamo.reset()
     backend = CountingBackend()
     monkeypatch.setattr(llm_engine, "compile_backend", lambda setting, graphs: backend if setting == "on" else None)
@@ -170,6 +172,8 @@ def test_the_static_steps_draws_run_compiled(tmp_path, monkeypatch):
         assert steps["off"][1] == 0
         assert steps["on"][0] > 3 and steps["on"][1] == steps["on"][0]
     assert backend.graphs <= 4
+    # Each graph takes its chunks' maxima (``max`` over the chunked view), which the eager draw never calls.
+    assert backend.targets["max"] >= backend.graphs
 
 
 def test_a_draw_the_backend_cannot_compile_runs_eagerly_and_says_so(tmp_path, monkeypatch, caplog):

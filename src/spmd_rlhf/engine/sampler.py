@@ -208,6 +208,14 @@ def argmax_in_chunks(values: torch.Tensor, *, normaliser: bool = False) -> tuple
     return tokens, torch.logsumexp(torch.cat(sums, dim=1), dim=-1) if normaliser else None
 
 
+def _argmax(values: torch.Tensor, *, normaliser: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``argmax_in_chunks`` where TorchDynamo traces the draw (``decode_compile.compile_draw``); run eagerly, torch's
+    own argmax and logsumexp, which spread each row over the GPU already and launch fewer kernels."""
+    if torch.compiler.is_compiling():
+        return argmax_in_chunks(values, normaliser=normaliser)
+    return values.argmax(dim=-1), torch.logsumexp(values, dim=-1) if normaliser else None
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``probs`` ``[rows, vocab]`` (non-negative, some mass in every row), the first token whose cumulative
     mass, summed in float64, exceeds ``uniforms`` (``[rows]`` float64 in (0, 1 - 2^-30]) times the row's mass; returns
@@ -320,13 +328,13 @@ def draw(
     probabilities over the support (8 bytes per [rows, vocab] element; ``inverse_cdf`` adds about 32 bytes per row
     and token of ``SEARCH_CHUNK``); a
     filtered batch's support floor sorts the rows first (``_support_floor``: 16 bytes per element while it sorts);
-    greedy-only batches the float32 copy and, run eagerly, its chunk-shifted exponentials (``argmax_in_chunks``)."""
+    greedy-only batches hold the float32 copy alone."""
     vocab_size = logits.shape[-1]
     assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
     scaled = logits / temperature[:, None]  # float32 (or wider) whatever came in
     log_support_mass = None
     if kind == GREEDY:
-        tokens, log_normaliser = argmax_in_chunks(scaled, normaliser=True)
+        tokens, log_normaliser = _argmax(scaled, normaliser=True)
     else:
         floor = None if kind == SAMPLED else _support_floor(scaled, top_k, top_p, largest_k=largest_k)
         # torch.logsumexp's own steps (the same normaliser, bit for bit), its exponentials kept as the probabilities:
@@ -345,7 +353,7 @@ def draw(
             filters = (top_k > 0) | (top_p < 1)
             log_support_mass = torch.where(filters, support_mass.log(), 0.0)
         if greedy is not None:
-            tokens = torch.where(greedy, argmax_in_chunks(scaled)[0], tokens)
+            tokens = torch.where(greedy, _argmax(scaled)[0], tokens)
     # The chosen token is always in the support, so both its log-probs are finite.
     chosen_log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_normaliser
     sampling_log_probs = chosen_log_probs if log_support_mass is None else chosen_log_probs.double() - log_support_mass
