@@ -59,8 +59,9 @@ class RolloutConfig:
     multiprocessor; CUDA with triton, at tp 1; more rows and prefill stay F.linear; in dense blocks the residual adds,
     norms and SwiGLU's activation run inside the projections' kernels too: four kernels per block where seven were).
     On an H200 (session 47, the 1.5B shape) triton took batch-1 decode from 43.1 % to 46.9 % of the HBM floor, but the
-    same engine decoded batch 64 in 3.2 ms per step where torch took 2.1 (those rows run F.linear either way: not
-    yet explained), so the default stays torch until a GPU run's profile of that batch says why."""
+    same engine decoded batch 64 in 3.2 ms per step where torch took 2.1 (those rows ran F.linear inside the opaque
+    operator then; since, they call F.linear itself, as torch does), so the default stays torch until a GPU run
+    times batch 64 again."""
     overlap_host: bool = True
     """Read each graphed decode step's tokens back one step late (pinned copy and event), so the host plans and
     launches step t + 1 while the device runs step t; the same tokens and log-probs as false (a synchronous read after

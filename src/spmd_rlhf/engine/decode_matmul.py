@@ -2,10 +2,10 @@
 
 ``use_skinny_linear`` points every decoder block's projections (the merged q/k/v and gate/up, o and down; not the
 LM head, which cuBLAS already runs near the copy bandwidth, nor MoE experts) at ``torch.ops.spmd_rlhf.skinny_linear``,
-which takes up to its tiling's ``max_rows`` rows through ``spmd_rlhf.kernels.skinny_linear``'s Triton kernels and
-anything else through ``F.linear``: batch-1 decode steps use it (``DEFAULT_TILINGS``), prefill and larger batches
-do not. In a dense block with merged projections (the generation copy's) it also moves the elementwise work between
-the matmuls into them: at that many rows, the block runs as
+which takes up to its tiling's ``max_rows`` rows through ``spmd_rlhf.kernels.skinny_linear``'s Triton kernels:
+batch-1 decode steps use it (``DEFAULT_TILINGS``); prefill and larger batches call ``F.linear`` itself, as the block
+did before, which a compiled block traces as its own. In a dense block with merged projections (the generation
+copy's) it also moves the elementwise work between the matmuls into them: at that many rows, the block runs as
 
     h, qkv = skinny_residual_norm_linear(x, pending, input norm, q/k/v)   # the previous block's residual add too
     (attention)
@@ -25,13 +25,14 @@ import types
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.decoder import DecoderLayer, DecoderLM
-from spmd_rlhf.models.local_tensor_parallel import local_parameter, summed_over_ranks
+from spmd_rlhf.models.local_tensor_parallel import local_parameter, summed_over_ranks, takes_rows
 from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import SwiGLU
 
@@ -55,7 +56,11 @@ each: at two and four rows the kernels lost to cuBLAS (``SkinnyConfig.max_rows``
 
 
 def _skinny_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A linear layer's forward, or a merged one's matmul, through the operator."""
+    """A linear layer's forward, or a merged one's matmul, through the operator at up to its tiling's rows; more rows
+    (prefill, larger batches) ``F.linear`` itself, which a compiled block traces as its own (the operator's
+    fallback would be opaque to Inductor)."""
+    if not takes_rows(self, x):
+        return F.linear(x, self.weight, self.bias)
     return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, *self.skinny_kernels)
 
 
@@ -163,7 +168,8 @@ def use_skinny_linear(
     ``triton``); ``config``: their tiling, one for every projection or one each (``DEFAULT_TILINGS``'s keys); a
     fused block takes the fewest ``max_rows`` of its tilings. Call before ``compile_around_attention``, which traces
     the forwards."""
-    kernels = {name: (backend, tiling.as_tiling()) for name, tiling in _tilings(config).items()}
+    # Every operator's last two arguments, and the most rows they take (``takes_rows``).
+    kernels = {name: ((backend, tiling.as_tiling()), tiling.max_rows) for name, tiling in _tilings(config).items()}
     rows = min(tiling.max_rows for tiling in _tilings(config).values())
     per_block, fused = 0, 0
     for index, layer in enumerate(model.model.layers.values()):
@@ -171,13 +177,13 @@ def use_skinny_linear(
         inside_merged = {id(linear) for m in mergeable for linear in m.merged.linears}
         for m in mergeable:
             merged = m.merged
-            merged.skinny_kernels = kernels["qkv" if m is layer.self_attn else "gate_up"]
+            merged.skinny_kernels, merged.skinny_rows = kernels["qkv" if m is layer.self_attn else "gate_up"]
             merged.matmul = types.MethodType(_skinny_linear, merged)
         linears = [
             (name, m) for name, m in layer.named_modules() if isinstance(m, nn.Linear) and id(m) not in inside_merged
         ]
         for name, linear in linears:
-            linear.skinny_kernels = kernels[_projection(name.rsplit(".", 1)[-1])]
+            linear.skinny_kernels, linear.skinny_rows = kernels[_projection(name.rsplit(".", 1)[-1])]
             if not _on_local_shards(linear):  # a TP layer's own local forward takes the operator (skinny_kernels)
                 linear.forward = types.MethodType(_skinny_linear, linear)
         swapped = len(mergeable) + len(linears)

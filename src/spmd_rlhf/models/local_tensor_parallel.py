@@ -27,6 +27,7 @@ collectives become functional ones inside the graph. For generation only: nothin
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -102,13 +103,18 @@ def local_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     return module.local_shards(name)
 
 
+def takes_rows(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows (its leading dimensions) go through the skinny-linear operator ``engine.decode_matmul``
+    pointed ``module`` at: at most its ``skinny_rows`` (its tiling's ``max_rows``)."""
+    return getattr(module, "skinny_kernels", None) is not None and math.prod(x.shape[:-1]) <= module.skinny_rows
+
+
 def _matmul(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` on local shards, or the skinny-linear operator where ``engine.decode_matmul`` pointed the module
-    at it (its ``skinny_kernels``: the operator's backend and tiling)."""
-    kernels = getattr(module, "skinny_kernels", None)
-    if kernels is None:
+    at it (its ``skinny_kernels``: the operator's backend and tiling) and ``x`` has few enough rows (``takes_rows``)."""
+    if not takes_rows(module, x):
         return F.linear(x, weight, bias)
-    return torch.ops.spmd_rlhf.skinny_linear(x, weight, bias, *kernels)
+    return torch.ops.spmd_rlhf.skinny_linear(x, weight, bias, *module.skinny_kernels)
 
 
 def summed_over_ranks(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
