@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rlhf.kernels.triton_support import launch_device, multiprocessors, triton, use_triton
+from spmd_rlhf.kernels.triton_support import arrival_counts, launch_device, multiprocessors, triton, use_triton
 
 if triton is not None:
     from spmd_rlhf.kernels.paged_attention_programs import combine_splits_kernel, paged_decode_kernel
@@ -85,23 +85,6 @@ DEFAULT_PAGED_CONFIG = PagedConfig()
 
 MAX_SPLITS = 32
 """Most programs one (sequence, KV head) pair is split over: the combine reads every split's partial output."""
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device, pairs: int) -> torch.Tensor:
-    """Zeroed int32 arrival counts for ``pairs`` (sequence, KV head) pairs on ``device``, one buffer per device
-    kept for the process: each launch's last program per pair sets its count back to 0, so the buffer is zero
-    between launches (launches on one stream run in order), and a CUDA graph captures its address once. Grown by
-    powers of two (a larger batch, once: outside capture, the decode graphs' warm-up asks first)."""
-    device = torch.device(device)
-    buffer = _ARRIVALS.get(device)
-    if buffer is None or buffer.numel() < pairs:
-        buffer = _ARRIVALS[device] = torch.zeros(
-            max(1024, 1 << (pairs - 1).bit_length()), dtype=torch.int32, device=device
-        )
-    return buffer
 
 
 def reference_paged_decode_attention(
@@ -307,7 +290,7 @@ def paged_decode_attention(
     cos, sin = rope if rope is not None else (q, q)  # likewise with ROTARY off
     with launch_device(q.device):
         last_combines = splits > 1 and config.last_combines
-        arrivals = _arrivals(q.device, num_seqs * kv_heads) if last_combines else context_lens  # else never read
+        arrivals = arrival_counts(q.device, num_seqs * kv_heads) if last_combines else context_lens  # else unread
         paged_decode_kernel[(num_seqs, kv_heads, splits)](
             out,
             partial_out,

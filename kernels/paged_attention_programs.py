@@ -1,8 +1,8 @@
 """The Triton programs of ``paged_attention``: the decode kernel (one program per sequence, KV head and split, with
-its online softmax, split-K partial results and combine by the last split to finish, fused cache write and rotation)
-and split-K's combine as a kernel of its own. The module
-docstring of ``paged_attention`` describes them; its ``paged_decode_attention`` checks the inputs and launches them.
-Imported only where triton is installed."""
+its online softmax, split-K partial results and their combine by each pair's last program to finish, fused cache
+write and rotation) and split-K's combine as a kernel of its own. The module docstring of ``paged_attention``
+describes them; its ``paged_decode_attention`` checks the inputs and launches them. Imported only where triton is
+installed."""
 
 from __future__ import annotations
 

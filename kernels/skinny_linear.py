@@ -11,8 +11,9 @@ activation) over a few KB each: launches, not bytes.
 ``skinny_linear_kernel``: each program computes ``BLOCK_OUT`` outputs for every row (the rows padded to a power of
 two, ``ROWS_PAD``), walking its share of the input features in tiles of ``BLOCK_IN``, in float32. Outputs are split
 finely (8 per program: hundreds of programs for a 1,536-wide layer, every multiprocessor holding several), and a wide
-input is split too (``SPLITS`` programs per output block, each writing float32 partial products that
-``sum_splits_kernel`` adds up with the bias), so that no program walks more than a few tiles (``skinny_launch``).
+input is split too (``SPLITS`` programs per output block, each writing float32 partial products that the block's
+last program to finish adds up with the bias, or ``sum_splits_kernel`` where the input is normalised:
+``SkinnyConfig.last_sums``), so that no program walks more than a few tiles (``skinny_launch``).
 Each weight element is read once whatever the row count; the rows' inputs are reread by every program (a few KB,
 from cache), which is what lets each program compute them itself:
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from spmd_rlhf.kernels.triton_support import launch_device, multiprocessors, triton, use_triton
+from spmd_rlhf.kernels.triton_support import arrival_counts, launch_device, multiprocessors, triton, use_triton
 from spmd_rlhf.models.decoder import rms_norm
 
 if triton is not None:
@@ -83,6 +84,11 @@ class SkinnyConfig:
     """Splitting the input stops once the launch has this many programs per multiprocessor."""
     num_warps: int = 4
     """Warps per program of the product kernel."""
+    last_sums: bool = True
+    """A split input's partial products summed by each output block's last program to finish (an arrival count per
+    block), not by ``sum_splits_kernel``: one launch per product fewer (on an H200, session 47, that kernel was
+    1.0 us of each layer's batch-1 step, its launch besides). Not where the input is normalised (``NORM``): its
+    ``1 / rms`` needs the whole row, which other output blocks' programs write."""
     max_rows: int = MAX_ROWS
     """Most rows (1 to ``MAX_ROWS``) the kernels take; more go through the torch reference. On an H200 (session 47,
     the 1.5B shape) the kernels beat cuBLAS at one row and lost at two and four (q/k/v 7.6 and 10.9 us against 6.2,
@@ -117,7 +123,8 @@ def config_of(tiling: list[int]) -> SkinnyConfig:
 
 @functools.cache
 def _config_of(tiling: tuple[int, ...]) -> SkinnyConfig:
-    return SkinnyConfig(*tiling[:-1], prefetch=bool(tiling[-1]))
+    values = dict(zip((field.name for field in fields(SkinnyConfig)), tiling, strict=True))
+    return SkinnyConfig(**values | {name: bool(values[name]) for name in ("last_sums", "prefetch")})
 
 
 @functools.cache
@@ -204,13 +211,17 @@ def _launch(
     partial = torch.empty(
         (chosen, rows_pad, out_features) if chosen > 1 else (1,), dtype=torch.float32, device=x_rows.device
     )
+    blocks = -(-out_features // config.block_out)
+    last_sums = chosen > 1 and config.last_sums and input_kind != NORM.value
+    arrivals = arrival_counts(x_rows.device, blocks) if last_sums else partial  # else never read
     # Pointers a launch does not read (no bias, no residual, no norm) are x's, never dereferenced.
     unused = x_rows
     normed = h if h is not None else x_rows
     with launch_device(x_rows.device):
-        skinny_linear_kernel[(-(-out_features // config.block_out), chosen)](
+        skinny_linear_kernel[(blocks, chosen)](
             out,
             partial,
+            arrivals,
             x_rows,
             residual if residual is not None else unused,
             normed,
@@ -235,9 +246,10 @@ def _launch(
             INPUT=input_kind,
             HAS_RESIDUAL=residual is not None,
             PREFETCH=config.prefetch,
+            LAST_SUMS=last_sums,
             num_warps=config.num_warps,
         )
-        if chosen > 1:
+        if chosen > 1 and not last_sums:
             sum_splits_kernel[(-(-out_features // SUM_BLOCK),)](
                 out,
                 partial,

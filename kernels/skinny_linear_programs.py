@@ -1,7 +1,8 @@
 """The Triton programs of ``skinny_linear``: a few rows times a weight (the partial products of one split of the input
 features), the input optionally computed on the way in (a residual add and an RMSNorm, or SwiGLU's activation), and
-the sum of the splits. The module docstring of ``skinny_linear`` describes them; its functions check the inputs and
-launch them. Imported only where triton is installed."""
+the sum of the splits (by each output block's last program to finish, or a kernel of its own). The module docstring
+of ``skinny_linear`` describes them; its functions check the inputs and launch them. Imported only where triton is
+installed."""
 
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def _tile(
 def skinny_linear_kernel(
     out_ptr,
     partial_ptr,
+    arrivals_ptr,
     x_ptr,
     residual_ptr,
     h_ptr,
@@ -89,6 +91,7 @@ def skinny_linear_kernel(
     INPUT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    LAST_SUMS: tl.constexpr,
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -143,6 +146,22 @@ def skinny_linear_kernel(
         # This split's partial products, float32 [SPLITS, ROWS_PAD, out_features] (padding rows hold zeros).
         partial_offsets = (split * ROWS_PAD + row[:, None]) * out_features + outs[None, :]
         tl.store(partial_ptr + partial_offsets, acc, mask=out_mask[None, :])
+        if LAST_SUMS:
+            # Every thread's stores before the arrival is counted (a barrier, then the count's release); the output
+            # block's last program to arrive sums every split's products after its acquire, from L2, and sets the
+            # count back to 0 for the next launch.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                acc = tl.zeros([ROWS_PAD, BLOCK_OUT], tl.float32)
+                for other in tl.static_range(SPLITS):
+                    other_offsets = (other * ROWS_PAD + row[:, None]) * out_features + outs[None, :]
+                    acc += tl.load(partial_ptr + other_offsets, mask=out_mask[None, :], other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+                out_offsets = row[:, None] * stride_out_row + outs[None, :]
+                tl.store(out_ptr + out_offsets, acc.to(dtype), mask=row_mask[:, None] & out_mask[None, :])
+                tl.atomic_xchg(arrivals_ptr + block, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

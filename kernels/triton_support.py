@@ -68,3 +68,26 @@ def multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8
+
+
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counts(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counts, at least ``count`` of them, for kernels whose programs count their arrivals and whose last
+    program finishes the work (split-K's combine in the paged decode kernel, the split sum in the skinny-linear one)
+    and sets its count back to 0: so the buffer is zero between launches (launches on one stream run in order), and
+    one buffer per device serves every such launch and every CUDA graph that captured its address. A larger one is
+    made when needed (powers of two, from 16,384: once, in the decode graphs' warm-up before capture), the old ones
+    kept for the process, since a captured graph may point at them."""
+    device = torch.device(device)
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        size = max(16384, 1 << (count - 1).bit_length())
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+def counts_left(device: torch.device) -> bool:
+    """Whether any of ``device``'s arrival counts is not 0 (a launch left unfinished, or a bug): tests ask it."""
+    return any(bool(buffer.any()) for buffer in _ARRIVALS.get(torch.device(device), []))

@@ -20,7 +20,6 @@ import numpy
 import torch
 import torch.nn.functional as F
 
-import spmd_rlhf.kernels.paged_attention as paged_attention_module
 from spmd_rlhf.kernels.fused_logprob import (
     MAX_BLOCK_VOCAB,
     fused_log_probs_and_entropy,
@@ -41,7 +40,7 @@ from spmd_rlhf.kernels.skinny_linear import (
     skinny_norm_linear,
     skinny_silu_mul_linear,
 )
-from spmd_rlhf.kernels.triton_support import INTERPRETING, triton, triton_available
+from spmd_rlhf.kernels.triton_support import INTERPRETING, counts_left, triton, triton_available
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 """Bound on ``|out - ref| / |ref|`` (Frobenius) for outputs stored in each dtype: a few roundings of that dtype."""
@@ -116,6 +115,7 @@ def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, back
         # The slots hold stale random values, so attending over the cache instead of the new token fails.
         expected_caches = tuple(cache.clone() for cache in (key_cache, value_cache))
         write_new_tokens(*expected_caches, stored_keys, new_tokens["new_values"], new_tokens["slots"])
+    launches = 2 if case.splits is not None else 1
     outs = [
         paged_decode_attention(
             q,
@@ -129,13 +129,13 @@ def check_paged_attention(case: PagedCase, dtype: torch.dtype, device: str, back
             config=case.config,
             **new_tokens,
         )
-        for _ in range(2)
+        for _ in range(launches)
     ]
-    # A second launch equal to the first, and every pair's arrival count back at 0: split-K's last program to
-    # finish combines (``PagedConfig.last_combines``) only where the counts start from 0.
+    # With split-K, a second launch equal to the first, and every pair's arrival count back at 0: the last program
+    # to finish combines (``PagedConfig.last_combines``) only where the counts start from 0.
     out = outs[0]
-    assert torch.equal(outs[1], out), f"{case} {dtype} seed {seed}: a second launch differs"
-    assert not any(counts.any() for counts in paged_attention_module._ARRIVALS.values()), f"{case}: counts left"
+    assert torch.equal(outs[-1], out), f"{case} {dtype} seed {seed}: a second launch differs"
+    assert not counts_left(q.device), f"{case}: arrival counts left"
     expected = reference_paged_decode_attention(
         attended_q.double(), *(cache.double() for cache in expected_caches), block_tables, context_lens, scale=scale
     )
@@ -337,6 +337,10 @@ def check_skinny_linear(case: SkinnyCase, dtype: torch.dtype, device: str, backe
     bias = torch.randn(case.out_features, device=device).to(dtype) if case.bias else None
     tensors = (x, residual, norm_weight, weight, bias)
     out, h = _run_skinny(case, *tensors, backend, through_op=False)
+    if case.splits is not None:
+        # A second launch equal to the first, every arrival count back at 0 (the split sum by the last program).
+        assert torch.equal(_run_skinny(case, *tensors, backend, through_op=False)[0], out), f"{case}: a second launch"
+        assert not counts_left(x.device), f"{case}: arrival counts left"
     _, expected = _skinny_reference(case, *tensors)
     assert out.shape == expected.shape and out.dtype == dtype, f"{case}: {out.dtype} {list(out.shape)}"
     error = relative_error(out, expected)
@@ -380,14 +384,17 @@ SKINNY_INTERPRETER_CASES = [
         config=SkinnyConfig(prefetch=True),
     ),
     SkinnyCase(rows=2, in_features=1300, out_features=10, prologue="silu_mul", config=SkinnyConfig(prefetch=True)),
+    SkinnyCase(rows=1, in_features=1300, out_features=10, splits=3, config=SkinnyConfig(last_sums=False)),
 ]
 """One row to ``MAX_ROWS`` (padded to 1, 2, 4 and 4), widths that are not multiples of the tiles, with and without a
 bias, a strided and a three-dimensional ``x``; split inputs as asked (3 splits of 1,100 features) and as
 ``skinny_launch`` picks them (5,000 features over the interpreter's 8 multiprocessors: 14 splits of 384), and two
 splits whose last is short; then each prologue (the norm, the norm of a residual sum, SwiGLU's activation) in one
 program per output block and split (the norm's ``1 / rms`` then applied by ``sum_splits_kernel``); and a tiling
-other than the default (``SkinnyConfig``: 16 outputs per program, tiles of 128 inputs, split at once), and each
-prologue with the next tile's loads issued a tile ahead (``prefetch``: 5, 4 and 6 tiles per program)."""
+other than the default (``SkinnyConfig``: 16 outputs per program, tiles of 128 inputs, split at once), each
+prologue with the next tile's loads issued a tile ahead (``prefetch``: 5, 4 and 6 tiles per program), and split
+products summed by ``sum_splits_kernel`` rather than each block's last program (``last_sums`` off). A split plain or
+SwiGLU product is summed by its output block's last program to finish (the default)."""
 
 
 PAGED_INTERPRETER_CASES = [

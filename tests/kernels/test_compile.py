@@ -107,12 +107,12 @@ def test_log_prob_kernels_compile(dtype):
 )
 def test_skinny_linear_kernels_compile(dtype, rows_pad, splits, bias, prologue, residual, prefetch):
     tensors = ("out_ptr", "x_ptr", "residual_ptr", "h_ptr", "norm_ptr", "weight_ptr", "bias_ptr", "normed_ptr")
-    pointers = {name: f"*{dtype}" for name in tensors} | {"partial_ptr": "*fp32"}
+    pointers = {name: f"*{dtype}" for name in tensors} | {"partial_ptr": "*fp32", "arrivals_ptr": "*i32"}
     shapes = dict(ROWS_PAD=rows_pad, SPLITS=splits, HAS_BIAS=bias)
     kind = getattr(skinny_linear_programs, prologue).value
-    constexprs = dict(
-        shapes, BLOCK_OUT=8, BLOCK_IN=512 // rows_pad, INPUT=kind, HAS_RESIDUAL=residual, PREFETCH=prefetch
-    )
+    last_sums = splits > 1 and prologue != "NORM"  # the default's: the split sum by the last program to finish
+    constexprs = dict(shapes, BLOCK_OUT=8, BLOCK_IN=512 // rows_pad, INPUT=kind, HAS_RESIDUAL=residual)
+    constexprs |= dict(PREFETCH=prefetch, LAST_SUMS=last_sums)
     _compile(skinny_linear_programs.skinny_linear_kernel, pointers, constexprs, floats=("eps",))
     if splits > 1:
         constexprs = dict(shapes, BLOCK_OUT=256, NORMED=prologue == "NORM", BLOCK_NORM=256)
