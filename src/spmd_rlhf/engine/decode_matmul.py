@@ -168,9 +168,10 @@ def use_skinny_linear(
     ``triton``); ``config``: their tiling, one for every projection or one each (``DEFAULT_TILINGS``'s keys); a
     fused block takes the fewest ``max_rows`` of its tilings. Call before ``compile_around_attention``, which traces
     the forwards."""
+    tilings = _tilings(config)
     # Every operator's last two arguments, and the most rows they take (``takes_rows``).
-    kernels = {name: ((backend, tiling.as_tiling()), tiling.max_rows) for name, tiling in _tilings(config).items()}
-    rows = min(tiling.max_rows for tiling in _tilings(config).values())
+    kernels = {name: ((backend, tiling.as_tiling()), tiling.max_rows) for name, tiling in tilings.items()}
+    rows = min(tiling.max_rows for tiling in tilings.values())
     per_block, fused = 0, 0
     for index, layer in enumerate(model.model.layers.values()):
         mergeable = [m for m in layer.modules() if isinstance(m, MergeableProjections) and m.merged is not None]
