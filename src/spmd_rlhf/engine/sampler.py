@@ -325,10 +325,9 @@ def draw(
     ``[3, rows]`` float32 (the ids, exact up to 2^24, and their two log-probs: one copy brings all three to the host).
 
     Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T and the float32
-    probabilities over the support (8 bytes per [rows, vocab] element; ``inverse_cdf`` adds about 32 bytes per row
-    and token of ``SEARCH_CHUNK``); a
-    filtered batch's support floor sorts the rows first (``_support_floor``: 16 bytes per element while it sorts);
-    greedy-only batches hold the float32 copy alone."""
+    unnormalised probabilities over the support (8 bytes per [rows, vocab] element; ``inverse_cdf`` adds about 32
+    bytes per row and token of ``SEARCH_CHUNK``); a filtered batch's support floor sorts the rows first
+    (``_support_floor``: 16 bytes per element while it sorts); greedy-only batches hold the float32 copy alone."""
     vocab_size = logits.shape[-1]
     assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
     scaled = logits / temperature[:, None]  # float32 (or wider) whatever came in
@@ -337,21 +336,22 @@ def draw(
         tokens, log_normaliser = _argmax(scaled, normaliser=True)
     else:
         floor = None if kind == SAMPLED else _support_floor(scaled, top_k, top_p, largest_k=largest_k)
-        # torch.logsumexp's own steps (the same normaliser, bit for bit), its exponentials kept as the probabilities:
-        # two passes over the vocabulary fewer than exponentiating again.
+        # torch.logsumexp's own steps (the same normaliser, bit for bit), its exponentials kept as the search's
+        # weights: two passes over the vocabulary fewer than exponentiating again, and one more fewer for leaving
+        # them unnormalised (the search draws u times the row's own mass: ``inverse_cdf``).
         maxes = scaled.amax(dim=-1, keepdim=True)
-        probs = (scaled - maxes).exp_()
-        sums = probs.sum(dim=-1, keepdim=True)
+        weights = (scaled - maxes).exp_()
+        sums = weights.sum(dim=-1, keepdim=True)
         log_normaliser = sums.log().add_(maxes).squeeze(1)
-        probs.div_(sums)
         if floor is not None:
-            probs.masked_fill_(scaled < floor[:, None], 0.0)
-        tokens, support_mass = inverse_cdf(probs, uniforms)
-        del probs
+            weights.masked_fill_(scaled < floor[:, None], 0.0)
+        tokens, support_weight = inverse_cdf(weights, uniforms)
+        del weights
         if floor is not None:
-            # A row that keeps every token gets log Z = 0 exactly, not the log of a float sum near 1.
+            # The support's share of the mass. A row that keeps every token gets log Z = 0 exactly, not the log of
+            # a ratio of two float sums near 1.
             filters = (top_k > 0) | (top_p < 1)
-            log_support_mass = torch.where(filters, support_mass.log(), 0.0)
+            log_support_mass = torch.where(filters, support_weight.log() - sums.squeeze(1).double().log(), 0.0)
         if greedy is not None:
             tokens = torch.where(greedy, _argmax(scaled)[0], tokens)
     # The chosen token is always in the support, so both its log-probs are finite.
