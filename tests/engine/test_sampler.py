@@ -362,10 +362,11 @@ def test_peak_memory_is_as_documented():
     sampled = [SamplingParams(temperature=0.9)] * rows
     with PeakMemory("cpu") as memory:
         _sample(logits, sampled, list(range(rows)), [0] * rows)
-    # 8 bytes per element and 32 per row and search-chunk token documented (no float64 cumulative sum over the
-    # vocabulary, which alone was 8 bytes per element).
+    # 8 bytes per element at most (the float32 copy, and the exponentials of the whole chunks, the largest of the
+    # pieces the search's first level sums) and 32 per row and search-chunk token documented (no float64 cumulative
+    # sum over the vocabulary, which alone was 8 bytes per element).
     search = 32 * rows * SEARCH_CHUNK
-    assert 8 * elements <= memory.peak_increase <= 8 * elements + search, (memory.peak_increase - 8 * elements) / search
+    assert 7 * elements <= memory.peak_increase <= 8 * elements + search, (memory.peak_increase - 8 * elements) / search
     greedy = [SamplingParams(temperature=0)] * rows
     with PeakMemory("cpu") as memory:
         _sample(logits, greedy, [0] * rows, [0] * rows)

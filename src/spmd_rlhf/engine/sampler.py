@@ -29,7 +29,7 @@ Each chosen token comes with two log-probs:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -216,6 +216,11 @@ def _argmax(values: torch.Tensor, *, normaliser: bool = False) -> tuple[torch.Te
     return values.argmax(dim=-1), torch.logsumexp(values, dim=-1) if normaliser else None
 
 
+def _chunk_masses(probs: torch.Tensor) -> torch.Tensor:
+    """The masses of ``probs``' ``SEARCH_CHUNK``-token chunks, ``[rows, chunks]``, summed in float64."""
+    return torch.cat([piece.sum(dim=-1, dtype=torch.float64) for piece in _chunked(probs)], dim=1)
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``probs`` ``[rows, vocab]`` (non-negative, some mass in every row), the first token whose cumulative
     mass, summed in float64, exceeds ``uniforms`` (``[rows]`` float64 in (0, 1 - 2^-30]) times the row's mass; returns
@@ -227,17 +232,24 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tens
     that chunk alone finds the token. The chunk the target falls in has mass, and the token found has mass of its own
     (the cumulative sum steps past the target at it). Where the two sums' rounding leaves the target past the chunk's
     own cumulative total, the chunk's last token with mass is taken: no token outside the support is ever drawn."""
-    vocab = probs.shape[1]
-    chunk_masses = torch.cat([piece.sum(dim=-1, dtype=torch.float64) for piece in _chunked(probs)], dim=1)
+    return search(_chunk_masses(probs), uniforms, lambda indices: probs.gather(1, indices), probs.shape[1])
+
+
+def search(
+    chunk_masses: torch.Tensor, uniforms: torch.Tensor, at: Callable[[torch.Tensor], torch.Tensor], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``inverse_cdf`` from its first level's chunk masses ``[rows, chunks]`` (float64) and ``at``, the probabilities
+    at given token indices ``[rows, SEARCH_CHUNK]``: a draw computes both from the logits, so that compiled, no
+    ``[rows, vocab]`` tensor of probabilities need be stored (Inductor computes them where they are summed)."""
     cumulative = chunk_masses.cumsum(dim=-1)
     mass = cumulative[:, -1]
     targets = (uniforms * mass)[:, None]
     chunks = torch.searchsorted(cumulative, targets, right=True).clamp_(max=cumulative.shape[1] - 1)
     before = torch.where(chunks > 0, cumulative.gather(1, (chunks - 1).clamp(min=0)), 0.0)
-    offsets = torch.arange(SEARCH_CHUNK, device=probs.device)
+    offsets = torch.arange(SEARCH_CHUNK, device=chunk_masses.device)
     indices = chunks * SEARCH_CHUNK + offsets
     outside = indices >= vocab
-    chunk_probs = probs.gather(1, indices.clamp_(max=vocab - 1)).masked_fill_(outside, 0.0)
+    chunk_probs = at(indices.clamp_(max=vocab - 1)).masked_fill_(outside, 0.0)
     within = chunk_probs.cumsum(dim=-1, dtype=torch.float64).add_(before)
     found = torch.searchsorted(within, targets, right=True)
     last_with_mass = torch.where(chunk_probs > 0, offsets, -1).amax(dim=-1, keepdim=True)
@@ -324,38 +336,56 @@ def draw(
     ``largest_k`` as ``_support_floor`` takes it. Returns the chosen ids ``[rows]`` (int64) and ``samples``
     ``[3, rows]`` float32 (the ids, exact up to 2^24, and their two log-probs: one copy brings all three to the host).
 
-    Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T and the float32
-    unnormalised probabilities over the support (8 bytes per [rows, vocab] element; ``inverse_cdf`` adds about 32
-    bytes per row and token of ``SEARCH_CHUNK``); a filtered batch's support floor sorts the rows first
-    (``_support_floor``: 16 bytes per element while it sorts); greedy-only batches hold the float32 copy alone."""
+    Holds at peak, on the logits' device and besides them: a float32 copy of the logits divided by T and, run
+    eagerly, the float32 unnormalised probabilities of the whole chunks (at most 8 bytes per [rows, vocab] element;
+    the search adds about 32 bytes per row and token of ``SEARCH_CHUNK``); a filtered batch's support floor sorts
+    the rows first (``_support_floor``: 16 bytes per element while it sorts); greedy-only batches hold the float32
+    copy alone. Compiled, Inductor computes the probabilities where they are summed and stores none."""
     vocab_size = logits.shape[-1]
     assert vocab_size <= 2**24, "token ids travel to the host as float32, exact up to 2^24"
     scaled = logits / temperature[:, None]  # float32 (or wider) whatever came in
+
+    def scaled_at(indices: torch.Tensor) -> torch.Tensor:
+        # ``scaled`` at ``indices``, divided again where it is read: compiled, ``scaled`` is then only reduced and
+        # Inductor need not store it (a gather after the search's library calls would make it).
+        return logits.gather(1, indices) / temperature[:, None]
+
     log_support_mass = None
     if kind == GREEDY:
         tokens, log_normaliser = _argmax(scaled, normaliser=True)
     else:
         floor = None if kind == SAMPLED else _support_floor(scaled, top_k, top_p, largest_k=largest_k)
-        # torch.logsumexp's own steps (the same normaliser, bit for bit), its exponentials kept as the search's
-        # weights: two passes over the vocabulary fewer than exponentiating again, and one more fewer for leaving
-        # them unnormalised (the search draws u times the row's own mass: ``inverse_cdf``).
+        # The exponentials shifted by the row's maximum, unnormalised (the search draws u times the row's own mass,
+        # ``inverse_cdf``), summed in float64 by chunks: the search's first level, and for a batch without filters
+        # the normaliser too. Each use is a reduction or a gather, so compiled, no float32 [rows, vocab] tensor of
+        # them need be written (Inductor computes them where they are read).
         maxes = scaled.amax(dim=-1, keepdim=True)
-        weights = (scaled - maxes).exp_()
-        sums = weights.sum(dim=-1, keepdim=True)
-        log_normaliser = sums.log().add_(maxes).squeeze(1)
-        if floor is not None:
-            weights.masked_fill_(scaled < floor[:, None], 0.0)
-        tokens, support_weight = inverse_cdf(weights, uniforms)
-        del weights
+
+        def weights(values: torch.Tensor, *, support: bool = True) -> torch.Tensor:
+            """``exp(values - the row's max)``, 0 outside the support (``support``), for values ``[rows, ...]``."""
+            shape = (-1,) + (1,) * (values.dim() - 1)
+            chosen = (values - maxes.view(shape)).exp_()
+            if floor is None or not support:
+                return chosen
+            return chosen.masked_fill_(values < floor.view(shape), 0.0)
+
+        def masses(*, support: bool = True) -> torch.Tensor:
+            pieces = _chunked(scaled)
+            return torch.cat([weights(p, support=support).sum(dim=-1, dtype=torch.float64) for p in pieces], dim=1)
+
+        total = None if floor is None else masses(support=False).sum(dim=-1)
+        tokens, support_weight = search(masses(), uniforms, lambda indices: weights(scaled_at(indices)), vocab_size)
+        total = support_weight if total is None else total
+        log_normaliser = (total.log() + maxes.squeeze(1)).to(scaled.dtype)
         if floor is not None:
             # The support's share of the mass. A row that keeps every token gets log Z = 0 exactly, not the log of
             # a ratio of two float sums near 1.
             filters = (top_k > 0) | (top_p < 1)
-            log_support_mass = torch.where(filters, support_weight.log() - sums.squeeze(1).double().log(), 0.0)
+            log_support_mass = torch.where(filters, support_weight.log() - total.log(), 0.0)
         if greedy is not None:
             tokens = torch.where(greedy, _argmax(scaled)[0], tokens)
     # The chosen token is always in the support, so both its log-probs are finite.
-    chosen_log_probs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_normaliser
+    chosen_log_probs = scaled_at(tokens[:, None]).squeeze(1) - log_normaliser
     sampling_log_probs = chosen_log_probs if log_support_mass is None else chosen_log_probs.double() - log_support_mass
     samples = torch.stack(
         [tokens.to(torch.float32), chosen_log_probs.to(torch.float32), sampling_log_probs.to(torch.float32)]
