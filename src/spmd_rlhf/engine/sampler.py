@@ -185,14 +185,11 @@ def argmax_in_chunks(values: torch.Tensor, *, normaliser: bool = False) -> tuple
     """Per row of ``values`` ``[rows, vocab]``: the index of its first largest value (``values.argmax(-1)``'s) and,
     with ``normaliser``, its logsumexp, both in two levels over chunks of ``SEARCH_CHUNK`` tokens.
 
-    Why: TorchDynamo's Inductor never splits an argmax over many programs, so a compiled ``argmax(-1)`` of one row of
-    a 151,936-token vocabulary ran as a single program reading all of it, 35 µs of the 1.56 ms batch-1 decode step
-    on an H200 (session 47's profile), where a reduction spread over the GPU takes a few. Here each chunk's maximum,
-    its first index and (``normaliser``) its sum of exponentials are one reduction per chunk, rows × chunks programs,
-    and the second level reads 149 values per row. The first largest chunk maximum's chunk holds the first largest
-    value, so the index equals ``argmax``'s, ties included. The logsumexp is ``torch.logsumexp``'s up to float32
-    summation order (each chunk shifted by its own maximum; chunks whose maximum is infinite shift by zero, as
-    ``torch.logsumexp`` does)."""
+    Inductor never splits an argmax, so a compiled ``argmax(-1)`` of one row of a 151,936-token vocabulary ran as one
+    program, 35 µs of the 1.56 ms batch-1 decode step on an H200 (session 47). Here each chunk's maximum, first index
+    and (``normaliser``) sum of exponentials are a reduction per chunk, rows × chunks programs; the first largest
+    chunk maximum's chunk holds the first largest value, so the index is ``argmax``'s, ties included. The logsumexp
+    is ``torch.logsumexp``'s up to summation order (chunks shifted by their maxima, infinite ones by zero)."""
     maxima, indices, sums = [], [], []
     start = 0
     for piece in _chunked(values):
@@ -256,6 +253,37 @@ def search(
     tokens = (chunks * SEARCH_CHUNK + torch.minimum(found, last_with_mass)).squeeze(1)
     # An index whatever the uniforms hold (a padding row's are stale values): a gather never reads out of bounds.
     return tokens.clamp_(0, vocab - 1), mass
+
+
+def _search_scaled(
+    scaled: torch.Tensor,
+    scaled_at: Callable[[torch.Tensor], torch.Tensor],
+    floor: torch.Tensor | None,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sampled draw's search over ``scaled`` (the logits divided by T; ``scaled_at``: its values at given indices),
+    its support the tokens at or above ``floor`` (None: every token): ``(tokens, log normaliser, the support's
+    weight, the row's total weight)``, the weights ``exp(scaled - the row's max)``, unnormalised (the search draws u
+    times the row's own mass), summed in float64 by chunks (the search's first level; without filters, the total
+    too). Each use of them is a reduction or a gather from the logits, so compiled, no ``[rows, vocab]`` tensor of
+    them is written: Inductor computes them where they are read."""
+    maxes = scaled.amax(dim=-1, keepdim=True)
+
+    def weights(values: torch.Tensor, *, support: bool = True) -> torch.Tensor:
+        shape = (-1,) + (1,) * (values.dim() - 1)  # values [rows, ...]
+        chosen = (values - maxes.view(shape)).exp_()
+        if floor is None or not support:
+            return chosen
+        return chosen.masked_fill_(values < floor.view(shape), 0.0)
+
+    def masses(*, support: bool = True) -> torch.Tensor:
+        pieces = _chunked(scaled)
+        return torch.cat([weights(p, support=support).sum(dim=-1, dtype=torch.float64) for p in pieces], dim=1)
+
+    total = None if floor is None else masses(support=False).sum(dim=-1)
+    tokens, support_weight = search(masses(), uniforms, lambda indices: weights(scaled_at(indices)), scaled.shape[1])
+    total = support_weight if total is None else total
+    return tokens, (total.log() + maxes.squeeze(1)).to(scaled.dtype), support_weight, total
 
 
 GREEDY, SAMPLED, FILTERED = 0, 1, 2
@@ -355,28 +383,7 @@ def draw(
         tokens, log_normaliser = _argmax(scaled, normaliser=True)
     else:
         floor = None if kind == SAMPLED else _support_floor(scaled, top_k, top_p, largest_k=largest_k)
-        # The exponentials shifted by the row's maximum, unnormalised (the search draws u times the row's own mass,
-        # ``inverse_cdf``), summed in float64 by chunks: the search's first level, and for a batch without filters
-        # the normaliser too. Each use is a reduction or a gather, so compiled, no float32 [rows, vocab] tensor of
-        # them need be written (Inductor computes them where they are read).
-        maxes = scaled.amax(dim=-1, keepdim=True)
-
-        def weights(values: torch.Tensor, *, support: bool = True) -> torch.Tensor:
-            """``exp(values - the row's max)``, 0 outside the support (``support``), for values ``[rows, ...]``."""
-            shape = (-1,) + (1,) * (values.dim() - 1)
-            chosen = (values - maxes.view(shape)).exp_()
-            if floor is None or not support:
-                return chosen
-            return chosen.masked_fill_(values < floor.view(shape), 0.0)
-
-        def masses(*, support: bool = True) -> torch.Tensor:
-            pieces = _chunked(scaled)
-            return torch.cat([weights(p, support=support).sum(dim=-1, dtype=torch.float64) for p in pieces], dim=1)
-
-        total = None if floor is None else masses(support=False).sum(dim=-1)
-        tokens, support_weight = search(masses(), uniforms, lambda indices: weights(scaled_at(indices)), vocab_size)
-        total = support_weight if total is None else total
-        log_normaliser = (total.log() + maxes.squeeze(1)).to(scaled.dtype)
+        tokens, log_normaliser, support_weight, total = _search_scaled(scaled, scaled_at, floor, uniforms)
         if floor is not None:
             # The support's share of the mass. A row that keeps every token gets log Z = 0 exactly, not the log of
             # a ratio of two float sums near 1.
