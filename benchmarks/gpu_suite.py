@@ -270,6 +270,9 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "skinny_sweep_best_1.5b": "shapes.0.best",
                 "skinny_sweep_saved_us_over_default_1.5b": "shapes.0.best_saved_us_per_28_layer_step_over_default",
                 "skinny_sweep_saved_us_over_torch_1.5b": "shapes.0.best_saved_us_per_28_layer_step_over_torch",
+                # The engine's down tiling with its split sum in the kernel (5) and in a kernel of its own (17).
+                "skinny_sweep_down_us_sum_inside_1.5b": "shapes.0.projections.down.5.us",
+                "skinny_sweep_down_us_sum_apart_1.5b": "shapes.0.projections.down.17.us",
             },
         ),
         Step(
@@ -282,6 +285,9 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "paged_sweep_speedup_batch1_256": "regimes.batch1_256.best_speedup_over_default",
                 "paged_sweep_best_batch256": "regimes.batch256_1024.best",
                 "paged_sweep_speedup_batch256": "regimes.batch256_1024.best_speedup_over_default",
+                # The default (split-K combined in the kernel) against the combine kernel of its own (9).
+                "paged_sweep_us_batch1_256_combine_inside": "regimes.batch1_256.configs.0.us",
+                "paged_sweep_us_batch1_256_combine_apart": "regimes.batch1_256.configs.9.us",
             },
         ),
         Step(
