@@ -6,6 +6,7 @@ installed."""
 
 from __future__ import annotations
 
+from spmd_rlhf.kernels.arrival_programs import last_to_arrive, reset_arrivals
 from spmd_rlhf.kernels.triton_support import tl, triton
 
 
@@ -153,13 +154,9 @@ def paged_decode_kernel(
         tl.store(partial_sum_ptr + slot * GROUP_PAD + group, running_sum)
         tile = slot * GROUP_PAD * HEAD_DIM_PAD + group[:, None] * HEAD_DIM_PAD + dims[None, :]
         tl.store(partial_out_ptr + tile, acc)
+        # The pair's last program to finish combines every split's results (``arrival_programs``).
         if LAST_COMBINES:
-            # Every thread's stores before the arrival is counted (a barrier, then the count's release); the
-            # pair's last program to arrive reads them all after its acquire, from L2 (``_combine``), combines
-            # them, and sets the count back to 0 for the next launch.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + pair, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
+            if last_to_arrive(arrivals_ptr, pair, SPLITS):
                 _combine(
                     out_ptr,
                     partial_out_ptr,
@@ -176,7 +173,7 @@ def paged_decode_kernel(
                     HEAD_DIM_PAD,
                     SPLITS,
                 )
-                tl.atomic_xchg(arrivals_ptr + pair, 0, sem="relaxed", scope="gpu")
+                reset_arrivals(arrivals_ptr, pair)
 
 
 @triton.jit

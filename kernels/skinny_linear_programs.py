@@ -6,6 +6,7 @@ installed."""
 
 from __future__ import annotations
 
+from spmd_rlhf.kernels.arrival_programs import last_to_arrive, reset_arrivals
 from spmd_rlhf.kernels.triton_support import tl, triton
 
 PLAIN: tl.constexpr = tl.constexpr(0)
@@ -146,13 +147,9 @@ def skinny_linear_kernel(
         # This split's partial products, float32 [SPLITS, ROWS_PAD, out_features] (padding rows hold zeros).
         partial_offsets = (split * ROWS_PAD + row[:, None]) * out_features + outs[None, :]
         tl.store(partial_ptr + partial_offsets, acc, mask=out_mask[None, :])
+        # The output block's last program to finish sums every split's products (``arrival_programs``).
         if LAST_SUMS:
-            # Every thread's stores before the arrival is counted (a barrier, then the count's release); the output
-            # block's last program to arrive sums every split's products after its acquire, from L2, and sets the
-            # count back to 0 for the next launch.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
+            if last_to_arrive(arrivals_ptr, block, SPLITS):
                 acc = tl.zeros([ROWS_PAD, BLOCK_OUT], tl.float32)
                 for other in tl.static_range(SPLITS):
                     other_offsets = (other * ROWS_PAD + row[:, None]) * out_features + outs[None, :]
@@ -161,7 +158,7 @@ def skinny_linear_kernel(
                     acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
                 out_offsets = row[:, None] * stride_out_row + outs[None, :]
                 tl.store(out_ptr + out_offsets, acc.to(dtype), mask=row_mask[:, None] & out_mask[None, :])
-                tl.atomic_xchg(arrivals_ptr + block, 0, sem="relaxed", scope="gpu")
+                reset_arrivals(arrivals_ptr, block)
 
 
 @triton.jit
