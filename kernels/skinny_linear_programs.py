@@ -139,10 +139,7 @@ def skinny_linear_kernel(
     if SPLITS == 1:
         if INPUT == NORM:  # the program walked the whole row
             acc *= tl.rsqrt(tl.sum(squares, axis=1) / in_features + eps)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
-        out_offsets = row[:, None] * stride_out_row + outs[None, :]
-        tl.store(out_ptr + out_offsets, acc.to(dtype), mask=row_mask[:, None] & out_mask[None, :])
+        _store_output(out_ptr, bias_ptr, acc, outs, out_mask, row, row_mask, stride_out_row, HAS_BIAS)
     else:
         # This split's partial products, float32 [SPLITS, ROWS_PAD, out_features] (padding rows hold zeros).
         partial_offsets = (split * ROWS_PAD + row[:, None]) * out_features + outs[None, :]
@@ -150,15 +147,30 @@ def skinny_linear_kernel(
         # The output block's last program to finish sums every split's products (``arrival_programs``).
         if LAST_SUMS:
             if last_to_arrive(arrivals_ptr, block, SPLITS):
-                acc = tl.zeros([ROWS_PAD, BLOCK_OUT], tl.float32)
-                for other in tl.static_range(SPLITS):
-                    other_offsets = (other * ROWS_PAD + row[:, None]) * out_features + outs[None, :]
-                    acc += tl.load(partial_ptr + other_offsets, mask=out_mask[None, :], other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
-                out_offsets = row[:, None] * stride_out_row + outs[None, :]
-                tl.store(out_ptr + out_offsets, acc.to(dtype), mask=row_mask[:, None] & out_mask[None, :])
+                acc = _split_sum(partial_ptr, outs, out_mask, row, out_features, ROWS_PAD, BLOCK_OUT, SPLITS)
+                _store_output(out_ptr, bias_ptr, acc, outs, out_mask, row, row_mask, stride_out_row, HAS_BIAS)
                 reset_arrivals(arrivals_ptr, block)
+
+
+@triton.jit
+def _split_sum(partial_ptr, outs, out_mask, row, out_features, ROWS_PAD: tl.constexpr, BLOCK_OUT: tl.constexpr,
+               SPLITS: tl.constexpr):  # fmt: skip
+    """The splits' partial products of ``outs`` summed in float32, read past L1 (``.cg``: other programs, perhaps
+    on other multiprocessors, wrote them)."""
+    acc = tl.zeros([ROWS_PAD, BLOCK_OUT], tl.float32)
+    for split in tl.static_range(SPLITS):
+        partial_offsets = (split * ROWS_PAD + row[:, None]) * out_features + outs[None, :]
+        acc += tl.load(partial_ptr + partial_offsets, mask=out_mask[None, :], other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _store_output(out_ptr, bias_ptr, acc, outs, out_mask, row, row_mask, stride_out_row, HAS_BIAS: tl.constexpr):
+    """``acc`` (float32 ``[ROWS_PAD, BLOCK_OUT]``) plus the bias, rounded once to the output's dtype and stored."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+    out_offsets = row[:, None] * stride_out_row + outs[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & out_mask[None, :])
 
 
 @triton.jit
@@ -186,10 +198,7 @@ def sum_splits_kernel(
     out_mask = outs < out_features
     row = tl.arange(0, ROWS_PAD)
     row_mask = row < rows
-    acc = tl.zeros([ROWS_PAD, BLOCK_OUT], tl.float32)
-    for split in tl.static_range(SPLITS):
-        partial_offsets = (split * ROWS_PAD + row[:, None]) * out_features + outs[None, :]
-        acc += tl.load(partial_ptr + partial_offsets, mask=out_mask[None, :], other=0.0)
+    acc = _split_sum(partial_ptr, outs, out_mask, row, out_features, ROWS_PAD, BLOCK_OUT, SPLITS)
     if NORMED:
         squares = tl.zeros([ROWS_PAD, BLOCK_NORM], tl.float32)
         for start in range(0, in_features, BLOCK_NORM):
@@ -198,7 +207,4 @@ def sum_splits_kernel(
             h = tl.load(normed_ptr + row[:, None] * stride_normed_row + ins[None, :], mask=mask, other=0.0)
             squares += h.to(tl.float32) * h.to(tl.float32)
         acc *= tl.rsqrt(tl.sum(squares, axis=1) / in_features + eps)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
-    out_offsets = row[:, None] * stride_out_row + outs[None, :]
-    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & out_mask[None, :])
+    _store_output(out_ptr, bias_ptr, acc, outs, out_mask, row, row_mask, stride_out_row, HAS_BIAS)

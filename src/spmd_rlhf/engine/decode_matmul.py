@@ -25,14 +25,13 @@ import types
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.decoder import DecoderLayer, DecoderLM
-from spmd_rlhf.models.local_tensor_parallel import local_parameter, summed_over_ranks, takes_rows
+from spmd_rlhf.models.local_tensor_parallel import local_parameter, skinny_or_linear, summed_over_ranks
 from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import SwiGLU
 
@@ -59,9 +58,7 @@ def _skinny_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A linear layer's forward, or a merged one's matmul, through the operator at up to its tiling's rows; more rows
     (prefill, larger batches) ``F.linear`` itself, which a compiled block traces as its own (the operator's
     fallback would be opaque to Inductor)."""
-    if not takes_rows(self, x):
-        return F.linear(x, self.weight, self.bias)
-    return torch.ops.spmd_rlhf.skinny_linear(x, self.weight, self.bias, *self.skinny_kernels)
+    return skinny_or_linear(self, x, self.weight, self.bias)
 
 
 def _takes(self: DecoderLayer, x: torch.Tensor) -> bool:

@@ -109,9 +109,12 @@ def takes_rows(module: nn.Module, x: torch.Tensor) -> bool:
     return getattr(module, "skinny_kernels", None) is not None and math.prod(x.shape[:-1]) <= module.skinny_rows
 
 
-def _matmul(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` on local shards, or the skinny-linear operator where ``engine.decode_matmul`` pointed the module
-    at it (its ``skinny_kernels``: the operator's backend and tiling) and ``x`` has few enough rows (``takes_rows``)."""
+def skinny_or_linear(
+    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (a TP replica's local shards, or a whole layer's), or the skinny-linear operator
+    where ``engine.decode_matmul`` pointed ``module`` at it (its ``skinny_kernels``: the operator's backend and
+    tiling) and ``x`` has few enough rows (``takes_rows``)."""
     if not takes_rows(module, x):
         return F.linear(x, weight, bias)
     return torch.ops.spmd_rlhf.skinny_linear(x, weight, bias, *module.skinny_kernels)
@@ -126,11 +129,11 @@ def summed_over_ranks(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
 
 
 def _column_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _matmul(module, x, local_parameter(module, "weight"), local_parameter(module, "bias"))
+    return skinny_or_linear(module, x, local_parameter(module, "weight"), local_parameter(module, "bias"))
 
 
 def _row_parallel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return summed_over_ranks(module, _matmul(module, x, local_parameter(module, "weight"), None))
+    return summed_over_ranks(module, skinny_or_linear(module, x, local_parameter(module, "weight"), None))
 
 
 def _vocabulary_parallel_embedding(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
