@@ -348,9 +348,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--decode-matmul",
-        choices=("torch", "triton"),
-        default="torch",
-        help="rollout.decode_matmul (default torch, the config's): triton runs the blocks' projections at one row "
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="rollout.decode_matmul (default auto, the config's: triton where it can run): triton runs the blocks' "
+        "projections at one row "
         "through the skinny-linear kernels",
     )
     parser.add_argument(

@@ -27,9 +27,9 @@ The goals' steps run first: on an H200 (session 44) the steps took 627 s where 5
 wall time is the budget plus about 20 s of install and start, inside a 600 s call).
 
 Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_skinny`` (G1 with the decode projections
-through the skinny-linear kernels, ``rollout.decode_matmul=triton``: run it when ``kernels`` says they beat
-cuBLAS; with them the dense blocks' norms and activation run inside the projections' kernels, and the tilings
-``skinny_sweep`` and ``paged_sweep`` found best where they ran before it),
+through the skinny-linear kernels, as ``g1`` runs them by default, ``rollout.decode_matmul=auto``, but with the
+tilings ``skinny_sweep`` and ``paged_sweep`` found best where they ran before it), ``g1_cublas`` (G1 with the
+projections through ``F.linear``, ``rollout.decode_matmul=torch``: what the kernels gain),
 ``skinny_sweep`` (``gpu_skinny_sweep.py``: the skinny-linear kernels' tilings, ``SkinnyConfig``, against each other
 and cuBLAS per projection at one row: which tiling ``g1_skinny`` should use), ``paged_sweep`` (``gpu_paged_sweep.py``:
 the paged decode kernel's tilings and pipeline depths, ``PagedConfig``, at batch 1 and 256), ``draw``
@@ -167,6 +167,25 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "G1_eager_blocks_batch1_over_floor": "decode.1.ratio_to_floor",
                 "G1_eager_blocks_largest_batch_over_floor": "decode.-1.ratio_to_floor",
                 "G1_eager_blocks_first_mismatch": "decode.1.graph_eager_first_mismatch",
+            },
+        ),
+        Step(
+            "g1_cublas",
+            [
+                *generate,
+                "--measure",
+                "decode",
+                "--decode-matmul",
+                "torch",
+                *([] if smoke else ["--decode-tokens", "128", "--repeats", "2"]),
+                *step_out("g1_cublas"),
+            ],
+            150,
+            "*.json",
+            {
+                "G1_cublas_batch1_over_floor": "decode.1.ratio_to_floor",
+                "G1_cublas_largest_batch_over_floor": "decode.-1.ratio_to_floor",
+                "G1_cublas_first_mismatch": "decode.1.graph_eager_first_mismatch",
             },
         ),
         Step(
@@ -427,6 +446,7 @@ in session 44 on an H200); see the module docstring for each step's limit."""
 OPTIONAL = (
     "draw",
     "g1_skinny",
+    "g1_cublas",
     "skinny_sweep",
     "paged_sweep",
     "g1_eager_blocks",
@@ -444,6 +464,7 @@ OPTIONAL = (
 MODEL_USERS = (
     "g1",
     "g1_skinny",
+    "g1_cublas",
     "g1_eager_blocks",
     "g3",
     "g4",

@@ -18,6 +18,7 @@ from hf_fixtures import write_hf_model
 import spmd_rlhf.kernels.skinny_linear as skinny_module
 from spmd_rlhf.config import ConfigError, load_config
 from spmd_rlhf.engine import LLMEngine, SamplingParams, decode_matmul
+from spmd_rlhf.engine.decode_compile import compile_around_attention
 from spmd_rlhf.engine.decode_matmul import DEFAULT_TILINGS, skinny_linear_unsupported, use_skinny_linear
 from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.models import load_model
@@ -129,11 +130,36 @@ def test_every_projection_of_a_block_goes_through_the_operator(tmp_path, monkeyp
         use_skinny_linear(plain, backend="torch", config={"qkv": SkinnyConfig()})
 
 
+def test_a_second_engine_on_the_model_keeps_the_first_ones_compiled_pieces(tmp_path):
+    """``benchmarks/gpu_generate.py`` builds a graphed and an eager engine on one model: the second must neither
+    rebind the pieces the first compiled (session 48's H200 run decoded batch 64 with eager norms that way) nor
+    compile them again."""
+    write_hf_model("qwen2_untied", str(tmp_path))
+    model = load_model(str(tmp_path)).requires_grad_(False)
+    merge_projections(model)
+    counts = use_skinny_linear(model, backend="torch")
+    compile_around_attention(model, backend="aot_eager")
+    layer = next(iter(model.model.layers.values()))
+    pieces = (layer.attention_inputs, layer.residual_attention_inputs, layer.attention_outputs_apart)
+    assert use_skinny_linear(model, backend="torch") == counts
+    compile_around_attention(model, backend="aot_eager")
+    assert (layer.attention_inputs, layer.residual_attention_inputs, layer.attention_outputs_apart) == pieces
+    with pytest.raises(ValueError, match="other tilings"):
+        use_skinny_linear(model, backend="torch", config=SkinnyConfig(num_warps=2))
+    compiled_first = load_model(str(tmp_path)).requires_grad_(False)
+    merge_projections(compiled_first)
+    compile_around_attention(compiled_first, backend="aot_eager")
+    with pytest.raises(ValueError, match="before compile_around_attention"):
+        use_skinny_linear(compiled_first, backend="torch")
+
+
 def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp_path, caplog, monkeypatch):
     write_hf_model("qwen2_untied", str(tmp_path))
     model = load_model(str(tmp_path))
     assert "need CUDA tensors" in skinny_linear_unsupported(model)  # a TP replica: test_a_tensor_parallel_replica_...
     with caplog.at_level(logging.INFO, logger="spmd_rlhf.engine.decode_graphs"):
+        engine = LLMEngine(model, eos_token_id=None, block_size=4)  # auto, the default: F.linear without a word
+        assert caplog.text == "" and all("forward" not in vars(m) for m in model.model.layers.modules())
         engine = LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton")
     assert "rollout.decode_matmul=triton falls back to F.linear" in caplog.text
     assert all("forward" not in vars(m) for m in engine.runner.model.model.layers.modules())
@@ -143,8 +169,11 @@ def test_where_the_kernels_cannot_run_the_engine_says_why_and_keeps_f_linear(tmp
     LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="triton", decode_tiling=tiling)
     assert all("forward" in vars(layer.mlp.down_proj) for layer in model.model.layers.values())
     assert all(layer.mlp.down_proj.skinny_kernels[1] == tiling.as_tiling() for layer in model.model.layers.values())
+    chosen = load_model(str(tmp_path))
+    LLMEngine(chosen, eos_token_id=None, block_size=4)  # auto takes the kernels where they run
+    assert all(layer.mlp.down_proj.skinny_kernels for layer in chosen.model.layers.values())
     with pytest.raises(ValueError, match="decode_matmul='cublas' is unknown"):
         LLMEngine(model, eos_token_id=None, block_size=4, decode_matmul="cublas")
-    assert load_config(None, []).rollout.decode_matmul == "torch"
+    assert load_config(None, []).rollout.decode_matmul == "auto"
     with pytest.raises(ConfigError, match="rollout.decode_matmul"):
         load_config(None, ["rollout.decode_matmul=cublas"])

@@ -5,7 +5,7 @@ equal."""
 # The same names as spmd_rlhf.models.attention.BACKENDS (a test keeps them equal) without importing torch here.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "flash")
 COMPILE_SETTINGS = ("auto", "on", "off")
-DECODE_MATMULS = ("torch", "triton")
+DECODE_MATMULS = ("auto", "torch", "triton")
 """rollout.decode_matmul's values (spmd_rlhf.engine.decode_matmul.DECODE_MATMULS: a test keeps them equal)."""
 CHECKPOINT_POLICIES = ("full", "selective")
 CP_ATTENTION = ("auto", "ulysses", "ring")

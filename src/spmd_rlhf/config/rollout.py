@@ -53,15 +53,14 @@ class RolloutConfig:
     decode bucket and prefill length: auto (where decode steps replay from CUDA graphs), on (CPU too: needs a C++
     compiler) or off. On an H100 (session 38) auto took batch-1 decode of the 1.5B shape from 29 % to 45 % of the HBM
     floor with the same tokens; the compile runs once per engine (``rollout.keep_engine``)."""
-    decode_matmul: str = "torch"
+    decode_matmul: str = "auto"
     """The generation copy's projections (q/k/v, o, gate/up, down) at batch-1 decode steps: torch (F.linear: cuBLAS
-    on CUDA) or triton (spmd_rlhf.kernels.skinny_linear, which spreads a small matrix-vector product over every
-    multiprocessor; CUDA with triton, at tp 1; more rows and prefill stay F.linear; in dense blocks the residual adds,
-    norms and SwiGLU's activation run inside the projections' kernels too: four kernels per block where seven were).
-    On an H200 (session 47, the 1.5B shape) triton took batch-1 decode from 43.1 % to 46.9 % of the HBM floor, but the
-    same engine decoded batch 64 in 3.2 ms per step where torch took 2.1 (those rows ran F.linear inside the opaque
-    operator then; since, they call F.linear itself, as torch does), so the default stays torch until a GPU run
-    times batch 64 again."""
+    on CUDA), triton (spmd_rlhf.kernels.skinny_linear, which spreads a small matrix-vector product over every
+    multiprocessor; CUDA with triton, on one rank or a TP replica's local shards; more rows and prefill stay
+    F.linear; in dense blocks the residual adds, norms and SwiGLU's activation run inside the projections' kernels
+    too: four kernels per block where seven were; where it cannot run, one log line says why) or auto (triton where
+    it can run, else torch, silently). On an H200 (session 48, the 1.5B shape) triton took batch-1 decode from 42.5 %
+    to 47.7 % of the HBM floor; larger batches run the same F.linear pieces as torch."""
     overlap_host: bool = True
     """Read each graphed decode step's tokens back one step late (pinned copy and event), so the host plans and
     launches step t + 1 while the device runs step t; the same tokens and log-probs as false (a synchronous read after

@@ -45,7 +45,10 @@ def compile_around_attention(model: DecoderLM, *, backend: str = "inductor") -> 
     projections' all-reduces stay inside the second piece, traced as functional collectives, and the graphs are
     shared as on one rank (the local forwards are one function bound to each module). Compiled in place (instance
     attributes over the methods): the first call of each size compiles, which the decode graphs' warm-up pass does
-    before capture. ``backend``: TorchDynamo's (tests trace with ``aot_eager``)."""
+    before capture. ``backend``: TorchDynamo's (tests trace with ``aot_eager``). Once per model: a second engine
+    on the same model (``benchmarks/gpu_generate.py`` builds a graphed and an eager one) keeps the compiled pieces."""
+    if model.model.carry_residuals:  # compiled by an earlier engine on this model
+        return
 
     def compiled(function: Callable, *, fullgraph: bool = True) -> Callable:
         return torch.compile(function, fullgraph=fullgraph, dynamic=True, backend=backend)

@@ -35,7 +35,7 @@ from spmd_rlhf.models.local_tensor_parallel import local_parameter, skinny_or_li
 from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import SwiGLU
 
-DECODE_MATMULS = ("torch", "triton")
+DECODE_MATMULS = ("auto", "torch", "triton")
 
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj")}
 """A block's projections by the tiling they take, and the names of the linear layers each stands for unmerged;
@@ -164,8 +164,22 @@ def use_skinny_linear(
     through the operator, blocks fused)``. ``backend``: the kernels' (``auto``; tests under Triton's interpreter pass
     ``triton``); ``config``: their tiling, one for every projection or one each (``DEFAULT_TILINGS``'s keys); a
     fused block takes the fewest ``max_rows`` of its tilings. Call before ``compile_around_attention``, which traces
-    the forwards."""
+    the forwards. Once per model: a second call with the same backend and tilings (a second engine on the model)
+    changes nothing and returns the first one's counts (rebinding the pieces would drop their compiled wrappers)."""
     tilings = _tilings(config)
+    applied = model.skinny_decode
+    if applied is not None:
+        if applied[0] != (backend, tilings):
+            raise ValueError(
+                "this model's projections already run the skinny-linear kernels with other tilings or another "
+                "backend; load the model again to change them"
+            )
+        return applied[1]
+    if model.model.carry_residuals:
+        raise ValueError(
+            "the model's blocks are compiled around attention already; call use_skinny_linear before "
+            "compile_around_attention, which traces the pieces it points at the kernels"
+        )
     # Every operator's last two arguments, and the most rows they take (``takes_rows``).
     kernels = {name: ((backend, tiling.as_tiling()), tiling.max_rows) for name, tiling in tilings.items()}
     rows = min(tiling.max_rows for tiling in tilings.values())
@@ -195,15 +209,16 @@ def use_skinny_linear(
             ):
                 setattr(layer, name, types.MethodType(piece, layer))
             fused += 1
+    model.skinny_decode = (backend, tilings), (per_block, fused)
     return per_block, fused
 
 
 def apply_decode_matmul(
     model: DecoderLM, setting: str, *, config: SkinnyConfig | Mapping[str, SkinnyConfig] = DEFAULT_TILINGS
 ) -> str | None:
-    """``rollout.decode_matmul``'s ``setting`` applied to ``model`` (``triton``: ``use_skinny_linear`` with
-    ``config``, where ``skinny_linear_unsupported`` allows; ``torch``: nothing). Returns why ``triton`` could not
-    be applied (the caller logs it once), else None."""
+    """``rollout.decode_matmul``'s ``setting`` applied to ``model`` (``triton`` and ``auto``: ``use_skinny_linear``
+    with ``config``, where ``skinny_linear_unsupported`` allows; ``torch``: nothing). Returns why ``triton`` could not
+    be applied (the caller logs it once), else None: ``auto`` falls back to ``F.linear`` without a word."""
     if setting not in DECODE_MATMULS:
         raise ValueError(f"decode_matmul={setting!r} is unknown; choose one of {', '.join(DECODE_MATMULS)}")
     if setting == "torch":
@@ -211,4 +226,4 @@ def apply_decode_matmul(
     why = skinny_linear_unsupported(model)
     if why is None:
         use_skinny_linear(model, config=config)
-    return why
+    return why if setting == "triton" else None

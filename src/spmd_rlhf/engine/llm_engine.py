@@ -86,7 +86,7 @@ class LLMEngine:
         record_routes: bool = False,
         overlap_host: bool = True,
         compile_layers: str = "off",
-        decode_matmul: str = "torch",
+        decode_matmul: str = "auto",
         decode_tiling: SkinnyConfig | Mapping[str, SkinnyConfig] = DEFAULT_TILINGS,
         attention_tiling: PagedConfig = DEFAULT_PAGED_CONFIG,
     ) -> None:
@@ -111,10 +111,11 @@ class LLMEngine:
         and log-probs as the synchronous loop (False). ``compile_layers``: ``rollout.compile`` (``auto``, ``on`` or
         ``off``): each decoder block compiled around its attention call (``decode_compile.compile_around_attention``),
         and the static step's draw (``compile_draw``); ``auto`` where steps are captured.
-        ``decode_matmul``: ``rollout.decode_matmul`` (``torch``, or ``triton``: the blocks' projections at batch-1
-        steps through ``kernels.skinny_linear``, ``decode_matmul.use_skinny_linear``; where it cannot run, the log says
-        why, once). ``decode_tiling`` (one for every projection, or one each: ``decode_matmul.DEFAULT_TILINGS``),
-        ``attention_tiling``: the skinny-linear and paged decode kernels' (``benchmarks/gpu_*_sweep.py`` time them)."""
+        ``decode_matmul``: ``rollout.decode_matmul`` (``torch``; ``triton``: the blocks' projections at batch-1
+        steps through ``kernels.skinny_linear``, ``decode_matmul.use_skinny_linear``, where it cannot run the log
+        says why, once; ``auto``: triton where it can run, else torch). ``decode_tiling`` (one for every projection,
+        or one each: ``decode_matmul.DEFAULT_TILINGS``), ``attention_tiling``: the skinny-linear and paged decode
+        kernels' (``benchmarks/gpu_*_sweep.py`` time them)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("give the KV cache size as num_blocks or as kv_cache_bytes, not both")
         if block_size is None:

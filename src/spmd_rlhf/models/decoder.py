@@ -250,6 +250,8 @@ class DecoderLM(nn.Module):
         self.local_tensor_parallel = False
         """Set by ``models.local_tensor_parallel.run_locally``: the TP-split modules compute on local shards with
         explicit collectives (a generation copy), not through DTensor's dispatch."""
+        self.skinny_decode = None
+        """Set by ``engine.decode_matmul.use_skinny_linear``: its ``(backend, tilings)`` and what it returned."""
         self.model = Backbone(args)
         if head == "lm":
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
