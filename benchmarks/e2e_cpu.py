@@ -125,18 +125,25 @@ def _summary(
     }
 
 
-def _run(command: list[str], *, cwd: str, threads: int, log: Path) -> float:
-    """Run ``command`` with ``threads`` OpenMP threads per process, output to ``log``; wall seconds. Fails loudly."""
-    return _run_measured(command, cwd=cwd, threads=threads, log=log)[0]
+def _run(command: list[str], *, cwd: str, threads: int, log: Path, env: dict[str, str] | None = None) -> float:
+    """Run ``command`` with ``threads`` OpenMP threads per process (and ``env`` over this one's environment), output
+    to ``log``; wall seconds. Fails loudly."""
+    return _run_measured(command, cwd=cwd, threads=threads, log=log, env=env)[0]
 
 
 def _run_measured(
-    command: list[str], *, cwd: str, threads: int, log: Path, huge_pages: bool = False
+    command: list[str],
+    *,
+    cwd: str,
+    threads: int,
+    log: Path,
+    huge_pages: bool = False,
+    env: dict[str, str] | None = None,
 ) -> tuple[float, list[int]]:
     """``_run``, also giving the peak resident set size in bytes of every process the command started
     (``process_memory.run_with_peak_rss``); wall seconds and those peaks. ``huge_pages``: start the processes with
     glibc's huge-page tunable, as spmd_rlhf's CPU ranks give themselves (``runtime.host_memory``)."""
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     if huge_pages:
         environment["GLIBC_TUNABLES"] = f"{TUNABLE}=1"
     started = time.perf_counter()

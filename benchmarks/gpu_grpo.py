@@ -98,6 +98,20 @@ def write_prompts(path: Path, *, model_dir: str, rows: int, prompt_tokens: int) 
 # ---- spmd_rlhf ---------------------------------------------------------------------------------------------------
 
 
+RECOMPILE_REASONS = 40
+"""At most this many distinct recompile lines kept in the result."""
+
+
+def recompile_reasons(log: str) -> list[str]:
+    """The distinct lines of ``log`` where TorchDynamo said what it recompiled and which guard failed
+    (``TORCH_LOGS=recompiles``), without their rank and time prefix, in order; at most ``RECOMPILE_REASONS``."""
+    reasons: dict[str, None] = {}
+    for line in log.splitlines():
+        if "[__recompiles]" in line and "triggered by the following guard failure" not in line:
+            reasons.setdefault(line.split("[__recompiles]", 1)[1].strip())
+    return list(reasons)[:RECOMPILE_REASONS]
+
+
 def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
     samples = spec["prompts"] * spec["n"]
     out_dir = workdir / "spmd_out"
@@ -122,7 +136,10 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
         "trainer.resume=null",
     ]
     command = _torchrun(spec["nproc"]) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
-    wall = _run(command, cwd=str(workdir), threads=spec["threads"], log=workdir / "spmd.log")
+    log = workdir / "spmd.log"
+    # TorchDynamo logs each recompile with the guard that failed: session 48's H200 run spent compile-like seconds in
+    # every step's reference and update stages, and its log was lost with the machine.
+    wall = _run(command, cwd=str(workdir), threads=spec["threads"], log=log, env={"TORCH_LOGS": "recompiles"})
     with open(out_dir / "metrics.jsonl") as lines:
         every_step = [json.loads(line) for line in lines]
     steps = every_step[warmup:]
@@ -147,6 +164,10 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
         "cuda_graph_captures_per_step": [row.get("rollout/cuda_graph_captures") for row in every_step],
         "peak_allocated_gib_per_step": [row.get("memory/peak_allocated_gib") for row in every_step],
         "peak_reserved_gib_per_step": [row.get("memory/peak_reserved_gib") for row in every_step],
+        # Graphs TorchDynamo compiled in each step (rank 0's process), and why it recompiled: 0 after the first steps.
+        "compiled_graphs_per_step": [row.get("compile/graphs") for row in every_step],
+        "compile_s_per_step": [row.get("compile/seconds") for row in every_step],
+        "recompile_reasons": recompile_reasons(log.read_text()),
     }
 
 

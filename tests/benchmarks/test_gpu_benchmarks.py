@@ -223,6 +223,29 @@ def test_grpo_against_trl(suite):
         result["spmd_rlhf"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
     )
     assert result["meets_goal"] is None
+    ours = result["spmd_rlhf"]
+    assert len(ours["compiled_graphs_per_step"]) == len(ours["compile_s_per_step"]) == config["steps"]
+    assert all(graphs >= 0 for graphs in ours["compiled_graphs_per_step"]) and ours["recompile_reasons"] == []
+
+
+def test_grpo_keeps_the_recompile_reasons_of_its_log():
+    from gpu_grpo import recompile_reasons
+
+    prefix = "[rank0]:V1127 19:17:42.551000 21045 torch/_dynamo/guards.py:4760] [5/1] [__recompiles]"
+    log = "\n".join(
+        [
+            "spmd_rlhf: 3 steps",
+            f"{prefix} Recompiling function forward in decoder.py:128",
+            f"{prefix}     triggered by the following guard failure(s):",
+            f"{prefix}     - 5/0: GLOBAL_STATE changed: grad_mode ",
+            f"{prefix} Recompiling function forward in decoder.py:128",
+            f"{prefix}     - 5/0: GLOBAL_STATE changed: grad_mode ",
+        ]
+    )
+    assert recompile_reasons(log) == [
+        "Recompiling function forward in decoder.py:128",
+        "- 5/0: GLOBAL_STATE changed: grad_mode",
+    ]
 
 
 def test_reshard_on_one_rank_reports_no_all_gather_ratio(suite):

@@ -230,3 +230,23 @@ def test_step_memory_metrics_empty_without_cuda_and_resets_the_peak_on_cuda(monk
         "memory/reserved_gib": 0.5,
     }
     assert resets == [3]
+
+
+def test_compile_counts_give_each_steps_graphs_and_warn_after_the_settling_steps(caplog):
+    import torch
+
+    from spmd_rlhf.metrics.compile_counts import SETTLING_STEPS, CompileCounts
+
+    torch._dynamo.reset()
+    counts = CompileCounts()
+    compiled = torch.compile(lambda x: x.sin() + 1, backend="eager", dynamic=False)
+    compiled(torch.ones(3))
+    first = counts.step_metrics()
+    assert first["compile/graphs"] == 1 and first["compile/seconds"] > 0
+    compiled(torch.ones(3))  # a replay compiles nothing
+    assert counts.step_metrics() == {"compile/graphs": 0.0, "compile/seconds": 0.0}
+    with caplog.at_level("WARNING", logger="spmd_rlhf.metrics.compile_counts"):
+        for step in range(SETTLING_STEPS, SETTLING_STEPS + 2):
+            compiled(torch.ones(step + 5))  # a new static shape: a recompile
+            assert counts.step_metrics()["compile/graphs"] == 1
+    assert caplog.text.count("TORCH_LOGS=recompiles") == 2 and f"in step {SETTLING_STEPS}," in caplog.text

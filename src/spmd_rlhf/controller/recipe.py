@@ -41,6 +41,7 @@ from spmd_rlhf.controller.run import RecipeRun
 from spmd_rlhf.controller.vocabularies import check_role_vocabularies
 from spmd_rlhf.data.dataset import PromptDataset, PromptLoader
 from spmd_rlhf.mapping.role_pools import place_roles
+from spmd_rlhf.metrics.compile_counts import CompileCounts
 from spmd_rlhf.metrics.peak_memory import step_memory_metrics
 from spmd_rlhf.metrics.step_metrics import MetricsLogger, StageTimer, mean_over_ranks, step_passes, throughput_metrics
 from spmd_rlhf.runtime import (
@@ -123,6 +124,8 @@ class RLRecipe(RecipeRun):
         step."""
         self.stopped_by: str | None = None
         """Why ``fit`` ended before ``trainer.total_steps`` (``"SIGTERM on rank 1"``); None when it ran them all."""
+        self.compile_counts = CompileCounts()
+        """What TorchDynamo compiled in this process each step (``compile/graphs``, ``compile/seconds``)."""
 
     # ---- building ----------------------------------------------------------------------------------------------
 
@@ -303,8 +306,9 @@ class RLRecipe(RecipeRun):
         """The step's metrics: those the workers put in batch meta or returned per DP rank (an ``Experience``
         gives its ``batches``' and its own), stage times, step time, throughput (tokens per second in all and per
         device, generated tokens per second of generation) and model TFLOP/s per device and MFU
-        (``spmd_rlhf.metrics.step_metrics.throughput_metrics``) and, on CUDA, rank 0's peak device memory over the
-        step (``spmd_rlhf.metrics.peak_memory.step_memory_metrics``)."""
+        (``spmd_rlhf.metrics.step_metrics.throughput_metrics``), what TorchDynamo compiled in this process
+        (``spmd_rlhf.metrics.compile_counts``) and, on CUDA, rank 0's peak device memory over the step
+        (``spmd_rlhf.metrics.peak_memory.step_memory_metrics``)."""
         metrics: dict[str, float] = {}
         for result in results:
             if isinstance(result, Experience):
@@ -318,6 +322,7 @@ class RLRecipe(RecipeRun):
         metrics.update(timer.metrics())
         metrics["time/step"] = time.perf_counter() - started
         metrics.update(step_memory_metrics())
+        metrics.update(self.compile_counts.step_metrics())
         metrics.update(
             throughput_metrics(
                 metrics,
