@@ -195,18 +195,20 @@ def _combine(
 ):
     """One (sequence, KV head) pair's splits, from ``first_slot`` on, into its output: each split's sum and output
     weighed by ``exp2(its max - the overall max)`` (log2 units, as the scores). The partial results are read past
-    the multiprocessor's L1 (``.cg``): another program wrote them."""
+    the multiprocessor's L1 (``.cg``): another program wrote them. Both walks over the splits are unrolled
+    (``static_range``), so each issues its independent loads together: one memory round trip each where a loop
+    waited for every split's in turn (at batch 1 the combine is the end of the kernel's chain of dependent loads)."""
     group = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     overall = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for split in range(SPLITS):
+    for split in tl.static_range(SPLITS):
         split_max = tl.load(partial_max_ptr + (first_slot + split) * GROUP_PAD + group, cache_modifier=".cg")
         overall = tl.maximum(overall, split_max)
     # A pair with no context at all keeps -inf everywhere: weigh by exp2(-inf - 0) = 0 and write zeros.
     safe = tl.where(overall == float("-inf"), 0.0, overall)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for split in range(SPLITS):
+    for split in tl.static_range(SPLITS):
         slot = first_slot + split
         weight = tl.exp2(tl.load(partial_max_ptr + slot * GROUP_PAD + group, cache_modifier=".cg") - safe)
         total += weight * tl.load(partial_sum_ptr + slot * GROUP_PAD + group, cache_modifier=".cg")
