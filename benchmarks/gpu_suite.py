@@ -307,6 +307,8 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 # The default (split-K combined in the kernel) against the combine kernel of its own (9).
                 "paged_sweep_us_batch1_256_combine_inside": "regimes.batch1_256.configs.0.us",
                 "paged_sweep_us_batch1_256_combine_apart": "regimes.batch1_256.configs.9.us",
+                "paged_sweep_us_batch1_256_one_split": "regimes.batch1_256.configs.10.us",
+                "paged_sweep_us_batch1_256_two_splits": "regimes.batch1_256.configs.11.us",
             },
         ),
         Step(

@@ -54,6 +54,10 @@ BLOCK_TOKENS = 64
 """Context tokens per tile: enough to keep the tensor-core dots busy, few enough for the tile to stay in registers."""
 
 
+MAX_SPLITS = 32
+"""Most programs one (sequence, KV head) pair is split over: the combine reads every split's partial output."""
+
+
 @dataclass(frozen=True)
 class PagedConfig:
     """How the decode kernel tiles its walk: the defaults are reasoned, not measured;
@@ -71,6 +75,10 @@ class PagedConfig:
     """Split-K's combine done by each pair's last program to finish (an arrival count per pair), not by a second
     kernel: on an H200 (session 47) that kernel was 1.7 us of each layer's 8.2 us of batch-1 attention, its launch
     and the wait for it besides (``benchmarks/gpu_paged_sweep.py`` times both)."""
+    max_splits: int = MAX_SPLITS
+    """The most programs a (sequence, KV head) pair is split over (``decode_splits``; ``MAX_SPLITS`` at most): fewer
+    splits walk more tiles each, pipelined, and 1 leaves out the partial results and their combine, the end of a
+    batch-1 step's chain of dependent loads."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < MIN_DOT_SIZE or self.block_tokens & (self.block_tokens - 1):
@@ -79,12 +87,11 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.num_warps={self.num_warps} must be a power of two up to 16")
         if not 1 <= self.num_stages <= 6:
             raise ValueError(f"PagedConfig.num_stages={self.num_stages} must be 1 to 6")
+        if not 1 <= self.max_splits <= MAX_SPLITS:
+            raise ValueError(f"PagedConfig.max_splits={self.max_splits} must be 1 to {MAX_SPLITS}")
 
 
 DEFAULT_PAGED_CONFIG = PagedConfig()
-
-MAX_SPLITS = 32
-"""Most programs one (sequence, KV head) pair is split over: the combine reads every split's partial output."""
 
 
 def reference_paged_decode_attention(
@@ -215,13 +222,15 @@ def write_new_tokens(
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
 
 
-def decode_splits(pairs: int, max_tokens: int, processors: int, *, block_tokens: int = BLOCK_TOKENS) -> int:
+def decode_splits(
+    pairs: int, max_tokens: int, processors: int, *, block_tokens: int = BLOCK_TOKENS, max_splits: int = MAX_SPLITS
+) -> int:
     """Programs per (sequence, KV head) pair: 1 when the ``pairs`` fill the ``processors``, else enough to fill them,
-    at most one per ``block_tokens`` tile of ``max_tokens`` (the block table's capacity) and ``MAX_SPLITS``."""
+    at most one per ``block_tokens`` tile of ``max_tokens`` (the block table's capacity) and ``max_splits``."""
     if pairs >= processors:
         return 1
     tiles = -(-max_tokens // block_tokens)
-    return max(1, min(processors // max(pairs, 1), tiles, MAX_SPLITS))
+    return max(1, min(processors // max(pairs, 1), tiles, max_splits))
 
 
 def paged_decode_attention(
@@ -278,7 +287,9 @@ def paged_decode_attention(
     head_dim_pad = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
     if splits is None:
         capacity, processors = block_tables.shape[1] * block_size, multiprocessors(q.device)
-        splits = decode_splits(num_seqs * kv_heads, capacity, processors, block_tokens=config.block_tokens)
+        splits = decode_splits(
+            num_seqs * kv_heads, capacity, processors, block_tokens=config.block_tokens, max_splits=config.max_splits
+        )
     # Split-K's partial results, float32 and padded like the kernel's tiles (unused and tiny when splits is 1).
     partial_shape = (num_seqs, kv_heads, splits, group_pad) if splits > 1 else (1, 1, 1, 1)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=q.device)

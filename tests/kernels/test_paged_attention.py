@@ -244,9 +244,20 @@ def test_split_k_fills_the_gpu_only_where_few_pairs_would_leave_it_idle():
     assert decode_splits(132, 32_768, 132) == decode_splits(512, 32_768, 132) == 1
     assert decode_splits(2, 0, 132) == 1
     assert decode_splits(2, 256, 132, block_tokens=32) == 8  # a tiling of 32-token tiles: 8 of them
+    assert decode_splits(2, 256, 132, max_splits=2) == 2 and decode_splits(2, 32_768, 132, max_splits=1) == 1
 
 
-@pytest.mark.parametrize("fields", [dict(block_tokens=8), dict(block_tokens=48), dict(num_warps=3), dict(num_stages=0)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(block_tokens=8),
+        dict(block_tokens=48),
+        dict(num_warps=3),
+        dict(num_stages=0),
+        dict(max_splits=0),
+        dict(max_splits=MAX_SPLITS + 1),
+    ],
+)
 def test_a_tiling_the_kernel_cannot_run_is_refused(fields):
     with pytest.raises(ValueError, match="PagedConfig"):
         PagedConfig(**fields)
