@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -116,6 +116,16 @@ def skinny_tiling(given: str | None, shape: str) -> tuple[SkinnyConfig | dict[st
         return SkinnyConfig(**fields)
 
     return _swept_tiling(given, "gpu_skinny_sweep_*.json", pick, make, DEFAULT_TILINGS)
+
+
+def with_dependent_launch(
+    decode: SkinnyConfig | dict[str, SkinnyConfig], attention: PagedConfig
+) -> tuple[SkinnyConfig | dict[str, SkinnyConfig], PagedConfig]:
+    """``--dependent-launch``: every tiling as given, with programmatic dependent launch on."""
+    on = {"dependent_launch": True}
+    if isinstance(decode, SkinnyConfig):
+        return replace(decode, **on), replace(attention, **on)
+    return {name: replace(tiling, **on) for name, tiling in decode.items()}, replace(attention, **on)
 
 
 def tiling_fields(tiling: SkinnyConfig | dict[str, SkinnyConfig]) -> dict:
@@ -365,6 +375,12 @@ def main() -> None:
         "(a file or its folder) whose best at batch 1 is taken; default: PagedConfig()",
     )
     parser.add_argument(
+        "--dependent-launch",
+        action="store_true",
+        help="launch the skinny-linear and paged decode kernels with programmatic dependent launch (their tilings' "
+        "dependent_launch; Hopper and later): each may start while the one before it finishes",
+    )
+    parser.add_argument(
         "--profile",
         help="write a profile of one more batch-1 decode run (G1, the engine measured) to this file, and of each other "
         "batch size to <stem>_batch<rows><suffix> beside it",
@@ -377,6 +393,8 @@ def main() -> None:
     real_run = torch.device(args.device).type == "cuda" and not args.smoke
     args.decode_tiling, tiling_source = skinny_tiling(args.skinny_config, args.shape)
     args.attention_tiling, attention_source = paged_tiling(args.paged_config)
+    if args.dependent_launch:
+        args.decode_tiling, args.attention_tiling = with_dependent_launch(args.decode_tiling, args.attention_tiling)
 
     result = {
         "benchmark": "gpu_generate",

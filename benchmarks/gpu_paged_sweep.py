@@ -43,13 +43,15 @@ SWEEP = (
     PagedConfig(last_combines=False),
     PagedConfig(max_splits=1),
     PagedConfig(max_splits=2),
+    PagedConfig(dependent_launch=True),
 )
 """The default; more warps; shorter tiles (on fewer warps too) and shortest tiles (more, cheaper iterations); longer
 tiles on more warps (fewer iterations); the walk unpipelined and pipelined 2 deep (the default 3), and shorter tiles
 pipelined 4 deep (the same bytes in flight as the default); split-K's combine as a kernel of its own (session 46's
 default: against it, what the last program's combine saves at batch 1); one split per pair (no partial results, no
 combine: a pipelined walk of every tile) and at most two (session 48's batch-1 profile: 8.2 us a layer for a few
-hundred KB, its time the chain of dependent loads that split-K's partials and combine end)."""
+hundred KB, its time the chain of dependent loads that split-K's partials and combine end); the default launched
+with programmatic dependent launch (each call may start while the one before it ends)."""
 
 
 REGIMES = {"batch1_256": (1, 256), "batch1_4096": (1, 4096), "batch256_1024": (256, 1024)}

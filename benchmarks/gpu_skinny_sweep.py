@@ -51,12 +51,15 @@ SWEEP = (
     replace(DEFAULT_CONFIG, prefetch=True, tiles_per_split=6),
     replace(DEFAULT_CONFIG, prefetch=True, tile_elements=256),
     replace(DEFAULT_CONFIG, num_warps=2, last_sums=False),
+    replace(DEFAULT_CONFIG, num_warps=2, dependent_launch=True),
 )
 """The default, each field moved once either way, pairs that keep a thread's loads per tile as they are (wider
 tiles or more outputs with more warps) or trade outputs per program for splits, the next tile's loads issued a
 tile ahead (``prefetch``), alone, with longer walks (fewer splits: the latency it hides is per tile) and with smaller
 tiles (two of them in registers), and the engine's down tiling (two warps, the fifth) with its split sum in a kernel
-of its own (session 46's way: against the fifth, what the last program's sum saves)."""
+of its own (session 46's way: against the fifth, what the last program's sum saves), and the fifth launched with
+programmatic dependent launch (each call may start while the one before it ends: against the fifth, what that
+saves a call)."""
 
 ERROR_BOUND = 1.6e-2
 """bf16's bound on the relative error against float64 (``tests/kernels/kernel_checks.RELATIVE_TOLERANCE``)."""

@@ -29,7 +29,9 @@ wall time is the budget plus about 20 s of install and start, inside a 600 s cal
 Optional steps (``OPTIONAL``), run only when named in ``--only``: ``g1_skinny`` (G1 with the decode projections
 through the skinny-linear kernels, as ``g1`` runs them by default, ``rollout.decode_matmul=auto``, but with the
 tilings ``skinny_sweep`` and ``paged_sweep`` found best where they ran before it), ``g1_cublas`` (G1 with the
-projections through ``F.linear``, ``rollout.decode_matmul=torch``: what the kernels gain),
+projections through ``F.linear``, ``rollout.decode_matmul=torch``: what the kernels gain), ``g1_pdl`` (G1 with the
+decode kernels launched with programmatic dependent launch, ``--dependent-launch``: what overlapping each kernel's
+start with the end of the one before saves),
 ``skinny_sweep`` (``gpu_skinny_sweep.py``: the skinny-linear kernels' tilings, ``SkinnyConfig``, against each other
 and cuBLAS per projection at one row: which tiling ``g1_skinny`` should use), ``paged_sweep`` (``gpu_paged_sweep.py``:
 the paged decode kernel's tilings and pipeline depths, ``PagedConfig``, at batch 1 and 256), ``draw``
@@ -170,6 +172,24 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             },
         ),
         Step(
+            "g1_pdl",
+            [
+                *generate,
+                "--measure",
+                "decode",
+                "--dependent-launch",
+                *([] if smoke else ["--decode-tokens", "128", "--repeats", "2"]),
+                *step_out("g1_pdl"),
+            ],
+            150,
+            "*.json",
+            {
+                "G1_pdl_batch1_over_floor": "decode.1.ratio_to_floor",
+                "G1_pdl_largest_batch_over_floor": "decode.-1.ratio_to_floor",
+                "G1_pdl_first_mismatch": "decode.1.graph_eager_first_mismatch",
+            },
+        ),
+        Step(
             "g1_cublas",
             [
                 *generate,
@@ -292,6 +312,8 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 # The engine's down tiling with its split sum in the kernel (5) and in a kernel of its own (17).
                 "skinny_sweep_down_us_sum_inside_1.5b": "shapes.0.projections.down.5.us",
                 "skinny_sweep_down_us_sum_apart_1.5b": "shapes.0.projections.down.17.us",
+                # ... and launched with programmatic dependent launch (18), against 5.
+                "skinny_sweep_down_us_dependent_launch_1.5b": "shapes.0.projections.down.18.us",
             },
         ),
         Step(
@@ -309,6 +331,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 "paged_sweep_us_batch1_256_combine_apart": "regimes.batch1_256.configs.9.us",
                 "paged_sweep_us_batch1_256_one_split": "regimes.batch1_256.configs.10.us",
                 "paged_sweep_us_batch1_256_two_splits": "regimes.batch1_256.configs.11.us",
+                "paged_sweep_us_batch1_256_dependent_launch": "regimes.batch1_256.configs.12.us",
             },
         ),
         Step(
@@ -449,6 +472,7 @@ OPTIONAL = (
     "draw",
     "g1_skinny",
     "g1_cublas",
+    "g1_pdl",
     "skinny_sweep",
     "paged_sweep",
     "g1_eager_blocks",
@@ -467,6 +491,7 @@ MODEL_USERS = (
     "g1",
     "g1_skinny",
     "g1_cublas",
+    "g1_pdl",
     "g1_eager_blocks",
     "g3",
     "g4",

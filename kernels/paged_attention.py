@@ -40,7 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd_rlhf.kernels.triton_support import arrival_counts, launch_device, multiprocessors, triton, use_triton
+from spmd_rlhf.kernels.triton_support import (
+    arrival_counts,
+    dependent_launch_option,
+    launch_device,
+    multiprocessors,
+    triton,
+    use_triton,
+)
 
 if triton is not None:
     from spmd_rlhf.kernels.paged_attention_programs import combine_splits_kernel, paged_decode_kernel
@@ -79,6 +86,10 @@ class PagedConfig:
     """The most programs a (sequence, KV head) pair is split over (``decode_splits``; ``MAX_SPLITS`` at most): fewer
     splits walk more tiles each, pipelined, and 1 leaves out the partial results and their combine, the end of a
     batch-1 step's chain of dependent loads."""
+    dependent_launch: bool = False
+    """Launch the kernel with programmatic dependent launch (``kernels.grid_dependency``; CUDA on Hopper and later,
+    not under the interpreter): it may start while the kernel before it finishes. Untimed (session 48);
+    ``gpu_paged_sweep.py`` times it."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < MIN_DOT_SIZE or self.block_tokens & (self.block_tokens - 1):
@@ -348,8 +359,10 @@ def paged_decode_attention(
             ROTARY=rope is not None,
             # float32 caches get full-precision dots; TF32 would cost about three decimal digits.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DEPENDENT_LAUNCH=config.dependent_launch,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            **dependent_launch_option(config.dependent_launch),
         )
         if splits > 1 and not last_combines:
             combine_splits_kernel[(num_seqs, kv_heads)](
@@ -364,5 +377,7 @@ def paged_decode_attention(
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad,
                 SPLITS=splits,
+                DEPENDENT_LAUNCH=config.dependent_launch,
+                **dependent_launch_option(config.dependent_launch),
             )
     return out

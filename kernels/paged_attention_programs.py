@@ -7,6 +7,7 @@ installed."""
 from __future__ import annotations
 
 from spmd_rlhf.kernels.arrival_programs import last_to_arrive, reset_arrivals
+from spmd_rlhf.kernels.grid_dependency import wait_for_the_kernel_before
 from spmd_rlhf.kernels.triton_support import tl, triton
 
 
@@ -56,7 +57,9 @@ def paged_decode_kernel(
     FUSED_WRITE: tl.constexpr,
     ROTARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
+    wait_for_the_kernel_before(DEPENDENT_LAUNCH)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -234,8 +237,10 @@ def combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Split-K's combine as a kernel of its own (``PagedConfig.last_combines`` off): one program per pair."""
+    wait_for_the_kernel_before(DEPENDENT_LAUNCH)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     first_slot = (seq * tl.num_programs(1) + kv_head) * SPLITS

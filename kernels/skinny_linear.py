@@ -43,7 +43,14 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from spmd_rlhf.kernels.triton_support import arrival_counts, launch_device, multiprocessors, triton, use_triton
+from spmd_rlhf.kernels.triton_support import (
+    arrival_counts,
+    dependent_launch_option,
+    launch_device,
+    multiprocessors,
+    triton,
+    use_triton,
+)
 from spmd_rlhf.models.decoder import rms_norm
 
 if triton is not None:
@@ -96,6 +103,10 @@ class SkinnyConfig:
     prefetch: bool = False
     """Issue each tile's loads a tile ahead (registers hold two tiles), so that a program's walk waits on memory once
     instead of once per tile."""
+    dependent_launch: bool = False
+    """Launch the kernels with programmatic dependent launch (``kernels.grid_dependency``; CUDA on Hopper and later,
+    not under the interpreter): each may start while the kernel before it finishes, its programs waiting for it
+    before they touch memory. Untimed (session 48); ``gpu_skinny_sweep.py`` times it."""
 
     def as_tiling(self) -> list[int]:
         """The fields as the operators take them (``torch.ops.spmd_rlhf.skinny_linear``'s ``tiling``)."""
@@ -124,7 +135,7 @@ def config_of(tiling: list[int]) -> SkinnyConfig:
 @functools.cache
 def _config_of(tiling: tuple[int, ...]) -> SkinnyConfig:
     values = dict(zip((field.name for field in fields(SkinnyConfig)), tiling, strict=True))
-    return SkinnyConfig(**values | {name: bool(values[name]) for name in ("last_sums", "prefetch")})
+    return SkinnyConfig(**values | {name: bool(values[name]) for name in ("last_sums", "prefetch", "dependent_launch")})
 
 
 @functools.cache
@@ -247,7 +258,9 @@ def _launch(
             HAS_RESIDUAL=residual is not None,
             PREFETCH=config.prefetch,
             LAST_SUMS=last_sums,
+            DEPENDENT_LAUNCH=config.dependent_launch,
             num_warps=config.num_warps,
+            **dependent_launch_option(config.dependent_launch),
         )
         if chosen > 1 and not last_sums:
             sum_splits_kernel[(-(-out_features // SUM_BLOCK),)](
@@ -267,6 +280,8 @@ def _launch(
                 HAS_BIAS=bias is not None,
                 NORMED=input_kind == NORM.value,
                 BLOCK_NORM=SUM_BLOCK,
+                DEPENDENT_LAUNCH=config.dependent_launch,
+                **dependent_launch_option(config.dependent_launch),
             )
     return out, h
 

@@ -7,6 +7,7 @@ installed."""
 from __future__ import annotations
 
 from spmd_rlhf.kernels.arrival_programs import last_to_arrive, reset_arrivals
+from spmd_rlhf.kernels.grid_dependency import wait_for_the_kernel_before
 from spmd_rlhf.kernels.triton_support import tl, triton
 
 PLAIN: tl.constexpr = tl.constexpr(0)
@@ -93,7 +94,9 @@ def skinny_linear_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PREFETCH: tl.constexpr,
     LAST_SUMS: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
+    wait_for_the_kernel_before(DEPENDENT_LAUNCH)
     block = tl.program_id(0)
     split = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -191,9 +194,11 @@ def sum_splits_kernel(
     HAS_BIAS: tl.constexpr,
     NORMED: tl.constexpr,
     BLOCK_NORM: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """The splits' partial products summed in float32 (``NORMED``: times ``1 / rms`` of ``normed_ptr``'s rows, the
     ``h`` the splits normalised), the bias added, rounded once to the output's dtype."""
+    wait_for_the_kernel_before(DEPENDENT_LAUNCH)
     outs = tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     out_mask = outs < out_features
     row = tl.arange(0, ROWS_PAD)

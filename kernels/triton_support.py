@@ -61,6 +61,16 @@ def use_triton(device: torch.device, backend: str) -> bool:
     return True
 
 
+def dependent_launch_option(dependent_launch: bool) -> dict[str, bool]:
+    """The launch option of a kernel whose tiling asks for programmatic dependent launch (``kernels.grid_dependency``):
+    Triton's ``launch_pdl``, none otherwise. Refused under the interpreter, which has no grids to chain."""
+    if not dependent_launch:
+        return {}
+    if INTERPRETING:
+        raise ValueError("dependent_launch needs CUDA (Hopper or later); turn it off under TRITON_INTERPRET")
+    return {"launch_pdl": True}
+
+
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
     """The device's multiprocessor count (CUDA), or 8 under the CPU interpreter; asked once per device (kernels that

@@ -117,9 +117,11 @@ def test_the_smoke_draw_benchmark_times_every_case_on_both_sides(tmp_path):
 
 
 def test_the_suites_sweep_figures_name_the_tilings_they_read():
-    # gpu_suite.py reads the skinny sweep's tilings 5 and 17 and the paged sweep's 0, 9, 10 and 11 by position.
+    # gpu_suite.py reads the skinny sweep's tilings 5, 17 and 18 and the paged sweep's 0 and 9 to 12 by position.
     from gpu_paged_sweep import SWEEP as PAGED_SWEEP
 
     assert SWEEP[5].num_warps == 2 and SWEEP[17] == replace(SWEEP[5], last_sums=False)
     assert PAGED_SWEEP[0] == DEFAULT_PAGED_CONFIG and PAGED_SWEEP[9] == PagedConfig(last_combines=False)
     assert PAGED_SWEEP[10] == PagedConfig(max_splits=1) and PAGED_SWEEP[11] == PagedConfig(max_splits=2)
+    assert PAGED_SWEEP[12] == PagedConfig(dependent_launch=True)
+    assert SWEEP[18] == replace(SWEEP[5], dependent_launch=True)

@@ -277,6 +277,17 @@ CUDA_CASES = [
     PagedCase(heads=12, kv_heads=2, head_dim=128, block_size=16, context_lens=(300,), fused_write=True),
     PagedCase(heads=28, kv_heads=4, head_dim=128, block_size=16, context_lens=(3000, 5, 0, 129), fused_write=True),
     PagedCase(heads=12, kv_heads=2, head_dim=128, block_size=16, context_lens=(300,), fused_write=True, rotary=True),
+    # Programmatic dependent launch (Hopper and later; the case skips itself before).
+    PagedCase(
+        heads=12,
+        kv_heads=2,
+        head_dim=128,
+        block_size=16,
+        context_lens=(300, 4000),
+        fused_write=True,
+        rotary=True,
+        config=PagedConfig(dependent_launch=True),
+    ),
     PagedCase(
         heads=28,
         kv_heads=4,
@@ -295,6 +306,8 @@ CUDA_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CUDA_CASES, ids=str)
 def test_cuda_kernel_matches_the_reference(case, dtype):
+    if case.config.dependent_launch and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper or later")
     check_paged_attention(case, dtype, "cuda", "auto")
     check_paged_attention(case, dtype, "cuda", "triton")
 

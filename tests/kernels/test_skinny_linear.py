@@ -70,7 +70,9 @@ def test_a_config_the_kernels_cannot_tile_is_refused(fields):
 
 
 def test_a_config_travels_to_the_operators_as_its_tiling_and_back():
-    config = SkinnyConfig(block_out=16, tile_elements=1024, tiles_per_split=2, num_warps=8, prefetch=True)
+    config = SkinnyConfig(
+        block_out=16, tile_elements=1024, tiles_per_split=2, num_warps=8, prefetch=True, dependent_launch=True
+    )
     assert config_of(config.as_tiling()) == config and config_of(DEFAULT_CONFIG.as_tiling()) == DEFAULT_CONFIG
 
 
@@ -164,3 +166,16 @@ def test_cuda_bf16_kernels_match_float64_and_replay_in_a_cuda_graph():
     graph.replay()
     torch.testing.assert_close(captured, skinny_linear(x, weight), rtol=0, atol=0)
     assert not torch.equal(captured, eager)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        # Programmatic dependent launch: a chain whose second product reads the first's output (split, so each is
+        # two launches), captured and replayed, equal to the same chain launched plainly.
+        chained = SkinnyConfig(dependent_launch=True)
+        second = torch.randn(8960, 1536, device="cuda", dtype=torch.bfloat16) / 40
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = skinny_linear(skinny_linear(x, weight, config=chained), second, config=chained)
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            plain = skinny_linear(skinny_linear(x, weight), second)
+            torch.testing.assert_close(captured, plain, rtol=0, atol=0)

@@ -35,3 +35,13 @@ def test_forcing_triton_names_what_is_missing(monkeypatch):
 def test_unknown_backend_is_an_error():
     with pytest.raises(ValueError, match="kernel backend 'cuda' is unknown; choose one of auto, triton, torch"):
         use_triton(CPU, "cuda")
+
+
+def test_dependent_launch_is_a_launch_option_on_cuda_and_refused_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(triton_support, "INTERPRETING", False)
+    assert triton_support.dependent_launch_option(True) == {"launch_pdl": True}
+    assert triton_support.dependent_launch_option(False) == {}
+    monkeypatch.setattr(triton_support, "INTERPRETING", True)
+    assert triton_support.dependent_launch_option(False) == {}
+    with pytest.raises(ValueError, match="dependent_launch needs CUDA"):
+        triton_support.dependent_launch_option(True)
