@@ -164,6 +164,9 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
         "cuda_graph_captures_per_step": [row.get("rollout/cuda_graph_captures") for row in every_step],
         "peak_allocated_gib_per_step": [row.get("memory/peak_allocated_gib") for row in every_step],
         "peak_reserved_gib_per_step": [row.get("memory/peak_reserved_gib") for row in every_step],
+        # The caching allocator's retries (each frees cached memory, waiting for the device) and cudaMallocs.
+        "alloc_retries_per_step": [row.get("memory/alloc_retries") for row in every_step],
+        "device_mallocs_per_step": [row.get("memory/device_mallocs") for row in every_step],
         # Graphs TorchDynamo compiled in each step (rank 0's process), and why it recompiled: 0 after the first steps.
         "compiled_graphs_per_step": [row.get("compile/graphs") for row in every_step],
         "compile_s_per_step": [row.get("compile/seconds") for row in every_step],

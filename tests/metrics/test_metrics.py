@@ -224,12 +224,18 @@ def test_step_memory_metrics_empty_without_cuda_and_resets_the_peak_on_cuda(monk
     monkeypatch.setattr(peak_memory.torch.cuda, "max_memory_reserved", lambda device: 4 * 2**30)
     monkeypatch.setattr(peak_memory.torch.cuda, "memory_reserved", lambda device: 2**29)
     monkeypatch.setattr(peak_memory.torch.cuda, "reset_peak_memory_stats", resets.append)
+    monkeypatch.setattr(peak_memory.torch.cuda, "reset_accumulated_memory_stats", lambda device: resets.append(-device))
+    monkeypatch.setattr(
+        peak_memory.torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": 2, "num_device_alloc": 7}
+    )
     assert peak_memory.step_memory_metrics() == {
         "memory/peak_allocated_gib": 3.0,
         "memory/peak_reserved_gib": 4.0,
         "memory/reserved_gib": 0.5,
+        "memory/alloc_retries": 2.0,
+        "memory/device_mallocs": 7.0,
     }
-    assert resets == [3]
+    assert resets == [3, -3]
 
 
 def test_compile_counts_give_each_steps_graphs_and_warn_after_the_settling_steps(caplog):

@@ -88,19 +88,26 @@ GIB = 2**30
 
 def step_memory_metrics() -> dict[str, float]:
     """This process's CUDA memory since the previous call (one step): ``memory/peak_allocated_gib`` (the
-    allocator's high-water mark of live tensors), ``memory/peak_reserved_gib`` (of what the caching allocator held)
-    and ``memory/reserved_gib`` (held now); then resets the high-water marks. Reading them is host bookkeeping, no
-    device sync. Empty where CUDA was never initialised (CPU runs, also on a GPU machine with ``trainer.device=cpu``).
-    The caller's thread must be bound to its rank's device (``runtime.device.bind_thread``)."""
+    allocator's high-water mark of live tensors), ``memory/peak_reserved_gib`` (of what the caching allocator held),
+    ``memory/reserved_gib`` (held now), ``memory/alloc_retries`` (allocations that failed, freed the cache and tried
+    again: each frees device memory, which waits for the device) and ``memory/device_mallocs`` (cudaMalloc calls: a
+    step that keeps making them is not reusing its cache); then resets the high-water marks and the counts. Reading
+    them is host bookkeeping, no device sync. Empty where CUDA was never initialised (CPU runs, also on a GPU machine
+    with ``trainer.device=cpu``). The caller's thread must be bound to its rank's device
+    (``runtime.device.bind_thread``)."""
     if not torch.cuda.is_initialized():
         return {}
     device = torch.cuda.current_device()
+    counts = torch.cuda.memory_stats(device)
     metrics = {
         "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
         "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
         "memory/reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+        "memory/alloc_retries": float(counts.get("num_alloc_retries", 0)),
+        "memory/device_mallocs": float(counts.get("num_device_alloc", 0)),
     }
     torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.reset_accumulated_memory_stats(device)
     return metrics
 
 
