@@ -27,12 +27,12 @@ from cache), which is what lets each program compute them itself:
   rounded where SwiGLU rounds.
 
 Each function takes up to its tiling's ``max_rows`` rows (at most ``MAX_ROWS``) through the kernels and anything
-else through its torch reference
-(``F.linear`` after the model's own ``rms_norm`` / ``silu``), so a layer can call it for every batch; each has an
-operator (``torch.ops.spmd_rlhf.skinny_linear`` and the others below) that a compiled decoder block calls as one
-opaque kernel call and a CUDA graph captures. Forward only: the generation copy's weights take no gradient. Whether
-they beat cuBLAS and Inductor is for a GPU to say (``benchmarks/gpu_kernels.py``'s ``skinny_linear``);
-``rollout.decode_matmul=triton`` turns them on (``engine.decode_matmul``).
+else through its torch reference (``F.linear`` after the model's own ``rms_norm`` / ``silu``), so a layer can call
+it for every batch; each has an operator (``torch.ops.spmd_rlhf.skinny_linear`` and the others, registered by
+``kernels.skinny_operators``) that a compiled decoder block calls as one opaque kernel call and a CUDA graph
+captures. Forward only: the generation copy's weights take no gradient. Whether they beat cuBLAS and Inductor is for
+a GPU to say (``benchmarks/gpu_kernels.py``'s ``skinny_linear``); ``rollout.decode_matmul`` turns them on
+(``engine.decode_matmul``).
 """
 
 from __future__ import annotations
@@ -369,70 +369,3 @@ def skinny_silu_mul_linear(
         return F.linear(F.silu(gate) * up, weight, bias)
     out, _ = _launch(_row_major(gate_up, rows), weight, bias, input_kind=SILU_MUL.value, splits=splits, config=config)
     return out.reshape(*gate_up.shape[:-1], weight.shape[0])
-
-
-# The functions as operators that TorchDynamo and Inductor leave opaque (a compiled block calls each as one call);
-# ``tiling``: ``SkinnyConfig.as_tiling()``.
-
-
-@torch.library.custom_op("spmd_rlhf::skinny_linear", mutates_args=())
-def skinny_linear_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str, tiling: list[int]
-) -> torch.Tensor:
-    return skinny_linear(x, weight, bias, backend=backend, config=config_of(tiling))
-
-
-@skinny_linear_op.register_fake
-def _(x, weight, bias, backend, tiling) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op("spmd_rlhf::skinny_norm_linear", mutates_args=())
-def skinny_norm_linear_op(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    backend: str,
-    tiling: list[int],
-) -> torch.Tensor:
-    return skinny_norm_linear(x, norm_weight, eps, weight, bias, backend=backend, config=config_of(tiling))[1]
-
-
-@skinny_norm_linear_op.register_fake
-def _(x, norm_weight, eps, weight, bias, backend, tiling) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op("spmd_rlhf::skinny_residual_norm_linear", mutates_args=())
-def skinny_residual_norm_linear_op(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    backend: str,
-    tiling: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return skinny_norm_linear(
-        x, norm_weight, eps, weight, bias, residual=residual, backend=backend, config=config_of(tiling)
-    )
-
-
-@skinny_residual_norm_linear_op.register_fake
-def _(x, residual, norm_weight, eps, weight, bias, backend, tiling) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op("spmd_rlhf::skinny_silu_mul_linear", mutates_args=())
-def skinny_silu_mul_linear_op(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str, tiling: list[int]
-) -> torch.Tensor:
-    return skinny_silu_mul_linear(gate_up, weight, bias, backend=backend, config=config_of(tiling))
-
-
-@skinny_silu_mul_linear_op.register_fake
-def _(gate_up, weight, bias, backend, tiling) -> torch.Tensor:
-    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))

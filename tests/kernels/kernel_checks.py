@@ -20,6 +20,7 @@ import numpy
 import torch
 import torch.nn.functional as F
 
+from spmd_rlhf.kernels import skinny_operators  # noqa: F401  (registers torch.ops.spmd_rlhf.skinny_*)
 from spmd_rlhf.kernels.fused_logprob import (
     MAX_BLOCK_VOCAB,
     fused_log_probs_and_entropy,

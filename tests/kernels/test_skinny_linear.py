@@ -17,6 +17,7 @@ from kernel_checks import (
     run_under_interpreter,
 )
 
+from spmd_rlhf.kernels import skinny_operators  # noqa: F401  (registers torch.ops.spmd_rlhf.skinny_*)
 from spmd_rlhf.kernels.skinny_linear import (
     DEFAULT_CONFIG,
     MAX_ROWS,

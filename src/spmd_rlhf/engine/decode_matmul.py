@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from spmd_rlhf.kernels import skinny_operators  # noqa: F401  (registers torch.ops.spmd_rlhf.skinny_*)
 from spmd_rlhf.kernels.skinny_linear import SkinnyConfig
 from spmd_rlhf.kernels.triton_support import use_triton
 from spmd_rlhf.models.decoder import DecoderLayer, DecoderLM
