@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from spmd_rlhf.metrics.profiling import profiled  # noqa: F401  (re-exported: the benchmarks' --profile)
 from spmd_rlhf.tiny.model import make_tiny
 
 SHAPES: dict[str, dict[str, int | bool | None]] = {
@@ -241,28 +242,6 @@ def copy_bandwidth(device: torch.device | str, *, nbytes: int, repeats: int = 5,
         synchronize(device)
         best = min(best, (time.perf_counter() - start) / copies)
     return 2 * source.numel() * source.element_size() / best
-
-
-@contextmanager
-def profiled(path: str | None, *, rows: int = 25) -> Iterator[None]:
-    """Run the block under ``torch.profiler`` (CPU, and CUDA where there is a GPU) when ``path`` is given
-    (``--profile``) and write there the ops' self times, by host time and by device time, ``rows`` of each: where a
-    step's time goes, on a machine that must be read in one lease. With ``path`` None, the block runs as it is."""
-    if path is None:
-        yield
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as profiler:
-        yield
-    averages = profiler.key_averages()
-    tables = [f"== by self host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=rows)}"]
-    if torch.cuda.is_available():
-        tables.append(f"== by self device time\n{averages.table(sort_by='self_cuda_time_total', row_limit=rows)}")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    Path(path).write_text("\n".join(tables))
-    print(f"wrote profile {path}")
 
 
 # ---- arguments and results ---------------------------------------------------------------------------------------

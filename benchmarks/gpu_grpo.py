@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -112,9 +113,12 @@ def recompile_reasons(log: str) -> list[str]:
     return list(reasons)[:RECOMPILE_REASONS]
 
 
-def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
+def run_spmd(spec: dict, *, workdir: Path, warmup: int, profile_to: Path) -> dict:
+    """Our recipe on the spec's model and prompts; its last warm-up step runs under the profiler (its table copied to
+    ``profile_to``): where a step's time goes, without touching the steps measured."""
     samples = spec["prompts"] * spec["n"]
     out_dir = workdir / "spmd_out"
+    profiled_step = max(0, warmup - 1)
     overrides = [
         f"model.path={spec['model_dir']}",
         f"model.dtype={spec['dtype']}",
@@ -134,12 +138,15 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
         "trainer.save_every=0",
         "trainer.val_every=0",
         "trainer.resume=null",
+        f"trainer.profile_steps=[{profiled_step}]",
     ]
     command = _torchrun(spec["nproc"]) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
     log = workdir / "spmd.log"
     # TorchDynamo logs each recompile with the guard that failed: session 48's H200 run spent compile-like seconds in
     # every step's reference and update stages, and its log was lost with the machine.
     wall = _run(command, cwd=str(workdir), threads=spec["threads"], log=log, env={"TORCH_LOGS": "recompiles"})
+    profile_to.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out_dir / "profile" / f"step_{profiled_step}.txt", profile_to)
     with open(out_dir / "metrics.jsonl") as lines:
         every_step = [json.loads(line) for line in lines]
     steps = every_step[warmup:]
@@ -171,6 +178,7 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int) -> dict:
         "compiled_graphs_per_step": [row.get("compile/graphs") for row in every_step],
         "compile_s_per_step": [row.get("compile/seconds") for row in every_step],
         "recompile_reasons": recompile_reasons(log.read_text()),
+        "profile": {"step": profiled_step, "table": str(profile_to)},
     }
 
 
@@ -314,7 +322,8 @@ def main() -> None:
             ),
         )
         print(f"spmd_rlhf: {args.steps} steps of {args.prompts} x {args.n} responses on {device}", flush=True)
-        ours = result["spmd_rlhf"] = run_spmd(spec, workdir=workdir, warmup=args.warmup)
+        profile_to = Path(args.out, f"{name}_profile.txt")
+        ours = result["spmd_rlhf"] = run_spmd(spec, workdir=workdir, warmup=args.warmup, profile_to=profile_to)
         write_result(args.out, name, result)  # ours kept should TRL's run fail or run out of time
         print(f"TRL {version('trl')}: the same", flush=True)
         trl = result["trl"] = run_trl(spec, workdir=workdir, warmup=args.warmup)

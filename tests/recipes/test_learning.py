@@ -65,7 +65,7 @@ SHORT_RUN = (
 
 @pytest.fixture(scope="module")
 def four_steps(assets) -> list[dict]:
-    return run_recipe("grpo", assets / "four_steps", "trainer.total_steps=4", *SHORT_RUN)
+    return run_recipe("grpo", assets / "four_steps", "trainer.total_steps=4", "trainer.profile_steps=[1]", *SHORT_RUN)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,15 @@ def test_same_seed_same_metrics(four_steps, eight_steps):
     """Two jobs of the same seed (the second only runs longer): their first 4 steps are the same, bit for bit."""
     assert without_timings(eight_steps[:4]) == without_timings(four_steps)
     assert len({record["reward/mean"] for record in four_steps}) > 1  # the metrics do move from step to step
+
+
+def test_a_profiled_step_writes_where_its_time_went(assets, four_steps):
+    """trainer.profile_steps=[1]: step 1 ran under the profiler, and its table holds the ops of the roles' work on
+    rank 0 (the actor's matmuls and its optimizer), which run in the controller's process."""
+    assert [path.name for path in (assets / "four_steps" / "out" / "profile").iterdir()] == ["step_1.txt"]
+    table = (assets / "four_steps" / "out" / "profile" / "step_1.txt").read_text()
+    assert table.startswith("== by self host time")
+    assert "aten::mm" in table or "aten::addmm" in table, table
 
 
 def test_resume_continues_exactly(assets, four_steps, eight_steps):

@@ -91,6 +91,10 @@ class TrainerConfig:
     timing_every: int = 50
     """Print a table of each stage's mean seconds and share of the step every this many steps and after the last
     (console logger); 0: never."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps (counted from 0) run under torch.profiler in the controller's process, each writing
+    <output_dir>/profile/step_<n>.txt: the ops' self host times and, on a GPU, self device times (every kernel the
+    process launched; with one rank that is every role's work). Empty: none."""
     peak_flops_per_device: float = 0.0
     """Peak FLOP/s of one device at the training dtype, for the perf/mfu metric, e.g. 989e12 for an H100 SXM in dense
     bf16; 0: unknown, perf/mfu is not logged."""
@@ -118,6 +122,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         at_least(self, 1, "total_steps", "log_every")
         at_least(self, 0, "val_samples", "max_skipped_steps")
+        require(self, "profile_steps", all(step >= 0 for step in self.profile_steps), "steps count from 0")
         at_least(self, 0, "val_every", "timing_every", "peak_flops_per_device", "save_every_minutes", "keep_last")
         require(self, "save_every", self.save_every is None or self.save_every >= 0, "must be >= 0 or null")
         require(self, "stop_timeout_s", self.stop_timeout_s > 0, "must be > 0")

@@ -12,6 +12,7 @@ from spmd_rlhf import checkpoint
 from spmd_rlhf.algos.evaluation import pass_at_k
 from spmd_rlhf.checkpoint import run_directory
 from spmd_rlhf.config.dataflow import ROLE_KINDS
+from spmd_rlhf.metrics.profiling import profiled
 from spmd_rlhf.metrics.sinks import restart_metrics, truncate_metrics
 from spmd_rlhf.metrics.step_metrics import StageTimer
 from spmd_rlhf.runtime import (
@@ -68,7 +69,9 @@ class RecipeRun:
             if stop_requested():
                 break
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
-            metrics = self.step(step)
+            profile = Path(trainer.output_dir, "profile", f"step_{step}.txt") if step in trainer.profile_steps else None
+            with profiled(profile):
+                metrics = self.step(step)
             metrics.update(self.data_metrics)
             metrics.update(self.fault_metrics)
             metrics["kl/coef"] = self.kl_controller.coef
