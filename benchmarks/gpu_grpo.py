@@ -255,6 +255,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, help="CPU threads per process; default: cores / --nproc")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--profile", help="where the profiled warm-up step's table goes; default: beside the JSON")
     args = parse_with_smoke(parser, SMOKE)
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} leaves nothing after --warmup={args.warmup}; use more steps")
@@ -322,7 +323,7 @@ def main() -> None:
             ),
         )
         print(f"spmd_rlhf: {args.steps} steps of {args.prompts} x {args.n} responses on {device}", flush=True)
-        profile_to = Path(args.out, f"{name}_profile.txt")
+        profile_to = Path(args.profile or Path(args.out, f"{name}_profile.txt"))
         ours = result["spmd_rlhf"] = run_spmd(spec, workdir=workdir, warmup=args.warmup, profile_to=profile_to)
         write_result(args.out, name, result)  # ours kept should TRL's run fail or run out of time
         print(f"TRL {version('trl')}: the same", flush=True)

@@ -257,10 +257,13 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 str(BENCHMARKS / "gpu_grpo.py"),
                 *small_model,
                 *smoke_flag,
-                *([] if smoke else ["--prompts", "16", "--steps", "3", "--warmup", "1"]),
+                *([] if smoke else ["--prompts", "16", "--steps", "4", "--warmup", "2"]),
                 *step_out("g4"),
+                "--profile",
+                str(out / "g4_step_profile.txt"),
             ],
-            # 210 s on an H200 in session 44; since session 46 the warm-up step also compiles the sampled draw.
+            # 210 s on an H200 in session 44 (3 steps); since session 46 the warm-up step also compiles the draw.
+            # Two warm-up steps: the second runs under the profiler (gpu_grpo), clear of the first one's compiles.
             270,
             "*.json",
             {"G4_tokens_per_s_ratio": "tokens_per_s_ratio"},
