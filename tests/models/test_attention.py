@@ -64,11 +64,13 @@ def test_packed_sequences_attend_as_if_alone(backend, lengths, long_rows, monkey
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         batch = _batch(backend, batch_size=1, seq_len=sum(lengths), cu_seqlens=cu_seqlens)
         classes = {(length - 1).bit_length() for length in lengths}  # ceil(log2(length))
-        assert batch.allowed is None and len(batch.buckets) == len(classes)
-        assert all(
-            bucket.length <= 2 * min(length for length in lengths if length > bucket.length / 2)
-            for bucket in batch.buckets
-        )
+        assert batch.allowed is None
+        if len(classes) == 1:
+            assert batch.length_buckets is None and batch.bucket.length == max(lengths)
+        else:
+            sizes = [size for size in batch.length_buckets.sizes.tolist() if size[2]]
+            assert len(sizes) == len(classes) and sum(tokens for _, _, tokens in sizes) == sum(lengths)
+            assert all(length <= 2 * min(n for n in lengths if n > length / 2) for _, length, _ in sizes)
     generator = torch.Generator().manual_seed(0)
     total = sum(lengths)
     q = torch.randn(1, total, 6, 8, generator=generator, requires_grad=True)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from spmd_rlhf.kernels.paged_attention import paged_decode_attention
 from spmd_rlhf.kernels.triton_support import use_triton
+from spmd_rlhf.models.length_buckets import LengthBuckets, bucketed_attention, length_buckets
 from spmd_rlhf.models.paged_kv import PagedKV
 
 BACKENDS = ("auto", "torch", "sdpa", "flash")
@@ -26,7 +27,7 @@ cached blocks and use SDPA instead."""
 MASK_TOKEN_LIMIT = 4096
 """Packed rows longer than this never attend under one ``[total, total]`` mask (16 MiB of booleans at the limit,
 growing with the square, and the backends copy it): their sequences run as right-padded rows grouped by length
-(``SequenceBucket``), which needs the row's offsets on the host once per forward."""
+class (``models.length_buckets``), which needs the row's offsets on the host once per forward."""
 DEFAULT_KV_BLOCK_SIZE = 16
 """KV block size of the engine when flash-attn does not read the cache: small blocks waste little of a sequence's
 last block."""
@@ -45,10 +46,8 @@ def flash_attn_available() -> bool:
 
 @dataclass(frozen=True)
 class SequenceBucket:
-    """Packed sequences of similar lengths attended together as right-padded rows ``[rows, length]``."""
+    """A packed row's sequences attended together as right-padded rows ``[rows, length]``."""
 
-    tokens: torch.Tensor | None
-    """Their tokens' places in the packed row, in bucket order (None: every token of the row, in order)."""
     slots: tuple[torch.Tensor, torch.Tensor]
     """Each of those tokens' (row, position in it) in the padded rows."""
     rows: int
@@ -75,12 +74,12 @@ class AttentionBatch:
     allowed: torch.Tensor | None = None
     """Dense backends: the boolean ``[batch or 1, 1, seq, seq]`` mask (True = may attend) of padded rows or of packed
     sequences in one masked attention, built once per forward for every layer; None: plain causal attention."""
-    buckets: tuple[SequenceBucket, ...] | None = None
-    """Dense backends, packed sequences attended as right-padded rows instead of one masked attention (``build``
-    says when), built once per forward: all of them in one bucket of ``[num_seqs, max_seqlen]``, or for a row longer
-    than ``MASK_TOKEN_LIMIT`` one bucket per power-of-two length class."""
-    bucket_order: torch.Tensor | None = None
-    """With several buckets: where each packed token's output lies among the buckets' outputs laid end to end."""
+    bucket: SequenceBucket | None = None
+    """Dense backends, packed sequences attended as right-padded rows ``[num_seqs, max_seqlen]`` instead of one masked
+    attention (``build`` says when), built once per forward."""
+    length_buckets: LengthBuckets | None = None
+    """Dense backends, a row longer than ``MASK_TOKEN_LIMIT`` whose sequences span several power-of-two length
+    classes: right-padded rows per class (``models.length_buckets``), built once per forward."""
     decode_kernel: bool = False
     """A paged decode step (one new token per sequence) that the Triton kernel runs, reading the cache in place and
     writing the new K/V itself: decided once per step by ``build``."""
@@ -142,11 +141,12 @@ class AttentionBatch:
         # What every layer's dense attention reads, built here once: per layer it was a dozen small ops (and inside a
         # compiled block, index arithmetic in every block's graph).
         if cu_seqlens is not None and seq_len > MASK_TOKEN_LIMIT:
-            buckets, order = _length_buckets(cu_seqlens, seq_len)
-            return replace(batch, buckets=buckets, bucket_order=order)
-        if cu_seqlens is not None and _per_sequence_is_cheaper(batch, seq_len):
+            classes = length_buckets(cu_seqlens, seq_len)
+            if classes is not None:
+                return replace(batch, length_buckets=classes)
+        if cu_seqlens is not None and (seq_len > MASK_TOKEN_LIMIT or _per_sequence_is_cheaper(batch, seq_len)):
             slots = _sequence_slots(cu_seqlens, seq_len)
-            return replace(batch, buckets=(SequenceBucket(None, slots, cu_seqlens.shape[0] - 1, max_seqlen),))
+            return replace(batch, bucket=SequenceBucket(slots, cu_seqlens.shape[0] - 1, max_seqlen))
         return replace(batch, allowed=_allowed_keys(batch, seq_len, device))
 
 
@@ -328,50 +328,20 @@ def _sequence_slots(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor,
     return sequence, torch.arange(total, device=cu_seqlens.device) - starts[sequence]
 
 
-def _length_buckets(cu_seqlens: torch.Tensor, total: int) -> tuple[tuple[SequenceBucket, ...], torch.Tensor | None]:
-    """A long packed row's sequences grouped by power-of-two length class (within a bucket no sequence is padded to
-    more than twice its length), with ``AttentionBatch.bucket_order`` (None for one bucket). Reads the offsets on the
-    host: one copy per forward of a row over ``MASK_TOKEN_LIMIT`` tokens."""
-    device = cu_seqlens.device
-    offsets = cu_seqlens.cpu().long()
-    starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
-    classes = torch.where(lengths > 1, torch.log2((lengths - 1).clamp(min=1).double()).floor().long() + 1, 0)
-    buckets, tokens = [], []
-    for length_class in classes[lengths > 0].unique().tolist():
-        members = ((classes == length_class) & (lengths > 0)).nonzero().flatten()
-        sizes = lengths[members]
-        rows = torch.repeat_interleave(torch.arange(len(members)), sizes)
-        columns = torch.arange(int(sizes.sum())) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
-        tokens.append(starts[members][rows] + columns)
-        slots = (rows.to(device), columns.to(device))
-        buckets.append(SequenceBucket(tokens[-1].to(device), slots, len(members), int(sizes.max())))
-    if len(buckets) == 1:
-        return (replace(buckets[0], tokens=None),), None
-    placed = torch.cat(tokens)
-    order = torch.empty(total, dtype=torch.long)
-    order[placed] = torch.arange(total)
-    return tuple(buckets), order.to(device)
-
-
 def _per_sequence_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch, scale: float
 ) -> torch.Tensor:
-    """Packed sequences ``[1, total, heads, d]`` through a dense backend as right-padded rows, per bucket
-    ``[rows, length]``, with plain causal attention (a right-padded row's real queries see only real keys, so no mask
-    is built); returns ``[1, total, heads, d]``. Holds padded copies of q, k, v and the output per bucket."""
-    outputs = []
-    for bucket in batch.buckets:
+    """Packed sequences ``[1, total, heads, d]`` through a dense backend as right-padded rows ``[num_seqs,
+    max_seqlen]``, with plain causal attention (a right-padded row's real queries see only real keys, so no mask is
+    built); returns ``[1, total, heads, d]``. Holds padded copies of q, k, v and the output."""
+    bucket = batch.bucket
 
-        def rows(tensor: torch.Tensor, bucket: SequenceBucket = bucket) -> torch.Tensor:
-            picked = tensor[0] if bucket.tokens is None else tensor[0].index_select(0, bucket.tokens)
-            padded = tensor.new_zeros(bucket.rows, bucket.length, *tensor.shape[2:])
-            return padded.index_put(bucket.slots, picked).transpose(1, 2)
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        padded = tensor.new_zeros(bucket.rows, bucket.length, *tensor.shape[2:])
+        return padded.index_put(bucket.slots, tensor[0]).transpose(1, 2)
 
-        out = _dense_attention(rows(q), rows(k), rows(v), None, batch.backend, scale)
-        outputs.append(out.transpose(1, 2)[bucket.slots])
-    if batch.bucket_order is None:
-        return outputs[0][None]
-    return torch.cat(outputs).index_select(0, batch.bucket_order)[None]
+    out = _dense_attention(rows(q), rows(k), rows(v), None, batch.backend, scale)
+    return out.transpose(1, 2)[bucket.slots][None]
 
 
 def attend(
@@ -395,7 +365,9 @@ def attend(
         return _paged_attention(q, k, v, batch, layer_index, scale)
     if batch.backend == "flash":
         return _flash_attention(q, k, v, batch, scale)
-    if batch.buckets is not None:
+    if batch.length_buckets is not None:
+        return bucketed_attention(q, k, v, batch.length_buckets, batch.backend, scale)
+    if batch.bucket is not None:
         return _per_sequence_attention(q, k, v, batch, scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return _dense_attention(q, k, v, batch.allowed, batch.backend, scale).transpose(1, 2)
