@@ -257,16 +257,16 @@ def compile_block(layer: torch.nn.Module, *, backend: str = "inductor", attentio
     TorchDynamo leaves FSDP2's hooks on the block to run eagerly): one graph with no break (``fullgraph``), sizes
     symbolic from the first call (``dynamic``), so packed rows of any length and sequence count reuse it, and every
     block shares it (one code object, parameters as inputs). What recompiles is the attention layout that
-    ``AttentionBatch.build`` picks (per-sequence rows, rows per length class for a long row, one masked attention,
-    plain causal) and the grad mode (a training pass and a no-grad pass): at most 4 graphs per grad mode, 3 for packed
-    rows, however many length classes the rows span (tests/models/test_compiled_blocks.py counts them), and one more
-    where a block's input needs no gradient (LoRA's first block). A mixture-of-experts block may break its graph: the
-    looped expert path (where grouped GEMMs do not serve: ``moe.grouped_mm_supported``) reads the expert counts on
-    the host, and under expert parallelism the all-to-alls' split sizes; ``attention_breaks`` says the attention call breaks it: flash-attn, whose kernels
-    TorchDynamo traces only where the installed version registers them as torch ops (not tried here: flash-attn has
-    no CPU build), and ring attention, whose point-to-point exchanges run eagerly between two compiled pieces
-    (``ring_attention.ring_attend``). Ulysses' all-to-alls and TP's all-reduces (its split layers compute on local
-    shards, ``tp_plan``) compile inside the graph as functional collectives.
+    ``AttentionBatch.build`` picks (per-sequence rows, rows per length class for a long row, one masked attention, plain
+    causal) and the grad mode (a training pass and a no-grad pass): at most 4 graphs per grad mode, 3 for packed rows,
+    however many length classes the rows span (tests/models/test_compiled_blocks.py counts them), and one more where a
+    block's input needs no gradient (LoRA's first block). A mixture-of-experts block may break its graph: the looped
+    expert path (where grouped GEMMs do not serve: ``moe.grouped_mm_supported``) reads the expert counts on the host,
+    and under expert parallelism the all-to-alls' split sizes; ``attention_breaks`` says the attention call breaks it:
+    flash-attn, whose kernels TorchDynamo traces only where the installed version registers them as torch ops (not tried
+    here: flash-attn has no CPU build), and ring attention, whose point-to-point exchanges run eagerly between two
+    compiled pieces (``ring_attention.ring_attend``). Ulysses' all-to-alls and TP's all-reduces (its split layers
+    compute on local shards, ``tp_plan``) compile inside the graph as functional collectives.
     ``backend``: TorchDynamo's (tests trace with ``aot_eager``, which skips Inductor's code generation)."""
     layer.compile(fullgraph=_whole_graph(layer, attention_breaks), dynamic=True, backend=backend)
 
