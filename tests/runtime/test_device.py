@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spmd_rlhf.parallel_dims import ParallelDims
-from spmd_rlhf.runtime.device import check_thread, select_device, thread_device_mismatch
+from spmd_rlhf.runtime.device import check_thread, select_device, steady_attention_kernels, thread_device_mismatch
 from spmd_rlhf.runtime.worker import RoleContext, Worker
 
 
@@ -69,3 +69,16 @@ def test_role_code_checks_its_thread(monkeypatch):
     with pytest.raises(RuntimeError, match="is on cuda:0 but this rank works on cuda:1"):
         Worker(context)
     Worker(RoleContext("actor", ParallelDims(), (0,), 0, mesh=None, device=torch.device("cpu")))
+
+
+def test_cuda_ranks_keep_sdpa_off_cudnn_which_plans_every_new_shape():
+    """A CUDA rank turns cuDNN's SDPA off (a plan built for every new packed shape); a CPU rank leaves it."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        steady_attention_kernels(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        steady_attention_kernels(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

@@ -42,7 +42,7 @@ import torch.distributed.distributed_c10d as c10d
 import torch.distributed.rpc as rpc
 
 from spmd_rlhf.runtime.coordinator import Coordinator
-from spmd_rlhf.runtime.device import bind_thread, select_device, visible_cuda_devices
+from spmd_rlhf.runtime.device import bind_thread, select_device, steady_attention_kernels, visible_cuda_devices
 from spmd_rlhf.runtime.errors import RankLostError, RuntimeFailure
 from spmd_rlhf.runtime.executor import Executor
 from spmd_rlhf.runtime.rendezvous import depart, round_store, rpc_init_method
@@ -212,6 +212,7 @@ def launch(main: Callable[[Coordinator], Result], *, options: RuntimeOptions | N
     _state["rank"] = rank
     device, backend = select_device(options.device, local_rank=local_rank, cuda_devices=visible_cuda_devices())
     bind_thread(device)
+    steady_attention_kernels(device)
     timeout = timedelta(seconds=options.collective_timeout_s)
     executor = Executor(rank, device, collective_timeout=timeout)
     _state["executor"] = executor
