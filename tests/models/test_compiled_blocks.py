@@ -86,18 +86,18 @@ def test_compiled_blocks_trace_once_per_attention_layout_and_grad_mode(tmp_path,
 
 def test_long_packed_rows_trace_once_however_many_length_classes_they_span(tmp_path, fresh_dynamo, monkeypatch):
     """Rows over MASK_TOKEN_LIMIT (here 0: every row) attend per power-of-two length class, as many buckets as the
-    row's lengths span: one graph per grad mode whatever the count, no graph break. (Session 49's H200 run: each new
-    count recompiled every block, about 8 s a time, in the reference and the update of an RL step.)"""
+    row's lengths span: one graph per grad mode whatever the count, no graph break, outputs and gradients equal to
+    eager blocks'. (Session 49's H200 run: each new count recompiled every block, about 8 s a time, in the reference
+    and the update of an RL step.)"""
     monkeypatch.setattr(attention, "MASK_TOKEN_LIMIT", 0)
     eager, compiled = eager_and_compiled(tmp_path, "qwen2_untied", dtype=torch.float32, backend="aot_eager")
     rng = random.Random(0)
     vocab = eager.args.vocab_size
-    for lengths in ([3, 5, 9], [2, 3, 5, 9, 17], [4, 6], [2, 30, 7], [9, 10, 11, 40, 3, 2]):
+    for lengths in ([3, 5, 9], [2, 3, 5, 9, 17], [4, 6]):  # 3, 5 and 2 classes
         check_train_step(eager, compiled, packed(rng, vocab, lengths))
     with torch.no_grad():
-        for lengths in ([3, 17], [2, 5, 9, 33]):
-            inputs = packed(rng, vocab, lengths)
-            torch.testing.assert_close(compiled(**inputs), eager(**inputs), rtol=1e-5, atol=1e-5)
+        inputs = packed(rng, vocab, [2, 5, 9, 33])
+        torch.testing.assert_close(compiled(**inputs), eager(**inputs), rtol=1e-5, atol=1e-5)
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == 2
 
