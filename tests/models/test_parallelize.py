@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmd_rlhf.models import DecoderLM
+from spmd_rlhf.models import attention as attention_module
 from spmd_rlhf.models.args import DecoderArgs, decoder_args
 from spmd_rlhf.models.parallelize import fsdp_units, group_layers, parallelize
 
@@ -46,22 +48,41 @@ def test_activation_checkpointing_keeps_names_and_gradients():
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+class Counter(TorchDispatchMode):
+    """The ops run under it, by name (an operator's own ops inside it are not seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpointing_keeps_a_long_rows_length_class_attention(monkeypatch):
+    """A long packed row's attention per length class (``models.length_buckets``, one operator) is kept by selective
+    checkpointing like SDPA: the backward runs the operator's backward once per layer, never its forward again."""
+    monkeypatch.setattr(attention_module, "MASK_TOKEN_LIMIT", 0)
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_args(), head="lm")
+    parallelize(model, tp_mesh=None, dp_mesh=None, activation_checkpointing=True, checkpoint_policy="selective")
+    lengths = [3, 5, 9]  # three length classes
+    ids = torch.randint(0, 64, (1, sum(lengths)))
+    cu_seqlens = torch.tensor([0, 3, 8, 17], dtype=torch.int32)
+    loss = model(ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).float().logsumexp(-1).sum()
+    with Counter() as counter:
+        loss.backward()
+    layers = tiny_args().num_layers
+    assert counter.counts.get("length_bucketed_attention_backward") == layers
+    assert "length_bucketed_attention" not in counter.counts
+
+
 def test_selective_checkpointing_runs_no_matmul_again_and_keeps_the_gradients():
     """``model.checkpoint_policy=selective``: the backward of a checkpointed block reruns its elementwise work but no
     matmul (their outputs were kept), where full checkpointing reruns the whole forward; gradients equal
     no checkpointing in both."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.counts: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            self.counts[name] = self.counts.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     plain = DecoderLM(tiny_args(), head="lm")
     ids = torch.randint(0, 64, (2, 7))
