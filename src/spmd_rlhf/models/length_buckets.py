@@ -87,7 +87,10 @@ def bucketed_attention(
 
 
 def _attend_per_class(q, k, v, tokens, rows, columns, order, sizes, backend, scale) -> torch.Tensor:
-    from spmd_rlhf.models.attention import _dense_attention
+    """The operator's work, eagerly: each class's tokens scattered into right-padded rows, plain causal attention over
+    them (a right-padded row's real queries see only real keys), the outputs gathered back into the packed order. The
+    class table is on the host, so nothing here waits for the device."""
+    from spmd_rlhf.models.attention import _dense_attention  # attention imports this module
 
     outputs, start = [], 0
     for class_rows, length, count in sizes.tolist():
