@@ -189,6 +189,7 @@ BAD_COMBINATIONS = [
     (["actor.n_ranks=4", "critic.n_ranks=4"], "actor.mini_batch_size=8", "multiple of actor.micro_batch_size*dp=16"),
     (["actor.warmup_steps=100"], "actor.warmup_steps=100", "must be <= trainer.total_steps=20"),
     (["trainer.val_every=5"], "trainer.val_every=5", "needs data.val_files"),
+    (["trainer.profile_steps=[20]"], "trainer.profile_steps=[20]", "end before trainer.total_steps=20"),
     (["reward.kind=model"], "reward.model_path=null", "reward.kind=model needs"),
     (["reward.kind=remote"], "reward.url=null", "kind=remote needs the reward service's URL"),
     (["reward.url=http://scorer:8000/score"], "reward.url=http://scorer:8000/score", "only used with kind=remote"),

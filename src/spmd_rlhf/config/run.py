@@ -122,7 +122,12 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         at_least(self, 1, "total_steps", "log_every")
         at_least(self, 0, "val_samples", "max_skipped_steps")
-        require(self, "profile_steps", all(step >= 0 for step in self.profile_steps), "steps count from 0")
+        require(
+            self,
+            "profile_steps",
+            all(0 <= step < self.total_steps for step in self.profile_steps),
+            f"steps count from 0 and end before trainer.total_steps={self.total_steps}",
+        )
         at_least(self, 0, "val_every", "timing_every", "peak_flops_per_device", "save_every_minutes", "keep_last")
         require(self, "save_every", self.save_every is None or self.save_every >= 0, "must be >= 0 or null")
         require(self, "stop_timeout_s", self.stop_timeout_s > 0, "must be > 0")
