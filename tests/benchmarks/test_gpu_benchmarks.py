@@ -373,3 +373,18 @@ def test_suite_digs_figures_out_of_nested_results():
     assert dig(result, "a.-1.x") == 2 and dig(result, "results.*.ratio") == 0.5
     assert dig(result, "a.5.x") is None and dig(result, "missing.key") is None
     assert dig({"decode": {"1": {"r": 0.1}, "64": {"r": 0.7}}}, "decode.-1.r") == 0.7
+
+
+def test_the_model_step_builds_only_the_models_the_chosen_steps_read(tmp_path):
+    """``--only g4`` builds the 0.5B only, ``--only g1`` the 1.5B only, ``--only model`` both."""
+    from gpu_suite import only_the_models_read, steps
+
+    every = {step.name: step for step in steps("python", False, tmp_path, tmp_path)}
+
+    def built(*names: str) -> list[str]:
+        chosen = [every["model"], *(every[name] for name in names)]
+        return [shape.split("=")[0] for shape in only_the_models_read(every["model"], chosen).command[2:]]
+
+    assert built("g4") == ["0.5b"]
+    assert built("g1", "g1_pdl") == ["1.5b"]
+    assert built("g1", "g4") == built() == built("cuda_tests") == ["1.5b", "0.5b"]
