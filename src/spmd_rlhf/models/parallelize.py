@@ -26,7 +26,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, pa
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from spmd_rlhf.config import LoRAConfig
-from spmd_rlhf.models import length_buckets  # noqa: F401  (registers torch.ops.spmd_rlhf.length_bucketed_attention)
 from spmd_rlhf.models.context_parallel import apply_context_parallel
 from spmd_rlhf.models.decoder import DecoderLM
 from spmd_rlhf.models.expert_parallel import check_expert_parallel, shard_experts
@@ -233,7 +232,7 @@ SAVED_OPS = frozenset(
         torch.ops.aten._scaled_dot_product_efficient_attention.default,
         torch.ops.aten._scaled_dot_product_cudnn_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-        torch.ops.spmd_rlhf.length_bucketed_attention.default,  # a long row's length classes (models.length_buckets)
+        torch.ops.spmd_rlhf.length_bucketed_attention.default,  # models.length_buckets (imported with the decoder)
     }
 )
 """What ``model.checkpoint_policy=selective`` keeps from a block's forward: the matmuls' and attention's outputs, the
