@@ -190,6 +190,7 @@ BAD_COMBINATIONS = [
     (["actor.warmup_steps=100"], "actor.warmup_steps=100", "must be <= trainer.total_steps=20"),
     (["trainer.val_every=5"], "trainer.val_every=5", "needs data.val_files"),
     (["trainer.profile_steps=[20]"], "trainer.profile_steps=[20]", "end before trainer.total_steps=20"),
+    (["trainer.profile_trace=true"], "trainer.profile_trace=true", "needs trainer.profile_steps"),
     (["reward.kind=model"], "reward.model_path=null", "reward.kind=model needs"),
     (["reward.kind=remote"], "reward.url=null", "kind=remote needs the reward service's URL"),
     (["reward.url=http://scorer:8000/score"], "reward.url=http://scorer:8000/score", "only used with kind=remote"),

@@ -3,6 +3,8 @@ points on 2 CPU ranks, raise the mean reward; the same seed gives the same metri
 
 from __future__ import annotations
 
+import gzip
+import json
 import shutil
 from pathlib import Path
 
@@ -65,7 +67,8 @@ SHORT_RUN = (
 
 @pytest.fixture(scope="module")
 def four_steps(assets) -> list[dict]:
-    return run_recipe("grpo", assets / "four_steps", "trainer.total_steps=4", "trainer.profile_steps=[1]", *SHORT_RUN)
+    profiled = ("trainer.profile_steps=[1]", "trainer.profile_trace=true")
+    return run_recipe("grpo", assets / "four_steps", "trainer.total_steps=4", *profiled, *SHORT_RUN)
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +85,16 @@ def test_same_seed_same_metrics(four_steps, eight_steps):
 
 def test_a_profiled_step_writes_where_its_time_went(assets, four_steps):
     """trainer.profile_steps=[1]: step 1 ran under the profiler, and its table holds the ops of the roles' work on
-    rank 0 (the actor's matmuls and its optimizer), which run in the controller's process."""
-    assert [path.name for path in (assets / "four_steps" / "out" / "profile").iterdir()] == ["step_1.txt"]
-    table = (assets / "four_steps" / "out" / "profile" / "step_1.txt").read_text()
+    rank 0 (the actor's matmuls and its optimizer), which run in the controller's process; profile_trace: its
+    timeline too, gzipped Chrome trace events."""
+    profile = assets / "four_steps" / "out" / "profile"
+    assert sorted(path.name for path in profile.iterdir()) == ["step_1.json.gz", "step_1.txt"]
+    table = (profile / "step_1.txt").read_text()
     assert table.startswith("== by self host time")
     assert "aten::mm" in table or "aten::addmm" in table, table
+    with gzip.open(profile / "step_1.json.gz", "rt") as trace:
+        names = {event.get("name") for event in json.load(trace)["traceEvents"]}
+    assert names & {"aten::mm", "aten::addmm"}
 
 
 def test_resume_continues_exactly(assets, four_steps, eight_steps):

@@ -95,6 +95,9 @@ class TrainerConfig:
     """Steps (counted from 0) run under torch.profiler in the controller's process, each writing
     <output_dir>/profile/step_<n>.txt: the ops' self host times and, on a GPU, self device times (every kernel the
     process launched; with one rank that is every role's work). Empty: none."""
+    profile_trace: bool = False
+    """Also write each profiled step's timeline, <output_dir>/profile/step_<n>.json.gz (Chrome's trace format, which
+    Perfetto opens; tens of MB for a GPU step)."""
     peak_flops_per_device: float = 0.0
     """Peak FLOP/s of one device at the training dtype, for the perf/mfu metric, e.g. 989e12 for an H100 SXM in dense
     bf16; 0: unknown, perf/mfu is not logged."""
@@ -128,6 +131,7 @@ class TrainerConfig:
             all(0 <= step < self.total_steps for step in self.profile_steps),
             f"steps count from 0 and end before trainer.total_steps={self.total_steps}",
         )
+        require(self, "profile_trace", self.profile_steps or not self.profile_trace, "needs trainer.profile_steps")
         at_least(self, 0, "val_every", "timing_every", "peak_flops_per_device", "save_every_minutes", "keep_last")
         require(self, "save_every", self.save_every is None or self.save_every >= 0, "must be >= 0 or null")
         require(self, "stop_timeout_s", self.stop_timeout_s > 0, "must be > 0")

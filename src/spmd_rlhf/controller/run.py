@@ -70,7 +70,8 @@ class RecipeRun:
                 break
             sent, received = self.coordinator.bytes_sent, self.coordinator.bytes_received
             profile = Path(trainer.output_dir, "profile", f"step_{step}.txt") if step in trainer.profile_steps else None
-            with profiled(profile):
+            trace = profile.with_suffix(".json.gz") if profile and trainer.profile_trace else None
+            with profiled(profile, trace=trace):
                 metrics = self.step(step)
             metrics.update(self.data_metrics)
             metrics.update(self.fault_metrics)

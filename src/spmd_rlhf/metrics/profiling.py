@@ -12,11 +12,14 @@ import torch
 
 
 @contextmanager
-def profiled(path: str | os.PathLike | None, *, rows: int = 25) -> Iterator[None]:
+def profiled(
+    path: str | os.PathLike | None, *, rows: int = 25, trace: str | os.PathLike | None = None
+) -> Iterator[None]:
     """Run the block under ``torch.profiler`` (CPU, and CUDA where there is a GPU) when ``path`` is given and write
-    there the ops' self host times, their inclusive host times and their self device times, ``rows`` of each. Host ops
-    are those of every thread of the process, device kernels every kernel it launched. With ``path`` None, the block
-    runs as it is."""
+    there the ops' self host times, their inclusive host times and their self device times, ``rows`` of each; with
+    ``trace``, also the timeline there (Chrome's trace format, gzipped when the name ends in ``.gz``: Perfetto opens
+    it). Host ops are those of every thread of the process, device kernels every kernel it launched. With ``path``
+    None, the block runs as it is."""
     if path is None:
         yield
         return
@@ -41,3 +44,6 @@ def profiled(path: str | os.PathLike | None, *, rows: int = 25) -> Iterator[None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     Path(path).write_text("\n".join(tables))
     print(f"wrote profile {path}", flush=True)
+    if trace is not None:
+        profiler.export_chrome_trace(str(trace))
+        print(f"wrote trace {trace}", flush=True)
