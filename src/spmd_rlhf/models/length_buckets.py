@@ -27,14 +27,10 @@ LENGTH_CLASSES = 64
 class LengthBuckets:
     """A packed row of ``total`` tokens as right-padded rows per length class, laid end to end in class order."""
 
-    tokens: torch.Tensor
-    """``[total]`` each place in class order's token of the packed row."""
-    rows: torch.Tensor
-    """``[total]`` that token's row in its class's padded rows."""
-    columns: torch.Tensor
-    """``[total]`` its position in that row."""
-    order: torch.Tensor
-    """``[total]`` where each packed token's output lies among the classes' outputs laid end to end."""
+    places: torch.Tensor
+    """``[4, total]``: for each place in class order, the packed row's token there, that token's row in its class's
+    padded rows and its position in that row; then for each packed token, where its output lies among the classes'
+    outputs laid end to end."""
     sizes: torch.Tensor
     """Host ``[LENGTH_CLASSES, 3]``: each class's padded rows, their length and its tokens (zeros past the last
     class: a shape that never changes, so a compiled block never guards on how many classes there are)."""
@@ -67,13 +63,8 @@ def length_buckets(cu_seqlens: torch.Tensor, total: int) -> LengthBuckets | None
     placed = torch.cat(tokens)
     order = torch.empty(total, dtype=torch.long)
     order[placed] = torch.arange(total)
-    return LengthBuckets(
-        tokens=placed.to(device),
-        rows=torch.cat(rows).to(device),
-        columns=torch.cat(columns).to(device),
-        order=order.to(device),
-        sizes=table,
-    )
+    places = torch.stack([placed, torch.cat(rows), torch.cat(columns), order])
+    return LengthBuckets(places=places.to(device), sizes=table)
 
 
 def bucketed_attention(
@@ -81,17 +72,16 @@ def bucketed_attention(
 ) -> torch.Tensor:
     """Causal attention of packed sequences ``q`` ``[1, total, heads, d]`` over ``k, v`` ``[1, total, kv_heads, d]``
     per length class of ``buckets``; returns ``[1, total, heads, d]``."""
-    return torch.ops.spmd_rlhf.length_bucketed_attention(
-        q, k, v, buckets.tokens, buckets.rows, buckets.columns, buckets.order, buckets.sizes, backend, scale
-    )
+    return torch.ops.spmd_rlhf.length_bucketed_attention(q, k, v, buckets.places, buckets.sizes, backend, scale)
 
 
-def _attend_per_class(q, k, v, tokens, rows, columns, order, sizes, backend, scale) -> torch.Tensor:
+def _attend_per_class(q, k, v, places, sizes, backend, scale) -> torch.Tensor:
     """The operator's work, eagerly: each class's tokens scattered into right-padded rows, plain causal attention over
     them (a right-padded row's real queries see only real keys), the outputs gathered back into the packed order. The
     class table is on the host, so nothing here waits for the device."""
     from spmd_rlhf.models.attention import _dense_attention  # attention imports this module
 
+    tokens, rows, columns, order = places
     outputs, start = [], 0
     for class_rows, length, count in sizes.tolist():
         if count == 0:
@@ -114,19 +104,16 @@ def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    tokens: torch.Tensor,
-    rows: torch.Tensor,
-    columns: torch.Tensor,
-    order: torch.Tensor,
+    places: torch.Tensor,
     sizes: torch.Tensor,
     backend: str,
     scale: float,
 ) -> torch.Tensor:
-    return _attend_per_class(q, k, v, tokens, rows, columns, order, sizes, backend, scale)
+    return _attend_per_class(q, k, v, places, sizes, backend, scale)
 
 
 @_forward.register_fake
-def _(q, k, v, tokens, rows, columns, order, sizes, backend, scale):
+def _(q, k, v, places, sizes, backend, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -151,35 +138,32 @@ def _backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    tokens: torch.Tensor,
-    rows: torch.Tensor,
-    columns: torch.Tensor,
-    order: torch.Tensor,
+    places: torch.Tensor,
     sizes: torch.Tensor,
     backend: str,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with torch.enable_grad(), _autograd_dispatch():
         inputs = [tensor.detach().requires_grad_() for tensor in (q, k, v)]
-        out = _attend_per_class(*inputs, tokens, rows, columns, order, sizes, backend, scale)
+        out = _attend_per_class(*inputs, places, sizes, backend, scale)
         dq, dk, dv = torch.autograd.grad(out, inputs, grad)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the strides register_fake promises
 
 
 @_backward.register_fake
-def _(grad, q, k, v, tokens, rows, columns, order, sizes, backend, scale):
+def _(grad, q, k, v, places, sizes, backend, scale):
     return tuple(torch.empty_like(tensor, memory_format=torch.contiguous_format) for tensor in (q, k, v))
 
 
 def _keep_inputs(ctx, inputs, output) -> None:
-    q, k, v, tokens, rows, columns, order, sizes, backend, scale = inputs
-    ctx.save_for_backward(q, k, v, tokens, rows, columns, order, sizes)
+    q, k, v, places, sizes, backend, scale = inputs
+    ctx.save_for_backward(q, k, v, places, sizes)
     ctx.backend, ctx.scale = backend, scale
 
 
 def _gradients(ctx, grad: torch.Tensor):
     dq, dk, dv = _backward(grad.contiguous(), *ctx.saved_tensors, ctx.backend, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _forward.register_autograd(_gradients, setup_context=_keep_inputs)
