@@ -150,12 +150,14 @@ class StaticDecodeStep:
         # Positions, cache slots, token sources, the rows' uniforms (float64 bits) and the host's token ids: rows of
         # one buffer, so one copy sends a step's five vectors. Its last row holds the ids the previous step sampled,
         # right after the host's ids, so that one gather picks each row's input from either (``_step``).
-        self.vectors = torch.zeros(6, max_rows, dtype=torch.int64, device=device)
-        self.positions, self.slot_mapping, self.token_sources, _, _, self._sampled = self.vectors
-        self.uniforms = self.vectors[3].view(torch.float64)
-        self._token_pool = self.vectors[4:].view(-1)
-        self._sent_vectors = self.vectors[:5]
+        # Inference tensors all (the step runs in inference mode): prefill's positions are, and a compiled rotary
+        # table guards on the mode its input was made in.
         with torch.inference_mode():
+            self.vectors = torch.zeros(6, max_rows, dtype=torch.int64, device=device)
+            self.positions, self.slot_mapping, self.token_sources, _, _, self._sampled = self.vectors
+            self.uniforms = self.vectors[3].view(torch.float64)
+            self._token_pool = self.vectors[4:].view(-1)
+            self._sent_vectors = self.vectors[:5]
             self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
             self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
