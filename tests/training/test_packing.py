@@ -190,6 +190,39 @@ def test_packed_rows_feed_no_padding_and_compute_response_logits_only():
     assert logits.shape == (micro.response_tokens, VOCAB)
 
 
+def test_a_long_rows_length_classes_are_built_on_the_host_and_reach_the_model_with_its_inputs(monkeypatch):
+    """A packed row over ``MASK_TOKEN_LIMIT`` tokens (here every row) attends per length class; the packer groups its
+    sequences on the host, where its offsets are, so the model never reads ``cu_seqlens`` back from the device to
+    build them (a sync per forward on a GPU), and gives the same outputs. A row whose length is no longer theirs
+    (padded since) has its classes built again."""
+    from spmd_rlhf.models import attention
+
+    monkeypatch.setattr(attention, "MASK_TOKEN_LIMIT", 0)
+    micro = PackedRows(rollout_batch())
+    assert micro.length_classes is not None  # the rows span several classes
+    assert "length_places" in micro.host_tensors()  # moved with the rest, in the one transfer
+    inputs = micro.model_inputs(torch.device("cpu"), per_token=True)
+    model = tiny_model("lm")
+    with torch.no_grad():
+        built_by_the_model = model(**{name: value for name, value in inputs.items() if name != "length_classes"})
+        built = []
+        monkeypatch.setattr(attention, "length_buckets", lambda *args: built.append(args) or None)
+        logits = model(**inputs)
+    assert not built
+    torch.testing.assert_close(logits, built_by_the_model, rtol=0, atol=0)
+    batch = attention.AttentionBatch.build(
+        batch_size=1,
+        seq_len=micro.total_tokens + 4,
+        attention_mask=None,
+        cu_seqlens=torch.cat([micro.cu_seqlens, micro.cu_seqlens[-1:] + 4]),
+        backend="torch",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        length_classes=inputs["length_classes"],
+    )
+    assert len(built) == 1 and batch.length_buckets is None
+
+
 @pytest.mark.parametrize("layout", [PackedRows, PaddedRows])
 def test_a_micro_batch_moves_to_the_device_in_one_transfer(layout, monkeypatch):
     """Its model inputs, response labels and response index reach the device together (one pinned copy on a GPU),

@@ -15,6 +15,7 @@ from torch import nn
 
 from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.attention import AttentionBatch, attend
+from spmd_rlhf.models.length_buckets import LengthBuckets
 from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import MoEBlock, SwiGLU
 from spmd_rlhf.models.packed_rows import default_position_ids, last_token_index, packed_offsets
@@ -284,12 +285,14 @@ class DecoderLM(nn.Module):
         paged: PagedKV | None = None,
         max_seqlen: int | None = None,
         row_length: int | None = None,
+        length_classes: LengthBuckets | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states ``[batch, seq, hidden]``, before any head.
 
         ``paged`` (generation engine): ``input_ids`` ``[1, tokens]`` are the new tokens of one engine step with their
         absolute ``position_ids``; each layer writes their K/V into the paged cache and attends over the cached context.
-        ``max_seqlen``: the longest packed sequence's length, known on the host (``AttentionBatch.build``).
+        ``max_seqlen``: the longest packed sequence's length, known on the host, and ``length_classes``: a long
+        packed row's length classes, built on the host (``AttentionBatch.build``).
         ``row_length`` (context parallelism): ``input_ids`` ``[1, chunk]`` are one chunk of a packed row of
         ``row_length`` tokens that ``cu_seqlens`` describe; the attention batch is the whole row's (each layer's
         attention, put in place by the plan, gathers the row's keys and values).
@@ -329,6 +332,7 @@ class DecoderLM(nn.Module):
             dtype=self.compute_dtype(input_ids),
             paged=paged,
             max_seqlen=max_seqlen,
+            length_classes=length_classes,
         )
         hidden = self.model(input_ids, position_ids, batch)
         return hidden[:, :tokens] if hidden.shape[1] > tokens else hidden  # sequence parallelism's padding dropped
@@ -342,6 +346,7 @@ class DecoderLM(nn.Module):
         output_positions: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         row_length: int | None = None,
+        length_classes: LengthBuckets | None = None,
     ) -> torch.Tensor:
         """Logits, values or scores for ``input_ids`` ``[batch, seq]`` (see the class docstring).
 
@@ -349,7 +354,8 @@ class DecoderLM(nn.Module):
         default to counting real tokens. Packed: ``input_ids`` ``[1, total]`` with ``cu_seqlens`` ``[n + 1]``, or
         with ``position_ids`` that restart at 0 for each sequence; outputs equal the separate forwards of the n
         sequences. ``max_seqlen``: the longest packed sequence's length when the caller packed on the host (saves
-        reading it back from ``cu_seqlens``).
+        reading it back from ``cu_seqlens``), and ``length_classes``: a row over ``MASK_TOKEN_LIMIT`` tokens grouped
+        by length class there (``training.packing.PackedRows`` gives both).
 
         ``output_positions`` (LM and value heads): flat indices into the ``batch * seq`` positions; the head runs on
         the hidden states of those positions only and the result is ``[len(output_positions), ...]`` (logits
@@ -370,7 +376,9 @@ class DecoderLM(nn.Module):
                 "output_positions selects per-token outputs; the score head reads each sequence's last token"
             )
         cu_seqlens = packed_offsets(position_ids, attention_mask, cu_seqlens)
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen=max_seqlen)
+        hidden = self.hidden_states(
+            input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen=max_seqlen, length_classes=length_classes
+        )
         if self.model.norm is None:  # a pipeline stage before the last: hand the hidden states on
             return hidden
         if output_positions is not None:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from spmd_rlhf.data.batch import Batch, to_device_together
+from spmd_rlhf.models import attention
+from spmd_rlhf.models.length_buckets import LengthBuckets, length_buckets
 
 PACKED_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
 """The fields of the rollout layout that a micro-batch reads to lay its rows out and find its response tokens."""
@@ -134,6 +136,11 @@ class PackedRows(MicroBatch):
         row, column = self.response_index
         # The output at the token before response token t predicts (values) it.
         self.output_positions = starts[row] + index_in_row[:, prompt_length:][row, column] - 1
+        total = self.input_ids.shape[1]
+        self.length_classes = length_buckets(self.cu_seqlens, total) if total > attention.MASK_TOKEN_LIMIT else None
+        """A row over ``MASK_TOKEN_LIMIT`` tokens: its sequences' length classes, built here from the host's offsets
+        (the model would otherwise read ``cu_seqlens`` back from the device: a sync per forward); their index tensor
+        travels with the model's inputs."""
 
     @property
     def total_tokens(self) -> int:
@@ -146,6 +153,17 @@ class PackedRows(MicroBatch):
             "cu_seqlens": self.cu_seqlens,
             "output_positions": self.output_positions,
         }
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        moved = super().host_tensors()
+        return moved if self.length_classes is None else moved | {"length_places": self.length_classes.places}
+
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
+        inputs = super().model_inputs(device, per_token=per_token)
+        if self.length_classes is not None:
+            places = self.on_device(device)["length_places"]
+            inputs["length_classes"] = LengthBuckets(places=places, sizes=self.length_classes.sizes)
+        return inputs
 
     def _host_values(self) -> dict[str, int]:
         return {"max_seqlen": self.max_seqlen}
