@@ -158,7 +158,8 @@ class PackedRows(MicroBatch):
         moved = super().host_tensors()
         return moved if self.length_classes is None else moved | {"length_places": self.length_classes.places}
 
-    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int]:
+    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int | LengthBuckets]:
+        """As ``MicroBatch.model_inputs``, with a long row's ``length_classes`` (their index tensor on ``device``)."""
         inputs = super().model_inputs(device, per_token=per_token)
         if self.length_classes is not None:
             places = self.on_device(device)["length_places"]
