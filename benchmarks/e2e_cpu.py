@@ -47,7 +47,6 @@ from pathlib import Path
 import torch
 from gpu_common import SHAPES
 from process_memory import run_with_peak_rss
-from transformers import TrainerCallback
 
 from spmd_rlhf.config import load_config
 from spmd_rlhf.runtime.host_memory import TUNABLE
@@ -156,8 +155,18 @@ def _run_measured(
     return seconds, peaks
 
 
-def _torchrun(nproc: int) -> list[str]:
+def _launcher(nproc: int) -> list[str]:
+    """How a job of ``nproc`` processes starts: one runs as a plain ``python`` process (the recipes and TRL set up a
+    one-process group themselves), without torchrun's agent, its own interpreter's seconds of imports and its polling;
+    more under torchrun on this node."""
+    if nproc == 1:
+        return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def _launched(nproc: int) -> str:
+    """``_launcher``'s launch in words, for the result's ``launch``."""
+    return "1 process" if nproc == 1 else f"torchrun, {nproc} processes"
 
 
 def stop_ids(model_dir: Path, fraction: float) -> tuple[int, list[int]]:
@@ -175,7 +184,7 @@ def stop_ids(model_dir: Path, fraction: float) -> tuple[int, list[int]]:
 
 
 def spmd_command(spec: dict, *, out_dir: Path, nproc: int) -> list[str]:
-    """The torchrun command line of the GRPO recipe run that ``spec`` describes, writing to ``out_dir``."""
+    """The command line (``_launcher``) of the GRPO recipe run that ``spec`` describes, writing to ``out_dir``."""
     samples = spec["prompts"] * spec["n"]
     overrides = [
         f"trainer.total_steps={spec['steps']}",
@@ -192,7 +201,7 @@ def spmd_command(spec: dict, *, out_dir: Path, nproc: int) -> list[str]:
         f"actor.lr={spec['lr']}",
         f"rollout.stop_token_ids=[{','.join(map(str, spec['stop_ids']))}]",
     ]
-    return _torchrun(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
+    return _launcher(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
 
 
 def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: int, huge_pages: bool = True) -> dict:
@@ -205,7 +214,7 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
         steps = [json.loads(line) for line in lines][warmup:]
     scoring = ("reward", "old_log_probs", "ref_log_probs", "advantages")
     return _summary(
-        launch=f"torchrun, {nproc} ranks x 1 thread" + ("" if huge_pages else ", 4 KiB pages"),
+        launch=f"{_launched(nproc)} x 1 thread" + ("" if huge_pages else ", 4 KiB pages"),
         wall_s=wall,
         samples=samples,
         step_s=[row["time/step"] for row in steps],
@@ -224,8 +233,10 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
 # ---- TRL ---------------------------------------------------------------------------------------------------------
 
 
-class StepClock(TrainerCallback):
-    """Wall seconds of every optimizer step (generation, scoring and update included) and the trainer's log rows."""
+class StepClock:
+    """Wall seconds of every optimizer step (generation, scoring and update included) and the trainer's log rows:
+    ``transformers.TrainerCallback``'s hooks, mixed into it where TRL runs (``trl_worker``), so the processes that only
+    launch the runs never import the trainer (seconds of imports each)."""
 
     def __init__(self) -> None:
         self.step_seconds: list[float] = []
@@ -262,6 +273,7 @@ def trl_worker(spec_path: str) -> None:
     Also the TRL half of ``benchmarks/gpu_grpo.py``, whose spec adds ``device`` (cuda), ``dtype`` (bfloat16: autocast)
     and ``trl_weights`` (the dtype TRL loads the weights in); without them: CPU, float32 throughout."""
     from datasets import Dataset
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from spmd_rlhf.rewards import RuleReward
@@ -316,7 +328,7 @@ def trl_worker(spec_path: str) -> None:
         model_init_kwargs={"dtype": spec.get("trl_weights", "float32"), "attn_implementation": "sdpa"},
     )
     dataset = Dataset.from_parquet(spec["train_file"])
-    clock = StepClock()
+    clock = type("TrainerStepClock", (StepClock, TrainerCallback), {})()
     trainer = GRPOTrainer(
         model=spec["model_dir"], reward_funcs=rule_reward, args=config, train_dataset=dataset, callbacks=[clock]
     )
@@ -351,9 +363,8 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int,
     }
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
-    launcher = [sys.executable] if nproc == 1 else _torchrun(nproc)
     wall, peak_rss = _run_measured(
-        launcher + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
+        _launcher(nproc) + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
         cwd=str(workdir),
         threads=threads,
         log=workdir / "trl.log",
@@ -370,7 +381,7 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int,
         )
     samples = spec["prompts"] * spec["n"]
     per_process = f"{threads} thread" + ("s" if threads > 1 else "")
-    launch = f"1 process x {per_process}" if nproc == 1 else f"torchrun, {nproc} processes x {per_process}"
+    launch = f"{_launched(nproc)} x {per_process}"
     launch += ", huge pages" if huge_pages else ""
     return _summary(
         launch=launch,

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from spmd_rlhf.metrics.profiling import profiled  # noqa: F401  (re-exported: the benchmarks' --profile)
-from spmd_rlhf.tiny.model import make_tiny
 
 SHAPES: dict[str, dict[str, int | bool | None]] = {
     # Qwen2.5 shapes, vocabulary padded past the tokenizer like the real checkpoints'; 0.5B and 1.5B tie the embedding
@@ -162,6 +161,8 @@ def shaped_model(
     ``make_tiny``'s tokenizer: built in a temporary directory removed afterwards, or in ``model_dir`` and kept there
     (a directory that already holds a model of that shape is used as it is, so several benchmarks can share one
     build). ``make_tiny`` builds the whole model in float32 in host memory once: 4 bytes per parameter."""
+    from spmd_rlhf.tiny.model import make_tiny  # transformers and the models: seconds a launcher need not import
+
     fields = shape_fields(shape, layers=layers, experts=experts, vocab=vocab)
     if model_dir is None:
         with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{shape}_") as scratch:

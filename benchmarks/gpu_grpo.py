@@ -14,9 +14,9 @@ clip ratios, sampling temperature / top-k / top-p, AdamW betas and weight decay,
 ``recipes/configs/grpo.yaml`` and are handed to TRL as the matching ``GRPOConfig`` fields; the learning rate is
 ``LEARNING_RATE`` in both (the yaml's is sized for the tiny CPU model and would blow up this one).
 
-1. spmd_rlhf: ``recipes/grpo.py`` under torchrun with ``--nproc`` ranks (colocated actor, reference, rule reward),
-   ``model.dtype=bfloat16`` on GPU (float32 master weights, FSDP2 mixed precision); ``metrics.jsonl`` gives each
-   step's time and its prompt and generated tokens.
+1. spmd_rlhf: ``recipes/grpo.py`` with ``--nproc`` ranks (one rank as a plain process, more under torchrun; colocated
+   actor, reference, rule reward), ``model.dtype=bfloat16`` on GPU (float32 master weights, FSDP2 mixed precision);
+   ``metrics.jsonl`` gives each step's time and its prompt and generated tokens.
 2. TRL: ``GRPOTrainer`` in one process (torchrun with ``--nproc`` > 1), ``use_vllm=False`` (``transformers``
    ``generate``, TRL's default cache), SDPA, on GPU ``bf16=True`` autocast over weights stored in ``--trl-weights``:
    float32 by default (TRL's default, and the same precision split as ours), or bfloat16 (faster, and lower-precision
@@ -38,14 +38,13 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from e2e_cpu import RECIPE, RECIPE_CONFIG, _run, _summary, _torchrun
+from e2e_cpu import RECIPE, RECIPE_CONFIG, _launched, _launcher, _run, _summary
 from gpu_common import (
     add_model_arguments,
     default_device,
@@ -140,7 +139,7 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int, profile_to: Path) -> dic
         "trainer.resume=null",
         f"trainer.profile_steps=[{profiled_step}]",
     ]
-    command = _torchrun(spec["nproc"]) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
+    command = _launcher(spec["nproc"]) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
     log = workdir / "spmd.log"
     # TorchDynamo logs each recompile with the guard that failed: session 48's H200 run spent compile-like seconds in
     # every step's reference and update stages, and its log was lost with the machine.
@@ -152,7 +151,7 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int, profile_to: Path) -> dic
     steps = every_step[warmup:]
     tokens = [row["rollout/prompt_tokens"] + row["rollout/generated_tokens"] for row in steps]
     summary = _summary(
-        launch=f"torchrun, {spec['nproc']} rank(s)",
+        launch=_launched(spec["nproc"]),
         wall_s=wall,
         samples=samples,
         step_s=[row["time/step"] for row in steps],
@@ -198,9 +197,8 @@ def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
     }
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
-    launcher = [sys.executable] if spec["nproc"] == 1 else _torchrun(spec["nproc"])
     wall = _run(
-        launcher + [str(E2E_SCRIPT), "--trl-worker", str(spec_path)],
+        _launcher(spec["nproc"]) + [str(E2E_SCRIPT), "--trl-worker", str(spec_path)],
         cwd=str(workdir),
         threads=spec["threads"],
         log=workdir / "trl.log",
@@ -218,7 +216,7 @@ def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
     logs = raw["logs"][warmup:]
     samples = spec["prompts"] * spec["n"]
     summary = _summary(
-        launch="1 process" if spec["nproc"] == 1 else f"torchrun, {spec['nproc']} processes",
+        launch=_launched(spec["nproc"]),
         wall_s=wall,
         samples=samples,
         step_s=raw["step_s"][warmup:],

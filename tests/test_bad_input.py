@@ -1,4 +1,4 @@
-"""Bad input through the real entry points: the recipes under torchrun, and the ``spmd-rlhf`` CLI.
+"""Bad input through the real entry points: the recipes (as users start them) and the ``spmd-rlhf`` CLI.
 
 Every case must end with one output line that names the cause and what to change, and a non-zero exit, or, where
 the design counts and carries on (reward failures under ``on_error=zero``, over-long prompts under ``skip``), a
@@ -8,7 +8,8 @@ finished run with the count in its metrics. No case may leave a partial checkpoi
 The cases are independent jobs on the tiny model and task. One module fixture runs the selected ones two at a time
 (the CPU budget of this suite) before their tests look at the results; a resume case runs after the run whose
 checkpoint it resumes. A one-rank case runs as ``python <recipe>.py`` (a one-process job needs no torchrun), forked
-from an interpreter that has imported the package (``preloaded.py``), the others under torchrun; independent cases
+from an interpreter that has imported the package (``preloaded.py``), as do the ranks of a job of more; the cases
+that kill a rank run under torchrun, whose agent takes part in how such a job ends; independent cases
 that each finish their run share one job. The recipe started by a fresh interpreter is tested by
 ``tests/recipes/test_recipe_cli.py`` (a config error) and below (a locked output directory, under torchrun).
 """
@@ -413,13 +414,16 @@ def run_case(name: str, assets: Path, runs: Path, preloaded: Queue[PreloadedPyth
         program, arguments = "killed_mid_stage.py", [entry.kill, str(entry.victim), str(workdir), *arguments]
     else:
         program = str(RECIPES / f"{entry.recipe}.py")
-    if entry.nproc == 1 and not entry.kill:
+    if not entry.kill:
         # A one-rank job as a user starts it without torchrun (launch() sets up the one-process group itself), as a
         # fork of an interpreter that has imported the package: the same recipe entry in a process of its own,
-        # without the agent's process nor the ~2.5 s of imports each (over 30 cases).
+        # without the agent's process nor the ~2.5 s of imports each (over 30 cases). A job of more ranks: forks
+        # with torchrun's variables for one node (the killed-rank cases need the agent: how the job ends is tested).
         python = preloaded.get()
         try:
-            finished = python.run([program, *arguments], cwd=workdir, timeout=240)
+            finished = python.run(
+                [program, *arguments], cwd=workdir, timeout=240, nproc=entry.nproc if entry.nproc > 1 else 0
+            )
         finally:
             preloaded.put(python)
     else:

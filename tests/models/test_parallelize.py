@@ -143,47 +143,6 @@ def test_checkpointed_blocks_compile_and_keep_the_gradients(policy, monkeypatch)
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
-def test_compiled_decoder_blocks_have_no_graph_break_and_equal_eager_on_packed_rows():
-    """``parallelize(compile_layers=True)`` compiles each decoder block: traced by dynamo with no graph break on the
-    packed path (``max_seqlen`` given by the packer, so nothing is read back from ``cu_seqlens``), and its forward
-    and backward (AOTAutograd, ``aot_eager``: the graph inductor would get) equal eager on random packed lengths."""
-    import random
-
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch.manual_seed(0)
-    eager = DecoderLM(tiny_args(), head="lm")
-    compiled = DecoderLM(tiny_args(), head="lm")
-    compiled.load_state_dict(eager.state_dict())
-    for model in (eager, compiled):
-        model.reset_buffers()
-    counter = CompileCounterWithBackend("aot_eager")
-    for layer in compiled.model.layers.values():
-        layer.compile(backend=counter)
-    generator = random.Random(0)
-    for _ in range(4):
-        lengths = [generator.randint(3, 30) for _ in range(generator.randint(1, 4))]
-        ids = torch.randint(0, 64, (1, sum(lengths)))
-        positions = torch.cat([torch.arange(length) for length in lengths])[None]
-        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        inputs = dict(position_ids=positions, cu_seqlens=cu_seqlens, max_seqlen=max(lengths))
-        outputs = [model(ids, **inputs) for model in (eager, compiled)]
-        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
-        for output in outputs:
-            output.float().logsumexp(-1).sum().backward()
-    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
-    layer = next(iter(eager.model.layers.values()))
-    captured = {}
-    forward = layer.forward
-    layer.forward = lambda *args: captured.setdefault("args", args) and forward(*args)
-    eager(ids, **inputs)
-    layer.forward = forward
-    explanation = torch._dynamo.explain(layer)(*captured["args"])
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    assert counter.frame_count >= 1
-
-
 def test_fsdp_units_split_an_untied_vocabulary():
     with torch.device("meta"):
         untied = DecoderLM(tiny_args(), head="lm")
