@@ -56,7 +56,6 @@ class Attention(MergeableProjections):
         self.layer_index = layer_index
         """Which layer's blocks of a paged KV cache this attention reads and writes during generation."""
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.scale = args.head_dim**-0.5
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
@@ -67,6 +66,13 @@ class Attention(MergeableProjections):
         self.attend = attend
         """The attention kernel call ``attend(q, k, v, batch, *, scale, layer_index)``: ``attention.attend``, or one a
         parallel plan puts in its place (context parallelism's, over a sequence split across ranks)."""
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale, ``head_dim ** -0.5``, computed from the int on each use: a float attribute reaches a
+        compiled block as a symbolic input, which attention's ``scale`` argument must then specialise, and TorchDynamo
+        restarts its analysis to do so (every block graph traced twice: a third of a compile)."""
+        return self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
         q, k, v = self.queries_keys_values(x, rope)

@@ -25,7 +25,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.distributed.device_mesh import init_device_mesh
 
 from spmd_rlhf.metrics.dispatch_counts import DispatchCounts
@@ -51,9 +51,18 @@ def check_gradients(eager: torch.nn.Module, compiled: torch.nn.Module, what: str
         torch.testing.assert_close(local(ours.grad), local(theirs.grad), rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
 
 
+def assert_traced_once(what: str) -> None:
+    """No frame's analysis was restarted: each a whole trace again (a float input an operator had to specialise, or
+    a graph break: where the design breaks the graph, around the ring's exchanges and the experts' all-to-alls, the
+    pieces are traced again by design)."""
+    attempts = [key for key in compilation_time_metrics if key.startswith("compile_attempt_")]
+    assert attempts == ["compile_attempt_0"], (what, attempts)
+
+
 def tensor_parallel(model_dir: str) -> None:
     torch._dynamo.reset()
     counters.clear()
+    compilation_time_metrics.clear()
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
     models = []
     for compiled in (False, True):
@@ -74,6 +83,7 @@ def tensor_parallel(model_dir: str) -> None:
         check_gradients(*models, "tensor parallel")
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # two attention layouts
+    assert_traced_once("tensor parallel")
     counts = DispatchCounts()
     with counts:
         models[0](input_ids=ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).pow(2).mean().backward()
@@ -88,6 +98,7 @@ def context_parallel(model_dir: str, attention: str, *, checkpointing: bool) -> 
     rank, cp = dist.get_rank(), dist.get_world_size()
     torch._dynamo.reset()
     counters.clear()
+    compilation_time_metrics.clear()
     models = []
     for compiled in (False, True):
         model = load_model(model_dir, head="lm", dtype=torch.float32)
@@ -130,6 +141,7 @@ def context_parallel(model_dir: str, attention: str, *, checkpointing: bool) -> 
     breaks = dict(counters["graph_break"])
     if attention == "ulysses":
         assert not breaks, (what, breaks)
+        assert_traced_once(what)
         assert counters["stats"]["unique_graphs"] <= 2, (what, dict(counters["stats"]))  # two attention layouts
     else:
         assert breaks and all("ring_attend" in reason for reason in breaks), (what, breaks)
@@ -141,6 +153,7 @@ def expert_parallel(model_dir: str) -> None:
     rank = dist.get_rank()
     torch._dynamo.reset()
     counters.clear()
+    compilation_time_metrics.clear()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",))
     models = []
     for compiled in (False, True):
