@@ -4,6 +4,8 @@ PEFT adapters that are refused (DoRA, regular-expression target modules)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hf_fixtures import FAMILIES, padded_batch, write_hf_model
@@ -329,6 +331,24 @@ def test_adapter_gradients_are_the_same_under_activation_checkpointing(tmp_path)
     assert all(gradients[0][name].abs().max() > 0 for name in gradients[0])
     for name in gradients[0]:
         torch.testing.assert_close(gradients[1][name], gradients[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_adapter_dropout_applies_while_training_only(tmp_path, dropout):
+    """``lora.dropout`` drops an adapter's inputs in training mode only; at 0 no call is made and nothing changes."""
+    path = str(tmp_path / "base")
+    write_hf_model("qwen3", path)
+    model, _ = lora_model(path, LoRAConfig(rank=2, dropout=dropout))
+    randomize_adapters(model)
+    input_ids, attention_mask, _ = padded_batch(batch=2, seq=8, side="right")
+    outputs = {}
+    for mode, seed in itertools.product(("train", "eval"), (0, 1)):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            outputs[mode, seed] = getattr(model, mode)()(input_ids, attention_mask=attention_mask)
+    torch.testing.assert_close(outputs["eval", 0], outputs["eval", 1], rtol=0, atol=0)
+    assert torch.equal(outputs["train", 0], outputs["train", 1]) == (dropout == 0.0)
+    torch.testing.assert_close(outputs["train", 0] if dropout == 0.0 else outputs["eval", 0], outputs["eval", 0])
 
 
 @pytest.mark.parametrize("moe_family", ["qwen2_moe", "mixtral"])

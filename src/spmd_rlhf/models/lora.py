@@ -90,6 +90,10 @@ class _AdapterHook:
     split: str
     group: dist.ProcessGroup | None
     scale: float
+    dropout: float | None
+    """The input's dropout probability (PEFT's ``lora_dropout``), None for none: then no call at all. A compiled block
+    takes a float attribute as a symbolic input, which ``F.dropout`` must specialise, restarting TorchDynamo's
+    analysis (the block traced twice)."""
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         if not self.adapters.enabled:
@@ -100,7 +104,8 @@ class _AdapterHook:
             # gradient with the base layer's; A, whole on every rank, takes its gradient summed over tp here.
             lora_a = sum_gradient_over(lora_a, self.group, copy=True)  # to_local()'s view; [rank, in] floats
         x = _local(args[0]).to(lora_a.dtype)
-        x = F.dropout(x, self.adapters.config.dropout, training=module.training)
+        if self.dropout is not None:
+            x = F.dropout(x, self.dropout, training=module.training)
         hidden = F.linear(x, lora_a)
         if self.group is not None and self.split == "row":
             if module.sequence_parallel:
@@ -208,7 +213,9 @@ def apply_lora(model: DecoderLM, config: LoRAConfig, *, tp_mesh: DeviceMesh | No
                 holder = nn.Module()
                 holder.weight = nn.Parameter(weight)
                 module.add_module(piece_name, holder)
-            module.register_forward_hook(_AdapterHook(adapters, split, group, config.scale_of(full_name)))
+            module.register_forward_hook(
+                _AdapterHook(adapters, split, group, config.scale_of(full_name), config.dropout or None)
+            )
             adapters.layers[full_name] = split
     head = getattr(model, "score", None)
     if head is not None:
