@@ -89,6 +89,7 @@ def _ulysses_over_the_row(q, k, v, batch: AttentionBatch, *, scale: float, group
     return ulysses_attend(q, k, v, batch, scale=scale, group=group)
 
 
+@torch.compiler.disable  # as ring_attend: else TorchDynamo compiles this frame apart, a graph of nothing
 def _ring_over_the_row(q, k, v, batch: AttentionBatch, *, scale: float, group, layer_index=None) -> torch.Tensor:
     return ring_attend(q, k, v, batch, scale=scale, group=group)
 

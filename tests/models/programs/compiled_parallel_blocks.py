@@ -144,7 +144,7 @@ def context_parallel(model_dir: str, attention: str, *, checkpointing: bool) -> 
         assert_traced_once(what)
         assert counters["stats"]["unique_graphs"] <= 2, (what, dict(counters["stats"]))  # two attention layouts
     else:
-        assert breaks and all("ring_attend" in reason for reason in breaks), (what, breaks)
+        assert breaks and all("_ring_over_the_row" in reason for reason in breaks), (what, breaks)
         # The pieces before and after the ring call per attention layout, shared by the layers.
         assert counters["stats"]["unique_graphs"] <= 4, (what, dict(counters["stats"]))
 
