@@ -1,6 +1,8 @@
 """GRPO with a tiny mixture-of-experts actor (Qwen3-MoE: 4 experts, top-2, in both layers) learns the tiny arithmetic
 task on 2 CPU ranks, with router replay (R3) and the routers' load-balancing loss on; the router metrics are logged.
-Measured: the mean reward of 10 steps goes from 0.02 to 0.23 in 150 steps (about a minute)."""
+Measured: the mean reward of 5 steps goes from 0.015 to 0.13 in 80 steps (the last 5 of the config's 150 gained 0.088
+over the first 5, an edge over the test's 0.08 too thin to keep paying 70 more steps for), its router metrics in range
+all along."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ MOE = (
     "actor.router_aux_loss_coef=0.01",
     "trainer.val_every=0",
     "trainer.save_every=0",
+    "trainer.total_steps=80",
 )
 
 
@@ -32,7 +35,7 @@ def mean_reward(records: list[dict]) -> float:
 
 
 def test_grpo_with_an_moe_actor_raises_the_reward(records):
-    assert [record["step"] for record in records] == list(range(150))
+    assert [record["step"] for record in records] == list(range(80))
     first, last = mean_reward(records[:5]), mean_reward(records[-5:])
     assert last > first + 0.08, (first, last)
     # Replayed routes: the engine and the trainer agree to float32 rounding (measured: at most 2.2e-5) all along.
