@@ -49,8 +49,7 @@ def test_code_rows_run_against_their_tests_in_a_grpo_step(tmp_path):
         *ONE_SMALL_STEP,
         "data.train_files=[code.jsonl]",
         "data.val_files=[code.jsonl]",
-        "reward.rule=code",
-        "reward.num_workers=2",
+        "reward.rule=code",  # inline: the code rule through a pool of workers is tests/rewards/test_code_reward.py's
     )
     # Every response's program met both tests, each ending in one counted outcome; none of the calls failed.
     assert sum(record[f"reward/{outcome}/mean"] for outcome in OUTCOMES) == pytest.approx(len(tests["inputs"]))
