@@ -69,9 +69,8 @@ class Attention(MergeableProjections):
 
     @property
     def scale(self) -> float:
-        """The softmax scale, ``head_dim ** -0.5``, computed from the int on each use: a float attribute reaches a
-        compiled block as a symbolic input, which attention's ``scale`` argument must then specialise, and TorchDynamo
-        restarts its analysis to do so (every block graph traced twice: a third of a compile)."""
+        """The softmax scale, from the int on each use: a float attribute reached compiled blocks as a symbolic input
+        that attention's ``scale`` specialised, restarting TorchDynamo's analysis (every block graph traced twice)."""
         return self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
