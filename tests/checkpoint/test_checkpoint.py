@@ -397,6 +397,7 @@ def test_resume_into_one_rank(tmp_path, ppo_run):
         nproc=1,
         timeout=300,
         cwd=str(workdir),
+        forked=True,
     )
     assert finished.returncode == 0, finished.stdout[-6000:]
     for role in ("actor", "critic"):

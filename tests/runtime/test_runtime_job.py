@@ -10,7 +10,7 @@ from torchrun_helpers import torchrun
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("runtime") / "observations.json"
-    finished = torchrun("runtime_suite.py", str(out), nproc=4)
+    finished = torchrun("runtime_suite.py", str(out), nproc=4, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     return json.loads(out.read_text())
 

@@ -15,7 +15,7 @@ def test_device_tensors_are_grouped_and_host_tensors_are_not():
 
 
 def test_pairwise_exchange_one_by_one_and_grouped():
-    finished = torchrun("pairwise_exchange.py", nproc=2, timeout=120)
+    finished = torchrun("pairwise_exchange.py", nproc=2, timeout=120, forked=True)
     assert finished.returncode == 0, finished.stdout[-6000:]
     for rank in (0, 1):
         for grouped in (False, True):
