@@ -328,7 +328,11 @@ def trl_worker(spec_path: str) -> None:
         model_init_kwargs={"dtype": spec.get("trl_weights", "float32"), "attn_implementation": "sdpa"},
     )
     dataset = Dataset.from_parquet(spec["train_file"])
-    clock = type("TrainerStepClock", (StepClock, TrainerCallback), {})()
+
+    class TrainerStepClock(StepClock, TrainerCallback):
+        """``StepClock`` as the trainer calls it back."""
+
+    clock = TrainerStepClock()
     trainer = GRPOTrainer(
         model=spec["model_dir"], reward_funcs=rule_reward, args=config, train_dataset=dataset, callbacks=[clock]
     )

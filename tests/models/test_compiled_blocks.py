@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from dynamo_checks import restarted_analyses
 from hf_fixtures import write_hf_model
 from torch._dynamo.utils import compilation_time_metrics, counters
 from torchrun_helpers import torchrun
@@ -27,14 +28,6 @@ def fresh_dynamo():
     yield
     torch._dynamo.reset()
     counters.clear()
-
-
-def restarted_analyses() -> list[str]:
-    """The compile attempts TorchDynamo made beyond each frame's first: each a whole trace again (a float input
-    that an operator must specialise restarts the analysis, for one)."""
-    return [
-        key for key in compilation_time_metrics if key.startswith("compile_attempt_") and key != "compile_attempt_0"
-    ]
 
 
 def eager_and_compiled(tmp_path, family: str, *, dtype: torch.dtype, backend: str):
