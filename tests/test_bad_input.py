@@ -165,10 +165,12 @@ CASES = {
     ),
     # A rollout replica (ranks 2-3 beside the reward; the actor on 0-1) dies generating the second batch, ahead of
     # the step that trains on it (max_staleness=1): the job ends naming it (the call the coordinator is waiting for
-    # on it then is the generation or the moving of its rows, whichever the timing makes first).
-    # Or the replica beside it, in a collective with the dead rank, reports the reset connection first.
+    # on it then is the generation, the moving of its rows or the scoring of the first batch by the reward beside
+    # it, whichever the timing makes first). Or the replica beside it, in a collective with the dead rank, reports
+    # the reset connection first.
     "rollout_rank_killed": case(
-        r"(rank 3 \(.*\) was lost: no answer to (rollout\.generate_sequences|runtime\.Exchanges)"
+        r"(rank 3 \(.*\) was lost: no answer to "
+        r"(rollout\.generate_sequences|runtime\.Exchanges|reward\.compute_rewards)"
         r"|rollout\.generate_sequences failed on rank 2: a rank in its collective was lost)",
         "trainer.total_steps=2",
         "placement=split",
