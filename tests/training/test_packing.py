@@ -13,6 +13,7 @@ from spmd_rlhf.algos import Denominators, entropy_bonus, policy_loss
 from spmd_rlhf.data import Batch
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models.args import decoder_args
+from spmd_rlhf.models.length_buckets import OneLengthClass
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import PackedRows, PaddedRows, stack_packed
 from spmd_rlhf.training.sharded_model import ShardedModel
@@ -221,6 +222,26 @@ def test_a_long_rows_length_classes_are_built_on_the_host_and_reach_the_model_wi
         length_classes=inputs["length_classes"],
     )
     assert len(built) == 1 and batch.length_buckets is None
+
+
+def test_a_long_row_in_one_length_class_is_said_to_be_so_and_the_model_reads_nothing_back(monkeypatch):
+    """Rows of 9 to 14 tokens, one power-of-two length class: the packer says so, and the model attends them as one
+    padded batch without reading ``cu_seqlens`` back to find it, with the same outputs."""
+    from spmd_rlhf.models import attention
+
+    monkeypatch.setattr(attention, "MASK_TOKEN_LIMIT", 0)
+    micro = PackedRows(rollout_batch().select([3, 4, 6, 7, 8]))
+    assert micro.length_classes == OneLengthClass(micro.total_tokens)
+    assert "length_places" not in micro.host_tensors()
+    inputs = micro.model_inputs(torch.device("cpu"), per_token=True)
+    model = tiny_model("lm")
+    with torch.no_grad():
+        found_by_the_model = model(**{name: value for name, value in inputs.items() if name != "length_classes"})
+        built = []
+        monkeypatch.setattr(attention, "length_buckets", lambda *args: built.append(args))
+        logits = model(**inputs)
+    assert not built
+    torch.testing.assert_close(logits, found_by_the_model, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("layout", [PackedRows, PaddedRows])

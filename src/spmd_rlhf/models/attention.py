@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from spmd_rlhf.kernels.paged_attention import paged_decode_attention
 from spmd_rlhf.kernels.triton_support import use_triton
-from spmd_rlhf.models.length_buckets import LengthBuckets, bucketed_attention, length_buckets
+from spmd_rlhf.models.length_buckets import LengthBuckets, OneLengthClass, bucketed_attention, length_buckets
 from spmd_rlhf.models.paged_kv import PagedKV
 
 BACKENDS = ("auto", "torch", "sdpa", "flash")
@@ -100,13 +100,13 @@ class AttentionBatch:
         dtype: torch.dtype,
         paged: PagedKV | None = None,
         max_seqlen: int | None = None,
-        length_classes: LengthBuckets | None = None,
+        length_classes: LengthBuckets | OneLengthClass | None = None,
     ) -> AttentionBatch:
         """``max_seqlen``: the longest packed sequence's length when the caller knows it on the host (a packer does);
         otherwise it is read back from ``cu_seqlens``, a device sync (and a graph break under ``torch.compile``).
-        ``length_classes``: a row over ``MASK_TOKEN_LIMIT`` tokens grouped by length class on the host (a packer's);
-        otherwise, and when the row's length is not theirs (padded since), they are built from ``cu_seqlens`` read
-        back from the device."""
+        ``length_classes``: a row over ``MASK_TOKEN_LIMIT`` tokens grouped by length class on the host (a packer's),
+        or found to span one; otherwise, and when the row's length is not theirs (padded since), they are built from
+        ``cu_seqlens`` read back from the device."""
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError("pass either attention_mask (padded rows) or cu_seqlens (packed sequences), not both")
         if backend == "auto":
@@ -145,9 +145,9 @@ class AttentionBatch:
         # What every layer's dense attention reads, built here once: per layer it was a dozen small ops (and inside a
         # compiled block, index arithmetic in every block's graph).
         if cu_seqlens is not None and seq_len > MASK_TOKEN_LIMIT:
-            given = length_classes is not None and length_classes.places.shape[1] == seq_len
+            given = length_classes is not None and length_classes.total == seq_len
             classes = length_classes if given else length_buckets(cu_seqlens, seq_len)
-            if classes is not None:
+            if isinstance(classes, LengthBuckets):
                 return replace(batch, length_buckets=classes)
         if cu_seqlens is not None and (seq_len > MASK_TOKEN_LIMIT or _per_sequence_is_cheaper(batch, seq_len)):
             slots = _sequence_slots(cu_seqlens, seq_len)

@@ -15,7 +15,7 @@ from torch import nn
 
 from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.attention import AttentionBatch, attend
-from spmd_rlhf.models.length_buckets import LengthBuckets
+from spmd_rlhf.models.length_buckets import LengthBuckets, OneLengthClass
 from spmd_rlhf.models.merged_linear import MergeableProjections
 from spmd_rlhf.models.moe import MoEBlock, SwiGLU
 from spmd_rlhf.models.packed_rows import default_position_ids, last_token_index, packed_offsets
@@ -290,7 +290,7 @@ class DecoderLM(nn.Module):
         paged: PagedKV | None = None,
         max_seqlen: int | None = None,
         row_length: int | None = None,
-        length_classes: LengthBuckets | None = None,
+        length_classes: LengthBuckets | OneLengthClass | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states ``[batch, seq, hidden]``, before any head.
 
@@ -351,7 +351,7 @@ class DecoderLM(nn.Module):
         output_positions: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         row_length: int | None = None,
-        length_classes: LengthBuckets | None = None,
+        length_classes: LengthBuckets | OneLengthClass | None = None,
     ) -> torch.Tensor:
         """Logits, values or scores for ``input_ids`` ``[batch, seq]`` (see the class docstring).
 

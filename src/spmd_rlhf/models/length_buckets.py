@@ -35,11 +35,24 @@ class LengthBuckets:
     """Host ``[LENGTH_CLASSES, 3]``: each class's padded rows, their length and its tokens (zeros past the last
     class: a shape that never changes, so a compiled block never guards on how many classes there are)."""
 
+    @property
+    def total(self) -> int:
+        """The packed row's tokens."""
+        return self.places.shape[1]
 
-def length_buckets(cu_seqlens: torch.Tensor, total: int) -> LengthBuckets | None:
+
+@dataclass(frozen=True)
+class OneLengthClass:
+    """A packed row of ``total`` tokens whose sequences all fall in one length class: one padded batch serves. Said
+    by whoever grouped them on the host (a packer), so that the model need not read the offsets back to find it."""
+
+    total: int
+
+
+def length_buckets(cu_seqlens: torch.Tensor, total: int) -> LengthBuckets | OneLengthClass:
     """The sequences of a packed row of ``total`` tokens (offsets ``cu_seqlens``) grouped by power-of-two length
-    class; None when they all fall in one class (a single padded batch serves). Reads the offsets on the host: one
-    copy per forward."""
+    class, or ``OneLengthClass`` when they all fall in one. Reads the offsets on the host: one copy per forward
+    where they are on the device."""
     device = cu_seqlens.device
     offsets = cu_seqlens.cpu().long()
     starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
@@ -56,7 +69,7 @@ def length_buckets(cu_seqlens: torch.Tensor, total: int) -> LengthBuckets | None
         columns.append(member_columns)
         sizes.append((len(members), int(member_lengths.max()), len(member_rows)))
     if len(sizes) < 2:
-        return None
+        return OneLengthClass(total)
     table = torch.zeros(LENGTH_CLASSES, 3, dtype=torch.long)
     table[: len(sizes)] = torch.tensor(sizes, dtype=torch.long)
     torch._dynamo.mark_static(table)  # no symbolic sizes, hence no guard relating them to the row's

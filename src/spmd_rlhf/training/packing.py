@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from spmd_rlhf.data.batch import Batch, to_device_together
 from spmd_rlhf.models import attention
-from spmd_rlhf.models.length_buckets import LengthBuckets, length_buckets
+from spmd_rlhf.models.length_buckets import LengthBuckets, OneLengthClass, length_buckets
 
 PACKED_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
 """The fields of the rollout layout that a micro-batch reads to lay its rows out and find its response tokens."""
@@ -138,9 +138,9 @@ class PackedRows(MicroBatch):
         self.output_positions = starts[row] + index_in_row[:, prompt_length:][row, column] - 1
         total = self.input_ids.shape[1]
         self.length_classes = length_buckets(self.cu_seqlens, total) if total > attention.MASK_TOKEN_LIMIT else None
-        """A row over ``MASK_TOKEN_LIMIT`` tokens: its sequences' length classes, built here from the host's offsets
-        (the model would otherwise read ``cu_seqlens`` back from the device: a sync per forward); their index tensor
-        travels with the model's inputs."""
+        """A row over ``MASK_TOKEN_LIMIT`` tokens: its sequences' length classes (or that they fall in one), built
+        here from the host's offsets (the model would otherwise read ``cu_seqlens`` back from the device: a sync per
+        forward); their index tensor travels with the model's inputs."""
 
     @property
     def total_tokens(self) -> int:
@@ -156,14 +156,20 @@ class PackedRows(MicroBatch):
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
         moved = super().host_tensors()
-        return moved if self.length_classes is None else moved | {"length_places": self.length_classes.places}
+        if isinstance(self.length_classes, LengthBuckets):
+            return moved | {"length_places": self.length_classes.places}
+        return moved
 
-    def model_inputs(self, device: torch.device, *, per_token: bool) -> dict[str, torch.Tensor | int | LengthBuckets]:
+    def model_inputs(
+        self, device: torch.device, *, per_token: bool
+    ) -> dict[str, torch.Tensor | int | LengthBuckets | OneLengthClass]:
         """As ``MicroBatch.model_inputs``, with a long row's ``length_classes`` (their index tensor on ``device``)."""
         inputs = super().model_inputs(device, per_token=per_token)
-        if self.length_classes is not None:
-            places = self.on_device(device)["length_places"]
-            inputs["length_classes"] = LengthBuckets(places=places, sizes=self.length_classes.sizes)
+        classes = self.length_classes
+        if isinstance(classes, LengthBuckets):
+            classes = LengthBuckets(places=self.on_device(device)["length_places"], sizes=classes.sizes)
+        if classes is not None:
+            inputs["length_classes"] = classes
         return inputs
 
     def _host_values(self) -> dict[str, int]:
