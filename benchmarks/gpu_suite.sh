@@ -15,7 +15,9 @@ PYTHON=${PYTHON:-python3}
 SITE=${SPMD_SITE:-/tmp/spmd_site}
 WHEELS=${SPMD_WHEELS:-.whl}
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --disable-pip-version-check \
+    # Compiled once here (pip's default): every step is a fresh interpreter, and where PYTHONDONTWRITEBYTECODE is set
+    # each would compile the package and TRL's modules again (half a second to a second of CPU per step).
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --disable-pip-version-check \
         --target "$SITE" "$WHEELS"/*.whl
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
