@@ -13,7 +13,8 @@ from spmd_rlhf.engine import SamplingParams
 from spmd_rlhf.models import load_model
 from spmd_rlhf.tiny.model import make_tiny
 from spmd_rlhf.training.reducer import DPReducer
-from spmd_rlhf.workers.generation import Generator, OneReplica
+from spmd_rlhf.workers.generation import Generator
+from spmd_rlhf.workers.replicas import OneReplica
 
 
 @pytest.fixture(scope="module")

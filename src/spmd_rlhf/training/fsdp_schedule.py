@@ -20,10 +20,46 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.parallelize import unsharded_accumulation_bytes
 from spmd_rlhf.models.streamed_vocabulary import vocabulary_stream
+
+
+def gather_policy(
+    model: DecoderLM,
+    *,
+    trainable: bool,
+    pipelined: bool,
+    offloaded: bool,
+    compute_dtype: torch.dtype,
+    accumulation_mb: float | None,
+    forward_gather_mb: float | None,
+) -> tuple[bool, bool]:
+    """``(accumulate_unsharded, gather_forward)`` for a role's parallelized ``model``.
+
+    ``accumulate_unsharded``: a mini-batch's micro-batches keep the parameters gathered from the first forward on
+    and the gradients unsharded (accumulated in the reduce dtype), with one reduce-scatter and reshard in the last
+    backward: one FSDP gather and one reduce-scatter per unit per mini-batch, whatever its micro-batch count (at dp =
+    1 no FSDP copy per micro-batch: benchmarks/host_overhead.py --train). Always for a model of one FSDP unit
+    (gathered whole anyway, bounded by ``fsdp_unit_mb``); otherwise when what it holds beyond FSDP fits
+    ``accumulation_mb`` (``<role>.unsharded_accumulation_mb``; ``unsharded_accumulation_bytes``), and never with
+    offload. ``gather_forward``: forward-only calls keep every unit gathered from their first micro-batch to their
+    end, one gather per unit per call, where the parameters fit ``forward_gather_mb`` (``<role>.forward_gather_mb``).
+    Neither under a pipeline."""
+    accumulate = trainable and not pipelined and isinstance(model, FSDPModule)
+    has_units = any(isinstance(module, FSDPModule) for module in model.modules() if module is not model)
+    if accumulate and has_units:
+        held = unsharded_accumulation_bytes(model, compute_dtype=compute_dtype)
+        accumulate = not offloaded and (accumulation_mb is None or held <= accumulation_mb * 2**20)
+    gather = False
+    if has_units and not pipelined and not offloaded:
+        held = unsharded_accumulation_bytes(model, compute_dtype=compute_dtype, gradients=False)
+        gather = forward_gather_mb is None or 0 < held <= forward_gather_mb * 2**20
+    return accumulate, gather
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from spmd_rlhf.config import FrameworkConfig, RoleConfig
 from spmd_rlhf.data.batch import Batch
 from spmd_rlhf.models import DecoderLM, log_probs_and_entropy_from_logits, log_probs_from_logits
 from spmd_rlhf.models.attention import resolve_backend
-from spmd_rlhf.models.parallelize import compiles_blocks, parallelize, unsharded_accumulation_bytes
+from spmd_rlhf.models.parallelize import compiles_blocks, parallelize
 from spmd_rlhf.models.pipeline import Pipeline, split_stage
 from spmd_rlhf.models.weights import build_model, load_weights
 from spmd_rlhf.runtime import RoleContext
@@ -38,7 +38,7 @@ from spmd_rlhf.training.context_parallel import (
     context_parallel_pipeline,
     schedule,
 )
-from spmd_rlhf.training.fsdp_schedule import micro_batch_schedule
+from spmd_rlhf.training.fsdp_schedule import gather_policy, micro_batch_schedule
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
 from spmd_rlhf.training.pretrained_export import PretrainedExport
@@ -142,26 +142,17 @@ class ShardedModel(PretrainedExport):
                 register_fsdp_forward_method(model, method)
         if self.adapters is not None:
             self.adapters.initialize(model, seed=config.trainer.seed)
-        self.accumulate_unsharded = trainable and dims.pp == 1 and isinstance(model, FSDPModule)
-        """A mini-batch's micro-batches keep the parameters gathered from the first forward on and the gradients
-        unsharded (accumulated in the reduce dtype), with one reduce-scatter and reshard in the last backward: one
-        FSDP gather and one reduce-scatter per unit per mini-batch, whatever its micro-batch count (at dp = 1 no FSDP
-        copy per micro-batch: benchmarks/host_overhead.py --train). Always for a model of one FSDP unit (gathered
-        whole anyway, bounded by fsdp_unit_mb); otherwise when what it holds beyond FSDP fits the role's
-        unsharded_accumulation_mb (``unsharded_accumulation_bytes``), and never with offload."""
-        offloaded = role_config.offload and on_gpu
-        has_units = any(isinstance(module, FSDPModule) for module in model.modules() if module is not model)
-        if self.accumulate_unsharded and has_units:
-            budget = getattr(role_config, "unsharded_accumulation_mb", 0.0)
-            held = unsharded_accumulation_bytes(model, compute_dtype=compute_dtype)
-            self.accumulate_unsharded = not offloaded and (budget is None or held <= budget * 2**20)
-        self.gather_forward = False
-        """Forward-only calls keep every FSDP unit gathered from their first micro-batch to their end: one gather per
-        unit per call (``<role>.forward_gather_mb``)."""
-        if has_units and dims.pp == 1 and not offloaded:
-            budget = role_config.forward_gather_mb
-            held = unsharded_accumulation_bytes(model, compute_dtype=compute_dtype, gradients=False)
-            self.gather_forward = budget is None or 0 < held <= budget * 2**20
+        self.accumulate_unsharded, self.gather_forward = gather_policy(
+            model,
+            trainable=trainable,
+            pipelined=dims.pp > 1,
+            offloaded=role_config.offload and on_gpu,
+            compute_dtype=compute_dtype,
+            accumulation_mb=getattr(role_config, "unsharded_accumulation_mb", 0.0),
+            forward_gather_mb=role_config.forward_gather_mb,
+        )
+        """Whether a mini-batch's micro-batches keep the units gathered and the gradients unsharded, and whether a
+        forward-only call keeps them gathered: ``training.fsdp_schedule``."""
         self.offloads_activations = trainable and on_gpu and config.model.activation_offload
         """Training forwards keep their saved activations in host memory (``model.activation_offload``)."""
         if not trainable:

@@ -4,19 +4,16 @@ layout) and the rollout role (on replicas of its own) share.
 ``Generator.generate`` turns a DP shard of prompts into the rollout layout (``training.sharded_model``): it builds the
 engine's requests (``rollout.n`` samples per prompt, each with a seed of its own that no DP split changes), runs them
 on the model it is given, and pads the responses and the engine's log-probs to ``rollout.max_new_tokens``. Where the
-rows of a DP shard are split over several generation replicas (the actor's micro-DP), ``Replicas`` says which rows
-this rank answers and gathers the others'.
+rows of a DP shard are split over several generation replicas (the actor's micro-DP), ``workers.replicas.Replicas``
+says which rows this rank answers and gathers the others'.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, TypeVar
 
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from spmd_rlhf.config import FrameworkConfig
@@ -28,6 +25,7 @@ from spmd_rlhf.envs.multi_turn import Response, response_tensors, run_multi_turn
 from spmd_rlhf.runtime.device import check_thread
 from spmd_rlhf.training.reducer import DPReducer
 from spmd_rlhf.training.router_replay import ROUTED_EXPERTS
+from spmd_rlhf.workers.replicas import Replicas
 
 _SEED_STRIDE = 1_000_003
 
@@ -52,49 +50,6 @@ def stop_token_ids(configured: list[int], model_path: str, vocab_size: int) -> f
 def sample_seed(run_seed: int, uid: int, sample: int, samples_per_prompt: int) -> int:
     """The sampling seed of sample ``sample`` of the prompt with run-unique ``uid``: the same whatever the DP split."""
     return (run_seed * _SEED_STRIDE + uid * samples_per_prompt + sample) % (2**63)
-
-
-T = TypeVar("T")
-
-
-class Replicas(Protocol):
-    """How the rows of one DP shard are spread over generation replicas (``hybrid.HybridEngine`` implements it)."""
-
-    def replica_rows(self, num_rows: int) -> torch.Tensor: ...
-
-    def gather_rows(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
-
-    def sum_over_replicas(self, value: float) -> float: ...
-
-    def on_replica_leader(self, compute: Callable[[], T]) -> T: ...
-
-
-class OneReplica:
-    """A DP shard answered by one replica (the rollout role: each DP group of ``tp_group``'s ranks is a replica of its
-    own)."""
-
-    def __init__(self, tp_group: dist.ProcessGroup | None = None) -> None:
-        self.tp_group = tp_group
-        """The replica's tensor-parallel ranks (None: one rank), which must agree on a multi-turn environment's
-        answers."""
-
-    def replica_rows(self, num_rows: int) -> torch.Tensor:
-        return torch.arange(num_rows)
-
-    def gather_rows(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return tensors
-
-    def sum_over_replicas(self, value: float) -> float:
-        return float(value)
-
-    def on_replica_leader(self, compute: Callable[[], T]) -> T:
-        """``compute()`` on the replica's first rank, its result on every rank of the replica."""
-        if self.tp_group is None:
-            return compute()
-        leader = dist.get_global_rank(self.tp_group, 0)
-        box = [compute() if dist.get_rank() == leader else None]
-        dist.broadcast_object_list(box, src=leader, group=self.tp_group)
-        return box[0]
 
 
 def kv_cache_budget(*, fraction: float, total: int, free: int, cached: int, role: str) -> int:

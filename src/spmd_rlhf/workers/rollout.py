@@ -36,7 +36,8 @@ from spmd_rlhf.runtime import ParallelDims, RoleContext, data_parallel, one_to_a
 from spmd_rlhf.runtime.device import check_thread
 from spmd_rlhf.training.router_replay import ROUTED_EXPERTS
 from spmd_rlhf.workers.base import RoleWorker
-from spmd_rlhf.workers.generation import Generator, OneReplica
+from spmd_rlhf.workers.generation import Generator
+from spmd_rlhf.workers.replicas import OneReplica
 
 GENERATED = (
     "responses",

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from spmd_rlhf.runtime import end_process
-from spmd_rlhf.workers.generation import OneReplica
+from spmd_rlhf.workers.replicas import OneReplica
 
 
 def main() -> None:
