@@ -207,7 +207,7 @@ def test_a_tied_embedding_under_fsdp_takes_a_sparse_gradient_summed_into_the_hea
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_tied_gradients_under_fsdp, args=(port, results), nprocs=1)
+    mp.start_processes(_tied_gradients_under_fsdp, args=(port, results), nprocs=1, start_method="fork")
     assert dict(results) == {"sparse": True, "equal": True, "names": True}
 
 

@@ -149,7 +149,10 @@ def _spawn(ranks: int, cases: list, shape: tuple[int, ...], vocab: int) -> dict:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_compare_every_case, args=(port, results, ranks, cases, shape, vocab), nprocs=ranks)
+    # Forks of this process, which has imported everything the ranks run (a spawn imports it all again per rank).
+    mp.start_processes(
+        _compare_every_case, args=(port, results, ranks, cases, shape, vocab), nprocs=ranks, start_method="fork"
+    )
     return dict(results)
 
 

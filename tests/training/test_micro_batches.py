@@ -51,7 +51,7 @@ def _agree_over_two_ranks(rank: int, port: int, results) -> None:
 
 def test_dp_ranks_with_uneven_lengths_agree_on_the_micro_batch_count():
     results = mp.Manager().dict()
-    mp.spawn(_agree_over_two_ranks, args=(free_port(), results), nprocs=2)
+    mp.start_processes(_agree_over_two_ranks, args=(free_port(), results), nprocs=2, start_method="fork")
     long_groups, _ = results[0]
     short_groups, _ = results[1]
     long_lengths = [30, 25, 28, 35, 20, 33]
