@@ -30,7 +30,8 @@ def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def preloaded() -> Iterator[PreloadedPython]:
     """``python recipes/<name>.py ...`` as forks of one interpreter that has imported the package (``--help`` and
-    ``--dry-run`` of every recipe: seconds of imports each, saved); the errors below start fresh interpreters."""
+    ``--dry-run`` of every recipe, a recipe's refusal of another algorithm: seconds of imports each, saved); the bad
+    key starts a fresh interpreter, whose stderr must hold nothing but the one line from the start on."""
     with PreloadedPython() as python:
         yield python
 
@@ -101,8 +102,9 @@ def test_bad_key_is_one_line_and_exit_code_2(workdir):
     assert shown.stderr.strip().splitlines() == ["grpo: actor.tpp: unknown key; did you mean actor.tp?"]
 
 
-def test_a_recipe_refuses_an_algorithm_it_does_not_run(workdir):
-    shown = run("ppo", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2", cwd=workdir)
+def test_a_recipe_refuses_an_algorithm_it_does_not_run(workdir, preloaded):
+    arguments = command("ppo", "algorithm.name=grpo", "critic.enabled=false", "rollout.n=2")
+    shown = preloaded.run(arguments, cwd=workdir, timeout=120, stderr_apart=True)
     assert shown.returncode == 2
     assert shown.stderr.strip().splitlines() == [
         "ppo: algorithm.name=grpo: the ppo recipe runs ppo; run the recipe of that algorithm (recipes/<algorithm>.py) "
