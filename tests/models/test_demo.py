@@ -1,4 +1,5 @@
-"""The README's placeholder main job: make-tiny then forward, through the CLI."""
+"""``spmd-rlhf forward``: greedy continuation equal to ``transformers``' ``generate``, and the command on a tiny model
+(the ``make-tiny`` command itself: ``tests/tiny/test_model.py``)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,7 @@ def test_greedy_continue_matches_transformers_generate(tmp_path):
 
 def test_forward_cli_runs_on_a_tiny_model(tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC}
-    model_dir = str(tmp_path / "model")
-    subprocess.run(
-        [sys.executable, "-m", "spmd_rlhf.cli", "make-tiny", "--family", "qwen2", "--out", model_dir],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
+    model_dir = make_tiny(family="qwen2", out_dir=str(tmp_path / "model"))
     result = subprocess.run(
         [sys.executable, "-m", "spmd_rlhf.cli", "forward", "--model", model_dir, "--prompt", "3+4="],
         env=env,
