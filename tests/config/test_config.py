@@ -491,12 +491,7 @@ def test_one_key_turns_on_asynchronous_rl_and_the_rest_is_derived(tmp_path):
     again = with_overrides(synchronous, ["algorithm.max_staleness=1"])
     assert (again.rollout.enabled, again.placement) == (True, "split")
     assert load_config(None, [*GRPO, "actor.lora.rank=8"]).derived["reference.enabled"][0] is False
-    shown = subprocess.run(
-        [sys.executable, "-m", "spmd_rlhf.cli", "config", "--show", str(grpo), "algorithm.max_staleness=1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    shown = _run_cli(str(grpo), "algorithm.max_staleness=1")
     assert "# derived: rollout.enabled=true (algorithm.max_staleness=1)" in shown.stdout, shown.stderr
 
 
