@@ -123,7 +123,10 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_make_tiny_and_make_task(tmp_path):
+def test_cli_make_tiny_and_make_task(tmp_path, capsys):
+    """make-tiny as a command of its own interpreter; make-task through the same entry in this process."""
+    from spmd_rlhf.cli import main
+
     model_dir = tmp_path / "model"
     _run_cli(
         "make-tiny",
@@ -148,8 +151,8 @@ def test_cli_make_tiny_and_make_task(tmp_path):
 
     task_dir = tmp_path / "task"
     sizes = ["--train-size", "10", "--val-size", "5"]
-    result = _run_cli("make-task", "--task", "arithmetic", "--out", str(task_dir), *sizes)
-    assert result.stdout.count("wrote ") == 4
+    assert main(["make-task", "--task", "arithmetic", "--out", str(task_dir), *sizes]) == 0
+    assert capsys.readouterr().out.count("wrote ") == 4
     assert len((task_dir / "val.jsonl").read_text().splitlines()) == 5
 
 
