@@ -654,20 +654,22 @@ def test_resume_refuses_a_crafted_metadata_file_without_running_it(runs, assets)
 
 
 @pytest.mark.parametrize("name", ["ppo_checkpoint"])
-def test_export_refuses_a_non_empty_target_and_overwrite_empties_it_first(runs, name, tmp_path):
+def test_export_refuses_a_non_empty_target_and_overwrite_empties_it_first(runs, name, tmp_path, capsys):
+    """Through the command's entry in this process (as tests/checkpoint's export errors)."""
+    from spmd_rlhf.cli import main
+
     target = tmp_path / "hf"
     stale = target / "actor" / "model-00002-of-00002.safetensors"
     stale.parent.mkdir(parents=True)
     stale.write_text("a shard of an earlier export")
-    command = [sys.executable, "-m", "spmd_rlhf.cli", "export", str(runs[name].workdir / "out"), str(target)]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment())
-    assert refused.returncode == 2, refused.stdout + refused.stderr
+    command = ["export", str(runs[name].workdir / "out"), str(target)]
+    assert main(command) == 2
+    refused = capsys.readouterr().err
     assert re.search(
-        r"export error: \S+/hf is not empty; export into a new or empty directory, or pass --overwrite", refused.stderr
-    ), refused.stderr
+        r"export error: \S+/hf is not empty; export into a new or empty directory, or pass --overwrite", refused
+    ), refused
     assert stale.is_file()
-    written = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, timeout=120, env=environment())
-    assert written.returncode == 0, written.stdout + written.stderr
+    assert main([*command, "--overwrite"]) == 0, capsys.readouterr()
     assert not stale.exists() and (target / "actor" / "model.safetensors").is_file()
     assert finished_checkpoints(runs[name].workdir / "out") == ["step_1"]
 
