@@ -33,6 +33,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def forked_ranks(function, nprocs: int, *args) -> dict:
+    """``function(rank, port, results, *args)`` on ``nprocs`` forks of this process, which has imported what they run
+    (a spawn would import it all again per rank); ``port`` is free for their process group, ``results`` a shared
+    dict, returned as a plain one once every rank has ended."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.start_processes(function, args=(free_port(), results, *args), nprocs=nprocs, start_method="fork")
+    return dict(results)
+
+
 TIMING_PREFIXES = ("time/", "throughput/", "coordinator/", "faults/")
 """Metric prefixes a resumed run need not reproduce to equal an uninterrupted one: timings, and the run directory's
 own history (``faults/steps_redone`` counts the steps a resume does again)."""

@@ -5,13 +5,12 @@ root); under FSDP a tied embedding's sparse gradient sums into the head's to the
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
+from torchrun_helpers import forked_ranks
 
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models import attention as attention_module
@@ -203,12 +202,7 @@ def _tied_gradients_under_fsdp(rank: int, port: int, results) -> None:
 
 
 def test_a_tied_embedding_under_fsdp_takes_a_sparse_gradient_summed_into_the_heads():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.start_processes(_tied_gradients_under_fsdp, args=(port, results), nprocs=1, start_method="fork")
-    assert dict(results) == {"sparse": True, "equal": True, "names": True}
+    assert forked_ranks(_tied_gradients_under_fsdp, 1) == {"sparse": True, "equal": True, "names": True}
 
 
 def test_a_model_built_on_a_device_has_its_rotary_frequencies():

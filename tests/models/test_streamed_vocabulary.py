@@ -6,13 +6,12 @@ weight is left out of FSDP and keeps its shard only. The same on 4 ranks under H
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from torchrun_helpers import forked_ranks
 
 from spmd_rlhf.models import DecoderLM, streamed_vocabulary
 from spmd_rlhf.models.parallelize import parallelize
@@ -144,16 +143,8 @@ def _compare_every_case(rank: int, port: int, results, ranks: int, cases: list, 
 
 
 def _spawn(ranks: int, cases: list, shape: tuple[int, ...], vocab: int) -> dict:
-    """{(rank, rows_per_step, tied): what that rank found}, from one spawn of ``ranks`` processes."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    results = mp.Manager().dict()
-    # Forks of this process, which has imported everything the ranks run (a spawn imports it all again per rank).
-    mp.start_processes(
-        _compare_every_case, args=(port, results, ranks, cases, shape, vocab), nprocs=ranks, start_method="fork"
-    )
-    return dict(results)
+    """{(rank, rows_per_step, tied): what that rank found}, from one start of ``ranks`` forked processes."""
+    return forked_ranks(_compare_every_case, ranks, ranks, cases, shape, vocab)
 
 
 @pytest.fixture(scope="module")

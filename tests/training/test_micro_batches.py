@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torchrun_helpers import free_port
+from torchrun_helpers import forked_ranks
 
 from spmd_rlhf.training.micro_batches import balanced_partition, fitting_parts, row_chunks, token_balanced_micro_batches
 
@@ -50,8 +49,7 @@ def _agree_over_two_ranks(rank: int, port: int, results) -> None:
 
 
 def test_dp_ranks_with_uneven_lengths_agree_on_the_micro_batch_count():
-    results = mp.Manager().dict()
-    mp.start_processes(_agree_over_two_ranks, args=(free_port(), results), nprocs=2, start_method="fork")
+    results = forked_ranks(_agree_over_two_ranks, 2)
     long_groups, _ = results[0]
     short_groups, _ = results[1]
     long_lengths = [30, 25, 28, 35, 20, 33]
