@@ -87,11 +87,15 @@ def test_zigzag_chunks_balance_causal_work_and_gather_back_into_row_order():
     row = ContextRow(torch.arange(16), torch.arange(16), torch.tensor([0, 7, 16]), 9, reads, 0, zigzag=True)
     held = [row.positions(rank, 4)[row.chunk(rank, 4)[2]] for rank in range(4)]
     assert torch.equal(row.chunk(1, 4)[0], torch.tensor([2, 3, 12, 13]))  # chunks 1 and 6 of 8
-    assert row.read_counts(4) == [len(positions) for positions in held] == [3, 3, 1, 2]
+    assert [len(positions) for positions in held] == [3, 3, 1, 2]
+    inputs, most = row.gather_inputs(1, 4, labels=True)
+    assert most == 3 and inputs["keep"].tolist() == [0, 1, 2, 3, 4, 5, 6, 9, 10]  # each rank's padded to 3
+    assert torch.equal(inputs["labels"], held[1] + 1)  # the row's next tokens (here token id = position)
     gathered = torch.cat(held)  # what gather_rows lays out: rank by rank, each in its chunk's order
-    assert not torch.equal(gathered, reads) and torch.equal(gathered[row.read_order(4)], reads)
+    assert not torch.equal(gathered, reads) and torch.equal(gathered[inputs["order"]], reads)
     contiguous = ContextRow(torch.arange(16), torch.arange(16), torch.tensor([0, 7, 16]), 9, reads, 0)
-    assert contiguous.read_order(4) is None and contiguous.read_counts(4) == [3, 1, 2, 3]
+    inputs, most = contiguous.gather_inputs(0, 4, labels=False)
+    assert "order" not in inputs and "labels" not in inputs and inputs["keep"].tolist() == [0, 1, 2, 3, 6, 7, 9, 10, 11]
 
 
 def test_ring_bytes():

@@ -13,7 +13,7 @@ from spmd_rlhf.algos import Denominators, entropy_bonus, policy_loss
 from spmd_rlhf.data import Batch
 from spmd_rlhf.models import DecoderLM
 from spmd_rlhf.models.args import decoder_args
-from spmd_rlhf.models.length_buckets import OneLengthClass
+from spmd_rlhf.models.length_buckets import LengthBuckets, OneLengthClass
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
 from spmd_rlhf.training.packing import PackedRows, PaddedRows, stack_packed
 from spmd_rlhf.training.sharded_model import ShardedModel
@@ -89,14 +89,15 @@ def run_micro_batches(model: DecoderLM, batch: Batch, budget: int | None | str, 
     results = []
     if isinstance(budget, tuple):
         micros = [PackedRows(batch.select(rows)) for rows in groups_of(batch, budget)]
-        input_ids, kwargs = stack_packed(micros, per_token=per_token)
+        input_ids, kwargs, host_inputs = stack_packed(micros, per_token=per_token)
         assert len({micro.total_tokens for micro in micros} | {input_ids.shape[1]}) > 1  # really padded
         for index, micro in enumerate(micros):
-            # Micro-batch ``index`` as the schedule slices it; the model takes cu_seqlens and output positions flat.
+            # Micro-batch ``index`` as the schedule slices it (the model takes cu_seqlens and output positions flat),
+            # with its own host inputs, as the pipeline's hook adds them.
             inputs = {
                 key: value[index : index + 1] if key == "position_ids" else value[index]
                 for key, value in kwargs.items()
-            }
+            } | host_inputs[index]
             outputs = model(input_ids[index : index + 1], **inputs)
             results.append(output_fn(outputs[: micro.output_count(per_token=per_token)], micro))
         return results
@@ -244,6 +245,50 @@ def test_a_long_row_in_one_length_class_is_said_to_be_so_and_the_model_reads_not
     torch.testing.assert_close(logits, found_by_the_model, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["sequence parallelism", "pipeline"])
+def test_a_long_row_laid_out_again_takes_its_classes_and_longest_sequence_from_the_host(layout, monkeypatch):
+    """Sequence parallelism pads a packed row by one sequence to a multiple of tp (here 91 tokens to 92); a
+    pipeline pads its micro-batches to common shapes. The length classes and the longest sequence the model takes
+    are those of the row so laid out, built on the host (``PackedRows(multiple=)``, ``stack_packed``'s host inputs):
+    the model reads nothing back (no scalar read, no classes of its own) and gives the outputs it gives finding them
+    itself."""
+    from spmd_rlhf.metrics.dispatch_counts import DispatchCounts
+    from spmd_rlhf.models import attention
+
+    monkeypatch.setattr(attention, "MASK_TOKEN_LIMIT", 0)
+    model, batch, host_keys = tiny_model("lm"), rollout_batch(), ("max_seqlen", "length_classes")
+    if layout == "sequence parallelism":
+        model.sequence_parallel = 2
+        micro = PackedRows(batch, multiple=2)
+        assert micro.total_tokens == 91 and micro.length_classes.total == 92
+        inputs = micro.model_inputs(torch.device("cpu"), per_token=True)
+        runs = [({key: value for key, value in inputs.items() if key not in host_keys}, inputs)]
+    else:
+        micros = [PackedRows(batch.select(rows), multiple=None) for rows in groups_of(batch, 40)]
+        assert all(micro.length_classes is None for micro in micros)  # the pipeline's layout has its own
+        input_ids, kwargs, host_inputs = stack_packed(micros, per_token=True)
+        assert any(isinstance(host["length_classes"], LengthBuckets) for host in host_inputs)
+        runs = []
+        for index, host in enumerate(host_inputs):
+            sliced = {
+                key: value[index : index + 1] if key == "position_ids" else value[index]
+                for key, value in kwargs.items()
+            }
+            sliced["input_ids"] = input_ids[index : index + 1]
+            runs.append((sliced, sliced | host))
+    built, real = [], attention.length_buckets
+    monkeypatch.setattr(attention, "length_buckets", lambda *args: built.append(args) or real(*args))
+    with torch.no_grad():
+        for found_by_the_model, from_the_host in runs:
+            expected = model(**found_by_the_model)
+            already = len(built)
+            with DispatchCounts() as counts:
+                outputs = model(**from_the_host)
+            assert len(built) == already and counts.scalar_reads == 0, counts.scalar_read_sites
+            torch.testing.assert_close(outputs, expected, rtol=0, atol=0)
+    assert built  # the model left to itself built them
+
+
 @pytest.mark.parametrize("layout", [PackedRows, PaddedRows])
 def test_a_micro_batch_moves_to_the_device_in_one_transfer(layout, monkeypatch):
     """Its model inputs, response labels and response index reach the device together (one pinned copy on a GPU),
@@ -266,3 +311,59 @@ def test_a_micro_batch_moves_to_the_device_in_one_transfer(layout, monkeypatch):
     assert torch.equal(micro.response_labels(cpu), rollout_batch()["responses"][micro.response_index])
     if layout is PackedRows:
         assert "output_positions" in inputs and "output_positions" not in micro.model_inputs(cpu, per_token=False)
+
+
+def _long_rows_through_a_pipeline_and_a_context_group(rank, port, results):
+    """One rank: the micro-batches through a one-stage pipeline (``Pipeline.run`` with ``stack_packed``'s host
+    inputs) and a one-rank context-parallel group (``context_parallel_step``, Ulysses' whole-row batch)."""
+    import torch.distributed as dist
+
+    from spmd_rlhf.models import attention
+    from spmd_rlhf.models.pipeline import Pipeline
+    from spmd_rlhf.training.context_parallel import ContextRow, context_parallel_step
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    cpu, model, batch = torch.device("cpu"), tiny_model("lm"), rollout_batch()
+    model.context_parallel = "ulysses"
+    groups = groups_of(batch, 40)
+    with torch.no_grad():
+        expected = [model(**PackedRows(batch.select(rows)).model_inputs(cpu, per_token=True)) for rows in groups]
+        built, real = [], attention.length_buckets
+        attention.length_buckets = lambda *args: built.append(args) or real(*args)
+        micros = [PackedRows(batch.select(rows), multiple=None) for rows in groups]
+        input_ids, kwargs, host_inputs = stack_packed(micros, per_token=True)
+        before = len(built)
+        pipeline = Pipeline(model, stage=0, stage_ranks=[0], group=dist.group.WORLD, device=cpu, schedule="gpipe")
+        piped = pipeline.run(
+            input_ids,
+            kwargs,
+            output_fn=lambda output, index: output[: micros[index].output_count(per_token=True)],
+            train=False,
+            host_inputs=host_inputs,
+        )
+        results["pipeline"] = (len(built) - before, [torch.equal(*pair) for pair in zip(piped, expected)])
+        before, stepped = len(built), []
+        for micro in micros:
+            row = ContextRow.of(micro, cp=1, per_token=True)
+            stepped.append(
+                context_parallel_step(
+                    model, row, micro, lambda outputs, _: outputs, group=dist.group.WORLD, device=cpu, train=False
+                )
+            )
+        results["context"] = (len(built) - before, [torch.equal(*pair) for pair in zip(stepped, expected)])
+    dist.destroy_process_group()
+
+
+def test_a_pipeline_and_a_context_group_give_the_model_a_long_rows_classes_built_on_the_host(monkeypatch):
+    """A pipeline's hook hands each micro-batch's forward its own host inputs (longest sequence, length classes of
+    the row padded to the schedule's shapes); a context-parallel step hands the model the classes of the group's
+    row: the model builds none itself (no read of the offsets back), with outputs equal to the plain packed
+    forward's."""
+    from torchrun_helpers import forked_ranks
+
+    from spmd_rlhf.models import attention
+
+    monkeypatch.setattr(attention, "MASK_TOKEN_LIMIT", 0)
+    results = forked_ranks(_long_rows_through_a_pipeline_and_a_context_group, 1)
+    assert results["pipeline"][0] == 0 and all(results["pipeline"][1]), results
+    assert results["context"][0] == 0 and all(results["context"][1]), results

@@ -368,23 +368,23 @@ class DecoderLM(nn.Module):
         computes, or keeps for the backward pass, the logits of the others: at peak ``n * vocab`` logits in the
         compute dtype instead of ``batch * seq * vocab``.
 
-        ``row_length`` (context parallelism through a pipeline): ``input_ids`` are one chunk of a packed row
-        (``hidden_states``); the result is the chunk's hidden states, the head being the caller's, which gathers
-        the head's inputs from the group's chunks first.
-        """
-        if row_length is not None:
-            return self.hidden_states(
-                input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, row_length=row_length
-            )
+        ``row_length`` (context parallelism through a pipeline): ``input_ids`` are a chunk of a packed row; the
+        result is its hidden states, the head being the caller's (which gathers the group's chunks first)."""
         if output_positions is not None and self.head == "score":
             raise ValueError(
                 "output_positions selects per-token outputs; the score head reads each sequence's last token"
             )
         cu_seqlens = packed_offsets(position_ids, attention_mask, cu_seqlens)
         hidden = self.hidden_states(
-            input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen=max_seqlen, length_classes=length_classes
+            input_ids,
+            position_ids,
+            attention_mask,
+            cu_seqlens,
+            max_seqlen=max_seqlen,
+            row_length=row_length,
+            length_classes=length_classes,
         )
-        if self.model.norm is None:  # a pipeline stage before the last: hand the hidden states on
+        if self.model.norm is None or row_length is not None:  # hidden states handed on (the caller's head)
             return hidden
         if output_positions is not None:
             hidden = hidden.flatten(0, 1).index_select(0, output_positions.to(hidden.device))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,6 +47,19 @@ class OneLengthClass:
     by whoever grouped them on the host (a packer), so that the model need not read the offsets back to find it."""
 
     total: int
+
+
+def places_to_move(classes: LengthBuckets | OneLengthClass | None, key: str) -> dict[str, torch.Tensor]:
+    """``{key: places}`` of a long row's rows per class, to move to the device with a pass's other inputs in one
+    copy (``data.batch.to_device_together``); nothing for one class or none."""
+    return {key: classes.places} if isinstance(classes, LengthBuckets) else {}
+
+
+def with_places_moved(
+    classes: LengthBuckets | OneLengthClass | None, moved: dict[str, torch.Tensor], key: str
+) -> LengthBuckets | OneLengthClass | None:
+    """``classes`` with their index tensor the one moved under ``key`` (``places_to_move``)."""
+    return replace(classes, places=moved[key]) if key in moved else classes
 
 
 def length_buckets(cu_seqlens: torch.Tensor, total: int) -> LengthBuckets | OneLengthClass:

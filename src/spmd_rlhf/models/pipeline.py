@@ -15,12 +15,15 @@ alongside the output (the caller knows what its rows hold).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from spmd_rlhf.data.batch import to_device_together
 from spmd_rlhf.models.decoder import DecoderLM
+from spmd_rlhf.models.length_buckets import LengthBuckets, OneLengthClass, places_to_move, with_places_moved
 
 SCHEDULES = ("1f1b", "gpipe")
 """The pipeline schedules of ``torch.distributed.pipelining`` a role may use (imported when a pipeline runs: the
@@ -31,6 +34,9 @@ OutputFunction = Callable[[torch.Tensor, int], torch.Tensor]
 
 PER_SEQUENCE_KWARGS = ("cu_seqlens", "output_positions")
 """Keyword inputs the model takes without a batch dimension: the schedule hands each micro-batch ``[1, n]`` slices."""
+
+MICRO_BATCH = "micro_batch"
+"""The keyword input that carries a micro-batch's index to ``Pipeline.run``'s hook, which takes it out."""
 
 
 def stage_layers(num_layers: int, pp: int, *, role: str = "model") -> list[range]:
@@ -102,12 +108,15 @@ class Pipeline:
         *,
         output_fn: OutputFunction,
         train: bool,
+        host_inputs: list[dict[str, int | LengthBuckets | OneLengthClass]] | None = None,
     ) -> list[torch.Tensor]:
         """Run micro-batches ``input_ids`` ``[micro_batches, tokens]`` (read by the first stage) with ``model_kwargs``
         (``[micro_batches, ...]`` each, or an int every micro-batch shares; every stage) through the pipeline, one
         micro-batch per row; with ``train``, back-propagate each micro-batch's ``output_fn`` loss (gradients
-        accumulate, unscaled). Returns the ``output_fn`` results in micro-batch order on the last stage, an empty
-        list elsewhere."""
+        accumulate, unscaled). ``host_inputs``: each micro-batch's own keyword inputs known on the host (its longest
+        sequence, a long row's length classes: ``training.packing.stack_packed``), given to every stage's forward of
+        that micro-batch. Returns the ``output_fn`` results in micro-batch order on the last stage, an empty list
+        elsewhere."""
         num_micro_batches = input_ids.shape[0]
         # A fresh stage per call: PipelineStage infers activation shapes on first use, and they change with the
         # micro-batch sizes from one call to the next.
@@ -119,26 +128,59 @@ class Pipeline:
         schedule = schedule_class(
             stage, num_micro_batches, loss_fn=lambda output, index: output_fn(output, int(index)), scale_grads=False
         )
-        args = (input_ids.to(self.device),) if self.stage == 0 else ()
+        args, kwargs, per_micro_batch = self._on_device(input_ids, model_kwargs, host_inputs or [])
         # Each micro-batch's index rides along as the "target", so the last stage knows which micro-batch it holds.
         target = torch.arange(num_micro_batches)[:, None] if self.is_last else None
-        kwargs = {
-            key: value.to(self.device) if torch.is_tensor(value) else value for key, value in model_kwargs.items()
-        }
+        if per_micro_batch:
+            # And as a keyword input, split by the schedule like the others and kept on the host, so that the hook
+            # reads it without a wait: which micro-batch's host inputs the forward takes.
+            kwargs[MICRO_BATCH] = torch.arange(num_micro_batches)[:, None]
         results: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
         # The hook (not a wrapper module) keeps the stage's module the FSDP module the schedule syncs gradients of.
-        hook = self.module.register_forward_pre_hook(_drop_micro_batch_dim, with_kwargs=True)
+        hook = self.module.register_forward_pre_hook(
+            functools.partial(_micro_batch_inputs, per_micro_batch), with_kwargs=True
+        )
         try:
             run(*args, target=target, losses=results, **kwargs)
         finally:
             hook.remove()
         return results
 
+    def _on_device(
+        self, input_ids: torch.Tensor, model_kwargs: dict, host_inputs: list[dict]
+    ) -> tuple[tuple, dict, list[dict]]:
+        """``run``'s inputs on the stage's device (``input_ids`` on the first stage only), moved in one copy to a GPU:
+        the schedule's positional and keyword inputs, and each micro-batch's host inputs with a long row's length
+        classes' index tensor moved."""
+        tensors = {key: value for key, value in model_kwargs.items() if torch.is_tensor(value)}
+        if self.stage == 0:
+            tensors[_INPUT_IDS] = input_ids
+        for index, inputs in enumerate(host_inputs):
+            tensors |= places_to_move(inputs["length_classes"], f"{_PLACES}{index}")
+        moved = to_device_together(tensors, self.device)
+        args = (moved[_INPUT_IDS],) if self.stage == 0 else ()
+        kwargs = {key: moved.get(key, value) for key, value in model_kwargs.items()}
+        per_micro_batch = [
+            inputs | {"length_classes": with_places_moved(inputs["length_classes"], moved, f"{_PLACES}{index}")}
+            for index, inputs in enumerate(host_inputs)
+        ]
+        return args, kwargs, per_micro_batch
 
-def _drop_micro_batch_dim(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``[1, n]`` micro-batch slices of ``PER_SEQUENCE_KWARGS`` as the ``[n]`` the model takes."""
+
+_INPUT_IDS, _PLACES = "input_ids", "length_places_"
+"""``Pipeline._on_device``'s names for what it moves beside the keyword inputs (which the model never names so)."""
+
+
+def _micro_batch_inputs(
+    per_micro_batch: list[dict], module: torch.nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    """A micro-batch's model inputs as the model takes them: the ``[1, n]`` slices of ``PER_SEQUENCE_KWARGS`` as
+    ``[n]``, and the micro-batch's own host inputs (``per_micro_batch``) in place of its index."""
     for key in PER_SEQUENCE_KWARGS:
         if kwargs.get(key) is not None and kwargs[key].dim() == 2:
             kwargs[key] = kwargs[key][0]
+    index = kwargs.pop(MICRO_BATCH, None)
+    if index is not None and index.device.type == "cpu":  # (a schedule inferring shapes on meta tensors: none)
+        kwargs.update(per_micro_batch[int(index)])
     return args, kwargs

@@ -68,10 +68,11 @@ def padded_row(
             f"rank's), not a multiple of tp = {multiple}, which it cannot pad: pad the row before it is cut, "
             f"stack_packed(multiple={multiple}) or ContextRow.of(multiple={multiple})"
         )
-    device = input_ids.device
+    # Offsets made where they are, from what is there: a tensor built from host values would be a blocking copy to a
+    # GPU (a wait for the stream) in every forward.
     if cu_seqlens is None:  # one sequence
-        cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)
-    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([tokens + padding])])
+        cu_seqlens = torch.arange(2, dtype=torch.int32, device=position_ids.device) * tokens
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + padding])
     input_ids = torch.cat([input_ids, input_ids.new_zeros(1, padding)], dim=1)
     position_ids = torch.cat([position_ids, torch.arange(padding, device=position_ids.device)[None]], dim=1)
     return input_ids, position_ids, cu_seqlens, None if max_seqlen is None else max(max_seqlen, padding)

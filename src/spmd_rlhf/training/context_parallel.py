@@ -36,9 +36,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional
 import torch.nn.functional as F
 
+from spmd_rlhf.data.batch import to_device_together
+from spmd_rlhf.models.length_buckets import LengthBuckets, OneLengthClass, places_to_move, with_places_moved
 from spmd_rlhf.models.pipeline import Pipeline
 from spmd_rlhf.models.ring_attention import zigzag_positions
-from spmd_rlhf.training.packing import PackedRows
+from spmd_rlhf.training.packing import PackedRows, long_row_classes
 from spmd_rlhf.training.router_replay import RouterReplay
 
 
@@ -126,9 +128,26 @@ class ContextRow:
             routes=routes,
         )
 
-    def labels(self, rank: int, cp: int, held: torch.Tensor) -> torch.Tensor:
-        """The token each of rank ``rank``'s ``held`` output positions predicts (the next one of the row)."""
-        return self.input_ids[self.positions(rank, cp)[held] + 1]
+    def gather_inputs(self, rank: int, cp: int, *, labels: bool) -> tuple[dict[str, torch.Tensor], int]:
+        """What rank ``rank`` reads to hand its chunk's head outputs to the group (``_gathered_outputs``), as host
+        tensors to move with its other inputs: its chunk's positions the head reads (``held``), with ``labels`` the
+        tokens they predict, which of the rows ``gather_rows`` lays end to end in rank order are the ranks' (``keep``:
+        each rank's padded to the most any holds) and, for zig-zag chunks, where each lies in row order (``order``);
+        then that most, on the host."""
+        positions = [self.positions(index, cp) for index in range(cp)]
+        held = [torch.isin(chunk, self.reads).nonzero().flatten() for chunk in positions]
+        most = max(map(len, held))
+        inputs = {"held": held[rank], "keep": torch.cat([torch.arange(len(h)) + i * most for i, h in enumerate(held)])}
+        if labels:
+            inputs["labels"] = self.input_ids[positions[rank][held[rank]] + 1]  # the next token of the row
+        if self.zigzag:
+            inputs["order"] = torch.argsort(torch.cat([chunk[h] for chunk, h in zip(positions, held)]))
+        return inputs, most
+
+    def length_classes(self, model: torch.nn.Module) -> LengthBuckets | OneLengthClass | None:
+        """The row's length classes (``training.packing.long_row_classes``) where ``model``'s attention takes the
+        whole row's batch (Ulysses'; ring attention reads only the offsets)."""
+        return None if model.context_parallel == "ring" else long_row_classes(self.cu_seqlens, len(self.input_ids))
 
     def real_tokens(self, rank: int, cp: int) -> torch.Tensor:
         """``[T / cp]`` bool: which tokens of rank ``rank``'s chunk are the micro-batch's (not the padding)."""
@@ -137,21 +156,6 @@ class ContextRow:
     def chunk_routes(self, rank: int, cp: int) -> torch.Tensor | None:
         """The recorded experts of rank ``rank``'s chunk ``[T / cp, moe_layers, k]`` (None without router replay)."""
         return None if self.routes is None else self.routes[self.positions(rank, cp)]
-
-    def read_counts(self, cp: int) -> list[int]:
-        """How many of the head's positions each rank's chunk holds."""
-        return self.gather_layout(cp)[0]
-
-    def read_order(self, cp: int) -> torch.Tensor | None:
-        """Where each of the head's positions, in row order, lies among the rows ``gather_rows`` lays end to end in
-        rank order (each rank's in its chunk's order); None when that is already row order (contiguous chunks)."""
-        return self.gather_layout(cp)[1]
-
-    def gather_layout(self, cp: int) -> tuple[list[int], torch.Tensor | None]:
-        """``read_counts`` and ``read_order`` together, from one pass over the ranks' chunks."""
-        held = [positions[torch.isin(positions, self.reads)] for positions in map(self.positions, range(cp), [cp] * cp)]
-        order = torch.argsort(torch.cat(held)) if self.zigzag else None
-        return [len(positions) for positions in held], order
 
 
 TokenStatistics = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -172,18 +176,17 @@ def schedule(count: int, cp: int) -> list[tuple[int, int]]:
     return [(owner, index) for index in range(count) for owner in range(cp)]
 
 
-def gather_rows(held: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``held`` rows ``[counts[rank], ...]`` laid end to end in rank order ``[sum(counts), ...]`` on
-    every rank; the backward sums the gradients over the group and hands each rank those of its own rows."""
-    most = max(counts)
+def gather_rows(held: torch.Tensor, most: int, keep: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``held`` rows (at most ``most`` each) laid end to end in rank order on every rank: each rank's
+    padded to ``most``, gathered, and the real ones kept (``keep``, on the device: ``ContextRow.gather_inputs``);
+    the backward sums the gradients over the group and hands each rank those of its own rows."""
     padded = F.pad(held, (0, 0) * (held.dim() - 1) + (0, most - held.shape[0]))
     # torch 2.13 renames all_gather_tensor_autograd (2.11 has only that name) to all_gather_single_autograd.
     gather = getattr(functional, "all_gather_single_autograd", None) or functional.all_gather_tensor_autograd
     gathered = gather(padded.contiguous(), 0, group)
     if hasattr(gathered, "wait"):
         gathered = gathered.wait()
-    keep = torch.cat([torch.arange(count) + rank * most for rank, count in enumerate(counts)])
-    return gathered.index_select(0, keep.to(gathered.device))
+    return gathered.index_select(0, keep)
 
 
 def context_parallel_step(
@@ -206,16 +209,23 @@ def context_parallel_step(
     tokens that are not padding, on ``device``); a tensor it returns joins what the rank back-propagates (a
     mixture-of-experts model's router losses: each rank's tokens' share)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    input_ids, position_ids, held = row.chunk(rank, cp)
+    input_ids, position_ids, _ = row.chunk(rank, cp)
+    reads, most = row.gather_inputs(rank, cp, labels=statistics is not None)
+    inputs = {"input_ids": input_ids[None], "position_ids": position_ids[None], "cu_seqlens": row.cu_seqlens} | reads
+    if every_rank is not None:
+        inputs["real_tokens"] = row.real_tokens(rank, cp)
+    classes = row.length_classes(model)
+    moved = to_device_together(inputs | places_to_move(classes, "length_places"), device)  # one copy: no wait
     hidden = model.hidden_states(
-        input_ids[None].to(device),
-        position_ids[None].to(device),
-        cu_seqlens=row.cu_seqlens.to(device),
+        moved["input_ids"],
+        moved["position_ids"],
+        cu_seqlens=moved["cu_seqlens"],
         max_seqlen=row.max_seqlen,
         row_length=len(row.input_ids),
+        length_classes=with_places_moved(classes, moved, "length_places"),
     )
-    extra = None if every_rank is None else every_rank(row, row.real_tokens(rank, cp).to(device))
-    gathered = _gathered_outputs(model, hidden[0], row, held, group=group, device=device, statistics=statistics)
+    extra = None if every_rank is None else every_rank(row, moved["real_tokens"])
+    gathered = _gathered_outputs(model, hidden[0], moved, most, group=group, statistics=statistics)
     if micro is None:
         nothing = gathered[:0].sum()  # its backward still runs the gather's, which hands this rank its rows' gradient
         if train:
@@ -230,22 +240,20 @@ def context_parallel_step(
 def _gathered_outputs(
     model: torch.nn.Module,
     hidden: torch.Tensor,
-    row: ContextRow,
-    held: torch.Tensor,
+    reads: dict[str, torch.Tensor],
+    most: int,
     *,
     group: dist.ProcessGroup,
-    device: torch.device,
     statistics: TokenStatistics | None,
 ) -> torch.Tensor:
     """Steps 2-3 of the module docstring: the head on this rank's chunk ``hidden`` ``[T / cp, hidden]`` at its
-    ``held`` output positions (an LM head's logits through ``statistics``), every rank's gathered in row order."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    outputs = model.head_outputs(hidden.index_select(0, held.to(device)))
+    held output positions (an LM head's logits through ``statistics``), every rank's gathered in row order
+    (``reads``: ``ContextRow.gather_inputs`` on the device)."""
+    outputs = model.head_outputs(hidden.index_select(0, reads["held"]))
     if statistics is not None:
-        outputs = statistics(outputs, row.labels(rank, cp, held).to(device))
-    counts, order = row.gather_layout(cp)
-    gathered = gather_rows(outputs, counts, group)
-    return gathered if order is None else gathered.index_select(0, order.to(device))  # zig-zag: out of row order
+        outputs = statistics(outputs, reads["labels"])
+    gathered = gather_rows(outputs, most, reads["keep"], group)
+    return gathered.index_select(0, reads["order"]) if "order" in reads else gathered  # zig-zag: out of row order
 
 
 def context_parallel_pipeline(
@@ -275,22 +283,25 @@ def context_parallel_pipeline(
     kwargs = {
         "position_ids": torch.stack([chunk[1] for chunk in chunks]),
         "cu_seqlens": torch.stack([row.cu_seqlens for row in rows]),
-        "max_seqlen": max(row.max_seqlen for row in rows),
         "row_length": length,
     }
-    model, device = pipeline.module, pipeline.device
+    model = pipeline.module
+    host_inputs = [{"max_seqlen": row.max_seqlen, "length_classes": row.length_classes(model)} for row in rows]
+    reads = []
+    if pipeline.is_last:
+        for row in rows:
+            on_host, most = row.gather_inputs(rank, cp, labels=statistics is not None)
+            reads.append((to_device_together(on_host, pipeline.device), most))
 
     def stage_output(hidden: torch.Tensor, index: int) -> torch.Tensor:
-        (owner, mine), row = steps[index], rows[index]
-        gathered = _gathered_outputs(
-            model, hidden[0], row, chunks[index][2], group=group, device=device, statistics=statistics
-        )
+        owner, mine = steps[index]
+        gathered = _gathered_outputs(model, hidden[0], *reads[index], group=group, statistics=statistics)
         if owner != rank:
             return gathered[:0].sum()  # as in context_parallel_step
         return output_fn(gathered, micros[mine])
 
     input_ids = torch.stack([chunk[0] for chunk in chunks])
-    results = pipeline.run(input_ids, kwargs, output_fn=stage_output, train=train)
+    results = pipeline.run(input_ids, kwargs, output_fn=stage_output, train=train, host_inputs=host_inputs)
     return [result.detach() for result, (owner, _) in zip(results, steps) if owner == rank]
 
 

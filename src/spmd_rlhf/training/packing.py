@@ -23,7 +23,13 @@ import torch.nn.functional as F
 
 from spmd_rlhf.data.batch import Batch, to_device_together
 from spmd_rlhf.models import attention
-from spmd_rlhf.models.length_buckets import LengthBuckets, OneLengthClass, length_buckets
+from spmd_rlhf.models.length_buckets import (
+    LengthBuckets,
+    OneLengthClass,
+    length_buckets,
+    places_to_move,
+    with_places_moved,
+)
 
 PACKED_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
 """The fields of the rollout layout that a micro-batch reads to lay its rows out and find its response tokens."""
@@ -99,6 +105,22 @@ class MicroBatch:
         return full.index_put(self.device_index(values.device), values)
 
 
+def long_row_classes(cu_seqlens: torch.Tensor, total: int) -> LengthBuckets | OneLengthClass | None:
+    """The length classes of a packed row of ``total`` tokens, from its host offsets ``cu_seqlens``, where the model
+    attends it per class (over ``attention.MASK_TOKEN_LIMIT`` tokens), else None. Built by whoever lays a row out on
+    the host and handed to the model with it (``length_classes``), which would otherwise read the offsets back."""
+    return length_buckets(cu_seqlens, total) if total > attention.MASK_TOKEN_LIMIT else None
+
+
+def padded_offsets(cu_seqlens: torch.Tensor, total: int, multiple: int) -> tuple[torch.Tensor, int]:
+    """Host offsets of a packed row of ``total`` tokens and its length once padded by one sequence to a multiple of
+    ``multiple`` tokens (as ``models.sequence_parallel.padded_row`` pads it; unchanged where it is one already)."""
+    padding = -total % multiple
+    if padding == 0:
+        return cu_seqlens, total
+    return torch.cat([cu_seqlens, cu_seqlens.new_tensor([total + padding])]), total + padding
+
+
 class PackedRows(MicroBatch):
     """The rows' attended tokens packed into one sequence (see the module docstring).
 
@@ -106,7 +128,11 @@ class PackedRows(MicroBatch):
     copies beyond the rows themselves. Built on the host from host rows (``Trainer.update`` packs there), it reads
     them once, so the longest sequence's length is known without reading anything back from the device."""
 
-    def __init__(self, rows: Batch) -> None:
+    def __init__(self, rows: Batch, *, multiple: int | None = 1) -> None:
+        """``multiple``: the model pads the row by one sequence to a multiple of it (sequence parallelism's tp,
+        ``models.sequence_parallel.padded_row``), so the length classes are the padded row's; None: the row reaches
+        the model laid out again (a pipeline's common shapes: ``stack_packed``; a context-parallel group's row),
+        where its classes are built for that layout, so none here."""
         super().__init__(rows)
         attended = rows["attention_mask"].bool()
         lengths = attended.sum(dim=1)
@@ -137,7 +163,9 @@ class PackedRows(MicroBatch):
         # The output at the token before response token t predicts (values) it.
         self.output_positions = starts[row] + index_in_row[:, prompt_length:][row, column] - 1
         total = self.input_ids.shape[1]
-        self.length_classes = length_buckets(self.cu_seqlens, total) if total > attention.MASK_TOKEN_LIMIT else None
+        self.length_classes = (
+            None if multiple is None else long_row_classes(*padded_offsets(self.cu_seqlens, total, multiple))
+        )
         """A row over ``MASK_TOKEN_LIMIT`` tokens: its sequences' length classes (or that they fall in one), built
         here from the host's offsets (the model would otherwise read ``cu_seqlens`` back from the device: a sync per
         forward); their index tensor travels with the model's inputs."""
@@ -155,21 +183,15 @@ class PackedRows(MicroBatch):
         }
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
-        moved = super().host_tensors()
-        if isinstance(self.length_classes, LengthBuckets):
-            return moved | {"length_places": self.length_classes.places}
-        return moved
+        return super().host_tensors() | places_to_move(self.length_classes, "length_places")
 
     def model_inputs(
         self, device: torch.device, *, per_token: bool
     ) -> dict[str, torch.Tensor | int | LengthBuckets | OneLengthClass]:
         """As ``MicroBatch.model_inputs``, with a long row's ``length_classes`` (their index tensor on ``device``)."""
         inputs = super().model_inputs(device, per_token=per_token)
-        classes = self.length_classes
-        if isinstance(classes, LengthBuckets):
-            classes = LengthBuckets(places=self.on_device(device)["length_places"], sizes=classes.sizes)
-        if classes is not None:
-            inputs["length_classes"] = classes
+        if self.length_classes is not None:
+            inputs["length_classes"] = with_places_moved(self.length_classes, self.on_device(device), "length_places")
         return inputs
 
     def _host_values(self) -> dict[str, int]:
@@ -186,11 +208,13 @@ class PackedRows(MicroBatch):
 
 def stack_packed(
     micros: list[PackedRows], *, per_token: bool, multiple: int = 1
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict[str, int | LengthBuckets | OneLengthClass]]]:
     """The model inputs of ``micros`` stacked along a new dim 0 at common sizes, for a pipeline schedule: ``input_ids``
     ``[M, T]`` and the keyword inputs ``position_ids`` ``[M, T]``, ``cu_seqlens`` ``[M, S]`` and (``per_token``)
     ``output_positions`` ``[M, R]``; ``T`` a multiple of ``multiple`` (sequence parallelism's tp: every stage then
-    splits the row as it comes).
+    splits the row as it comes). Then each micro-batch's inputs known on the host (``Pipeline.run``'s
+    ``host_inputs``): its longest sequence, padding included (``max_seqlen``), and a long row's ``length_classes``,
+    which the model would otherwise find by reading ``cu_seqlens`` back from the device.
 
     Each micro-batch is padded at its end with at least one padding sequence of at least one token (token 0,
     position 0), so every sequence is non-empty whatever the attention backend, and each real sequence attends
@@ -200,24 +224,27 @@ def stack_packed(
     num_offsets = max(len(micro.cu_seqlens) for micro in micros) + 1
     total = max(micro.total_tokens + num_offsets - len(micro.cu_seqlens) for micro in micros)
     total = -(-total // multiple) * multiple
-    input_ids, position_ids, cu_seqlens, output_positions = [], [], [], []
+    input_ids, position_ids, cu_seqlens, output_positions, host_inputs = [], [], [], [], []
     for micro in micros:
         padding_sequences = num_offsets - len(micro.cu_seqlens)
         # All padding sequences but the last hold one token; the last holds the rest.
         ends = micro.total_tokens + torch.arange(1, padding_sequences + 1, dtype=torch.int32)
         ends[-1] = total
-        cu_seqlens.append(torch.cat([micro.cu_seqlens, ends]))
+        offsets = torch.cat([micro.cu_seqlens, ends])
+        cu_seqlens.append(offsets)
         padding = total - micro.total_tokens
         input_ids.append(F.pad(micro.input_ids[0], (0, padding)))
         position_ids.append(F.pad(micro.position_ids[0], (0, padding)))
         output_positions.append(micro.output_positions)
+        longest = max(micro.max_seqlen, padding - padding_sequences + 1)
+        host_inputs.append({"max_seqlen": longest, "length_classes": long_row_classes(offsets, total)})
     kwargs = {"position_ids": torch.stack(position_ids), "cu_seqlens": torch.stack(cu_seqlens)}
     if per_token:
         count = max(len(positions) for positions in output_positions)
         kwargs["output_positions"] = torch.stack(
             [F.pad(positions, (0, count - len(positions))) for positions in output_positions]
         )
-    return torch.stack(input_ids), kwargs
+    return torch.stack(input_ids), kwargs, host_inputs
 
 
 class PaddedRows(MicroBatch):

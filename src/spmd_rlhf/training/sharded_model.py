@@ -260,7 +260,10 @@ class ShardedModel(PretrainedExport):
         per_token = self.module.head != "score"
         groups = self.micro_batch_rows(batch, micro_batch_size, train=train)
         order = torch.tensor([row for rows in groups for row in rows], dtype=torch.long)
-        micros = [PackedRows(batch.select(rows)) for rows in groups]
+        # A pipeline and context parallelism lay each row out again (and build its length classes for that layout).
+        relaid = self.pipeline is not None or self.context_parallel is not None
+        multiple = None if relaid else self.module.sequence_parallel
+        micros = [PackedRows(batch.select(rows), multiple=multiple) for rows in groups]
         steps, rows = [(None, index) for index in range(len(micros))], None
         if self.context_parallel is not None:
             steps = schedule(len(micros), self.context.dims.cp)
@@ -280,7 +283,7 @@ class ShardedModel(PretrainedExport):
                         train=train,
                         statistics=statistics,
                     ), order
-                input_ids, model_kwargs = stack_packed(
+                input_ids, model_kwargs, host_inputs = stack_packed(
                     micros, per_token=per_token, multiple=self.pipeline.module.sequence_parallel
                 )
 
@@ -288,7 +291,9 @@ class ShardedModel(PretrainedExport):
                     micro = micros[index]
                     return output_fn(output[: micro.output_count(per_token=per_token)], micro)
 
-                results = self.pipeline.run(input_ids, model_kwargs, output_fn=stage_output, train=train)
+                results = self.pipeline.run(
+                    input_ids, model_kwargs, output_fn=stage_output, train=train, host_inputs=host_inputs
+                )
             return [result.detach() for result in results], order
         results = []
         offload = self.offloads_activations and train
