@@ -19,7 +19,15 @@ def model(tmp_path_factory):
     return load_model(path, head="lm", dtype=torch.float32)
 
 
-def test_prefill_and_decode_logits_equal_a_full_forward(model):
+def test_prefill_and_decode_logits_equal_a_full_forward(model, monkeypatch):
+    """Prefill and decode logits on the paged cache equal a full forward, and each eager step's inputs reach the
+    device in one move (one pinned copy to a GPU)."""
+    import spmd_rlhf.engine.model_runner as model_runner
+
+    moves, real = [], model_runner.to_device_together
+    monkeypatch.setattr(
+        model_runner, "to_device_together", lambda tensors, device: moves.append(set(tensors)) or real(tensors, device)
+    )
     runner = ModelRunner(model, block_size=4)
     runner.allocate_cache(16)
     manager = BlockManager(16, 4)
@@ -39,6 +47,8 @@ def test_prefill_and_decode_logits_equal_a_full_forward(model):
             seq.append(20 + step, 0.0, 0.0)
             assert manager.append_slot(seq)
         torch.testing.assert_close(runner.run(seqs, is_prefill=False), expected_last_logits(), atol=1e-5, rtol=0)
+    inputs = {"token_ids", "positions", "slot_mapping", "block_tables", "context_lens", "cu_seqlens_q"}
+    assert moves == [inputs] * 4
 
 
 def test_cache_sizing_reuse_and_release(model):

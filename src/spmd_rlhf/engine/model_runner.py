@@ -15,6 +15,7 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from spmd_rlhf.data.batch import to_device_together
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep, say_once
 from spmd_rlhf.engine.routes import RouteRecorder
 from spmd_rlhf.engine.sampler import sample_on_device
@@ -223,28 +224,34 @@ class ModelRunner:
             ]
             cu_seqlens_q.append(cu_seqlens_q[-1] + len(new_positions))
         max_blocks = max(len(seq.block_table) for seq in seqs)
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
+        # Inference tensors, as the static decode step's buffers are (what compiled layers guard on), moved in one
+        # pinned copy, not six that each wait for the device.
+        with torch.inference_mode():
+            host = {
+                "token_ids": torch.tensor(token_ids, dtype=torch.int64)[None],
+                "positions": torch.tensor(positions, dtype=torch.int64)[None],
+                "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+                "block_tables": torch.tensor(
+                    [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs], dtype=torch.int32
+                ),
+                "context_lens": torch.tensor(context_lens, dtype=torch.int32),
+                "cu_seqlens_q": torch.tensor(cu_seqlens_q, dtype=torch.int32),
+            }
+            moved = to_device_together(host, self.device)
         paged = PagedKV(
             key_cache=self._key_cache,
             value_cache=self._value_cache,
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(
-                [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs], torch.int32
-            ),
-            context_lens=tensor(context_lens, torch.int32),
-            cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
+            slot_mapping=moved["slot_mapping"],
+            block_tables=moved["block_tables"],
+            context_lens=moved["context_lens"],
+            cu_seqlens_q=moved["cu_seqlens_q"],
             max_seqlen_q=max(end - start for start, end in zip(cu_seqlens_q, cu_seqlens_q[1:])),
             max_context_len=max(context_lens),
             kernel_tiling=self.attention_tiling,
         )
         recording = self.routes.recording(paged.slot_mapping) if self.routes is not None else contextlib.nullcontext()
         with torch.inference_mode(), recording:
-            hidden = self.model.hidden_states(
-                tensor(token_ids, torch.int64)[None], tensor(positions, torch.int64)[None], paged=paged
-            )
+            hidden = self.model.hidden_states(moved["token_ids"], moved["positions"], paged=paged)
             last = paged.cu_seqlens_q[1:].long() - 1
             logits = self.model.lm_head(hidden[0, last])
         if self.routes is not None:

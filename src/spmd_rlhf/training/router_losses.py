@@ -51,7 +51,8 @@ def _tokens(routing: Routing, token_mask: torch.Tensor | None) -> torch.Tensor:
     """The tokens that count (``token_mask``'s set ones, else all), at least 1, as a float32 0-dim tensor."""
     device = routing.logits.device
     if token_mask is None:
-        return torch.tensor(float(routing.logits.shape[0]), device=device).clamp(min=1.0)
+        # Filled on the device (a tensor made from a host value would be a blocking copy to a GPU: a wait per call).
+        return torch.full((), float(max(routing.logits.shape[0], 1)), device=device)
     return token_mask.to(device, torch.float32).sum().clamp(min=1.0)
 
 

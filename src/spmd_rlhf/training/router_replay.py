@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from spmd_rlhf.data.batch import to_device
 from spmd_rlhf.models.args import DecoderArgs
 from spmd_rlhf.models.moe import route_dtype
 from spmd_rlhf.training.packing import MicroBatch
@@ -69,7 +70,7 @@ class RouterReplay:
         if routes is None:
             yield
             return
-        packed = routes.to(device)
+        packed = to_device(routes, device)  # pinned, without blocking the host
         for place, router in self.routers.items():
             router.replay = packed[:, place]
         try:
