@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional
 import torch.nn.functional as F
 
-from spmd_rlhf.data.batch import to_device_together
+from spmd_rlhf.data.batch import to_device, to_device_together
 from spmd_rlhf.models.length_buckets import LengthBuckets, OneLengthClass, places_to_move, with_places_moved
 from spmd_rlhf.models.pipeline import Pipeline
 from spmd_rlhf.models.ring_attention import zigzag_positions
@@ -312,7 +312,7 @@ def gather_chunk_routes(chunk: torch.Tensor, row: ContextRow, group: dist.Proces
     pieces = [torch.empty_like(chunk, dtype=torch.int32) for _ in range(cp)]
     dist.all_gather(pieces, chunk.to(torch.int32).contiguous(), group=group)
     order = torch.argsort(torch.cat([row.positions(rank, cp) for rank in range(cp)]))
-    row_order = torch.cat(pieces).index_select(0, order.to(chunk.device))
+    row_order = torch.cat(pieces).index_select(0, to_device(order, chunk.device))
     return row_order[: len(row.input_ids) - row.padding_tokens].to(chunk.dtype)
 
 
