@@ -153,7 +153,9 @@ class _Embedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids: torch.Tensor, shard: torch.Tensor, stream: VocabularyStream) -> torch.Tensor:
-        most_tokens = torch.tensor([ids.shape[0]], device=ids.device)
+        # The most tokens any rank holds, agreed on the host (the groups take host tensors through gloo beside NCCL,
+        # as the metrics' reductions do): no copy to the device and no read back, which waited for it per forward.
+        most_tokens = torch.tensor([ids.shape[0]])
         dist.all_reduce(most_tokens, op=dist.ReduceOp.MAX, group=stream.group)
         most_tokens = int(most_tokens)
         ctx.stream, ctx.shard_shape, ctx.shard_dtype, ctx.tokens = stream, shard.shape, shard.dtype, ids.shape[0]
