@@ -171,7 +171,7 @@ class ParallelDims:
         to shard the experts' ep-sharded DTensors over efsdp; None with ``ep = 1``. Collective like ``build_mesh``."""
         if self.ep == 1:
             return None
-        return mesh._unflatten("dp", (self.efsdp, self.ep), ("efsdp", "ep"))
+        return _unflatten_dp(mesh, (self.efsdp, self.ep), ("efsdp", "ep"))
 
     def build_hybrid_shard_mesh(
         self, mesh: torch.distributed.device_mesh.DeviceMesh
@@ -182,7 +182,7 @@ class ParallelDims:
         like ``build_mesh``."""
         if self.fsdp_replicas == 1:
             return None
-        view = mesh._unflatten("dp", (self.fsdp_replicas, self.fsdp_shards), ("dp_replicate", "dp_shard"))
+        view = _unflatten_dp(mesh, (self.fsdp_replicas, self.fsdp_shards), ("dp_replicate", "dp_shard"))
         return view["dp_replicate", "dp_shard"]
 
     def build_context_group(
@@ -192,5 +192,13 @@ class ParallelDims:
         run each other's micro-batches together; None with ``cp = 1``. Collective like ``build_mesh``."""
         if self.cp == 1:
             return None
-        view = mesh._unflatten("dp", (self.dp // self.cp, self.cp), ("dp_outer", "cp"))
+        view = _unflatten_dp(mesh, (self.dp // self.cp, self.cp), ("dp_outer", "cp"))
         return view["cp"].get_group() if mesh.get_coordinate() is not None else None
+
+
+def _unflatten_dp(
+    mesh: torch.distributed.device_mesh.DeviceMesh, sizes: tuple[int, int], names: tuple[str, str]
+) -> torch.distributed.device_mesh.DeviceMesh:
+    """``mesh`` with its dp dimension unflattened into ``names`` of ``sizes``. The dimension goes by its index:
+    torch 2.11's ``_unflatten`` refuses every name its mesh has (its check is inverted; 2.13 takes either)."""
+    return mesh._unflatten(mesh.mesh_dim_names.index("dp"), sizes, names)
