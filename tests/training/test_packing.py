@@ -314,13 +314,15 @@ def test_a_micro_batch_moves_to_the_device_in_one_transfer(layout, monkeypatch):
 
 
 def _long_rows_through_a_pipeline_and_a_context_group(rank, port, results):
-    """One rank: the micro-batches through a one-stage pipeline (``Pipeline.run`` with ``stack_packed``'s host
-    inputs) and a one-rank context-parallel group (``context_parallel_step``, Ulysses' whole-row batch)."""
+    """One rank: the micro-batches through a one-stage pipeline (``run_pipelined``: ``stack_packed``'s host inputs,
+    the head on the stage's hidden states) and a one-rank context-parallel group (``context_parallel_step``, Ulysses'
+    whole-row batch)."""
     import torch.distributed as dist
 
     from spmd_rlhf.models import attention
     from spmd_rlhf.models.pipeline import Pipeline
     from spmd_rlhf.training.context_parallel import ContextRow, context_parallel_step
+    from spmd_rlhf.training.packing import run_pipelined
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
     cpu, model, batch = torch.device("cpu"), tiny_model("lm"), rollout_batch()
@@ -330,18 +332,22 @@ def _long_rows_through_a_pipeline_and_a_context_group(rank, port, results):
         expected = [model(**PackedRows(batch.select(rows)).model_inputs(cpu, per_token=True)) for rows in groups]
         built, real = [], attention.length_buckets
         attention.length_buckets = lambda *args: built.append(args) or real(*args)
+        forwards = []
+        model.register_forward_pre_hook(lambda *args: forwards.append(1))
         micros = [PackedRows(batch.select(rows), multiple=None) for rows in groups]
-        input_ids, kwargs, host_inputs = stack_packed(micros, per_token=True)
         before = len(built)
-        pipeline = Pipeline(model, stage=0, stage_ranks=[0], group=dist.group.WORLD, device=cpu, schedule="gpipe")
-        piped = pipeline.run(
-            input_ids,
-            kwargs,
-            output_fn=lambda output, index: output[: micros[index].output_count(per_token=True)],
-            train=False,
-            host_inputs=host_inputs,
+        pipeline = Pipeline(
+            model,
+            stage=0,
+            stage_ranks=[0],
+            group=dist.group.WORLD,
+            device=cpu,
+            schedule="gpipe",
+            activation_dtype=torch.float32,
         )
+        piped = run_pipelined(pipeline, micros, lambda outputs, _: outputs, per_token=True, train=False)
         results["pipeline"] = (len(built) - before, [torch.equal(*pair) for pair in zip(piped, expected)])
+        results["forwards"] = (len(forwards), len(micros))
         before, stepped = len(built), []
         for micro in micros:
             row = ContextRow.of(micro, cp=1, per_token=True)
@@ -358,7 +364,7 @@ def test_a_pipeline_and_a_context_group_give_the_model_a_long_rows_classes_built
     """A pipeline's hook hands each micro-batch's forward its own host inputs (longest sequence, length classes of
     the row padded to the schedule's shapes); a context-parallel step hands the model the classes of the group's
     row: the model builds none itself (no read of the offsets back), with outputs equal to the plain packed
-    forward's."""
+    forward's. The pipeline declares its stages' shapes, so the schedule runs no forward of its own to infer them."""
     from torchrun_helpers import forked_ranks
 
     from spmd_rlhf.models import attention
@@ -366,4 +372,5 @@ def test_a_pipeline_and_a_context_group_give_the_model_a_long_rows_classes_built
     monkeypatch.setattr(attention, "MASK_TOKEN_LIMIT", 0)
     results = forked_ranks(_long_rows_through_a_pipeline_and_a_context_group, 1)
     assert results["pipeline"][0] == 0 and all(results["pipeline"][1]), results
+    assert results["forwards"][0] == results["forwards"][1], results  # one forward per micro-batch, none to infer
     assert results["context"][0] == 0 and all(results["context"][1]), results

@@ -7,10 +7,13 @@ the head. Each stage is then tensor- / data-parallelized like a whole model (``p
 
 Every stage of a pipeline sees the same micro-batches, stacked along dim 0 at common shapes (a schedule needs every
 micro-batch to have the same shapes; ``training.packing.stack_packed`` pads packed ones so). The first stage feeds
-``input_ids``; every stage gets the keyword inputs (position ids, ``cu_seqlens``, output positions), which the
-schedule splits into the same ``[1, ...]`` micro-batches; the last stage turns each micro-batch's output into a
-result (a loss to back-propagate, or per-token values) with ``output_fn``, which receives the micro-batch's index
-alongside the output (the caller knows what its rows hold).
+``input_ids``; every stage gets the keyword inputs (position ids, ``cu_seqlens``, the row's length), which the
+schedule splits into the same ``[1, ...]`` micro-batches. Every stage hands on hidden states, the last its final
+norm's, so each stage's input and output shapes are known before it runs and are declared to the schedule, which
+then infers none (left to infer them, torch 2.13 runs a forward of the first micro-batch, and in training a backward,
+on every stage in every call; torch 2.11 a forward). The last stage turns each micro-batch's hidden states into a
+result (the head's outputs, then a loss to back-propagate or per-token values) with ``output_fn``, which receives
+the micro-batch's index alongside them (the caller knows what its rows hold: ``training.packing.run_pipelined``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ package pulls in ``torch.export`` and dynamo, about a second of every process's 
 OutputFunction = Callable[[torch.Tensor, int], torch.Tensor]
 """(last stage's output for one micro-batch, that micro-batch's index) -> a loss (training) or a result tensor."""
 
-PER_SEQUENCE_KWARGS = ("cu_seqlens", "output_positions")
+PER_SEQUENCE_KWARGS = ("cu_seqlens",)
 """Keyword inputs the model takes without a batch dimension: the schedule hands each micro-batch ``[1, n]`` slices."""
 
 MICRO_BATCH = "micro_batch"
@@ -83,12 +86,14 @@ class Pipeline:
         group: dist.ProcessGroup,
         device: torch.device,
         schedule: str,
+        activation_dtype: torch.dtype,
     ) -> None:
-        """``stage_ranks``: the global rank of each stage, in stage order (``group`` holds exactly these ranks)."""
+        """``stage_ranks``: the global rank of each stage, in stage order (``group`` holds exactly these ranks);
+        ``activation_dtype``: the dtype the stages' hidden states are in (the layers' compute dtype)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
         self.module, self.stage, self.num_stages = module, stage, len(stage_ranks)
-        self.group, self.device, self.schedule = group, device, schedule
+        self.group, self.device, self.schedule, self.activation_dtype = group, device, schedule, activation_dtype
         # A group numbers its members by ascending global rank; stages follow the pool's order, which may differ.
         self.stage_to_group_rank = {index: dist.get_group_rank(group, rank) for index, rank in enumerate(stage_ranks)}
 
@@ -122,7 +127,16 @@ class Pipeline:
         # micro-batch sizes from one call to the next.
         from torch.distributed import pipelining
 
-        stage = pipelining.PipelineStage(self.module, self.stage, self.num_stages, self.device, group=self.group)
+        inputs, outputs = self.stage_shapes(input_ids.shape[1], train=train)
+        stage = pipelining.PipelineStage(
+            self.module,
+            self.stage,
+            self.num_stages,
+            self.device,
+            input_args=inputs,
+            output_args=outputs,
+            group=self.group,
+        )
         stage.stage_index_to_group_rank = dict(self.stage_to_group_rank)
         schedule_class = {"1f1b": pipelining.Schedule1F1B, "gpipe": pipelining.ScheduleGPipe}[self.schedule]
         schedule = schedule_class(
@@ -138,14 +152,33 @@ class Pipeline:
         results: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
         # The hook (not a wrapper module) keeps the stage's module the FSDP module the schedule syncs gradients of.
-        hook = self.module.register_forward_pre_hook(
-            functools.partial(_micro_batch_inputs, per_micro_batch), with_kwargs=True
+        hooks = (
+            self.module.register_forward_pre_hook(
+                functools.partial(_micro_batch_inputs, per_micro_batch), with_kwargs=True
+            ),
+            self.module.register_forward_hook(functools.partial(_as_declared, self.stage, outputs)),
         )
         try:
             run(*args, target=target, losses=results, **kwargs)
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
         return results
+
+    def stage_shapes(self, tokens: int, *, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's input and output at this stage, as meta tensors, for micro-batches of ``tokens`` tokens
+        (a row's, or a context-parallel rank's chunk of it): token ids ``[1, tokens]`` into the first stage, hidden
+        states ``[1, tokens, hidden]`` between stages (this rank's ``tokens / tp`` under sequence parallelism) and
+        out of the last stage (whose final norm gathers them), in the activation dtype; with ``train``, hidden
+        states require their gradient (a stage computes its input's for the stage before)."""
+
+        def hidden(length: int) -> torch.Tensor:
+            size = (1, length, self.module.args.hidden_size)
+            return torch.empty(size, dtype=self.activation_dtype, device="meta", requires_grad=train)
+
+        between = tokens // self.module.sequence_parallel
+        inputs = torch.empty(1, tokens, dtype=torch.long, device="meta") if self.stage == 0 else hidden(between)
+        return inputs, hidden(tokens if self.is_last else between)
 
     def _on_device(
         self, input_ids: torch.Tensor, model_kwargs: dict, host_inputs: list[dict]
@@ -170,6 +203,18 @@ class Pipeline:
 
 _INPUT_IDS, _PLACES = "input_ids", "length_places_"
 """``Pipeline._on_device``'s names for what it moves beside the keyword inputs (which the model never names so)."""
+
+
+def _as_declared(
+    stage: int, declared: torch.Tensor, module: torch.nn.Module, args: tuple, output: torch.Tensor
+) -> None:
+    """A stage's output checked against the shape and dtype declared for it (``Pipeline.stage_shapes``), on the
+    host: the next stage receives into a buffer of the declared ones."""
+    if output.shape != declared.shape or output.dtype != declared.dtype:
+        raise RuntimeError(
+            f"pipeline stage {stage} returned {output.dtype} {tuple(output.shape)} where {declared.dtype} "
+            f"{tuple(declared.shape)} was declared to the schedule (Pipeline.stage_shapes)"
+        )
 
 
 def _micro_batch_inputs(

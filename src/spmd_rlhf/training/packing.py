@@ -18,10 +18,13 @@ results back into ``[rows, R]`` (zero where the mask is 0): losses and callers s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from spmd_rlhf.data.batch import Batch, to_device_together
+from spmd_rlhf.data.batch import Batch, to_device, to_device_together
 from spmd_rlhf.models import attention
 from spmd_rlhf.models.length_buckets import (
     LengthBuckets,
@@ -30,6 +33,9 @@ from spmd_rlhf.models.length_buckets import (
     places_to_move,
     with_places_moved,
 )
+
+if TYPE_CHECKING:
+    from spmd_rlhf.models.pipeline import Pipeline
 
 PACKED_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
 """The fields of the rollout layout that a micro-batch reads to lay its rows out and find its response tokens."""
@@ -245,6 +251,36 @@ def stack_packed(
             [F.pad(positions, (0, count - len(positions))) for positions in output_positions]
         )
     return torch.stack(input_ids), kwargs, host_inputs
+
+
+def run_pipelined(
+    pipeline: Pipeline,
+    micros: list[PackedRows],
+    output_fn: Callable[[torch.Tensor, PackedRows], torch.Tensor],
+    *,
+    per_token: bool,
+    train: bool,
+) -> list[torch.Tensor]:
+    """``output_fn(outputs, micro)`` of each of ``micros`` through ``pipeline`` at common shapes (``stack_packed``),
+    on the last stage; with ``train``, back-propagated. Every stage hands on hidden states (the model's
+    ``row_length``: the last stage's are its final norm's), so each stage's shapes are known before it runs
+    (``Pipeline.stage_shapes``); the head runs here, at the micro-batch's output positions (per token) or each
+    sequence's last token (a score head), and ``output_fn`` sees the micro-batch's own outputs. Returns the results,
+    detached (none but on the last stage)."""
+    input_ids, kwargs, host_inputs = stack_packed(
+        micros, per_token=per_token, multiple=pipeline.module.sequence_parallel
+    )
+    reads = kwargs.pop("output_positions") if per_token else kwargs["cu_seqlens"][:, 1:].long() - 1
+    kwargs["row_length"] = input_ids.shape[1]
+    reads = to_device(reads, pipeline.device) if pipeline.is_last else reads
+
+    def stage_output(hidden: torch.Tensor, index: int) -> torch.Tensor:
+        micro = micros[index]
+        outputs = pipeline.module.head_outputs(hidden[0].index_select(0, reads[index]))
+        return output_fn(outputs[: micro.output_count(per_token=per_token)], micro)
+
+    results = pipeline.run(input_ids, kwargs, output_fn=stage_output, train=train, host_inputs=host_inputs)
+    return [result.detach() for result in results]
 
 
 class PaddedRows(MicroBatch):

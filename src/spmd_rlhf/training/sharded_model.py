@@ -40,7 +40,7 @@ from spmd_rlhf.training.context_parallel import (
 )
 from spmd_rlhf.training.fsdp_schedule import gather_policy, micro_batch_schedule
 from spmd_rlhf.training.micro_batches import row_chunks, token_balanced_micro_batches
-from spmd_rlhf.training.packing import MicroBatch, PackedRows, stack_packed
+from spmd_rlhf.training.packing import MicroBatch, PackedRows, run_pipelined
 from spmd_rlhf.training.pretrained_export import PretrainedExport
 from spmd_rlhf.training.reducer import DPReducer
 from spmd_rlhf.training.router_replay import RouterReplay, check_router_replay
@@ -135,9 +135,9 @@ class ShardedModel(PretrainedExport):
             min_unit_bytes=int(role_config.fsdp_unit_mb * 2**20),
         )
         load_weights(model, path, device=self.device)
-        if self.cp_group is not None and isinstance(model, FSDPModule):
-            # Context parallelism calls the decoder and the head apart (the head on gathered hidden states): FSDP
-            # treats each as a forward of the root.
+        if (self.cp_group is not None or dims.pp > 1) and isinstance(model, FSDPModule):
+            # Context parallelism and a pipeline's last stage call the decoder and the head apart (the head on
+            # gathered hidden states, or in the schedule's output function): FSDP treats each as a forward of the root.
             for method in ("hidden_states", "head_outputs"):
                 register_fsdp_forward_method(model, method)
         if self.adapters is not None:
@@ -188,6 +188,7 @@ class ShardedModel(PretrainedExport):
                 group=self.pp_group,
                 device=self.device,
                 schedule=role_config.pp_schedule,
+                activation_dtype=compute_dtype,
             )
 
     @property
@@ -283,18 +284,7 @@ class ShardedModel(PretrainedExport):
                         train=train,
                         statistics=statistics,
                     ), order
-                input_ids, model_kwargs, host_inputs = stack_packed(
-                    micros, per_token=per_token, multiple=self.pipeline.module.sequence_parallel
-                )
-
-                def stage_output(output: torch.Tensor, index: int) -> torch.Tensor:
-                    micro = micros[index]
-                    return output_fn(output[: micro.output_count(per_token=per_token)], micro)
-
-                results = self.pipeline.run(
-                    input_ids, model_kwargs, output_fn=stage_output, train=train, host_inputs=host_inputs
-                )
-            return [result.detach() for result in results], order
+                return run_pipelined(self.pipeline, micros, output_fn, per_token=per_token, train=train), order
         results = []
         offload = self.offloads_activations and train
         with micro_batch_schedule(

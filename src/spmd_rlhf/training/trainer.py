@@ -241,8 +241,8 @@ class Trainer:
                     train=True,
                     every_rank=every_rank if self.router_losses is not None and cp_group is not None else None,
                 )
-                # A pipeline schedule may call the loss function on placeholder outputs first (torch >= 2.13 infers
-                # gradient shapes that way); the real micro-batches are the last len(results) calls.
+                # The real micro-batches are the last len(results) calls: a pipeline schedule left to infer its
+                # stages' shapes calls the loss function on placeholder outputs first (torch 2.13; ours are declared).
                 real = records[len(records) - len(results) :]
                 step_losses.append([loss for loss, _ in real])
                 for _, micro_metrics in real:
