@@ -121,6 +121,12 @@ def test_launch_line(tmp_path):
     finished = submit(tmp_path, "actor.lr=1e-6", "trainer.save_every=50", RECIPE="ppo", OUTPUT_DIR="/shared/runs/ppo1")
     assert finished.returncode == 0, finished.stdout
     launch = json.loads((tmp_path / "srun.json").read_text())
+    # The default launcher's own torchrun: torch >= 2.12's takes the grace (the next test: an older one's line).
+    usage = subprocess.run(
+        ["python", "-m", "torch.distributed.run", "--help"], env=fake_slurm(tmp_path), capture_output=True, text=True
+    )
+    new_torchrun = usage.returncode or "--shutdown-timeout" in usage.stdout
+    grace, stop = (["--shutdown-timeout=115"], []) if new_torchrun else ([], ["trainer.stop_timeout_s=25"])
     assert launch["argv"] == [
         "--nodes=2",
         "--ntasks-per-node=1",
@@ -135,11 +141,12 @@ def test_launch_line(tmp_path):
         f"--rdzv-endpoint=gpu-a17:{29500 + JOB_ID % 1000}",
         f"--rdzv-id={JOB_ID}",
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-        "--shutdown-timeout=115",
+        *grace,
         f"{REPO}/recipes/ppo.py",
         "--config",
         f"{REPO}/recipes/configs/ppo.yaml",
         "trainer.output_dir=/shared/runs/ppo1",
+        *stop,
         "actor.lr=1e-6",
         "trainer.save_every=50",
     ]
@@ -164,6 +171,21 @@ def test_defaults_and_overridable_lines(tmp_path):
     assert "--nproc-per-node=2" in argv and "--rdzv-endpoint=gpu-a17:6000" in argv
     assert argv[-4:] == [f"{REPO}/recipes/safe_rlhf.py", "--config", "my.yaml", "trainer.output_dir=outputs/safe_rlhf"]
     assert launch["env"]["OMP_NUM_THREADS"] == "16"  # 32 CPUs / 2 ranks
+
+
+def test_a_torchrun_without_shutdown_timeout_gets_a_stop_within_its_fixed_grace(tmp_path):
+    """torch < 2.12's torchrun (the GPU machines' 2.11) takes no --shutdown-timeout and gives its ranks 30 s after a
+    signal: the line leaves the option out and asks the run to stop within 25 s, which an argument of the user's
+    still overrides."""
+    old_torchrun = tmp_path / "torchrun"
+    old_torchrun.write_text("#!/usr/bin/env bash\necho 'usage: torchrun [--signals-to-handle SIGNALS_TO_HANDLE]'\n")
+    old_torchrun.chmod(0o755)
+    finished = submit(tmp_path, "trainer.stop_timeout_s=20", TORCHRUN=str(old_torchrun))
+    assert finished.returncode == 0, finished.stdout
+    assert "no --shutdown-timeout (torch < 2.12)" in finished.stdout
+    argv = json.loads((tmp_path / "srun.json").read_text())["argv"]
+    assert not any(argument.startswith("--shutdown-timeout") for argument in argv)
+    assert argv[-2:] == ["trainer.stop_timeout_s=25", "trainer.stop_timeout_s=20"]  # the later one wins
 
 
 def test_unknown_recipe_is_refused_before_srun(tmp_path):

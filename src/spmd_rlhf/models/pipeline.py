@@ -123,8 +123,7 @@ class Pipeline:
         that micro-batch. Returns the ``output_fn`` results in micro-batch order on the last stage, an empty list
         elsewhere."""
         num_micro_batches = input_ids.shape[0]
-        # A fresh stage per call: PipelineStage infers activation shapes on first use, and they change with the
-        # micro-batch sizes from one call to the next.
+        # A fresh stage per call: the shapes it is declared change with the micro-batch sizes from call to call.
         from torch.distributed import pipelining
 
         inputs, outputs = self.stage_shapes(input_ids.shape[1], train=train)
@@ -226,6 +225,6 @@ def _micro_batch_inputs(
         if kwargs.get(key) is not None and kwargs[key].dim() == 2:
             kwargs[key] = kwargs[key][0]
     index = kwargs.pop(MICRO_BATCH, None)
-    if index is not None and index.device.type == "cpu":  # (a schedule inferring shapes on meta tensors: none)
+    if index is not None:
         kwargs.update(per_micro_batch[int(index)])
     return args, kwargs
