@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """``all_gather_flat(output, input, group=...)``: every rank's ``input`` laid end to end in ``output``."""
@@ -36,9 +37,9 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        total = tensor.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        return total
+        # The functional all-reduce (out of place): torch 2.11's TorchDynamo, tracing the in-place one on a clone here,
+        # gave the output no gradient (a compiled block's row-parallel layers, and all before them, got zeros).
+        return functional.wait_tensor(functional.all_reduce(tensor.contiguous(), "sum", group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -171,6 +171,33 @@ def test_compiled_blocks_under_fsdp_equal_eager(tmp_path, fresh_dynamo):
             dist.destroy_process_group()
 
 
+def test_the_tensor_parallel_sum_keeps_its_gradient_when_compiled(fresh_dynamo):
+    """Megatron's ``g`` (``collectives.sum_over``, after every row-parallel layer of a TP block) compiled gives the
+    eager gradient. Its in-place all-reduce on a clone left the output without one under torch 2.11's TorchDynamo:
+    a compiled TP block's layers all got zero gradients (the GPU machines' torch; this CPU's 2.13 was right)."""
+    from spmd_rlhf.collectives import sum_over
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        gradients = []
+        for compiled in (False, True):
+            weight = torch.ones(8, 8, requires_grad=True)
+
+            def loss(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                return sum_over(torch.nn.functional.linear(x, weight), dist.group.WORLD).pow(2).sum()
+
+            run = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+            run(torch.arange(32.0).view(4, 8) / 32, weight).backward()
+            gradients.append(weight.grad)
+        assert gradients[0].abs().sum() > 0
+        torch.testing.assert_close(gradients[1], gradients[0])
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_inductor_blocks_equal_eager_in_bf16(tmp_path, fresh_dynamo):
