@@ -46,7 +46,7 @@ from spmd_rlhf.engine import LLMEngine, SamplingParams, llm_engine
 from spmd_rlhf.engine.decode_graphs import StaticDecodeStep
 from spmd_rlhf.engine.readback import PendingSamples
 from spmd_rlhf.kernels.paged_attention import DEFAULT_PAGED_CONFIG, decode_splits
-from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, _innermost_package_line
+from spmd_rlhf.metrics.dispatch_counts import DispatchCounts, innermost_package_line
 from spmd_rlhf.models import DecoderLM, attention
 from spmd_rlhf.models.args import decoder_args
 from spmd_rlhf.models.merged_linear import merge_projections
@@ -156,7 +156,7 @@ class SyncCounts(DispatchCounts):
         counts = self
 
         def tolist(tensor):
-            counts.scalar_read_sites[f"tolist at {_innermost_package_line()}"] += 1
+            counts.scalar_read_sites[f"tolist at {innermost_package_line()}"] += 1
             return counts._tolist(tensor)
 
         def read(pending):

@@ -94,7 +94,8 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     """Steps (counted from 0) run under torch.profiler in the controller's process, each writing
     <output_dir>/profile/step_<n>.txt: the ops' self host times and, on a GPU, self device times (every kernel the
-    process launched; with one rank that is every role's work). Empty: none."""
+    process launched; with one rank that is every role's work) and where the host waited for the device, by line.
+    Empty: none."""
     profile_trace: bool = False
     """Also write each profiled step's timeline, <output_dir>/profile/step_<n>.json.gz (Chrome's trace format, which
     Perfetto opens; tens of MB for a GPU step)."""

@@ -56,7 +56,7 @@ class DispatchCounts(TorchDispatchMode):
         if not func.is_view:
             self.non_view_calls += 1
         if func is _SCALAR_READ:
-            self.scalar_read_sites[_innermost_package_line()] += 1
+            self.scalar_read_sites[innermost_package_line()] += 1
         elif _is_copy(name) and _called_from_fsdp():
             self.fsdp_copies[name] += 1
         return func(*args, **(kwargs or {}))
@@ -73,9 +73,11 @@ def _called_from_fsdp() -> bool:
     return any(_FSDP_SOURCE in frame.f_code.co_filename for frame in _frames())
 
 
-def _innermost_package_line() -> str:
+def innermost_package_line(*, counter: str = __file__) -> str:
+    """``path:line`` of the innermost frame of this package's code that called into the ``counter`` module (whose
+    own frames are left out), or ``"outside spmd_rlhf"``."""
     for frame in _frames():
         path = frame.f_code.co_filename
-        if f"spmd_rlhf{os.sep}" in path and path != __file__:
+        if f"spmd_rlhf{os.sep}" in path and path != counter:
             return f"{path[path.rindex(f'spmd_rlhf{os.sep}') :]}:{frame.f_lineno}"
     return "outside spmd_rlhf"

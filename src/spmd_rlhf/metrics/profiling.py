@@ -1,5 +1,6 @@
 """Where a step's time goes: ``profiled`` runs a block under ``torch.profiler`` and writes its ops' self times as a
-table (``trainer.profile_steps`` in a recipe; ``--profile`` in the GPU benchmarks)."""
+table (``trainer.profile_steps`` in a recipe; ``--profile`` in the GPU benchmarks), and on a GPU the device syncs by the
+line that made them (``DeviceSyncs``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from spmd_rlhf.metrics.device_syncs import DeviceSyncs
 
 
 @contextmanager
@@ -31,7 +34,7 @@ def profiled(
         every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     except TypeError:  # a torch without the option: the calling thread's host ops, every kernel
         every_thread = None
-    with profile(activities=activities, experimental_config=every_thread) as profiler:
+    with DeviceSyncs() as syncs, profile(activities=activities, experimental_config=every_thread) as profiler:
         yield
     averages = profiler.key_averages()
     tables = [
@@ -41,6 +44,7 @@ def profiled(
     ]
     if torch.cuda.is_available():
         tables.append(f"== by self device time\n{averages.table(sort_by='self_cuda_time_total', row_limit=rows)}")
+        tables.append(f"== where the host waited for the device, by line\n{syncs.table(rows)}")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     Path(path).write_text("\n".join(tables))
     print(f"wrote profile {path}", flush=True)
