@@ -87,6 +87,7 @@ FAST_CUDA_TESTS = (
     "tests/engine/test_overlap.py::test_overlapped_cuda_graph_loop_equals_the_synchronous_loop",
     "tests/engine/test_compiled_decode.py::test_cuda_compiled_layers_decode_like_eager_layers",
     "tests/kernels/test_skinny_linear.py::test_cuda_bf16_kernels_match_float64_and_replay_in_a_cuda_graph",
+    "tests/metrics/test_device_syncs.py::test_cuda_reads_of_device_tensors_are_counted_and_launches_are_not",
 )
 """``cuda_tests``: one test from each file that holds CUDA tests (the whole ``-m gpu`` run took 50 s on an H100)."""
 

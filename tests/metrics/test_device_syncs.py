@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import warnings
 
+import pytest
 import torch
 
 from spmd_rlhf.metrics.device_syncs import SYNC_WARNING, DeviceSyncs
@@ -57,3 +58,18 @@ def test_armed_it_turns_the_sync_debug_mode_to_warn_and_back(monkeypatch):
     with DeviceSyncs(armed=True):
         assert modes[-1] == "warn"
     assert modes == [2, "warn", 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_reads_of_device_tensors_are_counted_and_launches_are_not():
+    """The warning PyTorch gives today starts as ``SYNC_WARNING`` says: ``.item()``, ``.tolist()`` and a pageable
+    ``.cpu()`` each count once; kernels and a copy to the device from pinned memory do not wait."""
+    values = torch.arange(8.0).pin_memory()
+    with DeviceSyncs() as syncs:
+        on_device = values.to("cuda", non_blocking=True) * 2
+        on_device.sum().item()
+        on_device.tolist()
+        on_device.cpu()
+    assert syncs.total == 3, syncs.sites
+    assert torch.cuda.get_sync_debug_mode() == 0
