@@ -85,7 +85,8 @@ def test_zigzag_chunks_balance_causal_work_and_gather_back_into_row_order():
     # A packed row of 16 tokens (sequences of 7 and 9), the head reading 9 positions scattered over it.
     reads = torch.tensor([1, 2, 3, 5, 8, 9, 12, 14, 15])
     row = ContextRow(torch.arange(16), torch.arange(16), torch.tensor([0, 7, 16]), 9, reads, 0, zigzag=True)
-    held = [row.positions(rank, 4)[row.chunk(rank, 4)[2]] for rank in range(4)]
+    # Relative to each rank's chunk, the positions it holds of those the head reads.
+    held = [row.positions(rank, 4)[row.gather_inputs(rank, 4, labels=False)[0]["held"]] for rank in range(4)]
     assert torch.equal(row.chunk(1, 4)[0], torch.tensor([2, 3, 12, 13]))  # chunks 1 and 6 of 8
     assert [len(positions) for positions in held] == [3, 3, 1, 2]
     inputs, most = row.gather_inputs(1, 4, labels=True)

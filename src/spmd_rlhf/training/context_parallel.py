@@ -101,12 +101,10 @@ class ContextRow:
             return zigzag_positions(rank, cp, tokens)
         return torch.arange(rank * tokens // cp, (rank + 1) * tokens // cp)
 
-    def chunk(self, rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rank ``rank``'s token ids and positions ``[T / cp]`` and, relative to its chunk, the positions it holds of
-        those the head reads (in its chunk's order)."""
+    def chunk(self, rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s token ids and positions ``[T / cp]``."""
         positions = self.positions(rank, cp)
-        held = torch.isin(positions, self.reads).nonzero().flatten()
-        return self.input_ids[positions], self.position_ids[positions], held
+        return self.input_ids[positions], self.position_ids[positions]
 
     def padded_to(self, length: int, offsets: int) -> ContextRow:
         """This row with ``offsets - len(cu_seqlens)`` (at least one) padding sequences appended, one token each but
@@ -209,7 +207,7 @@ def context_parallel_step(
     tokens that are not padding, on ``device``); a tensor it returns joins what the rank back-propagates (a
     mixture-of-experts model's router losses: each rank's tokens' share)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    input_ids, position_ids, _ = row.chunk(rank, cp)
+    input_ids, position_ids = row.chunk(rank, cp)
     reads, most = row.gather_inputs(rank, cp, labels=statistics is not None)
     inputs = {"input_ids": input_ids[None], "position_ids": position_ids[None], "cu_seqlens": row.cu_seqlens} | reads
     if every_rank is not None:
