@@ -37,23 +37,17 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import sys
 import tempfile
-import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
+from benchmark_jobs import RECIPE, RECIPE_CONFIG, launched, launcher, run_job_measured, step_summary
 from gpu_common import SHAPES
-from process_memory import run_with_peak_rss
+from trl_grpo import TRL_SCRIPT
 
 from spmd_rlhf.config import load_config
-from spmd_rlhf.runtime.host_memory import TUNABLE
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "grpo.py"
-RECIPE_CONFIG = ROOT / "recipes" / "configs" / "grpo.yaml"
 TRAIN_FILE = "tiny/task/train.parquet"
 
 CONFIGS = {
@@ -86,89 +80,6 @@ MODEL_FIELDS = (
 """The keys of a ``CONFIGS`` entry that are ``make_tiny``'s (those left out keep its defaults)."""
 
 
-def _summary(
-    *,
-    launch: str,
-    wall_s: float,
-    samples: int,
-    step_s: list[float],
-    generated: list[float],
-    reward: list[float],
-    stages: dict[str, list[float]],
-    peak_rss: list[int] | None = None,
-) -> dict:
-    """Per-step medians (robust to a busy neighbour on a shared machine) and the rates they give; with ``peak_rss``
-    (bytes, one per process) the largest and all of them in GiB."""
-    step = statistics.median(step_s)
-    memory = (
-        {}
-        if peak_rss is None
-        else {
-            "peak_rss_gib_per_process": [peak / 2**30 for peak in peak_rss],
-            "peak_rss_gib": max(peak_rss) / 2**30,
-        }
-    )
-    return {
-        "launch": launch,
-        "measured_steps": len(step_s),
-        "wall_s_with_startup": wall_s,
-        "step_s": step,
-        "step_s_mean": statistics.fmean(step_s),
-        "steps_per_s": 1 / step,
-        "samples_per_s": samples / step,
-        "generated_tokens_per_step": statistics.fmean(generated),
-        "generated_tokens_per_s": statistics.fmean(generated) / step,
-        "reward_mean": statistics.fmean(reward),
-        "stage_s": {name: statistics.median(seconds) for name, seconds in stages.items()},
-        **memory,
-    }
-
-
-def _run(command: list[str], *, cwd: str, threads: int, log: Path, env: dict[str, str] | None = None) -> float:
-    """Run ``command`` with ``threads`` OpenMP threads per process (and ``env`` over this one's environment), output
-    to ``log``; wall seconds. Fails loudly."""
-    return _run_measured(command, cwd=cwd, threads=threads, log=log, env=env)[0]
-
-
-def _run_measured(
-    command: list[str],
-    *,
-    cwd: str,
-    threads: int,
-    log: Path,
-    huge_pages: bool = False,
-    env: dict[str, str] | None = None,
-) -> tuple[float, list[int]]:
-    """``_run``, also giving the peak resident set size in bytes of every process the command started
-    (``process_memory.run_with_peak_rss``); wall seconds and those peaks. ``huge_pages``: start the processes with
-    glibc's huge-page tunable, as spmd_rlhf's CPU ranks give themselves (``runtime.host_memory``)."""
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    if huge_pages:
-        environment["GLIBC_TUNABLES"] = f"{TUNABLE}=1"
-    started = time.perf_counter()
-    with open(log, "w") as out:
-        returncode, peaks = run_with_peak_rss(command, cwd=cwd, env=environment, stdout=out)
-    seconds = time.perf_counter() - started
-    if returncode:
-        tail = log.read_text().splitlines()[-80:]
-        raise RuntimeError(f"{' '.join(command)} exited with {returncode}; last lines of {log}:\n" + "\n".join(tail))
-    return seconds, peaks
-
-
-def _launcher(nproc: int) -> list[str]:
-    """How a job of ``nproc`` processes starts: one runs as a plain ``python`` process (the recipes and TRL set up a
-    one-process group themselves), without torchrun's agent, its own interpreter's seconds of imports and its polling;
-    more under torchrun on this node."""
-    if nproc == 1:
-        return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-
-
-def _launched(nproc: int) -> str:
-    """``_launcher``'s launch in words, for the result's ``launch``."""
-    return "1 process" if nproc == 1 else f"torchrun, {nproc} processes"
-
-
 def stop_ids(model_dir: Path, fraction: float) -> tuple[int, list[int]]:
     """The tokenizer's EOS id, and a fixed random ``fraction`` of its ordinary tokens as extra stop ids (none at 0)."""
     from transformers import AutoTokenizer
@@ -184,7 +95,7 @@ def stop_ids(model_dir: Path, fraction: float) -> tuple[int, list[int]]:
 
 
 def spmd_command(spec: dict, *, out_dir: Path, nproc: int) -> list[str]:
-    """The command line (``_launcher``) of the GRPO recipe run that ``spec`` describes, writing to ``out_dir``."""
+    """The command line (``launcher``) of the GRPO recipe run that ``spec`` describes, writing to ``out_dir``."""
     samples = spec["prompts"] * spec["n"]
     overrides = [
         f"trainer.total_steps={spec['steps']}",
@@ -201,7 +112,7 @@ def spmd_command(spec: dict, *, out_dir: Path, nproc: int) -> list[str]:
         f"actor.lr={spec['lr']}",
         f"rollout.stop_token_ids=[{','.join(map(str, spec['stop_ids']))}]",
     ]
-    return _launcher(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
+    return launcher(nproc) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
 
 
 def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: int, huge_pages: bool = True) -> dict:
@@ -209,12 +120,12 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
     medians over the steps after ``warmup``."""
     samples = spec["prompts"] * spec["n"]
     command = spmd_command(spec, out_dir=out_dir, nproc=nproc) + [f"trainer.host_huge_pages={str(huge_pages).lower()}"]
-    wall, peak_rss = _run_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
+    wall, peak_rss = run_job_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{out_dir.name}.log")
     with open(out_dir / "metrics.jsonl") as lines:
         steps = [json.loads(line) for line in lines][warmup:]
     scoring = ("reward", "old_log_probs", "ref_log_probs", "advantages")
-    return _summary(
-        launch=f"{_launched(nproc)} x 1 thread" + ("" if huge_pages else ", 4 KiB pages"),
+    return step_summary(
+        launch=f"{launched(nproc)} x 1 thread" + ("" if huge_pages else ", 4 KiB pages"),
         wall_s=wall,
         samples=samples,
         step_s=[row["time/step"] for row in steps],
@@ -233,128 +144,6 @@ def run_spmd(spec: dict, *, workdir: Path, out_dir: Path, nproc: int, warmup: in
 # ---- TRL ---------------------------------------------------------------------------------------------------------
 
 
-class StepClock:
-    """Wall seconds of every optimizer step (generation, scoring and update included) and the trainer's log rows:
-    ``transformers.TrainerCallback``'s hooks, mixed into it where TRL runs (``trl_worker``), so the processes that only
-    launch the runs never import the trainer (seconds of imports each)."""
-
-    def __init__(self) -> None:
-        self.step_seconds: list[float] = []
-        self.logs: list[dict] = []
-        self._started = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs) -> None:
-        self._started = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        self.step_seconds.append(time.perf_counter() - self._started)
-
-    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
-        if logs and "completions/mean_length" in logs:
-            self.logs.append(dict(logs))
-
-
-def _time_method(owner: object, name: str, seconds: list[float]) -> None:
-    """Wrap ``owner.name`` so that each call's wall time is appended to ``seconds``."""
-    method = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        result = method(*args, **kwargs)
-        seconds.append(time.perf_counter() - started)
-        return result
-
-    setattr(owner, name, timed)
-
-
-def trl_worker(spec_path: str) -> None:
-    """One TRL GRPO run as described by the JSON file at ``spec_path``; writes its raw timings to ``spec['result']``.
-
-    Also the TRL half of ``benchmarks/gpu_grpo.py``, whose spec adds ``device`` (cuda), ``dtype`` (bfloat16: autocast)
-    and ``trl_weights`` (the dtype TRL loads the weights in); without them: CPU, float32 throughout."""
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from spmd_rlhf.rewards import RuleReward
-
-    spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(spec["threads"])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    samples = spec["prompts"] * spec["n"]
-    rule = RuleReward(spec["rule"])
-
-    def rule_reward(completions, data_source, reward_model, extra_info, **kwargs) -> list[float]:
-        return [
-            rule.score(source, completion[0]["content"], model["ground_truth"], extra)[0]
-            for completion, source, model, extra in zip(completions, data_source, reward_model, extra_info)
-        ]
-
-    config = GRPOConfig(
-        output_dir=spec["output_dir"],
-        use_cpu=spec.get("device", "cpu") == "cpu",
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=spec["seed"],
-        max_steps=spec["steps"],
-        per_device_train_batch_size=spec["micro_batch_size"],
-        gradient_accumulation_steps=samples // (spec["micro_batch_size"] * world),
-        num_generations=spec["n"],
-        max_completion_length=spec["max_new_tokens"],
-        temperature=spec["temperature"],
-        top_k=spec["top_k"],
-        top_p=spec["top_p"],
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=spec["weight_decay"],
-        adam_beta1=spec["betas"][0],
-        adam_beta2=spec["betas"][1],
-        max_grad_norm=spec["grad_clip"],
-        beta=spec["kl_coef"],
-        epsilon=spec["clip_low"],
-        epsilon_high=spec["clip_high"],
-        num_iterations=1,
-        loss_type="dapo",
-        scale_rewards="group",
-        bf16=spec.get("dtype") == "bfloat16",
-        fp16=False,
-        gradient_checkpointing=False,
-        use_vllm=False,
-        # transformers' generate stops a row at any of these (its EOS and the config's stop ids, if any).
-        generation_kwargs={"eos_token_id": [spec["eos_token_id"], *spec["stop_ids"]]} if spec.get("stop_ids") else None,
-        model_init_kwargs={"dtype": spec.get("trl_weights", "float32"), "attn_implementation": "sdpa"},
-    )
-    dataset = Dataset.from_parquet(spec["train_file"])
-
-    class TrainerStepClock(StepClock, TrainerCallback):
-        """``StepClock`` as the trainer calls it back."""
-
-    clock = TrainerStepClock()
-    trainer = GRPOTrainer(
-        model=spec["model_dir"], reward_funcs=rule_reward, args=config, train_dataset=dataset, callbacks=[clock]
-    )
-    generate_s: list[float] = []
-    generate_and_score_s: list[float] = []
-    _time_method(trainer, "_generate", generate_s)
-    _time_method(trainer, "_generate_and_score_completions", generate_and_score_s)
-    trainer.train()
-    if trainer.accelerator.is_main_process:
-        Path(spec["result"]).write_text(
-            json.dumps(
-                {
-                    "world": world,
-                    "step_s": clock.step_seconds,
-                    "generate_s": generate_s,
-                    "generate_and_score_s": generate_and_score_s,
-                    "logs": clock.logs,
-                }
-            )
-        )
-
-
 def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int, huge_pages: bool = False) -> dict:
     """TRL's GRPO in a subprocess (one process, or ``nproc`` under torchrun), with glibc's huge pages if asked;
     per-step medians after ``warmup``."""
@@ -367,8 +156,8 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int,
     }
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
-    wall, peak_rss = _run_measured(
-        _launcher(nproc) + [str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
+    wall, peak_rss = run_job_measured(
+        launcher(nproc) + [str(TRL_SCRIPT), str(spec_path)],
         cwd=str(workdir),
         threads=threads,
         log=workdir / "trl.log",
@@ -385,9 +174,9 @@ def run_trl(spec: dict, *, workdir: Path, nproc: int, threads: int, warmup: int,
         )
     samples = spec["prompts"] * spec["n"]
     per_process = f"{threads} thread" + ("s" if threads > 1 else "")
-    launch = f"{_launched(nproc)} x {per_process}"
+    launch = f"{launched(nproc)} x {per_process}"
     launch += ", huge pages" if huge_pages else ""
-    return _summary(
+    return step_summary(
         launch=launch,
         wall_s=wall,
         samples=samples,
@@ -552,11 +341,7 @@ def main() -> None:
         help="also run TRL in one process with glibc's huge-page tunable, as our CPU ranks give themselves",
     )
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.trl_worker:
-        trl_worker(args.trl_worker)
-        return
     if args.summary:
         print(summary_table(args.out))
         return

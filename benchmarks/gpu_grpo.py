@@ -26,8 +26,8 @@ clip ratios, sampling temperature / top-k / top-p, AdamW betas and weight decay,
 
 The runs take turns on the device, ours first. The first ``--warmup`` steps of each are left out; per-step medians.
 tokens/s = (prompt + generated tokens of a step, as each framework counts them) / step seconds. Goal (G4): ours >= 5x
-TRL's tokens/s. Reuses ``benchmarks/e2e_cpu.py``'s process runner, TRL worker and summary. Writes
-``benchmarks/results/gpu_grpo_<shape>_<device>.json`` and prints a table.
+TRL's tokens/s. Both run as ``benchmark_jobs.py`` runs jobs, TRL's half as ``trl_grpo.py`` (as in ``e2e_cpu.py``).
+Writes ``benchmarks/results/gpu_grpo_<shape>_<device>.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from e2e_cpu import RECIPE, RECIPE_CONFIG, _launched, _launcher, _run, _summary
+from benchmark_jobs import RECIPE, RECIPE_CONFIG, launched, launcher, run_job, step_summary
 from gpu_common import (
     add_model_arguments,
     default_device,
@@ -55,11 +55,10 @@ from gpu_common import (
     shaped_model,
     write_result,
 )
+from trl_grpo import TRL_SCRIPT
 
 from spmd_rlhf.config import load_config
 
-E2E_SCRIPT = Path(__file__).resolve().parent / "e2e_cpu.py"
-"""Runs the TRL half (``--trl-worker``), shared with the CPU comparison."""
 SPEEDUP_GOAL = 5.0
 LEARNING_RATE = 1e-6
 
@@ -139,19 +138,19 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int, profile_to: Path) -> dic
         "trainer.resume=null",
         f"trainer.profile_steps=[{profiled_step}]",
     ]
-    command = _launcher(spec["nproc"]) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
+    command = launcher(spec["nproc"]) + [str(RECIPE), "--config", str(RECIPE_CONFIG), *overrides]
     log = workdir / "spmd.log"
     # TorchDynamo logs each recompile with the guard that failed: session 48's H200 run spent compile-like seconds in
     # every step's reference and update stages, and its log was lost with the machine.
-    wall = _run(command, cwd=str(workdir), threads=spec["threads"], log=log, env={"TORCH_LOGS": "recompiles"})
+    wall = run_job(command, cwd=str(workdir), threads=spec["threads"], log=log, env={"TORCH_LOGS": "recompiles"})
     profile_to.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out_dir / "profile" / f"step_{profiled_step}.txt", profile_to)
     with open(out_dir / "metrics.jsonl") as lines:
         every_step = [json.loads(line) for line in lines]
     steps = every_step[warmup:]
     tokens = [row["rollout/prompt_tokens"] + row["rollout/generated_tokens"] for row in steps]
-    summary = _summary(
-        launch=_launched(spec["nproc"]),
+    summary = step_summary(
+        launch=launched(spec["nproc"]),
         wall_s=wall,
         samples=samples,
         step_s=[row["time/step"] for row in steps],
@@ -185,7 +184,7 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int, profile_to: Path) -> dic
 
 
 def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
-    """TRL's GRPO through ``e2e_cpu.trl_worker`` (one process, or ``nproc`` under torchrun), with this benchmark's
+    """TRL's GRPO through ``trl_grpo.trl_worker`` (one process, or ``nproc`` under torchrun), with this benchmark's
     sizes under the names that worker reads."""
     spec = {
         **spec,
@@ -197,8 +196,8 @@ def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
     }
     spec_path = workdir / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
-    wall = _run(
-        _launcher(spec["nproc"]) + [str(E2E_SCRIPT), "--trl-worker", str(spec_path)],
+    wall = run_job(
+        launcher(spec["nproc"]) + [str(TRL_SCRIPT), str(spec_path)],
         cwd=str(workdir),
         threads=spec["threads"],
         log=workdir / "trl.log",
@@ -215,8 +214,8 @@ def run_trl(spec: dict, *, workdir: Path, warmup: int) -> dict:
     tokens = [after - before for before, after in zip(seen, seen[1:])][warmup:]
     logs = raw["logs"][warmup:]
     samples = spec["prompts"] * spec["n"]
-    summary = _summary(
-        launch=_launched(spec["nproc"]),
+    summary = step_summary(
+        launch=launched(spec["nproc"]),
         wall_s=wall,
         samples=samples,
         step_s=raw["step_s"][warmup:],

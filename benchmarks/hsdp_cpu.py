@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e_cpu import CONFIGS, _run_measured, benchmark_spec, build_model, spmd_command  # noqa: E402
+from benchmark_jobs import run_job_measured  # noqa: E402
+from e2e_cpu import CONFIGS, benchmark_spec, build_model, spmd_command  # noqa: E402
 
 STAGES = ("step", "ref_log_probs", "update_actor")
 
@@ -31,7 +32,7 @@ def run(spec: dict, overrides: list[str], *, workdir: Path, name: str, nproc: in
     """The recipe with ``overrides``; the medians of ``STAGES`` (seconds) and the largest process's peak RSS (GiB)."""
     out_dir = workdir / name
     command = spmd_command(spec, out_dir=out_dir, nproc=nproc) + overrides
-    _, peak_rss = _run_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{name}.log")
+    _, peak_rss = run_job_measured(command, cwd=str(workdir), threads=1, log=workdir / f"{name}.log")
     with open(out_dir / "metrics.jsonl") as lines:
         steps = [json.loads(line) for line in lines][warmup:]
     medians = {stage: statistics.median(row[f"time/{stage}"] for row in steps) for stage in STAGES}
