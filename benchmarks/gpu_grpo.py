@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import tempfile
@@ -111,6 +112,13 @@ def recompile_reasons(log: str) -> list[str]:
     return list(reasons)[:RECOMPILE_REASONS]
 
 
+def device_syncs(profile: Path) -> int | None:
+    """The device syncs ``metrics.profiling.profiled`` counted in the table at ``profile`` (None: not counted, as on
+    CPU)."""
+    found = re.search(r"^(\d+) device syncs$", profile.read_text(), flags=re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
 def run_spmd(spec: dict, *, workdir: Path, warmup: int, profile_to: Path) -> dict:
     """Our recipe on the spec's model and prompts; its last warm-up step runs under the profiler (its table copied to
     ``profile_to``): where a step's time goes, without touching the steps measured."""
@@ -176,7 +184,8 @@ def run_spmd(spec: dict, *, workdir: Path, warmup: int, profile_to: Path) -> dic
         "compiled_graphs_per_step": [row.get("compile/graphs") for row in every_step],
         "compile_s_per_step": [row.get("compile/seconds") for row in every_step],
         "recompile_reasons": recompile_reasons(log.read_text()),
-        "profile": {"step": profiled_step, "table": str(profile_to)},
+        # The profiled step's waits of the host for the device (metrics.DeviceSyncs; GPU only), by line in the table.
+        "profile": {"step": profiled_step, "table": str(profile_to), "device_syncs": device_syncs(profile_to)},
     }
 
 

@@ -267,7 +267,7 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
             # Two warm-up steps: the second runs under the profiler (gpu_grpo), clear of the first one's compiles.
             270,
             "*.json",
-            {"G4_tokens_per_s_ratio": "tokens_per_s_ratio"},
+            {"G4_tokens_per_s_ratio": "tokens_per_s_ratio", "G4_profiled_step_syncs": "spmd_rlhf.profile.device_syncs"},
         ),
         Step(
             "g2",

@@ -226,6 +226,19 @@ def test_grpo_against_trl(suite):
     ours = result["spmd_rlhf"]
     assert len(ours["compiled_graphs_per_step"]) == len(ours["compile_s_per_step"]) == config["steps"]
     assert all(graphs >= 0 for graphs in ours["compiled_graphs_per_step"]) and ours["recompile_reasons"] == []
+    assert ours["profile"]["device_syncs"] is None  # CPU: nothing waits, and the table has no such section
+
+
+def test_grpo_reads_the_profiled_steps_device_syncs(tmp_path):
+    from gpu_grpo import device_syncs
+
+    from spmd_rlhf.metrics.device_syncs import DeviceSyncs
+
+    with DeviceSyncs(armed=False) as syncs:
+        syncs.sites.update({"training/packing.py:150": 8, "engine/llm_engine.py:324": 512})
+    table = tmp_path / "step_1.txt"
+    table.write_text(f"== by self device time\n...\n== where the host waited for the device, by line\n{syncs.table()}")
+    assert device_syncs(table) == 520
 
 
 def test_grpo_keeps_the_recompile_reasons_of_its_log():
