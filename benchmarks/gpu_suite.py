@@ -246,6 +246,9 @@ def steps(python: str, smoke: bool, work: Path, out: Path) -> list[Step]:
                 *smoke_flag,
                 *([] if smoke else ["--repeats", "2"]),
                 *step_out("g3"),
+                # One more update under the profiler: where its time goes and each line where the host waited.
+                "--profile",
+                str(out / "g3_update_profile.txt"),
             ],
             240,
             "*.json",
