@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import statistics
 import tempfile
@@ -59,6 +58,7 @@ from gpu_common import (
 from trl_grpo import TRL_SCRIPT
 
 from spmd_rlhf.config import load_config
+from spmd_rlhf.metrics.device_syncs import total_in_table
 
 SPEEDUP_GOAL = 5.0
 LEARNING_RATE = 1e-6
@@ -115,8 +115,7 @@ def recompile_reasons(log: str) -> list[str]:
 def device_syncs(profile: Path) -> int | None:
     """The device syncs ``metrics.profiling.profiled`` counted in the table at ``profile`` (None: not counted, as on
     CPU)."""
-    found = re.search(r"^(\d+) device syncs$", profile.read_text(), flags=re.MULTILINE)
-    return int(found.group(1)) if found else None
+    return total_in_table(profile.read_text())
 
 
 def run_spmd(spec: dict, *, workdir: Path, warmup: int, profile_to: Path) -> dict:

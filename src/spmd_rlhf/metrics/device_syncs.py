@@ -18,6 +18,7 @@ mode is process-wide while the block runs, and the warnings' filters and ``warni
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import Counter
 
@@ -27,6 +28,8 @@ from spmd_rlhf.metrics.dispatch_counts import innermost_package_line
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 """The start of the warning PyTorch's sync debug mode gives (``c10/cuda/CUDAFunctions.cpp``, torch 2.11 to 2.13)."""
+TOTAL_LINE = "{} device syncs"
+"""The first line of ``DeviceSyncs.table``: the total (``total_in_table`` reads it back)."""
 
 
 class DeviceSyncs:
@@ -68,6 +71,13 @@ class DeviceSyncs:
 
     def table(self, rows: int = 25) -> str:
         """The total, then the ``rows`` lines that waited most, one per line."""
-        lines = [f"{self.total} device syncs"]
+        lines = [TOTAL_LINE.format(self.total)]
         lines += [f"{count:8d}  {site}" for site, count in self.sites.most_common(rows)]
         return "\n".join(lines)
+
+
+def total_in_table(text: str) -> int | None:
+    """The total of a ``DeviceSyncs.table`` found in ``text`` (a profile's tables), or None where there is none (a
+    profile written off a GPU)."""
+    found = re.search("^" + TOTAL_LINE.format(r"(\d+)") + "$", text, flags=re.MULTILINE)
+    return int(found.group(1)) if found else None
